@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine. Idempotent: installs only what is missing.
+#   bash deploy/dev.sh main   # install, then run the main job on embedded defaults
+#   bash deploy/dev.sh test   # install, then run the whole test suite
+# Extra arguments after the sub-command go to the program (kvcluster / pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY=${PYTHON:-python3}
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+ensure_redis() {
+  command -v redis-server >/dev/null 2>&1 && return
+  echo "[dev] installing redis-server (apt)"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server >/dev/null
+  # The Debian package starts a system-wide server on 6379; kvcluster never uses it.
+}
+
+ensure_venv() {
+  "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ required"'
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local stamp="$VENV/.kvcluster-stamp" want
+  want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "[dev] installing Python packages into $VENV"
+    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+    "$VENV/bin/pip" install -q -e ".[dev]"
+    echo "$want" > "$stamp"
+  fi
+  "$VENV/bin/python" -m protos.build  # regenerate gRPC code if the .proto changed
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  main)
+    ensure_redis; ensure_venv
+    exec "$VENV/bin/kvcluster" demo "$@" ;;
+  test)
+    ensure_redis; ensure_venv
+    exec "$VENV/bin/python" -m pytest "$@" ;;
+  *)
+    echo "usage: bash deploy/dev.sh {main|test} [args...]" >&2; exit 2 ;;
+esac
