@@ -42,6 +42,8 @@ case "$cmd" in
   test)
     ensure_redis; ensure_venv
     exec "$VENV/bin/python" -m pytest "$@" ;;
+  install)
+    ensure_redis; ensure_venv ;;
   *)
-    echo "usage: bash deploy/dev.sh {main|test} [args...]" >&2; exit 2 ;;
+    echo "usage: bash deploy/dev.sh {main|test|install} [args...]" >&2; exit 2 ;;
 esac
