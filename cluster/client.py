@@ -1,0 +1,106 @@
+"""A small gRPC client for the kvcluster.v1 API (used by the CLI, benchmarks and tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+
+FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: None}
+
+
+@dataclass
+class Completion:
+    """The gathered result of one streamed Generate call."""
+
+    request_id: str = ""
+    worker_id: str = ""
+    texts: dict[int, str] = field(default_factory=dict)  # sample index -> text
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # sample index -> tokens
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    num_messages: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.texts.get(0, "")
+
+
+def build_request(prompt: str | list[int], *, request_id: str = "", cache_salt: str = "",
+                  tenant: str = "", priority: int = 0, **params: object) -> pb.GenerateRequest:
+    """``params`` are SamplingParams fields (max_tokens=..., temperature=..., stop=[...])."""
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, tenant=tenant,
+                             priority=priority, params=pb.SamplingParams(**params))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class KVClusterClient:
+    def __init__(self, target: str, *, token: str | None = None,
+                 root_cert: bytes | None = None, max_message_bytes: int = 4 << 20) -> None:
+        opts = [("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes)]
+        if root_cert is not None:
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_cert),
+                                               options=opts)
+        else:
+            self.channel = grpc.insecure_channel(target, options=opts)
+        self.stub = pb_grpc.KVClusterStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> KVClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None
+               ) -> Iterator[pb.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, prompt: str | list[int], *, timeout: float | None = 120.0,
+                 **kwargs: object) -> Completion:
+        out = Completion()
+        for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):
+            accumulate(out, msg)
+        return out
+
+    def unary(self, prompt: str | list[int], *, timeout: float | None = 120.0,
+              **kwargs: object) -> pb.GenerateResult:
+        return self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=timeout,
+                                       metadata=self.metadata)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata,
+                                       timeout=30).token_ids)
+
+    def status(self) -> pb.ClusterStatusResponse:
+        return self.stub.ClusterStatus(pb.ClusterStatusRequest(), metadata=self.metadata,
+                                       timeout=30)
+
+
+def accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
+    out.num_messages += 1
+    out.request_id = msg.request_id or out.request_id
+    out.worker_id = msg.worker_id or out.worker_id
+    out.texts[msg.index] = out.texts.get(msg.index, "") + msg.text
+    out.token_ids.setdefault(msg.index, []).extend(msg.token_ids)
+    if msg.finish_reason:
+        out.finish_reasons[msg.index] = FINISH_NAMES[msg.finish_reason]
+    if msg.HasField("usage"):
+        out.prompt_tokens = msg.usage.prompt_tokens
+        out.cached_tokens = msg.usage.cached_tokens
+        out.completion_tokens = msg.usage.completion_tokens
