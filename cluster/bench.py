@@ -1,0 +1,135 @@
+"""``kvcluster bench``: a gRPC load generator against a running cluster.
+
+Sends groups of prompts that share a long prefix (a system prompt per group plus a
+distinct question), ``concurrency`` at a time, and reports latency, TTFT, throughput and
+where the requests were routed, with cached prompt tokens. A table on stdout, a PNG under
+``benchmarks/results/`` and one JSON line of headline figures at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from cluster.client import Completion, KVClusterClient, accumulate, build_request
+
+
+@dataclass
+class Sample:
+    ok: bool
+    code: str
+    latency_s: float
+    ttft_s: float
+    worker: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def make_prompts(num_requests: int, num_groups: int, prefix_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "block", "route", "token",
+             "prefix", "worker", "stream", "batch", "queue", "model", "index", "epoch", "ray"]
+    prefixes = [" ".join(rng.choice(words) for _ in range(prefix_words)) for _ in range(num_groups)]
+    return [f"System: {prefixes[rng.randrange(num_groups)]}\nUser: question {i} "
+            f"{' '.join(rng.choice(words) for _ in range(8))}" for i in range(num_requests)]
+
+
+def one_request(client: KVClusterClient, prompt: str, max_tokens: int) -> Sample:
+    t0 = time.perf_counter()
+    ttft = float("nan")
+    out = Completion()
+    try:
+        for msg in client.stream(build_request(prompt, max_tokens=max_tokens, temperature=0.0),
+                                 timeout=300):
+            if msg.token_ids and ttft != ttft:
+                ttft = time.perf_counter() - t0
+            accumulate(out, msg)
+        code = "OK"
+    except grpc.RpcError as exc:
+        code = exc.code().name
+    return Sample(code == "OK", code, time.perf_counter() - t0, ttft, out.worker_id,
+                  out.prompt_tokens, out.cached_tokens, out.completion_tokens)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run_bench(target: str, *, num_requests: int = 64, concurrency: int = 8, num_groups: int = 4,
+              prefix_words: int = 200, max_tokens: int = 16, seed: int = 0,
+              plot: bool = True, out=sys.stdout) -> dict[str, float]:
+    prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
+    samples: list[Sample] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    with KVClusterClient(target) as client, ThreadPoolExecutor(concurrency) as pool:
+        def task(p: str) -> None:
+            s = one_request(client, p, max_tokens)
+            with lock:
+                samples.append(s)
+                done = len(samples)
+                bar = "#" * (30 * done // num_requests)
+                print(f"\r[{bar:<30}] {done}/{num_requests}", end="", file=sys.stderr, flush=True)
+        list(pool.map(task, prompts))
+    wall = time.perf_counter() - t0
+    print(file=sys.stderr)
+    ok = [s for s in samples if s.ok]
+    prompt_tok = sum(s.prompt_tokens for s in ok)
+    figures = {
+        "requests": float(num_requests),
+        "ok": float(len(ok)),
+        "throughput_req_s": len(ok) / wall,
+        "output_tok_s": sum(s.completion_tokens for s in ok) / wall,
+        "latency_p50_s": pct([s.latency_s for s in ok], 0.5),
+        "latency_p99_s": pct([s.latency_s for s in ok], 0.99),
+        "ttft_p50_s": pct([s.ttft_s for s in ok], 0.5),
+        "ttft_p99_s": pct([s.ttft_s for s in ok], 0.99),
+        "prefix_hit_rate": (sum(s.cached_tokens for s in ok) / prompt_tok) if prompt_tok else 0.0,
+    }
+    print(f"{'metric':<20}{'value':>14}", file=out)
+    for k, v in figures.items():
+        print(f"{k:<20}{v:>14.4f}", file=out)
+    per_worker = Counter(s.worker for s in ok)
+    print(f"\n{'worker':<28}{'requests':>10}", file=out)
+    for w, n in sorted(per_worker.items()):
+        print(f"{w:<28}{n:>10}", file=out)
+    errors = Counter(s.code for s in samples if not s.ok)
+    if errors:
+        print(f"errors: {dict(errors)}", file=out)
+    if plot and ok:
+        _plot(ok)
+    print(json.dumps({"bench": figures}), file=out)
+    return figures
+
+
+def _plot(samples: list[Sample]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].hist([s.ttft_s * 1e3 for s in samples], bins=30)
+    ax[0].set_xlabel("TTFT (ms)")
+    ax[0].set_ylabel("requests")
+    ax[1].scatter([s.cached_tokens for s in samples], [s.ttft_s * 1e3 for s in samples], s=8)
+    ax[1].set_xlabel("cached prompt tokens")
+    ax[1].set_ylabel("TTFT (ms)")
+    fig.tight_layout()
+    fig.savefig(path / "cluster_bench.png", dpi=110)
+    plt.close(fig)
