@@ -1,0 +1,24 @@
+"""Paged KV-cache manager (pure Python): block pool, block tables, prefix cache, CoW, events."""
+
+from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block
+from worker.kv.manager import KVCacheManager
+from worker.kv.types import BlockId, KVAllocation, KVCapacityError, KVStats, PrefixHit, SeqId
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockId",
+    "BlockKey",
+    "BlockRemoved",
+    "BlockStored",
+    "HashContext",
+    "KVAllocation",
+    "KVCacheManager",
+    "KVCapacityError",
+    "KVEvent",
+    "KVStats",
+    "PrefixHit",
+    "SeqId",
+    "block_keys",
+    "hash_block",
+]

@@ -95,3 +95,27 @@ def block_keys(
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         keys.append(parent)
     return keys
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    start: int,
+    end: int,
+    parent: BlockKey | None,
+    ctx: HashContext,
+) -> tuple[list[BlockKey], list[tuple[int, ...]]]:
+    """Keys and token tuples of full blocks ``start..end-1``, chained from ``parent``.
+
+    Incremental form used by the KV manager: O(block_size) per block, and the token tuples
+    it returns are the ones the cache stores for its collision check.
+    """
+    keys: list[BlockKey] = []
+    slices: list[tuple[int, ...]] = []
+    for i in range(start, end):
+        toks = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        assert len(toks) == block_size, f"block {i} is not full"
+        parent = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
+        keys.append(parent)
+        slices.append(toks)
+    return keys, slices

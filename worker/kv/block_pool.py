@@ -1,0 +1,213 @@
+"""The block pool: physical KV blocks, ref counts, the free queue and the prefix-cache map.
+
+Layering: pool -> manager -> scheduler. The pool knows blocks, never sequences; the manager
+(``manager.py``) owns block tables and calls the pool.
+
+Free queue order (front = handed out first):
+- uncached free blocks (never used, partial, or caching off) go to the FRONT: reusing them
+  evicts nothing;
+- cached blocks whose ref count drops to 0 go to the BACK: they stay in the prefix cache,
+  evictable, least-recently-used first;
+- eviction is lazy: a cached free block keeps its key until its id is handed out again; only
+  then is it removed from the map (and ``BlockRemoved`` emitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from worker.kv.events import EventLog
+from worker.kv.hashing import BlockKey
+
+
+class KVBlock:
+    """One physical block: its id, ref count, cache key and free-queue links."""
+
+    __slots__ = ("block_id", "ref_cnt", "key", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id  # index into the model runner's KV tensors; never changes
+        self.ref_cnt = 0  # number of block tables holding this block
+        self.key: BlockKey | None = None  # prefix-cache key while cached, else None
+        self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block (collision check)
+        self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        key = self.key.hex()[:8] if self.key is not None else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={key})"
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order, as a hand-made doubly linked list through the blocks.
+
+    Why not a deque or a list: a prefix hit on a cached block that is currently free (ref count
+    0, waiting to be evicted) must take that block out of the *middle* of the queue. With a
+    deque that is an O(n) scan per hit block — a 2k-token prompt hitting 128 blocks in a pool of
+    100k blocks would scan millions of entries. With the links stored on the blocks themselves,
+    removal from anywhere, push to either end and pop from the front are all O(1) and allocate
+    nothing. Two sentinel nodes remove every edge case from the link updates.
+    """
+
+    __slots__ = ("_head", "_tail", "_len")
+
+    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _link_after(self, node: KVBlock, block: KVBlock) -> None:
+        assert block.prev is None, f"{block} is already in the free queue"
+        after = node.next
+        assert after is not None
+        block.prev, block.next = node, after
+        node.next = block
+        after.prev = block
+        self._len += 1
+
+    def append(self, block: KVBlock) -> None:
+        """Push to the back (evicted last)."""
+        tail_prev = self._tail.prev
+        assert tail_prev is not None
+        self._link_after(tail_prev, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        """Push to the front (handed out first)."""
+        self._link_after(self._head, block)
+
+    def remove(self, block: KVBlock) -> None:
+        """Take ``block`` out from anywhere in the queue in O(1)."""
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next
+        assert block is not None and block is not self._tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    """``num_blocks`` blocks, their ref counts, the free queue and the key -> block map."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}  # key -> the one block serving it
+        self.events = EventLog()
+        self.num_evictable = 0  # cached blocks with ref count 0 (kept O(1) for stats)
+
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take_new(self, n: int) -> list[KVBlock]:
+        """Hand out ``n`` blocks from the front of the free queue (ref count 1 each).
+
+        A handed-out block that still holds a key is evicted now (lazy LRU eviction); all keys
+        evicted by one call form one ``BlockRemoved`` event.
+        """
+        assert n <= len(self.free_queue), f"take_new({n}) with {len(self.free_queue)} free"
+        taken: list[KVBlock] = []
+        evicted: list[BlockKey] = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.key is not None:
+                self.num_evictable -= 1
+                del self.cached[block.key]
+                evicted.append(block.key)
+                block.key = block.token_ids = None
+            block.ref_cnt = 1
+            taken.append(block)
+        if evicted:
+            self.events.removed(evicted)
+        return taken
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more ref on each block; a free (evictable) one leaves the queue in O(1)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                if block.key is not None:
+                    self.num_evictable -= 1
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one ref on each block, in the given order (callers pass tail-first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} released more often than taken"
+            if block.ref_cnt == 0:
+                if block.key is None:
+                    self.free_queue.appendleft(block)  # nothing to keep: reuse first
+                else:
+                    self.free_queue.append(block)  # keep cached, evict least recently used
+                    self.num_evictable += 1
+
+    def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> KVBlock | None:
+        """The cached block for ``key`` if its token ids also match (no collision can hit)."""
+        block = self.cached.get(key)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVBlock],
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[tuple[int, ...]],
+        parent: BlockKey | None,
+    ) -> None:
+        """Cache newly filled, chained blocks; emit one ``BlockStored`` per unbroken run.
+
+        A block whose key is already served by another block (two sequences computed the same
+        prefix concurrently) stays uncached; the chain of keys continues through it.
+        """
+        run_keys: list[BlockKey] = []
+        run_tokens: list[tuple[int, ...]] = []
+        run_parent = parent
+        for block, key, toks in zip(blocks, keys, token_ids, strict=True):
+            assert block.key is None, f"{block} is already cached"
+            if key in self.cached:
+                if run_keys:
+                    self.events.stored(run_keys, run_parent, run_tokens, self.block_size)
+                    run_keys, run_tokens = [], []
+                run_parent = key
+                continue
+            block.key, block.token_ids = key, toks
+            self.cached[key] = block
+            run_keys.append(key)
+            run_tokens.append(toks)
+        if run_keys:
+            self.events.stored(run_keys, run_parent, run_tokens, self.block_size)
+
+    def num_used(self) -> int:
+        return len(self.blocks) - len(self.free_queue)
+
+    def reset_cache(self) -> bool:
+        """Drop every key; refused (``False``, nothing changes) while any block is in use."""
+        if self.num_used() > 0:
+            return False
+        for block in self.cached.values():
+            block.key = block.token_ids = None
+        self.cached.clear()
+        self.num_evictable = 0
+        self.events.cleared()
+        return True

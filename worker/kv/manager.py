@@ -1,0 +1,309 @@
+"""KVCacheManager: block tables, prefix caching and copy-on-write over a :class:`BlockPool`.
+
+Every sequence owns a block table (logical block i -> physical block id) and a count of
+computed tokens; the table always holds exactly ``ceil(computed / block_size)`` blocks and
+nothing in it ever moves. Callers (the scheduler, the trace simulator) see ids and the small
+result types of ``types.py``, never pool internals.
+
+Typical use by a scheduler::
+
+    hit = kv.lookup_prefix(prompt, ctx)                      # pure query, no refs
+    alloc = kv.allocate_slots(rid, prompt, len(prompt) - hit.num_tokens, ctx=ctx, prefix=hit)
+    if alloc is None: ...                                     # does not fit now; pool unchanged
+    runner.copy_blocks(kv.take_copies()); runner.forward(kv.block_table(rid), ...)
+    kv.allocate_slots(rid, prompt + [tok], 1)                 # each decode step
+    kv.free(rid)                                              # finish / abort / preempt
+    publish(kv.drain_events())                                # once per engine step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.events import KVEvent
+from worker.kv.hashing import BlockKey, HashContext, hash_block, hash_full_blocks
+from worker.kv.invariants import check_invariants
+from worker.kv.types import KVAllocation, KVCapacityError, KVStats, PrefixHit, SeqId
+
+
+class _Seq:
+    """Per-sequence state: its blocks, computed tokens and the chain of full-block keys."""
+
+    __slots__ = ("blocks", "num_computed", "keys", "ctx")
+
+    def __init__(
+        self, ctx: HashContext, blocks: list[KVBlock], num_computed: int, keys: list[BlockKey]
+    ) -> None:
+        self.ctx = ctx  # model / LoRA / tenant salt folded into block 0's key
+        self.blocks = blocks  # the block table, as block objects
+        self.num_computed = num_computed  # tokens whose KV is (being) written
+        self.keys = keys  # keys of full blocks 0..len-1 (empty when caching is off)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_blocks, block_size)
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def lookup_prefix(self, token_ids: Sequence[int], ctx: HashContext) -> PrefixHit:
+        """Longest run of cached full blocks matching the prompt (pure query, takes no refs).
+
+        Walks block by block and stops at the first miss; a hit also compares token ids.
+        Capped so the last prompt token is always recomputed (its logits are needed).
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit.empty(ctx)
+        bs = self.block_size
+        ids: list[int] = []
+        keys: list[BlockKey] = []
+        parent: BlockKey | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            key = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
+            block = self._pool.lookup(key, toks)
+            if block is None:
+                break
+            ids.append(block.block_id)
+            keys.append(key)
+            parent = key
+        return PrefixHit(tuple(ids), tuple(keys), len(ids) * bs, ctx)
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        return [b.block_id for b in self._seq(seq_id).blocks]
+
+    def num_computed_tokens(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_computed
+
+    def has_seq(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free uncached blocks plus evictable cached ones."""
+        return self._pool.num_free()
+
+    def can_fit(self, num_blocks_needed: int) -> bool:
+        return num_blocks_needed <= self._pool.num_free()
+
+    def blocks_needed(
+        self, seq_id_or_none: SeqId | None, total_tokens: int, prefix: PrefixHit | None = None
+    ) -> int:
+        """Free-queue blocks an ``allocate_slots`` up to ``total_tokens`` tokens would consume.
+
+        Counts new blocks, a copy-on-write block, and evictable hit blocks it would adopt.
+        """
+        seq = self._seqs.get(seq_id_or_none) if seq_id_or_none is not None else None
+        if seq is None:
+            blocks = self._adoptable(prefix, None, None)
+            computed = len(blocks) * self.block_size
+        else:
+            blocks, computed = seq.blocks, seq.num_computed
+        n_new, cow, evictable = self._count(
+            blocks, computed, max(total_tokens, computed), seq is None
+        )
+        return n_new + cow + evictable
+
+    # ---- mutations -----------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        *,
+        ctx: HashContext | None = None,
+        prefix: PrefixHit | None = None,
+    ) -> KVAllocation | None:
+        """Make room for ``num_new_tokens`` more tokens of ``seq_id``; they count as computed.
+
+        A new sequence passes ``ctx`` and optionally the ``PrefixHit`` of ``lookup_prefix``,
+        which is adopted (refs taken; hit tokens count as computed; hit blocks evicted since
+        the lookup are simply not adopted). ``token_ids`` is the full token list including the
+        tokens about to be computed. Blocks that become full are cached (``BlockStored``).
+        Writing into a shared, partially filled last block copies it first (see
+        ``take_copies``). Returns ``None`` with the pool exactly unchanged if it does not fit
+        now; raises :class:`KVCapacityError` if it could never fit, ``ValueError`` on bad input.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        seq = self._seqs.get(seq_id)
+        is_new = seq is None
+        if seq is None:
+            ctx = ctx or (prefix.ctx if prefix is not None else None) or HashContext()
+            blocks = self._adoptable(prefix, ctx, token_ids)
+            computed, keys = len(blocks) * bs, self._hit_keys(prefix, len(blocks))
+        else:
+            if prefix is not None:
+                raise ValueError(f"prefix given for running sequence {seq_id!r}")
+            blocks, computed, keys, ctx = seq.blocks, seq.num_computed, seq.keys, seq.ctx
+        total = computed + num_new_tokens
+        if len(token_ids) < total:
+            raise ValueError(
+                f"sequence {seq_id!r}: token_ids has {len(token_ids)} tokens, "
+                f"need >= {total} ({computed} computed + {num_new_tokens} new)"
+            )
+        if _cdiv(total, bs) > self.num_blocks:
+            raise KVCapacityError(
+                f"sequence {seq_id!r} needs {_cdiv(total, bs)} blocks for {total} tokens but "
+                f"the pool has only {self.num_blocks}; shorten the request or add KV blocks"
+            )
+        n_new, cow, evictable = self._count(blocks, computed, total, is_new)
+        if n_new + cow + evictable > self._pool.num_free():
+            return None
+        # Hash before mutating anything: a bad token id raises with the pool untouched.
+        new_keys: list[BlockKey] = []
+        new_toks: list[tuple[int, ...]] = []
+        if self.enable_prefix_caching and total // bs > len(keys):
+            parent = keys[-1] if keys else None
+            new_keys, new_toks = hash_full_blocks(
+                token_ids, bs, len(keys), total // bs, parent, ctx
+            )
+
+        if seq is None:
+            self._pool.touch(blocks)
+            seq = self._seqs[seq_id] = _Seq(ctx, list(blocks), computed, keys)
+            self._queried_tokens += len(token_ids)
+            self._hit_tokens += computed
+        fresh = self._pool.take_new(n_new + cow)
+        copies: list[tuple[int, int]] = []
+        if cow:
+            src, dst = seq.blocks[-1], fresh[0]
+            seq.blocks[-1] = dst
+            self._pool.release([src])
+            copies.append((src.block_id, dst.block_id))
+            seq.blocks.extend(fresh[1:])
+        else:
+            seq.blocks.extend(fresh)
+        seq.num_computed = total
+        if new_keys:
+            start = len(seq.keys)
+            parent = seq.keys[-1] if seq.keys else None
+            stored = seq.blocks[start : start + len(new_keys)]
+            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent)
+            seq.keys.extend(new_keys)
+        self._copies.extend(copies)
+        return KVAllocation([b.block_id for b in fresh], computed if is_new else 0, copies)
+
+    def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> None:
+        """Make ``child_seq_id`` share every block of the parent (ref counts up, no copy)."""
+        parent = self._seq(parent_seq_id)
+        if child_seq_id in self._seqs:
+            raise ValueError(f"fork: sequence {child_seq_id!r} already exists")
+        self._pool.touch(parent.blocks)
+        self._seqs[child_seq_id] = _Seq(
+            parent.ctx, list(parent.blocks), parent.num_computed, list(parent.keys)
+        )
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release a finished, aborted or preempted sequence (no-op if unknown).
+
+        Blocks are released tail-first, so among this sequence's cached blocks the end of the
+        prompt becomes evictable before its (likely shared) start.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._pool.release(reversed(seq.blocks))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def drain_events(self) -> list[KVEvent]:
+        return self._pool.events.drain()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole prefix cache; ``False`` (nothing changes) while any block is in use."""
+        return self._pool.reset_cache()
+
+    def cached_keys(self) -> list[BlockKey]:
+        """Keys of all cached blocks (in use or evictable), e.g. to resync the block index."""
+        return list(self._pool.cached)
+
+    def stats(self) -> KVStats:
+        pool = self._pool
+        used = pool.num_used()
+        q, h = self._queried_tokens, self._hit_tokens
+        return KVStats(
+            num_blocks=self.num_blocks,
+            used_blocks=used,
+            free_blocks=pool.num_free(),
+            cached_blocks=len(pool.cached),
+            evictable_cached_blocks=pool.num_evictable,
+            usage=used / self.num_blocks,
+            num_seqs=len(self._seqs),
+            prefix_queried_tokens=q,
+            prefix_hit_tokens=h,
+            prefix_hit_rate=h / q if q else 0.0,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (used by the tests)."""
+        check_invariants(self._pool, self._seqs, self.enable_prefix_caching)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _seq(self, seq_id: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}") from None
+
+    def _count(
+        self, blocks: list[KVBlock], computed: int, total: int, is_new: bool
+    ) -> tuple[int, int, int]:
+        """(new blocks to append, 1 if the last block needs copy-on-write, evictable hits).
+
+        O(1) for a running sequence; O(hit blocks) for a new one (its hits are not adopted
+        yet, and those with ref count 0 will leave the free queue).
+        """
+        n_new = _cdiv(total, self.block_size) - len(blocks)
+        cow = int(total > computed and computed % self.block_size != 0 and blocks[-1].ref_cnt > 1)
+        evictable = sum(1 for b in blocks if b.ref_cnt == 0) if is_new else 0
+        return n_new, cow, evictable
+
+    def _adoptable(
+        self, prefix: PrefixHit | None, ctx: HashContext | None, token_ids: Sequence[int] | None
+    ) -> list[KVBlock]:
+        """Blocks of ``prefix`` still cached under their keys (a stale tail is dropped)."""
+        if prefix is None or not prefix.keys or not self.enable_prefix_caching:
+            return []
+        if ctx is not None and prefix.ctx is not None and prefix.ctx != ctx:
+            raise ValueError(f"prefix was looked up with {prefix.ctx}, allocating with {ctx}")
+        bs = self.block_size
+        if token_ids is not None and prefix.num_tokens > len(token_ids) - 1:
+            raise ValueError("prefix hit covers the last prompt token; it must be recomputed")
+        blocks: list[KVBlock] = []
+        for i, key in enumerate(prefix.keys):
+            block = self._pool.cached.get(key)
+            if block is None:
+                break
+            if token_ids is not None and block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                raise ValueError(f"prefix hit block {i} does not match token_ids")
+            blocks.append(block)
+        return blocks
+
+    @staticmethod
+    def _hit_keys(prefix: PrefixHit | None, n: int) -> list[BlockKey]:
+        return list(prefix.keys[:n]) if prefix is not None else []
