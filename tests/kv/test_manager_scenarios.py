@@ -1,0 +1,324 @@
+"""Exact scenarios on tiny pools: block ids, eviction order, hit counts and event contents."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.kv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HashContext,
+    KVCacheManager,
+    KVCapacityError,
+    block_keys,
+)
+
+BS = 4
+CTX = HashContext(model_id="m")
+
+
+def _kv(num_blocks: int, **kw: bool) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, **kw)
+
+
+def _keys(tokens: list[int], ctx: HashContext = CTX) -> list:
+    return block_keys(tokens, BS, ctx)
+
+
+def _prefill(kv: KVCacheManager, sid: str, tokens: list[int], ctx: HashContext = CTX):
+    hit = kv.lookup_prefix(tokens, ctx)
+    return kv.allocate_slots(sid, tokens, len(tokens) - hit.num_tokens, ctx=ctx, prefix=hit)
+
+
+def _ref(kv: KVCacheManager, block_id: int) -> int:
+    return kv._pool.blocks[block_id].ref_cnt
+
+
+def _free_order(kv: KVCacheManager) -> list[int]:
+    return [b.block_id for b in kv._pool.free_queue]
+
+
+A = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107] [108 109]
+
+
+def test_prefill_without_hit() -> None:
+    kv = _kv(8)
+    assert kv.lookup_prefix(A, CTX).num_tokens == 0
+    alloc = _prefill(kv, "a", A)
+    assert alloc is not None
+    assert alloc.new_block_ids == [0, 1, 2] and alloc.num_cached_tokens == 0 and alloc.copies == []
+    assert kv.block_table("a") == [0, 1, 2] and kv.num_computed_tokens("a") == 10
+    k = _keys(A)
+    assert kv.drain_events() == [
+        BlockStored(0, (k[0], k[1]), None, (tuple(A[0:4]), tuple(A[4:8])), BS)
+    ]
+    assert kv.drain_events() == []
+    s = kv.stats()
+    assert (s.used_blocks, s.free_blocks, s.cached_blocks, s.num_seqs) == (3, 5, 2, 1)
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (10, 0)
+    kv.check_invariants()
+
+
+def test_prefill_with_hit_shares_blocks_and_counts_hit_tokens() -> None:
+    kv = _kv(8)
+    _prefill(kv, "a", A)
+    kv.drain_events()
+    b_tokens = A[:8] + [7, 7, 7, 7]
+    hit = kv.lookup_prefix(b_tokens, CTX)
+    assert hit.block_ids == (0, 1) and hit.num_tokens == 8 and list(hit.keys) == _keys(A)[:2]
+    assert kv.blocks_needed(None, len(b_tokens), hit) == 1
+    alloc = kv.allocate_slots("b", b_tokens, 4, ctx=CTX, prefix=hit)
+    assert alloc is not None and alloc.new_block_ids == [3] and alloc.num_cached_tokens == 8
+    assert kv.block_table("b") == [0, 1, 3] and kv.num_computed_tokens("b") == 12
+    assert [_ref(kv, i) for i in range(4)] == [2, 2, 1, 1]
+    kb = _keys(b_tokens)
+    assert kv.drain_events() == [BlockStored(1, (kb[2],), kb[1], ((7, 7, 7, 7),), BS)]
+    s = kv.stats()
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (22, 8)
+    assert s.prefix_hit_rate == pytest.approx(8 / 22)
+    kv.check_invariants()
+
+
+def test_last_prompt_token_is_always_recomputed() -> None:
+    kv = _kv(8)
+    prompt = A[:8]  # exactly two full blocks, both cached by "a"
+    _prefill(kv, "a", prompt)
+    kv.drain_events()
+    hit = kv.lookup_prefix(prompt, CTX)
+    assert hit.block_ids == (0,) and hit.num_tokens == 4
+    alloc = kv.allocate_slots("b", prompt, 4, ctx=CTX, prefix=hit)
+    assert alloc is not None and kv.block_table("b") == [0, 2]
+    # Block 2 holds the same tokens as cached block 1: it stays uncached, no event.
+    assert kv.drain_events() == [] and kv.stats().cached_blocks == 2
+    kv.check_invariants()
+
+
+def test_decode_growth_across_block_boundaries() -> None:
+    kv = _kv(4)
+    toks = [1, 2, 3]
+    assert _prefill(kv, "a", toks).new_block_ids == [0]
+    assert kv.drain_events() == []
+    k = _keys(list(range(1, 9)))
+    for tok, new_ids, events in [
+        (4, [], [BlockStored(0, (k[0],), None, ((1, 2, 3, 4),), BS)]),
+        (5, [1], []),
+        (6, [], []),
+        (7, [], []),
+        (8, [], [BlockStored(1, (k[1],), k[0], ((5, 6, 7, 8),), BS)]),
+        (9, [2], []),
+    ]:
+        toks.append(tok)
+        alloc = kv.allocate_slots("a", toks, 1)
+        assert alloc is not None and alloc.new_block_ids == new_ids and alloc.copies == []
+        assert kv.drain_events() == events
+        assert kv.num_computed_tokens("a") == len(toks)
+    assert kv.block_table("a") == [0, 1, 2]
+    kv.check_invariants()
+
+
+def test_eviction_is_lazy_lru_and_tail_first() -> None:
+    kv = _kv(8)
+    a, c = A[:9], list(range(200, 209))
+    _prefill(kv, "a", a)  # [0, 1, 2]
+    _prefill(kv, "c", c)  # [3, 4, 5]
+    kv.drain_events()
+    kv.free("a")
+    kv.free("c")
+    # Partial tails to the front; cached blocks to the back, tail first, "a" before "c".
+    assert _free_order(kv) == [5, 2, 6, 7, 1, 0, 4, 3]
+    assert kv.stats().cached_blocks == 4  # nothing evicted yet
+    assert kv.lookup_prefix(a, CTX).block_ids == (0, 1)
+    d = list(range(300, 324))  # 6 full blocks
+    assert _prefill(kv, "d", d).new_block_ids == [5, 2, 6, 7, 1, 0]
+    ka, kd = _keys(a), _keys(d)
+    assert kv.drain_events() == [
+        BlockRemoved(2, (ka[1], ka[0])),
+        BlockStored(3, tuple(kd), None, tuple(tuple(d[i : i + 4]) for i in range(0, 24, 4)), BS),
+    ]
+    assert kv.lookup_prefix(a, CTX).num_tokens == 0
+    assert kv.lookup_prefix(c, CTX).block_ids == (3, 4)
+    kv.check_invariants()
+
+
+def test_hit_on_evictable_block_protects_it_from_eviction() -> None:
+    kv = _kv(6)
+    _prefill(kv, "a", A[:9])  # [0, 1, 2]
+    kv.free("a")
+    assert _free_order(kv) == [2, 3, 4, 5, 1, 0]
+    kv.drain_events()
+    b = A[:8] + [9]
+    hit = kv.lookup_prefix(b, CTX)
+    assert hit.block_ids == (0, 1)
+    assert kv.blocks_needed(None, 9, hit) == 3  # one new block + two evictable hits
+    alloc = kv.allocate_slots("b", b, 1, ctx=CTX, prefix=hit)
+    assert alloc is not None and alloc.new_block_ids == [2] and alloc.num_cached_tokens == 8
+    assert _free_order(kv) == [3, 4, 5] and kv.num_free_blocks() == 3
+    assert _prefill(kv, "c", list(range(50, 62))).new_block_ids == [3, 4, 5]
+    assert not any(isinstance(e, BlockRemoved) for e in kv.drain_events())
+    assert kv.block_table("b") == [0, 1, 2] and kv.lookup_prefix(b, CTX).block_ids == (0, 1)
+    assert _prefill(kv, "d", [1, 2]) is None
+    kv.check_invariants()
+
+
+def test_reset_prefix_cache_refused_while_blocks_in_use() -> None:
+    kv = _kv(4)
+    _prefill(kv, "a", A)
+    kv.drain_events()
+    keys = kv.cached_keys()
+    assert kv.reset_prefix_cache() is False
+    assert kv.cached_keys() == keys and kv.drain_events() == []
+    kv.free("a")
+    assert kv.reset_prefix_cache() is True
+    assert kv.cached_keys() == [] and kv.drain_events() == [AllBlocksCleared(1)]
+    assert kv.lookup_prefix(A, CTX).num_tokens == 0
+    assert kv.stats().cached_blocks == 0 and kv.num_free_blocks() == 4
+    kv.check_invariants()
+
+
+def test_salts_isolate_tenants() -> None:
+    kv = _kv(8)
+    t1, t2 = HashContext("m", cache_salt="tenant-1"), HashContext("m", cache_salt="tenant-2")
+    _prefill(kv, "a", A, t1)
+    assert kv.lookup_prefix(A, t2).num_tokens == 0
+    assert kv.lookup_prefix(A, HashContext("m")).num_tokens == 0
+    assert kv.lookup_prefix(A, HashContext("other-model", cache_salt="tenant-1")).num_tokens == 0
+    assert kv.lookup_prefix(A, HashContext("m", "lora", "tenant-1")).num_tokens == 0
+    assert kv.lookup_prefix(A, t1).num_tokens == 8  # same tenant hits
+    _prefill(kv, "b", A, t2)
+    assert set(kv.block_table("a")).isdisjoint(kv.block_table("b"))
+    assert set(_keys(A, t1)).isdisjoint(_keys(A, t2))
+    assert kv.stats().cached_blocks == 4
+    with pytest.raises(ValueError, match="looked up with"):
+        kv.allocate_slots("c", A, 2, ctx=t2, prefix=kv.lookup_prefix(A, t1))
+    kv.check_invariants()
+
+
+def _snapshot(kv: KVCacheManager) -> tuple:
+    pool = kv._pool
+    return (
+        {sid: kv.block_table(sid) for sid in kv._seqs},
+        {sid: kv.num_computed_tokens(sid) for sid in kv._seqs},
+        [(b.ref_cnt, b.key) for b in pool.blocks],
+        _free_order(kv),
+        dict(pool.cached),
+        len(pool.events),
+        list(kv._copies),
+        kv.stats(),
+    )
+
+
+def test_allocation_failure_leaves_state_exactly_unchanged() -> None:
+    kv = _kv(5)
+    _prefill(kv, "a", A[:9])  # [0, 1, 2]
+    kv.fork("a", "a2")  # shares the partial block 2
+    _prefill(kv, "x", [5, 6, 7])  # [3]
+    kv.free("a")  # a2 keeps [0, 1, 2]; "x" keeps 3; block 4 free
+    _prefill(kv, "y", [8])  # [4]
+    kv.free("y")
+    before = _snapshot(kv)
+    # 1. a new sequence with hits on in-use blocks + too many new blocks
+    b = A[:8] + list(range(40, 48))
+    hit = kv.lookup_prefix(b, CTX)
+    assert hit.num_tokens == 8 and kv.blocks_needed(None, 16, hit) == 2
+    assert kv.allocate_slots("b", b, 8, ctx=CTX, prefix=hit) is None
+    # 2. decode that needs a copy-on-write block and a new one
+    kv.fork("a2", "a3")
+    mid = _snapshot(kv)
+    assert kv.allocate_slots("a2", A[:9] + [1, 2, 3, 4], 4) is None
+    assert _snapshot(kv) == mid
+    kv.free("a3")
+    assert _snapshot(kv) == before
+    # 3. can never fit: typed error, nothing changes
+    with pytest.raises(KVCapacityError, match="pool has only 5"):
+        kv.allocate_slots("z", list(range(21)), 21, ctx=CTX)
+    # 4. bad token ids are rejected before anything is touched
+    with pytest.raises(ValueError, match="token ids"):
+        kv.allocate_slots("z", [1, 2, 3, -1], 4, ctx=CTX)
+    with pytest.raises(ValueError, match="need >= 10"):
+        kv.allocate_slots("a2", A[:9], 1)
+    assert _snapshot(kv) == before
+    kv.check_invariants()
+
+
+def test_fork_and_copy_on_write() -> None:
+    kv = _kv(6)
+    base = [1, 2, 3, 4, 5, 6]
+    _prefill(kv, "a", base)  # [0, 1]; block 1 half full
+    kv.fork("a", "b")
+    assert kv.block_table("b") == [0, 1] and kv.num_computed_tokens("b") == 6
+    assert [_ref(kv, i) for i in (0, 1)] == [2, 2]
+    kv.drain_events()
+    alloc = kv.allocate_slots("a", base + [7], 1)
+    assert alloc.new_block_ids == [2] and alloc.copies == [(1, 2)]
+    assert kv.block_table("a") == [0, 2] and kv.block_table("b") == [0, 1]
+    assert [_ref(kv, i) for i in (0, 1, 2)] == [2, 1, 1]
+    assert kv.take_copies() == [(1, 2)] and kv.take_copies() == []
+    alloc = kv.allocate_slots("b", base + [70], 1)  # sole owner now: writes in place
+    assert alloc.new_block_ids == [] and alloc.copies == [] and kv.block_table("b") == [0, 1]
+    kv.allocate_slots("a", base + [7, 8], 1)
+    kv.allocate_slots("b", base + [70, 80], 1)
+    ka, kb = _keys(base + [7, 8]), _keys(base + [70, 80])
+    assert kv.drain_events() == [
+        BlockStored(1, (ka[1],), ka[0], ((5, 6, 7, 8),), BS),
+        BlockStored(2, (kb[1],), kb[0], ((5, 6, 70, 80),), BS),
+    ]
+    # A full shared block stays shared: the next token goes to a fresh block, no copy.
+    kv.fork("a", "c")
+    alloc = kv.allocate_slots("c", base + [7, 8, 9], 1)
+    assert alloc.new_block_ids == [3] and alloc.copies == [] and kv.block_table("c") == [0, 2, 3]
+    assert _ref(kv, 0) == 3 and _ref(kv, 2) == 2
+    kv.free("a")
+    kv.free("b")
+    kv.free("c")
+    assert kv.stats().used_blocks == 0
+    kv.check_invariants()
+
+
+def test_stale_prefix_adopts_only_what_is_still_cached() -> None:
+    kv = _kv(3)
+    _prefill(kv, "a", A[:9])  # [0, 1, 2]
+    kv.free("a")  # free order [2, 1, 0]
+    hit = kv.lookup_prefix(A[:9], CTX)
+    assert hit.block_ids == (0, 1)
+    _prefill(kv, "x", [1, 2, 3, 4, 5])  # takes 2 and 1: evicts A's second block
+    kv.free("x")
+    alloc = kv.allocate_slots("b", A[:9], 5, ctx=CTX, prefix=hit)
+    assert alloc is not None and alloc.num_cached_tokens == 4 and kv.block_table("b")[0] == 0
+    kv.check_invariants()
+
+
+def test_hash_collision_never_returns_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.kv.manager as manager
+
+    monkeypatch.setattr(manager, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
+    kv = _kv(8)
+    kv._pool.cache_full_blocks(kv._pool.take_new(1), [b"\0" * 16], [(1, 1, 1, 1)], None)
+    assert kv.lookup_prefix([2, 2, 2, 2, 2], CTX).num_tokens == 0
+    assert kv.lookup_prefix([1, 1, 1, 1, 2], CTX).num_tokens == 4
+
+
+def test_caching_disabled_never_hashes_or_hits() -> None:
+    kv = _kv(4, enable_prefix_caching=False)
+    _prefill(kv, "a", A)
+    assert kv.drain_events() == [] and kv.cached_keys() == []
+    kv.free("a")
+    assert kv.lookup_prefix(A, CTX).num_tokens == 0 and _free_order(kv) == [0, 1, 2, 3]
+    kv.check_invariants()
+
+
+def test_user_errors() -> None:
+    kv = _kv(4)
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheManager(0)
+    with pytest.raises(KeyError, match="unknown sequence"):
+        kv.block_table("nope")
+    with pytest.raises(KeyError, match="unknown sequence"):
+        kv.fork("nope", "x")
+    _prefill(kv, "a", [1, 2])
+    with pytest.raises(ValueError, match="already exists"):
+        kv.fork("a", "a")
+    with pytest.raises(ValueError, match="prefix given"):
+        kv.allocate_slots("a", [1, 2, 3], 1, prefix=kv.lookup_prefix([1, 2, 3], CTX))
+    kv.free("nope")  # unknown: no-op
+    kv.check_invariants()
