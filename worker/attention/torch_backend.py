@@ -1,0 +1,123 @@
+"""Reference paged attention in plain torch (CPU and CUDA).
+
+K/V are read by gathering whole physical blocks through the block table into a contiguous
+per-sequence view, then ``scaled_dot_product_attention`` with an explicit mask does the rest.
+Decodes (one new token) of a step are batched into one call; each prefill (or prefill chunk)
+gets its own call with a bottom-right-aligned causal mask over cached prefix + new tokens.
+Simple and exact rather than fast: this is the reference the CUDA kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from worker.attention.registry import register_backend
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One sequence with more than one new token."""
+
+    seq: int  # index in the batch
+    start: int  # first row of its new tokens in q/k/v
+    end: int  # one past its last row
+    seq_len: int  # context length incl. the new tokens
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """Per-step split of the batch into batched decodes and individual prefills."""
+
+    meta: AttentionMetadata  # the step's metadata
+    decode_rows: torch.Tensor | None  # int64 [num_decodes]: row of each decode token; None if none
+    decode_block_tables: torch.Tensor | None  # [num_decodes, blocks needed by the longest]
+    decode_seq_lens: torch.Tensor | None  # int64 [num_decodes, 1]
+    decode_max_len: int  # longest context among the decodes (0 if none)
+    prefills: tuple[_Prefill, ...]  # sequences with > 1 new token
+
+
+def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """K or V of the first ``length`` positions, read through ``blocks`` (1-D or 2-D).
+
+    Returns ``[..., length, kv_heads, head_dim]``.
+    """
+    gathered = cache[blocks.long()]  # [..., nblocks, block_size, kvh, d]
+    merged = gathered.flatten(-4, -3)
+    return merged[..., :length, :, :]
+
+
+def context_mask(
+    q_pos: torch.Tensor, length: int, seq_len: torch.Tensor | int, window: int | None
+) -> torch.Tensor:
+    """Boolean [..., num_q, length]: key position k is visible to query position q."""
+    k_pos = torch.arange(length, device=q_pos.device)
+    visible = k_pos <= q_pos[..., None]
+    if isinstance(seq_len, torch.Tensor):
+        visible = visible & (k_pos < seq_len[..., None])
+    if window is not None:
+        visible = visible & (k_pos > q_pos[..., None] - window)
+    return visible
+
+
+@register_backend
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> TorchPlan:
+        starts = [0, *accumulate(meta.query_lens_host)]
+        decodes = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        prefills = tuple(
+            _Prefill(i, starts[i], starts[i + 1], meta.seq_lens_host[i])
+            for i, n in enumerate(meta.query_lens_host)
+            if n > 1
+        )
+        if not decodes:
+            return TorchPlan(meta, None, None, None, 0, prefills)
+        device = meta.block_tables.device
+        longest = max(meta.seq_lens_host[i] for i in decodes)
+        idx = torch.tensor(decodes, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
+        seq_lens = meta.seq_lens.index_select(0, idx).long()[:, None]
+        tables = meta.block_tables.index_select(0, idx)
+        return TorchPlan(meta, rows, tables, seq_lens, longest, prefills)
+
+    def forward(self, q, k, v, k_cache, v_cache, prepared: TorchPlan, sliding_window=None):
+        meta = prepared.meta
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        block_size = k_cache.shape[1]
+        out = torch.empty_like(q)
+        if prepared.decode_rows is not None:
+            longest = prepared.decode_max_len
+            blocks = prepared.decode_block_tables[:, : -(-longest // block_size)]
+            keys = gather_context(k_cache, blocks, longest)  # [B, L, kvh, d]
+            values = gather_context(v_cache, blocks, longest)
+            q_pos = prepared.decode_seq_lens - 1  # [B, 1]
+            mask = context_mask(q_pos, longest, prepared.decode_seq_lens, sliding_window)
+            rows = prepared.decode_rows
+            out[rows] = self._sdpa(q[rows][:, None], keys, values, mask)[:, 0]
+        for p in prepared.prefills:
+            blocks = meta.block_tables[p.seq, : -(-p.seq_len // block_size)]
+            keys = gather_context(k_cache, blocks, p.seq_len)[None]
+            values = gather_context(v_cache, blocks, p.seq_len)[None]
+            n = p.end - p.start
+            q_pos = torch.arange(p.seq_len - n, p.seq_len, device=q.device)
+            mask = context_mask(q_pos, p.seq_len, p.seq_len, sliding_window)[None]
+            out[p.start : p.end] = self._sdpa(q[None, p.start : p.end], keys, values, mask)[0]
+        return out
+
+    def _sdpa(self, q, keys, values, mask) -> torch.Tensor:
+        """q [B, n, H, d], keys/values [B, L, kvh, d], mask [B, n, L] -> [B, n, H, d]."""
+        result = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return result.transpose(1, 2)

@@ -1,0 +1,229 @@
+"""Parse a Hugging Face ``config.json`` of a Llama-family model into a frozen ``ModelConfig``.
+
+Only what the runner needs is kept, and everything is validated here so the model code can
+trust it. Both the legacy layout (``rope_theta`` + ``rope_scaling``, as on the Hub) and the
+transformers-5 layout (``rope_parameters``) are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.model.errors import ModelLoadError, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED = object()  # marks a config key without a default
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """Rotary position embedding parameters."""
+
+    theta: float  # base wavelength (``rope_theta``)
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear / llama3: context extension factor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only: pre-training context
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture of one Llama-family checkpoint, validated."""
+
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int  # rows of the embedding / lm_head
+    hidden_size: int  # residual stream width
+    intermediate_size: int  # MLP width
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA: divides num_heads)
+    head_dim: int  # per-head width (may differ from hidden_size // num_heads, e.g. Qwen3)
+    rms_norm_eps: float  # epsilon of every RMSNorm
+    rope: RopeConfig  # rotary embedding parameters
+    max_position_embeddings: int  # longest context the checkpoint declares
+    tie_word_embeddings: bool  # lm_head shares the embedding matrix
+    qkv_bias: bool  # q/k/v projections have a bias (Qwen2: always)
+    o_bias: bool  # output projection has a bias
+    mlp_bias: bool  # gate/up/down projections have a bias
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_windows: tuple[int | None, ...]  # per layer: attention window, None = full
+    bos_token_id: int | None  # beginning-of-sequence id declared by the config
+    eos_token_ids: tuple[int, ...]  # end-of-sequence ids declared by the config
+    torch_dtype: str | None  # dtype the checkpoint declares ("bfloat16", ...), informational
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{path} not found: a model folder needs config.json (Hugging Face format)"
+            )
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+        return _parse(raw, source)
+
+
+def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
+    arch = _architecture(raw, source)
+    get = _Getter(raw, source)
+    hidden = get.int("hidden_size")
+    num_heads = get.int("num_attention_heads")
+    num_kv_heads = get.int("num_key_value_heads", default=num_heads)
+    head_dim = get.int("head_dim", default=None) or hidden // num_heads
+    num_layers = get.int("num_hidden_layers")
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads={num_heads} is not a multiple of "
+            f"num_key_value_heads={num_kv_heads}"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    attention_bias = bool(raw.get("attention_bias", False))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=get.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=get.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=get.float("rms_norm_eps", default=1e-6),
+        rope=_rope(raw, get, source),
+        max_position_embeddings=get.int("max_position_embeddings", default=2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_windows=_sliding_windows(raw, arch, num_layers, source),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_id_tuple(raw.get("eos_token_id")),
+        torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
+    )
+
+
+def _architecture(raw: Mapping[str, Any], source: str) -> str:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported architectures={archs!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def _rope(raw: Mapping[str, Any], get: _Getter, source: str) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    factor = float(params.get("factor", 1.0))
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise ModelLoadError(f"{source}: llama3 rope scaling lacks {', '.join(missing)}")
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=factor,
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings")
+            or get.int("max_position_embeddings", default=8192)
+        ),
+    )
+
+
+def _sliding_windows(
+    raw: Mapping[str, Any], arch: str, num_layers: int, source: str
+) -> tuple[int | None, ...]:
+    window = raw.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window={window!r} must be a positive integer")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", 0)) if arch != "MistralForCausalLM" else 0
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(
+            f"{source}: layer_types has {len(layer_types)} entries, num_hidden_layers={num_layers}"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+class _Getter:
+    """Typed access to config keys with messages that name the key and the file."""
+
+    def __init__(self, raw: Mapping[str, Any], source: str) -> None:
+        self.raw = raw
+        self.source = source
+
+    def _value(self, key: str, default: Any) -> Any:
+        if key in self.raw and self.raw[key] is not None:
+            return self.raw[key]
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{self.source}: required key {key!r} is missing")
+        return default
+
+    def int(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._value(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{self.source}: {key}={value!r} must be a positive integer")
+        return value
+
+    def float(self, key: str, default: float) -> float:
+        value = self._value(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(f"{self.source}: {key}={value!r} must be a positive number")
+        return float(value)
+

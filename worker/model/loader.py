@@ -1,0 +1,50 @@
+"""Build a ``LlamaForCausalLM`` for a model folder and fill it from the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from worker.attention.base import AttentionBackend
+from worker.model.config import ModelConfig
+from worker.model.errors import ModelLoadError
+from worker.model.llama import LlamaForCausalLM
+from worker.model.weights import load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ModelLoadError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of ``cfg`` must hold (no memory used)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend=None)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def load_model(
+    model_dir: str | Path,
+    backend: AttentionBackend | None,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Load weights of ``model_dir`` into a model on ``device`` in ``dtype`` (inference mode)."""
+    cfg = config or ModelConfig.from_dir(model_dir)
+    torch_dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend).to(torch_dtype)
+    model.to_empty(device=torch.device(device))
+    model.model.rotary_emb.reset_buffers()  # float32, recomputed on the target device
+    load_weights(model, model_dir)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,139 @@
+"""ModelRunner: a loaded model, its paged KV cache and one ``execute`` per engine step.
+
+The runner knows nothing about requests. Per step the engine (1) asks the KV manager for
+blocks, (2) calls ``copy_blocks`` with the manager's copy-on-write pairs, (3) builds a
+``ModelInput`` (usually with ``ModelInput.build``) and (4) calls ``execute`` to get the
+logits of the rows it asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from worker.attention import create_backend
+from worker.model.config import ModelConfig
+from worker.model.inputs import ModelInput, SeqChunk
+from worker.model.loader import load_model, resolve_dtype
+
+__all__ = ["ModelInput", "ModelRunner", "SeqChunk", "KVCacheSizeError"]
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # KV budget on CPU when neither size is given
+DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading the weights
+
+
+class KVCacheSizeError(ValueError):
+    """The KV budget is invalid or too small for one block."""
+
+
+class ModelRunner:
+    """Owns the model and, per layer, K and V of shape
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` (zero-initialised)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        attn_backend: str = "torch",
+    ) -> None:
+        if block_size < 1:
+            raise KVCacheSizeError(f"block_size={block_size} must be >= 1")
+        if num_blocks is not None and kv_memory_bytes is not None:
+            raise KVCacheSizeError("give num_blocks or kv_memory_bytes, not both")
+        self.model_dir = Path(model_dir)
+        self.config = cfg = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.block_size = block_size
+        self.backend = create_backend(
+            attn_backend,
+            device=self.device,
+            block_size=block_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scale=cfg.head_dim**-0.5,
+        )
+        self.model = load_model(
+            model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg
+        )
+        self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
+        shape = (self._num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical KV blocks per layer: the KV manager's pool size."""
+        return self._num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Memory of one block across all layers, K and V."""
+        cfg = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _size_cache(self, num_blocks: int | None, kv_memory_bytes: int | None) -> int:
+        if num_blocks is not None:
+            if num_blocks < 1:
+                raise KVCacheSizeError(f"num_blocks={num_blocks} must be >= 1")
+            return num_blocks
+        if kv_memory_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_memory_bytes = int(free * DEFAULT_GPU_KV_FRACTION)
+            else:
+                kv_memory_bytes = DEFAULT_CPU_KV_BYTES
+        blocks = kv_memory_bytes // self.bytes_per_block
+        if blocks < 1:
+            raise KVCacheSizeError(
+                f"kv_memory_bytes={kv_memory_bytes} is below one block "
+                f"({self.bytes_per_block} bytes at block_size={self.block_size})"
+            )
+        return blocks
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (the KV manager's copy-on-write).
+
+        All sources are read before any destination is written, so the pairs act at once.
+        """
+        if not pairs:
+            return
+        flat = [b for pair in pairs for b in pair]
+        if min(flat) < 0 or max(flat) >= self._num_blocks:
+            raise ValueError(f"copy_blocks: block ids must be in [0, {self._num_blocks}): {pairs}")
+        dst_ids = [d for _, d in pairs]
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError(f"copy_blocks: a destination block appears twice: {pairs}")
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_ids, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def build_input(self, seqs: Sequence[SeqChunk]) -> ModelInput:
+        """``ModelInput.build`` with this runner's block size and device."""
+        return ModelInput.build(seqs, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
+
+        Writes the K/V of every new token into the cache at ``batch.slot_mapping``.
+        """
+        prepared = self.backend.prepare(batch.attention_metadata())
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
