@@ -1,0 +1,214 @@
+"""Property tests: random admit / chunked prefill / decode / fork / free / abort / preempt / reset
+against a model that writes every token into a simulated physical slot array through the block
+table (copy-on-write copies executed first) and reads it back.
+
+After every step: the manager's own ``check_invariants()``, plus independent checks — every
+block's ref count equals the number of block tables holding it, free + in use = total, no
+referenced block in the free queue, each live sequence reads back exactly its tokens (so a
+copy-on-write can never leak a sibling's write, nor a prefix hit serve wrong KV), every cached
+block's slots hold its recorded tokens, and the key set rebuilt from the event stream equals
+the manager's cached keys.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from worker.kv import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    HashContext,
+    KVCacheManager,
+    KVCapacityError,
+)
+
+PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5] * 10]
+TOKENS = st.lists(st.integers(0, 3), max_size=6)
+PICK = st.integers(0, 10**6)
+
+
+class _Seq:
+    def __init__(self, tokens: list[int], computed: int) -> None:
+        self.tokens = tokens  # every known token: prompt + generated
+        self.computed = computed  # tokens whose slots have been written
+
+
+class KVMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(3, 14),
+        caching=st.sampled_from([True, True, True, False]),
+    )
+    def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
+        self.bs = block_size
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.mem: list[int | None] = [None] * (num_blocks * block_size)
+        self.seqs: dict[int, _Seq] = {}
+        self.next_id = 0
+        self.index: set[bytes] = set()  # keys rebuilt from the event stream
+        self.next_event_seq = 0
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple:
+        kv, pool = self.kv, self.kv._pool
+        return (
+            {s: (kv.block_table(s), kv.num_computed_tokens(s)) for s in self.seqs},
+            [(b.ref_cnt, b.key) for b in pool.blocks],
+            [b.block_id for b in pool.free_queue],
+            len(pool.events),
+            kv.stats(),
+        )
+
+    def _pick(self, i: int) -> int:
+        return sorted(self.seqs)[i % len(self.seqs)]
+
+    def _allocate(self, sid: int, tokens: list[int], n: int, **kw) -> bool:
+        before = self._snapshot()
+        try:
+            alloc = self.kv.allocate_slots(sid, tokens, n, **kw)
+        except KVCapacityError:
+            seq = self.seqs.get(sid)
+            base = seq.computed if seq else kw["prefix"].num_tokens
+            assert -(-(base + n) // self.bs) > self.kv.num_blocks
+            alloc = None
+        if alloc is None:
+            assert self._snapshot() == before, "failed allocation changed the pool"
+            return False
+        seq = self.seqs.get(sid)
+        if seq is None:
+            seq = self.seqs[sid] = _Seq(tokens, alloc.num_cached_tokens)
+        assert self.kv.num_computed_tokens(sid) == seq.computed + n
+        for src, dst in self.kv.take_copies():  # copy-on-write before any write
+            self.mem[dst * self.bs : (dst + 1) * self.bs] = self.mem[
+                src * self.bs : (src + 1) * self.bs
+            ]
+        table = self.kv.block_table(sid)
+        for pos in range(seq.computed, seq.computed + n):
+            self.mem[table[pos // self.bs] * self.bs + pos % self.bs] = tokens[pos]
+        seq.computed += n
+        return True
+
+    def _admit(self, tokens: list[int], chunk: int, salt: str | None) -> None:
+        ctx = HashContext("m", cache_salt=salt)
+        hit = self.kv.lookup_prefix(tokens, ctx)
+        assert hit.num_tokens <= len(tokens) - 1 and hit.num_tokens % self.bs == 0
+        n = min(len(tokens) - hit.num_tokens, chunk)
+        self._allocate(self.next_id, tokens, n, ctx=ctx, prefix=hit)
+        self.next_id += 1
+
+    # ---- rules -----------------------------------------------------------------------------
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        tail=TOKENS,
+        salt=st.sampled_from([None, "tenant"]),
+        chunk=st.integers(1, 16),
+    )
+    def admit(self, prefix: list[int], tail: list[int], salt: str | None, chunk: int) -> None:
+        self._admit((prefix + tail) or [0], chunk, salt)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=PICK, chunk=st.integers(1, 8), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def step(self, i: int, chunk: int, new: list[int]) -> None:
+        """Continue a chunked prefill, or decode 1-3 tokens (speculative-style)."""
+        sid = self._pick(i)
+        seq = self.seqs[sid]
+        if seq.computed == len(seq.tokens):
+            seq.tokens = seq.tokens + new
+        n = min(chunk, len(seq.tokens) - seq.computed)
+        self._allocate(sid, seq.tokens, n)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=PICK)
+    def fork(self, i: int) -> None:
+        parent = self.seqs[self._pick(i)]
+        self.kv.fork(self._pick(i), self.next_id)
+        self.seqs[self.next_id] = _Seq(parent.tokens[: parent.computed], parent.computed)
+        self.next_id += 1
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=PICK)
+    def free_or_abort(self, i: int) -> None:
+        sid = self._pick(i)
+        self.kv.free(sid)
+        del self.seqs[sid]
+        assert not self.kv.has_seq(sid)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=PICK, chunk=st.integers(1, 16))
+    def preempt_and_readmit(self, i: int, chunk: int) -> None:
+        sid = self._pick(i)
+        tokens = self.seqs.pop(sid).tokens
+        self.kv.free(sid)
+        self._admit(tokens, chunk, None)
+
+    @rule()
+    def reset(self) -> None:
+        in_use = any(self.kv.block_table(s) for s in self.seqs)
+        before = self.kv.cached_keys()
+        ok = self.kv.reset_prefix_cache()
+        assert ok == (not in_use)
+        assert self.kv.cached_keys() == ([] if ok else before)
+
+    # ---- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def events_rebuild_the_cached_key_set(self) -> None:
+        for event in self.kv.drain_events():
+            assert event.seq == self.next_event_seq
+            self.next_event_seq += 1
+            if isinstance(event, BlockStored):
+                assert len(event.keys) == len(event.token_ids) and event.block_size == self.bs
+                assert self.index.isdisjoint(event.keys)
+                self.index.update(event.keys)
+            elif isinstance(event, BlockRemoved):
+                assert self.index.issuperset(event.keys)
+                self.index.difference_update(event.keys)
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                self.index.clear()
+        assert self.index == set(self.kv.cached_keys())
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        kv, pool = self.kv, self.kv._pool
+        kv.check_invariants()
+        holders = Counter(b for s in self.seqs for b in kv.block_table(s))
+        assert all(b.ref_cnt == holders[b.block_id] for b in pool.blocks)
+        queued = [b.block_id for b in pool.free_queue]
+        assert not set(queued) & set(holders)
+        assert len(queued) + len(holders) == kv.num_blocks == len(pool.blocks)
+        assert kv.num_free_blocks() == len(queued) == kv.stats().free_blocks
+
+    @invariant()
+    def every_sequence_reads_back_its_tokens(self) -> None:
+        bs = self.bs
+        for sid, seq in self.seqs.items():
+            table = self.kv.block_table(sid)
+            assert len(table) == -(-seq.computed // bs)
+            got = [self.mem[table[p // bs] * bs + p % bs] for p in range(seq.computed)]
+            assert got == seq.tokens[: seq.computed], f"seq {sid} reads back wrong tokens"
+        for block in self.kv._pool.cached.values():
+            slots = self.mem[block.block_id * bs : (block.block_id + 1) * bs]
+            assert tuple(slots) == block.token_ids, f"cached {block} holds other tokens"
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_kv_manager_properties = KVMachine.TestCase
