@@ -1,0 +1,229 @@
+"""Paged attention backends against a dense float64 reference.
+
+Each scenario writes the cached prefix K/V of every sequence into shuffled physical blocks
+(shared prefix blocks written once), then runs one backend step over the new tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from worker.attention import (
+    BackendUnavailableError,
+    UnknownBackendError,
+    available_backends,
+    backend_names,
+    create_backend,
+)
+from worker.model.inputs import ModelInput, SeqChunk
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+
+
+@dataclass
+class Scenario:
+    meta_input: ModelInput  # the step's batch
+    k_cache: torch.Tensor  # caches holding every sequence's cached prefix
+    v_cache: torch.Tensor
+    q: torch.Tensor  # new tokens' q/k/v
+    k: torch.Tensor
+    v: torch.Tensor
+    full_k: list[torch.Tensor]  # per sequence: K/V of the whole context (prefix + new)
+    full_v: list[torch.Tensor]
+
+
+def make_scenario(
+    specs: list[tuple[int, int]],
+    block_size: int,
+    shared_prefix_blocks: int = 0,
+    seed: int = 0,
+    dtype=torch.float32,
+    device="cpu",
+) -> Scenario:
+    """``specs``: (cached prefix length, new tokens) per sequence. The first
+    ``shared_prefix_blocks`` blocks of every sequence whose prefix covers them are the same
+    physical blocks with the same content."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(-(-(p + n) // block_size) for p, n in specs) + 4
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(shared_prefix_blocks)]
+    shared_len = shared_prefix_blocks * block_size
+    shared_k = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
+    shared_v = torch.randn(shared_len, KV_HEADS, HEAD_DIM, generator=gen)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    k_cache = rand(num_blocks, block_size, KV_HEADS, HEAD_DIM)  # garbage outside any context
+    v_cache = rand(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    chunks, full_k, full_v, new_q, new_k, new_v = [], [], [], [], [], []
+    for prefix, new in specs:
+        uses_shared = prefix >= shared_len > 0
+        table = list(shared) if uses_shared else []
+        while len(table) * block_size < prefix + new:
+            table.append(free.pop())
+        ctx_k, ctx_v = (
+            rand(prefix + new, KV_HEADS, HEAD_DIM),
+            rand(prefix + new, KV_HEADS, HEAD_DIM),
+        )
+        if uses_shared:
+            ctx_k[:shared_len], ctx_v[:shared_len] = shared_k, shared_v
+        for pos in range(prefix):  # the cached prefix is already in the paged cache
+            block, off = table[pos // block_size], pos % block_size
+            k_cache[block, off], v_cache[block, off] = ctx_k[pos], ctx_v[pos]
+        chunks.append(SeqChunk([0] * new, prefix, table))
+        full_k.append(ctx_k)
+        full_v.append(ctx_v)
+        new_q.append(rand(new, HEADS, HEAD_DIM))
+        new_k.append(ctx_k[prefix:])
+        new_v.append(ctx_v[prefix:])
+
+    def to(t):
+        return t.to(device=device, dtype=dtype)
+
+    return Scenario(
+        ModelInput.build(chunks, block_size, device),
+        to(k_cache),
+        to(v_cache),
+        to(torch.cat(new_q)),
+        to(torch.cat(new_k)),
+        to(torch.cat(new_v)),
+        full_k,
+        full_v,
+    )
+
+
+def dense_reference(sc: Scenario, window: int | None = None) -> torch.Tensor:
+    """Plain causal softmax attention per sequence in float64 on contiguous K/V."""
+    outs = []
+    q_all = sc.q.double().cpu()
+    starts = sc.meta_input.query_start_loc.tolist()
+    for i, (ck, cv) in enumerate(zip(sc.full_k, sc.full_v, strict=True)):
+        q = q_all[starts[i] : starts[i + 1]]  # [n, H, d]
+        n, length = q.shape[0], ck.shape[0]
+        k = ck.double().repeat_interleave(HEADS // KV_HEADS, dim=1)  # [L, H, d]
+        v = cv.double().repeat_interleave(HEADS // KV_HEADS, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q, k) * HEAD_DIM**-0.5
+        q_pos = torch.arange(length - n, length)[:, None]
+        k_pos = torch.arange(length)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def run_backend(name: str, sc: Scenario, window: int | None = None) -> torch.Tensor:
+    backend = create_backend(
+        name,
+        device=sc.q.device,
+        block_size=sc.k_cache.shape[1],
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        scale=HEAD_DIM**-0.5,
+    )
+    meta = sc.meta_input.attention_metadata()
+    return backend.forward(sc.q, sc.k, sc.v, sc.k_cache, sc.v_cache, backend.prepare(meta), window)
+
+
+# (cached prefix, new tokens): fresh prefill, decodes, chunk on a cached prefix, long prefill
+MIXED = [(0, 13), (20, 1), (37, 1), (32, 5), (3, 30), (16, 16)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_backend_matches_dense_reference(block_size, window):
+    sc = make_scenario(MIXED, block_size, seed=block_size)
+    out = run_backend("torch", sc, window)
+    torch.testing.assert_close(out.double(), dense_reference(sc, window), atol=1e-5, rtol=0)
+
+
+def test_shared_prefix_blocks_are_read_by_every_sharer():
+    specs = [(16, 1), (16, 4), (24, 1), (17, 3)]  # all cover the 2 shared 8-token blocks
+    sc = make_scenario(specs, block_size=8, shared_prefix_blocks=2, seed=7)
+    tables = sc.meta_input.block_tables
+    assert (tables[:, :2] == tables[0, :2]).all()  # really the same physical blocks
+    out = run_backend("torch", sc)
+    torch.testing.assert_close(out.double(), dense_reference(sc), atol=1e-5, rtol=0)
+
+
+def test_new_kv_are_written_at_slot_mapping_and_nothing_else():
+    sc = make_scenario(MIXED, block_size=4, seed=3)
+    before_k, before_v = sc.k_cache.clone(), sc.v_cache.clone()
+    run_backend("torch", sc)
+    slots = sc.meta_input.slot_mapping
+    flat_k, flat_v = (
+        sc.k_cache.view(-1, KV_HEADS, HEAD_DIM),
+        sc.v_cache.view(-1, KV_HEADS, HEAD_DIM),
+    )
+    assert torch.equal(flat_k[slots], sc.k) and torch.equal(flat_v[slots], sc.v)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat_k[untouched], before_k.view_as(flat_k)[untouched])
+    assert torch.equal(flat_v[untouched], before_v.view_as(flat_v)[untouched])
+
+
+def test_chunked_prefill_equals_one_shot_prefill():
+    """Prefilling 29 tokens as chunks 8+8+13 on top of the growing cache gives the same
+    outputs as one 29-token prefill."""
+    one = make_scenario([(0, 29)], block_size=4, seed=11)
+    expected = run_backend("torch", one)
+    k_cache, v_cache = torch.zeros_like(one.k_cache), torch.zeros_like(one.v_cache)
+    table = one.meta_input.block_tables[0].tolist()
+    backend = create_backend(
+        "torch",
+        device="cpu",
+        block_size=4,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        scale=HEAD_DIM**-0.5,
+    )
+    outs, done = [], 0
+    for n in (8, 8, 13):
+        batch = ModelInput.build([SeqChunk([0] * n, done, table)], 4)
+        rows = slice(done, done + n)
+        prepared = backend.prepare(batch.attention_metadata())
+        outs.append(
+            backend.forward(one.q[rows], one.k[rows], one.v[rows], k_cache, v_cache, prepared)
+        )
+        done += n
+    torch.testing.assert_close(torch.cat(outs), expected, atol=1e-6, rtol=0)
+
+
+def test_unknown_backend_lists_valid_names():
+    with pytest.raises(UnknownBackendError, match="'nope'.*valid names: torch, triton"):
+        create_backend(
+            "nope",
+            device="cpu",
+            block_size=16,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            scale=0.25,
+        )
+    assert backend_names() == ["torch", "triton"]
+
+
+def test_triton_backend_unavailable_on_cpu_says_why():
+    assert available_backends("cpu") == ["torch"]
+    with pytest.raises(
+        BackendUnavailableError, match="'triton'.*needs a CUDA device.*usable here: torch"
+    ):
+        create_backend(
+            "triton",
+            device="cpu",
+            block_size=16,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            scale=0.25,
+        )

@@ -1,0 +1,99 @@
+"""The Triton paged-attention backend against the torch backend and the dense reference.
+
+On CUDA (``-m cuda``): kernel vs torch backend, and a whole-model comparison. Without CUDA,
+if the ``triton`` package is installed, the same kernel runs in Triton's CPU interpreter in a
+subprocess (the interpreter must be chosen before the kernel module is imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.model.test_paged_attention import MIXED, dense_reference, make_scenario, run_backend
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_torch_backend_on_cuda(block_size, window, dtype):
+    sc = make_scenario(
+        MIXED, block_size, shared_prefix_blocks=1, seed=2, dtype=dtype, device="cuda"
+    )
+    k0, v0 = sc.k_cache.clone(), sc.v_cache.clone()
+    expected = run_backend("torch", sc, window)
+    sc.k_cache.copy_(k0)
+    sc.v_cache.copy_(v0)
+    got = run_backend("triton", sc, window)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(got.double().cpu(), dense_reference(sc, window), atol=tol, rtol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_runner_with_triton_matches_torch_on_cuda(family, model_dirs):
+    from tests.model.helpers import BlockHandout
+    from worker.model.runner import ModelRunner, SeqChunk
+
+    results = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(
+            model_dirs[family], device="cuda", block_size=16, num_blocks=32, attn_backend=backend
+        )
+        blocks = BlockHandout(runner.num_blocks)
+        tables = [blocks.table(n + 1, 16) for n in (5, 40)]
+        prefill = [SeqChunk(list(range(7, 7 + n)), 0, t, "all") for n, t in zip((5, 40), tables)]
+        first = runner.execute(runner.build_input(prefill))
+        decode = [SeqChunk([9], n, t) for n, t in zip((5, 40), tables)]
+        results[backend] = torch.cat([first, runner.execute(runner.build_input(decode))])
+    torch.testing.assert_close(results["triton"], results["torch"], atol=1e-4, rtol=0)
+
+
+@needs_triton
+def test_triton_kernel_in_cpu_interpreter():
+    script = textwrap.dedent(
+        """
+        import torch
+        from tests.model.test_paged_attention import MIXED, dense_reference, make_scenario
+        from worker.attention.base import write_kv
+        from worker.attention.triton_kernel import paged_attention
+        for block_size, window in ((16, None), (16, 6), (32, None)):
+            sc = make_scenario(MIXED, block_size, shared_prefix_blocks=1, seed=block_size)
+            meta = sc.meta_input.attention_metadata()
+            write_kv(sc.k, sc.v, sc.k_cache, sc.v_cache, meta.slot_mapping)
+            out = paged_attention(sc.q, sc.k_cache, sc.v_cache, meta.block_tables, meta.seq_lens,
+                                  meta.query_start_loc, meta.max_query_len, 16 ** -0.5, window)
+            err = (out.double() - dense_reference(sc, window)).abs().max().item()
+            assert err < 1e-5, (block_size, window, err)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
