@@ -1,0 +1,127 @@
+"""KV events as the index sees them, and the recorder that samples every k-th block key.
+
+The index does not import the KV manager: any object whose class is named ``BlockStored``,
+``BlockRemoved`` or ``AllBlocksCleared`` (or that has a ``kind`` attribute with one of those
+names) and carries the attributes of the protocols below is accepted.
+
+A :class:`Recorder` turns events into :data:`Op` s on the keys the index records. With
+``record_every == 1`` that is every key. With ``k > 1`` it records the key of block ``j`` only
+when ``(j + 1) % k == 0``: since keys are chained, holding that key means holding blocks
+``0..j``, so a lookup stays exact at multiples of ``k``. Events do not carry block positions,
+so the recorder derives them from ``parent`` (``None`` is block 0) and remembers the position
+of every cached key of its worker (one dict entry per cached block). A stored key whose parent
+it never saw is not recorded (a lookup may under-count, never over-count).
+
+Recording is idempotent: replaying events already seen yields the same ops and state, so a
+caller may retry ``apply_events`` with the same batch after an outage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal, Protocol
+
+from worker.kv.hashing import BlockKey
+
+OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
+Op = tuple[OpKind, tuple[BlockKey, ...]]
+"""One recorded change: ("S", keys) stored, ("R", keys) removed, ("C", ()) all cleared."""
+
+
+class BlockStoredLike(Protocol):
+    seq: int
+    keys: tuple[BlockKey, ...]  # chain order: keys[i]'s parent is keys[i-1]
+    parent: BlockKey | None  # parent of keys[0]; None when keys[0] is block 0
+    block_size: int
+
+
+class BlockRemovedLike(Protocol):
+    seq: int
+    keys: tuple[BlockKey, ...]
+
+
+class AllBlocksClearedLike(Protocol):
+    seq: int
+
+
+_KINDS: dict[str, OpKind] = {
+    "BlockStored": "S",
+    "BlockRemoved": "R",
+    "AllBlocksCleared": "C",
+    "stored": "S",
+    "removed": "R",
+    "cleared": "C",
+}
+
+
+def event_kind(event: object) -> OpKind:
+    """``"S"``, ``"R"`` or ``"C"`` for a KV event; ``TypeError`` for anything else."""
+    name = getattr(event, "kind", None) or type(event).__name__
+    kind = _KINDS.get(str(name))
+    if kind is None:
+        raise TypeError(
+            f"not a KV event: {event!r} (expected BlockStored, BlockRemoved or AllBlocksCleared)"
+        )
+    return kind
+
+
+class Recorder:
+    """Per-worker conversion of KV events into ops on recorded keys. Not thread-safe."""
+
+    __slots__ = ("record_every", "_pos")
+
+    def __init__(self, record_every: int = 1) -> None:
+        assert record_every >= 1
+        self.record_every = record_every
+        self._pos: dict[BlockKey, int] = {}  # position of each cached key (k > 1 only)
+
+    def reset(self) -> None:
+        """Forget every position (a new registration starts from an empty cache)."""
+        self._pos.clear()
+
+    def _recorded_position(self, pos: int | None) -> bool:
+        return pos is not None and (pos + 1) % self.record_every == 0
+
+    def record(self, events: Iterable[object]) -> list[Op]:
+        ops: list[Op] = []
+        k = self.record_every
+        for event in events:
+            kind = event_kind(event)
+            if kind == "C":
+                self._pos.clear()
+                ops.append(("C", ()))
+                continue
+            keys: Sequence[BlockKey] = event.keys  # type: ignore[attr-defined]
+            if k == 1:
+                ops.append((kind, tuple(keys)))
+            elif kind == "S":
+                ops.append(("S", self._stored(event.parent, keys)))  # type: ignore[attr-defined]
+            else:
+                # Unknown keys are sent too: they may have been recorded before a replay.
+                gone = tuple(key for key in keys if self._pos.pop(key, -1) % k == k - 1)
+                ops.append(("R", gone))
+        return [op for op in ops if op[0] == "C" or op[1]]
+
+    def _stored(self, parent: BlockKey | None, keys: Sequence[BlockKey]) -> tuple[BlockKey, ...]:
+        pos = -1 if parent is None else self._pos.get(parent)
+        out = []
+        for key in keys:
+            pos = None if pos is None else pos + 1
+            if pos is None:
+                pos = self._pos.get(key)  # parent unknown: keep what a replay already knew
+            else:
+                self._pos[key] = pos
+            if self._recorded_position(pos):
+                out.append(key)
+        return tuple(out)
+
+    def recorded(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """The subset of a worker's cached keys that the index records."""
+        if self.record_every == 1:
+            return list(keys)
+        return [key for key in keys if self._recorded_position(self._pos.get(key))]
+
+
+def sampled(keys: Sequence[BlockKey], record_every: int) -> Sequence[BlockKey]:
+    """Keys of a prompt at recorded positions ``k-1, 2k-1, ...``."""
+    return keys if record_every == 1 else keys[record_every - 1 :: record_every]

@@ -1,0 +1,229 @@
+"""KVIndex: the synchronous, thread-safe client of the global KV block index."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+import redis
+
+from kvstore import scripts
+from kvstore.config import IndexConfig, make_client
+from kvstore.events import Op, Recorder, sampled
+from kvstore.types import ApplyResult, IndexFull, IndexUnavailable, WorkerInfo, WorkerLoad
+from worker.kv.hashing import KEY_BYTES, BlockKey
+
+T = TypeVar("T")
+
+# Redis answers that mean "not available right now" rather than "bad request".
+_UNAVAILABLE_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def key_blob(keys: Sequence[BlockKey]) -> bytes:
+    """Concatenated 16-byte keys: how keys travel to the scripts (one argument, not n)."""
+    blob = b"".join(keys)
+    if len(blob) != KEY_BYTES * len(keys):
+        raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+    return blob
+
+
+def encode_ops(ops: Iterable[Op]) -> list[bytes]:
+    """Script arguments for ops: (kind, blob) pairs, consecutive ops of a kind merged."""
+    args: list[bytes] = []
+    run_kind: str | None = None
+    run: list[BlockKey] = []
+    for kind, keys in ops:
+        if kind != run_kind or kind == "C":
+            if run_kind is not None:
+                args += [run_kind.encode(), key_blob(run)]
+            run_kind, run = kind, []
+        run.extend(keys)
+    if run_kind is not None:
+        args += [run_kind.encode(), key_blob(run)]
+    return args
+
+
+def decode_lookup(reply: list, record_every: int) -> dict[str, int]:
+    return {reply[i].decode(): int(reply[i + 1]) * record_every for i in range(0, len(reply), 2)}
+
+
+def decode_live(reply: list) -> dict[str, WorkerInfo]:
+    out: dict[str, WorkerInfo] = {}
+    for i in range(0, len(reply), 3):
+        worker_id = reply[i].decode()
+        epoch = int(reply[i + 1].split(b":")[1])
+        payload = json.loads(reply[i + 2])
+        out[worker_id] = WorkerInfo(
+            worker_id, epoch, WorkerLoad.from_dict(payload["l"]), payload.get("a")
+        )
+    return out
+
+
+def decode_apply(reply: list) -> ApplyResult:
+    code = int(reply[0])
+    if code == 0:
+        return ApplyResult(True, False, added=int(reply[1]), removed=int(reply[2]))
+    if code == -1:
+        return ApplyResult(False, True, stale_epoch=True)
+    if code == -2:
+        return ApplyResult(False, False, duplicate=True)
+    assert code == -3, f"unexpected apply reply {reply!r}"
+    return ApplyResult(False, True)
+
+
+def heartbeat_payload(address: str | None, load: WorkerLoad | None) -> bytes:
+    load_dict = load.to_dict() if load is not None else WorkerLoad(0, 0, 0, 0, 0).to_dict()
+    return json.dumps({"a": address, "l": load_dict}, separators=(",", ":")).encode()
+
+
+def check_worker_id(worker_id: str) -> None:
+    if not worker_id or any(ch in worker_id for ch in "\n\r\0{}"):
+        raise ValueError(f"worker id {worker_id!r} must be non-empty, without newlines or braces")
+
+
+class KVIndex:
+    """Which worker holds which KV blocks, in Redis. Safe to share between threads.
+
+    Every method is one round trip (one Lua script) except :meth:`purge_dead`, and raises
+    :class:`IndexUnavailable` when Redis is down or slower than the configured timeouts.
+    """
+
+    def __init__(self, config: IndexConfig) -> None:
+        self.config = config
+        self._client = make_client(config)
+        self._reg_key = config.namespace + "reg"
+        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "LOOKUP", "LIVE",
+                 "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
+        self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
+        self._recorders: dict[str, Recorder] = {}
+        self._addresses: dict[str, str | None] = {}  # published with each heartbeat
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> redis.Redis:
+        return self._client
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _run(self, name: str, *args: object) -> object:
+        return _guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
+
+    def recorder(self, worker_id: str) -> Recorder:
+        """The recorder that samples this worker's keys (see :mod:`kvstore.events`)."""
+        with self._lock:
+            rec = self._recorders.get(worker_id)
+            if rec is None:
+                rec = self._recorders[worker_id] = Recorder(self.config.record_every)
+            return rec
+
+    # -- worker side -------------------------------------------------------------------
+
+    def register(
+        self, worker_id: str, address: str | None = None, load: WorkerLoad | None = None
+    ) -> int:
+        """Start a new registration and return its epoch (larger than any before for this id).
+
+        Entries of the previous epoch are ignored from now on and purged later; the caller
+        then publishes its whole key set with :meth:`resync` (batch_seq 1) or events from 1.
+        """
+        check_worker_id(worker_id)
+        ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
+        payload = heartbeat_payload(address, load)
+        try:
+            epoch, _slot = self._run("REGISTER", worker_id, ttl_ms, payload)
+        except redis.ResponseError as exc:
+            if "KVC_FULL" in str(exc):
+                raise IndexFull(f"{exc}; run purge_dead() or use fewer workers") from None
+            raise
+        self._addresses[worker_id] = address
+        self.recorder(worker_id).reset()
+        return int(epoch)
+
+    def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:
+        """Refresh the worker's liveness (TTL ``heartbeat_ttl_s``) and publish its load.
+
+        Returns False when ``epoch`` is no longer current (superseded, deregistered or purged
+        after a missed heartbeat): the worker must :meth:`register` again and resync.
+        """
+        ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
+        payload = heartbeat_payload(self._addresses.get(worker_id), load)
+        return bool(self._run("HEARTBEAT", worker_id, epoch, ttl_ms, payload))
+
+    def apply_events(
+        self, worker_id: str, epoch: int, batch_seq: int, events: Iterable[object]
+    ) -> ApplyResult:
+        """Apply a batch of KV events atomically; batches must be numbered 1, 2, 3, ...
+
+        A gap in ``batch_seq`` or a stale epoch changes nothing and returns
+        ``needs_resync=True``; a batch_seq already applied is a harmless duplicate.
+        """
+        return self.apply_ops(worker_id, epoch, batch_seq, self.recorder(worker_id).record(events))
+
+    def apply_ops(self, worker_id: str, epoch: int, batch_seq: int, ops: list[Op]) -> ApplyResult:
+        """:meth:`apply_events` for ops already passed through :meth:`recorder`."""
+        reply = self._run("APPLY", worker_id, epoch, batch_seq, *encode_ops(ops))
+        return decode_apply(reply)  # type: ignore[arg-type]
+
+    def resync(self, worker_id: str, epoch: int, batch_seq: int, keys: Iterable[BlockKey]) -> bool:
+        """Replace the worker's whole key set atomically; later batches continue at batch_seq+1.
+
+        Returns False when ``epoch`` is stale (register again first).
+        """
+        blob = key_blob(self.recorder(worker_id).recorded(keys))
+        reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob)
+        return int(reply[0]) == 0  # type: ignore[index]
+
+    def deregister(self, worker_id: str, epoch: int) -> None:
+        """End a registration: its entries are ignored at once and purged later."""
+        self._run("DEREGISTER", worker_id, epoch)
+
+    # -- router side -------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> dict[str, int]:
+        """For every live worker, how many leading blocks of ``keys`` (a prompt's chained
+        keys, block 0 first) it holds, in blocks; a multiple of ``record_every``."""
+        k = self.config.record_every
+        reply = self._run("LOOKUP", key_blob(sampled(keys, k)))
+        return decode_lookup(reply, k)  # type: ignore[arg-type]
+
+    def live_workers(self) -> dict[str, WorkerInfo]:
+        """Current registrations with a live heartbeat, with their latest load."""
+        return decode_live(self._run("LIVE"))  # type: ignore[arg-type]
+
+    def purge_dead(self, max_workers: int = 64, chunk: int = 2000) -> int:
+        """Remove the entries of up to ``max_workers`` dead or superseded registrations and
+        free their slots; returns how many were purged completely.
+
+        Walks the registry, never the keyspace; each script call removes at most ``chunk``
+        entries so Redis stays responsive. Safe to run concurrently from several processes.
+        """
+        found = self._run("PURGE_SCAN", max_workers)
+        done = 0
+        for i in range(0, len(found), 2):  # type: ignore[arg-type]
+            slot, record = found[i], found[i + 1]  # type: ignore[index]
+            while (left := int(self._run("PURGE_SLOT", slot, record, chunk))) > 0:  # type: ignore[arg-type]
+                pass
+            done += left == 0
+        return done
+
+    def ping(self) -> None:
+        _guard(self._client.ping)
+
+    def memory_used(self) -> int:
+        """``used_memory`` of the Redis server in bytes (for benchmarks and operators)."""
+        return int(_guard(lambda: self._client.info("memory"))["used_memory"])
+
+
+def _guard(call: Callable[[], T]) -> T:
+    """Run a redis-py call, turning outages and timeouts into :class:`IndexUnavailable`."""
+    try:
+        return call()
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise IndexUnavailable(f"Redis index unavailable: {exc}") from exc
+    except redis.ResponseError as exc:
+        if str(exc).split(" ", 1)[0] in _UNAVAILABLE_REPLIES:
+            raise IndexUnavailable(f"Redis index unavailable: {exc}") from exc
+        raise

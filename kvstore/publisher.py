@@ -1,0 +1,310 @@
+"""WorkerPublisher: ships a worker's KV events and load to the index from a background thread.
+
+The engine's step loop only calls :meth:`WorkerPublisher.submit`, which appends to an inbox
+under a lock held for O(1) and never touches Redis. The thread:
+
+1. drains the inbox through the worker's :class:`~kvstore.events.Recorder` into an outbox
+   of ops (always, even during an outage, so recorded positions stay right);
+2. registers if it has no epoch, resyncs if needed, applies the outbox in batches (one round
+   trip each, numbered 1, 2, ...), heartbeats every ``heartbeat_ttl_s / 4`` and soon after
+   the load changes, and now and then purges dead registrations;
+3. on :class:`IndexUnavailable` keeps the outbox (bounded by ``max_buffer_events``; on
+   overflow it drops it and marks a resync) and retries with backoff. When Redis answers
+   again, a lost registration (Redis restarted empty, or this worker was purged) is replaced
+   by a new epoch, and a resync from ``list_cached_keys()`` restores the worker's entries.
+
+``list_cached_keys`` is called from the publisher thread; it must be safe to call while the
+engine runs (e.g. take the engine's lock or read a snapshot). Events submitted after the
+snapshot are applied on top of it, so the index converges to the pool's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from kvstore.events import Op
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
+from worker.kv.hashing import BlockKey
+
+Item = tuple[list[Op], int]  # ops recorded from one submit() call, number of events in it
+
+
+class WorkerPublisher:
+    """Publishes one worker's KV events and load; see the module docstring."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        worker_id: str,
+        list_cached_keys: Callable[[], Sequence[BlockKey]],
+        *,
+        address: str | None = None,
+        max_buffer_events: int = 100_000,
+        max_batch_keys: int = 20_000,
+        purge_interval_s: float | None = 10.0,
+        max_backoff_s: float = 1.0,
+    ) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.address = address
+        self._list_cached_keys = list_cached_keys
+        self._max_buffer = max_buffer_events
+        self._max_batch_keys = max_batch_keys
+        self._purge_interval_s = purge_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._heartbeat_interval_s = index.config.heartbeat_ttl_s / 4
+        self._recorder = index.recorder(worker_id)
+        # shared between submit() and the thread, under _lock
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence[object]] = []
+        self._inbox_events = 0
+        self._inbox_overflow = False
+        self._load = _IDLE
+        self._stats = PublisherStats()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # owned by the thread
+        self._outbox: deque[Item] = deque()
+        self._outbox_events = 0
+        self._inflight: tuple[int, list[Item]] | None = None  # (batch_seq, items) being sent
+        self._resync_due = False
+        self._seq = 0
+        self._epoch: int | None = None
+        self._sent_load: WorkerLoad | None = None
+        self._last_heartbeat = 0.0
+        self._last_purge = time.monotonic()
+        self._retry_at = 0.0
+        self._backoff_s = 0.05
+        self._healthy = False
+        self._thread: threading.Thread | None = None
+
+    # -- called by the engine ----------------------------------------------------------
+
+    def submit(self, events: Sequence[object], load: WorkerLoad) -> None:
+        """Queue a step's events and current load. Never waits on Redis."""
+        with self._lock:
+            self._load = load
+            self._stats.events_submitted += len(events)
+            if events:
+                if self._inbox_events + len(events) > self._max_buffer:
+                    self._stats.events_dropped += len(events)
+                    self._inbox_overflow = True
+                else:
+                    self._inbox.append(events)
+                    self._inbox_events += len(events)
+        self._wake.set()
+
+    @property
+    def epoch(self) -> int | None:
+        """Current registration epoch, None before the first successful register()."""
+        return self._epoch
+
+    @property
+    def healthy(self) -> bool:
+        """True when the last attempt to reach Redis succeeded."""
+        return self._healthy
+
+    @property
+    def stats(self) -> PublisherStats:
+        """A copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def start(self) -> None:
+        assert self._thread is None, "start() called twice"
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-publisher-{self.worker_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, *, deregister: bool = True, timeout_s: float = 2.0) -> None:
+        """Try a last flush, end the thread and deregister (entries ignored at once)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._thread = None
+        if deregister and self._epoch is not None:
+            with contextlib.suppress(IndexUnavailable):
+                self.index.deregister(self.worker_id, self._epoch)
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until everything submitted so far (events and load) is in Redis; False on
+        timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                pending = self._inbox or self._inbox_overflow or self._load != self._sent_load
+            if not pending and self._synced():
+                return True
+            self._wake.set()
+            time.sleep(0.005)
+        return False
+
+    def _synced(self) -> bool:
+        return (
+            self._healthy
+            and self._epoch is not None
+            and not self._resync_due
+            and not self._outbox
+            and self._inflight is None
+        )
+
+    # -- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            self._drain()
+            now = time.monotonic()
+            if now >= self._retry_at or stopping:
+                try:
+                    self._sync(now)
+                    self._healthy = True
+                    self._backoff_s = 0.05
+                except IndexUnavailable:
+                    self._healthy = False
+                    with self._lock:
+                        self._stats.errors += 1
+                    self._retry_at = time.monotonic() + self._backoff_s
+                    self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+            if stopping:
+                return
+            wait = self._heartbeat_interval_s
+            if not self._healthy:
+                wait = max(0.0, self._retry_at - time.monotonic())
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _drain(self) -> None:
+        """Inbox -> recorder -> outbox. Runs whatever Redis's state, so positions stay right."""
+        with self._lock:
+            submitted, self._inbox, self._inbox_events = self._inbox, [], 0
+            overflow, self._inbox_overflow = self._inbox_overflow, False
+        if overflow:
+            self._drop_outbox()
+        applied = 0
+        for events in submitted:
+            ops = self._recorder.record(events)
+            if ops:
+                self._outbox.append((ops, len(events)))
+                self._outbox_events += len(events)
+            else:
+                applied += len(events)  # nothing recorded: nothing to send
+        self._count(events_applied=applied)
+        if self._outbox_events > self._max_buffer:
+            self._drop_outbox()
+
+    def _drop_outbox(self) -> None:
+        """Forget buffered ops: the next sync replaces the worker's key set from its pool."""
+        self._count(events_dropped=self._outbox_events)
+        self._outbox.clear()
+        self._outbox_events = 0
+        self._resync_due = True
+
+    def _count(self, **increments: int) -> None:
+        with self._lock:
+            for name, n in increments.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def _sync(self, now: float) -> None:
+        for _ in range(3):  # a registration lost meanwhile restarts the round (bounded)
+            if self._epoch is None:
+                self._register()
+            if self._resync_due and not self._resync():
+                continue
+            if self._apply_outbox():
+                break
+        self._maybe_heartbeat(now)
+        self._maybe_purge(now)
+
+    def _register(self) -> None:
+        self._epoch = self.index.register(self.worker_id, self.address, self._current_load())
+        self._seq = 0
+        self._inflight = None
+        self._resync_due = True
+        self._last_heartbeat = time.monotonic()
+        self._count(registrations=1)
+
+    def _resync(self) -> bool:
+        """Send the pool's whole key set; False if the epoch went stale."""
+        assert self._epoch is not None
+        self._seq += 1
+        if not self.index.resync(self.worker_id, self._epoch, self._seq, self._list_cached_keys()):
+            self._epoch = None
+            return False
+        self._resync_due = False
+        self._count(resyncs=1)
+        return True
+
+    def _apply_outbox(self) -> bool:
+        """Send the outbox in batches; False if the epoch went stale (register again)."""
+        assert self._epoch is not None
+        while self._inflight is not None or self._outbox:
+            if self._inflight is None:  # a batch keeps its seq across retries (dedup)
+                self._seq += 1
+                self._inflight = (self._seq, self._take_batch())
+            seq, items = self._inflight
+            ops = [op for item_ops, _ in items for op in item_ops]
+            result = self.index.apply_ops(self.worker_id, self._epoch, seq, ops)
+            self._inflight = None
+            if result.stale_epoch:
+                self._count(events_dropped=sum(n for _, n in items))
+                self._drop_outbox()
+                self._epoch = None
+                return False
+            if result.needs_resync:  # gap: the pool's snapshot supersedes the buffered ops
+                self._count(events_dropped=sum(n for _, n in items))
+                self._drop_outbox()
+                if not self._resync():
+                    return False
+                continue
+            self._count(events_applied=sum(n for _, n in items), batches=1)
+        return True
+
+    def _take_batch(self) -> list[Item]:
+        items: list[Item] = []
+        keys = 0
+        while self._outbox:
+            size = sum(len(op[1]) for op in self._outbox[0][0])
+            if items and keys + size > self._max_batch_keys:
+                break
+            item = self._outbox.popleft()
+            self._outbox_events -= item[1]
+            items.append(item)
+            keys += size
+        return items
+
+    def _current_load(self) -> WorkerLoad:
+        with self._lock:
+            return self._load
+
+    def _maybe_heartbeat(self, now: float) -> None:
+        load = self._current_load()
+        since = now - self._last_heartbeat
+        if since < self._heartbeat_interval_s and (load == self._sent_load or since < 0.05):
+            return
+        assert self._epoch is not None
+        if not self.index.heartbeat(self.worker_id, self._epoch, load):
+            self._epoch = None  # purged or superseded: the next round registers again
+            self._wake.set()
+            return
+        self._sent_load = load
+        self._last_heartbeat = now
+        self._count(heartbeats=1)
+
+    def _maybe_purge(self, now: float) -> None:
+        if self._purge_interval_s is None or now - self._last_purge < self._purge_interval_s:
+            return
+        self._last_purge = now
+        self._count(purged_workers=self.index.purge_dead(max_workers=8))
+
+
+_IDLE = WorkerLoad(running=0, waiting=0, free_blocks=0, total_blocks=0, queued_prefill_tokens=0)

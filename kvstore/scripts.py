@@ -1,0 +1,304 @@
+"""Lua scripts: every index operation is one atomic server-side call (one round trip).
+
+Conventions shared by all scripts (see :mod:`kvstore.schema` for the keys):
+
+* ``KEYS[1]`` is the registry hash ``<ns>reg``; the namespace is ``KEYS[1]`` minus ``reg``.
+  Other keys share its hash tag, so the scripts also run on Redis Cluster.
+* A slot id travels as decimal text between scripts and as 2 big-endian bytes inside ``blk``
+  values, which are kept sorted so that two blocks held by the same slots have equal values
+  (Lua interns strings, so comparing them is O(1)).
+* Block keys travel as one blob of concatenated 16-byte keys per argument.
+* Batches are cut into chunks of at most ``CH`` keys so ``unpack`` stays under Lua's C stack.
+"""
+
+from __future__ import annotations
+
+_COMMON = r"""
+local ns = string.sub(KEYS[1], 1, -4)
+local CH = 2000
+local function slot_bytes(slot) return string.char(math.floor(slot / 256), slot % 256) end
+-- current registration of a worker: slot (number), epoch (string), or nil
+local function current(wid)
+  local cur = redis.call('HGET', KEYS[1], wid)
+  if not cur then return nil end
+  local slot, epoch = string.match(cur, '^(%d+):(%d+)$')
+  return tonumber(slot), epoch
+end
+local sub, byte, find = string.sub, string.byte, string.find
+-- keys from..to (0-based, exclusive end) of a blob of 16-byte keys, as a table
+local function split(blob, from, to)
+  local ks, n = {}, 0
+  for i = from * 16 + 1, to * 16, 16 do n = n + 1; ks[n] = sub(blob, i, i + 15) end
+  return ks
+end
+-- value with slot s (2 bytes, number n) inserted in sorted order
+local function with_slot(v, s, n)
+  if not v then return s end
+  for j = 1, #v, 2 do
+    local c = byte(v, j) * 256 + byte(v, j + 1)
+    if c == n then return v end
+    if c > n then return sub(v, 1, j - 1) .. s .. sub(v, j) end
+  end
+  return v .. s
+end
+-- position of slot bytes s in v (2-byte aligned), or nil
+local function find_slot(v, s)
+  local i = 1
+  while true do
+    local p = find(v, s, i, true)
+    if not p then return nil end
+    if p % 2 == 1 then return p end
+    i = p + 1
+  end
+end
+-- Invariant kept by every script: key in held:<slot>  <=>  slot in blk[key].
+-- Store keys ks[from..to] for slot (bytes s, number n); returns entries added.
+local function store(blk, held, ks, s, n)
+  local added = 0
+  for c = 1, #ks, CH do
+    local last = math.min(#ks, c + CH - 1)
+    local vals = redis.call('HMGET', blk, unpack(ks, c, last))
+    local set, new, ns_, nn = {}, {}, 0, 0
+    for i = c, last do
+      local v = vals[i - c + 1]
+      if not v or not find_slot(v, s) then
+        ns_ = ns_ + 2; set[ns_ - 1] = ks[i]; set[ns_] = with_slot(v, s, n)
+        nn = nn + 1; new[nn] = ks[i]
+      end
+    end
+    if nn > 0 then
+      redis.call('HSET', blk, unpack(set))
+      added = added + redis.call('SADD', held, unpack(new))
+    end
+  end
+  return added
+end
+-- Remove slot bytes s from keys ks; returns entries removed.
+local function drop(blk, held, ks, s)
+  local removed = 0
+  for c = 1, #ks, CH do
+    local last = math.min(#ks, c + CH - 1)
+    local vals = redis.call('HMGET', blk, unpack(ks, c, last))
+    local set, del, gone, ns_, nd, ng = {}, {}, {}, 0, 0, 0
+    for i = c, last do
+      local v = vals[i - c + 1]
+      local p = v and find_slot(v, s)
+      if p then
+        ng = ng + 1; gone[ng] = ks[i]
+        v = sub(v, 1, p - 1) .. sub(v, p + 2)
+        if v == '' then nd = nd + 1; del[nd] = ks[i] else
+          ns_ = ns_ + 2; set[ns_ - 1] = ks[i]; set[ns_] = v end
+      end
+    end
+    if ns_ > 0 then redis.call('HSET', blk, unpack(set)) end
+    if nd > 0 then redis.call('HDEL', blk, unpack(del)) end
+    if ng > 0 then removed = removed + redis.call('SREM', held, unpack(gone)) end
+  end
+  return removed
+end
+"""
+
+# ARGV: worker_id, ttl_ms, heartbeat payload -> {epoch (text), slot} or error KVC_FULL
+REGISTER = _COMMON + r"""
+local wid = ARGV[1]
+-- epochs grow even across a Redis that lost its data: max(last + 1, server time in ms)
+local t = redis.call('TIME')
+local last = tonumber(redis.call('HGET', ns .. 'epoch', wid) or '0')
+local epoch = math.max(last + 1, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', ns .. 'epoch', wid, string.format('%d', epoch))
+epoch = string.format('%d', epoch)
+local old = current(wid)
+if old then redis.call('DEL', ns .. 'hb:' .. old) end  -- superseded: ignored at once
+local slot = redis.call('SPOP', ns .. 'free')
+if slot then
+  slot = tonumber(slot)
+else
+  slot = redis.call('INCR', ns .. 'nslot') - 1
+  if slot > 65535 then
+    redis.call('DECR', ns .. 'nslot')
+    return redis.error_reply('KVC_FULL all 65536 registration slots are in use')
+  end
+end
+redis.call('HSET', KEYS[1], wid, slot .. ':' .. epoch)
+redis.call('HSET', ns .. 'slots', slot, epoch .. ':' .. wid)
+redis.call('HSET', ns .. 'seq', slot, 0)
+redis.call('DEL', ns .. 'held:' .. slot)
+redis.call('SET', ns .. 'hb:' .. slot, ARGV[3], 'PX', ARGV[2])
+return {epoch, slot}
+"""
+
+# ARGV: worker_id, epoch, ttl_ms, payload -> 1 accepted, 0 stale
+HEARTBEAT = _COMMON + r"""
+local slot, epoch = current(ARGV[1])
+if not slot or epoch ~= ARGV[2] then return 0 end
+redis.call('SET', ns .. 'hb:' .. slot, ARGV[4], 'PX', ARGV[3])
+return 1
+"""
+
+# ARGV: worker_id, epoch -> 1 deregistered, 0 stale. Entries are purged by purge_dead.
+DEREGISTER = _COMMON + r"""
+local slot, epoch = current(ARGV[1])
+if not slot or epoch ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DEL', ns .. 'hb:' .. slot)
+return 1
+"""
+
+# ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs with op in S/R/C
+# -> {0, added, removed} applied | {-1} stale epoch | {-2} duplicate | {-3, last} gap
+APPLY = _COMMON + r"""
+local slot, epoch = current(ARGV[1])
+if not slot or epoch ~= ARGV[2] then return {-1} end
+local last = tonumber(redis.call('HGET', ns .. 'seq', slot) or '0')
+local bseq = tonumber(ARGV[3])
+if bseq <= last then return {-2} end
+if bseq ~= last + 1 then return {-3, last} end
+local blk, held, s = ns .. 'blk', ns .. 'held:' .. slot, slot_bytes(slot)
+local added, removed = 0, 0
+for a = 4, #ARGV, 2 do
+  local op, blob = ARGV[a], ARGV[a + 1]
+  if op == 'C' then
+    removed = removed + drop(blk, held, redis.call('SMEMBERS', held), s)
+  elseif op == 'S' then
+    added = added + store(blk, held, split(blob, 0, #blob / 16), s, slot)
+  else
+    removed = removed + drop(blk, held, split(blob, 0, #blob / 16), s)
+  end
+end
+redis.call('HSET', ns .. 'seq', slot, bseq)
+return {0, added, removed}
+"""
+
+# ARGV: worker_id, epoch, batch_seq, blob of every recorded key the worker holds
+# -> {0, added, removed} | {-1} stale epoch
+RESYNC = _COMMON + r"""
+local slot, epoch = current(ARGV[1])
+if not slot or epoch ~= ARGV[2] then return {-1} end
+local blk, held, s = ns .. 'blk', ns .. 'held:' .. slot, slot_bytes(slot)
+local want = split(ARGV[4], 0, #ARGV[4] / 16)
+local keep = {}
+for _, k in ipairs(want) do keep[k] = true end
+local gone, ng = {}, 0
+for _, k in ipairs(redis.call('SMEMBERS', held)) do
+  if not keep[k] then ng = ng + 1; gone[ng] = k end
+end
+local removed = drop(blk, held, gone, s)
+local added = store(blk, held, want, s, slot)
+redis.call('HSET', ns .. 'seq', slot, ARGV[3])
+return {0, added, removed}
+"""
+
+# ARGV: blob of the prompt's recorded keys, in order
+# -> {worker_id, leading blocks held, ...} for every live worker
+LOOKUP = _COMMON + r"""
+local regs = redis.call('HGETALL', KEYS[1])
+local wids, slots, hbkeys = {}, {}, {}
+for i = 1, #regs, 2 do
+  local slot = string.match(regs[i + 1], '^(%d+):')
+  wids[#wids + 1] = regs[i]
+  slots[#slots + 1] = tonumber(slot)
+  hbkeys[#hbkeys + 1] = ns .. 'hb:' .. slot
+end
+if #wids == 0 then return {} end
+local hb = redis.call('MGET', unpack(hbkeys))
+local live, counts = {}, {}  -- slot bytes -> index into wids; index -> leading blocks
+for i = 1, #wids do
+  if hb[i] then live[slot_bytes(slots[i])] = i; counts[i] = 0 end
+end
+local blob = ARGV[1]
+local n = #blob / 16
+local blk = ns .. 'blk'
+local active, nactive = {}, 0
+local v = redis.call('HGET', blk, sub(blob, 1, 16))
+if v and n > 0 then
+  for j = 1, #v, 2 do
+    local sb = sub(v, j, j + 1)
+    if live[sb] then active[sb] = true; nactive = nactive + 1 end
+  end
+end
+local prev, pos, chunk = v, 1, 64
+while nactive > 0 and pos < n do
+  local to = math.min(n, pos + chunk)
+  local vals = redis.call('HMGET', blk, unpack(split(blob, pos, to)))
+  for i = 1, to - pos do
+    v = vals[i]
+    if v ~= prev then  -- equal values (same holders) are the common case: O(1)
+      for sb in pairs(active) do
+        if not v or not find_slot(v, sb) then
+          counts[live[sb]] = pos + i - 1; active[sb] = nil; nactive = nactive - 1
+        end
+      end
+      if nactive == 0 then break end
+      prev = v
+    end
+  end
+  pos = to
+  chunk = math.min(chunk * 4, 1024)
+end
+for sb in pairs(active) do counts[live[sb]] = n end
+local out = {}
+for i = 1, #wids do
+  if counts[i] then out[#out + 1] = wids[i]; out[#out + 1] = counts[i] end
+end
+return out
+"""
+
+# -> {worker_id, "slot:epoch", heartbeat payload, ...} for every live worker
+LIVE = _COMMON + r"""
+local regs = redis.call('HGETALL', KEYS[1])
+if #regs == 0 then return {} end
+local hbkeys = {}
+for i = 1, #regs, 2 do
+  hbkeys[#hbkeys + 1] = ns .. 'hb:' .. string.match(regs[i + 1], '^(%d+):')
+end
+local hb = redis.call('MGET', unpack(hbkeys))
+local out = {}
+for i = 1, #hbkeys do
+  if hb[i] then
+    out[#out + 1] = regs[2 * i - 1]; out[#out + 1] = regs[2 * i]; out[#out + 1] = hb[i]
+  end
+end
+return out
+"""
+
+# ARGV: max registrations -> {slot, record, ...} of dead ones (superseded, deregistered, or
+# without heartbeat; the latter are unregistered here so their worker must register again)
+PURGE_SCAN = _COMMON + r"""
+local regs = redis.call('HGETALL', KEYS[1])
+local cur = {}
+for i = 1, #regs, 2 do cur[regs[i]] = string.match(regs[i + 1], '^(%d+):') end
+local recs = redis.call('HGETALL', ns .. 'slots')
+local out, max = {}, tonumber(ARGV[1])
+for i = 1, #recs, 2 do
+  if #out >= 2 * max then break end
+  local slot, rec = recs[i], recs[i + 1]
+  local wid = string.match(rec, '^%d+:(.*)$')
+  local dead = cur[wid] ~= slot
+  if not dead and redis.call('EXISTS', ns .. 'hb:' .. slot) == 0 then
+    redis.call('HDEL', KEYS[1], wid)
+    dead = true
+  end
+  if dead then out[#out + 1] = slot; out[#out + 1] = rec end
+end
+return out
+"""
+
+# ARGV: slot, record (as PURGE_SCAN returned it), chunk
+# -> remaining keys (0: slot freed) | -1 the slot was freed or reused meanwhile
+PURGE_SLOT = _COMMON + r"""
+local slot, rec = ARGV[1], ARGV[2]
+if redis.call('HGET', ns .. 'slots', slot) ~= rec then return -1 end
+local wid = string.match(rec, '^%d+:(.*)$')
+local cur = current(wid)
+if cur and tostring(cur) == slot then return -1 end
+local held = ns .. 'held:' .. slot
+drop(ns .. 'blk', held, redis.call('SPOP', held, tonumber(ARGV[3])), slot_bytes(tonumber(slot)))
+local left = redis.call('SCARD', held)
+if left == 0 then
+  redis.call('HDEL', ns .. 'slots', slot)
+  redis.call('HDEL', ns .. 'seq', slot)
+  redis.call('DEL', ns .. 'hb:' .. slot)
+  redis.call('SADD', ns .. 'free', slot)
+end
+return left
+"""

@@ -1,0 +1,76 @@
+"""Result and value types of the index, and its typed errors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class IndexUnavailable(Exception):
+    """Redis could not be reached or did not answer in time; the index state is unknown.
+
+    Routers fall back to load-only placement; workers buffer and resync later.
+    """
+
+
+class IndexFull(Exception):
+    """All 65,536 registration slots are taken by live or not yet purged registrations."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What a worker reports with each heartbeat."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences admitted but waiting for KV blocks or a prefill slot
+    free_blocks: int  # KV blocks free (or evictable) right now
+    total_blocks: int  # KV blocks in the pool
+    queued_prefill_tokens: int  # prompt tokens still to prefill over all queued sequences
+    decode_tokens: int = 0  # tokens decoded per step by the running batch
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerLoad:
+        return cls(**{name: int(data[name]) for name in _LOAD_FIELDS if name in data})
+
+
+_LOAD_FIELDS = tuple(WorkerLoad.__dataclass_fields__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A live registration as the router sees it."""
+
+    worker_id: str  # stable name of the worker (e.g. its Ray actor name)
+    epoch: int  # registration number; a restart gets a larger one
+    load: WorkerLoad  # load from the latest heartbeat
+    address: str | None  # how to reach the worker, if it published one
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """Outcome of one batch of KV events."""
+
+    applied: bool  # the batch changed the index (False for duplicates and rejected batches)
+    needs_resync: bool  # the caller must resync its whole key set before the next batch
+    stale_epoch: bool = False  # the epoch was superseded or purged: register again first
+    duplicate: bool = False  # batch_seq was already applied (a retry): nothing to do
+    added: int = 0  # (block, worker) entries added
+    removed: int = 0  # (block, worker) entries removed
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    """Counters of a :class:`~kvstore.publisher.WorkerPublisher` (a copy is handed out)."""
+
+    events_submitted: int = 0  # KV events passed to submit()
+    events_applied: int = 0  # KV events whose batch Redis accepted
+    events_dropped: int = 0  # KV events dropped by a full buffer or superseded by a resync
+    batches: int = 0  # apply round trips that succeeded
+    resyncs: int = 0  # full key-set resyncs sent
+    registrations: int = 0  # register() calls that succeeded (first start included)
+    heartbeats: int = 0  # heartbeats accepted
+    errors: int = 0  # IndexUnavailable seen by the background thread
+    purged_workers: int = 0  # dead registrations this publisher purged

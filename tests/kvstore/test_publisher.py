@@ -1,0 +1,149 @@
+"""WorkerPublisher: background batching, heartbeats, outages and resync against real Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from tests.kvstore.helpers import Pool, chain
+from tests.redis_server import RedisServer
+
+LOAD = WorkerLoad(running=1, waiting=0, free_blocks=50, total_blocks=64, queued_prefill_tokens=0)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def held(index: KVIndex, worker_id: str) -> set[bytes]:
+    ns = index.config.namespace
+    slot = index.client.hget(ns + "reg", worker_id).split(b":")[0].decode()
+    return index.client.smembers(ns + "held:" + slot)
+
+
+@pytest.fixture
+def index(redis_server: RedisServer) -> Iterator[KVIndex]:
+    idx = KVIndex(IndexConfig(url=redis_server.url, model_id="m", heartbeat_ttl_s=1.0,
+                              socket_timeout_s=0.2, connect_timeout_s=0.2))  # fmt: skip
+    yield idx
+    idx.close()
+
+
+@pytest.fixture
+def pool() -> Pool:
+    return Pool()
+
+
+@pytest.fixture
+def publisher(index: KVIndex, pool: Pool) -> Iterator[WorkerPublisher]:
+    pub = WorkerPublisher(index, "w", pool.list_cached_keys, address="host:1",
+                          max_backoff_s=0.1, purge_interval_s=None)  # fmt: skip
+    pub.start()
+    yield pub
+    pub.stop()
+
+
+def test_events_and_load_reach_the_index(
+    index: KVIndex, pool: Pool, publisher: WorkerPublisher
+) -> None:
+    keys = chain(12)
+    publisher.submit(pool.store(keys[:8]), LOAD)
+    publisher.submit(pool.store(keys[8:], keys[7]) + pool.evict(keys[10]), LOAD)
+    assert publisher.flush()
+    assert index.lookup(keys) == {"w": 10}
+    info = index.live_workers()["w"]
+    assert (info.epoch, info.address, info.load) == (publisher.epoch, "host:1", LOAD)
+    stats = publisher.stats
+    assert (stats.events_submitted, stats.events_applied, stats.events_dropped) == (3, 3, 0)
+    assert (stats.registrations, stats.resyncs) == (1, 1)
+    busier = WorkerLoad(4, 2, 10, 64, 512)
+    publisher.submit([], busier)  # load alone is published soon after it changes
+    wait_for(lambda: index.live_workers()["w"].load == busier)
+
+
+def test_stop_deregisters(index: KVIndex, pool: Pool, publisher: WorkerPublisher) -> None:
+    publisher.submit(pool.store(chain(2)), LOAD)
+    assert publisher.flush()
+    publisher.stop()
+    assert index.lookup(chain(2)) == {}
+    assert index.purge_dead() == 1
+
+
+def test_redis_restart_mid_run_is_recovered_by_resync(
+    redis_server: RedisServer, index: KVIndex, pool: Pool, publisher: WorkerPublisher
+) -> None:
+    keys = chain(30)
+    publisher.submit(pool.store(keys[:10]), LOAD)
+    assert publisher.flush()
+    first_epoch = publisher.epoch
+    redis_server.stop()
+    publisher.submit(pool.store(keys[10:20], keys[9]), LOAD)  # never blocks on Redis
+    publisher.submit(pool.evict(keys[15]), LOAD)
+    wait_for(lambda: not publisher.healthy)
+    redis_server.start()  # same port, empty: registration and entries are gone
+    assert publisher.flush(timeout_s=10)
+    assert index.lookup(keys) == {"w": 15}
+    assert held(index, "w") == set(pool.list_cached_keys())
+    assert publisher.epoch > first_epoch
+    stats = publisher.stats
+    assert stats.registrations == 2 and stats.resyncs == 2 and stats.errors >= 1
+
+
+def test_buffer_overflow_drops_events_then_resyncs(
+    redis_server: RedisServer, index: KVIndex, pool: Pool
+) -> None:
+    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_buffer_events=4,
+                          max_backoff_s=0.1, purge_interval_s=None)  # fmt: skip
+    pub.start()
+    keys = chain(20)
+    pub.submit(pool.store(keys[:2]), LOAD)
+    assert pub.flush()
+    redis_server.stop()
+    wait_for(lambda: not pub.healthy)
+    for i in range(2, 20):
+        pub.submit(pool.store([keys[i]], keys[i - 1]), LOAD)
+    assert pub.stats.events_dropped > 0
+    redis_server.start()
+    assert pub.flush(timeout_s=10)
+    assert index.lookup(keys) == {"w": 20}
+    pub.stop()
+
+
+def test_sequence_gap_triggers_resync(
+    index: KVIndex, pool: Pool, publisher: WorkerPublisher
+) -> None:
+    keys = chain(6)
+    publisher.submit(pool.store(keys[:3]), LOAD)
+    assert publisher.flush()
+    resyncs = publisher.stats.resyncs
+    slot = index.client.hget(index.config.namespace + "reg", "w").split(b":")[0]
+    index.client.hset(index.config.namespace + "seq", slot, 0)  # the server "lost" batches
+    index.client.srem(index.config.namespace + "held:" + slot.decode(), keys[0])  # and lost
+    index.client.hdel(index.config.namespace + "blk", keys[0])  # an entry (consistently)
+    publisher.submit(pool.store(keys[3:], keys[2]), LOAD)
+    assert publisher.flush()
+    assert publisher.stats.resyncs == resyncs + 1
+    assert held(index, "w") == set(keys)
+    assert index.lookup(keys) == {"w": 6}
+
+
+def test_purged_worker_registers_again_and_resyncs(
+    index: KVIndex, pool: Pool, publisher: WorkerPublisher
+) -> None:
+    keys = chain(4)
+    publisher.submit(pool.store(keys), LOAD)
+    assert publisher.flush()
+    first_epoch = publisher.epoch
+    slot = index.client.hget(index.config.namespace + "reg", "w").split(b":")[0].decode()
+    index.client.delete(index.config.namespace + "hb:" + slot)  # as if the TTL had expired
+    assert index.lookup(keys) == {}
+    assert index.purge_dead() == 1
+    wait_for(lambda: index.lookup(keys) == {"w": 4})  # the next heartbeat notices
+    assert publisher.epoch > first_epoch
+    assert publisher.stats.registrations == 2

@@ -1,0 +1,72 @@
+"""Recorder: events -> ops on recorded keys (pure, no Redis)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.events import Recorder, event_kind, sampled
+from tests.kvstore.helpers import AllBlocksCleared, BlockRemoved, chain, removed, stored
+
+
+def test_every_key_is_recorded_when_k_is_1() -> None:
+    keys = chain(3)
+    ops = Recorder(1).record([stored(keys), removed(keys[1]), AllBlocksCleared(2)])
+    assert ops == [("S", tuple(keys)), ("R", (keys[1],)), ("C", ())]
+
+
+def test_positions_follow_parents_across_events() -> None:
+    keys = chain(9)
+    rec = Recorder(3)
+    ops = rec.record([stored(keys[:4]), stored(keys[4:], keys[3])])
+    assert ops == [("S", (keys[2],)), ("S", (keys[5], keys[8]))]
+    assert rec.recorded(reversed(keys)) == [keys[8], keys[5], keys[2]]
+    # removing an unrecorded key sends nothing; a recorded one is sent once known
+    assert rec.record([removed(keys[3])]) == []
+    assert rec.record([removed(keys[5])]) == [("R", (keys[5],))]
+    # a replay of the removal (retry) still sends it: the server ignores what is gone
+    assert rec.record([removed(keys[5])]) == [("R", (keys[5],))]
+
+
+def test_replaying_a_batch_gives_the_same_ops() -> None:
+    keys = chain(8)
+    rec = Recorder(2)
+    batch = [stored(keys[:5]), removed(keys[1]), stored(keys[5:], keys[4]), removed(keys[3])]
+    first = rec.record(batch)
+    assert rec.record(batch) == first
+    assert first == [("S", (keys[1], keys[3])), ("R", (keys[1],)), ("S", (keys[5], keys[7])),
+                     ("R", (keys[3],))]  # fmt: skip
+
+
+def test_clear_forgets_positions() -> None:
+    keys = chain(4)
+    rec = Recorder(2)
+    rec.record([stored(keys[:2])])
+    assert rec.record([AllBlocksCleared(1), stored(keys[2:], keys[1])]) == [("C", ())]
+    assert rec.recorded(keys) == []
+
+
+def test_event_kind_accepts_names_and_kind_attribute() -> None:
+    class Custom:
+        kind = "removed"
+
+    assert event_kind(BlockRemoved(0, ())) == "R"
+    assert event_kind(Custom()) == "R"
+    with pytest.raises(TypeError):
+        event_kind("BlockStored")
+
+
+def test_sampled_positions() -> None:
+    keys = chain(10)
+    assert sampled(keys, 1) is keys
+    assert list(sampled(keys, 4)) == [keys[3], keys[7]]
+
+
+def test_real_kv_manager_events_are_accepted() -> None:
+    events = pytest.importorskip("worker.kv.events")
+    keys = chain(2)
+    log = events.EventLog()
+    log.stored(keys, None, [(1, 2, 3, 4)] * 2, 4)
+    log.removed(keys[1:])
+    log.cleared()
+    ops = Recorder(1).record(log.drain())
+    assert ops == [("S", tuple(keys)), ("R", (keys[1],)), ("C", ())]
