@@ -1,0 +1,51 @@
+"""One worker's engine: requests, scheduler, sampler, stop handling, the step loop.
+
+Knows nothing about Ray, Redis or gRPC. Offline use::
+
+    engine = Engine.from_model_dir(model_dir, EngineConfig(num_blocks=512))
+    results = engine.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Streaming (thread-safe, asyncio-friendly): :class:`StreamingEngine`.
+"""
+
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
+from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.metrics import EngineMetrics, LatencySummary
+from worker.engine.outputs import (
+    Completion,
+    CompletionDelta,
+    FinishReason,
+    GenerationResult,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
+from worker.engine.policy import SchedulingPolicy, get_policy, policy_names, register_policy
+from worker.engine.sampling_params import SamplingParams
+
+__all__ = [
+    "Completion",
+    "CompletionDelta",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineMetrics",
+    "EngineOverloaded",
+    "EngineStopped",
+    "FinishReason",
+    "GenerationResult",
+    "InvalidRequest",
+    "LatencySummary",
+    "ModelExecutor",
+    "RequestOutput",
+    "RunnerExecutor",
+    "SamplingParams",
+    "SchedulingPolicy",
+    "TokenLogprob",
+    "Usage",
+    "get_policy",
+    "policy_names",
+    "register_policy",
+]

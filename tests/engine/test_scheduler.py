@@ -1,0 +1,241 @@
+"""Scheduler and step loop on a fake model with a real paged KV cache (exact and fast)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.fakes import FakeExecutor, reference_generate
+from tests.engine.helpers import assert_no_blocks_in_use, run_all
+from worker.engine import (
+    Engine,
+    EngineConfig,
+    EngineOverloaded,
+    FinishReason,
+    InvalidRequest,
+    SamplingParams,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def make(num_blocks: int = 256, block_size: int = 4, **cfg) -> tuple[Engine, FakeExecutor]:
+    ex = FakeExecutor(num_blocks, block_size)
+    cfg.setdefault("max_model_len", 256)
+    return Engine(ex, EngineConfig(block_size=block_size, **cfg)), ex
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 64) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def check_against_reference(engine, ps, params=GREEDY) -> None:
+    ids = [engine.add_request(p, params) for p in ps]
+    results = run_all(engine)
+    for rid, p in zip(ids, ps, strict=True):
+        got = results[rid].completions[0].token_ids
+        assert got == reference_generate(p, params.max_tokens), rid
+    assert_no_blocks_in_use(engine)
+
+
+def test_batch_matches_reference() -> None:
+    engine, ex = make()
+    check_against_reference(engine, prompts(8, 3, 40))
+    assert engine.metrics().num_preemptions == 0
+
+
+def test_tiny_pool_preempts_and_chunks_yet_outputs_are_exact() -> None:
+    engine, ex = make(
+        num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=8
+    )
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ps = prompts(8, 6, 30, seed=1)
+    ids = [engine.add_request(p, params) for p in ps]
+    results = run_all(engine)
+    for rid, p in zip(ids, ps, strict=True):
+        assert results[rid].completions[0].token_ids == reference_generate(p, 20, ignore_eos=True)
+    m = engine.metrics()
+    assert m.num_preemptions > 0 and m.num_partial_prefills > 0, m
+    for batch in ex.batches:  # the token budget and the per-request prefill cap hold
+        assert sum(n for _, n, _ in batch) <= 16
+        assert all(n <= 8 for _, n, _ in batch)
+    assert_no_blocks_in_use(engine)
+
+
+def test_decodes_first_then_prefill_chunks() -> None:
+    engine, ex = make(max_num_batched_tokens=12, long_prefill_token_threshold=5, max_num_seqs=8)
+    engine.add_request(list(range(2, 6)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()  # prefill of the short request
+    engine.add_request(list(range(30, 50)), GREEDY)  # 20-token prompt: chunks of 5
+    engine.step()
+    engine.step()
+    # decode (start 4 then 5) first, then a 5-token chunk of the long prompt, no logits
+    assert ex.batches[1] == [(4, 1, True), (0, 5, False)]
+    assert ex.batches[2] == [(5, 1, True), (5, 5, False)]
+    run_all(engine)
+    assert_no_blocks_in_use(engine)
+
+
+def _three_growing(policy: str, priorities: tuple[int, int, int]) -> dict[str, int]:
+    # 6 blocks of 4: three 4-token prompts fill 2 blocks each after the first decodes; the
+    # 9th token needs a third block each, so one request must be preempted. With 8 new
+    # tokens at most 11 tokens are ever computed: 3 blocks, so only one preemption is needed.
+    engine, _ = make(num_blocks=6, policy=policy, admission_watermark=0.0)
+    ids = {}
+    for name, prio, p in zip("abc", priorities, prompts(3, 4, 4, seed=2), strict=True):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, priority=prio)
+        ids[name] = engine.add_request(p, params, request_id=name)
+    preempted = {}
+    while engine.has_unfinished_requests():
+        for name in ids:
+            req = engine.requests.get(name)
+            if req is not None:
+                preempted[name] = req.num_preemptions
+        engine.step()
+    assert_no_blocks_in_use(engine)
+    return preempted
+
+
+def test_fcfs_preempts_latest_arrival() -> None:
+    assert _three_growing("fcfs", (0, 0, 0)) == {"a": 0, "b": 0, "c": 1}
+
+
+def test_priority_preempts_lowest_priority() -> None:
+    # smaller value = more important: "a" (2) is the least important although it came first
+    assert _three_growing("priority", (2, 1, 0)) == {"a": 1, "b": 0, "c": 0}
+
+
+def test_resumed_request_is_protected_from_preemption() -> None:
+    engine, _ = make(num_blocks=64)
+    for name in "abc":
+        engine.add_request([5, 6, 7, 8], GREEDY, request_id=name)
+    sched = engine.scheduler
+    sched.schedule()  # admit all three
+    a, b, c = (engine.requests[n] for n in "abc")
+    sched._touched.clear()
+    assert sched._pick_victim(a) is c  # latest arrival, not protected
+    c.protected = True  # c was just resumed
+    assert sched._pick_victim(a) is b
+    b.protected = True
+    assert sched._pick_victim(a) is a  # everyone worse is protected: a itself waits
+    c.protected = b.protected = False
+    a.protected = True  # a protected request takes from the worst unprotected one
+    assert sched._pick_victim(a) is c
+
+
+def test_prefix_hit_computes_fewer_tokens_same_output() -> None:
+    engine, _ = make()
+    shared = prompts(1, 40, 40, seed=3)[0]
+    first = engine.generate([shared + [7, 8]], GREEDY)[0]
+    before = engine.metrics().computed_tokens
+    second = engine.generate([shared + [9, 10, 11]], GREEDY)[0]
+    computed = engine.metrics().computed_tokens - before
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens == 40  # 10 full blocks of 4
+    assert computed == 3 + len(second.completions[0].token_ids) - 1
+    assert second.completions[0].token_ids == reference_generate(shared + [9, 10, 11], 12)
+    assert_no_blocks_in_use(engine)
+
+
+def test_same_step_admissions_do_not_read_blocks_being_written() -> None:
+    # Two requests with the same long prompt admitted in one step: the second must not hit
+    # the first's blocks (their KV is written by this very step). FakeExecutor asserts it.
+    engine, ex = make()
+    p = prompts(1, 24, 24, seed=4)[0]
+    check_against_reference(engine, [p, p, p + [3]])
+    assert ex.batches[0] == [(0, 24, True), (0, 24, True), (0, 25, True)]
+
+
+def test_salted_requests_do_not_share_cache() -> None:
+    engine, _ = make()
+    p = prompts(1, 20, 20, seed=5)[0]
+    engine.generate([p], SamplingParams(temperature=0, max_tokens=2, cache_salt="t1"))
+    other = engine.generate([p], SamplingParams(temperature=0, max_tokens=2, cache_salt="t2"))
+    same = engine.generate([p], SamplingParams(temperature=0, max_tokens=2, cache_salt="t1"))
+    assert other[0].usage.cached_tokens == 0
+    assert same[0].usage.cached_tokens == 16
+
+
+def test_parallel_samples_fork_the_prompt_blocks() -> None:
+    engine, _ = make(num_blocks=64)
+    p = list(range(2, 12))  # 10 tokens: 2 full blocks + 1 partial block of 4
+    engine.add_request(p, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    engine.step()  # one prefill, then fork: the 4 samples share all 3 prompt blocks
+    assert engine.kv.stats().used_blocks == 3
+    engine.step()  # each sample writes into the shared partial block: 3 copy-on-writes
+    assert engine.kv.stats().used_blocks == 2 + 4
+    results = run_all(engine)
+    comps = next(iter(results.values())).completions
+    assert [c.index for c in comps] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in comps}) > 1
+    assert_no_blocks_in_use(engine)
+
+
+def test_abort_frees_every_block_of_a_request_and_its_forks() -> None:
+    engine, _ = make(num_blocks=64)
+    ids = [
+        engine.add_request(p, SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+        for p in prompts(3, 5, 20, seed=6)
+    ]
+    waiting = engine.add_request([3, 4, 5], GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.kv.stats().used_blocks > 0
+    for rid in [*ids, waiting]:
+        assert engine.abort(rid)
+    assert not engine.abort("nope")
+    outs = engine.step()
+    assert_no_blocks_in_use(engine)
+    finished = {o.request_id for o in outs if o.finished}
+    assert finished == {*ids, waiting}
+    for o in outs:
+        assert all(d.finish_reason is FinishReason.ABORT for d in o.outputs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_overload_and_invalid_requests_are_typed_errors() -> None:
+    engine, _ = make(num_blocks=8, max_waiting=2, max_num_seqs=4, max_model_len=64)
+    engine.add_request([2, 3], GREEDY)
+    engine.add_request([2, 3], GREEDY)
+    with pytest.raises(EngineOverloaded) as exc:
+        engine.add_request([2, 3], GREEDY)
+    assert exc.value.max_waiting == 2
+    with pytest.raises(InvalidRequest) as bad:
+        engine.add_request(list(range(2, 40)), GREEDY)  # 38 tokens: 10 blocks > 8
+    assert bad.value.field == "prompt" and bad.value.value == 38
+    assert "8 blocks" in str(bad.value)
+    engine2, _ = make(num_blocks=64, max_model_len=32, max_num_seqs=4)
+    with pytest.raises(InvalidRequest, match="max_model_len=32") as bad:
+        engine2.add_request([2] * 32, GREEDY)
+    assert bad.value.field == "prompt"
+    with pytest.raises(InvalidRequest) as bad:
+        engine2.add_request([2, 3], SamplingParams(n=5))
+    assert (bad.value.field, bad.value.value) == ("n", 5)
+    with pytest.raises(InvalidRequest) as bad:
+        engine2.add_request([2, 999], GREEDY)
+    assert bad.value.field == "prompt"
+    assert engine2.kv.stats().used_blocks == 0 and not engine2.requests
+
+
+def test_model_failure_aborts_running_and_leaves_no_blocks() -> None:
+    engine, ex = make()
+    ids = [engine.add_request(p, GREEDY) for p in prompts(3, 10, 20, seed=7)]
+    engine.step()
+    ex.fail_next = True
+    outs = engine.step()
+    assert {o.request_id for o in outs if o.finished and o.error} == set(ids)
+    assert_no_blocks_in_use(engine)
+    check_against_reference(engine, prompts(2, 10, 20, seed=8))  # the engine still works
+
+
+def test_request_too_big_for_the_cache_alone_ends_with_length() -> None:
+    # 4 samples of a 10-token prompt growing to 10 + 30 tokens cannot all fit 12 blocks.
+    engine, _ = make(num_blocks=12, admission_watermark=0.0)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=30, ignore_eos=True, seed=0)
+    engine.add_request(list(range(2, 12)), params)
+    result = next(iter(run_all(engine).values()))
+    assert {c.finish_reason for c in result.completions} == {FinishReason.LENGTH}
+    assert any(c.stop_reason == "kv_capacity" for c in result.completions)
+    assert_no_blocks_in_use(engine)

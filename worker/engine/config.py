@@ -1,0 +1,73 @@
+"""Typed, frozen engine configuration (pydantic, unknown keys rejected)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from worker.engine.policy import policy_names
+
+
+class EngineConfig(BaseModel):
+    """Knobs of one worker's engine: batch limits, KV pool size, scheduling policy."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str = Field("", description="Model id folded into block keys (HashContext).")
+    max_num_seqs: int = Field(64, ge=1, description="Running sequences per step (decode batch).")
+    max_num_batched_tokens: int = Field(
+        1024, ge=1, description="Token budget of one step (decodes + prefill chunks)."
+    )
+    long_prefill_token_threshold: int | None = Field(
+        None,
+        ge=1,
+        description="Per-request cap of prefill tokens in one step (None = no cap beyond the "
+        "budget); keeps one long prompt from taking a whole step.",
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="Split long prompts over several steps; if off, a prompt must fit "
+        "max_num_batched_tokens."
+    )
+    max_waiting: int = Field(1024, ge=1, description="Waiting-queue bound; beyond it add_request "
+                             "raises EngineOverloaded.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    num_blocks: int | None = Field(None, ge=1, description="KV blocks (None = from "
+                                   "kv_memory_bytes or the runner's default).")
+    kv_memory_bytes: int | None = Field(None, ge=1, description="KV memory budget when "
+                                        "num_blocks is None.")
+    max_model_len: int | None = Field(None, ge=2, description="Longest prompt + completion "
+                                      "(None = the model's max_position_embeddings).")
+    policy: str = Field("fcfs", description="Scheduling policy: " + ", ".join(policy_names()))
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    admission_watermark: float = Field(
+        0.01, ge=0.0, lt=1.0, description="Fraction of blocks kept free when admitting new "
+        "requests while others run (fewer preemptions)."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the RNG used by requests without a seed.")
+    dtype: str = Field("float32", description="Model dtype (runner).")
+    device: str = Field("cpu", description="Torch device (runner).")
+    attn_backend: str = Field("torch", description="Attention backend name (runner).")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in policy_names():
+            raise ValueError(f"unknown policy {value!r}; valid: {', '.join(policy_names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+                f"{self.max_num_seqs}: every running sequence needs one token per decode step; "
+                "raise max_num_batched_tokens or lower max_num_seqs"
+            )
+        return self
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """Most prompt tokens one request may compute in one step."""
+        cap = self.max_num_batched_tokens
+        if self.long_prefill_token_threshold is not None:
+            cap = min(cap, self.long_prefill_token_threshold)
+        return cap

@@ -1,0 +1,40 @@
+"""Typed errors a caller of the engine can act on (the gRPC layer maps them to status codes).
+
+* :class:`InvalidRequest` -> ``INVALID_ARGUMENT``: the request can never be served as given.
+* :class:`EngineOverloaded` -> ``RESOURCE_EXHAUSTED``: retry later or elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EngineError(Exception):
+    """Base class of the engine's user-facing errors."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """A request field is out of range; names the field, the value and the limit it broke."""
+
+    def __init__(self, field: str, value: Any, limit: str, hint: str = "") -> None:
+        self.field = field  # e.g. "top_p" or "prompt"
+        self.value = value  # the offending value (for prompts: their length)
+        self.limit = limit  # the rule it broke, e.g. "must be in (0, 1]"
+        msg = f"invalid {field}={value!r}: {limit}"
+        super().__init__(f"{msg}; {hint}" if hint else msg)
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is full; the request was not queued."""
+
+    def __init__(self, num_waiting: int, max_waiting: int) -> None:
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        super().__init__(
+            f"engine overloaded: {num_waiting} requests waiting (max_waiting={max_waiting}); "
+            "retry later or on another worker"
+        )
+
+
+class EngineStopped(EngineError):
+    """The streaming front was stopped; no new requests are accepted."""

@@ -1,0 +1,100 @@
+"""The model as the engine sees it: block-table batches in, next-token logits out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from worker.engine.detokenizer import TokenizerLike
+from worker.engine.sched_output import ScheduledChunk
+
+
+class ModelExecutor(ABC):
+    """Runs scheduled chunks through a model whose KV lives in the engine's block pool.
+
+    Executor's obligations: ``num_blocks``/``block_size`` describe its KV tensors; a chunk's
+    K/V are written into the slots its block table names before anything attends to them;
+    ``execute`` returns float32 logits, one row per chunk with ``wants_logits``, in order.
+    Caller's obligations: ``copy_blocks`` runs the KV manager's copy-on-write pairs before the
+    ``execute`` that needs them; block tables cover every chunk's ``start + num_tokens``.
+    """
+
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    max_model_len: int  # longest context the model supports
+    eos_token_ids: tuple[int, ...]
+    tokenizer: TokenizerLike | None
+
+    @abstractmethod
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst (all sources read before any write)."""
+
+    @abstractmethod
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32."""
+
+
+class RunnerExecutor(ModelExecutor):
+    """:class:`worker.model.runner.ModelRunner` behind the executor interface."""
+
+    def __init__(self, runner, tokenizer: TokenizerLike | None) -> None:  # noqa: ANN001
+        from worker.model.runner import SeqChunk  # local: keep engine imports light
+
+        self._chunk_cls = SeqChunk
+        self.runner = runner
+        cfg = runner.config
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = cfg.max_position_embeddings
+        eos = list(cfg.eos_token_ids)
+        if tokenizer is not None:
+            eos += list(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_memory_bytes: int | None = None,
+        attn_backend: str = "torch",
+    ) -> RunnerExecutor:
+        from worker.model.runner import ModelRunner
+        from worker.model.tokenizer import Tokenizer
+
+        runner = ModelRunner(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_memory_bytes=kv_memory_bytes,
+            attn_backend=attn_backend,
+        )
+        return cls(runner, Tokenizer.from_dir(model_dir))
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(pairs)
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        seqs = [
+            self._chunk_cls(
+                token_ids=c.token_ids,
+                start_pos=c.start,
+                block_table=c.block_table,
+                want_logits="last" if c.wants_logits else "none",
+            )
+            for c in chunks
+        ]
+        logits = self.runner.execute(self.runner.build_input(seqs))
+        return logits.float().cpu()

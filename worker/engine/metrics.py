@@ -1,0 +1,67 @@
+"""Engine metrics: counters, latency samples and a snapshot type."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+_SAMPLES = 100_000  # latency samples kept (most recent)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """Percentiles of a latency sample, in seconds (0.0 when empty)."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> LatencySummary:
+        data = sorted(values)
+        if not data:
+            return cls(0, 0.0, 0.0, 0.0, 0.0)
+
+        def pct(q: float) -> float:
+            return data[min(len(data) - 1, round(q * (len(data) - 1)))]
+
+        return cls(len(data), sum(data) / len(data), pct(0.5), pct(0.9), pct(0.99))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """A snapshot of one engine (what the worker reports as its load)."""
+
+    num_running: int  # requests holding or acquiring KV blocks
+    num_waiting: int  # requests queued (new or preempted)
+    kv_usage: float  # used blocks / all blocks
+    kv_used_blocks: int  # blocks with a reference
+    kv_total_blocks: int  # pool size
+    prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted
+    num_preemptions: int  # requests preempted (recompute) so far
+    num_partial_prefills: int  # prefill chunks that stopped short of their prompt (chunking)
+    num_steps: int  # engine steps that ran the model
+    computed_tokens: int  # tokens run through the model (prefill + decode)
+    prompt_tokens: int  # prompt tokens of finished requests
+    generation_tokens: int  # tokens sampled
+    num_finished: int  # requests finished (any reason)
+    ttft: LatencySummary  # arrival -> first token
+    itl: LatencySummary  # between consecutive tokens of a request
+
+
+class MetricsRecorder:
+    """Accumulates what the snapshot reports; mutated only by the engine thread."""
+
+    def __init__(self) -> None:
+        self.num_preemptions = 0
+        self.num_partial_prefills = 0
+        self.num_steps = 0
+        self.computed_tokens = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_finished = 0
+        self.ttft: deque[float] = deque(maxlen=_SAMPLES)
+        self.itl: deque[float] = deque(maxlen=_SAMPLES)

@@ -1,0 +1,105 @@
+"""What the engine hands back: streamed deltas per step and the final result of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    """Why a sample ended (the values are the wire strings)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, max_model_len, or the KV cache cannot hold it
+    ABORT = "abort"  # aborted by the caller or failed
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token (raw model distribution) and its alternatives."""
+
+    token_id: int  # the generated token
+    logprob: float  # its log-probability
+    top: tuple[tuple[int, float], ...] = ()  # the k most likely (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token accounting of one request (cumulative)."""
+
+    prompt_tokens: int  # tokens of the prompt
+    cached_tokens: int  # prompt tokens served from the prefix cache at first admission
+    completion_tokens: int  # generated tokens over all samples returned so far
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """New output of one sample (or final beam) since the previous ``RequestOutput``."""
+
+    index: int  # which sample (0..n-1) or beam rank (0 = best)
+    text: str  # new text
+    token_ids: list[int]  # new token ids
+    logprobs: list[TokenLogprob] | None = None  # per new token, if requested
+    finish_reason: FinishReason | None = None  # set once, on the sample's last delta
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    cumulative_logprob: float | None = None  # sum of the token logprobs so far (beam: score)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request; streamed to the caller."""
+
+    request_id: str  # the id given to / returned by ``add_request``
+    outputs: list[CompletionDelta]  # samples that changed in this step
+    finished: bool  # True on the request's last output
+    usage: Usage  # cumulative token counts
+    error: str | None = None  # set when the request failed inside the engine
+
+
+@dataclass(slots=True)
+class Completion:
+    """One finished sample, accumulated from its deltas."""
+
+    index: int  # sample index or beam rank
+    text: str = ""  # generated text (stop string excluded unless asked)
+    token_ids: list[int] = field(default_factory=list)  # generated token ids (incl. EOS)
+    logprobs: list[TokenLogprob] | None = None  # per token, if requested
+    finish_reason: FinishReason | None = None  # why it ended
+    stop_reason: str | int | None = None  # matched stop string / token id
+    cumulative_logprob: float | None = None  # sum of logprobs (beam search: final score)
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """Everything a request produced (what ``Engine.generate`` returns per prompt)."""
+
+    request_id: str  # the request's id
+    completions: list[Completion]  # by index (beam search: best first)
+    usage: Usage | None = None  # final usage
+    error: str | None = None  # set if the request failed
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.completions) and all(c.finish_reason for c in self.completions)
+
+    def add(self, out: RequestOutput) -> None:
+        """Fold one streamed ``RequestOutput`` into this result."""
+        by_index = {c.index: c for c in self.completions}
+        for delta in out.outputs:
+            comp = by_index.get(delta.index)
+            if comp is None:
+                comp = by_index[delta.index] = Completion(delta.index)
+                self.completions.append(comp)
+            comp.text += delta.text
+            comp.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                comp.logprobs = (comp.logprobs or []) + delta.logprobs
+            if delta.finish_reason is not None:
+                comp.finish_reason = delta.finish_reason
+                comp.stop_reason = delta.stop_reason
+            if delta.cumulative_logprob is not None:
+                comp.cumulative_logprob = delta.cumulative_logprob
+        self.completions.sort(key=lambda c: c.index)
+        self.usage = out.usage
+        if out.error is not None:
+            self.error = out.error

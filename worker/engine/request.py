@@ -1,0 +1,176 @@
+"""Requests and their sequences (samples or beams), as the scheduler and the engine see them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.engine.detokenizer import OutputText
+from worker.engine.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
+from worker.engine.sampling_params import SamplingParams
+from worker.kv import HashContext
+
+if TYPE_CHECKING:
+    from worker.engine.beam import BeamSearch
+
+_seq_ids = itertools.count()
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds per sample index
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # never admitted
+    RUNNING = "running"  # admitted; its sequences hold (or are acquiring) KV blocks
+    PREEMPTED = "preempted"  # blocks freed for recompute; back in the waiting queue
+    FINISHED = "finished"  # done, aborted or failed; holds nothing
+
+
+def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
+    """Private RNG of sample ``index`` of a seeded request (``None`` if unseeded)."""
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed((seed + index * _SEED_STRIDE) % (2**63))
+    return g
+
+
+class Sequence:
+    """One token stream of a request: a parallel sample or a beam, with its own block table."""
+
+    __slots__ = (
+        "seq_id", "index", "token_ids", "prompt_len", "num_computed", "allocated",
+        "finish_reason", "stop_reason", "text", "generator", "cumulative_logprob",
+        "new_tokens", "new_logprobs", "pending_logits", "finish_sent",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        index: int,
+        token_ids: list[int],
+        prompt_len: int,
+        text: OutputText | None,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)  # id in the KV manager (unique per process)
+        self.index = index  # sample index (0..n-1); beams: rank when created
+        self.token_ids = token_ids  # prompt + generated tokens
+        self.prompt_len = prompt_len
+        self.num_computed = 0  # tokens whose KV is in the cache (or written this step)
+        self.allocated = False  # the KV manager knows this sequence
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.text = text  # detokenizer + stop strings (None for beams: decoded at the end)
+        self.generator = generator  # private RNG of a seeded request
+        self.cumulative_logprob = 0.0
+        self.new_tokens: list[int] = []  # generated but not yet streamed
+        self.new_logprobs: list[TokenLogprob] = []  # their logprobs, if requested
+        self.pending_logits: torch.Tensor | None = None  # beams: logits waiting for siblings
+        self.finish_sent = False  # the delta carrying finish_reason was handed out
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to compute before this sequence yields logits again."""
+        return len(self.token_ids) - self.num_computed
+
+    def fork(self, index: int, generator: torch.Generator | None, text: OutputText | None) -> Sequence:
+        """A copy sharing history (the caller forks the KV blocks under the new ``seq_id``)."""
+        child = Sequence(index, list(self.token_ids), self.prompt_len, text, generator)
+        child.num_computed = self.num_computed
+        child.allocated = self.allocated
+        child.cumulative_logprob = self.cumulative_logprob
+        return child
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed = 0
+        self.allocated = False
+        self.pending_logits = None
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.new_tokens) or (self.finish_reason is not None and not self.finish_sent)
+
+    def take_delta(self) -> CompletionDelta:
+        finished = self.finish_reason is not None
+        self.finish_sent = finished
+        delta = CompletionDelta(
+            index=self.index,
+            text=self.text.take_delta(finished) if self.text is not None else "",
+            token_ids=self.new_tokens,
+            logprobs=self.new_logprobs or None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            cumulative_logprob=self.cumulative_logprob,
+        )
+        self.new_tokens, self.new_logprobs = [], []
+        return delta
+
+
+class Request:
+    """A prompt and its sampling parameters, plus everything the engine tracks about it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_index: int,
+        ctx: HashContext,
+        max_new_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.arrival_index = arrival_index  # arrival order: FCFS key and tie-breaker
+        self.arrival_time = time.monotonic()
+        self.ctx = ctx  # model / tenant salt for block keys
+        self.max_new_tokens = max_new_tokens  # max_tokens capped by max_model_len
+        self.status = RequestStatus.WAITING
+        self.seqs: list[Sequence] = []  # live sequences (beams: in rank order)
+        self.done_seqs: list[Sequence] = []  # finished samples
+        self.forked = params.n == 1 or params.use_beam_search  # n>1: samples forked yet?
+        self.beam: BeamSearch | None = None
+        self.num_cached_tokens: int | None = None  # prefix-hit tokens at first admission
+        self.protected = False  # resumed after preemption and not progressed since
+        self.progressed = False  # produced tokens since the last output (TTFT / ITL)
+        self.doomed = False  # cannot fit the KV cache even alone: finish after this step
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_preemptions = 0
+        self.final_deltas: list[CompletionDelta] = []  # beam search: results at the end
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequences this request may run at once (reserved against ``max_num_seqs``)."""
+        return len(self.seqs) if self.forked else self.params.n
+
+    def completion_tokens(self) -> int:
+        if self.params.use_beam_search:
+            return sum(len(d.token_ids) for d in self.final_deltas)
+        return sum(s.num_output for s in (*self.seqs, *self.done_seqs))
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, self.num_cached_tokens or 0, self.completion_tokens())

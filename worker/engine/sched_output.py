@@ -1,0 +1,54 @@
+"""What the scheduler decided for one step (consumed by the engine's step loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.request import Request, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Tokens of one sequence to run through the model in this step."""
+
+    req: Request  # owning request
+    seq: Sequence  # the sequence (sample or beam)
+    start: int  # tokens of the sequence already in the KV cache before this chunk
+    num_tokens: int  # tokens computed now: 1 for a decode, more for a prefill (chunk)
+    wants_logits: bool  # the chunk reaches the sequence's end: logits for its next token
+    block_table: list[int]  # physical blocks covering start + num_tokens tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch and the bookkeeping that came with it."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) to run
+    # before the forward pass
+    num_batched_tokens: int = 0  # sum of num_tokens over chunks (<= the step's token budget)
+    num_prefill_tokens: int = 0  # of those, tokens of prefills and prefill chunks
+    num_partial_prefills: int = 0  # prefill chunks that stop short of their prompt (chunked)
+    admitted: list[str] = field(default_factory=list)  # request ids moved waiting -> running
+    resumed: list[str] = field(default_factory=list)  # of those, ids resumed after preemption
+    preempted: list[str] = field(default_factory=list)  # ids preempted (blocks freed) this step
+    doomed: list[Request] = field(default_factory=list)  # cannot fit even alone: finish them
+    # with "length" after this step
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.doomed

@@ -1,0 +1,248 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, admission, preemption.
+
+Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in three passes:
+
+1. decodes of running sequences (one token each), in policy order;
+2. prefill work of running requests (chunks of long prompts, recomputation after preemption,
+   forked samples whose blocks were freed), at most ``prefill_chunk_cap`` tokens per
+   sequence;
+3. admission of waiting requests, in policy order, while the budget, ``max_num_seqs`` and the
+   KV cache allow (a prefix hit counts: only the uncached tail needs blocks). The first waiting
+   request that does not fit stops admission (no starvation of long prompts); no admission
+   happens in a step that had to preempt.
+
+Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
+which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
+scheduler preempts by recompute: the victim (largest policy key: lowest priority, latest
+arrival) loses all its blocks and goes back to the waiting queue, where the prefix cache
+gives back whatever survived when it is resumed. A resumed request is *protected* until it
+produces a token, so two requests cannot keep preempting each other without progress.
+
+Two rules keep the KV cache honest, because a block is registered in the prefix cache when
+it is allocated, before the forward pass writes its KV:
+
+* a request that already got blocks in this step is never freed in this step (it is not a
+  preemption victim, and a request that cannot fit even alone is finished *after* the step);
+* a prefix hit is cut before the first block that is being written in this step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+from worker.engine.config import EngineConfig
+from worker.engine.policy import SchedulingPolicy
+from worker.engine.request import Request, RequestStatus, Sequence
+from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.kv import KVCacheManager, KVCapacityError, PrefixHit
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted by policy key
+        self.running: list[Request] = []
+        self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
+        # per-step state
+        self._budget = 0
+        self._touched: set[str] = set()  # requests that got blocks in this step
+        self._writing: set[int] = set()  # blocks whose KV is written in this step
+        self._out = SchedulerOutput.make_empty()
+
+    # ---- queues --------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        keys = [self.policy.key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self.policy.key(req)), req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and free all its blocks (abort / finish)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.free_blocks(req)
+
+    def free_blocks(self, req: Request) -> None:
+        for seq in (*req.seqs, *req.done_seqs):
+            self.free_seq(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        if seq.allocated:
+            self.kv.free(seq.seq_id)
+        seq.reset_for_recompute()
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.num_seq_slots for r in self.running)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._out = out = SchedulerOutput.make_empty()
+        self._budget = self.config.max_num_batched_tokens
+        self._touched.clear()
+        self._writing.clear()
+        by_key = sorted(self.running, key=self.policy.key)
+        for decode_pass in (True, False):
+            for req in by_key:
+                if req not in self.running or req.doomed:
+                    continue  # preempted earlier in this step
+                for seq in _work(req):
+                    if decode_pass != (seq.allocated and seq.num_remaining == 1):
+                        continue
+                    if self._budget == 0 or not self._schedule_seq(req, seq, admit=False):
+                        break
+        if not out.preempted:
+            self._admit_waiting()
+        out.blocks_to_copy = self.kv.take_copies()
+        return out
+
+    def _admit_waiting(self) -> None:
+        out = self._out
+        while self.waiting and self._budget > 0:
+            req = self.waiting[0]
+            if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
+                break
+            scheduled_any = False
+            for seq in _work(req):
+                if self._budget == 0 or not self._schedule_seq(req, seq, admit=True):
+                    break
+                scheduled_any = True
+            if not scheduled_any:
+                break  # head of the queue does not fit: wait (no overtaking)
+            self.waiting.pop(0)
+            self.running.append(req)
+            out.admitted.append(req.request_id)
+            if req.status is RequestStatus.PREEMPTED:
+                req.protected = True
+                out.resumed.append(req.request_id)
+            req.status = RequestStatus.RUNNING
+
+    def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> bool:
+        """Allocate and schedule this step's tokens of ``seq``; False if it must wait."""
+        cfg = self.config
+        while True:
+            hit = self._lookup(req, seq) if not seq.allocated else None
+            computed = hit.num_tokens if hit is not None else seq.num_computed
+            remaining = len(seq.token_ids) - computed
+            n = min(remaining, self._budget)
+            if remaining > 1:
+                n = min(n, cfg.prefill_chunk_cap)
+                if n < remaining and not cfg.enable_chunked_prefill:
+                    return False
+            if admit and not seq.allocated and self.running and not self._fits_watermark(
+                seq, computed + n, hit
+            ):
+                return False
+            try:
+                alloc = self.kv.allocate_slots(
+                    seq.seq_id,
+                    seq.token_ids,
+                    n,
+                    ctx=req.ctx if hit is not None else None,
+                    prefix=hit,
+                )
+            except KVCapacityError:
+                self._doom(req)
+                return False
+            if alloc is not None:
+                break
+            if admit or not self._make_room(req):
+                return False
+        if hit is not None:
+            assert alloc.num_cached_tokens == hit.num_tokens, "prefix hit changed before adoption"
+            seq.allocated = True
+            seq.num_computed = hit.num_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = hit.num_tokens
+        self._add_chunk(req, seq, n)
+        return True
+
+    def _add_chunk(self, req: Request, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        seq.num_computed += n
+        table = self.kv.block_table(seq.seq_id)
+        bs = self.kv.block_size
+        self._writing.update(table[start // bs : (start + n - 1) // bs + 1])
+        self._touched.add(req.request_id)
+        self._budget -= n
+        out = self._out
+        wants_logits = seq.num_computed == len(seq.token_ids)
+        out.chunks.append(ScheduledChunk(req, seq, start, n, wants_logits, table))
+        out.num_batched_tokens += n
+        if not (n == 1 and wants_logits and start > 0 and seq.num_output > 0):
+            out.num_prefill_tokens += n
+            out.num_partial_prefills += not wants_logits
+
+    def _lookup(self, req: Request, seq: Sequence) -> PrefixHit:
+        hit = self.kv.lookup_prefix(seq.token_ids, req.ctx)
+        for i, block_id in enumerate(hit.block_ids):
+            if block_id in self._writing:  # KV not written yet: recompute from here
+                bs = self.kv.block_size
+                return PrefixHit(hit.block_ids[:i], hit.keys[:i], i * bs, hit.ctx)
+        return hit
+
+    def _fits_watermark(self, seq: Sequence, total: int, hit: PrefixHit | None) -> bool:
+        need = self.kv.blocks_needed(None, total, prefix=hit)
+        return self.kv.can_fit(need + self._watermark)
+
+    # ---- preemption ----------------------------------------------------------------------
+
+    def _make_room(self, req: Request) -> bool:
+        """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
+        victim = self._pick_victim(req)
+        if victim is None:
+            return False
+        if victim is req and len(self.running) == 1:
+            self._doom(req)  # alone and still too big: it can never fit
+            return False
+        self._preempt(victim)
+        return victim is not req
+
+    def _pick_victim(self, req: Request) -> Request | None:
+        key = self.policy.key
+        others = [
+            r
+            for r in self.running
+            if r is not req and r.request_id not in self._touched and not r.doomed
+        ]
+        worse = [r for r in others if not r.protected and key(r) > key(req)]
+        if worse:
+            return max(worse, key=key)
+        if req.protected:  # a resumed request progresses before anyone else is spared
+            unprotected = [r for r in others if not r.protected]
+            if unprotected:
+                return max(unprotected, key=key)
+        if req.request_id in self._touched:
+            return None  # it already got blocks this step: freeing them now is unsafe
+        if req.protected:
+            return max([*others, req], key=key)
+        return req
+
+    def _preempt(self, req: Request) -> None:
+        assert req.request_id not in self._touched, "preempting a request scheduled this step"
+        self.running.remove(req)
+        for seq in req.seqs:
+            self.free_seq(seq)
+        req.status = RequestStatus.PREEMPTED
+        req.protected = False
+        req.num_preemptions += 1
+        self.add(req)
+        self._out.preempted.append(req.request_id)
+
+    def _doom(self, req: Request) -> None:
+        if not req.doomed:
+            req.doomed = True
+            self._out.doomed.append(req)
+
+
+def _work(req: Request) -> list[Sequence]:
+    """Sequences of ``req`` that need compute, laggards first (they were skipped before)."""
+    seqs = [s for s in req.seqs if s.num_remaining > 0 and s.pending_logits is None]
+    return sorted(seqs, key=lambda s: (len(s.token_ids), s.index))

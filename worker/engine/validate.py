@@ -1,0 +1,55 @@
+"""Checks of a request against the model and the engine (limits SamplingParams cannot know)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from worker.engine.config import EngineConfig
+from worker.engine.errors import InvalidRequest
+from worker.engine.sampling_params import SamplingParams
+
+
+def validate_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    config: EngineConfig,
+    vocab_size: int,
+    max_model_len: int,
+    num_blocks: int,
+    has_tokenizer: bool,
+) -> None:
+    """Raise :class:`InvalidRequest` if the request can never be served by this engine."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequest("prompt", 0, "must have at least one token")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("prompt", bad, f"token ids must be in [0, vocab_size={vocab_size})")
+    if n >= max_model_len:
+        raise InvalidRequest(
+            "prompt", n, f"must be shorter than max_model_len={max_model_len} tokens "
+            "(room for at least one generated token)", "shorten the prompt"
+        )
+    bs = config.block_size
+    width = params.width
+    blocks = -(-(n + 1) // bs) + (width - 1)  # prompt + first token, one private block per fork
+    if blocks > num_blocks:
+        raise InvalidRequest(
+            "prompt", n, f"needs {blocks} KV blocks ({n} prompt tokens + 1, width {width}) but "
+            f"the whole KV cache has {num_blocks} blocks of {bs} tokens",
+            "shorten the prompt or give the worker more KV memory"
+        )
+    if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
+        raise InvalidRequest(
+            "prompt", n, f"must be <= max_num_batched_tokens={config.max_num_batched_tokens} "
+            "with chunked prefill off"
+        )
+    field = "beam_width" if params.use_beam_search else "n"
+    if width > config.max_num_seqs:
+        raise InvalidRequest(field, width, f"must be <= max_num_seqs={config.max_num_seqs}")
+    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={vocab_size}")
+    if params.stop and not has_tokenizer:
+        raise InvalidRequest("stop", list(params.stop), "stop strings need a tokenizer")
