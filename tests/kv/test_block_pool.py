@@ -102,3 +102,27 @@ def test_pool_reset_refused_while_in_use() -> None:
     pool.release(blocks)
     assert pool.reset_cache() is True
     assert pool.cached == {} and blocks[0].key is None and pool.num_evictable == 0
+
+
+def test_check_invariants_detects_corruption() -> None:
+    from worker.kv import HashContext, KVCacheManager
+
+    kv = KVCacheManager(4, 2)
+    kv.allocate_slots("a", [1, 2, 3], 3, ctx=HashContext())
+    kv.free("a")
+    kv.allocate_slots(
+        "b", [1, 2, 3], 1, ctx=HashContext(), prefix=kv.lookup_prefix([1, 2, 3], HashContext())
+    )
+    kv.check_invariants()
+    pool = kv._pool
+    pool.blocks[0].ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref count"):
+        kv.check_invariants()
+    pool.blocks[0].ref_cnt -= 1
+    pool.num_evictable += 1
+    with pytest.raises(AssertionError, match="evictable counter"):
+        kv.check_invariants()
+    pool.num_evictable -= 1
+    pool.free_queue.append(pool.blocks[0])  # an in-use block in the free queue
+    with pytest.raises(AssertionError, match="linked into the free queue"):
+        kv.check_invariants()

@@ -20,6 +20,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NewType
 
 BlockKey = NewType("BlockKey", bytes)
@@ -48,9 +49,17 @@ class HashContext:
     cache_salt: str | None = None
 
     def first_block_extra(self) -> bytes:
-        return _VERSION + _encode_str(self.model_id) + _encode_str(self.lora_id) + _encode_str(
-            self.cache_salt
-        )
+        return _first_block_extra(self)
+
+
+@lru_cache(maxsize=1024)
+def _first_block_extra(ctx: HashContext) -> bytes:
+    return (
+        _VERSION
+        + _encode_str(ctx.model_id)
+        + _encode_str(ctx.lora_id)
+        + _encode_str(ctx.cache_salt)
+    )
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
@@ -62,15 +71,29 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
 
 
 def hash_block(parent: BlockKey | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockKey:
-    """Key of one full block given its parent's key (``None`` for the first block)."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    """Key of one full block given its parent's key (``None`` for the first block).
+
+    Hashes ``parent || u32(len) || u32 tokens || u32(len(extra)) || extra`` in one call (the
+    same bytes as feeding them piecewise; one buffer is cheaper in CPython).
+    """
+    n = len(token_ids)
+    try:
+        data = _tokens_packer(n).pack(n, *token_ids)
+    except struct.error as exc:  # negative or > 2**32-1
+        raise ValueError(f"token ids must be in [0, 2**32): {exc}") from None
     if parent is not None:
-        h.update(parent)
-    h.update(struct.pack("<I", len(token_ids)))
-    h.update(encode_tokens(token_ids))
-    h.update(struct.pack("<I", len(extra)))
-    h.update(extra)
-    return BlockKey(h.digest())
+        data = parent + data
+    data += _U32.pack(len(extra)) + extra
+    return BlockKey(hashlib.blake2b(data, digest_size=KEY_BYTES).digest())
+
+
+_U32 = struct.Struct("<I")
+
+
+@lru_cache(maxsize=64)
+def _tokens_packer(n: int) -> struct.Struct:
+    """Packs ``u32(n)`` followed by ``n`` u32 tokens."""
+    return struct.Struct(f"<I{n}I")
 
 
 def block_keys(

@@ -1,4 +1,8 @@
-"""Whole-state consistency checks of the KV manager (O(pool); for tests and debugging)."""
+"""Whole-state consistency checks of the KV manager (O(pool); for tests and debugging).
+
+Written with explicit ``raise`` rather than ``assert`` so ``python -O`` cannot disable them,
+and with messages built only on failure (the property tests call this after every step).
+"""
 
 from __future__ import annotations
 
@@ -13,67 +17,56 @@ if TYPE_CHECKING:
 
 
 def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool) -> None:
-    """Raise ``AssertionError`` naming the first broken invariant.
-
-    Not written with ``assert`` statements so that ``python -O`` does not disable it.
-    """
+    """Raise ``AssertionError`` naming the first broken invariant."""
     bs = pool.block_size
     holders: Counter[int] = Counter()
     for sid, seq in seqs.items():
         ids = [b.block_id for b in seq.blocks]
-        _check(len(set(ids)) == len(ids), f"seq {sid!r} holds a block twice: {ids}")
+        if len(set(ids)) != len(ids):
+            _fail(f"seq {sid!r} holds a block twice: {ids}")
         holders.update(ids)
         n_full = seq.num_computed // bs
-        _check(
-            len(seq.blocks) == -(-seq.num_computed // bs),
-            f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.num_computed} computed tokens",
-        )
-        _check(
-            len(seq.keys) == (n_full if caching else 0),
-            f"seq {sid!r}: {len(seq.keys)} keys for {n_full} full blocks",
-        )
+        if len(seq.blocks) != -(-seq.num_computed // bs):
+            _fail(f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")
+        if len(seq.keys) != (n_full if caching else 0):
+            _fail(f"seq {sid!r}: {len(seq.keys)} keys for {n_full} full blocks")
         for i, block in enumerate(seq.blocks):
-            if block.key is not None:
-                _check(i < n_full, f"seq {sid!r}: partial block {i} ({block}) is cached")
-                _check(block.key == seq.keys[i], f"seq {sid!r}: block {i} has a foreign key")
+            if block.key is not None and (i >= n_full or block.key != seq.keys[i]):
+                _fail(f"seq {sid!r}: block {i} ({block}) is partial or has a foreign key")
 
     for block in pool.blocks:
-        _check(
-            block.ref_cnt == holders[block.block_id],
-            f"{block}: ref count != {holders[block.block_id]} block tables holding it",
-        )
+        if block.ref_cnt != holders[block.block_id]:
+            _fail(f"{block}: ref count != {holders[block.block_id]} tables holding it")
+        if block.ref_cnt > 0 and (block.prev is not None or block.next is not None):
+            _fail(f"{block} is in use but still linked into the free queue")
 
     queued: list[int] = []
     prev = pool.free_queue._head
     for block in pool.free_queue:
-        _check(block.prev is prev, f"free queue link broken before {block}")
-        _check(block.ref_cnt == 0, f"referenced {block} is in the free queue")
+        if block.prev is not prev:
+            _fail(f"free queue link broken before {block}")
+        if block.ref_cnt != 0:
+            _fail(f"referenced {block} is in the free queue")
         queued.append(block.block_id)
         prev = block
-    _check(len(queued) == len(pool.free_queue), "free queue length counter is wrong")
-    _check(len(set(queued)) == len(queued), "a block is twice in the free queue")
     unreferenced = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-    _check(set(queued) == unreferenced, "free queue != set of blocks with ref count 0")
-    _check(
-        len(queued) + sum(1 for b in pool.blocks if b.ref_cnt > 0) == len(pool.blocks),
-        "free + in use != total",
-    )
-    for block in pool.blocks:
-        if block.ref_cnt > 0:
-            _check(block.prev is None and block.next is None, f"{block} in use keeps links")
+    if len(queued) != len(pool.free_queue):
+        _fail("free queue length counter is wrong")
+    if len(set(queued)) != len(queued) or set(queued) != unreferenced:
+        _fail("free queue != set of blocks with ref count 0, each once")
+    if len(queued) + len(holders) != len(pool.blocks):
+        _fail("free + in use != total")
 
     for key, block in pool.cached.items():
-        _check(block.key == key, f"cache map entry {key.hex()} points at {block}")
-        _check(
-            block.token_ids is not None and len(block.token_ids) == bs,
-            f"cached {block} lacks its {bs} token ids",
-        )
-    n_keyed = sum(1 for b in pool.blocks if b.key is not None)
-    _check(n_keyed == len(pool.cached), "a block holds a key missing from the cache map")
-    evictable = sum(1 for b in pool.cached.values() if b.ref_cnt == 0)
-    _check(evictable == pool.num_evictable, "evictable counter is wrong")
+        if block.key != key:
+            _fail(f"cache map entry {key.hex()} points at {block}")
+        if block.token_ids is None or len(block.token_ids) != bs:
+            _fail(f"cached {block} lacks its {bs} token ids")
+    if sum(1 for b in pool.blocks if b.key is not None) != len(pool.cached):
+        _fail("a block holds a key missing from the cache map")
+    if sum(1 for b in pool.cached.values() if b.ref_cnt == 0) != pool.num_evictable:
+        _fail("evictable counter is wrong")
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise AssertionError(message)
+def _fail(message: str) -> None:
+    raise AssertionError(message)
