@@ -70,7 +70,8 @@ class LocalRedis:
             except redis.RedisError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis-server on {self.host}:{self.port} did not answer in {timeout_s}s")
+        raise RuntimeError(
+            f"redis-server on {self.host}:{self.port} did not answer in {timeout_s}s")
 
     def stop(self) -> None:
         if self.proc is None:

@@ -1,0 +1,207 @@
+"""The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
+
+Protobuf stops here: requests become :class:`router.convert.GenerateSpec`, the serving core
+works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+from router.convert import FINISH_TO_PB, responses_from_output, spec_from_pb
+from router.serving import ServingCore, StreamBroken
+from router.types import NoWorkersError
+from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
+from worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The one place where errors become gRPC codes (None: an internal error)."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NoWorkersError | StreamBroken):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    return None
+
+
+class TokenAuth:
+    """Bearer tokens -> tenants. Compared in constant time; tokens are never logged."""
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        self._tenants = [(tok.encode(), tenant) for tenant, tok in tokens.items()]
+
+    def tenant_of(self, metadata: Any) -> str | None:
+        header = dict(metadata or ()).get("authorization", "")
+        token = header[7:].encode() if header.startswith("Bearer ") else b""
+        found = None
+        for tok, tenant in self._tenants:  # no early exit: constant time in the match position
+            if hmac.compare_digest(tok, token):
+                found = tenant
+        return found
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects API calls without a valid ``authorization: Bearer <token>`` (UNAUTHENTICATED).
+
+    Health checks and reflection stay open (probes carry no token).
+    """
+
+    def __init__(self, auth: TokenAuth) -> None:
+        self.auth = auth
+
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        handler = await continuation(details)
+        if details.method.startswith(f"/{SERVICE_NAME}/") and handler is not None and \
+                self.auth.tenant_of(details.invocation_metadata) is None:
+            return _deny_handler(handler)
+        return handler
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid bearer token (metadata 'authorization')")
+
+    if handler.response_streaming:
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
+            await deny(request, context)
+            yield  # pragma: no cover - abort raises
+
+        return grpc.unary_stream_rpc_method_handler(
+            deny_stream, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(
+        deny, request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer)
+
+
+class KVClusterServicer(pb_grpc.KVClusterServicer):
+    def __init__(self, core: ServingCore, tokenizer: Tokenizer, *, policy: str,
+                 index_available: Any = lambda: False, auth: TokenAuth | None = None) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.index_available = index_available
+        self.auth = auth
+
+    def _tenant(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str | None:
+        if self.auth is None:
+            return request.tenant or None
+        tenant = self.auth.tenant_of(context.invocation_metadata())
+        if request.tenant and request.tenant != tenant:
+            raise InvalidRequest("tenant", request.tenant, "must match the bearer token's tenant")
+        return tenant
+
+    async def _outputs(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[tuple[str, Any, bool]]:
+        tenant = self._tenant(request, context)
+        # a tenant's default salt isolates its cache from every other tenant's
+        spec = spec_from_pb(request, default_salt=f"tenant:{tenant}" if tenant else None)
+        token_ids = spec.token_ids
+        if token_ids is None:
+            token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
+        async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+            yield worker, out, spec.stream_text
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for worker, out, stream_text in self._outputs(request, context):
+                for msg in responses_from_output(out, worker_id=worker, stream_text=stream_text):
+                    yield msg
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def GenerateUnary(self, request: pb.GenerateRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GenerateResult:
+        result = GenerationResult(request_id="", completions=[])
+        worker = ""
+        try:
+            async for worker, out, _ in self._outputs(request, context):  # noqa: B007
+                result.request_id = out.request_id
+                result.add(out)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+        u = result.usage
+        return pb.GenerateResult(
+            request_id=result.request_id, worker_id=worker,
+            completions=[pb.Completion(index=c.index, token_ids=c.token_ids, text=c.text,
+                                       finish_reason=FINISH_TO_PB[c.finish_reason])
+                         for c in result.completions],
+            usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
+                           completion_tokens=u.completion_tokens) if u else None)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+                       ) -> pb.TokenizeResponse:
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
+
+    async def ClusterStatus(self, request: pb.ClusterStatusRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ClusterStatusResponse:
+        statuses = await self.core.directory.statuses()
+        live = await self.core.directory.candidates()
+        snap = self.core.router.metrics.snapshot()
+        return pb.ClusterStatusResponse(
+            policy=self.policy, model_id=self.core.limits.model_id,
+            index_available=bool(self.index_available()),
+            decisions={k: int(v) for k, v in snap["decisions"].items()},  # type: ignore[union-attr]
+            workers=[pb.WorkerStatus(
+                worker_id=s.worker_id, epoch=s.epoch or 0, alive=s.worker_id in live,
+                running=s.running, waiting=s.waiting, free_blocks=s.free_blocks,
+                total_blocks=s.total_blocks,
+                kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
+                prefix_hit_rate=s.prefix_hit_rate,
+                queued_prefill_tokens=s.queued_prefill_tokens) for s in statuses])
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        mapped = _status_of(exc)
+        if mapped is None:
+            log.exception("internal error serving a request")
+            mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        await context.abort(*mapped)
+
+
+async def start_server(servicer: KVClusterServicer, *, host: str, port: int,
+                       max_message_bytes: int,
+                       tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the API, health and reflection; returns (server, port)."""
+    interceptors = [AuthInterceptor(servicer.auth)] if servicer.auth is not None else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_KVClusterServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    addr = f"{host}:{port}"
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
+        bound = server.add_secure_port(addr, creds)
+    else:
+        bound = server.add_insecure_port(addr)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

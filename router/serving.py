@@ -1,0 +1,126 @@
+"""The router's serving path, protobuf-free: validate limits, route, stream, retry, abort.
+
+``ServingCore.generate`` yields ``(worker_id, RequestOutput)`` pairs. A worker that dies
+before the request produced any token is retried on another worker (transparently to the
+client); one that dies after raises :class:`StreamBroken`. Whatever ends the stream early
+(client cancel, deadline, error) aborts the request on the worker, so no KV block is kept
+for a client that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from router.router import Router
+from router.types import NoWorkersError, RouteRequest
+from router.workers import WorkerDirectory, WorkerGone
+from worker.engine import InvalidRequest, RequestOutput, SamplingParams
+from worker.kv import HashContext
+from worker.protocol import Admitted, WorkerRequest
+
+log = logging.getLogger(__name__)
+
+
+class StreamBroken(Exception):
+    """The worker died after tokens had been sent; the client must retry the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the router checks before routing (the worker checks again)."""
+
+    model_id: str  # folded into block 0's key; must equal the workers'
+    vocab_size: int  # token ids must be below it
+    max_model_len: int  # prompt + generated tokens must fit
+    max_prompt_tokens: int  # prompts longer than this are rejected
+
+
+def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
+    n = len(token_ids)
+    if n == 0:
+        raise InvalidRequest("prompt", 0, "must have at least one token")
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("token_ids", bad,
+                             f"each must be in [0, vocab_size={limits.vocab_size})")
+    cap = min(limits.max_prompt_tokens, limits.max_model_len - 1)
+    if n > cap:
+        raise InvalidRequest("prompt", n, f"must be at most {cap} tokens (max_model_len="
+                             f"{limits.max_model_len}, one token left to generate)")
+    bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={limits.vocab_size}")
+
+
+class ServingCore:
+    """One router's request path. Routing decisions run on one thread (Router is not
+    thread-safe and its Redis lookup is blocking), so the event loop never waits on Redis."""
+
+    def __init__(self, router: Router, directory: WorkerDirectory, limits: ModelLimits,
+                 *, max_attempts: int = 3) -> None:
+        self.router = router
+        self.directory = directory
+        self.limits = limits
+        self.max_attempts = max_attempts
+        self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
+        self.retries = 0  # requests moved to another worker after a death before any token
+        self.broken = 0  # streams ended because their worker died mid-stream
+
+    def close(self) -> None:
+        self._decide.shutdown(wait=False, cancel_futures=True)
+
+    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        check_limits(token_ids, params, self.limits)
+        ctx = HashContext(self.limits.model_id, None, params.cache_salt)
+        excluded: set[str] = set()
+        loop = asyncio.get_running_loop()
+        for attempt in range(self.max_attempts):
+            candidates = {w: load for w, load in (await self.directory.candidates()).items()
+                          if w not in excluded}
+            if not candidates:
+                raise NoWorkersError(
+                    f"no live worker for request {request_id!r}"
+                    + (f" (tried {sorted(excluded)})" if excluded else ""))
+            route_req = RouteRequest(request_id, token_ids, ctx)
+            decision = await loop.run_in_executor(self._decide, self.router.route, route_req,
+                                                  candidates)
+            worker = decision.worker_id
+            produced = finished = False
+            try:
+                async for item in self.directory.stream(
+                        worker, WorkerRequest(request_id, token_ids, params)):
+                    if isinstance(item, Admitted):
+                        if decision.keys:
+                            self.router.check_parity(request_id, decision.keys, item.keys)
+                        continue
+                    produced = produced or any(d.token_ids for d in item.outputs)
+                    finished = item.finished
+                    yield worker, item
+                return
+            except WorkerGone as exc:
+                self.directory.mark_dead(worker)
+                excluded.add(worker)
+                if produced:
+                    self.broken += 1
+                    raise StreamBroken(
+                        f"worker {worker} died while streaming request {request_id!r}: {exc}; "
+                        "the partial output is lost, retry the request") from exc
+                self.retries += 1
+                log.warning("worker %s died before request %s produced a token (attempt %d): "
+                            "retrying elsewhere", worker, request_id, attempt + 1)
+            finally:
+                if not finished:
+                    # client gone, deadline, error or death: never leave blocks behind
+                    await asyncio.shield(self._abort_quietly(worker, request_id))
+        raise NoWorkersError(f"request {request_id!r}: {self.max_attempts} workers died in turn")
+
+    async def _abort_quietly(self, worker: str, request_id: str) -> None:
+        try:
+            await self.directory.abort(worker, request_id)
+        except Exception as exc:  # the worker may be dead; its blocks died with it
+            log.debug("abort of %s on %s failed: %s", request_id, worker, exc)

@@ -1,0 +1,41 @@
+"""What a router and a worker actor exchange (plain dataclasses, pickled by Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.engine import SamplingParams
+from worker.kv import BlockKey
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequest:
+    """One request as the router hands it to the chosen worker."""
+
+    request_id: str  # unique id; the engine's request id
+    token_ids: list[int]  # the tokenized prompt
+    params: SamplingParams  # validated sampling parameters (cache_salt, priority inside)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """First item of every worker stream: the request was queued on this worker."""
+
+    worker_id: str  # the worker's registry id
+    epoch: int | None  # its registration epoch in the index (None: index not reached yet)
+    keys: tuple[BlockKey, ...]  # the prompt's full-block keys as this worker computes them
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker's state for ClusterStatus and the dashboard."""
+
+    worker_id: str
+    epoch: int | None
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    queued_prefill_tokens: int
+    prefix_hit_rate: float
+    index_healthy: bool
