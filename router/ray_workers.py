@@ -1,0 +1,138 @@
+"""The Ray-backed :class:`WorkerDirectory`: named worker actors, liveness from the index.
+
+Live workers and their load come from the Redis index's heartbeats (one cached round trip
+per ``live_ttl_s``). When Redis is unreachable the directory falls back to the worker
+actors Ray knows by name and to this router's own in-flight counts, so requests are still
+served (routing by load). A worker that died while serving is skipped until it shows a
+new epoch (Ray restarted it) or, without an index, for ``dead_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from kvstore import IndexUnavailable, KVIndex, WorkerLoad
+from router.workers import WorkerDirectory, WorkerGone
+from worker.engine import RequestOutput
+from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+
+log = logging.getLogger(__name__)
+WORKER_PREFIX = "worker-"
+_ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class RayWorkerDirectory(WorkerDirectory):
+    def __init__(self, namespace: str, index: KVIndex | None, *, live_ttl_s: float = 0.1,
+                 dead_ttl_s: float = 10.0, call_timeout_s: float = 10.0) -> None:
+        self.namespace = namespace
+        self.index = index
+        self.live_ttl_s = live_ttl_s
+        self.dead_ttl_s = dead_ttl_s
+        self.call_timeout_s = call_timeout_s
+        self.inflight: Counter[str] = Counter()  # this router's open streams per worker
+        self.index_ok = index is not None
+        self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
+        self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+
+    # -- liveness --------------------------------------------------------------------------
+
+    async def _from_index(self) -> dict[str, tuple[int, WorkerLoad]] | None:
+        if self.index is None:
+            return None
+        now = time.monotonic()
+        if now - self._live[0] < self.live_ttl_s:
+            return self._live[1]
+        try:
+            infos = await asyncio.to_thread(self.index.live_workers)
+        except IndexUnavailable as exc:
+            if self.index_ok:
+                log.warning("index unavailable, routing by load over Ray's worker list: %s", exc)
+            self.index_ok = False
+            return None
+        self.index_ok = True
+        live = {w: (i.epoch, i.load) for w, i in infos.items()}
+        self._live = (now, live)
+        return live
+
+    def _from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
+        names = ray.util.list_named_actors(all_namespaces=True)
+        out: dict[str, tuple[int | None, WorkerLoad]] = {}
+        for entry in names:
+            if entry["namespace"] == self.namespace and entry["name"].startswith(WORKER_PREFIX):
+                w = entry["name"]
+                out[w] = (None, WorkerLoad(running=self.inflight[w], waiting=0, free_blocks=0,
+                                           total_blocks=0, queued_prefill_tokens=0))
+        return out
+
+    async def candidates(self) -> Mapping[str, WorkerLoad]:
+        live = await self._from_index()
+        entries = live if live else await asyncio.to_thread(self._from_ray)
+        now = time.monotonic()
+        out = {}
+        for w, (epoch, load) in entries.items():
+            dead = self._dead.get(w)
+            if dead is not None:
+                since, dead_epoch = dead
+                restarted = epoch is not None and dead_epoch is not None and epoch > dead_epoch
+                if not restarted and now - since < self.dead_ttl_s:
+                    continue
+                del self._dead[w]
+            out[w] = load
+        return out
+
+    def mark_dead(self, worker_id: str) -> None:
+        epoch = self._live[1].get(worker_id, (None,))[0]
+        self._dead[worker_id] = (time.monotonic(), epoch)
+        self._handles.pop(worker_id, None)
+        self._live = (0.0, self._live[1])  # re-read the registry on the next request
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _handle(self, worker_id: str) -> ray.actor.ActorHandle:
+        h = self._handles.get(worker_id)
+        if h is None:
+            try:
+                h = ray.get_actor(worker_id, namespace=self.namespace)
+            except ValueError as exc:
+                raise WorkerGone(f"no actor named {worker_id!r}: {exc}") from exc
+            self._handles[worker_id] = h
+        return h
+
+    async def stream(self, worker_id: str, request: WorkerRequest
+                     ) -> AsyncIterator[Admitted | RequestOutput]:
+        self.inflight[worker_id] += 1
+        try:
+            gen = self._handle(worker_id).generate.options(num_returns="streaming").remote(
+                request)
+            async for ref in gen:
+                yield await ref
+        except _ACTOR_ERRORS as exc:
+            raise WorkerGone(str(exc).splitlines()[0]) from exc
+        finally:
+            self.inflight[worker_id] -= 1
+
+    async def abort(self, worker_id: str, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self._handle(worker_id).abort.remote(request_id),
+                                   self.call_timeout_s)
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            pass  # a dead worker's blocks are gone with it
+
+    async def statuses(self) -> list[WorkerStatus]:
+        names = [n for n in await asyncio.to_thread(self._from_ray)]
+        out = []
+        for name in sorted(names):
+            try:
+                out.append(await asyncio.wait_for(self._handle(name).status.remote(),
+                                                  self.call_timeout_s))
+            except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError):
+                continue
+        return out
