@@ -13,6 +13,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from router.config import RoutingConfig
+from worker.engine.config import EngineConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -23,44 +26,40 @@ class ModelConfig(_Strict):
         None, description="Hugging Face model folder; None builds the offline tiny model."
     )
     model_id: str | None = Field(
-        None, description="Id folded into block hashes and index keys; default: folder name."
+        None, description="Id folded into block keys and index keys; default: folder name."
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights/KV dtype.")
     tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] = Field(
         "llama", description="Family of the offline model when path is None."
     )
 
 
-class WorkerConfig(_Strict):
+class WorkersConfig(_Strict):
     num_workers: int = Field(2, ge=1, le=1024, description="Workers on CPU-only clusters.")
     use_gpu: bool = Field(False, description="One worker per GPU (num_gpus=1) when true.")
     num_cpus_per_worker: float = Field(0.5, gt=0, description="Ray CPUs reserved per worker.")
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
-    num_blocks: int | None = Field(
-        512, ge=2, description="KV blocks per worker; None sizes from kv_memory_bytes."
-    )
-    kv_memory_bytes: int | None = Field(None, ge=1, description="KV budget per worker.")
-    max_num_seqs: int = Field(64, ge=1, description="Running sequences per worker.")
-    max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget per step.")
-    max_waiting: int = Field(256, ge=1, description="Waiting queue bound (overload error).")
-    max_model_len: int | None = Field(None, ge=16, description="Default: model's maximum.")
-    attn_backend: str = Field("torch", description="'torch' (CPU/CUDA) or 'triton' (CUDA).")
     max_restarts: int = Field(3, ge=-1, description="Ray actor restarts on failure (-1: inf).")
+    engine: EngineConfig = Field(
+        EngineConfig(num_blocks=512, max_waiting=256),
+        description="Each worker's engine: block size, KV size, batch limits, policy, dtype. "
+        "model_id is filled in from model.model_id.",
+    )
 
 
 class RouterConfig(_Strict):
     num_routers: int = Field(1, ge=1, le=64, description="Router actors (gRPC servers).")
     host: str = Field("127.0.0.1", description="gRPC bind address.")
-    port: int = Field(50051, ge=0, le=65535, description="First router's port (0: free port).")
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity"] = Field(
-        "prefix_affinity", description="Placement policy."
-    )
+    port: int = Field(50051, ge=0, le=65535, description="First router's port (0: free port); "
+                      "router i listens on port + i.")
     max_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC message size limit.")
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
     )
-    tls_cert: str | None = Field(None, description="PEM server certificate (enables TLS).")
-    tls_key: str | None = Field(None, description="PEM private key for tls_cert.")
+    tls_cert: str | None = Field(None, description="PEM server certificate file (enables TLS).")
+    tls_key: str | None = Field(None, description="PEM private key file for tls_cert.")
+    routing: RoutingConfig = Field(
+        RoutingConfig(), description="Placement policy and weights; block_size is taken from "
+        "workers.engine.block_size."
+    )
 
 
 class RedisConfig(_Strict):
@@ -82,7 +81,7 @@ class ClusterConfig(_Strict):
     name: str = Field("kvcluster", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace.")
     ray_address: str | None = Field(None, description="Ray address; None starts a local Ray.")
     model: ModelConfig = ModelConfig()
-    workers: WorkerConfig = WorkerConfig()
+    workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
     redis: RedisConfig = RedisConfig()
 

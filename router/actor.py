@@ -1,0 +1,102 @@
+"""The router as a Ray actor: a grpc.aio server in the actor's event loop.
+
+``RouterServer`` is a plain class (constructed in tests without Ray's actor machinery
+except for worker handles); ``RouterActor`` wraps it in one line. Each router is stateless
+apart from its cache of the index and its recent placements, so any number may run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from kvstore import IndexConfig, KVIndex
+from router.config import RoutingConfig
+from router.metrics import RouterMetrics
+from router.prefix_source import KVIndexSource
+from router.ray_workers import RayWorkerDirectory
+from router.router import Router
+from router.servicer import KVClusterServicer, TokenAuth, start_server
+from router.serving import ModelLimits, ServingCore
+from worker.model.config import ModelConfig
+from worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything one router needs (built by the launcher from the cluster config)."""
+
+    router_id: str  # actor name, e.g. "router-0"
+    namespace: str  # Ray namespace of the cluster's actors
+    model_dir: str  # the served model's folder (tokenizer, config.json)
+    model_id: str  # folded into block keys; must equal the workers'
+    max_model_len: int  # the workers' max_model_len
+    routing: RoutingConfig  # policy and weights (block_size = workers')
+    index: IndexConfig | None  # None: no Redis, route by load
+    host: str  # gRPC bind address
+    port: int  # gRPC port (0: any free port)
+    max_message_bytes: int  # gRPC message limit
+    auth_tokens: dict[str, str]  # tenant -> bearer token ({} = no auth)
+    tls_cert: str | None  # PEM files; both set = TLS
+    tls_key: str | None
+
+
+class RouterServer:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        model_dir = Path(settings.model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        model_cfg = ModelConfig.from_dir(model_dir)
+        self.index = KVIndex(settings.index) if settings.index is not None else None
+        self.metrics = RouterMetrics()
+        source = KVIndexSource(self.index) if self.index is not None else None
+        self.router = Router(settings.routing, source, metrics=self.metrics)
+        self.directory = RayWorkerDirectory(settings.namespace, self.index)
+        limits = ModelLimits(model_id=settings.model_id, vocab_size=model_cfg.vocab_size,
+                             max_model_len=settings.max_model_len,
+                             max_prompt_tokens=settings.max_model_len - 1)
+        self.core = ServingCore(self.router, self.directory, limits)
+        auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
+        self.servicer = KVClusterServicer(self.core, self.tokenizer,
+                                          policy=settings.routing.policy,
+                                          index_available=lambda: self.directory.index_ok,
+                                          auth=auth)
+        self.server = None
+        self.port: int | None = None
+
+    async def start(self) -> str:
+        """Start serving; returns ``host:port``."""
+        tls = None
+        if self.settings.tls_cert and self.settings.tls_key:
+            tls = (Path(self.settings.tls_cert).read_bytes(),
+                   Path(self.settings.tls_key).read_bytes())
+        self.server, self.port = await start_server(
+            self.servicer, host=self.settings.host, port=self.settings.port,
+            max_message_bytes=self.settings.max_message_bytes, tls=tls)
+        log.info("router %s serving gRPC on %s:%d", self.settings.router_id, self.settings.host,
+                 self.port)
+        return f"{self.settings.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None
+        self.core.close()
+
+    def stats(self) -> dict:
+        """Router metrics plus retry counters (for status and tests)."""
+        snap = self.metrics.snapshot()
+        snap.update(retries=self.core.retries, broken_streams=self.core.broken,
+                    index_available=self.directory.index_ok)
+        return snap
+
+    def ready(self) -> bool:
+        return self.server is not None
+
+
+RouterActor = ray.remote(RouterServer)
