@@ -5,6 +5,7 @@ Kept small and stable on purpose — other benchmarks import it:
     print_table(rows, "title")   # rows: list of dicts with the same keys (the columns)
     emit_json({"name": value})   # the one JSON line of headline figures a benchmark ends with
     results_dir()                # where PNGs go ($KVCLUSTER_RESULTS_DIR or benchmarks/results/)
+    plt = pyplot(); fig, ax = plt.subplots(); ...; save_figure(fig, "name.png")
 """
 
 from __future__ import annotations
@@ -46,4 +47,23 @@ def results_dir() -> Path:
     """Folder for plots (created if missing); ``$KVCLUSTER_RESULTS_DIR`` overrides it."""
     path = Path(os.environ.get("KVCLUSTER_RESULTS_DIR") or Path(__file__).parent / "results")
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, name: str) -> Path:
+    """Lay out, save as ``results_dir() / name`` (120 dpi), close; returns the path."""
+    path = results_dir() / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
     return path

@@ -16,7 +16,8 @@ Reported per allocator (time-averaged over steps): the fraction of *allocated* K
 hold live tokens, the fraction of the whole capacity holding live tokens (over all steps, and
 over the steps where requests wait for memory), peak and mean
 concurrent requests, steps to drain the mix, preemptions, and for the paged manager its CPU
-cost per token processed. A sweep over block sizes 8..128 plots waste and that overhead.
+cost per token processed (``time.process_time`` spent in its calls). A sweep over block
+sizes 8..128 plots waste and that overhead.
 Target (issue 2): paged >= 97% at block size 16.
 
     .venv/bin/python -m benchmarks.kv_memory            # 2000 requests, ~1 min
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.common import emit_json, print_table, results_dir
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from worker.kv import KVCacheManager
 
 TARGET_PAGED_UTIL = 0.97
@@ -74,24 +75,24 @@ class Paged:
         self.seconds = 0.0  # CPU time spent inside the manager
 
     def admit(self, r: Req) -> bool:
-        t = time.perf_counter()
+        t = time.process_time()
         need = -(-(r.prompt + r.generated) // self.kv.block_size)
         ok = self.kv.can_fit(need + self.watermark)
         if ok:
             self.kv.allocate_slots(r.rid, self.tokens, r.prompt + r.generated)
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.process_time() - t
         return ok
 
     def grow(self, r: Req) -> bool:
-        t = time.perf_counter()
+        t = time.process_time()
         ok = self.kv.allocate_slots(r.rid, self.tokens, 1) is not None
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.process_time() - t
         return ok
 
     def release(self, r: Req) -> None:
-        t = time.perf_counter()
+        t = time.process_time()
         self.kv.free(r.rid)
-        self.seconds += time.perf_counter() - t
+        self.seconds += time.process_time() - t
 
     def allocated(self) -> int:
         return self.kv.stats().used_blocks * self.kv.block_size
@@ -224,11 +225,7 @@ def run(args: argparse.Namespace) -> tuple[list[dict], dict]:
 
 
 def plot(rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paged = [r for r in rows if r["allocator"] == "paged"]
     bs = [r["block"] for r in paged]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
@@ -239,9 +236,7 @@ def plot(rows: list[dict]) -> None:
     ax2.plot(bs, [r["us_per_token"] for r in paged], "s--", color="C1")
     ax2.set_ylabel("manager CPU per token (µs)", color="C1")
     ax.set_title("Paged KV cache: waste and overhead vs block size")
-    fig.tight_layout()
-    fig.savefig(results_dir() / "kv_memory_block_size.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, "kv_memory_block_size.png")
 
 
 def main(argv: list[str] | None = None) -> dict:

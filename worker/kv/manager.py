@@ -150,7 +150,8 @@ class KVCacheManager:
         seq = self._seqs.get(seq_id)
         is_new = seq is None
         if seq is None:
-            ctx = ctx or (prefix.ctx if prefix is not None else None) or HashContext()
+            if ctx is None:
+                ctx = prefix.ctx if prefix is not None and prefix.ctx is not None else HashContext()
             blocks = self._adoptable(prefix, ctx, token_ids)
             computed, keys = len(blocks) * bs, self._hit_keys(prefix, len(blocks))
         else:
@@ -185,15 +186,16 @@ class KVCacheManager:
             seq = self._seqs[seq_id] = _Seq(ctx, list(blocks), computed, keys)
             self._queried_tokens += len(token_ids)
             self._hit_tokens += computed
-        fresh = self._pool.take_new(n_new + cow)
+        fresh = self._pool.take_new(n_new + cow) if n_new + cow else []
         copies: list[tuple[int, int]] = []
         if cow:
             src, dst = seq.blocks[-1], fresh[0]
             seq.blocks[-1] = dst
             self._pool.release([src])
             copies.append((src.block_id, dst.block_id))
+            self._copies.append(copies[0])
             seq.blocks.extend(fresh[1:])
-        else:
+        elif fresh:
             seq.blocks.extend(fresh)
         seq.num_computed = total
         if new_keys:
@@ -202,7 +204,6 @@ class KVCacheManager:
             stored = seq.blocks[start : start + len(new_keys)]
             self._pool.cache_full_blocks(stored, new_keys, new_toks, parent)
             seq.keys.extend(new_keys)
-        self._copies.extend(copies)
         return KVAllocation([b.block_id for b in fresh], computed if is_new else 0, copies)
 
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> None:
@@ -231,6 +232,7 @@ class KVCacheManager:
         return copies
 
     def drain_events(self) -> list[KVEvent]:
+        """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
         return self._pool.events.drain()
 
     def reset_prefix_cache(self) -> bool:
@@ -238,7 +240,11 @@ class KVCacheManager:
         return self._pool.reset_cache()
 
     def cached_keys(self) -> list[BlockKey]:
-        """Keys of all cached blocks (in use or evictable), e.g. to resync the block index."""
+        """Keys of all cached blocks (in use or evictable), e.g. to resync the block index.
+
+        One C-level copy of the key map: under the GIL it is atomic with respect to an engine
+        thread mutating the pool, so a publisher thread may call it without the engine's lock.
+        """
         return list(self._pool.cached)
 
     def stats(self) -> KVStats:
