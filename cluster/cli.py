@@ -1,0 +1,151 @@
+"""``kvcluster`` command line: up, down, status, generate, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import grpc
+
+from cluster.config import ConfigError, load_config
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    if args.target:
+        return args.target
+    from cluster.launcher import ClusterState
+
+    return ClusterState.load(args.name).endpoints[0]
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.launcher import Cluster
+
+    cfg = load_config(args.config)
+    if args.ray_address:
+        cfg = cfg.model_copy(update={"ray_address": args.ray_address})
+    cluster = Cluster(cfg, detached=True).up()
+    path = cluster.state().save()
+    st = cluster.state()
+    print(f"kvcluster {cfg.name!r} is up")
+    print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
+    print(f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
+          "or RAY_AUTH_MODE=disabled)")
+    print(f"  redis          : {st.redis_url}")
+    print(f"  model          : {st.model_dir}")
+    print(f"  state          : {path}")
+    print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from cluster.launcher import down_detached
+
+    st = down_detached(args.name)
+    print(f"kvcluster {st.name!r} is down")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.client import KVClusterClient
+
+    with KVClusterClient(_endpoint(args)) as client:
+        st = client.status()
+    print(f"model {st.model_id}  policy {st.policy}  index "
+          f"{'up' if st.index_available else 'DOWN'}")
+    print(f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}"
+          f"{'hit rate':>10}")
+    for w in st.workers:
+        print(f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
+              f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}")
+    if st.decisions:
+        print("decisions: " + json.dumps(dict(st.decisions)))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.client import Completion, KVClusterClient, accumulate, build_request
+
+    out = Completion()
+    with KVClusterClient(_endpoint(args)) as client:
+        req = build_request(args.prompt, max_tokens=args.max_tokens,
+                            temperature=args.temperature, cache_salt=args.cache_salt)
+        for msg in client.stream(req, timeout=args.timeout):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            accumulate(out, msg)
+    print(f"\n[worker {out.worker_id}; prompt {out.prompt_tokens} tokens, "
+          f"{out.cached_tokens} cached; {out.completion_tokens} generated; "
+          f"finish {out.finish_reasons.get(0)}]")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench import run_bench
+
+    run_bench(_endpoint(args), num_requests=args.requests, concurrency=args.concurrency,
+              num_groups=args.groups, max_tokens=args.max_tokens)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from cluster.demo import run_demo
+
+    return run_demo(load_config(args.config), num_requests=args.requests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcluster", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, fn, help_: str) -> argparse.ArgumentParser:  # noqa: ANN001
+        sp = sub.add_parser(name, help=help_)
+        sp.set_defaults(fn=fn)
+        sp.add_argument("--name", default="kvcluster", help="cluster name (state file)")
+        return sp
+
+    sp = add("up", cmd_up, "start a cluster (embedded defaults without --config)")
+    sp.add_argument("--config", help="cluster YAML (see deploy/kvcluster.yaml)")
+    sp.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto' after ray up)")
+    add("down", cmd_down, "stop the cluster started by `up`")
+    for name, fn, help_ in (("status", cmd_status, "workers, load, KV usage, hit rates"),
+                            ("generate", cmd_generate, "stream a completion"),
+                            ("bench", cmd_bench, "load generator: table, plot, JSON line")):
+        sp = add(name, fn, help_)
+        sp.add_argument("--target", help="router host:port (default: from the state file)")
+        if name == "generate":
+            sp.add_argument("prompt")
+            sp.add_argument("--max-tokens", type=int, default=32)
+            sp.add_argument("--temperature", type=float, default=0.0)
+            sp.add_argument("--cache-salt", default="")
+            sp.add_argument("--timeout", type=float, default=120.0)
+        if name == "bench":
+            sp.add_argument("--requests", type=int, default=64)
+            sp.add_argument("--concurrency", type=int, default=8)
+            sp.add_argument("--groups", type=int, default=4)
+            sp.add_argument("--max-tokens", type=int, default=16)
+    sp = add("demo", cmd_demo, "start a cluster in-process, send prefix-sharing requests, stop")
+    sp.add_argument("--config", help="cluster YAML")
+    sp.add_argument("--requests", type=int, default=8)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"kvcluster: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        print(f"kvcluster: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

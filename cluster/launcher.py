@@ -1,0 +1,254 @@
+"""Start and stop a kvcluster: Redis, Ray, worker actors, router actors.
+
+Two modes share one code path (:class:`Cluster`):
+
+* in-process (``kvcluster demo``, tests): a local Ray started by this process, a local
+  ``redis-server`` owned by it; everything stops when the context exits;
+* detached (``kvcluster up``): actors outlive the CLI (``lifetime="detached"``); Ray is a
+  ``ray start --head`` of ours or the cluster at ``ray_address`` (``ray up``), and a state
+  file (``~/.kvcluster/<name>.json``) tells ``down``/``status``/``generate`` where it is.
+
+Ray 2.60 notes: the dashboard needs the token from ``~/.ray/auth_token`` unless
+``RAY_AUTH_MODE=disabled``; and Ray binds the machine's address unless told otherwise, so
+the local head is started with ``--node-ip-address=127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.local_redis import LocalRedis, free_port, start_detached, stop_pid
+from kvstore import IndexConfig
+from router.actor import RouterActor, RouterSettings
+from worker.actor import WorkerActor, WorkerSettings
+from worker.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+STATE_DIR = Path(os.environ.get("KVCLUSTER_STATE_DIR", Path.home() / ".kvcluster"))
+
+
+@dataclass
+class ClusterState:
+    """What ``kvcluster up`` leaves behind for ``down``/``status``/``generate``."""
+
+    name: str  # cluster name (Ray namespace "kvcluster-<name>")
+    namespace: str  # Ray namespace of the actors
+    ray_address: str  # GCS address the actors live in
+    started_ray: bool  # True if ``up`` started the Ray head (``down`` stops it)
+    redis_url: str | None  # the index's Redis (None: no index)
+    redis_pid: int | None  # pid of the redis-server ``up`` started, if any
+    endpoints: list[str]  # the routers' gRPC host:port
+    dashboard_url: str | None  # Ray dashboard
+    model_dir: str  # served model folder
+    workers: list[str]  # worker actor names
+
+    def save(self) -> Path:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        path = STATE_DIR / f"{self.name}.json"
+        path.write_text(json.dumps(asdict(self), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, name: str) -> ClusterState:
+        path = STATE_DIR / f"{name}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no running cluster {name!r} ({path} missing): "
+                                    "start one with `kvcluster up`")
+        return cls(**json.loads(path.read_text()))
+
+
+def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
+    """(model folder, model id); builds the offline tiny model when no path is set."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser().resolve()
+    else:
+        from worker.model.build_tiny import build_tiny_model
+
+        path = build_tiny_model(family=cfg.model.tiny_family)
+    return str(path), cfg.model.model_id or path.name
+
+
+def start_ray_head(num_cpus: int | None = None) -> str:
+    """``ray start --head`` on loopback; returns the GCS address."""
+    port = free_port()
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head",
+           "--node-ip-address=127.0.0.1", f"--port={port}", "--dashboard-host=127.0.0.1",
+           "--disable-usage-stats"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return f"127.0.0.1:{port}"
+
+
+class Cluster:
+    """Brings a cluster up from a :class:`ClusterConfig`; ``down()`` undoes it."""
+
+    def __init__(self, cfg: ClusterConfig, *, detached: bool = False) -> None:
+        self.cfg = cfg
+        self.detached = detached
+        self.namespace = f"kvcluster-{cfg.name}"
+        self.redis: LocalRedis | None = None
+        self.redis_pid: int | None = None
+        self.redis_url: str | None = cfg.redis.url
+        self.started_ray = False
+        self.ray_address = cfg.ray_address
+        self.workers: dict[str, ray.actor.ActorHandle] = {}
+        self.routers: dict[str, ray.actor.ActorHandle] = {}
+        self.endpoints: list[str] = []
+        self.model_dir = ""
+        self.model_id = ""
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        if self.redis_url is not None:
+            return
+        if self.detached:
+            self.redis_url, self.redis_pid = start_detached()
+        else:
+            self.redis = LocalRedis().start()
+            self.redis_url = self.redis.url
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        if self.ray_address is None and self.detached:
+            self.ray_address = start_ray_head()
+            self.started_ray = True
+        kwargs = dict(namespace=self.namespace, log_to_driver=False,
+                      logging_level=logging.WARNING)
+        if self.ray_address is None:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=True,
+                     dashboard_host="127.0.0.1", **kwargs)
+        else:
+            ray.init(address=self.ray_address, **kwargs)
+        self.ray_address = ray.get_runtime_context().gcs_address
+
+    def index_config(self) -> IndexConfig | None:
+        if self.redis_url is None:
+            return None
+        return IndexConfig(url=self.redis_url, cluster=self.cfg.name, model_id=self.model_id,
+                           record_every=self.cfg.redis.record_every,
+                           heartbeat_ttl_s=self.cfg.redis.heartbeat_ttl_s)
+
+    def engine_config(self):  # noqa: ANN201
+        return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
+
+    def max_model_len(self) -> int:
+        engine = self.cfg.workers.engine
+        return engine.max_model_len or ModelConfig.from_dir(self.model_dir).max_position_embeddings
+
+    def start_worker(self, i: int) -> ray.actor.ActorHandle:
+        w = self.cfg.workers
+        name = f"worker-{i}"
+        opts = dict(name=name, namespace=self.namespace, max_restarts=w.max_restarts,
+                    max_task_retries=0, num_cpus=w.num_cpus_per_worker,
+                    num_gpus=1 if w.use_gpu else 0, max_concurrency=1000)
+        if self.detached:
+            opts["lifetime"] = "detached"
+        settings = WorkerSettings(worker_id=name, model_dir=self.model_dir,
+                                  engine=self.engine_config(), index=self.index_config())
+        handle = WorkerActor.options(**opts).remote(settings)
+        self.workers[name] = handle
+        return handle
+
+    def start_router(self, i: int) -> ray.actor.ActorHandle:
+        r = self.cfg.router
+        name = f"router-{i}"
+        routing = r.routing.model_copy(update={"block_size": self.cfg.workers.engine.block_size})
+        settings = RouterSettings(
+            router_id=name, namespace=self.namespace, model_dir=self.model_dir,
+            model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
+            index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
+            max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
+            tls_cert=r.tls_cert, tls_key=r.tls_key)
+        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=0)
+        if self.detached:
+            opts["lifetime"] = "detached"
+        handle = RouterActor.options(**opts).remote(settings)
+        self.routers[name] = handle
+        return handle
+
+    # -- whole cluster -----------------------------------------------------------------------
+
+    def up(self, timeout_s: float = 300.0) -> Cluster:
+        t0 = time.monotonic()
+        self.model_dir, self.model_id = resolve_model(self.cfg)
+        self._start_redis()
+        self._start_ray()
+        for i in range(self.cfg.workers.num_workers):
+            self.start_worker(i)
+        ray.get([h.ready.remote() for h in self.workers.values()], timeout=timeout_s)
+        for i in range(self.cfg.router.num_routers):
+            self.start_router(i)
+        self.endpoints = ray.get([h.start.remote() for h in self.routers.values()],
+                                 timeout=timeout_s)
+        log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
+        return self
+
+    def dashboard_url(self) -> str | None:
+        try:
+            ctx = ray.get_runtime_context()
+            url = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
+        except Exception:
+            return None
+        return f"http://{url}" if url and not url.startswith("http") else url
+
+    def state(self) -> ClusterState:
+        return ClusterState(name=self.cfg.name, namespace=self.namespace,
+                            ray_address=self.ray_address or "", started_ray=self.started_ray,
+                            redis_url=self.redis_url, redis_pid=self.redis_pid,
+                            endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
+                            model_dir=self.model_dir, workers=sorted(self.workers))
+
+    def down(self) -> None:
+        for h in self.routers.values():
+            try:
+                ray.get(h.stop.remote(), timeout=10)
+            except Exception:  # noqa: S110 - tearing down anyway
+                pass
+        for h in [*self.routers.values(), *self.workers.values()]:
+            ray.kill(h, no_restart=True)
+        self.routers.clear()
+        self.workers.clear()
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def __enter__(self) -> Cluster:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def down_detached(name: str) -> ClusterState:
+    """``kvcluster down``: kill the actors, stop our Redis and Ray head."""
+    st = ClusterState.load(name)
+    try:
+        ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == st.namespace:
+                ray.kill(ray.get_actor(actor["name"], namespace=st.namespace), no_restart=True)
+        ray.shutdown()
+    except Exception as exc:  # Ray already gone: nothing to kill
+        log.warning("could not reach Ray at %s: %s", st.ray_address, exc)
+    if st.started_ray:
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop"], check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if st.redis_pid:
+        stop_pid(st.redis_pid)
+    (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
+    return st
