@@ -60,9 +60,12 @@ def test_runner_with_triton_matches_torch_on_cuda(family, model_dirs):
         )
         blocks = BlockHandout(runner.num_blocks)
         tables = [blocks.table(n + 1, 16) for n in (5, 40)]
-        prefill = [SeqChunk(list(range(7, 7 + n)), 0, t, "all") for n, t in zip((5, 40), tables)]
+        prefill = [
+            SeqChunk(list(range(7, 7 + n)), 0, t, "all")
+            for n, t in zip((5, 40), tables, strict=True)
+        ]
         first = runner.execute(runner.build_input(prefill))
-        decode = [SeqChunk([9], n, t) for n, t in zip((5, 40), tables)]
+        decode = [SeqChunk([9], n, t) for n, t in zip((5, 40), tables, strict=True)]
         results[backend] = torch.cat([first, runner.execute(runner.build_input(decode))])
     torch.testing.assert_close(results["triton"], results["torch"], atol=1e-4, rtol=0)
 

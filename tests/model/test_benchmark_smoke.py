@@ -1,0 +1,26 @@
+"""The decode benchmark runs end to end at its smoke size (figures are not asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+def test_model_decode_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from benchmarks.model_decode import main
+
+    monkeypatch.setenv("KVCLUSTER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path / "results"))
+    threads = torch.get_num_threads()
+    try:
+        main(["--smoke", "--batch-sizes", "1,3", "--new-tokens", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert headline["bench"] == "model_decode" and headline["size"] == "tiny"
+    assert headline["greedy_match"] is True  # same greedy tokens as transformers
+    assert {"ours_tok_s_b1", "hf_tok_s_b3", "ratio_b3"} <= headline.keys()
+    assert (tmp_path / "results" / "model_decode.png").stat().st_size > 0
