@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -94,8 +94,8 @@ class KVIndex:
         self.config = config
         self._client = make_client(config)
         self._reg_key = config.namespace + "reg"
-        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "LOOKUP", "LIVE",
-                 "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
+        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "HELD", "LOOKUP",
+                 "LIVE", "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
         self._recorders: dict[str, Recorder] = {}
         self._addresses: dict[str, str | None] = {}  # published with each heartbeat
@@ -108,7 +108,7 @@ class KVIndex:
     def close(self) -> None:
         self._client.close()
 
-    def _run(self, name: str, *args: object) -> object:
+    def _run(self, name: str, *args: object) -> Any:
         return _guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
 
     def recorder(self, worker_id: str) -> Recorder:
@@ -165,7 +165,7 @@ class KVIndex:
     def apply_ops(self, worker_id: str, epoch: int, batch_seq: int, ops: list[Op]) -> ApplyResult:
         """:meth:`apply_events` for ops already passed through :meth:`recorder`."""
         reply = self._run("APPLY", worker_id, epoch, batch_seq, *encode_ops(ops))
-        return decode_apply(reply)  # type: ignore[arg-type]
+        return decode_apply(reply)
 
     def resync(self, worker_id: str, epoch: int, batch_seq: int, keys: Iterable[BlockKey]) -> bool:
         """Replace the worker's whole key set atomically; later batches continue at batch_seq+1.
@@ -174,7 +174,7 @@ class KVIndex:
         """
         blob = key_blob(self.recorder(worker_id).recorded(keys))
         reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob)
-        return int(reply[0]) == 0  # type: ignore[index]
+        return int(reply[0]) == 0
 
     def deregister(self, worker_id: str, epoch: int) -> None:
         """End a registration: its entries are ignored at once and purged later."""
@@ -187,27 +187,32 @@ class KVIndex:
         keys, block 0 first) it holds, in blocks; a multiple of ``record_every``."""
         k = self.config.record_every
         reply = self._run("LOOKUP", key_blob(sampled(keys, k)))
-        return decode_lookup(reply, k)  # type: ignore[arg-type]
+        return decode_lookup(reply, k)
 
     def live_workers(self) -> dict[str, WorkerInfo]:
         """Current registrations with a live heartbeat, with their latest load."""
-        return decode_live(self._run("LIVE"))  # type: ignore[arg-type]
+        return decode_live(self._run("LIVE"))
 
     def purge_dead(self, max_workers: int = 64, chunk: int = 2000) -> int:
         """Remove the entries of up to ``max_workers`` dead or superseded registrations and
         free their slots; returns how many were purged completely.
 
-        Walks the registry, never the keyspace; each script call removes at most ``chunk``
-        entries so Redis stays responsive. Safe to run concurrently from several processes.
+        Walks the registry and each dead registration's own held set, never the keyspace;
+        each script call removes at most ``chunk`` entries so Redis stays responsive. Safe
+        to run concurrently from several processes.
         """
         found = self._run("PURGE_SCAN", max_workers)
         done = 0
-        for i in range(0, len(found), 2):  # type: ignore[arg-type]
-            slot, record = found[i], found[i + 1]  # type: ignore[index]
-            while (left := int(self._run("PURGE_SLOT", slot, record, chunk))) > 0:  # type: ignore[arg-type]
+        for i in range(0, len(found), 2):
+            slot, record = found[i], found[i + 1]
+            while (left := int(self._run("PURGE_SLOT", slot, record, chunk))) > 0:
                 pass
             done += left == 0
         return done
+
+    def held_keys(self, worker_id: str) -> set[BlockKey]:
+        """The recorded keys the worker's current registration holds (for tests, operators)."""
+        return {BlockKey(k) for k in self._run("HELD", worker_id)}
 
     def ping(self) -> None:
         _guard(self._client.ping)

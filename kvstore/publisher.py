@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from kvstore.events import Op
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
 from worker.kv.hashing import BlockKey
+
+_log = logging.getLogger(__name__)
 
 Item = tuple[list[Op], int]  # ops recorded from one submit() call, number of events in it
 
@@ -162,19 +165,21 @@ class WorkerPublisher:
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
-            self._drain()
             now = time.monotonic()
             if now >= self._retry_at or stopping:
                 try:
+                    self._drain()
                     self._sync(now)
                     self._healthy = True
                     self._backoff_s = 0.05
-                except IndexUnavailable:
-                    self._healthy = False
-                    with self._lock:
-                        self._stats.errors += 1
-                    self._retry_at = time.monotonic() + self._backoff_s
-                    self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+                except IndexUnavailable as exc:
+                    self._failed(exc)
+                except Exception as exc:  # a bug or a bad event must not kill the publisher
+                    _log.exception("kv publisher %s: unexpected error", self.worker_id)
+                    self._drop_outbox()
+                    self._failed(exc)
+            else:
+                self._drain()  # keep recorded positions current during an outage
             if stopping:
                 return
             wait = self._heartbeat_interval_s
@@ -182,6 +187,14 @@ class WorkerPublisher:
                 wait = max(0.0, self._retry_at - time.monotonic())
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _failed(self, exc: Exception) -> None:
+        if self._healthy:
+            _log.warning("kv publisher %s: index unavailable (%s); buffering", self.worker_id, exc)
+        self._healthy = False
+        self._count(errors=1)
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
 
     def _drain(self) -> None:
         """Inbox -> recorder -> outbox. Runs whatever Redis's state, so positions stay right."""
@@ -222,11 +235,15 @@ class WorkerPublisher:
                 continue
             if self._apply_outbox():
                 break
+        if self._epoch is None:  # superseded three times in a row: back off and retry
+            raise IndexUnavailable(f"registration of {self.worker_id!r} keeps being superseded")
         self._maybe_heartbeat(now)
         self._maybe_purge(now)
 
     def _register(self) -> None:
-        self._epoch = self.index.register(self.worker_id, self.address, self._current_load())
+        load = self._current_load()
+        self._epoch = self.index.register(self.worker_id, self.address, load)
+        self._sent_load = load
         self._seq = 0
         self._inflight = None
         self._resync_due = True
@@ -289,7 +306,7 @@ class WorkerPublisher:
     def _maybe_heartbeat(self, now: float) -> None:
         load = self._current_load()
         since = now - self._last_heartbeat
-        if since < self._heartbeat_interval_s and (load == self._sent_load or since < 0.05):
+        if since < 0.9 * self._heartbeat_interval_s and (load == self._sent_load or since < 0.05):
             return
         assert self._epoch is not None
         if not self.index.heartbeat(self.worker_id, self._epoch, load):

@@ -1,12 +1,14 @@
 """Lua scripts: every index operation is one atomic server-side call (one round trip).
 
-Conventions shared by all scripts (see :mod:`kvstore.schema` for the keys):
+Conventions shared by all scripts (see the schema in :mod:`kvstore`):
 
 * ``KEYS[1]`` is the registry hash ``<ns>reg``; the namespace is ``KEYS[1]`` minus ``reg``.
   Other keys share its hash tag, so the scripts also run on Redis Cluster.
 * A slot id travels as decimal text between scripts and as 2 big-endian bytes inside ``blk``
   values, which are kept sorted so that two blocks held by the same slots have equal values
   (Lua interns strings, so comparing them is O(1)).
+* Invariant kept by every script: key in ``held:<slot>`` iff slot in ``blk[key]``, so
+  membership is tested on ``blk`` (which the lookup reads anyway).
 * Block keys travel as one blob of concatenated 16-byte keys per argument.
 * Batches are cut into chunks of at most ``CH`` keys so ``unpack`` stays under Lua's C stack.
 """
@@ -51,7 +53,6 @@ local function find_slot(v, s)
     i = p + 1
   end
 end
--- Invariant kept by every script: key in held:<slot>  <=>  slot in blk[key].
 -- Store keys ks[from..to] for slot (bytes s, number n); returns entries added.
 local function store(blk, held, ks, s, n)
   local added = 0
@@ -186,6 +187,13 @@ local removed = drop(blk, held, gone, s)
 local added = store(blk, held, want, s, slot)
 redis.call('HSET', ns .. 'seq', slot, ARGV[3])
 return {0, added, removed}
+"""
+
+# ARGV: worker_id -> every key its current registration holds
+HELD = _COMMON + r"""
+local slot = current(ARGV[1])
+if not slot then return {} end
+return redis.call('SMEMBERS', ns .. 'held:' .. slot)
 """
 
 # ARGV: blob of the prompt's recorded keys, in order

@@ -19,10 +19,7 @@ def make_index(server: RedisServer, **kw: object) -> KVIndex:
 
 
 def held(index: KVIndex, worker_id: str) -> set[bytes]:
-    """Raw content of the worker's current held set."""
-    ns = index.config.namespace
-    slot = index.client.hget(ns + "reg", worker_id).split(b":")[0].decode()
-    return index.client.smembers(ns + "held:" + slot)
+    return index.held_keys(worker_id)
 
 
 def blk_slots(index: KVIndex) -> dict[bytes, bytes]:
@@ -246,3 +243,16 @@ def test_bad_keys_and_names_are_rejected(index: KVIndex) -> None:
         index.register("a\nb")
     with pytest.raises(TypeError, match="not a KV event"):
         index.apply_events("a", index.register("a"), 1, [object()])
+
+
+
+def test_purge_works_in_bounded_chunks_and_spares_live_workers(index: KVIndex) -> None:
+    keys = chain(25)
+    ea, eb = index.register("a"), index.register("b")
+    index.apply_events("a", ea, 1, [stored(keys)])
+    index.apply_events("b", eb, 1, [stored(keys[:10])])
+    index.register("a")  # supersedes a's 25 entries
+    assert index.purge_dead(chunk=4) == 1  # 7 script calls of at most 4 entries
+    assert index.held_keys("b") == set(keys[:10])
+    assert set(blk_slots(index)) == set(keys[:10])
+    assert index.lookup(keys) == {"a": 0, "b": 10}

@@ -22,9 +22,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def held(index: KVIndex, worker_id: str) -> set[bytes]:
-    ns = index.config.namespace
-    slot = index.client.hget(ns + "reg", worker_id).split(b":")[0].decode()
-    return index.client.smembers(ns + "held:" + slot)
+    return index.held_keys(worker_id)
 
 
 @pytest.fixture
