@@ -2,7 +2,8 @@
 
 Workers publish KV events through :class:`WorkerPublisher` (a background thread; the engine
 only calls ``submit``); routers call :meth:`KVIndex.lookup` (one round trip, whatever the
-prompt length) and :meth:`KVIndex.live_workers`. Every operation is one atomic Lua script.
+prompt length) and :meth:`KVIndex.live_workers`, or their coroutine twins on
+:class:`AsyncKVIndex` from asyncio code. Every operation is one atomic Lua script.
 
 Schema
 ======
@@ -43,6 +44,7 @@ chunks (32, 64, ... 1024) and stops at the first block no live candidate holds; 
 consecutive values are skipped in O(1). A hole at block j stops that worker's count at j.
 """
 
+from kvstore.aio import AsyncKVIndex
 from kvstore.config import IndexConfig
 from kvstore.events import Op, Recorder
 from kvstore.index import KVIndex
@@ -58,6 +60,7 @@ from kvstore.types import (
 
 __all__ = [
     "ApplyResult",
+    "AsyncKVIndex",
     "IndexConfig",
     "IndexFull",
     "IndexUnavailable",

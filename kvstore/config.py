@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import redis
+import redis.asyncio
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -52,6 +54,15 @@ class IndexConfig(BaseModel):
         return f"kvc:{{{self.cluster}:{self.model_id}}}:"
 
 
+def _client_kwargs(config: IndexConfig, retry: object) -> dict:
+    return {
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "retry": retry,
+        "decode_responses": False,
+    }
+
+
 def make_client(config: IndexConfig) -> redis.Redis:
     """A thread-safe redis-py client (hiredis parser when installed) with bounded waits.
 
@@ -59,10 +70,11 @@ def make_client(config: IndexConfig) -> redis.Redis:
     Redis restart closed reconnect once; timeouts are not retried, so a dead or unreachable
     server surfaces within about one timeout.
     """
-    return redis.Redis.from_url(
-        config.url,
-        socket_timeout=config.socket_timeout_s,
-        socket_connect_timeout=config.connect_timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        decode_responses=False,
-    )
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    return redis.Redis.from_url(config.url, **_client_kwargs(config, retry))
+
+
+def make_async_client(config: IndexConfig) -> redis.asyncio.Redis:
+    """The asyncio twin of :func:`make_client` (same URL handling, timeouts and retry)."""
+    retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+    return redis.asyncio.Redis.from_url(config.url, **_client_kwargs(config, retry))

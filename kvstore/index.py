@@ -2,85 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 
 from kvstore import scripts
+from kvstore.codec import (
+    check_worker_id,
+    decode_apply,
+    decode_live,
+    decode_lookup,
+    encode_ops,
+    guard,
+    heartbeat_payload,
+    key_blob,
+)
 from kvstore.config import IndexConfig, make_client
 from kvstore.events import Op, Recorder, sampled
-from kvstore.types import ApplyResult, IndexFull, IndexUnavailable, WorkerInfo, WorkerLoad
-from worker.kv.hashing import KEY_BYTES, BlockKey
-
-T = TypeVar("T")
-
-# Redis answers that mean "not available right now" rather than "bad request".
-_UNAVAILABLE_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN")
-
-
-def key_blob(keys: Sequence[BlockKey]) -> bytes:
-    """Concatenated 16-byte keys: how keys travel to the scripts (one argument, not n)."""
-    blob = b"".join(keys)
-    if len(blob) != KEY_BYTES * len(keys):
-        raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-    return blob
-
-
-def encode_ops(ops: Iterable[Op]) -> list[bytes]:
-    """Script arguments for ops: (kind, blob) pairs, consecutive ops of a kind merged."""
-    args: list[bytes] = []
-    run_kind: str | None = None
-    run: list[BlockKey] = []
-    for kind, keys in ops:
-        if kind != run_kind or kind == "C":
-            if run_kind is not None:
-                args += [run_kind.encode(), key_blob(run)]
-            run_kind, run = kind, []
-        run.extend(keys)
-    if run_kind is not None:
-        args += [run_kind.encode(), key_blob(run)]
-    return args
-
-
-def decode_lookup(reply: list, record_every: int) -> dict[str, int]:
-    return {reply[i].decode(): int(reply[i + 1]) * record_every for i in range(0, len(reply), 2)}
-
-
-def decode_live(reply: list) -> dict[str, WorkerInfo]:
-    out: dict[str, WorkerInfo] = {}
-    for i in range(0, len(reply), 3):
-        worker_id = reply[i].decode()
-        epoch = int(reply[i + 1].split(b":")[1])
-        payload = json.loads(reply[i + 2])
-        out[worker_id] = WorkerInfo(
-            worker_id, epoch, WorkerLoad.from_dict(payload["l"]), payload.get("a")
-        )
-    return out
-
-
-def decode_apply(reply: list) -> ApplyResult:
-    code = int(reply[0])
-    if code == 0:
-        return ApplyResult(True, False, added=int(reply[1]), removed=int(reply[2]))
-    if code == -1:
-        return ApplyResult(False, True, stale_epoch=True)
-    if code == -2:
-        return ApplyResult(False, False, duplicate=True)
-    assert code == -3, f"unexpected apply reply {reply!r}"
-    return ApplyResult(False, True)
-
-
-def heartbeat_payload(address: str | None, load: WorkerLoad | None) -> bytes:
-    load_dict = load.to_dict() if load is not None else WorkerLoad(0, 0, 0, 0, 0).to_dict()
-    return json.dumps({"a": address, "l": load_dict}, separators=(",", ":")).encode()
-
-
-def check_worker_id(worker_id: str) -> None:
-    if not worker_id or any(ch in worker_id for ch in "\n\r\0{}"):
-        raise ValueError(f"worker id {worker_id!r} must be non-empty, without newlines or braces")
+from kvstore.types import ApplyResult, IndexFull, WorkerInfo, WorkerLoad
+from worker.kv.hashing import BlockKey
 
 
 class KVIndex:
@@ -109,7 +51,7 @@ class KVIndex:
         self._client.close()
 
     def _run(self, name: str, *args: object) -> Any:
-        return _guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
+        return guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
 
     def recorder(self, worker_id: str) -> Recorder:
         """The recorder that samples this worker's keys (see :mod:`kvstore.events`)."""
@@ -215,20 +157,8 @@ class KVIndex:
         return {BlockKey(k) for k in self._run("HELD", worker_id)}
 
     def ping(self) -> None:
-        _guard(self._client.ping)
+        guard(self._client.ping)
 
     def memory_used(self) -> int:
         """``used_memory`` of the Redis server in bytes (for benchmarks and operators)."""
-        return int(_guard(lambda: self._client.info("memory"))["used_memory"])
-
-
-def _guard(call: Callable[[], T]) -> T:
-    """Run a redis-py call, turning outages and timeouts into :class:`IndexUnavailable`."""
-    try:
-        return call()
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-        raise IndexUnavailable(f"Redis index unavailable: {exc}") from exc
-    except redis.ResponseError as exc:
-        if str(exc).split(" ", 1)[0] in _UNAVAILABLE_REPLIES:
-            raise IndexUnavailable(f"Redis index unavailable: {exc}") from exc
-        raise
+        return int(guard(lambda: self._client.info("memory"))["used_memory"])
