@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
@@ -72,6 +71,7 @@ class KVMachine(RuleBasedStateMachine):
         )
 
     def _pick(self, i: int) -> int:
+        """A live sequence (rules that need one are no-ops while there is none)."""
         return sorted(self.seqs)[i % len(self.seqs)]
 
     def _allocate(self, sid: int, tokens: list[int], n: int, **kw) -> bool:
@@ -79,18 +79,23 @@ class KVMachine(RuleBasedStateMachine):
         try:
             alloc = self.kv.allocate_slots(sid, tokens, n, **kw)
         except KVCapacityError:
+            event("capacity error")
             seq = self.seqs.get(sid)
             base = seq.computed if seq else kw["prefix"].num_tokens
             assert -(-(base + n) // self.bs) > self.kv.num_blocks
             alloc = None
         if alloc is None:
+            event("allocation refused")
             assert self._snapshot() == before, "failed allocation changed the pool"
             return False
+        if alloc.num_cached_tokens:
+            event("prefix hit adopted")
         seq = self.seqs.get(sid)
         if seq is None:
             seq = self.seqs[sid] = _Seq(tokens, alloc.num_cached_tokens)
         assert self.kv.num_computed_tokens(sid) == seq.computed + n
         for src, dst in self.kv.take_copies():  # copy-on-write before any write
+            event("copy-on-write")
             self.mem[dst * self.bs : (dst + 1) * self.bs] = self.mem[
                 src * self.bs : (src + 1) * self.bs
             ]
@@ -119,10 +124,11 @@ class KVMachine(RuleBasedStateMachine):
     def admit(self, prefix: list[int], tail: list[int], salt: str | None, chunk: int) -> None:
         self._admit((prefix + tail) or [0], chunk, salt)
 
-    @precondition(lambda self: self.seqs)
     @rule(i=PICK, chunk=st.integers(1, 8), new=st.lists(st.integers(0, 3), min_size=1, max_size=3))
     def step(self, i: int, chunk: int, new: list[int]) -> None:
         """Continue a chunked prefill, or decode 1-3 tokens (speculative-style)."""
+        if not self.seqs:
+            return
         sid = self._pick(i)
         seq = self.seqs[sid]
         if seq.computed == len(seq.tokens):
@@ -130,25 +136,41 @@ class KVMachine(RuleBasedStateMachine):
         n = min(chunk, len(seq.tokens) - seq.computed)
         self._allocate(sid, seq.tokens, n)
 
-    @precondition(lambda self: self.seqs)
     @rule(i=PICK)
     def fork(self, i: int) -> None:
+        if not self.seqs:
+            return
         parent = self.seqs[self._pick(i)]
         self.kv.fork(self._pick(i), self.next_id)
         self.seqs[self.next_id] = _Seq(parent.tokens[: parent.computed], parent.computed)
         self.next_id += 1
 
-    @precondition(lambda self: self.seqs)
+    @rule(i=PICK, a=st.integers(0, 3), b=st.integers(0, 3))
+    def parallel_sampling(self, i: int, a: int, b: int) -> None:
+        """Fork, then parent and child each decode a token (copy-on-write of a shared tail)."""
+        if not self.seqs:
+            return
+        parent = self._pick(i)
+        self.fork(i)
+        for sid, tok in ((parent, a), (self.next_id - 1, b)):
+            seq = self.seqs[sid]
+            if seq.computed == len(seq.tokens):
+                seq.tokens = seq.tokens + [tok]
+                self._allocate(sid, seq.tokens, 1)
+
     @rule(i=PICK)
     def free_or_abort(self, i: int) -> None:
+        if not self.seqs:
+            return
         sid = self._pick(i)
         self.kv.free(sid)
         del self.seqs[sid]
         assert not self.kv.has_seq(sid)
 
-    @precondition(lambda self: self.seqs)
     @rule(i=PICK, chunk=st.integers(1, 16))
     def preempt_and_readmit(self, i: int, chunk: int) -> None:
+        if not self.seqs:
+            return
         sid = self._pick(i)
         tokens = self.seqs.pop(sid).tokens
         self.kv.free(sid)
@@ -166,18 +188,18 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def events_rebuild_the_cached_key_set(self) -> None:
-        for event in self.kv.drain_events():
-            assert event.seq == self.next_event_seq
+        for ev in self.kv.drain_events():
+            assert ev.seq == self.next_event_seq
             self.next_event_seq += 1
-            if isinstance(event, BlockStored):
-                assert len(event.keys) == len(event.token_ids) and event.block_size == self.bs
-                assert self.index.isdisjoint(event.keys)
-                self.index.update(event.keys)
-            elif isinstance(event, BlockRemoved):
-                assert self.index.issuperset(event.keys)
-                self.index.difference_update(event.keys)
+            if isinstance(ev, BlockStored):
+                assert len(ev.keys) == len(ev.token_ids) and ev.block_size == self.bs
+                assert self.index.isdisjoint(ev.keys)
+                self.index.update(ev.keys)
+            elif isinstance(ev, BlockRemoved):
+                assert self.index.issuperset(ev.keys)
+                self.index.difference_update(ev.keys)
             else:
-                assert isinstance(event, AllBlocksCleared)
+                assert isinstance(ev, AllBlocksCleared)
                 self.index.clear()
         assert self.index == set(self.kv.cached_keys())
 
@@ -207,7 +229,7 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(
     max_examples=150,
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
