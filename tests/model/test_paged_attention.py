@@ -120,16 +120,20 @@ def dense_reference(sc: Scenario, window: int | None = None) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def run_backend(name: str, sc: Scenario, window: int | None = None) -> torch.Tensor:
-    backend = create_backend(
+def make_backend(name: str, device="cpu", block_size: int = 16):
+    return create_backend(
         name,
-        device=sc.q.device,
-        block_size=sc.k_cache.shape[1],
+        device=device,
+        block_size=block_size,
         num_heads=HEADS,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         scale=HEAD_DIM**-0.5,
     )
+
+
+def run_backend(name: str, sc: Scenario, window: int | None = None) -> torch.Tensor:
+    backend = make_backend(name, sc.q.device, sc.k_cache.shape[1])
     meta = sc.meta_input.attention_metadata()
     return backend.forward(sc.q, sc.k, sc.v, sc.k_cache, sc.v_cache, backend.prepare(meta), window)
 
@@ -178,15 +182,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
     expected = run_backend("torch", one)
     k_cache, v_cache = torch.zeros_like(one.k_cache), torch.zeros_like(one.v_cache)
     table = one.meta_input.block_tables[0].tolist()
-    backend = create_backend(
-        "torch",
-        device="cpu",
-        block_size=4,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        scale=HEAD_DIM**-0.5,
-    )
+    backend = make_backend("torch", block_size=4)
     outs, done = [], 0
     for n in (8, 8, 13):
         batch = ModelInput.build([SeqChunk([0] * n, done, table)], 4)
@@ -201,15 +197,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
 
 def test_unknown_backend_lists_valid_names():
     with pytest.raises(UnknownBackendError, match="'nope'.*valid names: torch, triton"):
-        create_backend(
-            "nope",
-            device="cpu",
-            block_size=16,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            scale=0.25,
-        )
+        make_backend("nope")
     assert backend_names() == ["torch", "triton"]
 
 
@@ -218,12 +206,4 @@ def test_triton_backend_unavailable_on_cpu_says_why():
     with pytest.raises(
         BackendUnavailableError, match="'triton'.*needs a CUDA device.*usable here: torch"
     ):
-        create_backend(
-            "triton",
-            device="cpu",
-            block_size=16,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            scale=0.25,
-        )
+        make_backend("triton")
