@@ -69,3 +69,14 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def test_tokenizer_module_does_not_import_torch():
+    """The router tokenizes with worker.model.tokenizer and must not pay for torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, worker.model.tokenizer; assert 'torch' not in sys.modules"
+    root = Path(__file__).parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, timeout=60)
