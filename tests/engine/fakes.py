@@ -30,14 +30,20 @@ def context_logits(context: Sequence[int], vocab: int) -> torch.Tensor:
 
 class FakeExecutor(ModelExecutor):
     def __init__(
-        self, num_blocks: int, block_size: int = 4, vocab_size: int = 64, max_model_len: int = 256
+        self,
+        num_blocks: int,
+        block_size: int = 4,
+        vocab_size: int = 64,
+        max_model_len: int = 256,
+        eos_token_ids: tuple[int, ...] = (EOS,),
+        tokenizer=None,  # noqa: ANN001
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = (EOS,)
-        self.tokenizer = None
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
         n = num_blocks * block_size
         self.slot_token = [-1] * n
         self.slot_pos = [-1] * n
@@ -84,15 +90,23 @@ class FakeExecutor(ModelExecutor):
 
 
 def reference_generate(
-    prompt: Sequence[int], max_tokens: int, vocab: int = 64, ignore_eos: bool = False
+    prompt: Sequence[int],
+    max_tokens: int,
+    vocab: int = 64,
+    ignore_eos: bool = False,
+    stop_ids: Sequence[int] = (EOS,),
+    min_tokens: int = 0,
 ) -> list[int]:
     """Greedy generation straight from ``context_logits`` (no cache, no batching)."""
     ctx = list(prompt)
     out: list[int] = []
     while len(out) < max_tokens:
-        tok = int(context_logits(ctx, vocab).argmax())
+        logits = context_logits(ctx, vocab)
+        if len(out) < min_tokens:
+            logits[list(stop_ids)] = float("-inf")
+        tok = int(logits.argmax())
         ctx.append(tok)
         out.append(tok)
-        if tok == EOS and not ignore_eos:
+        if tok in stop_ids and not ignore_eos:
             break
     return out

@@ -12,6 +12,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
 from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.front import RequestStream, StreamingEngine
 from worker.engine.metrics import EngineMetrics, LatencySummary
 from worker.engine.outputs import (
     Completion,
@@ -40,9 +41,11 @@ __all__ = [
     "LatencySummary",
     "ModelExecutor",
     "RequestOutput",
+    "RequestStream",
     "RunnerExecutor",
     "SamplingParams",
     "SchedulingPolicy",
+    "StreamingEngine",
     "TokenLogprob",
     "Usage",
     "get_policy",

@@ -1,0 +1,153 @@
+"""The streaming front: concurrent requests from threads and asyncio, aborts, hooks, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tests.engine.helpers import assert_no_blocks_in_use
+from worker.engine import (
+    Engine,
+    EngineConfig,
+    EngineStopped,
+    FinishReason,
+    InvalidRequest,
+    SamplingParams,
+    StreamingEngine,
+)
+
+PROMPTS = [[5 + i, 40 + 3 * i, 77, 300 - i] * (i + 1) for i in range(5)]
+PARAMS = SamplingParams(temperature=0, max_tokens=16, min_tokens=4)
+
+
+@pytest.fixture
+def front(tiny_dir):
+    events: list = []
+
+    def on_step(engine: Engine, outputs) -> None:
+        events.extend(engine.drain_kv_events())
+
+    with StreamingEngine(
+        Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=128)), on_step=on_step
+    ) as f:
+        f.kv_events = events
+        yield f
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir) -> list[list[int]]:
+    engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=128))
+    return [r.completions[0].token_ids for r in engine.generate(PROMPTS, PARAMS)]
+
+
+def idle_and_clean(front: StreamingEngine) -> None:
+    def check(engine: Engine) -> None:
+        assert not engine.has_unfinished_requests()
+        assert_no_blocks_in_use(engine)
+
+    front.with_engine(check)
+
+
+def test_concurrent_threads_get_their_own_streams(front, offline) -> None:
+    results: dict[int, list] = {}
+
+    def client(i: int) -> None:
+        stream = front.add_request(PROMPTS[i], PARAMS)
+        outs = list(stream)
+        results[i] = outs
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, outs in results.items():
+        tokens = [t for o in outs for d in o.outputs for t in d.token_ids]
+        assert tokens == offline[i]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert len(outs) >= 2  # streamed, not one final blob
+    assert len(results) == len(PROMPTS)
+    assert front.kv_events  # the on_step hook saw the KV manager's events
+    idle_and_clean(front)
+
+
+def test_asyncio_streams_and_abort_mid_stream(front, offline) -> None:
+    async def main():
+        streams = [await front.add_request_async(p, PARAMS) for p in PROMPTS[:3]]
+        long = await front.add_request_async(
+            PROMPTS[4], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True, n=2)
+        )
+
+        async def abort_after(stream, k):
+            outs = []
+            async for out in stream:
+                outs.append(out)
+                if len(outs) == k:
+                    assert stream.abort()
+            return outs
+
+        done = await asyncio.gather(*(s.acollect() for s in streams), abort_after(long, 3))
+        return done[:3], done[3]
+
+    results, aborted = asyncio.run(main())
+    for i, res in enumerate(results):
+        assert res.completions[0].token_ids == offline[i]
+    assert aborted[-1].finished
+    assert {d.finish_reason for d in aborted[-1].outputs} == {FinishReason.ABORT}
+    assert aborted[-1].usage.completion_tokens < 2 * 500
+    idle_and_clean(front)
+
+
+def test_cancelling_an_async_consumer_aborts_the_request(front) -> None:
+    async def main():
+        stream = await front.add_request_async(
+            PROMPTS[2], SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        )
+
+        async def consume():
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the abort lands with the next step
+            if not front.with_engine(Engine.has_unfinished_requests):
+                break
+            await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    idle_and_clean(front)
+
+
+def test_errors_are_raised_in_the_callers_thread(front) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        front.add_request([1] * 5000, PARAMS)
+    assert exc.value.field == "prompt"
+    stream = front.add_request(PROMPTS[0], PARAMS)
+
+    async def wrong_kind_of_loop() -> None:
+        async for _ in stream:
+            pass
+
+    with pytest.raises(TypeError, match="created by add_request: use `for`"):
+        asyncio.run(wrong_kind_of_loop())
+    assert stream.collect().finished
+
+
+def test_stop_ends_every_stream(tiny_dir) -> None:
+    front = StreamingEngine(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
+    stream = front.add_request(PROMPTS[1], SamplingParams(max_tokens=1500, ignore_eos=True))
+    first = next(iter(stream))
+    assert not first.finished
+    front.stop()
+    outs = list(stream)
+    assert outs and outs[-1].finished
+    assert outs[-1].outputs[0].finish_reason is FinishReason.ABORT
+    assert_no_blocks_in_use(front.engine)
+    with pytest.raises(EngineStopped):
+        front.add_request(PROMPTS[0], PARAMS)
