@@ -75,10 +75,6 @@ class Recorder:
         self.record_every = record_every
         self._pos: dict[BlockKey, int] = {}  # position of each cached key (k > 1 only)
 
-    def reset(self) -> None:
-        """Forget every position (a new registration starts from an empty cache)."""
-        self._pos.clear()
-
     def _recorded_position(self, pos: int | None) -> bool:
         return pos is not None and (pos + 1) % self.record_every == 0
 

@@ -80,8 +80,9 @@ class KVIndex:
             if "KVC_FULL" in str(exc):
                 raise IndexFull(f"{exc}; run purge_dead() or use fewer workers") from None
             raise
+        # The recorder keeps its positions: a re-registration (Redis restarted, or this
+        # worker was purged) does not empty the worker's cache, and the resync needs them.
         self._addresses[worker_id] = address
-        self.recorder(worker_id).reset()
         return int(epoch)
 
     def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad) -> bool:

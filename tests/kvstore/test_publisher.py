@@ -93,6 +93,25 @@ def test_redis_restart_mid_run_is_recovered_by_resync(
     assert stats.registrations == 2 and stats.resyncs == 2 and stats.errors >= 1
 
 
+def test_restart_with_record_every_keeps_positions(redis_server: RedisServer, pool: Pool) -> None:
+    index = KVIndex(IndexConfig(url=redis_server.url, model_id="m", record_every=2,
+                                heartbeat_ttl_s=1.0, socket_timeout_s=0.2))  # fmt: skip
+    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_backoff_s=0.1,
+                          purge_interval_s=None)  # fmt: skip
+    pub.start()
+    keys = chain(9)
+    pub.submit(pool.store(keys[:5]) + pool.store(keys[5:], keys[4]), LOAD)
+    assert pub.flush()
+    assert index.lookup(keys) == {"w": 8}
+    redis_server.restart()  # empty again: the resync must still know which keys to record
+    wait_for(lambda: pub.stats.registrations == 2)
+    assert pub.flush()
+    assert index.held_keys("w") == {keys[1], keys[3], keys[5], keys[7]}
+    assert index.lookup(keys) == {"w": 8}
+    pub.stop()
+    index.close()
+
+
 def test_buffer_overflow_drops_events_then_resyncs(
     redis_server: RedisServer, index: KVIndex, pool: Pool
 ) -> None:
