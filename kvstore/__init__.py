@@ -34,14 +34,23 @@ live heartbeat. Entries of dead slots stay until :meth:`KVIndex.purge_dead` walk
 (the registry, never the keyspace) and empties their ``held`` sets in bounded chunks; only
 then is a slot reused, so a ``blk`` value never names a reused slot's stale entries.
 
-Memory per (block, worker) entry (Redis 7.0, jemalloc, measured by
-``benchmarks/kvstore_index.py`` with 1M entries over 64 workers): see the README table. In
-short, a ``blk`` field costs ~70 B per distinct block plus 2 B per holder, and a ``held``
-member ~60 B per (block, worker); with ``record_every = k`` both shrink k-fold.
+Memory (Redis 7.0, jemalloc; ``MEMORY USAGE`` and ``benchmarks/kvstore_index.py``):
+
+* ``blk`` field: ~80 B per distinct recorded block (dict entry, 16-byte field, value) plus
+  2 B per holder;
+* ``held`` member: ~72 B per recorded (block, worker) entry;
+* so one (block, worker) entry costs ~72 + 80/h B where h is the number of workers holding
+  the block: 95 B measured with 1M entries over 64 workers and h = 4 (378 B per distinct
+  block); ``record_every = k`` divides it by k (24 B per cached (block, worker) at k = 4).
 
 Lookup reads ``reg`` and the heartbeats (one MGET), then HMGETs the prompt's keys in growing
-chunks (32, 64, ... 1024) and stops at the first block no live candidate holds; equal
-consecutive values are skipped in O(1). A hole at block j stops that worker's count at j.
+chunks (1, 64, 256, 1024, 1024, ...) and stops at the first block no live candidate holds;
+equal consecutive values (same holders) cost O(1). A hole at block j stops that worker's
+count at j. Cost inside Redis is ~0.5-1 us per recorded key scanned, so long prompts want
+``record_every > 1`` (the lookup then scans n/k keys).
+
+Writers: one thread per worker id (its :class:`Recorder` is not thread-safe); any number of
+workers and routers may share one :class:`KVIndex`.
 """
 
 from kvstore.aio import AsyncKVIndex
