@@ -39,6 +39,12 @@ class KVIndex:
         names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "HELD", "LOOKUP",
                  "LIVE", "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
+        # Resyncs and purges may legitimately run for long (a whole pool's keys): they use a
+        # second client whose timeout is generous, so a slow Redis does not fail them forever.
+        slow = {"socket_timeout_s": max(5.0, 10 * config.socket_timeout_s)}
+        self._slow_client = make_client(config.model_copy(update=slow))
+        for n in ("RESYNC", "PURGE_SLOT"):
+            self._scripts[n] = self._slow_client.register_script(getattr(scripts, n))
         self._recorders: dict[str, Recorder] = {}
         self._addresses: dict[str, str | None] = {}  # published with each heartbeat
         self._lock = threading.Lock()
@@ -49,6 +55,7 @@ class KVIndex:
 
     def close(self) -> None:
         self._client.close()
+        self._slow_client.close()
 
     def _run(self, name: str, *args: object) -> Any:
         return guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
