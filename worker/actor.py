@@ -1,0 +1,130 @@
+"""The worker as a Ray actor: one engine (its step loop in its own thread), publishing KV
+events and load to the Redis index after every step.
+
+``WorkerServer`` is a plain class (tested without Ray); ``WorkerActor`` wraps it in one line.
+No scheduling logic lives here: requests go to :class:`StreamingEngine`, KV events and load
+go to :class:`WorkerPublisher`, whose thread is the only one that talks to Redis — the step
+loop never waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from worker.engine import Engine, EngineConfig, RequestOutput
+from worker.engine.front import StreamingEngine
+from worker.engine.request import RequestStatus
+from worker.kv import block_keys
+from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from worker.telemetry import WorkerTelemetry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """Everything one worker needs (built by the launcher)."""
+
+    worker_id: str  # registry id and Ray actor name, e.g. "worker-0"
+    model_dir: str  # Hugging Face folder
+    engine: EngineConfig  # block size, KV size, limits, policy (model_id filled in)
+    index: IndexConfig | None  # None: do not publish (no Redis)
+
+
+def engine_load(engine: Engine) -> WorkerLoad:
+    """The load a router weighs: queued prefill work and running decodes (engine thread)."""
+    sched = engine.scheduler
+    queued = 0
+    decoding = 0
+    for req in (*sched.running, *sched.waiting):
+        seqs = req.seqs or []
+        head = seqs[0] if seqs else None
+        done = head.num_computed if head is not None else 0
+        queued += max(0, req.prompt_len - done)
+        if req.status is RequestStatus.RUNNING:
+            decoding += sum(1 for s in seqs if s.num_computed >= req.prompt_len)
+    return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
+                      free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
+                      queued_prefill_tokens=queued, decode_tokens=decoding)
+
+
+class WorkerServer:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.engine = Engine.from_model_dir(settings.model_dir, settings.engine)
+        self.publisher: WorkerPublisher | None = None
+        if settings.index is not None:
+            index = KVIndex(settings.index)
+            self.publisher = WorkerPublisher(
+                index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
+        self.telemetry = WorkerTelemetry(self.worker_id)
+        self.front = StreamingEngine(self.engine, on_step=self._after_step)
+        self.front.start()
+        if self.publisher is not None:
+            self.publisher.submit([], engine_load(self.engine))
+            self.publisher.start()
+
+    # -- engine thread hooks ---------------------------------------------------------------
+
+    def _after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        events = engine.drain_kv_events()
+        if self.publisher is not None:
+            self.publisher.submit(events, engine_load(engine))
+        self.telemetry.after_step(engine, outputs)
+
+    def _cached_keys(self) -> list:
+        """For a resync: the pool's cached keys, read between steps."""
+        return self.front.with_engine(lambda e: e.kv.cached_keys())
+
+    # -- API (called by routers through Ray) -----------------------------------------------
+
+    def ready(self) -> str:
+        return self.worker_id
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[Admitted | RequestOutput]:
+        """Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded."""
+        self.telemetry.arrived(request.request_id)
+        stream = await self.front.add_request_async(request.token_ids, request.params,
+                                                    request_id=request.request_id)
+        ctx = self.front.with_engine(
+            lambda e: e.requests[request.request_id].ctx if request.request_id in e.requests
+            else None)
+        keys = (tuple(block_keys(request.token_ids, self.engine.config.block_size, ctx))
+                if ctx is not None else ())
+        epoch = self.publisher.epoch if self.publisher is not None else None
+        yield Admitted(self.worker_id, epoch, keys)
+        async for out in stream:
+            yield out
+
+    def abort(self, request_id: str) -> bool:
+        return self.front.abort(request_id)
+
+    def status(self) -> WorkerStatus:
+        m = self.front.metrics()
+        load = self.front.with_engine(engine_load)
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            epoch=self.publisher.epoch if self.publisher is not None else None,
+            running=m.num_running, waiting=m.num_waiting, free_blocks=load.free_blocks,
+            total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
+            prefix_hit_rate=m.prefix_hit_rate,
+            index_healthy=self.publisher.healthy if self.publisher is not None else False)
+
+    def kv_blocks_in_use(self) -> int:
+        """Blocks with a reference (0 when idle: nothing leaked)."""
+        return self.front.with_engine(lambda e: e.kv.stats().used_blocks)
+
+    def shutdown(self) -> None:
+        self.front.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+
+WorkerActor = ray.remote(WorkerServer)
