@@ -80,6 +80,7 @@ class RedisConfig(_Strict):
 class ClusterConfig(_Strict):
     name: str = Field("kvcluster", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace.")
     ray_address: str | None = Field(None, description="Ray address; None starts a local Ray.")
+    dashboard: bool = Field(True, description="Start Ray's dashboard with a local Ray.")
     model: ModelConfig = ModelConfig()
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()

@@ -128,7 +128,7 @@ class Cluster:
         kwargs = dict(namespace=self.namespace, log_to_driver=False,
                       logging_level=logging.WARNING)
         if self.ray_address is None:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=True,
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=self.cfg.dashboard,
                      dashboard_host="127.0.0.1", **kwargs)
         else:
             ray.init(address=self.ray_address, **kwargs)
