@@ -52,8 +52,10 @@ class FakeExecutor(ModelExecutor):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         bs = self.block_size
-        snapshot = [(self.slot_token[s * bs : (s + 1) * bs], self.slot_pos[s * bs : (s + 1) * bs])
-                    for s, _ in pairs]
+        snapshot = [
+            (self.slot_token[s * bs : (s + 1) * bs], self.slot_pos[s * bs : (s + 1) * bs])
+            for s, _ in pairs
+        ]
         for (_, dst), (toks, pos) in zip(pairs, snapshot, strict=True):
             self.slot_token[dst * bs : (dst + 1) * bs] = toks
             self.slot_pos[dst * bs : (dst + 1) * bs] = pos

@@ -66,7 +66,8 @@ def test_tiny_pool_preempts_and_chunks_yet_outputs_are_exact() -> None:
 
 def test_decodes_first_then_prefill_chunks() -> None:
     engine, ex = make(max_num_batched_tokens=12, long_prefill_token_threshold=5, max_num_seqs=8)
-    engine.add_request(list(range(2, 6)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(list(range(2, 6)), short)
     engine.step()  # prefill of the short request
     engine.add_request(list(range(30, 50)), GREEDY)  # 20-token prompt: chunks of 5
     engine.step()
@@ -139,13 +140,15 @@ def test_prefix_hit_computes_fewer_tokens_same_output() -> None:
     assert_no_blocks_in_use(engine)
 
 
-def test_same_step_admissions_do_not_read_blocks_being_written() -> None:
-    # Two requests with the same long prompt admitted in one step: the second must not hit
-    # the first's blocks (their KV is written by this very step). FakeExecutor asserts it.
+def test_burst_sharing_a_prompt_computes_it_once() -> None:
+    # Three requests with one long prompt arrive together. The first is prefilled; the others
+    # would hit its blocks while this very step writes them (FakeExecutor asserts that never
+    # happens), so they wait one step and then get the whole prefix from the cache.
     engine, ex = make()
     p = prompts(1, 24, 24, seed=4)[0]
     check_against_reference(engine, [p, p, p + [3]])
-    assert ex.batches[0] == [(0, 24, True), (0, 24, True), (0, 25, True)]
+    assert ex.batches[0] == [(0, 24, True)]
+    assert ex.batches[1] == [(24, 1, True), (20, 4, True), (24, 1, True)]
 
 
 def test_salted_requests_do_not_share_cache() -> None:
@@ -161,7 +164,8 @@ def test_salted_requests_do_not_share_cache() -> None:
 def test_parallel_samples_fork_the_prompt_blocks() -> None:
     engine, _ = make(num_blocks=64)
     p = list(range(2, 12))  # 10 tokens: 2 full blocks + 1 partial block of 4
-    engine.add_request(p, SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    engine.add_request(p, params)
     engine.step()  # one prefill, then fork: the 4 samples share all 3 prompt blocks
     assert engine.kv.stats().used_blocks == 3
     engine.step()  # each sample writes into the shared partial block: 3 copy-on-writes

@@ -89,7 +89,8 @@ def _boundary_stop(tokenizer, tokens: list[int]) -> tuple[str, int]:
         left, right = tokenizer.decode(tokens[:j]), tokenizer.decode(tokens[: j + 1])
         stop = left[-2:] + right[len(left) : len(left) + 2]
         if len(stop) == 4 and stop.isprintable() and "\ufffd" not in stop:
-            done = next(m for m in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:m]))
+            texts = (tokenizer.decode(tokens[:m]) for m in range(1, len(tokens) + 1))
+            done = 1 + next(m for m, text in enumerate(texts) if stop in text)
             return stop, done
     raise AssertionError("no usable boundary")
 

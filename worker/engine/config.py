@@ -24,23 +24,35 @@ class EngineConfig(BaseModel):
         "budget); keeps one long prompt from taking a whole step.",
     )
     enable_chunked_prefill: bool = Field(
-        True, description="Split long prompts over several steps; if off, a prompt must fit "
-        "max_num_batched_tokens."
+        True,
+        description="Split long prompts over several steps; if off, a prompt must fit "
+        "max_num_batched_tokens.",
     )
-    max_waiting: int = Field(1024, ge=1, description="Waiting-queue bound; beyond it add_request "
-                             "raises EngineOverloaded.")
+    max_waiting: int = Field(
+        1024,
+        ge=1,
+        description="Waiting-queue bound; beyond it add_request raises EngineOverloaded.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
-    num_blocks: int | None = Field(None, ge=1, description="KV blocks (None = from "
-                                   "kv_memory_bytes or the runner's default).")
-    kv_memory_bytes: int | None = Field(None, ge=1, description="KV memory budget when "
-                                        "num_blocks is None.")
-    max_model_len: int | None = Field(None, ge=2, description="Longest prompt + completion "
-                                      "(None = the model's max_position_embeddings).")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks (None = from kv_memory_bytes or the runner's default)."
+    )
+    kv_memory_bytes: int | None = Field(
+        None, ge=1, description="KV memory budget when num_blocks is None."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Longest prompt + completion (None = the model's max_position_embeddings).",
+    )
     policy: str = Field("fcfs", description="Scheduling policy: " + ", ".join(policy_names()))
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     admission_watermark: float = Field(
-        0.01, ge=0.0, lt=1.0, description="Fraction of blocks kept free when admitting new "
-        "requests while others run (fewer preemptions)."
+        0.01,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of blocks kept free when admitting new "
+        "requests while others run (fewer preemptions).",
     )
     seed: int = Field(0, ge=0, description="Seed of the RNG used by requests without a seed.")
     dtype: str = Field("float32", description="Model dtype (runner).")

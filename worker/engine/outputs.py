@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why a sample ended (the values are the wire strings)."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string

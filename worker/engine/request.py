@@ -83,7 +83,9 @@ class Sequence:
         """Tokens still to compute before this sequence yields logits again."""
         return len(self.token_ids) - self.num_computed
 
-    def fork(self, index: int, generator: torch.Generator | None, text: OutputText | None) -> Sequence:
+    def fork(
+        self, index: int, generator: torch.Generator | None, text: OutputText | None
+    ) -> Sequence:
         """A copy sharing history (the caller forks the KV blocks under the new ``seq_id``)."""
         child = Sequence(index, list(self.token_ids), self.prompt_len, text, generator)
         child.num_computed = self.num_computed

@@ -64,7 +64,7 @@ def _sample_random(
 def sample(
     logits: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Sample one token per row of ``logits`` [rows, vocab] (float32); returns tokens and logprobs."""
+    """One token per row of ``logits`` [rows, vocab] (float32); returns tokens and logprobs."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     raw = logits
     if any(s.banned for s in specs):

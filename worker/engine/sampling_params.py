@@ -135,5 +135,6 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise InvalidRequest(unknown[0], values[unknown[0]], f"unknown field; valid: {sorted(known)}")
+            field = unknown[0]
+            raise InvalidRequest(field, values[field], f"unknown field; valid: {sorted(known)}")
         return cls(**values)

@@ -23,19 +23,24 @@ it is allocated, before the forward pass writes its KV:
 
 * a request that already got blocks in this step is never freed in this step (it is not a
   preemption victim, and a request that cannot fit even alone is finished *after* the step);
-* a prefix hit is cut before the first block that is being written in this step.
+* a sequence whose prefix hit includes a block being written in this step waits for the next
+  step (then the whole hit is usable): a burst of requests sharing a system prompt computes it
+  once, one step later, instead of once per request.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from typing import Literal
 
 from worker.engine.config import EngineConfig
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
 from worker.kv import KVCacheManager, KVCapacityError, PrefixHit
+
+Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
 
 
 class Scheduler:
@@ -96,7 +101,8 @@ class Scheduler:
                 for seq in _work(req):
                     if decode_pass != (seq.allocated and seq.num_remaining == 1):
                         continue
-                    if self._budget == 0 or not self._schedule_seq(req, seq, admit=False):
+                    outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                    if outcome == "wait":
                         break
         if not out.preempted:
             self._admit_waiting()
@@ -105,18 +111,21 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         out = self._out
-        while self.waiting and self._budget > 0:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if self._budget == 0:
+                break
             if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
                 break
-            scheduled_any = False
+            outcome: Outcome = "wait"
             for seq in _work(req):
-                if self._budget == 0 or not self._schedule_seq(req, seq, admit=True):
+                outcome = self._schedule_seq(req, seq, admit=True) if self._budget else "wait"
+                if outcome != "ok":
                     break
-                scheduled_any = True
-            if not scheduled_any:
-                break  # head of the queue does not fit: wait (no overtaking)
-            self.waiting.pop(0)
+            if req.request_id not in self._touched:
+                if outcome == "defer":
+                    continue  # its prefix is being computed right now: admit it next step
+                break  # the head of the queue does not fit: wait (no overtaking)
+            self.waiting.remove(req)
             self.running.append(req)
             out.admitted.append(req.request_id)
             if req.status is RequestStatus.PREEMPTED:
@@ -124,22 +133,29 @@ class Scheduler:
                 out.resumed.append(req.request_id)
             req.status = RequestStatus.RUNNING
 
-    def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> bool:
-        """Allocate and schedule this step's tokens of ``seq``; False if it must wait."""
+    def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> Outcome:
+        """Allocate and schedule this step's tokens of ``seq``, or say why not."""
         cfg = self.config
         while True:
-            hit = self._lookup(req, seq) if not seq.allocated else None
+            hit = None
+            if not seq.allocated:
+                hit = self.kv.lookup_prefix(seq.token_ids, req.ctx)
+                if any(b in self._writing for b in hit.block_ids):
+                    return "defer"
             computed = hit.num_tokens if hit is not None else seq.num_computed
             remaining = len(seq.token_ids) - computed
             n = min(remaining, self._budget)
             if remaining > 1:
                 n = min(n, cfg.prefill_chunk_cap)
                 if n < remaining and not cfg.enable_chunked_prefill:
-                    return False
-            if admit and not seq.allocated and self.running and not self._fits_watermark(
-                seq, computed + n, hit
+                    return "wait"
+            if (
+                admit
+                and not seq.allocated
+                and self.running
+                and not self._fits_watermark(seq, computed + n, hit)
             ):
-                return False
+                return "wait"
             try:
                 alloc = self.kv.allocate_slots(
                     seq.seq_id,
@@ -150,11 +166,11 @@ class Scheduler:
                 )
             except KVCapacityError:
                 self._doom(req)
-                return False
+                return "wait"
             if alloc is not None:
                 break
             if admit or not self._make_room(req):
-                return False
+                return "wait"
         if hit is not None:
             assert alloc.num_cached_tokens == hit.num_tokens, "prefix hit changed before adoption"
             seq.allocated = True
@@ -162,7 +178,7 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = hit.num_tokens
         self._add_chunk(req, seq, n)
-        return True
+        return "ok"
 
     def _add_chunk(self, req: Request, seq: Sequence, n: int) -> None:
         start = seq.num_computed
@@ -179,14 +195,6 @@ class Scheduler:
         if not (n == 1 and wants_logits and start > 0 and seq.num_output > 0):
             out.num_prefill_tokens += n
             out.num_partial_prefills += not wants_logits
-
-    def _lookup(self, req: Request, seq: Sequence) -> PrefixHit:
-        hit = self.kv.lookup_prefix(seq.token_ids, req.ctx)
-        for i, block_id in enumerate(hit.block_ids):
-            if block_id in self._writing:  # KV not written yet: recompute from here
-                bs = self.kv.block_size
-                return PrefixHit(hit.block_ids[:i], hit.keys[:i], i * bs, hit.ctx)
-        return hit
 
     def _fits_watermark(self, seq: Sequence, total: int, hit: PrefixHit | None) -> bool:
         need = self.kv.blocks_needed(None, total, prefix=hit)

@@ -28,22 +28,29 @@ def validate_request(
         raise InvalidRequest("prompt", bad, f"token ids must be in [0, vocab_size={vocab_size})")
     if n >= max_model_len:
         raise InvalidRequest(
-            "prompt", n, f"must be shorter than max_model_len={max_model_len} tokens "
-            "(room for at least one generated token)", "shorten the prompt"
+            "prompt",
+            n,
+            f"must be shorter than max_model_len={max_model_len} tokens "
+            "(room for at least one generated token)",
+            "shorten the prompt",
         )
     bs = config.block_size
     width = params.width
     blocks = -(-(n + 1) // bs) + (width - 1)  # prompt + first token, one private block per fork
     if blocks > num_blocks:
         raise InvalidRequest(
-            "prompt", n, f"needs {blocks} KV blocks ({n} prompt tokens + 1, width {width}) but "
+            "prompt",
+            n,
+            f"needs {blocks} KV blocks ({n} prompt tokens + 1, width {width}) but "
             f"the whole KV cache has {num_blocks} blocks of {bs} tokens",
-            "shorten the prompt or give the worker more KV memory"
+            "shorten the prompt or give the worker more KV memory",
         )
     if not config.enable_chunked_prefill and n > config.max_num_batched_tokens:
         raise InvalidRequest(
-            "prompt", n, f"must be <= max_num_batched_tokens={config.max_num_batched_tokens} "
-            "with chunked prefill off"
+            "prompt",
+            n,
+            f"must be <= max_num_batched_tokens={config.max_num_batched_tokens} "
+            "with chunked prefill off",
         )
     field = "beam_width" if params.use_beam_search else "n"
     if width > config.max_num_seqs:

@@ -1,0 +1,287 @@
+"""Offline throughput of the engine (continuous batching) against static batching, on the CPU.
+
+    python -m benchmarks.engine_throughput            # ~100M-parameter random llama
+    python -m benchmarks.engine_throughput --smoke    # tiny model, a few seconds
+
+Workload 1 (mixed): seeded prompts of ``--min-prompt``..``--max-prompt`` random tokens, each
+generating exactly ``--max-tokens`` tokens greedily (EOS suppressed on both sides with
+min_tokens / min_new_tokens), all submitted at once. Systems, on the same model folder and
+token ids, in one run:
+
+* ``engine``: this engine, continuous batching (requests join and leave every step);
+* ``engine static``: the same engine fed ``--batch`` requests at a time, each batch run to
+  completion before the next starts (isolates the gain of continuous batching);
+* ``transformers``: ``generate`` in static, left-padded batches of ``--batch``;
+* ``vllm``: vLLM's CPU build, run from its own venv (``--vllm-python``; skipped with a note
+  when absent). Its CPU attention needs head_dim >= 32.
+
+Workload 2 (shared prefix): every request = one ``--prefix`` token system prompt + a short
+unique suffix; the engine with prefix caching on vs off.
+
+Reported: generated tokens/s, greedy agreement with transformers, KV utilisation (mean and
+peak blocks in use per step), prefix hit rate, TTFT and inter-token latency percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import emit_json, print_table, results_dir
+from worker.engine import Engine, EngineConfig, SamplingParams
+from worker.model.build_tiny import build_tiny_model
+
+DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(Path.home() / "vllm-venv/bin/python"))
+
+
+def mixed_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def shared_prefix_prompts(n: int, prefix: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed + 1)
+    system = [rng.randrange(5, vocab) for _ in range(prefix)]
+    return [
+        system + [rng.randrange(5, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n)
+    ]
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Submit all prompts, step to completion; throughput and per-step KV usage."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    usage: list[float] = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for delta in out.outputs:
+                tokens[out.request_id].extend(delta.token_ids)
+        usage.append(engine.kv.stats().usage)
+    wall = time.perf_counter() - start
+    generated = sum(len(t) for t in tokens.values())
+    return {
+        "wall": wall,
+        "tok_s": generated / wall,
+        "tokens": [tokens[rid] for rid in ids],
+        "kv_mean": sum(usage) / max(len(usage), 1),
+        "kv_peak": max(usage, default=0.0),
+    }
+
+
+def run_engine_static(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, batch: int
+) -> dict:
+    start = time.perf_counter()
+    tokens: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        for res in engine.generate(prompts[i : i + batch], params):
+            tokens.append(res.completions[0].token_ids)
+    wall = time.perf_counter() - start
+    return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
+
+
+def run_transformers(model_dir: Path, prompts: list[list[int]], new: int, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(map(len, group))
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, p in enumerate(group):  # left padding
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        tokens.extend(out[:, width:].tolist())
+    wall = time.perf_counter() - start
+    return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
+
+
+_VLLM_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, time
+    from vllm import LLM, SamplingParams, TokensPrompt
+    if __name__ == "__main__":
+        model_dir, prompts_file, new = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        prompts = json.load(open(prompts_file))
+        llm = LLM(model=model_dir, dtype="float32", enforce_eager=True)
+        params = SamplingParams(temperature=0, max_tokens=new, min_tokens=new)
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+        wall = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        print("RESULT " + json.dumps({"wall": wall, "tokens": tokens}))
+    """
+)
+
+
+def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], new: int) -> dict | str:
+    """vLLM's CPU build from its own venv; a note (str) when it cannot run."""
+    if not Path(python).exists():
+        return f"skipped: no vLLM venv at {python} (see the issue for the install recipe)"
+    with tempfile.TemporaryDirectory() as tmp:
+        script, data = Path(tmp) / "run_vllm.py", Path(tmp) / "prompts.json"
+        script.write_text(_VLLM_SCRIPT)
+        data.write_text(json.dumps(prompts))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+        proc = subprocess.run(
+            [python, str(script), str(model_dir), str(data), str(new)],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return f"failed (rc={proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
+    result = json.loads(line[len("RESULT ") :])
+    result["tok_s"] = sum(map(len, result["tokens"])) / result["wall"]
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens are identical."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([r["system"] for r in rows], [r["tok/s"] for r in rows], color="tab:blue")
+    ax.set_xlabel("generated tokens / s")
+    ax.set_title("offline throughput (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, a few seconds")
+    parser.add_argument("--size", default="100m", help="build_tiny_model size")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="static batch size (baselines)")
+    parser.add_argument("--prefix", type=int, default=512, help="shared system-prompt tokens")
+    parser.add_argument("--kv-mb", type=int, default=1024, help="KV cache memory")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-batched-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.size, args.requests, args.min_prompt, args.max_prompt = "tiny", 6, 16, 48
+        args.max_tokens, args.batch, args.prefix, args.kv_mb = 8, 2, 48, 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = build_tiny_model(None, "llama", args.size, args.seed)
+    cfg = EngineConfig(
+        kv_memory_bytes=args.kv_mb * 2**20,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+    )
+    engine = Engine.from_model_dir(model_dir, cfg)
+    vocab = engine.executor.vocab_size
+    prompts = mixed_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
+    n = args.max_tokens
+    params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+    prompt_tokens = sum(map(len, prompts))
+    print(f"model {model_dir.name}: {args.requests} requests, {prompt_tokens} prompt tokens, "
+          f"{n} new tokens each; KV {engine.kv.num_blocks} blocks; torch threads "
+          f"{torch.get_num_threads()}")  # fmt: skip
+
+    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+    cb = run_engine(engine, prompts, params)
+    m = engine.metrics()
+    static = run_engine_static(Engine.from_model_dir(model_dir, cfg), prompts, params, args.batch)
+    hf = run_transformers(model_dir, prompts, n, args.batch)
+    vllm = run_vllm(args.vllm_python, model_dir, prompts, n)
+    rows = [
+        {"system": "engine (continuous)", "tok/s": cb["tok_s"], "wall s": cb["wall"],
+         "same as hf": agreement(cb["tokens"], hf["tokens"])},
+        {"system": f"engine static b={args.batch}", "tok/s": static["tok_s"],
+         "wall s": static["wall"], "same as hf": agreement(static["tokens"], hf["tokens"])},
+        {"system": f"transformers static b={args.batch}", "tok/s": hf["tok_s"],
+         "wall s": hf["wall"], "same as hf": 1.0},
+    ]  # fmt: skip
+    if isinstance(vllm, dict):
+        rows.append({"system": "vllm (cpu)", "tok/s": vllm["tok_s"], "wall s": vllm["wall"],
+                     "same as hf": agreement(vllm["tokens"], hf["tokens"])})  # fmt: skip
+    print_table(rows, "workload 1: mixed prompts, greedy, all submitted at once")
+    if not isinstance(vllm, dict):
+        print(f"  vllm: {vllm}")
+    print(f"  engine: KV usage mean {cb['kv_mean']:.1%} peak {cb['kv_peak']:.1%}, "
+          f"preemptions {m.num_preemptions}, TTFT p50 {m.ttft.p50:.2f}s p90 {m.ttft.p90:.2f}s, "
+          f"ITL p50 {m.itl.p50 * 1e3:.1f}ms p90 {m.itl.p90 * 1e3:.1f}ms")  # fmt: skip
+
+    shared = shared_prefix_prompts(args.requests, args.prefix, vocab, args.seed)
+    sp = SamplingParams(temperature=0, max_tokens=max(n // 2, 1), min_tokens=max(n // 2, 1))
+    prefix_rows, prefix = [], {}
+    for on in (True, False):
+        eng = Engine.from_model_dir(model_dir, cfg.model_copy(update={"enable_prefix_caching": on}))
+        eng.generate([shared[0][:8]], SamplingParams(max_tokens=2))  # warm-up (no prefix hit)
+        res = run_engine(eng, shared, sp)
+        em = eng.metrics()
+        prefix[on] = (res, em)
+        prefix_rows.append({
+            "prefix cache": "on" if on else "off", "tok/s": res["tok_s"], "wall s": res["wall"],
+            "hit rate": em.prefix_hit_rate, "computed tok": em.computed_tokens,
+            "kv mean": res["kv_mean"], "kv peak": res["kv_peak"],
+            "ttft p50 s": em.ttft.p50, "ttft p90 s": em.ttft.p90,
+            "itl p50 ms": em.itl.p50 * 1e3, "itl p90 ms": em.itl.p90 * 1e3,
+        })  # fmt: skip
+    print_table(
+        prefix_rows, f"workload 2: {args.prefix}-token shared prefix, prefix caching on/off"
+    )
+    on_res, on_m = prefix[True]
+    off_res, off_m = prefix[False]
+    plot(rows, results_dir() / "engine_throughput.png")
+    head = {
+        "engine_tok_s": round(cb["tok_s"], 1),
+        "engine_static_tok_s": round(static["tok_s"], 1),
+        "transformers_static_tok_s": round(hf["tok_s"], 1),
+        "vllm_tok_s": round(vllm["tok_s"], 1) if isinstance(vllm, dict) else None,
+        "speedup_vs_transformers": round(cb["tok_s"] / hf["tok_s"], 2),
+        "speedup_vs_engine_static": round(cb["tok_s"] / static["tok_s"], 2),
+        "greedy_match_transformers": round(agreement(cb["tokens"], hf["tokens"]), 3),
+        "kv_usage_mean": round(cb["kv_mean"], 3),
+        "kv_usage_peak": round(cb["kv_peak"], 3),
+        "preemptions": m.num_preemptions,
+        "prefix_on_tok_s": round(on_res["tok_s"], 1),
+        "prefix_off_tok_s": round(off_res["tok_s"], 1),
+        "prefix_speedup": round(on_res["tok_s"] / off_res["tok_s"], 2),
+        "prefix_hit_rate": round(on_m.prefix_hit_rate, 3),
+        "prefix_same_outputs": on_res["tokens"] == off_res["tokens"],
+        "ttft_p50_s_prefix_on": round(on_m.ttft.p50, 4),
+        "ttft_p50_s_prefix_off": round(off_m.ttft.p50, 4),
+        "itl_p50_ms": round(m.itl.p50 * 1e3, 2),
+        "itl_p90_ms": round(m.itl.p90 * 1e3, 2),
+    }
+    emit_json(head)
+    return head
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
