@@ -20,8 +20,12 @@ class InvalidRequest(EngineError, ValueError):
         self.field = field  # e.g. "top_p" or "prompt"
         self.value = value  # the offending value (for prompts: their length)
         self.limit = limit  # the rule it broke, e.g. "must be in (0, 1]"
+        self.hint = hint
         msg = f"invalid {field}={value!r}: {limit}"
         super().__init__(f"{msg}; {hint}" if hint else msg)
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (Ray) intact
+        return type(self), (self.field, self.value, self.limit, self.hint)
 
 
 class EngineOverloaded(EngineError):
@@ -34,6 +38,9 @@ class EngineOverloaded(EngineError):
             f"engine overloaded: {num_waiting} requests waiting (max_waiting={max_waiting}); "
             "retry later or on another worker"
         )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.num_waiting, self.max_waiting)
 
 
 class EngineStopped(EngineError):
