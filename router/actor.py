@@ -21,6 +21,7 @@ from router.ray_workers import RayWorkerDirectory
 from router.router import Router
 from router.servicer import KVClusterServicer, TokenAuth, start_server
 from router.serving import ModelLimits, ServingCore
+from router.telemetry import start_exporter
 from worker.model.config import ModelConfig
 from worker.model.tokenizer import Tokenizer
 
@@ -68,6 +69,7 @@ class RouterServer:
                                           auth=auth)
         self.server = None
         self.port: int | None = None
+        self._exporter = None
 
     async def start(self) -> str:
         """Start serving; returns ``host:port``."""
@@ -78,11 +80,16 @@ class RouterServer:
         self.server, self.port = await start_server(
             self.servicer, host=self.settings.host, port=self.settings.port,
             max_message_bytes=self.settings.max_message_bytes, tls=tls)
+        self._exporter = start_exporter(
+            self.settings.router_id, self.metrics,
+            lambda: {"retries": self.core.retries, "broken_streams": self.core.broken})
         log.info("router %s serving gRPC on %s:%d", self.settings.router_id, self.settings.host,
                  self.port)
         return f"{self.settings.host}:{self.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._exporter is not None:
+            self._exporter.cancel()
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
