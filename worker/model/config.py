@@ -87,11 +87,11 @@ class ModelConfig:
 def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
     arch = _architecture(raw, source)
     get = _Getter(raw, source)
-    hidden = get.int("hidden_size")
-    num_heads = get.int("num_attention_heads")
-    num_kv_heads = get.int("num_key_value_heads", default=num_heads)
-    head_dim = get.int("head_dim", default=None) or hidden // num_heads
-    num_layers = get.int("num_hidden_layers")
+    hidden = get.integer("hidden_size")
+    num_heads = get.integer("num_attention_heads")
+    num_kv_heads = get.integer("num_key_value_heads", default=num_heads)
+    head_dim = get.integer("head_dim", default=None) or hidden // num_heads
+    num_layers = get.integer("num_hidden_layers")
     if num_heads % num_kv_heads:
         raise ModelLoadError(
             f"{source}: num_attention_heads={num_heads} is not a multiple of "
@@ -104,16 +104,16 @@ def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     return ModelConfig(
         architecture=arch,
-        vocab_size=get.int("vocab_size"),
+        vocab_size=get.integer("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=get.int("intermediate_size"),
+        intermediate_size=get.integer("intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=get.float("rms_norm_eps", default=1e-6),
+        rms_norm_eps=get.number("rms_norm_eps", default=1e-6),
         rope=_rope(raw, get, source),
-        max_position_embeddings=get.int("max_position_embeddings", default=2048),
+        max_position_embeddings=get.integer("max_position_embeddings", default=2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
@@ -163,7 +163,7 @@ def _rope(raw: Mapping[str, Any], get: _Getter, source: str) -> RopeConfig:
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings")
-            or get.int("max_position_embeddings", default=8192)
+            or get.integer("max_position_embeddings", default=8192)
         ),
     )
 
@@ -213,7 +213,7 @@ class _Getter:
             raise ModelLoadError(f"{self.source}: required key {key!r} is missing")
         return default
 
-    def int(self, key: str, default: Any = _REQUIRED) -> Any:
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
         value = self._value(key, default)
         if value is None:
             return None
@@ -221,7 +221,7 @@ class _Getter:
             raise ModelLoadError(f"{self.source}: {key}={value!r} must be a positive integer")
         return value
 
-    def float(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float) -> float:
         value = self._value(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ModelLoadError(f"{self.source}: {key}={value!r} must be a positive number")
