@@ -6,32 +6,12 @@ serve TLS (``tls=TlsFiles``) or require a password. No fakes: this is the real b
 
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
-import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import redis
+from cluster.local_redis import LocalRedis, TlsFiles, free_port
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """A self-signed CA and a server certificate for 127.0.0.1 (see :func:`make_tls_files`)."""
-
-    ca: Path
-    cert: Path
-    key: Path
+__all__ = ["RedisServer", "TlsFiles", "free_port", "make_tls_files"]
 
 
 def make_tls_files(directory: Path) -> TlsFiles:
@@ -54,84 +34,5 @@ def make_tls_files(directory: Path) -> TlsFiles:
     return TlsFiles(ca, cert, key)
 
 
-class RedisServer:
-    """One ``redis-server`` process; ``start()``/``stop()`` may be repeated (same port)."""
-
-    def __init__(self, *, password: str | None = None, tls: TlsFiles | None = None) -> None:
-        self.port = free_port()
-        self.password = password
-        self.tls = tls
-        self._dir = Path(tempfile.mkdtemp(prefix="kvc-redis-"))
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        if self.tls:
-            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url, socket_timeout=2.0)
-
-    def _args(self) -> list[str]:
-        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self._dir), "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"]  # fmt: skip
-        if self.password:
-            args += ["--requirepass", self.password]
-        if self.tls:
-            t = self.tls
-            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(t.cert),
-                     "--tls-key-file", str(t.key), "--tls-ca-cert-file", str(t.ca),
-                     "--tls-auth-clients", "no"]  # fmt: skip
-        else:
-            args += ["--port", str(self.port)]
-        return args
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        assert self._proc is None, "already running"
-        log = open(self._dir / "redis.log", "ab")  # noqa: SIM115 - owned by the process
-        self._proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        client = self.client()
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except (redis.ConnectionError, redis.TimeoutError):
-                    pass
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    log_text = (self._dir / "redis.log").read_text(errors="replace")
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start on {self.port}:\n{log_text}")
-                time.sleep(0.01)
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+RedisServer = LocalRedis
+"""The launcher's own local Redis manager: one code path for the product and the tests."""
