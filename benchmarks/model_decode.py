@@ -9,7 +9,8 @@ the two sides alternate for ``--rounds`` rounds and the best round of each is ke
 Ours runs through ``ModelRunner.execute`` with the paged cache and the ``torch`` attention
 backend; transformers runs ``model(..., past_key_values=...)`` with its ``DynamicCache``.
 Greedy tokens of the two are compared as a correctness check. Tokens/s = batch * new tokens
-/ decode seconds; ``ratio`` = ours / transformers.
+/ decode seconds; ``ratio`` = ours / transformers. On a shared machine pass ``--threads 1``:
+with more threads than free cores, OpenMP stalls make both sides' figures noise.
 """
 
 from __future__ import annotations
