@@ -5,11 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.detokenizer import TokenizerLike
 from worker.engine.sched_output import ScheduledChunk
+
+if TYPE_CHECKING:
+    from worker.model.runner import ModelRunner
 
 
 class ModelExecutor(ABC):
@@ -41,7 +45,7 @@ class ModelExecutor(ABC):
 class RunnerExecutor(ModelExecutor):
     """:class:`worker.model.runner.ModelRunner` behind the executor interface."""
 
-    def __init__(self, runner, tokenizer: TokenizerLike | None) -> None:  # noqa: ANN001
+    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike | None) -> None:
         from worker.model.runner import SeqChunk  # local: keep engine imports light
 
         self._chunk_cls = SeqChunk

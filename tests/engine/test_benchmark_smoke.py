@@ -1,0 +1,22 @@
+"""benchmarks.engine_throughput runs at smoke size and ends with one parseable JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import engine_throughput
+
+
+def test_engine_throughput_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = engine_throughput.main(["--smoke", "--vllm-python", str(tmp_path / "no-vllm")])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert "vllm: skipped" in out
+    assert head["greedy_match_transformers"] == 1.0  # same tokens as transformers generate
+    assert head["prefix_same_outputs"] is True
+    assert head["prefix_hit_rate"] > 0.3  # 48 of ~80 tokens of every later prompt are cached
+    assert head["engine_tok_s"] > 0 and head["transformers_static_tok_s"] > 0
+    assert (tmp_path / "engine_throughput.png").stat().st_size > 0
