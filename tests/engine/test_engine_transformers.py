@@ -175,3 +175,21 @@ def test_beam_search_frees_pruned_beams_and_shares_blocks(tiny_dir) -> None:
     # 4 beams of up to 120 tokens each would need 4 * 8 = 32 blocks without sharing.
     assert peak <= 5 + 4 * 3, peak
     assert_no_blocks_in_use(engine)
+
+
+def test_beam_search_survives_preemption(tiny_dir, hf_model) -> None:
+    # A pool so small that a more important request preempts the growing beams again and
+    # again; recomputed beams (each its own prefill, sharing via the prefix cache) must
+    # continue exactly where they were.
+    prompt = PROMPTS[3]
+    expected = hf_beams(hf_model, prompt, 12, 1.0, False, EOS)
+    engine = engine_for(
+        tiny_dir, num_blocks=10, max_num_batched_tokens=64, max_num_seqs=8, policy="priority"
+    )
+    params = SamplingParams(beam_width=4, n=4, max_tokens=12, priority=1)
+    filler = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    results = engine.generate([prompt, PROMPTS[4]], [params, filler])
+    assert [c.token_ids for c in results[0].completions] == [t for t, _ in expected]
+    assert results[1].completions[0].token_ids == hf_greedy(hf_model, PROMPTS[4], min_new=MAX_NEW)
+    assert engine.metrics().num_preemptions >= 3
+    assert_no_blocks_in_use(engine)

@@ -70,6 +70,8 @@ def test_engine_config_is_strict() -> None:
         EngineConfig(policy="lifo")
     with pytest.raises(ValidationError, match="max_num_batched_tokens=8 < max_num_seqs=16"):
         EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+    with pytest.raises(ValidationError, match="not both"):
+        EngineConfig(num_blocks=8, kv_memory_bytes=2**20)
     cfg = EngineConfig(max_num_batched_tokens=256, long_prefill_token_threshold=64)
     assert cfg.prefill_chunk_cap == 64
     with pytest.raises(ValidationError):

@@ -70,7 +70,9 @@ def test_decodes_first_then_prefill_chunks() -> None:
     engine.add_request(list(range(2, 6)), short)
     engine.step()  # prefill of the short request
     engine.add_request(list(range(30, 50)), GREEDY)  # 20-token prompt: chunks of 5
+    assert engine.metrics().pending_prefill_tokens == 20
     engine.step()
+    assert engine.metrics().pending_prefill_tokens == 15
     engine.step()
     # decode (start 4 then 5) first, then a 5-token chunk of the long prompt, no logits
     assert ex.batches[1] == [(4, 1, True), (0, 5, False)]

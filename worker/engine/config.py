@@ -68,6 +68,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> EngineConfig:
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("give num_blocks or kv_memory_bytes, not both")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="

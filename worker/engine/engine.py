@@ -185,6 +185,7 @@ class Engine:
         return EngineMetrics(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            pending_prefill_tokens=self.scheduler.pending_prefill_tokens(),
             kv_usage=kv.usage,
             kv_used_blocks=kv.used_blocks,
             kv_total_blocks=kv.num_blocks,

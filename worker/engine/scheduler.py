@@ -82,6 +82,13 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         seq.reset_for_recompute()
 
+    def pending_prefill_tokens(self) -> int:
+        """Tokens still to prefill: whole sequences of waiting requests, unfinished prefills
+        (chunked or recomputed) of running ones."""
+        waiting = sum(len(s.token_ids) for r in self.waiting for s in r.seqs)
+        running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
+        return waiting + running
+
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seq_slots for r in self.running)
