@@ -58,15 +58,21 @@ class RouterServer:
         source = KVIndexSource(self.index) if self.index is not None else None
         self.router = Router(settings.routing, source, metrics=self.metrics)
         self.directory = RayWorkerDirectory(settings.namespace, self.index)
-        limits = ModelLimits(model_id=settings.model_id, vocab_size=model_cfg.vocab_size,
-                             max_model_len=settings.max_model_len,
-                             max_prompt_tokens=settings.max_model_len - 1)
+        limits = ModelLimits(
+            model_id=settings.model_id,
+            vocab_size=model_cfg.vocab_size,
+            max_model_len=settings.max_model_len,
+            max_prompt_tokens=settings.max_model_len - 1,
+        )
         self.core = ServingCore(self.router, self.directory, limits)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
-        self.servicer = KVClusterServicer(self.core, self.tokenizer,
-                                          policy=settings.routing.policy,
-                                          index_available=lambda: self.directory.index_ok,
-                                          auth=auth)
+        self.servicer = KVClusterServicer(
+            self.core,
+            self.tokenizer,
+            policy=settings.routing.policy,
+            index_available=lambda: self.directory.index_ok,
+            auth=auth,
+        )
         self.server = None
         self.port: int | None = None
         self._exporter = None
@@ -75,16 +81,28 @@ class RouterServer:
         """Start serving; returns ``host:port``."""
         tls = None
         if self.settings.tls_cert and self.settings.tls_key:
-            tls = (Path(self.settings.tls_cert).read_bytes(),
-                   Path(self.settings.tls_key).read_bytes())
+            tls = (
+                Path(self.settings.tls_cert).read_bytes(),
+                Path(self.settings.tls_key).read_bytes(),
+            )
         self.server, self.port = await start_server(
-            self.servicer, host=self.settings.host, port=self.settings.port,
-            max_message_bytes=self.settings.max_message_bytes, tls=tls)
+            self.servicer,
+            host=self.settings.host,
+            port=self.settings.port,
+            max_message_bytes=self.settings.max_message_bytes,
+            tls=tls,
+        )
         self._exporter = start_exporter(
-            self.settings.router_id, self.metrics,
-            lambda: {"retries": self.core.retries, "broken_streams": self.core.broken})
-        log.info("router %s serving gRPC on %s:%d", self.settings.router_id, self.settings.host,
-                 self.port)
+            self.settings.router_id,
+            self.metrics,
+            lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+        )
+        log.info(
+            "router %s serving gRPC on %s:%d",
+            self.settings.router_id,
+            self.settings.host,
+            self.port,
+        )
         return f"{self.settings.host}:{self.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -98,8 +116,11 @@ class RouterServer:
     def stats(self) -> dict:
         """Router metrics plus retry counters (for status and tests)."""
         snap = self.metrics.snapshot()
-        snap.update(retries=self.core.retries, broken_streams=self.core.broken,
-                    index_available=self.directory.index_ok)
+        snap.update(
+            retries=self.core.retries,
+            broken_streams=self.core.broken,
+            index_available=self.directory.index_ok,
+        )
         return snap
 
     def ready(self) -> bool:

@@ -6,9 +6,12 @@ Nothing past the servicer sees a protobuf message. Every rule broken raises the 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from dataclasses import dataclass
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams
@@ -18,6 +21,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_TENANT_CHARS = 64
 MAX_PROMPT_CHARS = 1 << 20  # text prompts; token limits are checked after tokenizing
 MAX_STOP_STRING_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -26,8 +30,20 @@ FINISH_TO_PB = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
-_OPTIONAL_PARAMS = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
-                    "seed", "n", "beam_width", "length_penalty", "ignore_eos", "logprobs")
+_OPTIONAL_PARAMS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "n",
+    "beam_width",
+    "length_penalty",
+    "ignore_eos",
+    "logprobs",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +63,9 @@ def _check_str(field: str, value: str, limit: int) -> None:
         raise InvalidRequest(field, f"<{len(value)} chars>", f"must be at most {limit} characters")
 
 
-def params_from_pb(msg: pb.SamplingParams, *, priority: int,
-                   cache_salt: str | None) -> SamplingParams:
+def params_from_pb(
+    msg: pb.SamplingParams, *, priority: int, cache_salt: str | None
+) -> SamplingParams:
     values: dict[str, object] = {}
     for name in _OPTIONAL_PARAMS:
         if msg.HasField(name):
@@ -69,10 +86,30 @@ def params_from_pb(msg: pb.SamplingParams, *, priority: int,
     return SamplingParams(**values)
 
 
-def spec_from_pb(req: pb.GenerateRequest, *, default_salt: str | None = None) -> GenerateSpec:
-    """Validate and convert a GenerateRequest (model limits are checked later, by the caller)."""
+def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
+    """The salt folded into block 0's key: a tenant's requests never share KV (or a routing
+    signal) with another tenant's, whatever ``cache_salt`` they send.
+
+    No tenant: the client's salt as is (None when empty). A tenant: ``tenant:<name>``, plus a
+    digest of the client's salt when one is set (so a client cannot pick another tenant's
+    salt, and the result stays within SamplingParams' 256-character limit).
+    """
+    if not tenant:
+        return cache_salt or None
+    if not cache_salt:
+        return f"tenant:{tenant}"
+    return f"tenant:{tenant}#{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
+
+
+def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None) -> GenerateSpec:
+    """Validate and convert a GenerateRequest (model limits are checked later, by the caller).
+
+    ``tenant``: the authenticated tenant (or the request's own, without auth); it scopes the
+    cache salt (see :func:`tenant_salt`).
+    """
     _check_str("request_id", req.request_id, MAX_REQUEST_ID_CHARS)
     _check_str("tenant", req.tenant, MAX_TENANT_CHARS)
+    _check_str("cache_salt", req.cache_salt, MAX_CACHE_SALT_CHARS)
     which = req.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("prompt", None, "set exactly one of text or token_ids")
@@ -86,7 +123,7 @@ def spec_from_pb(req: pb.GenerateRequest, *, default_salt: str | None = None) ->
         token_ids = list(req.token_ids.ids)
         if not token_ids:
             raise InvalidRequest("token_ids", [], "must hold at least one token id")
-    salt = req.cache_salt or default_salt or None
+    salt = tenant_salt(tenant, req.cache_salt)
     params = params_from_pb(req.params, priority=req.priority, cache_salt=salt)
     return GenerateSpec(
         request_id=req.request_id or uuid.uuid4().hex,
@@ -98,15 +135,20 @@ def spec_from_pb(req: pb.GenerateRequest, *, default_salt: str | None = None) ->
     )
 
 
-def responses_from_output(out: RequestOutput, *, worker_id: str, stream_text: bool
-                          ) -> list[pb.GenerateResponse]:
+def responses_from_output(
+    out: RequestOutput, *, worker_id: str, stream_text: bool
+) -> list[pb.GenerateResponse]:
     """One engine output -> one GenerateResponse per changed sample; usage on the last."""
     msgs = []
     for d in out.outputs:
-        msg = pb.GenerateResponse(request_id=out.request_id, index=d.index,
-                                  token_ids=d.token_ids, text=d.text if stream_text else "",
-                                  finish_reason=FINISH_TO_PB[d.finish_reason],
-                                  worker_id=worker_id)
+        msg = pb.GenerateResponse(
+            request_id=out.request_id,
+            index=d.index,
+            token_ids=d.token_ids,
+            text=d.text if stream_text else "",
+            finish_reason=FINISH_TO_PB[d.finish_reason],
+            worker_id=worker_id,
+        )
         if d.logprobs:
             for lp in d.logprobs:
                 entries = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob)]
@@ -117,7 +159,72 @@ def responses_from_output(out: RequestOutput, *, worker_id: str, stream_text: bo
         if not msgs:
             msgs.append(pb.GenerateResponse(request_id=out.request_id, worker_id=worker_id))
         u = out.usage
-        msgs[-1].usage.CopyFrom(pb.Usage(prompt_tokens=u.prompt_tokens,
-                                         cached_tokens=u.cached_tokens,
-                                         completion_tokens=u.completion_tokens))
+        msgs[-1].usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens,
+                completion_tokens=u.completion_tokens,
+            )
+        )
     return msgs
+
+
+def malformed_reason(descriptor: Descriptor, data: bytes, error: Exception) -> str:
+    """Why ``data`` does not parse as ``descriptor``'s message, naming the field when it is a
+    string field with invalid UTF-8 (proto3 requires UTF-8; protobuf does not say which)."""
+    field = _bad_utf8_field(descriptor, data)
+    if field is not None:
+        return (
+            f"invalid {field}: not valid UTF-8 (proto3 string fields must be UTF-8; "
+            "send token_ids for arbitrary input)"
+        )
+    return f"request is not a valid {descriptor.full_name} ({len(data)} bytes): {error}"
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while shift < 64:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("varint over 10 bytes")
+
+
+def _bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:
+    """Dotted name of the first string field of ``data`` (wire format) that is not UTF-8;
+    None when there is none or the wire format itself is corrupt."""
+    pos = 0
+    try:
+        while pos < len(data):
+            tag, pos = _varint(data, pos)
+            wire = tag & 7
+            if wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            elif wire == 2:
+                size, pos = _varint(data, pos)
+                chunk, pos = data[pos : pos + size], pos + size
+                field = descriptor.fields_by_number.get(tag >> 3)
+                if field is None:
+                    continue
+                name = prefix + field.name
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                    found = _bad_utf8_field(field.message_type, chunk, name + ".")
+                    if found is not None:
+                        return found
+            else:
+                return None
+    except ValueError:
+        return None
+    return None

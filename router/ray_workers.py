@@ -16,7 +16,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
 
 from kvstore import IndexUnavailable, KVIndex, WorkerLoad
 from router.workers import WorkerDirectory, WorkerGone
@@ -28,9 +34,24 @@ WORKER_PREFIX = "worker-"
 _ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+def _current_actor() -> ray.actor.ActorHandle | None:
+    """This actor's own handle (None outside an actor, e.g. a test driver)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
 class RayWorkerDirectory(WorkerDirectory):
-    def __init__(self, namespace: str, index: KVIndex | None, *, live_ttl_s: float = 0.1,
-                 dead_ttl_s: float = 10.0, call_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        index: KVIndex | None,
+        *,
+        live_ttl_s: float = 0.1,
+        dead_ttl_s: float = 10.0,
+        call_timeout_s: float = 10.0,
+    ) -> None:
         self.namespace = namespace
         self.index = index
         self.live_ttl_s = live_ttl_s
@@ -41,6 +62,8 @@ class RayWorkerDirectory(WorkerDirectory):
         self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
         self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
         self._handles: dict[str, ray.actor.ActorHandle] = {}
+        # passed with every request: a worker aborts the requests of a router that died
+        self.caller = _current_actor()
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -68,8 +91,16 @@ class RayWorkerDirectory(WorkerDirectory):
         for entry in names:
             if entry["namespace"] == self.namespace and entry["name"].startswith(WORKER_PREFIX):
                 w = entry["name"]
-                out[w] = (None, WorkerLoad(running=self.inflight[w], waiting=0, free_blocks=0,
-                                           total_blocks=0, queued_prefill_tokens=0))
+                out[w] = (
+                    None,
+                    WorkerLoad(
+                        running=self.inflight[w],
+                        waiting=0,
+                        free_blocks=0,
+                        total_blocks=0,
+                        queued_prefill_tokens=0,
+                    ),
+                )
         return out
 
     async def candidates(self) -> Mapping[str, WorkerLoad]:
@@ -106,23 +137,32 @@ class RayWorkerDirectory(WorkerDirectory):
             self._handles[worker_id] = h
         return h
 
-    async def stream(self, worker_id: str, request: WorkerRequest
-                     ) -> AsyncIterator[Admitted | RequestOutput]:
+    async def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
         self.inflight[worker_id] += 1
         try:
-            gen = self._handle(worker_id).generate.options(num_returns="streaming").remote(
-                request)
+            gen = (
+                self._handle(worker_id)
+                .generate.options(num_returns="streaming")
+                .remote(request, self.caller)
+            )
             async for ref in gen:
                 yield await ref
         except _ACTOR_ERRORS as exc:
             raise WorkerGone(str(exc).splitlines()[0]) from exc
+        except RayTaskError as exc:  # the worker raised (InvalidRequest, EngineOverloaded):
+            if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
+                raise exc.cause from None
+            raise
         finally:
             self.inflight[worker_id] -= 1
 
     async def abort(self, worker_id: str, request_id: str) -> None:
         try:
-            await asyncio.wait_for(self._handle(worker_id).abort.remote(request_id),
-                                   self.call_timeout_s)
+            await asyncio.wait_for(
+                self._handle(worker_id).abort.remote(request_id), self.call_timeout_s
+            )
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
 
@@ -131,8 +171,9 @@ class RayWorkerDirectory(WorkerDirectory):
         out = []
         for name in sorted(names):
             try:
-                out.append(await asyncio.wait_for(self._handle(name).status.remote(),
-                                                  self.call_timeout_s))
+                out.append(
+                    await asyncio.wait_for(self._handle(name).status.remote(), self.call_timeout_s)
+                )
             except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError):
                 continue
         return out

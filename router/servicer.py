@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from ray.exceptions import RayTaskError
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.convert import FINISH_TO_PB, responses_from_output, spec_from_pb
-from router.serving import ServingCore, StreamBroken
+from router.convert import FINISH_TO_PB, malformed_reason, responses_from_output, spec_from_pb
+from router.serving import ClusterOverloaded, ServingCore, StreamBroken
 from router.types import NoWorkersError
 from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
 from worker.model.tokenizer import Tokenizer
@@ -30,9 +31,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
 
 def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     """The one place where errors become gRPC codes (None: an internal error)."""
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, Exception):
+        exc = exc.cause  # raised on the worker: its own message, not Ray's traceback
+    if isinstance(exc, Malformed):
+        return grpc.StatusCode.INVALID_ARGUMENT, exc.reason
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineOverloaded):
+    if isinstance(exc, EngineOverloaded | ClusterOverloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NoWorkersError | StreamBroken):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
@@ -68,33 +73,122 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
         handler = await continuation(details)
-        if details.method.startswith(f"/{SERVICE_NAME}/") and handler is not None and \
-                self.auth.tenant_of(details.invocation_metadata) is None:
+        if (
+            details.method.startswith(f"/{SERVICE_NAME}/")
+            and handler is not None
+            and self.auth.tenant_of(details.invocation_metadata) is None
+        ):
             return _deny_handler(handler)
         return handler
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or invalid bearer token (metadata 'authorization')")
-
+def _rewrap(
+    handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind (unary or server-streaming response) running
+    ``behaviour(request, context, handler)`` (an async generator for streams)."""
+    deserializer = deserializer or handler.request_deserializer
     if handler.response_streaming:
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
-            await deny(request, context)
-            yield  # pragma: no cover - abort raises
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
+            async for item in behaviour(request, context, handler):
+                yield item
 
         return grpc.unary_stream_rpc_method_handler(
-            deny_stream, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            stream,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(request, context, handler)
+
     return grpc.unary_unary_rpc_method_handler(
-        deny, request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer)
+        unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
+    )
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext, _: Any) -> None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or invalid bearer token (metadata 'authorization')",
+        )
+
+    if handler.response_streaming:
+
+        async def deny_stream(
+            request: Any, context: grpc.aio.ServicerContext, _: Any
+        ) -> AsyncIterator[Any]:
+            await deny(request, context, _)
+            yield  # pragma: no cover - abort raises
+
+        return _rewrap(handler, deny_stream)
+    return _rewrap(handler, deny)
+
+
+class Malformed(Exception):
+    """A request whose bytes do not parse (corrupt wire format, a string field that is not
+    UTF-8); stands in for the message so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # names the field when it can (see convert.malformed_reason)
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Unparseable API requests get INVALID_ARGUMENT naming the field, not grpc's UNKNOWN."""
+
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        handler = await continuation(details)
+        if (
+            handler is None
+            or handler.request_streaming
+            or handler.request_deserializer is None
+            or not details.method.startswith(f"/{SERVICE_NAME}/")
+        ):
+            return handler
+        parse = handler.request_deserializer
+        descriptor = parse.__self__.DESCRIPTOR
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError; any parse failure is the client's
+                return Malformed(malformed_reason(descriptor, data, exc))
+
+        if handler.response_streaming:
+
+            async def guarded_stream(
+                request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
+            ) -> AsyncIterator[Any]:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                async for item in inner.unary_stream(request, context):
+                    yield item
+
+            return _rewrap(handler, guarded_stream, lenient)
+
+        async def guarded(
+            request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
+        ) -> Any:
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return await inner.unary_unary(request, context)
+
+        return _rewrap(handler, guarded, lenient)
 
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
-    def __init__(self, core: ServingCore, tokenizer: Tokenizer, *, policy: str,
-                 index_available: Any = lambda: False, auth: TokenAuth | None = None) -> None:
+    def __init__(
+        self,
+        core: ServingCore,
+        tokenizer: Tokenizer,
+        *,
+        policy: str,
+        index_available: Any = lambda: False,
+        auth: TokenAuth | None = None,
+    ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.policy = policy
@@ -109,19 +203,20 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             raise InvalidRequest("tenant", request.tenant, "must match the bearer token's tenant")
         return tenant
 
-    async def _outputs(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[tuple[str, Any, bool]]:
-        tenant = self._tenant(request, context)
-        # a tenant's default salt isolates its cache from every other tenant's
-        spec = spec_from_pb(request, default_salt=f"tenant:{tenant}" if tenant else None)
+    async def _outputs(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tuple[str, Any, bool]]:
+        # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
+        spec = spec_from_pb(request, tenant=self._tenant(request, context))
         token_ids = spec.token_ids
         if token_ids is None:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
             yield worker, out, spec.stream_text
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             async for worker, out, stream_text in self._outputs(request, context):
                 for msg in responses_from_output(out, worker_id=worker, stream_text=stream_text):
@@ -129,8 +224,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         except Exception as exc:
             await self._abort(context, exc)
 
-    async def GenerateUnary(self, request: pb.GenerateRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GenerateResult:
+    async def GenerateUnary(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResult:
         result = GenerationResult(request_id="", completions=[])
         worker = ""
         try:
@@ -142,35 +238,60 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
 
         u = result.usage
         return pb.GenerateResult(
-            request_id=result.request_id, worker_id=worker,
-            completions=[pb.Completion(index=c.index, token_ids=c.token_ids, text=c.text,
-                                       finish_reason=FINISH_TO_PB[c.finish_reason])
-                         for c in result.completions],
-            usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                           completion_tokens=u.completion_tokens) if u else None)
+            request_id=result.request_id,
+            worker_id=worker,
+            completions=[
+                pb.Completion(
+                    index=c.index,
+                    token_ids=c.token_ids,
+                    text=c.text,
+                    finish_reason=FINISH_TO_PB[c.finish_reason],
+                )
+                for c in result.completions
+            ],
+            usage=pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens,
+                completion_tokens=u.completion_tokens,
+            )
+            if u
+            else None,
+        )
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.TokenizeResponse:
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
 
-    async def ClusterStatus(self, request: pb.ClusterStatusRequest,
-                            context: grpc.aio.ServicerContext) -> pb.ClusterStatusResponse:
+    async def ClusterStatus(
+        self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStatusResponse:
         statuses = await self.core.directory.statuses()
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
         return pb.ClusterStatusResponse(
-            policy=self.policy, model_id=self.core.limits.model_id,
+            policy=self.policy,
+            model_id=self.core.limits.model_id,
             index_available=bool(self.index_available()),
             decisions={k: int(v) for k, v in snap["decisions"].items()},  # type: ignore[union-attr]
-            workers=[pb.WorkerStatus(
-                worker_id=s.worker_id, epoch=s.epoch or 0, alive=s.worker_id in live,
-                running=s.running, waiting=s.waiting, free_blocks=s.free_blocks,
-                total_blocks=s.total_blocks,
-                kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
-                prefix_hit_rate=s.prefix_hit_rate,
-                queued_prefill_tokens=s.queued_prefill_tokens) for s in statuses])
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=s.worker_id,
+                    epoch=s.epoch or 0,
+                    alive=s.worker_id in live,
+                    running=s.running,
+                    waiting=s.waiting,
+                    free_blocks=s.free_blocks,
+                    total_blocks=s.total_blocks,
+                    kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
+                    prefix_hit_rate=s.prefix_hit_rate,
+                    queued_prefill_tokens=s.queued_prefill_tokens,
+                )
+                for s in statuses
+            ],
+        )
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         mapped = _status_of(exc)
@@ -180,21 +301,33 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         await context.abort(*mapped)
 
 
-async def start_server(servicer: KVClusterServicer, *, host: str, port: int,
-                       max_message_bytes: int,
-                       tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+async def start_server(
+    servicer: KVClusterServicer,
+    *,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.aio.Server, int]:
     """Start a grpc.aio server with the API, health and reflection; returns (server, port)."""
-    interceptors = [AuthInterceptor(servicer.auth)] if servicer.auth is not None else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.so_reuseport", 0),
-    ])
+    # auth first: an unauthenticated caller learns nothing, not even that its bytes are bad
+    interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
+    if servicer.auth is not None:
+        interceptors.insert(0, AuthInterceptor(servicer.auth))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
     pb_grpc.add_KVClusterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
     addr = f"{host}:{port}"
     if tls is not None:
         creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)

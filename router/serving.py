@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from router.router import Router
 from router.types import NoWorkersError, RouteRequest
 from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import InvalidRequest, RequestOutput, SamplingParams
+from worker.engine import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams
 from worker.kv import HashContext
 from worker.protocol import Admitted, WorkerRequest
 
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 class StreamBroken(Exception):
     """The worker died after tokens had been sent; the client must retry the request."""
+
+
+class ClusterOverloaded(Exception):
+    """Every live worker's waiting queue is full (RESOURCE_EXHAUSTED); retry later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +49,24 @@ def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimi
         raise InvalidRequest("prompt", 0, "must have at least one token")
     bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise InvalidRequest("token_ids", bad,
-                             f"each must be in [0, vocab_size={limits.vocab_size})")
+        raise InvalidRequest(
+            "token_ids", bad, f"each must be in [0, vocab_size={limits.vocab_size})"
+        )
     cap = min(limits.max_prompt_tokens, limits.max_model_len - 1)
     if n > cap:
-        raise InvalidRequest("prompt", n, f"must be at most {cap} tokens (max_model_len="
-                             f"{limits.max_model_len}, one token left to generate)")
+        raise InvalidRequest(
+            "prompt",
+            n,
+            f"must be at most {cap} tokens (max_model_len="
+            f"{limits.max_model_len}, one token left to generate)",
+        )
+    if params.max_tokens > limits.max_model_len - 1:
+        raise InvalidRequest(
+            "max_tokens",
+            params.max_tokens,
+            f"must be at most {limits.max_model_len - 1} (max_model_len="
+            f"{limits.max_model_len} minus at least one prompt token)",
+        )
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={limits.vocab_size}")
@@ -60,8 +76,14 @@ class ServingCore:
     """One router's request path. Routing decisions run on one thread (Router is not
     thread-safe and its Redis lookup is blocking), so the event loop never waits on Redis."""
 
-    def __init__(self, router: Router, directory: WorkerDirectory, limits: ModelLimits,
-                 *, max_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        router: Router,
+        directory: WorkerDirectory,
+        limits: ModelLimits,
+        *,
+        max_attempts: int = 3,
+    ) -> None:
         self.router = router
         self.directory = directory
         self.limits = limits
@@ -69,31 +91,42 @@ class ServingCore:
         self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
+        self.overflows = 0  # attempts refused by a worker whose waiting queue was full
 
     def close(self) -> None:
         self._decide.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, request_id: str, token_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[tuple[str, RequestOutput]]:
+    async def generate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
         check_limits(token_ids, params, self.limits)
         ctx = HashContext(self.limits.model_id, None, params.cache_salt)
         excluded: set[str] = set()
+        full: list[str] = []  # workers that refused the request: waiting queue full
         loop = asyncio.get_running_loop()
         for attempt in range(self.max_attempts):
-            candidates = {w: load for w, load in (await self.directory.candidates()).items()
-                          if w not in excluded}
+            candidates = {
+                w: load
+                for w, load in (await self.directory.candidates()).items()
+                if w not in excluded
+            }
             if not candidates:
+                if full:
+                    raise self._overloaded(request_id, full)
                 raise NoWorkersError(
                     f"no live worker for request {request_id!r}"
-                    + (f" (tried {sorted(excluded)})" if excluded else ""))
+                    + (f" (tried {sorted(excluded)})" if excluded else "")
+                )
             route_req = RouteRequest(request_id, token_ids, ctx)
-            decision = await loop.run_in_executor(self._decide, self.router.route, route_req,
-                                                  candidates)
+            decision = await loop.run_in_executor(
+                self._decide, self.router.route, route_req, candidates
+            )
             worker = decision.worker_id
             produced = finished = False
             try:
                 async for item in self.directory.stream(
-                        worker, WorkerRequest(request_id, token_ids, params)):
+                    worker, WorkerRequest(request_id, token_ids, params)
+                ):
                     if isinstance(item, Admitted):
                         if decision.keys:
                             self.router.check_parity(request_id, decision.keys, item.keys)
@@ -109,15 +142,33 @@ class ServingCore:
                     self.broken += 1
                     raise StreamBroken(
                         f"worker {worker} died while streaming request {request_id!r}: {exc}; "
-                        "the partial output is lost, retry the request") from exc
+                        "the partial output is lost, retry the request"
+                    ) from exc
                 self.retries += 1
-                log.warning("worker %s died before request %s produced a token (attempt %d): "
-                            "retrying elsewhere", worker, request_id, attempt + 1)
+                log.warning(
+                    "worker %s died before request %s produced a token (attempt %d): "
+                    "retrying elsewhere",
+                    worker,
+                    request_id,
+                    attempt + 1,
+                )
+            except EngineOverloaded as exc:  # nothing was queued: try a worker with room
+                excluded.add(worker)
+                full.append(f"{worker} ({exc})")
+                self.overflows += 1
             finally:
                 if not finished:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))
+        if full:
+            raise self._overloaded(request_id, full)
         raise NoWorkersError(f"request {request_id!r}: {self.max_attempts} workers died in turn")
+
+    def _overloaded(self, request_id: str, full: list[str]) -> ClusterOverloaded:
+        return ClusterOverloaded(
+            f"request {request_id!r} not queued: every worker tried has a "
+            f"full queue; retry later. " + "; ".join(full)
+        )
 
     async def _abort_quietly(self, worker: str, request_id: str) -> None:
         try:

@@ -24,30 +24,43 @@ class RouterExporter:
         self.tags = {"router": router_id}
         self._sent: dict[str, float] = {}
         self._latency_seen = 0
-        self.routed = m.Counter("kvc_routed_requests", "Requests routed, by policy and reason.",
-                                tag_keys=("router", "policy", "reason"))
-        self.latency = m.Histogram("kvc_route_decision_seconds", "Routing decision latency.",
-                                   boundaries=[1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-                                               2.5e-2, 0.1], tag_keys=("router",))
-        self.counters = {name: m.Counter(f"kvc_router_{name}", help_, tag_keys=("router",))
-                         for name, help_ in (
-                             ("index_errors", "Index lookups that failed (routed by load)."),
-                             ("parity_mismatches", "Router/worker block key mismatches."),
-                             ("retries", "Requests retried after a worker died."),
-                             ("broken_streams", "Streams ended by a worker death."))}
+        self.routed = m.Counter(
+            "kvc_routed_requests",
+            "Requests routed, by policy and reason.",
+            tag_keys=("router", "policy", "reason"),
+        )
+        self.latency = m.Histogram(
+            "kvc_route_decision_seconds",
+            "Routing decision latency.",
+            boundaries=[1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1],
+            tag_keys=("router",),
+        )
+        self.counters = {
+            name: m.Counter(f"kvc_router_{name}", help_, tag_keys=("router",))
+            for name, help_ in (
+                ("index_errors", "Index lookups that failed (routed by load)."),
+                ("parity_mismatches", "Router/worker block key mismatches."),
+                ("retries", "Requests retried after a worker died."),
+                ("broken_streams", "Streams ended by a worker death."),
+            )
+        }
 
     def export(self) -> None:
         snap = self.metrics.snapshot()
         for label, n in snap["decisions"].items():  # type: ignore[union-attr]
-            self._inc(self.routed, f"d:{label}", n, dict(zip(("policy", "reason"),
-                                                           label.split("/", 1), strict=True)))
+            self._inc(
+                self.routed,
+                f"d:{label}",
+                n,
+                dict(zip(("policy", "reason"), label.split("/", 1), strict=True)),
+            )
         values = {**{k: snap[k] for k in ("index_errors", "parity_mismatches")}, **self.extra()}
         for name, counter in self.counters.items():
             self._inc(counter, name, values.get(name, 0), {})
         hist = self.metrics.latency
         new = hist.count - self._latency_seen
         if new > 0:
-            for v in list(hist._recent)[-min(new, len(hist._recent)):]:
+            for v in list(hist._recent)[-min(new, len(hist._recent)) :]:
                 self.latency.observe(v, self.tags)
             self._latency_seen = hist.count
 
@@ -67,5 +80,4 @@ class RouterExporter:
 def start_exporter(router_id: str, metrics: RouterMetrics, extra) -> asyncio.Task | None:  # noqa: ANN001
     if not ray.is_initialized():
         return None
-    return asyncio.get_running_loop().create_task(
-        RouterExporter(router_id, metrics, extra).run())
+    return asyncio.get_running_loop().create_task(RouterExporter(router_id, metrics, extra).run())

@@ -27,8 +27,9 @@ class WorkerDirectory(ABC):
         """Live workers -> last known load."""
 
     @abstractmethod
-    def stream(self, worker_id: str, request: WorkerRequest
-               ) -> AsyncIterator[Admitted | RequestOutput]:
+    def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
         """Submit ``request``; yields one :class:`Admitted`, then the engine's outputs."""
 
     @abstractmethod

@@ -1,0 +1,130 @@
+"""Where the router learns how much of a prompt each worker holds: the KV index, or a
+simulator's in-memory index built from the same KV events the workers publish."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable
+from router.types import WorkerId
+from worker.kv import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KVEvent
+
+
+class PrefixSourceUnavailable(Exception):
+    """The prefix source cannot answer now (e.g. Redis is down); the router routes by load."""
+
+
+class PrefixSource(ABC):
+    """Answers "how many leading blocks of these keys does each worker hold?".
+
+    Implementations must: answer in one round trip (the router calls this once per
+    request, on its hot path); return counts only for workers they know of (absent = 0);
+    return ``None`` when they hold no data at all yet (so the router can say "no-index");
+    raise :class:`PrefixSourceUnavailable` (or any exception: the router catches all) when
+    unreachable. Callers must pass keys computed with the workers' block size and the
+    request's ``HashContext``.
+    """
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        """Leading blocks of ``keys`` held per worker."""
+
+
+class KVIndexSource(PrefixSource):
+    """Adapter over the Redis :class:`kvstore.KVIndex` (live workers only)."""
+
+    def __init__(self, index: KVIndex) -> None:
+        self.index = index
+
+    def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        try:
+            return self.index.lookup(list(keys))
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+
+
+class InMemoryPrefixIndex(PrefixSource):
+    """Key -> holders map maintained from KV events, for the simulator and tests.
+
+    Fed exactly the events a real worker publishes (``KVCacheManager.drain_events``), so a
+    simulation exercises event-driven index maintenance (including evictions and event
+    delay), not an oracle view of the workers' caches. Lookup walks the chain and stops when
+    no worker holds the next key: O(matched blocks x holders).
+    """
+
+    def __init__(self) -> None:
+        self._holders: dict[BlockKey, set[WorkerId]] = {}
+        self._keys_of: dict[WorkerId, set[BlockKey]] = {}
+        self._next_seq: dict[WorkerId, int] = {}
+        self.events_applied = 0  # events applied since creation
+        self.gaps = 0  # event batches whose first seq skipped ahead (lost events)
+
+    def apply(self, worker_id: WorkerId, events: Iterable[KVEvent]) -> None:
+        """Apply one worker's events, in the order it emitted them."""
+        mine = self._keys_of.setdefault(worker_id, set())
+        for event in events:
+            expected = self._next_seq.get(worker_id, event.seq)
+            if event.seq != expected:
+                self.gaps += 1
+            self._next_seq[worker_id] = event.seq + 1
+            self.events_applied += 1
+            if isinstance(event, BlockStored):
+                for key in event.keys:
+                    self._holders.setdefault(key, set()).add(worker_id)
+                mine.update(event.keys)
+            elif isinstance(event, BlockRemoved):
+                for key in event.keys:
+                    self._drop(key, worker_id)
+                mine.difference_update(event.keys)
+            elif isinstance(event, AllBlocksCleared):
+                self.remove_worker(worker_id)
+                mine = self._keys_of.setdefault(worker_id, set())
+            else:  # pragma: no cover - exhaustive over KVEvent
+                raise TypeError(f"unknown KV event {event!r}")
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Forget every key of a worker (it died, restarted, or cleared its cache)."""
+        for key in self._keys_of.pop(worker_id, set()):
+            self._drop(key, worker_id)
+
+    def _drop(self, key: BlockKey, worker_id: WorkerId) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(worker_id)
+            if not holders:
+                del self._holders[key]
+
+    def num_keys(self, worker_id: WorkerId) -> int:
+        return len(self._keys_of.get(worker_id, ()))
+
+    def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        if self.events_applied == 0:
+            return None
+        return leading_counts(keys, self._holders.get)
+
+
+def leading_counts(
+    keys: Sequence[BlockKey], holders_of: Callable[[BlockKey], Collection[WorkerId] | None]
+) -> dict[WorkerId, int]:
+    """Per worker, how many leading ``keys`` it holds; ``holders_of(key)``: its holders."""
+    counts: dict[WorkerId, int] = {}
+    active: set[WorkerId] | None = None
+    matched = 0
+    for key in keys:
+        holders = holders_of(key)
+        if not holders:
+            break
+        still = set(holders) if active is None else active.intersection(holders)
+        if active is not None:
+            for w in active - still:
+                counts[w] = matched
+        if not still:
+            active = still
+            break
+        active = still
+        matched += 1
+    for w in active or ():
+        counts[w] = matched
+    return counts

@@ -1,0 +1,124 @@
+"""The router's placement core: hash the prompt, ask the prefix source, merge in its own
+pending placements, let the policy choose, and record metrics. No Ray, no gRPC here: the
+actor/servicer wraps this class."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from kvstore.types import WorkerLoad
+from router.config import RoutingConfig
+from router.metrics import RouterMetrics
+from router.parity import check_parity
+from router.pending import PendingPlacements
+from router.policy import make_policy
+from router.prefix_source import PrefixSource
+from router.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
+from worker.kv import BlockKey, block_keys
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Places requests on workers. Not thread-safe: one per event loop / actor.
+
+    ``prefix_source`` may be ``None`` (no index configured); ``clock`` gives seconds for the
+    pending-placement TTL (the simulator passes its simulated clock).
+    """
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        prefix_source: PrefixSource | None = None,
+        *,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = make_policy(config, rng)
+        self.prefix_source = prefix_source
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.pending = PendingPlacements(config.pending_ttl_s)
+        self._clock = clock
+
+    def route(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> RouteDecision:
+        """Choose a worker among ``candidates`` (live workers and their last load)."""
+        start = time.perf_counter()
+        if not candidates:
+            raise NoWorkersError(
+                f"no live worker to route request {request.request_id!r} to; start workers or "
+                "check that their heartbeats reach Redis"
+            )
+        ids = sorted(candidates)
+        keys: tuple[BlockKey, ...] = ()
+        cached: dict[WorkerId, int | None] = dict.fromkeys(ids)
+        if self.policy.uses_prefix:
+            keys = request.keys
+            if keys is None:
+                keys = tuple(
+                    block_keys(request.token_ids, self.config.block_size, request.hash_ctx)
+                )
+            cached = self._cached_tokens(keys, len(request.token_ids), ids)
+        views = [WorkerView(w, candidates[w], cached[w]) for w in ids]
+        placement = self.policy.choose(request, views)
+        if keys:
+            self.pending.record(placement.worker_id, keys, self._clock())
+        decision = RouteDecision(
+            worker_id=placement.worker_id,
+            policy=self.policy.name,
+            reason=placement.reason,
+            cached_tokens_expected=placement.cached_tokens_expected,
+            decision_latency_s=time.perf_counter() - start,
+            keys=keys,
+        )
+        self.metrics.observe(decision)
+        return decision
+
+    def check_parity(
+        self, request_id: str, router_keys: Sequence[BlockKey], worker_keys: Sequence[BlockKey]
+    ) -> bool:
+        """See :func:`router.parity.check_parity`; counts into this router's metrics."""
+        return check_parity(request_id, router_keys, worker_keys, self.metrics)
+
+    def _cached_tokens(
+        self, keys: Sequence[BlockKey], n_tokens: int, ids: list[WorkerId]
+    ) -> dict[WorkerId, int | None]:
+        """Prompt tokens each worker would serve from cache; ``None`` where nothing is known.
+
+        Index answer merged (max) with pending placements; capped like the engine caps a
+        hit (the last prompt token is always recomputed, whole blocks only).
+        """
+        if not keys:  # shorter than one block: nothing can hit anywhere
+            return dict.fromkeys(ids, 0)
+        index = self._lookup(keys)
+        pending = self.pending.lookup(keys, self._clock())
+        bs = self.config.block_size
+        cap = (n_tokens - 1) // bs if n_tokens else 0
+        out: dict[WorkerId, int | None] = {}
+        assisted = False
+        for w in ids:
+            known = index.get(w, 0) if index is not None else None
+            mine = pending.get(w, 0)
+            if mine and (known is None or mine > known):
+                known, assisted = mine, True
+            out[w] = None if known is None else min(known, cap) * bs
+        self.metrics.pending_assists += assisted
+        return out
+
+    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        if self.prefix_source is None:
+            return None
+        try:
+            return self.prefix_source.lookup(keys)
+        except Exception as exc:  # degrade, never fail: route by load
+            self.metrics.index_errors += 1
+            n = self.metrics.index_errors
+            if n & (n - 1) == 0:
+                log.warning("prefix index unavailable (%d errors), routing by load: %s", n, exc)
+            return None

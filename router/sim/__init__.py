@@ -1,0 +1,18 @@
+"""Trace-replay simulator: real router + real KV managers + a step-level time model."""
+
+from router.sim.config import SimConfig, TimeModel
+from router.sim.replay import ReplayResult, replay
+from router.sim.report import Summary, summarize
+from router.sim.worker import RequestRecord, SimRequest, SimWorker
+
+__all__ = [
+    "ReplayResult",
+    "RequestRecord",
+    "SimConfig",
+    "SimRequest",
+    "SimWorker",
+    "Summary",
+    "TimeModel",
+    "replay",
+    "summarize",
+]

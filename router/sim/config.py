@@ -1,0 +1,55 @@
+"""Simulator settings: the cluster shape and the per-worker time model.
+
+Default time model: one worker is a 70B-class GQA model (80 layers, d_model 8192, 8 KV
+heads of 128, bf16) on an 8-GPU node.
+- prefill: 2 x 70e9 FLOP per token plus 4 x d_model x layers = 2.6 MFLOP per (token,
+  earlier token) of attention, at 50 % of 8 x 312 TFLOP/s = 1.25 PFLOP/s
+  -> 1.1e-4 s per token + 2.1e-9 s per token per context token;
+- decode: each step reads the 140 GB of weights at 60 % of 8 x 2 TB/s -> 15 ms, plus
+  the sequence's KV, 2 x 80 x 8 x 128 x 2 B = 327 KB per context token -> 3.4e-8 s;
+- chunked prefill: a step computes at most 8192 tokens (decodes first, then prefill
+  chunks FCFS), at most 128 running sequences.
+Every step pays the fixed weight-read cost, prefill chunks and decodes share steps.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TimeModel(_Strict):
+    """Seconds one worker spends per engine step (see the module docstring)."""
+
+    step_overhead_s: float = Field(0.015, ge=0, description="Fixed cost of every step.")
+    prefill_s_per_token: float = Field(1.1e-4, ge=0, description="Per uncached prompt token.")
+    attn_s_per_token_pair: float = Field(
+        2.1e-9, ge=0, description="Per (prompt token computed, earlier token it attends to)."
+    )
+    decode_s_per_ctx_token: float = Field(
+        3.4e-8, ge=0, description="Per context token of each decoding sequence, per step."
+    )
+    max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
+    max_running: int = Field(128, ge=1, description="Sequences in the running batch at most.")
+
+    def prefill_s(self, start: int, n: int) -> float:
+        """Compute time of prompt tokens ``start .. start+n-1`` (attending to all before)."""
+        pairs = n * start + n * (n - 1) // 2
+        return n * self.prefill_s_per_token + pairs * self.attn_s_per_token_pair
+
+
+class SimConfig(_Strict):
+    """The simulated cluster."""
+
+    num_workers: int = Field(8, ge=1, description="Workers, each with its own KV manager.")
+    kv_tokens_per_worker: int = Field(
+        3_100_000, ge=1, description="KV cache capacity per worker, in tokens (LRU beyond it)."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (engine and router).")
+    event_delay_s: float = Field(
+        0.1, ge=0, description="Delay from a worker's step end until its KV events reach the index."
+    )
+    time: TimeModel = TimeModel()

@@ -1,0 +1,298 @@
+"""A simulated worker: a real KVCacheManager plus a step-level time model.
+
+The engine is modelled as continuous batching with chunked prefill: every step first
+decodes one token for each running sequence, then spends the rest of the token budget on
+prefill chunks, FCFS (sequences already admitted first, then new admissions). A sequence
+is admitted (its KV slots allocated, its prefix-cache hit taken, its full blocks cached and
+published) when it gets its first chunk; a prompt that does not fit waits at the head of
+the queue. Decode tokens occupy no KV blocks here (only prompts are cached). Steps that
+only decode are fast-forwarded in one go up to the next event, so a full trace replays in
+seconds of Python per worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.types import WorkerLoad
+from router.sim.config import TimeModel
+from worker.kv import BlockKey, BlockStored, HashContext, KVCacheManager, KVCapacityError, KVEvent
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request of a replayed workload."""
+
+    request_id: str  # unique id (also the KV sequence id)
+    arrival_s: float  # arrival time, seconds from the start
+    token_ids: Sequence[int]  # prompt tokens
+    output_len: int  # tokens to generate (>= 1)
+    ctx: HashContext = HashContext()  # model / LoRA / tenant salt
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request."""
+
+    request_id: str  # its id
+    worker_id: str  # where it ran
+    arrival_s: float  # arrival time
+    input_len: int  # prompt tokens
+    output_len: int  # generated tokens
+    expected_cached: int  # prompt tokens the router expected to hit
+    cached_tokens: int = 0  # prompt tokens actually served from the prefix cache
+    first_token_s: float = math.nan  # end of the step that finished its prefill
+    finish_s: float = math.nan  # end of the step that produced its last token
+    rejected: bool = False  # could never fit in this worker's KV cache
+
+
+class _Active:
+    """A request inside a worker."""
+
+    __slots__ = ("req", "rec", "keys", "pos", "est_new", "decode_left", "ctx_len")
+
+    def __init__(self, req: SimRequest, rec: RequestRecord, keys: Sequence[BlockKey]) -> None:
+        self.req = req
+        self.rec = rec
+        self.keys = keys  # the router's block keys for this prompt (parity check)
+        self.pos = 0  # prompt tokens computed or cached so far
+        self.est_new = 0  # uncached tokens counted into the queue before admission
+        self.decode_left = 0  # tokens still to decode
+        self.ctx_len = 0  # KV length while decoding
+
+
+ParityHook = Callable[[str, Sequence[BlockKey], Sequence[BlockKey]], object]
+
+
+class SimWorker:
+    """One worker: FCFS queue, chunked-prefill steps, a real KV manager emitting events."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        kv: KVCacheManager,
+        time_model: TimeModel,
+        *,
+        parity: ParityHook | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.kv = kv
+        self.tm = time_model
+        self.parity = parity  # called at admission with (request id, router keys, our keys)
+        self.clock = 0.0  # end of the last simulated step
+        self.waiting: deque[_Active] = deque()
+        self.prefilling: deque[_Active] = deque()
+        self.decoding: list[_Active] = []
+        self.queued_prefill = 0  # uncached prompt tokens still to compute (waiting + admitted)
+        self.decode_ctx = 0  # sum of KV lengths of decoding sequences
+        self.computed_prefill_tokens = 0  # prompt tokens this worker actually computed
+        self.busy_s = 0.0  # time spent in steps
+        self._events: list[tuple[float, list[KVEvent]]] = []  # (publish time, batch)
+        self._step_events: list[KVEvent] = []
+        self._blocked = False  # head of the queue did not fit; retry after a sequence ends
+        self._step_prefill = 0  # prompt tokens computed by the last simulated step
+
+    # ---- interface used by the replay loop -------------------------------------------------
+
+    def submit(
+        self, req: SimRequest, expected_cached: int, keys: Sequence[BlockKey]
+    ) -> RequestRecord:
+        """Queue a request that arrived at ``req.arrival_s`` (the worker is advanced to it);
+        the returned record fills in as the request runs."""
+        rec = RequestRecord(
+            req.request_id,
+            self.worker_id,
+            req.arrival_s,
+            len(req.token_ids),
+            req.output_len,
+            expected_cached,
+        )
+        active = _Active(req, rec, keys)
+        # A real engine can ask its own KV manager what would hit now (a pure query).
+        active.est_new = (
+            len(req.token_ids) - self.kv.lookup_prefix(req.token_ids, req.ctx).num_tokens
+        )
+        self.queued_prefill += active.est_new
+        self.waiting.append(active)
+        self.clock = max(self.clock, req.arrival_s)
+        return rec
+
+    def load(self, now: float) -> WorkerLoad:
+        """The heartbeat a real engine would send at ``now``: a step still in flight at
+        ``now`` (the simulation has already run it) still counts its prefill as queued."""
+        inflight = self._step_prefill if self.clock > now else 0
+        return WorkerLoad(
+            running=len(self.prefilling) + len(self.decoding),
+            waiting=len(self.waiting),
+            free_blocks=self.kv.num_free_blocks(),
+            total_blocks=self.kv.num_blocks,
+            queued_prefill_tokens=self.queued_prefill + inflight,
+            decode_tokens=len(self.decoding),
+        )
+
+    def take_events(self) -> list[tuple[float, list[KVEvent]]]:
+        """KV event batches published since the last call, with their publish times."""
+        out, self._events = self._events, []
+        return out
+
+    def idle(self) -> bool:
+        return not (self.waiting or self.prefilling or self.decoding)
+
+    def advance(self, until: float) -> None:
+        """Run every step that starts before ``until`` (a step in flight finishes after it)."""
+        while self.clock < until:
+            if self.idle():
+                self.clock = until
+                return
+            if self.prefilling or (self.waiting and not self._blocked):
+                self._step()
+            elif self.decoding:
+                self._fast_forward(until)
+            else:  # blocked with nothing running: the head can never fit
+                self._reject(self.waiting.popleft())
+
+    # ---- the engine step -------------------------------------------------------------------
+
+    def _step(self) -> None:
+        tm = self.tm
+        budget = tm.max_batched_tokens - len(self.decoding)
+        self._step_prefill = 0
+        busy = tm.step_overhead_s + tm.decode_s_per_ctx_token * self.decode_ctx
+        done: list[_Active] = []
+        for active in self.prefilling:
+            if budget <= 0:
+                break
+            busy, budget = self._chunk(active, budget, busy, done)
+        while budget > 0 and self.waiting and self._running() < tm.max_running:
+            admitted = self._admit(self.waiting[0])
+            if admitted is False:
+                break  # does not fit now: FCFS, wait for a sequence to finish
+            active = self.waiting.popleft()
+            if admitted is None:
+                self._reject(active)
+                continue
+            self.prefilling.append(active)
+            busy, budget = self._chunk(active, budget, busy, done)
+        end = self.clock + busy
+        self._decode_steps(1, end)
+        for active in done:
+            self.prefilling.remove(active)
+            active.rec.first_token_s = end
+            active.decode_left = active.req.output_len - 1
+            if active.decode_left <= 0:
+                self._finish(active, end)
+            else:
+                active.ctx_len = len(active.req.token_ids) + 1
+                self.decode_ctx += active.ctx_len
+                self.decoding.append(active)
+        self._end_step(end, busy)
+
+    def _chunk(
+        self, active: _Active, budget: int, busy: float, done: list[_Active]
+    ) -> tuple[float, int]:
+        n = min(len(active.req.token_ids) - active.pos, budget)
+        self._step_prefill += n
+        busy += self.tm.prefill_s(active.pos, n)
+        active.pos += n
+        self.queued_prefill -= n
+        self.computed_prefill_tokens += n
+        if active.pos == len(active.req.token_ids):
+            done.append(active)
+        return busy, budget - n
+
+    def _fast_forward(self, until: float) -> None:
+        """k decode-only steps at once: up to the next finish or past ``until``."""
+        tm = self.tm
+        n = len(self.decoding)
+        self._step_prefill = 0
+        k = min(a.decode_left for a in self.decoding)
+        first = tm.step_overhead_s + tm.decode_s_per_ctx_token * self.decode_ctx
+        if until != math.inf:
+            k = min(k, max(1, math.ceil((until - self.clock) / first)))
+        busy = k * first + tm.decode_s_per_ctx_token * n * k * (k - 1) / 2
+        end = self.clock + busy
+        self._decode_steps(k, end)
+        self._end_step(end, busy)
+
+    def _decode_steps(self, k: int, end: float) -> None:
+        if not self.decoding:
+            return
+        still: list[_Active] = []
+        for active in self.decoding:
+            active.decode_left -= k
+            active.ctx_len += k
+            self.decode_ctx += k
+            if active.decode_left <= 0:
+                self.decode_ctx -= active.ctx_len
+                self._finish(active, end)
+            else:
+                still.append(active)
+        self.decoding = still
+
+    def _end_step(self, end: float, busy: float) -> None:
+        self.clock = end
+        self.busy_s += busy
+        self._step_events.extend(self.kv.drain_events())
+        if self._step_events:
+            self._events.append((end, self._step_events))
+            self._step_events = []
+
+    def _running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    # ---- admission, completion -------------------------------------------------------------
+
+    def _admit(self, active: _Active) -> bool | None:
+        """Allocate the prompt's slots: True, False (not now), None (can never fit)."""
+        req = active.req
+        hit = self.kv.lookup_prefix(req.token_ids, req.ctx)
+        try:
+            alloc = self.kv.allocate_slots(
+                req.request_id,
+                req.token_ids,
+                len(req.token_ids) - hit.num_tokens,
+                ctx=req.ctx,
+                prefix=hit,
+            )
+        except KVCapacityError:
+            return None
+        if alloc is None:
+            self._blocked = True
+            return False
+        assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
+        active.pos = alloc.num_cached_tokens
+        active.rec.cached_tokens = alloc.num_cached_tokens
+        self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
+        events = self.kv.drain_events()
+        self._step_events.extend(events)
+        if self.parity is not None and active.keys:
+            self._check_parity(active, hit.keys, events)
+        return True
+
+    def _check_parity(
+        self, active: _Active, hit_keys: Sequence[BlockKey], events: list[KVEvent]
+    ) -> None:
+        """Compare the router's keys with the chain this allocation hit + stored.
+
+        Only a contiguous chain is comparable position by position: when a block was already
+        cached under another block (so not re-stored), the chain has a gap and is skipped.
+        """
+        chain = list(hit_keys)
+        for event in events:
+            if isinstance(event, BlockStored):
+                chain.extend(event.keys)
+        if len(chain) == len(active.req.token_ids) // self.kv.block_size:
+            assert self.parity is not None
+            self.parity(active.req.request_id, active.keys, chain)
+
+    def _finish(self, active: _Active, end: float) -> None:
+        active.rec.finish_s = end
+        self.kv.free(active.req.request_id)
+        self._blocked = False
+
+    def _reject(self, active: _Active) -> None:
+        active.rec.rejected = True
+        self.queued_prefill -= active.est_new

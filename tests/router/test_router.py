@@ -1,0 +1,157 @@
+"""The Router around the policies: hashing, index + pending merge, degradation, parity,
+metrics — with real KV managers feeding a real in-memory index."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+
+from router import (
+    NoWorkersError,
+    PrefixSource,
+    PrefixSourceUnavailable,
+    Reason,
+    Router,
+    RouteRequest,
+    RoutingConfig,
+)
+from tests.router.harness import MiniCluster, load, tokens
+from worker.kv import HashContext, block_keys
+
+AFFINITY = RoutingConfig(policy="prefix_affinity", block_size=16, seed=3)
+
+
+class Down(PrefixSource):
+    """A prefix source whose backend is unreachable."""
+
+    def lookup(self, keys):  # noqa: ANN001, ANN201
+        raise PrefixSourceUnavailable("connection refused")
+
+
+def test_router_hashes_with_the_engines_function_and_reads_the_index() -> None:
+    cluster = MiniCluster(3, AFFINITY)
+    ctx = HashContext("m", cache_salt="tenant-a")
+    prompt = tokens(1, 200)
+    first = cluster.place("a", prompt, ctx)
+    assert first.keys == tuple(block_keys(prompt, 16, ctx))  # the engine's own keys
+    cluster.drain(10_000)
+    again = cluster.place("b", prompt + tokens(2, 40), ctx)
+    # 12 full blocks of the shared 200 tokens are cached (192 tokens) on the first worker.
+    assert (again.worker_id, again.reason, again.cached_tokens_expected) == (
+        first.worker_id,
+        Reason.PREFIX,
+        192,
+    )
+    # Another tenant's salt changes every key: no hit, routed by load.
+    other = cluster.place("c", prompt + tokens(2, 40), HashContext("m", cache_salt="tenant-b"))
+    assert other.cached_tokens_expected == 0 and other.reason == Reason.LOAD
+
+
+@pytest.mark.parametrize("source", [None, Down()], ids=["no-index", "index-down"])
+def test_without_index_routes_by_load_and_counts_it(source: PrefixSource | None) -> None:
+    router = Router(AFFINITY, source)
+    loads = {"w0": load(900), "w1": load(100), "w2": load(500)}
+    decision = router.route(RouteRequest("r", tokens(1, 100)), loads)
+    assert (decision.worker_id, decision.reason) == ("w1", Reason.NO_INDEX)
+    assert router.metrics.count(Reason.NO_INDEX, "prefix_affinity") == 1
+    assert router.metrics.index_errors == (1 if source is not None else 0)
+
+
+def test_empty_index_before_any_event_is_no_index() -> None:
+    cluster = MiniCluster(2, AFFINITY, deliver_events=False)
+    decision = cluster.place("a", tokens(1, 64))
+    assert decision.reason == Reason.NO_INDEX
+
+
+def test_burst_siblings_land_together_before_events_arrive() -> None:
+    # 8 siblings: a 4096-token shared document + 64 own tokens, arriving together; the
+    # worker's KV events are still in flight, only the pending placements know.
+    def burst(ttl: float) -> Counter[str]:
+        cfg = RoutingConfig(
+            policy="prefix_affinity", pending_ttl_s=ttl, prefix_affinity={"prefill_weight": 2.0}
+        )
+        cluster = MiniCluster(4, cfg, deliver_events=False)
+        doc = tokens(7, 4096)
+        return Counter(
+            cluster.place(f"s{i}", doc + tokens(100 + i, 64)).worker_id for i in range(8)
+        )
+
+    together = burst(ttl=5.0)
+    assert len(together) == 1 and sum(together.values()) == 8
+    assert len(burst(ttl=0.0)) > 1  # without pending placements they scatter
+
+
+def test_pending_placements_expire() -> None:
+    cluster = MiniCluster(2, AFFINITY, deliver_events=False)
+    doc = tokens(7, 1024)
+    cluster.place("a", doc)
+    assert cluster.router.pending.lookup(block_keys(doc, 16), cluster.now) != {}
+    cluster.now += AFFINITY.pending_ttl_s + 0.01
+    assert cluster.router.pending.lookup(block_keys(doc, 16), cluster.now) == {}
+    assert len(cluster.router.pending) == 0
+
+
+def test_shared_system_prompt_does_not_herd() -> None:
+    # Every prompt = the same 2048-token system prompt + 1024 own tokens. The first worker to
+    # cache the system prompt must not attract everything: load spreads, and the system
+    # prompt ends up replicated on every worker.
+    cluster = MiniCluster(4, AFFINITY, num_blocks=8192)
+    system = tokens(1, 2048)
+    placed = Counter()
+    for i in range(64):
+        placed[cluster.place(f"r{i}", system + tokens(1000 + i, 1024)).worker_id] += 1
+        cluster.drain(300)  # per worker and arrival: it takes all four to keep up
+    assert set(placed) == {"w0", "w1", "w2", "w3"}
+    assert max(placed.values()) <= 1.25 * 16
+    sys_key = block_keys(system, 16)[-1]
+    assert all(cluster.index.lookup([sys_key]).get(w) == 1 for w in cluster.kv)
+
+
+def test_hot_prefix_is_replicated_while_load_stays_bounded() -> None:
+    # A hot 20000-token prefix: serving it from its holder costs 16 tokens per request, but
+    # the holder's queue grows; past the load bound the next request goes elsewhere.
+    cfg = RoutingConfig(
+        policy="prefix_affinity", block_size=16, prefix_affinity={"balance_abs_tokens": 4096}
+    )
+    cluster = MiniCluster(4, cfg, num_blocks=16384)
+    hot = tokens(5, 20_000)
+    holders, peak = set(), 0
+    for i in range(40):
+        holders.add(cluster.place(f"h{i}", hot + tokens(2000 + i, 512)).worker_id)
+        loads = list(cluster.queue.values())
+        peak = max(peak, max(loads) - sum(loads) / 4)
+    assert len(holders) >= 2
+    assert peak <= 4096 + 20_512 + 1  # bound + one request's prompt at most
+
+
+def test_parity_mismatch_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    router = Router(AFFINITY)
+    prompt = tokens(3, 100)
+    good = block_keys(prompt, 16, HashContext("m"))
+    assert router.check_parity("ok", good, good + block_keys(tokens(4, 32), 16))
+    wrong_salt = block_keys(prompt, 16, HashContext("m", cache_salt="x"))
+    with caplog.at_level(logging.ERROR, logger="router.parity"):
+        assert not router.check_parity("bad", good, wrong_salt)
+        assert not router.check_parity("bad2", good, [])
+    assert (router.metrics.parity_checks, router.metrics.parity_mismatches) == (3, 2)
+    assert "parity mismatch #1" in caplog.text and "cache_salt" in caplog.text
+
+
+def test_metrics_snapshot_and_errors() -> None:
+    router = Router(RoutingConfig(policy="round_robin"))
+    with pytest.raises(NoWorkersError, match="no live worker"):
+        router.route(RouteRequest("r", [1, 2, 3]), {})
+    for i in range(3):
+        router.route(RouteRequest(f"r{i}", [1, 2, 3]), {"a": load(), "b": load()})
+    snap = router.metrics.snapshot()
+    assert snap["decisions"] == {"round_robin/round-robin": 3}
+    assert 0 < snap["decision_latency_p50_s"] <= snap["decision_latency_p99_s"] < 0.1
+
+
+def test_prompt_shorter_than_a_block_needs_no_index() -> None:
+    router = Router(AFFINITY, Down())
+    decision = router.route(RouteRequest("r", [1, 2, 3]), {"w0": load(5), "w1": load(1)})
+    assert (decision.worker_id, decision.reason, decision.keys) == ("w1", Reason.LOAD, ())
+    assert router.metrics.index_errors == 0
