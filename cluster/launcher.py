@@ -9,8 +9,10 @@ Two modes share one code path (:class:`Cluster`):
   file (``~/.kvcluster/<name>.json``) tells ``down``/``status``/``generate`` where it is.
 
 Ray 2.60 notes: the dashboard needs the token from ``~/.ray/auth_token`` unless
-``RAY_AUTH_MODE=disabled``; and Ray binds the machine's address unless told otherwise, so
-the local head is started with ``--node-ip-address=127.0.0.1``.
+``RAY_AUTH_MODE=disabled``; and Ray's GCS listens on all interfaces and names the machine's
+address (not loopback) even for a local head, so a driver must connect with that address
+(forcing ``--node-ip-address=127.0.0.1`` on the head makes drivers fail to connect). The
+dashboard and the gRPC routers are bound to loopback by default.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +31,7 @@ from pathlib import Path
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port, start_detached, stop_pid
+from cluster.local_redis import LocalRedis, free_port, start_detached
 from kvstore import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
@@ -44,7 +48,7 @@ class ClusterState:
     name: str  # cluster name (Ray namespace "kvcluster-<name>")
     namespace: str  # Ray namespace of the actors
     ray_address: str  # GCS address the actors live in
-    started_ray: bool  # True if ``up`` started the Ray head (``down`` stops it)
+    ray_pid: int | None  # process group of the Ray head ``up`` started (``down`` stops it)
     redis_url: str | None  # the index's Redis (None: no index)
     redis_pid: int | None  # pid of the redis-server ``up`` started, if any
     endpoints: list[str]  # the routers' gRPC host:port
@@ -78,16 +82,72 @@ def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
     return str(path), cfg.model.model_id or path.name
 
 
-def start_ray_head(num_cpus: int | None = None) -> str:
-    """``ray start --head`` on loopback; returns the GCS address."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head",
-           "--node-ip-address=127.0.0.1", f"--port={port}", "--dashboard-host=127.0.0.1",
-           "--disable-usage-stats"]
+def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tuple[str, int, str]:
+    """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
+    ``down`` stops exactly it, never another Ray on the machine).
+
+    Returns (GCS address, pid of the head's process group, dashboard URL).
+    """
+    port, dash = free_port(), free_port()
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+           f"--port={port}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", "--disable-usage-stats"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return f"127.0.0.1:{port}"
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(STATE_DIR / f"ray-head-{port}.log", "ab") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}; see "
+                               f"{STATE_DIR / f'ray-head-{port}.log'}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return f"127.0.0.1:{port}", proc.pid, f"http://127.0.0.1:{dash}"
+        except OSError:
+            time.sleep(0.2)
+    stop_group(proc.pid)
+    raise RuntimeError(f"Ray head did not listen on {port} within {timeout_s}s")
+
+
+def use_token_auth_if_configured() -> None:
+    """Ray 2.60: ``ray start`` turns token auth on when ``~/.ray/auth_token`` exists, but a
+    driver joining with ``ray.init(address=...)`` does not; apply the CLI's own rule here so
+    both agree (Ray caches the mode at import, so its helper also refreshes that)."""
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(pgid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM a process group we started (Ray head, detached redis-server); SIGKILL what is
+    left after ``grace_s`` (``ray start --block`` does not always exit on SIGTERM)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and group_alive(pgid):
+            time.sleep(0.1)
+        if not group_alive(pgid):
+            return
 
 
 class Cluster:
@@ -100,7 +160,8 @@ class Cluster:
         self.redis: LocalRedis | None = None
         self.redis_pid: int | None = None
         self.redis_url: str | None = cfg.redis.url
-        self.started_ray = False
+        self.ray_pid: int | None = None
+        self._dashboard: str | None = None
         self.ray_address = cfg.ray_address
         self.workers: dict[str, ray.actor.ActorHandle] = {}
         self.routers: dict[str, ray.actor.ActorHandle] = {}
@@ -123,14 +184,16 @@ class Cluster:
         if ray.is_initialized():
             return
         if self.ray_address is None and self.detached:
-            self.ray_address = start_ray_head()
-            self.started_ray = True
+            self.ray_address, self.ray_pid, self._dashboard = start_ray_head()
         kwargs = dict(namespace=self.namespace, log_to_driver=False,
                       logging_level=logging.WARNING)
         if self.ray_address is None:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=self.cfg.dashboard,
+            # address="local": a Ray of our own, never a `ray start` head found on the machine
+            ray.init(address="local", _node_ip_address="127.0.0.1",
+                     include_dashboard=self.cfg.dashboard,
                      dashboard_host="127.0.0.1", **kwargs)
         else:
+            use_token_auth_if_configured()
             ray.init(address=self.ray_address, **kwargs)
         self.ray_address = ray.get_runtime_context().gcs_address
 
@@ -197,6 +260,8 @@ class Cluster:
         return self
 
     def dashboard_url(self) -> str | None:
+        if self._dashboard is not None:
+            return self._dashboard
         try:
             ctx = ray.get_runtime_context()
             url = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
@@ -206,7 +271,7 @@ class Cluster:
 
     def state(self) -> ClusterState:
         return ClusterState(name=self.cfg.name, namespace=self.namespace,
-                            ray_address=self.ray_address or "", started_ray=self.started_ray,
+                            ray_address=self.ray_address or "", ray_pid=self.ray_pid,
                             redis_url=self.redis_url, redis_pid=self.redis_pid,
                             endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
                             model_dir=self.model_dir, workers=sorted(self.workers))
@@ -237,6 +302,7 @@ def down_detached(name: str) -> ClusterState:
     """``kvcluster down``: kill the actors, stop our Redis and Ray head."""
     st = ClusterState.load(name)
     try:
+        use_token_auth_if_configured()
         ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
         for actor in ray.util.list_named_actors(all_namespaces=True):
@@ -245,10 +311,9 @@ def down_detached(name: str) -> ClusterState:
         ray.shutdown()
     except Exception as exc:  # Ray already gone: nothing to kill
         log.warning("could not reach Ray at %s: %s", st.ray_address, exc)
-    if st.started_ray:
-        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop"], check=False,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if st.ray_pid:
+        stop_group(st.ray_pid)
     if st.redis_pid:
-        stop_pid(st.redis_pid)
+        stop_group(st.redis_pid)
     (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
     return st

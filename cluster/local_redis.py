@@ -7,7 +7,6 @@ then ``start()`` reuses the same port (outage tests); optional password and TLS.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -142,10 +141,3 @@ def start_detached(port: int | None = None, host: str = "127.0.0.1") -> tuple[st
     pid = r.proc.pid
     r.proc = None  # forget it: ``kvcluster down`` stops it by pid
     return r.url, pid
-
-
-def stop_pid(pid: int) -> None:
-    try:
-        os.kill(pid, 15)
-    except ProcessLookupError:
-        pass

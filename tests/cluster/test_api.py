@@ -10,7 +10,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.client import KVClusterClient, build_request
+from cluster.client import build_request
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from worker.engine import Engine, SamplingParams
 from worker.model.tokenizer import Tokenizer

@@ -1,0 +1,46 @@
+"""`kvcluster up` / `down` in detached mode: our own Ray head and redis-server, stopped exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from cluster.client import KVClusterClient
+from cluster.launcher import group_alive
+from tests.cluster.conftest import ENGINE
+
+
+def test_up_generate_status_down(tmp_path: Path) -> None:
+    name = f"updown-{os.getpid()}"
+    cfg = {"name": name, "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1,
+                                     "engine": ENGINE}, "router": {"port": 0}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "KVCLUSTER_STATE_DIR": str(tmp_path)}
+    cli = [sys.executable, "-m", "cluster.cli"]
+    up = subprocess.run([*cli, "up", "--config", str(tmp_path / "c.yaml")], env=env,
+                        capture_output=True, text=True, timeout=300)
+    state_file = tmp_path / f"{name}.json"
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert "gRPC endpoints" in up.stdout and "dashboard" in up.stdout
+        state = json.loads(state_file.read_text())
+        # the CLI process has exited: the actors, Ray head and Redis live on
+        with KVClusterClient(state["endpoints"][0]) as client:
+            out = client.generate("detached clusters outlive the CLI", max_tokens=3)
+        assert out.completion_tokens == 3 and out.worker_id == "worker-0"
+        st = subprocess.run([*cli, "status", "--name", name], env=env, capture_output=True,
+                            text=True, timeout=120)
+        assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not state_file.exists()
+    # exactly our Ray head and redis-server are gone (down waits for them)
+    assert not group_alive(state["ray_pid"])
+    assert not group_alive(state["redis_pid"])
