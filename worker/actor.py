@@ -9,12 +9,15 @@ loop never waits on it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
@@ -54,6 +57,61 @@ def engine_load(engine: Engine) -> WorkerLoad:
                       queued_prefill_tokens=queued, decode_tokens=decoding)
 
 
+class CallerWatch:
+    """Aborts the requests of callers (routers) that died while their streams ran.
+
+    A router that dies leaves its streams without a reader, and Ray does not stop an actor
+    task whose caller is gone: without this, the requests would run to ``max_tokens`` and
+    hold their KV blocks until then. Every ``interval_s`` the watch pings each distinct
+    caller with an open request; a caller Ray reports dead gets its requests aborted.
+    A slow or unreachable caller is not treated as dead (only ``ActorDiedError`` is).
+    Runs on the actor's event loop; ``watch``/``forget`` are called from ``generate``.
+    """
+
+    def __init__(self, abort: Callable[[str], object], *, interval_s: float = 1.0,
+                 ping_timeout_s: float = 10.0) -> None:
+        self._abort = abort
+        self.interval_s = interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self._callers: dict[str, Any] = {}  # request id -> caller's actor handle
+        self._task: asyncio.Task | None = None
+        self.aborted = 0  # requests aborted because their caller died
+
+    def watch(self, request_id: str, caller: Any) -> None:
+        if caller is None:
+            return
+        self._callers[request_id] = caller
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def forget(self, request_id: str) -> None:
+        self._callers.pop(request_id, None)
+
+    async def _run(self) -> None:
+        while self._callers:
+            await asyncio.sleep(self.interval_s)
+            by_caller: dict[Any, list[str]] = {}
+            for rid, caller in list(self._callers.items()):
+                by_caller.setdefault(caller, []).append(rid)
+            for caller, rids in by_caller.items():
+                if await self._alive(caller):
+                    continue
+                log.warning("caller of %d request(s) died; aborting them", len(rids))
+                for rid in rids:
+                    self.forget(rid)
+                    self._abort(rid)
+                    self.aborted += 1
+
+    async def _alive(self, caller: Any) -> bool:
+        try:
+            await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
+        except ActorDiedError:
+            return False
+        except Exception:  # noqa: BLE001 - slow or restarting: not proven dead
+            return True
+        return True
+
+
 class WorkerServer:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -67,6 +125,7 @@ class WorkerServer:
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.front = StreamingEngine(self.engine, on_step=self._after_step)
         self.front.start()
+        self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
             self.publisher.submit([], engine_load(self.engine))
             self.publisher.start()
@@ -88,8 +147,12 @@ class WorkerServer:
     def ready(self) -> str:
         return self.worker_id
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[Admitted | RequestOutput]:
-        """Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded."""
+    async def generate(self, request: WorkerRequest, caller: Any = None
+                       ) -> AsyncIterator[Admitted | RequestOutput]:
+        """Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
+
+        ``caller``: the calling router's actor handle; if it dies, the request is aborted.
+        """
         self.telemetry.arrived(request.request_id)
         stream = await self.front.add_request_async(request.token_ids, request.params,
                                                     request_id=request.request_id)
@@ -99,9 +162,13 @@ class WorkerServer:
         keys = (tuple(block_keys(request.token_ids, self.engine.config.block_size, ctx))
                 if ctx is not None else ())
         epoch = self.publisher.epoch if self.publisher is not None else None
-        yield Admitted(self.worker_id, epoch, keys)
-        async for out in stream:
-            yield out
+        self.callers.watch(request.request_id, caller)
+        try:
+            yield Admitted(self.worker_id, epoch, keys)
+            async for out in stream:
+                yield out
+        finally:
+            self.callers.forget(request.request_id)
 
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
