@@ -9,7 +9,6 @@ from kvstore.types import WorkerLoad
 from router import InMemoryPrefixIndex, RouteDecision, Router, RouteRequest, RoutingConfig
 from worker.kv import HashContext, KVCacheManager, KVEvent
 
-
 NO_CTX = HashContext()
 
 
