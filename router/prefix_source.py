@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
+from kvstore.aio import AsyncKVIndex
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
 from router.types import WorkerId
@@ -31,16 +32,34 @@ class PrefixSource(ABC):
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         """Leading blocks of ``keys`` held per worker."""
 
+    async def alookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        """:meth:`lookup` for asyncio callers; override when the backend has async I/O."""
+        return self.lookup(keys)
+
 
 class KVIndexSource(PrefixSource):
-    """Adapter over the Redis :class:`kvstore.KVIndex` (live workers only)."""
+    """Adapter over the Redis index (live workers only): a :class:`kvstore.KVIndex` for
+    :meth:`lookup` and/or a :class:`kvstore.AsyncKVIndex` for :meth:`alookup`."""
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None) -> None:
+        if index is None and aindex is None:
+            raise ValueError("KVIndexSource needs a KVIndex, an AsyncKVIndex or both")
         self.index = index
+        self.aindex = aindex
 
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        if self.index is None:
+            raise TypeError("this KVIndexSource has only an AsyncKVIndex: use Router.aroute")
         try:
-            return self.index.lookup(list(keys))
+            return self.index.lookup(keys)
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+
+    async def alookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        if self.aindex is None:
+            return self.lookup(keys)
+        try:
+            return await self.aindex.lookup(keys)
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 

@@ -48,23 +48,59 @@ class Router:
     def route(
         self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
     ) -> RouteDecision:
-        """Choose a worker among ``candidates`` (live workers and their last load)."""
+        """Choose a worker among ``candidates`` (live workers and their last load).
+
+        Never fails for the index's sake: if the prefix source raises, routes by load.
+        Raises :class:`NoWorkersError` when ``candidates`` is empty.
+        """
+        start, keys = self._begin(request, candidates)
+        index = self._lookup(keys) if keys else None
+        return self._decide(request, candidates, keys, index, start)
+
+    async def aroute(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> RouteDecision:
+        """:meth:`route` for asyncio servers: the index lookup is awaited
+        (:meth:`PrefixSource.alookup`); hashing and the policy run inline (CPU, ~ms)."""
+        start, keys = self._begin(request, candidates)
+        index = None
+        if keys and self.prefix_source is not None:
+            try:
+                index = await self.prefix_source.alookup(keys)
+            except Exception as exc:  # degrade, never fail: route by load
+                self._index_error(exc)
+        return self._decide(request, candidates, keys, index, start)
+
+    def _begin(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> tuple[float, tuple[BlockKey, ...]]:
+        """Start the clock, validate, and hash the prompt if the policy reads prefixes."""
         start = time.perf_counter()
         if not candidates:
             raise NoWorkersError(
                 f"no live worker to route request {request.request_id!r} to; start workers or "
                 "check that their heartbeats reach Redis"
             )
+        if not self.policy.uses_prefix:
+            return start, ()
+        keys = request.keys
+        if keys is None:
+            keys = tuple(block_keys(request.token_ids, self.config.block_size, request.hash_ctx))
+        return start, keys
+
+    def _decide(
+        self,
+        request: RouteRequest,
+        candidates: Mapping[WorkerId, WorkerLoad],
+        keys: tuple[BlockKey, ...],
+        index: Mapping[WorkerId, int] | None,
+        start: float,
+    ) -> RouteDecision:
         ids = sorted(candidates)
-        keys: tuple[BlockKey, ...] = ()
-        cached: dict[WorkerId, int | None] = dict.fromkeys(ids)
         if self.policy.uses_prefix:
-            keys = request.keys
-            if keys is None:
-                keys = tuple(
-                    block_keys(request.token_ids, self.config.block_size, request.hash_ctx)
-                )
-            cached = self._cached_tokens(keys, len(request.token_ids), ids)
+            cached = self._cached_tokens(keys, len(request.token_ids), ids, index)
+        else:
+            cached = dict.fromkeys(ids)
         views = [WorkerView(w, candidates[w], cached[w]) for w in ids]
         placement = self.policy.choose(request, views)
         if keys:
@@ -87,7 +123,11 @@ class Router:
         return check_parity(request_id, router_keys, worker_keys, self.metrics)
 
     def _cached_tokens(
-        self, keys: Sequence[BlockKey], n_tokens: int, ids: list[WorkerId]
+        self,
+        keys: Sequence[BlockKey],
+        n_tokens: int,
+        ids: list[WorkerId],
+        index: Mapping[WorkerId, int] | None,
     ) -> dict[WorkerId, int | None]:
         """Prompt tokens each worker would serve from cache; ``None`` where nothing is known.
 
@@ -96,7 +136,6 @@ class Router:
         """
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
-        index = self._lookup(keys)
         pending = self.pending.lookup(keys, self._clock())
         bs = self.config.block_size
         cap = (n_tokens - 1) // bs if n_tokens else 0
@@ -117,8 +156,11 @@ class Router:
         try:
             return self.prefix_source.lookup(keys)
         except Exception as exc:  # degrade, never fail: route by load
-            self.metrics.index_errors += 1
-            n = self.metrics.index_errors
-            if n & (n - 1) == 0:
-                log.warning("prefix index unavailable (%d errors), routing by load: %s", n, exc)
+            self._index_error(exc)
             return None
+
+    def _index_error(self, exc: Exception) -> None:
+        self.metrics.index_errors += 1
+        n = self.metrics.index_errors
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: visible but bounded
+            log.warning("prefix index unavailable (%d errors), routing by load: %s", n, exc)
