@@ -1,0 +1,410 @@
+"""Chaos run: a live cluster under a mixed, abusive load while a worker and Redis die.
+
+Starts a local cluster (2 workers, 2 routers, a real redis-server, the tiny model) and sends
+a seeded mix of streams, unary calls, client cancels, disconnects, tight deadlines and
+malformed requests through both routers; at 1/3 of the load it kills a worker actor (Ray
+restarts it), at 2/3 it restarts Redis on the same port. It prints requests sent, completed,
+retried, failed by gRPC code, hung (must be 0), stuck on a worker (must be 0), KV blocks
+leaked (must be 0) and worker memory after warm-up vs at the end; ends with one JSON line.
+
+    .venv/bin/python -m benchmarks.chaos            # 3000 requests
+    .venv/bin/python -m benchmarks.chaos --smoke    # 150 requests, under 2 minutes
+
+The load and the probes are also the reliability tests' toolkit (tests/reliability/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import ray
+from ray.exceptions import ActorUnavailableError
+
+from benchmarks.common import emit_json, print_table
+from cluster.client import KVClusterClient, build_request
+from cluster.launcher import Cluster
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+
+SYSTEMS = [
+    "You are a support agent for a train company. Be brief and quote timetables. ",
+    "You review pull requests for a distributed cache written in Python; list bugs first. ",
+    "You translate short English sentences to French and explain one word of grammar. ",
+]
+# request kinds and their share of the load
+MIX = {"stream": 0.40, "unary": 0.12, "cancel": 0.13, "disconnect": 0.08, "deadline": 0.10,
+       "bad": 0.17}
+# the codes each kind may end with on a healthy cluster
+EXPECTED = {"stream": {"OK"}, "unary": {"OK"}, "cancel": {"OK", "CANCELLED"},
+            "disconnect": {"OK", "CANCELLED"}, "deadline": {"OK", "DEADLINE_EXCEEDED"},
+            "bad": {"INVALID_ARGUMENT"}}
+# extra codes a well-formed request may get while faults are injected: its worker died after
+# streaming began (UNAVAILABLE), or every queue was full (RESOURCE_EXHAUSTED)
+UNDER_FAULTS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+
+
+# -- raw requests (bytes that a protobuf client library would refuse to build) ---------------
+
+def raw_string_field(number: int, raw: bytes) -> bytes:
+    """A length-delimited field holding arbitrary bytes (e.g. non-UTF-8 in a string field)."""
+    return _varint(number << 3 | 2) + _varint(len(raw)) + raw
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def raw_generate(channel: grpc.Channel, data: bytes, *, metadata: Any = None,
+                 timeout: float = 60.0) -> list[pb.GenerateResponse]:
+    """Generate with ``data`` sent as the request bytes (no client-side serialization)."""
+    call = channel.unary_stream("/kvcluster.v1.KVCluster/Generate", request_serializer=None,
+                                response_deserializer=pb.GenerateResponse.FromString)
+    return list(call(data, timeout=timeout, metadata=metadata))
+
+
+NON_UTF8_TEXT = raw_string_field(2, b"caf\xe9 \xff\xfe")  # GenerateRequest.text, Latin-1 bytes
+
+
+# -- probes into a live cluster (through Ray) --------------------------------------------------
+
+def on_workers(cluster: Cluster, fn: Callable[[Any], Any], timeout_s: float = 90.0
+               ) -> dict[str, Any]:
+    """``fn(worker_server)`` on every worker actor; a restarting one is waited for."""
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, Any] = {}
+    for name in sorted(cluster.workers):
+        while True:
+            try:
+                out[name] = ray.get(cluster.workers[name].__ray_call__.remote(fn),
+                                    timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ActorUnavailableError:  # Ray is restarting it
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+    return out
+
+
+def blocks_in_use(cluster: Cluster) -> dict[str, int]:
+    return on_workers(cluster, lambda w: w.kv_blocks_in_use())
+
+
+def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
+    """worker -> (running, waiting) requests."""
+    return on_workers(cluster, lambda w: (w.status().running, w.status().waiting))
+
+
+def worker_rss(cluster: Cluster) -> dict[str, int]:
+    """Resident set size of every worker process in bytes (Linux ``/proc``)."""
+    def rss(_: Any) -> int:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    return on_workers(cluster, rss)
+
+
+def router_stats(cluster: Cluster) -> dict[str, dict]:
+    return {name: ray.get(h.stats.remote(), timeout=30) for name, h in cluster.routers.items()}
+
+
+def decisions(cluster: Cluster) -> Counter[str]:
+    """Routing decisions of all routers by reason (prefix, load, no-index, ...)."""
+    out: Counter[str] = Counter()
+    for stats in router_stats(cluster).values():
+        for label, n in stats["decisions"].items():
+            out[label.split("/", 1)[1]] += n
+    return out
+
+
+def retries(cluster: Cluster) -> int:
+    """Requests the routers moved to another worker after a death before any token."""
+    return sum(s["retries"] for s in router_stats(cluster).values())
+
+
+def wait_idle(cluster: Cluster, timeout_s: float = 20.0) -> bool:
+    """Wait until no worker runs, queues or holds anything for a request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not any(blocks_in_use(cluster).values()) and \
+                all(q == (0, 0) for q in queued(cluster).values()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+# -- the mixed load ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one request of the load ended."""
+
+    index: int  # position in the load (also seeds it)
+    kind: str  # one of MIX
+    code: str  # gRPC status name; "OK" on success
+    details: str  # status details ("" on success)
+    seconds: float  # wall clock of the call
+
+
+@dataclass
+class LoadResult:
+    outcomes: list[Outcome] = field(default_factory=list)  # finished calls, in end order
+    hung: int = 0  # calls still running past their deadline + grace (must be 0)
+
+    def unexpected(self, faults: bool = False) -> list[Outcome]:
+        """Outcomes whose code is not one their kind may end with."""
+        extra = UNDER_FAULTS if faults else set()
+        return [o for o in self.outcomes
+                if o.code not in EXPECTED[o.kind] | (extra if o.kind != "bad" else set())]
+
+
+class MixedLoad:
+    """Seeded requests of every kind in MIX, spread over the routers' endpoints."""
+
+    def __init__(self, endpoints: list[str], *, seed: int = 0, max_tokens: int = 16,
+                 token: str | None = None, root_cert: bytes | None = None,
+                 deadline_s: float = 60.0) -> None:
+        self.endpoints = list(endpoints)
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.deadline_s = deadline_s
+        self._auth = dict(token=token, root_cert=root_cert)
+        self.clients = [KVClusterClient(e, **self._auth) for e in self.endpoints]
+        self.done = 0  # calls finished so far (read by fault injectors)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def request(self, i: int) -> Outcome:
+        rng = random.Random(self.seed * 1_000_003 + i)
+        kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
+        t0 = time.monotonic()
+        try:
+            code = getattr(self, f"_{kind}")(rng, i)
+            details = ""
+        except grpc.RpcError as exc:
+            code, details = exc.code().name, exc.details() or ""
+        with self._lock:
+            self.done += 1
+        return Outcome(i, kind, code, details, time.monotonic() - t0)
+
+    def run(self, n: int, *, concurrency: int = 8, start: int = 0) -> LoadResult:
+        """Send requests ``start .. start+n-1``, ``concurrency`` at a time."""
+        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="load")
+        pending = {pool.submit(self.request, i) for i in range(start, start + n)}
+        finished: set = set()
+        while pending:
+            # every call has a gRPC deadline: a window that long without any call ending
+            # means the calls still running are hung
+            done, pending = wait(pending, timeout=self.deadline_s + 30)
+            if not done:
+                break
+            finished |= done
+        pool.shutdown(wait=False, cancel_futures=True)
+        outcomes = [f.result() for f in finished]
+        late = sum(o.seconds > self.deadline_s + 5 for o in outcomes)
+        return LoadResult(outcomes, hung=len(pending) + late)
+
+    # each kind: send, return the status name (or raise grpc.RpcError)
+
+    def _prompt(self, rng: random.Random) -> str:
+        words = " ".join(rng.choice(("cache", "route", "train", "block", "merge", "token"))
+                         for _ in range(rng.randint(2, 30)))
+        return f"{rng.choice(SYSTEMS)}Question {rng.randrange(10**6)}: {words}?"
+
+    def _client(self, i: int) -> KVClusterClient:
+        return self.clients[i % len(self.clients)]
+
+    def _params(self, rng: random.Random) -> dict:
+        return dict(max_tokens=rng.randint(1, self.max_tokens),
+                    temperature=rng.choice((0.0, 0.8)), n=rng.choice((1, 1, 1, 2)),
+                    seed=rng.randrange(1000))
+
+    def _stream(self, rng: random.Random, i: int) -> str:
+        self._client(i).generate(self._prompt(rng), timeout=self.deadline_s, **self._params(rng))
+        return "OK"
+
+    def _unary(self, rng: random.Random, i: int) -> str:
+        self._client(i).unary(self._prompt(rng), timeout=self.deadline_s, **self._params(rng))
+        return "OK"
+
+    def _cancel(self, rng: random.Random, i: int) -> str:
+        call = self._client(i).stream(build_request(
+            self._prompt(rng), max_tokens=200, ignore_eos=True), timeout=self.deadline_s)
+        keep = rng.randint(0, 3)  # messages read before cancelling (0: at once)
+        if keep:
+            for got, _ in enumerate(call, start=1):
+                if got >= keep:
+                    break
+            else:
+                return "OK"  # ended before we cancelled
+        call.cancel()
+        return "CANCELLED"
+
+    def _disconnect(self, rng: random.Random, i: int) -> str:
+        client = KVClusterClient(self.endpoints[i % len(self.endpoints)], **self._auth)
+        try:
+            call = client.stream(build_request(self._prompt(rng), max_tokens=200,
+                                               ignore_eos=True), timeout=self.deadline_s)
+            next(iter(call))
+        finally:
+            client.close()  # the connection goes away mid-stream
+        return "CANCELLED"
+
+    def _deadline(self, rng: random.Random, i: int) -> str:
+        self._client(i).generate(self._prompt(rng), max_tokens=200, ignore_eos=True,
+                                 timeout=rng.uniform(0.05, 0.4))
+        return "OK"
+
+    def _bad(self, rng: random.Random, i: int) -> str:
+        client = self._client(i)
+        case = rng.choice(("token_ids", "text", "top_p", "max_tokens", "stop", "utf8"))
+        if case == "utf8":
+            raw_generate(client.channel, NON_UTF8_TEXT, metadata=client.metadata,
+                         timeout=self.deadline_s)
+            return "OK"
+        prompt = {"token_ids": [10**6], "text": ""}.get(case, self._prompt(rng))
+        params = {"top_p": {"top_p": 1.5}, "max_tokens": {"max_tokens": 10**6},
+                  "stop": {"stop": [""]}}.get(case, {})
+        client.generate(prompt, timeout=self.deadline_s, **params)
+        return "OK"
+
+
+# -- the chaos run -----------------------------------------------------------------------------
+
+@dataclass
+class ChaosReport:
+    sent: int  # requests sent
+    completed: int  # ended OK
+    retried: int  # moved to another worker by a router after a death before any token
+    failed: dict[str, int]  # ended with an error, by gRPC code
+    unexpected: int  # ended with a code their kind may not end with (must be 0)
+    hung: int  # did not return within deadline + grace (must be 0)
+    stuck: int  # still running or waiting on a worker after the load (must be 0)
+    blocks_leaked: int  # KV blocks still referenced on the workers after the load (must be 0)
+    rss_warm_mib: dict[str, float]  # worker RSS after warm-up
+    rss_end_mib: dict[str, float]  # worker RSS at the end
+    seconds: float  # wall clock of the measured load
+
+
+def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
+              warmup: int = 40, kill_worker: bool = True, restart_redis: bool = True,
+              redis_down_s: float = 2.0, log: Callable[[str], None] = print) -> ChaosReport:
+    """The mixed load on ``cluster`` with the faults; see the module docstring."""
+    load = MixedLoad(cluster.endpoints, seed=seed)
+    try:
+        load.run(warmup, concurrency=concurrency, start=n)  # indices after the measured load
+        wait_idle(cluster)
+        rss_warm = worker_rss(cluster)
+        retried0 = retries(cluster)
+        load.done = 0
+        faults = threading.Thread(target=_inject, daemon=True, args=(
+            cluster, load, n, kill_worker, restart_redis and cluster.redis is not None,
+            redis_down_s, log))
+        t0 = time.monotonic()
+        faults.start()
+        result = load.run(n, concurrency=concurrency)
+        seconds = time.monotonic() - t0
+        faults.join(timeout=120)
+    finally:
+        load.close()
+    wait_idle(cluster)
+    blocks = blocks_in_use(cluster)
+    stuck = sum(r + w for r, w in queued(cluster).values())
+    codes = Counter(o.code for o in result.outcomes)
+    mib = 1 << 20
+    return ChaosReport(
+        sent=n, completed=codes.pop("OK", 0), retried=retries(cluster) - retried0,
+        failed=dict(sorted(codes.items())),
+        unexpected=len(result.unexpected(faults=kill_worker or restart_redis)),
+        hung=result.hung, stuck=stuck, blocks_leaked=sum(blocks.values()),
+        rss_warm_mib={w: v / mib for w, v in rss_warm.items()},
+        rss_end_mib={w: v / mib for w, v in worker_rss(cluster).items()}, seconds=seconds)
+
+
+def _inject(cluster: Cluster, load: MixedLoad, n: int, kill_worker: bool,
+            restart_redis: bool, redis_down_s: float, log: Callable[[str], None]) -> None:
+    def reach(fraction: float) -> None:
+        while load.done < n * fraction:
+            time.sleep(0.05)
+
+    if kill_worker:
+        reach(1 / 3)
+        log(f"[chaos] killing worker-0 after {load.done} requests (Ray restarts it)")
+        ray.kill(cluster.workers["worker-0"], no_restart=False)
+    if restart_redis:
+        reach(2 / 3)
+        log(f"[chaos] stopping Redis for {redis_down_s:.0f}s after {load.done} requests")
+        cluster.redis.stop()
+        time.sleep(redis_down_s)
+        cluster.redis.start()
+        log("[chaos] Redis is back")
+
+
+def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
+    from cluster.config import ClusterConfig
+
+    return ClusterConfig.model_validate({
+        "name": name, "dashboard": False,
+        "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": {
+            "num_blocks": 256, "block_size": 16, "max_waiting": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256, "max_model_len": 512}},
+        "router": {"port": 0, "num_routers": 2},
+        "redis": {"heartbeat_ttl_s": 2.0},
+    })
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="150 requests (under 2 minutes)")
+    args = ap.parse_args(argv)
+    n = 150 if args.smoke else args.requests
+    t0 = time.monotonic()
+    with Cluster(chaos_config(f"chaos-{os.getpid()}")) as cluster:
+        print(f"cluster up in {time.monotonic() - t0:.0f}s; routers {cluster.endpoints}")
+        rep = run_chaos(cluster, n, seed=args.seed, concurrency=args.concurrency)
+    print_table([{"sent": rep.sent, "completed": rep.completed, "retried": rep.retried,
+                  "failed": sum(rep.failed.values()), "unexpected": rep.unexpected,
+                  "hung": rep.hung, "stuck": rep.stuck, "blocks leaked": rep.blocks_leaked,
+                  "seconds": rep.seconds}], f"chaos run: {n} requests, worker kill + Redis "
+                "restart")
+    print_table([{"code": c, "requests": k} for c, k in rep.failed.items()],
+                "failed, by gRPC code (every one a clear, expected code)")
+    print_table([{"worker": w, "rss after warm-up MiB": rep.rss_warm_mib[w],
+                  "rss at end MiB": rep.rss_end_mib[w]} for w in sorted(rep.rss_warm_mib)],
+                "worker memory (worker-0 was killed and restarted mid-run)")
+    head = {"chaos_sent": rep.sent, "chaos_completed": rep.completed,
+            "chaos_retried": rep.retried,
+            **{f"chaos_failed_{c.lower()}": k for c, k in rep.failed.items()},
+            "chaos_unexpected": rep.unexpected, "chaos_hung": rep.hung,
+            "chaos_stuck": rep.stuck, "chaos_blocks_leaked": rep.blocks_leaked,
+            "chaos_rss_growth_pct": round(100 * (max(
+                rep.rss_end_mib[w] / rep.rss_warm_mib[w] for w in rep.rss_warm_mib) - 1), 1),
+            "chaos_seconds": round(rep.seconds, 1)}
+    emit_json(head)
+    return head
+
+
+if __name__ == "__main__":
+    main()

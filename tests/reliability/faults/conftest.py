@@ -1,0 +1,32 @@
+"""One cluster for the fault tests: 2 workers, 2 routers, its own redis-server, tiny model.
+
+Every test here leaves the cluster healthy (a killed worker restarted by Ray, Redis back,
+a killed router started again), so the tests do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cluster.client import KVClusterClient
+from cluster.launcher import Cluster
+from tests.cluster.conftest import ENGINE, cluster_config
+
+# 4 running sequences per worker: a burst queues requests that have produced no token yet
+FAULTS_ENGINE = {**ENGINE, "max_num_seqs": 4, "max_waiting": 64}
+
+
+@pytest.fixture(scope="package")
+def cluster() -> Cluster:
+    cfg = cluster_config(f"rel-faults-{os.getpid()}", router={"num_routers": 2},
+                         workers={"engine": FAULTS_ENGINE})
+    with Cluster(cfg) as c:
+        yield c
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> KVClusterClient:
+    with KVClusterClient(cluster.endpoints[0]) as c:
+        yield c

@@ -1,0 +1,96 @@
+"""A worker actor is killed while it streams; Ray restarts it.
+
+Requests it had queued but not started are retried on the other worker without the client
+noticing; streams that had produced tokens end with UNAVAILABLE and a message saying so;
+nothing hangs; routers stop using the dead worker at once; its index entries stop counting
+within seconds; the restarted worker registers with a new epoch and serves again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import ray
+
+from kvstore import KVIndex
+from tests.reliability.helpers import (
+    CALL_TIMEOUT_S,
+    queued,
+    retries,
+    wait_for,
+    wait_idle,
+)
+
+BURST = 12
+MAX_TOKENS = 300  # long enough that the running streams are mid-way when the kill lands
+
+
+def _epochs(client) -> dict[str, int]:  # noqa: ANN001
+    return {w.worker_id: w.epoch for w in client.status().workers}
+
+
+def test_worker_kill_mid_stream(cluster, client) -> None:
+    index = KVIndex(cluster.index_config())
+    epochs0 = _epochs(client)
+    retried0 = retries(cluster)
+    outcomes: dict[int, tuple] = {}
+    first_failure = threading.Event()
+
+    def send(i: int) -> None:
+        try:
+            out = client.generate(f"Incident {i}: the cache node {i} stopped answering. Why?",
+                                  max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                  timeout=CALL_TIMEOUT_S)
+            outcomes[i] = ("OK", out.worker_id, out.completion_tokens)
+        except grpc.RpcError as exc:
+            outcomes[i] = (exc.code(), exc.details())
+            first_failure.set()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(BURST)]
+    for t in threads:
+        t.start()
+    # 4 sequences run per worker: the burst leaves requests waiting that have no token yet
+    assert wait_for(lambda: any(r == 4 and w >= 1 for r, w in queued(cluster).values()), 30)
+    time.sleep(0.5)  # the running streams have sent tokens
+    load = queued(cluster)
+    victim = max(load, key=lambda w: (load[w][0] > 0, load[w][1]))
+    survivor = next(w for w in cluster.workers if w != victim)
+    held = sorted(index.held_keys(victim))[:64]
+    assert held and all(victim in index.lookup([k]) for k in held)
+
+    ray.kill(cluster.workers[victim], no_restart=False)
+    t_kill = time.monotonic()
+
+    # routers stop sending to the dead worker at once: right after the first broken stream
+    assert first_failure.wait(30)
+    right_after = [client.generate(f"Right after the kill {i}.", max_tokens=2,
+                                   timeout=CALL_TIMEOUT_S) for i in range(3)]
+    assert {o.worker_id for o in right_after} == {survivor}
+
+    for t in threads:
+        t.join(CALL_TIMEOUT_S + 10)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert len(outcomes) == BURST
+    broken = [o for o in outcomes.values() if o[0] != "OK"]
+    done = [o for o in outcomes.values() if o[0] == "OK"]
+    assert broken, "the killed worker was streaming: its clients must be told"
+    for code, details in broken:
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert f"worker {victim} died while streaming" in details
+        assert "retry the request" in details
+    moved = retries(cluster) - retried0
+    assert moved >= 1, "requests waiting on the killed worker must be retried elsewhere"
+    assert len(done) >= moved
+    assert all(tokens == MAX_TOKENS for _, _, tokens in done)  # complete, not truncated
+
+    # its index entries stop counting within seconds (heartbeat TTL 2 s or re-registration)
+    assert wait_for(lambda: not any(victim in index.lookup([k]) for k in held), 10)
+    assert time.monotonic() - t_kill < 15
+
+    # Ray restarts it with a new epoch; it serves again and nothing leaked anywhere
+    assert wait_for(lambda: _epochs(client).get(victim, 0) > epochs0[victim], 90, 0.5)
+    assert index.live_workers()[victim].epoch > epochs0[victim]
+    assert wait_idle(cluster), "blocks or requests left on a worker"
+    index.close()

@@ -1,0 +1,98 @@
+"""Security: TLS + bearer tokens, tenant isolation of the KV cache and of routing signals,
+and no secret in any log.
+
+The tenant's salt is folded into block 0's key on the worker and in the index, so the same
+prompt from two tenants shares no KV block and no index entry, whichever comes first, and
+a client cannot pick another tenant's salt through ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.client import KVClusterClient
+from kvstore import KVIndex
+from router.convert import tenant_salt
+from tests.reliability.guard.conftest import REDIS_PASSWORD, TOKENS, connect
+from tests.reliability.helpers import CALL_TIMEOUT_S, code_of, wait_for
+from worker.kv import HashContext, block_keys
+
+SHARED = ("Confidential: the merger of Acme and Globex closes on Friday; the price is 42 per "
+          "share and the board meets at nine. Summarise the risks. ")
+
+
+def _keys(cluster, client: KVClusterClient, prompt: str, tenant: str) -> list:  # noqa: ANN001
+    ctx = HashContext(cluster.model_id, None, tenant_salt(tenant, ""))
+    return block_keys(client.tokenize(prompt), cluster.cfg.workers.engine.block_size, ctx)
+
+
+def _ask(client: KVClusterClient, prompt: str, **kwargs: object):  # noqa: ANN202
+    return client.generate(prompt, max_tokens=2, temperature=0.0, timeout=CALL_TIMEOUT_S,
+                           **kwargs)
+
+
+@pytest.mark.parametrize(("first", "second"), [("alice", "bob"), ("bob", "alice")])
+def test_tenants_share_no_cache_and_no_routing_signal(secure, tls, first, second) -> None:
+    prompt = f"(Asked first by {first}.) {SHARED}"  # no block in common with the other case
+    index = KVIndex(secure.index_config())
+    with connect(secure, tls, first) as a, connect(secure, tls, second) as b:
+        warm = _ask(a, prompt)
+        assert wait_for(lambda: any(index.lookup(_keys(secure, a, prompt, first)).values()), 10)
+        again = _ask(a, prompt)
+        assert again.cached_tokens > 0  # the owner hits its own cache
+        # the other tenant's keys for the very same tokens: nobody holds them
+        assert not any(index.lookup(_keys(secure, b, prompt, second)).values())
+        other = _ask(b, prompt)
+        assert other.cached_tokens == 0, (warm.worker_id, other.worker_id)
+        # a client-chosen cache_salt equal to the owner's salt does not cross either
+        forged = _ask(b, prompt + " ", cache_salt=tenant_salt(first, ""))
+        assert forged.cached_tokens == 0
+    index.close()
+
+
+def test_tls_and_bearer_tokens(secure, tls) -> None:
+    for token, expected in [(None, grpc.StatusCode.UNAUTHENTICATED),
+                            ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+                            (TOKENS["bob"][:-1], grpc.StatusCode.UNAUTHENTICATED),
+                            (TOKENS["alice"], grpc.StatusCode.OK)]:
+        with connect(secure, tls, None, token=token or "") as c:
+            code, details = code_of(lambda c=c: _ask(c, "Who am I?"))
+            assert code == expected, (token, code, details)
+            code, _ = code_of(lambda c=c: c.status())
+            assert code == expected
+    # plaintext to a TLS port: the handshake fails, nothing is served
+    with KVClusterClient(secure.endpoints[0], token=TOKENS["alice"]) as plain:
+        code, _ = code_of(lambda: plain.generate("hi", max_tokens=1, timeout=10))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    # health probes carry no token and still answer
+    with connect(secure, tls, None, token="") as anon:
+        reply = health_pb2_grpc.HealthStub(anon.channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_secrets_never_logged(secure, tls, redis_server, log_records) -> None:
+    # make the components log: a Redis outage (workers and routers warn), failed logins
+    with connect(secure, tls, None, token="wrong-" + TOKENS["alice"]) as c:
+        assert code_of(lambda: _ask(c, "let me in"))[0] == grpc.StatusCode.UNAUTHENTICATED
+    redis_server.stop()
+    with connect(secure, tls, "alice") as c:
+        assert _ask(c, "Served while Redis is down.").completion_tokens == 2
+        time.sleep(1.5)
+        redis_server.start()
+        assert wait_for(lambda: c.status().index_available, 30, 0.3)
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    text = b"".join(p.read_bytes() for p in files)
+    assert b"index unavailable" in text  # the actors' own warnings are in these files
+    secrets = [REDIS_PASSWORD, *TOKENS.values()]
+    for secret in secrets:
+        assert secret.encode() not in text, "a secret is in Ray's session logs"
+        assert not any(secret in line for line in log_records.lines), "a secret was logged"
+    assert log_records.lines  # the driver's records were captured
