@@ -30,7 +30,7 @@ import grpc
 import ray
 from ray.exceptions import ActorUnavailableError
 
-from benchmarks.common import emit_json, print_table
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
@@ -160,6 +160,7 @@ class Outcome:
     code: str  # gRPC status name; "OK" on success
     details: str  # status details ("" on success)
     seconds: float  # wall clock of the call
+    ended: float  # time.monotonic() when it ended
 
 
 @dataclass
@@ -204,7 +205,8 @@ class MixedLoad:
             code, details = exc.code().name, exc.details() or ""
         with self._lock:
             self.done += 1
-        return Outcome(i, kind, code, details, time.monotonic() - t0)
+        end = time.monotonic()
+        return Outcome(i, kind, code, details, end - t0, end)
 
     def run(self, n: int, *, concurrency: int = 8, start: int = 0) -> LoadResult:
         """Send requests ``start .. start+n-1``, ``concurrency`` at a time."""
@@ -303,6 +305,8 @@ class ChaosReport:
     rss_warm_mib: dict[str, float]  # worker RSS after warm-up
     rss_end_mib: dict[str, float]  # worker RSS at the end
     seconds: float  # wall clock of the measured load
+    timeline: list[tuple[float, str]] = field(default_factory=list)  # (s from start, code)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (s from start, fault)
 
 
 def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
@@ -316,10 +320,16 @@ def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
         rss_warm = worker_rss(cluster)
         retried0 = retries(cluster)
         load.done = 0
+        t0 = time.monotonic()
+        events: list[tuple[float, str]] = []
+
+        def note(what: str) -> None:
+            events.append((time.monotonic() - t0, what))
+            log(f"[chaos] {what} after {load.done} requests")
+
         faults = threading.Thread(target=_inject, daemon=True, args=(
             cluster, load, n, kill_worker, restart_redis and cluster.redis is not None,
-            redis_down_s, log))
-        t0 = time.monotonic()
+            redis_down_s, note))
         faults.start()
         result = load.run(n, concurrency=concurrency)
         seconds = time.monotonic() - t0
@@ -337,26 +347,47 @@ def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
         unexpected=len(result.unexpected(faults=kill_worker or restart_redis)),
         hung=result.hung, stuck=stuck, blocks_leaked=sum(blocks.values()),
         rss_warm_mib={w: v / mib for w, v in rss_warm.items()},
-        rss_end_mib={w: v / mib for w, v in worker_rss(cluster).items()}, seconds=seconds)
+        rss_end_mib={w: v / mib for w, v in worker_rss(cluster).items()}, seconds=seconds,
+        timeline=sorted((o.ended - t0, o.code) for o in result.outcomes), events=events)
 
 
 def _inject(cluster: Cluster, load: MixedLoad, n: int, kill_worker: bool,
-            restart_redis: bool, redis_down_s: float, log: Callable[[str], None]) -> None:
+            restart_redis: bool, redis_down_s: float, note: Callable[[str], None]) -> None:
     def reach(fraction: float) -> None:
         while load.done < n * fraction:
             time.sleep(0.05)
 
     if kill_worker:
         reach(1 / 3)
-        log(f"[chaos] killing worker-0 after {load.done} requests (Ray restarts it)")
+        note("worker-0 killed (Ray restarts it)")
         ray.kill(cluster.workers["worker-0"], no_restart=False)
     if restart_redis:
         reach(2 / 3)
-        log(f"[chaos] stopping Redis for {redis_down_s:.0f}s after {load.done} requests")
+        note("Redis stopped")
         cluster.redis.stop()
         time.sleep(redis_down_s)
         cluster.redis.start()
-        log("[chaos] Redis is back")
+        note("Redis back")
+
+
+def plot(rep: ChaosReport, path: str = "chaos_timeline.png") -> None:
+    """Requests ended per second, by code, with the faults marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    end = max((t for t, _ in rep.timeline), default=1.0)
+    bins = [i * 0.5 for i in range(int(end / 0.5) + 2)]
+    codes = sorted({c for _, c in rep.timeline})
+    ax.hist([[t for t, c in rep.timeline if c == code] for code in codes], bins=bins,
+            stacked=True, label=codes)
+    for t, what in rep.events:
+        ax.axvline(t, color="black", linestyle="--")
+        ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), rotation=90, fontsize=7, va="top")
+    ax.set_xlabel("seconds into the load")
+    ax.set_ylabel("requests ended per 0.5 s")
+    ax.set_title(f"chaos run: {rep.sent} requests, {rep.hung} hung, "
+                 f"{rep.blocks_leaked} blocks leaked")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
 
 
 def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
@@ -402,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict:
             "chaos_rss_growth_pct": round(100 * (max(
                 rep.rss_end_mib[w] / rep.rss_warm_mib[w] for w in rep.rss_warm_mib) - 1), 1),
             "chaos_seconds": round(rep.seconds, 1)}
+    plot(rep)
     emit_json(head)
     return head
 

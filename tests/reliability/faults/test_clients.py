@@ -30,8 +30,9 @@ def _long(i: int, max_tokens: int = 300) -> object:
 def test_disconnect_mid_stream_aborts_on_the_worker(cluster) -> None:
     tokens0 = generated_tokens(cluster)
     channels = [KVClusterClient(cluster.endpoints[i % 2]) for i in range(4)]
-    for i, c in enumerate(channels):
-        next(iter(c.stream(_long(i, 480), timeout=CALL_TIMEOUT_S)))
+    calls = [c.stream(_long(i, 480), timeout=CALL_TIMEOUT_S) for i, c in enumerate(channels)]
+    for call in calls:  # kept referenced: a collected call object would cancel itself
+        next(call)
     assert sum(blocks_in_use(cluster).values()) > 0
     for c in channels:
         c.close()  # the connection goes away; no cancel message from the application

@@ -1,0 +1,96 @@
+"""The reliability pieces that need no cluster: the decode guard on a real gRPC server,
+tenant salts, the wire-format field finder, the router's max_tokens limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+from router.convert import malformed_reason, spec_from_pb, tenant_salt
+from router.servicer import DecodeGuard
+from router.serving import ModelLimits, check_limits
+from tests.reliability.helpers import raw_string_field
+from worker.engine import InvalidRequest, SamplingParams
+
+LIMITS = ModelLimits(model_id="m", vocab_size=100, max_model_len=64, max_prompt_tokens=63)
+
+
+class Echo(pb_grpc.KVClusterServicer):
+    async def Generate(self, request, context):  # noqa: ANN001, ANN201, N802
+        yield pb.GenerateResponse(text=request.text or request.WhichOneof("prompt") or "-")
+
+    async def Tokenize(self, request, context):  # noqa: ANN001, ANN201, N802
+        return pb.TokenizeResponse(token_ids=[len(request.text)])
+
+
+async def _calls(payloads: list[tuple[str, bytes]]) -> list[tuple[str, str]]:
+    server = grpc.aio.server(interceptors=[DecodeGuard()])
+    pb_grpc.add_KVClusterServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    out = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            for method, data in payloads:
+                try:
+                    if method == "Generate":
+                        call = ch.unary_stream(f"/kvcluster.v1.KVCluster/{method}")
+                        msgs = [pb.GenerateResponse.FromString(m)
+                                async for m in call(data, timeout=10)]
+                        out.append(("OK", msgs[0].text))
+                    else:
+                        reply = await ch.unary_unary(f"/kvcluster.v1.KVCluster/{method}")(
+                            data, timeout=10)
+                        out.append(("OK", str(pb.TokenizeResponse.FromString(reply).token_ids)))
+                except grpc.aio.AioRpcError as exc:
+                    out.append((exc.code().name, exc.details()))
+    finally:
+        await server.stop(0)
+    return out
+
+
+def test_decode_guard_turns_parse_failures_into_invalid_argument() -> None:
+    results = asyncio.run(_calls([
+        ("Generate", pb.GenerateRequest(text="fine").SerializeToString()),
+        ("Generate", raw_string_field(2, b"\xff\xfe")),
+        ("Generate", b"\x0a\x05ab"),  # request_id claims 5 bytes, 2 follow
+        ("Tokenize", raw_string_field(1, b"\xc0\xaf")),
+        ("Tokenize", pb.TokenizeRequest(text="four").SerializeToString()),
+    ]))
+    assert results[0] == ("OK", "fine")
+    assert results[1][0] == "INVALID_ARGUMENT" and "invalid text: not valid UTF-8" in results[1][1]
+    assert results[2][0] == "INVALID_ARGUMENT"
+    assert "not a valid kvcluster.v1.GenerateRequest (4 bytes)" in results[2][1]
+    assert results[3][0] == "INVALID_ARGUMENT" and "invalid text" in results[3][1]
+    assert results[4] == ("OK", "[4]")
+
+
+def test_malformed_reason_names_nested_string_fields() -> None:
+    params = raw_string_field(11, b"ok") + raw_string_field(11, b"\xe2\x82")
+    data = pb.GenerateRequest(text="x").SerializeToString() + raw_string_field(4, params)
+    assert malformed_reason(pb.GenerateRequest.DESCRIPTOR, data, ValueError("bad")).startswith(
+        "invalid params.stop: not valid UTF-8")
+    corrupt = malformed_reason(pb.GenerateRequest.DESCRIPTOR, b"\xff", ValueError("corrupt"))
+    assert corrupt == "request is not a valid kvcluster.v1.GenerateRequest (1 bytes): corrupt"
+
+
+def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
+    assert tenant_salt(None, "") is None and tenant_salt("", "s") == "s"
+    assert tenant_salt("alice", "") == "tenant:alice"
+    forged = tenant_salt("bob", tenant_salt("alice", ""))  # bob asks for alice's salt
+    assert forged.startswith("tenant:bob#") and forged != tenant_salt("alice", "")
+    assert tenant_salt("bob", "x") != tenant_salt("bob", "y")
+    assert len(tenant_salt("t" * 64, "s" * 256)) <= 256  # SamplingParams' own limit
+    spec = spec_from_pb(pb.GenerateRequest(text="hi", cache_salt="s"), tenant="bob")
+    assert spec.params.cache_salt == tenant_salt("bob", "s")
+
+
+def test_max_tokens_over_max_model_len_is_rejected_before_routing() -> None:
+    check_limits([1, 2], SamplingParams(max_tokens=63), LIMITS)
+    with pytest.raises(InvalidRequest, match=r"max_tokens=64: must be at most 63 "
+                                             r"\(max_model_len=64"):
+        check_limits([1, 2], SamplingParams(max_tokens=64), LIMITS)
