@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
@@ -73,3 +73,14 @@ class RoutingConfig(_Strict):
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        import router.policies  # noqa: F401 - registers the built-in policies
+        from router.policy import policy_names  # late: router.policy imports this module
+
+        if value not in policy_names():
+            valid = ", ".join(policy_names())
+            raise ValueError(f"unknown routing policy {value!r}; valid: {valid}")
+        return value

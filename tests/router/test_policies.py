@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pydantic import ValidationError
 
 from router import (
     PrefixAffinity,
@@ -34,8 +35,10 @@ def affinity(**kw: float) -> PrefixAffinity:
 
 def test_registry_lists_valid_names_on_unknown_policy() -> None:
     assert policy_names() == ["least_loaded", "prefix_affinity", "round_robin"]
+    with pytest.raises(ValidationError, match="least_loaded, prefix_affinity, round_robin"):
+        RoutingConfig(policy="longest_prefix")  # the config names the valid ones at load
     with pytest.raises(UnknownPolicyError, match="least_loaded, prefix_affinity, round_robin"):
-        make_policy(RoutingConfig(policy="longest_prefix"))
+        make_policy(RoutingConfig.model_construct(policy="longest_prefix"))
     assert make_policy(RoutingConfig(policy="round_robin")).name == "round_robin"
 
 
