@@ -115,7 +115,7 @@ def test_cancelling_an_async_consumer_aborts_the_request(front) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):  # the abort lands with the next step
+        for _ in range(500):  # the abort lands with the next step
             if not front.with_engine(Engine.has_unfinished_requests):
                 break
             await asyncio.sleep(0.02)
