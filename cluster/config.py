@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -85,6 +86,20 @@ class ClusterConfig(_Strict):
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
     redis: RedisConfig = RedisConfig()
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with its password replaced by ``***`` (for printing and logging)."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host  # IPv6
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class ConfigError(ValueError):

@@ -57,9 +57,14 @@ class ClusterState:
     workers: list[str]  # worker actor names
 
     def save(self) -> Path:
+        """Write the state file, readable by its owner only (the Redis URL may hold a
+        password)."""
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         path = STATE_DIR / f"{self.name}.json"
-        path.write_text(json.dumps(asdict(self), indent=2))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(self), indent=2))
+        path.chmod(0o600)  # a file left by an older version keeps its mode otherwise
         return path
 
     @classmethod

@@ -8,6 +8,8 @@ import asyncio
 import grpc
 import pytest
 
+from cluster import launcher
+from cluster.config import redact_url
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.convert import malformed_reason, spec_from_pb, tenant_salt
@@ -94,3 +96,14 @@ def test_max_tokens_over_max_model_len_is_rejected_before_routing() -> None:
     with pytest.raises(InvalidRequest, match=r"max_tokens=64: must be at most 63 "
                                              r"\(max_model_len=64"):
         check_limits([1, 2], SamplingParams(max_tokens=64), LIMITS)
+
+
+def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monkeypatch) -> None:
+    url = "rediss://kv:s3cret@[::1]:6380/0?ssl_ca_certs=/ca.pem"
+    assert redact_url(url) == "rediss://kv:***@[::1]:6380/0?ssl_ca_certs=/ca.pem"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    state = launcher.ClusterState(**{f: None for f in launcher.ClusterState.__dataclass_fields__})
+    state.name, state.redis_url = "c", url
+    path = state.save()
+    assert path.stat().st_mode & 0o777 == 0o600
