@@ -297,7 +297,11 @@ class Cluster:
             self.redis.stop()
 
     def __enter__(self) -> Cluster:
-        return self.up()
+        try:
+            return self.up()
+        except BaseException:
+            self.down()  # a failed start must not leave Redis, Ray or actors behind
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.down()

@@ -7,6 +7,8 @@ import asyncio
 
 import grpc
 import pytest
+import ray
+import redis
 
 from cluster import launcher
 from cluster.config import redact_url
@@ -15,6 +17,7 @@ from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.convert import malformed_reason, spec_from_pb, tenant_salt
 from router.servicer import DecodeGuard
 from router.serving import ModelLimits, check_limits
+from tests.cluster.conftest import cluster_config
 from tests.reliability.helpers import raw_string_field
 from worker.engine import InvalidRequest, SamplingParams
 
@@ -107,3 +110,16 @@ def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monk
     state.name, state.redis_url = "c", url
     path = state.save()
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
+    """Workers cannot load a model from an empty folder: up() fails after Redis and Ray
+    started, and the context manager stops both."""
+    cluster = launcher.Cluster(cluster_config("rel-broken", model={"path": str(tmp_path)}))
+    with pytest.raises(Exception, match="creation task"):
+        with cluster:
+            pass
+    assert not ray.is_initialized()
+    assert cluster.redis is not None and not cluster.redis.alive()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(cluster.redis_url, socket_timeout=1).ping()
