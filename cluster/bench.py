@@ -9,6 +9,7 @@ where the requests were routed, with cached prompt tokens. A table on stdout, a 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import threading
@@ -121,7 +122,8 @@ def _plot(samples: list[Sample]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    default = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    path = Path(os.environ.get("KVCLUSTER_RESULTS_DIR") or default)
     path.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].hist([s.ttft_s * 1e3 for s in samples], bins=30)

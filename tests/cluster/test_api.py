@@ -168,3 +168,20 @@ def test_cli_generate_and_status(cluster) -> None:
                         capture_output=True, text=True, timeout=120)
     assert st.returncode == 0, st.stderr
     assert "worker-0" in st.stdout and "worker-1" in st.stdout
+
+
+def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch) -> None:
+    import io
+    import json
+
+    from cluster.bench import run_bench
+
+    buf = io.StringIO()
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    figures = run_bench(cluster.endpoints[0], num_requests=12, concurrency=4, num_groups=2,
+                        prefix_words=60, max_tokens=4, out=buf)
+    assert figures["ok"] == 12
+    assert figures["prefix_hit_rate"] > 0.3  # two shared system prompts, 12 requests
+    last = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert last["bench"]["ok"] == 12
+    assert (tmp_path / "cluster_bench.png").exists()
