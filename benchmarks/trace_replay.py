@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=os.environ.get("KVCLUSTER_TRACE", str(DEFAULT_TRACE)))
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--workers", type=int, default=8, help="workers of the headline comparison")
-    ap.add_argument("--sweep", default="2,4,8,16", help="worker counts for the trace sweep")
+    ap.add_argument("--sweep", default="4,8,16", help="worker counts for the trace sweep")
     ap.add_argument("--workload", choices=("trace", "shared_prefix", "both"), default="both")
     ap.add_argument("--block-size", type=int, default=None, help="default: 512 trace, 16 other")
     ap.add_argument("--kv-tokens", type=int, default=3_100_000, help="KV capacity per worker")

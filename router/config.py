@@ -31,7 +31,8 @@ class PrefixAffinityConfig(LoadWeights):
 
     cost(w) = prefill_weight * (prompt - cached(w)) + queued_prefill(w) + decode_weight *
     decode(w); a worker whose load exceeds mean + max(balance_slack * mean,
-    balance_abs_tokens) is not eligible (the least-loaded worker always is).
+    balance_abs_tokens), or whose requests exceed mean + max(balance_slack * mean,
+    balance_abs_requests), is not eligible (the least-loaded worker always is).
     """
 
     prefill_weight: float = Field(
@@ -54,6 +55,15 @@ class PrefixAffinityConfig(LoadWeights):
         description="Absolute load bound in prefill tokens: a few long prompts' worth, so "
         "ordinary queue swings (one 30k-token prompt) never break a conversation's affinity; "
         "only a runaway holder does.",
+    )
+    balance_abs_requests: int | None = Field(
+        8,
+        ge=0,
+        description="Second load bound, on requests in a worker (running + waiting): workers "
+        "above mean + max(slack x mean, this) are skipped too, unless that leaves none. Queued "
+        "prefill is ~0 on a lightly loaded cluster, so only this bound stops a popular system "
+        "prompt's holder from collecting every new session (its decode batch and KV memory "
+        "grow). None disables.",
     )
 
 

@@ -16,7 +16,10 @@ piles onto its holder. SGLang's cache-aware router handles this with balance thr
 consistent-hashing-with-bounded-loads idea instead, which degrades more gently: a worker
 whose load exceeds ``mean + max(slack * mean, abs)`` is not eligible, and the cheapest of
 the remaining workers wins — usually the next-best cache holder or the least loaded one,
-which then caches the hot prefix too. So a hot prefix is replicated onto more workers
+which then caches the hot prefix too. The bound applies twice: to queued prefill tokens
+(TTFT) and to requests in the worker (decode batch, KV memory), because on a lightly
+loaded cluster queues are empty and only the request count shows a holder collecting every
+session of a popular system prompt. So a hot prefix is replicated onto more workers
 exactly when its holders are overloaded, and no worker's queue runs away from the mean.
 A prefix shared by everyone (a system prompt cached on every worker) cancels out of the
 comparison, leaving load: no herding.
@@ -97,10 +100,11 @@ class PrefixAffinity(RoutingPolicy):
         costs = [
             cfg.prefill_weight * (n_tokens - c) + ld for c, ld in zip(cached, loads, strict=True)
         ]
-        mean = sum(loads) / len(loads)
-        bound = mean + max(cfg.balance_slack * mean, cfg.balance_abs_tokens)
-        eligible = [i for i, ld in enumerate(loads) if ld <= bound]
-        assert eligible, "the least-loaded worker is always within the bound"
+        eligible = _within_bound(loads, cfg.balance_slack, cfg.balance_abs_tokens)
+        if cfg.balance_abs_requests is not None:
+            reqs = [v.load.running + v.load.waiting for v in views]
+            both = set(_within_bound(reqs, cfg.balance_slack, cfg.balance_abs_requests))
+            eligible = [i for i in eligible if i in both] or eligible
         pick = self._cheapest(eligible, costs, cached)
         if all(v.cached_tokens is None for v in views):
             reason = Reason.NO_INDEX
@@ -119,3 +123,10 @@ class PrefixAffinity(RoutingPolicy):
         most = max(cached[i] for i in ties)
         ties = [i for i in ties if cached[i] == most]
         return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+
+
+def _within_bound(loads: list[float] | list[int], slack: float, absolute: float) -> list[int]:
+    """Indices whose load is at most mean + max(slack x mean, absolute) (never empty)."""
+    mean = sum(loads) / len(loads)
+    bound = mean + max(slack * mean, absolute)
+    return [i for i, ld in enumerate(loads) if ld <= bound]

@@ -12,9 +12,9 @@ from worker.kv import HashContext, KVCacheManager, KVEvent
 NO_CTX = HashContext()
 
 
-def load(queued: int = 0, decode: int = 0, free: int = 1000) -> WorkerLoad:
+def load(queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0) -> WorkerLoad:
     return WorkerLoad(
-        running=0,
+        running=running,
         waiting=0,
         free_blocks=free,
         total_blocks=1000,

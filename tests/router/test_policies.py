@@ -103,6 +103,19 @@ def test_prefix_affinity_load_bound_replicates_an_overloaded_holder() -> None:
     assert loose.choose(REQ, views((6000, 9900), (0, 0), (0, 3000))).worker_id == "w0"
 
 
+def test_prefix_affinity_request_bound_spreads_sessions_on_an_idle_cluster() -> None:
+    # No queued prefill anywhere, but w0 (holding a 6000-token system prompt) already runs 20
+    # requests: over mean 20/3 + max(0.5 x 20/3, 8) = 14.7, so a new session goes elsewhere.
+    vs = [
+        WorkerView("w0", load(running=20), 6000),
+        WorkerView("w1", load(running=0), 0),
+        WorkerView("w2", load(running=1), 0),
+    ]
+    pick = affinity(balance_abs_requests=8).choose(REQ, vs)
+    assert (pick.worker_id, pick.reason) in {("w1", Reason.BALANCE), ("w2", Reason.BALANCE)}
+    assert affinity(balance_abs_requests=None).choose(REQ, vs).worker_id == "w0"
+
+
 def test_prefix_affinity_shared_prefix_on_every_worker_routes_by_load() -> None:
     policy = affinity()
     pick = policy.choose(REQ, views((700, 2048), (300, 2048), (500, 2048)))
