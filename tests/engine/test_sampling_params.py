@@ -76,3 +76,16 @@ def test_engine_config_is_strict() -> None:
     assert cfg.prefill_chunk_cap == 64
     with pytest.raises(ValidationError):
         cfg.max_num_seqs = 3  # frozen
+
+
+def test_errors_survive_pickling() -> None:
+    import pickle
+
+    from worker.engine import EngineOverloaded
+
+    err = pickle.loads(pickle.dumps(InvalidRequest("top_p", 2.0, "must be in (0, 1]", "fix it")))
+    assert (err.field, err.value, err.limit, str(err)) == (
+        "top_p", 2.0, "must be in (0, 1]", "invalid top_p=2.0: must be in (0, 1]; fix it"
+    )  # fmt: skip
+    over = pickle.loads(pickle.dumps(EngineOverloaded(5, 5)))
+    assert (over.num_waiting, over.max_waiting) == (5, 5) and "max_waiting=5" in str(over)
