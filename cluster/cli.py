@@ -9,7 +9,7 @@ import sys
 
 import grpc
 
-from cluster.config import ConfigError, load_config
+from cluster.config import ConfigError, load_config, redact_url
 
 
 def _endpoint(args: argparse.Namespace) -> str:
@@ -33,7 +33,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
     print(f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
           "or RAY_AUTH_MODE=disabled)")
-    print(f"  redis          : {st.redis_url}")
+    print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir}")
     print(f"  state          : {path}")
     print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cluster.client import KVClusterClient
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, redact_url
 from cluster.launcher import Cluster
 
 SYSTEM_PROMPTS = [
@@ -31,7 +31,7 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8) -> int:
     t0 = time.monotonic()
     with Cluster(cfg) as cluster:
         print(f"cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.workers)} workers, "
-              f"router at {cluster.endpoints[0]}, redis {cluster.redis_url}")
+              f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}")
         print(f"dashboard: {cluster.dashboard_url()} (token in ~/.ray/auth_token)\n")
         prompts = [SYSTEM_PROMPTS[i % 2] + QUESTIONS[i % len(QUESTIONS)]
                    for i in range(num_requests)]
