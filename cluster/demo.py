@@ -42,8 +42,8 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8) -> int:
                                       request_id=f"demo-{i}")
                 rows.append((i, out))
 
-            for i in range(min(2, num_requests)):  # cold: one per system prompt
-                send(i)
+            with ThreadPoolExecutor(2) as pool:  # cold: one per system prompt, together
+                list(pool.map(send, range(min(2, num_requests))))
             time.sleep(0.3)  # let the workers' KV events reach the index
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(send, range(2, num_requests)))

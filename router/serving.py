@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kvstore import WorkerLoad
 from router.router import Router
 from router.types import NoWorkersError, RouteRequest
 from router.workers import WorkerDirectory, WorkerGone
@@ -92,6 +94,22 @@ class ServingCore:
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
+        # This router's own view of the work it sent, newer than any heartbeat: prompt tokens
+        # not yet prefilled (no token back yet) and open streams, per worker.
+        self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
+        self._open: Counter[str] = Counter()
+
+    def _with_own_work(self, loads: Mapping[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+        """Heartbeat loads lag by up to a heartbeat interval; a burst routed meanwhile would
+        all see idle workers and herd. Take, per worker, the larger of the heartbeat's figure
+        and what this router alone has sent there (max, not sum: the heartbeat may already
+        include it)."""
+        out = {}
+        for w, load in loads.items():
+            mine = sum(self._unprefilled[w].values()) if w in self._unprefilled else 0
+            out[w] = replace(load, queued_prefill_tokens=max(load.queued_prefill_tokens, mine),
+                             running=max(load.running, self._open[w]))
+        return out
 
     def close(self) -> None:
         self._decide.shutdown(wait=False, cancel_futures=True)
@@ -105,11 +123,11 @@ class ServingCore:
         full: list[str] = []  # workers that refused the request: waiting queue full
         loop = asyncio.get_running_loop()
         for attempt in range(self.max_attempts):
-            candidates = {
+            candidates = self._with_own_work({
                 w: load
                 for w, load in (await self.directory.candidates()).items()
                 if w not in excluded
-            }
+            })
             if not candidates:
                 if full:
                     raise self._overloaded(request_id, full)
@@ -123,6 +141,8 @@ class ServingCore:
             )
             worker = decision.worker_id
             produced = finished = False
+            self._open[worker] += 1
+            self._unprefilled[worker][request_id] = len(token_ids) - decision.cached_tokens_expected
             try:
                 async for item in self.directory.stream(
                     worker, WorkerRequest(request_id, token_ids, params)
@@ -131,7 +151,9 @@ class ServingCore:
                         if decision.keys:
                             self.router.check_parity(request_id, decision.keys, item.keys)
                         continue
-                    produced = produced or any(d.token_ids for d in item.outputs)
+                    if not produced and any(d.token_ids for d in item.outputs):
+                        produced = True
+                        self._unprefilled[worker].pop(request_id, None)
                     finished = item.finished
                     yield worker, item
                 return
@@ -157,6 +179,8 @@ class ServingCore:
                 full.append(f"{worker} ({exc})")
                 self.overflows += 1
             finally:
+                self._open[worker] -= 1
+                self._unprefilled[worker].pop(request_id, None)
                 if not finished:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))

@@ -1,0 +1,73 @@
+"""ServingCore over an in-process WorkerDirectory (our own ABC; no Ray, Redis or gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from kvstore import WorkerLoad
+from router.config import RoutingConfig
+from router.router import Router
+from router.serving import ModelLimits, ServingCore
+from router.workers import WorkerDirectory
+from worker.engine import RequestOutput, SamplingParams, Usage
+from worker.engine.outputs import CompletionDelta, FinishReason
+from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+
+IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100,
+                  queued_prefill_tokens=0)
+
+
+class HeldWorkers(WorkerDirectory):
+    """Two idle workers whose heartbeats never change; streams wait for ``release``."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.placed: list[str] = []
+
+    async def candidates(self) -> Mapping[str, WorkerLoad]:
+        return {"w0": IDLE, "w1": IDLE}
+
+    async def stream(self, worker_id: str, request: WorkerRequest
+                     ) -> AsyncIterator[Admitted | RequestOutput]:
+        self.placed.append(worker_id)
+        yield Admitted(worker_id, 1, ())
+        await self.release.wait()
+        usage = Usage(len(request.token_ids), 0, 1)
+        yield RequestOutput(request.request_id, [CompletionDelta(0, "x", [7],
+                            finish_reason=FinishReason.LENGTH)], True, usage)
+
+    async def abort(self, worker_id: str, request_id: str) -> None:
+        return None
+
+    async def statuses(self) -> list[WorkerStatus]:
+        return []
+
+
+def test_burst_spreads_before_heartbeats_show_the_load() -> None:
+    """Heartbeats lag: two prompts routed back to back must not both see idle workers."""
+
+    async def main() -> list[str]:
+        directory = HeldWorkers()
+        core = ServingCore(Router(RoutingConfig(block_size=16)), directory,
+                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
+                                       max_prompt_tokens=4095))
+        params = SamplingParams(max_tokens=1)
+
+        async def run(rid: str, tag: int) -> None:
+            async for _ in core.generate(rid, [tag] * 200, params):
+                pass
+
+        first = asyncio.create_task(run("a", 1))
+        while not directory.placed:
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(run("b", 2))
+        while len(directory.placed) < 2:
+            await asyncio.sleep(0.001)
+        directory.release.set()
+        await asyncio.gather(first, second)
+        core.close()
+        return directory.placed
+
+    placed = asyncio.run(main())
+    assert sorted(placed) == ["w0", "w1"], placed
