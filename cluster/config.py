@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.config import RoutingConfig
+from router.config import RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
 
@@ -57,6 +57,10 @@ class RouterConfig(_Strict):
     )
     tls_cert: str | None = Field(None, description="PEM server certificate file (enables TLS).")
     tls_key: str | None = Field(None, description="PEM private key file for tls_cert.")
+    limits: RequestLimits = Field(
+        RequestLimits(), description="Per-request limits enforced by the routers (lengths, "
+        "stop strings, n/beam width, logprobs), all in one place."
+    )
     routing: RoutingConfig = Field(
         RoutingConfig(), description="Placement policy and weights; block_size is taken from "
         "workers.engine.block_size."

@@ -239,7 +239,7 @@ class Cluster:
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
             index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
-            tls_cert=r.tls_cert, tls_key=r.tls_key)
+            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key)
         opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=0)
         if self.detached:
             opts["lifetime"] = "detached"

@@ -14,7 +14,7 @@ from pathlib import Path
 import ray
 
 from kvstore import IndexConfig, KVIndex
-from router.config import RoutingConfig
+from router.config import RequestLimits, RoutingConfig
 from router.metrics import RouterMetrics
 from router.prefix_source import KVIndexSource
 from router.ray_workers import RayWorkerDirectory
@@ -43,6 +43,7 @@ class RouterSettings:
     port: int  # gRPC port (0: any free port)
     max_message_bytes: int  # gRPC message limit
     auth_tokens: dict[str, str]  # tenant -> bearer token ({} = no auth)
+    limits: RequestLimits  # per-request limits enforced at the edge
     tls_cert: str | None  # PEM files; both set = TLS
     tls_key: str | None
 
@@ -72,6 +73,7 @@ class RouterServer:
             policy=settings.routing.policy,
             index_available=lambda: self.directory.index_ok,
             auth=auth,
+            limits=settings.limits,
         )
         self.server = None
         self.port: int | None = None

@@ -67,6 +67,22 @@ class PrefixAffinityConfig(LoadWeights):
     )
 
 
+class RequestLimits(_Strict):
+    """Every per-request limit the router enforces at the edge, in one place (the engine
+    re-checks what it must: vocabulary, max_model_len, KV size, max_num_seqs). A request over
+    a limit gets INVALID_ARGUMENT naming the field, the value and the limit."""
+
+    max_request_id_chars: int = Field(128, ge=1, description="Client request id length.")
+    max_tenant_chars: int = Field(64, ge=1, description="Tenant name length.")
+    max_cache_salt_chars: int = Field(256, ge=1, description="cache_salt length.")
+    max_prompt_chars: int = Field(1 << 20, ge=1, description="Text prompt length (characters);"
+                                  " token limits come from the model's max_model_len.")
+    max_stop_strings: int = Field(16, ge=0, le=16, description="Stop strings per request.")
+    max_stop_string_chars: int = Field(256, ge=1, description="Length of one stop string.")
+    max_n: int = Field(16, ge=1, le=256, description="Parallel samples or beams per request.")
+    max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
+
+
 class RoutingConfig(_Strict):
     """The router's placement settings."""
 

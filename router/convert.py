@@ -14,14 +14,11 @@ from dataclasses import dataclass
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from router.config import RequestLimits
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams
 from worker.engine.outputs import FinishReason
 
-MAX_REQUEST_ID_CHARS = 128
-MAX_TENANT_CHARS = 64
-MAX_PROMPT_CHARS = 1 << 20  # text prompts; token limits are checked after tokenizing
-MAX_STOP_STRING_CHARS = 256
-MAX_CACHE_SALT_CHARS = 256
+DEFAULT_LIMITS = RequestLimits()
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -64,7 +61,8 @@ def _check_str(field: str, value: str, limit: int) -> None:
 
 
 def params_from_pb(
-    msg: pb.SamplingParams, *, priority: int, cache_salt: str | None
+    msg: pb.SamplingParams, *, priority: int, cache_salt: str | None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> SamplingParams:
     values: dict[str, object] = {}
     for name in _OPTIONAL_PARAMS:
@@ -77,8 +75,15 @@ def params_from_pb(
         values["top_k"] = None
     if values.get("logprobs") == 0:
         values.pop("logprobs")
+    for name, limit in (("n", limits.max_n), ("beam_width", limits.max_n),
+                        ("logprobs", limits.max_logprobs)):
+        if values.get(name, 0) > limit:  # type: ignore[operator]
+            raise InvalidRequest(name, values[name], f"must be at most {limit}")
+    if len(msg.stop) > limits.max_stop_strings:
+        raise InvalidRequest("stop", f"<{len(msg.stop)} strings>",
+                             f"must be at most {limits.max_stop_strings} strings")
     for s in msg.stop:
-        _check_str("stop", s, MAX_STOP_STRING_CHARS)
+        _check_str("stop", s, limits.max_stop_string_chars)
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["priority"] = priority
@@ -101,15 +106,16 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
     return f"tenant:{tenant}#{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
 
 
-def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None) -> GenerateSpec:
+def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
+                 limits: RequestLimits = DEFAULT_LIMITS) -> GenerateSpec:
     """Validate and convert a GenerateRequest (model limits are checked later, by the caller).
 
     ``tenant``: the authenticated tenant (or the request's own, without auth); it scopes the
     cache salt (see :func:`tenant_salt`).
     """
-    _check_str("request_id", req.request_id, MAX_REQUEST_ID_CHARS)
-    _check_str("tenant", req.tenant, MAX_TENANT_CHARS)
-    _check_str("cache_salt", req.cache_salt, MAX_CACHE_SALT_CHARS)
+    _check_str("request_id", req.request_id, limits.max_request_id_chars)
+    _check_str("tenant", req.tenant, limits.max_tenant_chars)
+    _check_str("cache_salt", req.cache_salt, limits.max_cache_salt_chars)
     which = req.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("prompt", None, "set exactly one of text or token_ids")
@@ -117,14 +123,14 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None) -> Gener
     if which == "text":
         if not req.text:
             raise InvalidRequest("text", "", "must be a non-empty string")
-        _check_str("text", req.text, MAX_PROMPT_CHARS)
+        _check_str("text", req.text, limits.max_prompt_chars)
         text = req.text
     else:
         token_ids = list(req.token_ids.ids)
         if not token_ids:
             raise InvalidRequest("token_ids", [], "must hold at least one token id")
     salt = tenant_salt(tenant, req.cache_salt)
-    params = params_from_pb(req.params, priority=req.priority, cache_salt=salt)
+    params = params_from_pb(req.params, priority=req.priority, cache_salt=salt, limits=limits)
     return GenerateSpec(
         request_id=req.request_id or uuid.uuid4().hex,
         text=text,

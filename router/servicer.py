@@ -19,7 +19,14 @@ from ray.exceptions import RayTaskError
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.convert import FINISH_TO_PB, malformed_reason, responses_from_output, spec_from_pb
+from router.config import RequestLimits
+from router.convert import (
+    DEFAULT_LIMITS,
+    FINISH_TO_PB,
+    malformed_reason,
+    responses_from_output,
+    spec_from_pb,
+)
 from router.serving import ClusterOverloaded, ServingCore, StreamBroken
 from router.types import NoWorkersError
 from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
@@ -188,8 +195,10 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         policy: str,
         index_available: Any = lambda: False,
         auth: TokenAuth | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
         self.core = core
+        self.limits = limits
         self.tokenizer = tokenizer
         self.policy = policy
         self.index_available = index_available
@@ -207,7 +216,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[str, Any, bool]]:
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
-        spec = spec_from_pb(request, tenant=self._tenant(request, context))
+        spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
         if token_ids is None:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)

@@ -1,0 +1,37 @@
+"""Request limits come from one config section and name the field, value and limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from router.config import RequestLimits
+from router.convert import spec_from_pb
+from worker.engine import InvalidRequest
+
+LIMITS = RequestLimits(max_n=4, max_stop_strings=2, max_request_id_chars=8, max_logprobs=3)
+
+
+@pytest.mark.parametrize(
+    ("req", "field", "limit"),
+    [(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=5)), "n", "at most 4"),
+     (pb.GenerateRequest(text="x", params=pb.SamplingParams(beam_width=5)), "beam_width",
+      "at most 4"),
+     (pb.GenerateRequest(text="x", params=pb.SamplingParams(logprobs=4)), "logprobs",
+      "at most 3"),
+     (pb.GenerateRequest(text="x", params=pb.SamplingParams(stop=["a", "b", "c"])), "stop",
+      "at most 2 strings"),
+     (pb.GenerateRequest(text="x", request_id="123456789"), "request_id", "at most 8")],
+)
+def test_configured_limits_are_enforced(req, field: str, limit: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        spec_from_pb(req, limits=LIMITS)
+    assert info.value.field == field and limit in str(info.value)
+
+
+def test_within_limits_passes_and_defaults_are_wider() -> None:
+    req = pb.GenerateRequest(text="x", request_id="r1",
+                             params=pb.SamplingParams(n=4, stop=["a", "b"], logprobs=3))
+    spec = spec_from_pb(req, limits=LIMITS)
+    assert spec.params.n == 4 and spec.params.stop == ("a", "b") and spec.request_id == "r1"
+    spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=16)))  # default max_n
