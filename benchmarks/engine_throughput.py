@@ -20,6 +20,11 @@ unique suffix; the engine with prefix caching on vs off.
 
 Reported: generated tokens/s, greedy agreement with transformers, KV utilisation (mean and
 peak blocks in use per step), prefix hit rate, TTFT and inter-token latency percentiles.
+
+Fairness: vLLM's CPU backend binds one OpenMP thread per core; leave ``--threads 0`` (torch's
+default, one per core) for a like-for-like run. On a machine shared with other jobs use
+``--threads 1`` (oversubscribed OpenMP threads spin and lose up to 10x) and expect noise:
+systems run one after another, so a load spike hits only some of them.
 """
 
 from __future__ import annotations
