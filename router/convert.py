@@ -75,10 +75,11 @@ def params_from_pb(
         values["top_k"] = None
     if values.get("logprobs") == 0:
         values.pop("logprobs")
-    for name, limit in (("n", limits.max_n), ("beam_width", limits.max_n),
-                        ("logprobs", limits.max_logprobs)):
+    for name, key in (("n", "max_n"), ("beam_width", "max_n"), ("logprobs", "max_logprobs")):
+        limit = getattr(limits, key)
         if values.get(name, 0) > limit:  # type: ignore[operator]
-            raise InvalidRequest(name, values[name], f"must be at most {limit}")
+            raise InvalidRequest(name, values[name],
+                                 f"must be at most {limit} (router.limits.{key})")
     if len(msg.stop) > limits.max_stop_strings:
         raise InvalidRequest("stop", f"<{len(msg.stop)} strings>",
                              f"must be at most {limits.max_stop_strings} strings")
