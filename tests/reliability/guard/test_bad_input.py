@@ -87,7 +87,8 @@ CASES = [
     ("stop-string-too-long", req(stop=["y" * 300]), INVALID, ["stop", "256 characters"]),
     ("stop-token-id-over-vocab", req(stop_token_ids=[VOCAB + 7]), INVALID,
      ["stop_token_ids", f"vocab_size={VOCAB}"]),
-    ("logprobs-over-limit", req(logprobs=50), INVALID, ["logprobs", "[0, 20]"]),
+    ("logprobs-over-limit", req(logprobs=50), INVALID,
+     ["logprobs", "at most 20", "router.limits.max_logprobs"]),
     ("seed-over-int63", req(seed=2**64 - 1), INVALID, ["seed", str(2**63 - 1)]),
     # identity and tenancy (auth is on: alice's token)
     ("request-id-too-long", req(request_id="r" * 200), INVALID,
