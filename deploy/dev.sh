@@ -11,12 +11,15 @@ PY=${PYTHON:-python3}
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-ensure_redis() {
-  command -v redis-server >/dev/null 2>&1 && return
-  echo "[dev] installing redis-server (apt)"
+# redis-server (the KV index), openssh-server and rsync (`ray up` on these hosts, and its test).
+ensure_system_packages() {
+  command -v redis-server >/dev/null 2>&1 && [ -x /usr/sbin/sshd ] \
+    && command -v rsync >/dev/null 2>&1 && return
+  echo "[dev] installing redis-server openssh-server rsync (apt)"
   as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server >/dev/null
-  # The Debian package starts a system-wide server on 6379; kvcluster never uses it.
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server openssh-server \
+    rsync >/dev/null
+  # The Debian packages may start system-wide servers; kvcluster never uses them.
 }
 
 ensure_venv() {
@@ -37,13 +40,13 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   main)
-    ensure_redis; ensure_venv
+    ensure_system_packages; ensure_venv
     exec "$VENV/bin/kvcluster" demo "$@" ;;
   test)
-    ensure_redis; ensure_venv
+    ensure_system_packages; ensure_venv
     exec "$VENV/bin/python" -m pytest "$@" ;;
   install)
-    ensure_redis; ensure_venv ;;
+    ensure_system_packages; ensure_venv ;;
   *)
     echo "usage: bash deploy/dev.sh {main|test|install} [args...]" >&2; exit 2 ;;
 esac
