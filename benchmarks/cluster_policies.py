@@ -56,8 +56,8 @@ class Workload:
     seed: int = 0  # prompt RNG seed
 
 
-FULL = Workload(model_size="100m", num_requests=96, concurrency=8, num_groups=8,
-                prefix_words=300, max_tokens=8, num_blocks=160)
+FULL = Workload(model_size="100m", num_requests=64, concurrency=8, num_groups=4,
+                prefix_words=300, max_tokens=8, num_blocks=128)
 SMOKE = Workload(model_size="tiny", num_requests=12, concurrency=4, num_groups=3,
                  prefix_words=60, max_tokens=4, num_blocks=64)
 
