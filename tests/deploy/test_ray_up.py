@@ -183,6 +183,10 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
         for suffix in (".state", ".lock"):
             Path(f"/tmp/cluster-{name}{suffix}").unlink(missing_ok=True)
         shutil.rmtree(ssh_control_dir(name), ignore_errors=True)
+        try:  # Ray's per-user folder, if only this test used it
+            ssh_control_dir(name).parent.rmdir()
+        except OSError:
+            pass
     assert marked_processes(marker) == []
     ports = [gcs_port, dash_port, grpc_port, sshd.port] + ([redis_port] if redis_port else [])
     assert [p for p in ports if listening(p)] == []
