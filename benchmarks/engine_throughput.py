@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import emit_json, print_table, results_dir
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.model.build_tiny import build_tiny_model
 
@@ -164,19 +164,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict]) -> None:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.barh([r["system"] for r in rows], [r["tok/s"] for r in rows], color="tab:blue")
     ax.set_xlabel("generated tokens / s")
     ax.set_title("offline throughput (CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, "engine_throughput.png")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -262,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     on_res, on_m = prefix[True]
     off_res, off_m = prefix[False]
-    plot(rows, results_dir() / "engine_throughput.png")
+    plot(rows)
     head = {
         "engine_tok_s": round(cb["tok_s"], 1),
         "engine_static_tok_s": round(static["tok_s"], 1),

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.common import emit_json, print_table, results_dir
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from worker.model.build_tiny import build_tiny_model
 from worker.model.runner import ModelRunner, SeqChunk
 
@@ -59,12 +59,8 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int):
     return elapsed, [list(col) for col in zip(*tokens, strict=True)]
 
 
-def plot(rows: list[dict], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict]) -> None:
+    plt = pyplot()
     labels = [f"batch {r['batch']}" for r in rows]
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -73,9 +69,7 @@ def plot(rows: list[dict], path) -> None:
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("decode tokens / s (CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, "model_decode.png")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         f"decode on CPU ({torch.get_num_threads()} threads): {args.family} {size}, "
         f"{params / 1e6:.1f}M params, prompt {prompt_len}, {new_tokens} new tokens",
     )
-    plot(rows, results_dir() / "model_decode.png")
+    plot(rows)
     headline = {"bench": "model_decode", "size": size, "params_m": round(params / 1e6, 1)}
     for r in rows:
         b = r["batch"]
