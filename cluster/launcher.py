@@ -250,6 +250,14 @@ class Cluster:
     # -- whole cluster -----------------------------------------------------------------------
 
     def up(self, timeout_s: float = 300.0) -> Cluster:
+        """Start everything; a failed start stops what it had started (Redis, Ray, actors)."""
+        try:
+            return self._up(timeout_s)
+        except BaseException:
+            self.down()
+            raise
+
+    def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
         self.model_dir, self.model_id = resolve_model(self.cfg)
         self._start_redis()
@@ -295,13 +303,14 @@ class Cluster:
             ray.shutdown()
         if self.redis is not None:
             self.redis.stop()
+        # detached pieces this object started (only reached here when ``up`` failed)
+        for pid in (self.ray_pid, self.redis_pid):
+            if pid is not None:
+                stop_group(pid)
+        self.ray_pid = self.redis_pid = None
 
     def __enter__(self) -> Cluster:
-        try:
-            return self.up()
-        except BaseException:
-            self.down()  # a failed start must not leave Redis, Ray or actors behind
-            raise
+        return self.up()
 
     def __exit__(self, *exc: object) -> None:
         self.down()

@@ -123,3 +123,33 @@ def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
     assert cluster.redis is not None and not cluster.redis.alive()
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(cluster.redis_url, socket_timeout=1).ping()
+
+
+def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeypatch) -> None:
+    """`kvcluster up` (detached) starts its own Ray head and redis-server as separate process
+    groups; when workers then fail to start, both are stopped, not left behind."""
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path / "state")
+    model_dir = tmp_path / "empty-model"
+    model_dir.mkdir()
+    cluster = launcher.Cluster(cluster_config("rel-broken-detached",
+                                              model={"path": str(model_dir)}), detached=True)
+    started: list[int] = []
+    real_head, real_redis = launcher.start_ray_head, launcher.start_detached
+
+    def head(*args: object, **kwargs: object):  # noqa: ANN202 - records the pid it started
+        address, pid, dash = real_head(*args, **kwargs)
+        started.append(pid)
+        return address, pid, dash
+
+    def detached_redis(*args: object, **kwargs: object):  # noqa: ANN202
+        url, pid = real_redis(*args, **kwargs)
+        started.append(pid)
+        return url, pid
+
+    monkeypatch.setattr(launcher, "start_ray_head", head)
+    monkeypatch.setattr(launcher, "start_detached", detached_redis)
+    with pytest.raises(Exception, match="creation task"):
+        cluster.up()
+    assert len(started) == 2
+    assert not any(launcher.group_alive(pid) for pid in started)
+    assert not ray.is_initialized()
