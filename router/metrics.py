@@ -22,6 +22,13 @@ class LatencyHistogram:
         self.total_s += seconds
         self._recent.append(seconds)
 
+    def latest(self, n: int) -> list[float]:
+        """The ``n`` most recent samples (fewer if the window holds fewer), oldest first."""
+        if n <= 0:
+            return []
+        k = min(n, len(self._recent))
+        return [self._recent[i] for i in range(len(self._recent) - k, len(self._recent))]
+
     def quantile(self, q: float) -> float:
         """Nearest-rank quantile of the recent window (0.0 when empty)."""
         if not self._recent:

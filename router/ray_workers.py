@@ -167,7 +167,7 @@ class RayWorkerDirectory(WorkerDirectory):
             pass  # a dead worker's blocks are gone with it
 
     async def statuses(self) -> list[WorkerStatus]:
-        names = [n for n in await asyncio.to_thread(self._from_ray)]
+        names = await asyncio.to_thread(self._from_ray)
         out = []
         for name in sorted(names):
             try:

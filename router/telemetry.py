@@ -60,7 +60,7 @@ class RouterExporter:
         hist = self.metrics.latency
         new = hist.count - self._latency_seen
         if new > 0:
-            for v in list(hist._recent)[-min(new, len(hist._recent)) :]:
+            for v in hist.latest(new):
                 self.latency.observe(v, self.tags)
             self._latency_seen = hist.count
 

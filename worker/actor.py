@@ -22,7 +22,6 @@ from ray.exceptions import ActorDiedError
 from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
-from worker.engine.request import RequestStatus
 from worker.kv import block_keys
 from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
@@ -43,18 +42,11 @@ class WorkerSettings:
 def engine_load(engine: Engine) -> WorkerLoad:
     """The load a router weighs: queued prefill work and running decodes (engine thread)."""
     sched = engine.scheduler
-    queued = 0
-    decoding = 0
-    for req in (*sched.running, *sched.waiting):
-        seqs = req.seqs or []
-        head = seqs[0] if seqs else None
-        done = head.num_computed if head is not None else 0
-        queued += max(0, req.prompt_len - done)
-        if req.status is RequestStatus.RUNNING:
-            decoding += sum(1 for s in seqs if s.num_computed >= req.prompt_len)
+    decoding = sum(1 for r in sched.running for s in r.seqs if s.num_remaining <= 1)
     return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
                       free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
-                      queued_prefill_tokens=queued, decode_tokens=decoding)
+                      queued_prefill_tokens=sched.pending_prefill_tokens(),
+                      decode_tokens=decoding)
 
 
 class CallerWatch:
