@@ -18,6 +18,7 @@ from worker.attention import (
     available_backends,
     backend_names,
     create_backend,
+    resolve_backend_name,
 )
 from worker.model.inputs import ModelInput, SeqChunk
 
@@ -142,27 +143,33 @@ def run_backend(name: str, sc: Scenario, window: int | None = None) -> torch.Ten
 MIXED = [(0, 13), (20, 1), (37, 1), (32, 5), (3, 30), (16, 16)]
 
 
+CPU_BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 6])
-def test_torch_backend_matches_dense_reference(block_size, window):
+def test_cpu_backends_match_dense_reference(name, block_size, window):
     sc = make_scenario(MIXED, block_size, seed=block_size)
-    out = run_backend("torch", sc, window)
+    out = run_backend(name, sc, window)
     torch.testing.assert_close(out.double(), dense_reference(sc, window), atol=1e-5, rtol=0)
 
 
-def test_shared_prefix_blocks_are_read_by_every_sharer():
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_shared_prefix_blocks_are_read_by_every_sharer(name):
     specs = [(16, 1), (16, 4), (24, 1), (17, 3)]  # all cover the 2 shared 8-token blocks
     sc = make_scenario(specs, block_size=8, shared_prefix_blocks=2, seed=7)
     tables = sc.meta_input.block_tables
     assert (tables[:, :2] == tables[0, :2]).all()  # really the same physical blocks
-    out = run_backend("torch", sc)
+    out = run_backend(name, sc)
     torch.testing.assert_close(out.double(), dense_reference(sc), atol=1e-5, rtol=0)
 
 
-def test_new_kv_are_written_at_slot_mapping_and_nothing_else():
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_new_kv_are_written_at_slot_mapping_and_nothing_else(name):
     sc = make_scenario(MIXED, block_size=4, seed=3)
     before_k, before_v = sc.k_cache.clone(), sc.v_cache.clone()
-    run_backend("torch", sc)
+    run_backend(name, sc)
     slots = sc.meta_input.slot_mapping
     flat_k, flat_v = (
         sc.k_cache.view(-1, KV_HEADS, HEAD_DIM),
@@ -196,14 +203,20 @@ def test_chunked_prefill_equals_one_shot_prefill():
 
 
 def test_unknown_backend_lists_valid_names():
-    with pytest.raises(UnknownBackendError, match="'nope'.*valid names: torch, triton"):
+    with pytest.raises(UnknownBackendError, match="'nope'.*valid names: auto, cpu, torch, triton"):
         make_backend("nope")
-    assert backend_names() == ["torch", "triton"]
+    assert backend_names() == ["cpu", "torch", "triton"]
 
 
 def test_triton_backend_unavailable_on_cpu_says_why():
-    assert available_backends("cpu") == ["torch"]
+    assert available_backends("cpu") == ["cpu", "torch"]
     with pytest.raises(
-        BackendUnavailableError, match="'triton'.*needs a CUDA device.*usable here: torch"
+        BackendUnavailableError, match="'triton'.*needs a CUDA device.*usable here: cpu, torch"
     ):
         make_backend("triton")
+
+
+def test_auto_picks_the_native_cpu_backend_on_the_cpu():
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert resolve_backend_name("torch", "cpu") == "torch"
+    assert make_backend("auto").name == "cpu"

@@ -2,12 +2,19 @@
 
 * ``torch`` — the reference: plain torch, CPU and CUDA, any ``block_size``. Gathers K/V through
   the block table; exact, not fast.
+* ``cpu`` — the torch backend with decodes run by a native C kernel that reads K/V in place
+  through the block table (float32; needs a C compiler at first use, see ``native``).
 * ``triton`` — a Triton paged-attention kernel for CUDA (see ``triton_backend`` for why it is
   not ``vllm-flash-attn``). Needs CUDA, the ``triton`` package (shipped with CUDA builds of
   torch; the ``gpu`` extra), and a power-of-two ``block_size`` in [16, 256].
+* ``auto`` — ``triton`` on CUDA, ``cpu`` on the CPU, whichever is usable, else ``torch``.
 """
 
-from worker.attention import torch_backend, triton_backend  # noqa: F401 (register backends)
+from worker.attention import (  # noqa: F401 (register backends)
+    cpu_backend,
+    torch_backend,
+    triton_backend,
+)
 from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
 from worker.attention.registry import (
     BackendUnavailableError,
@@ -17,6 +24,7 @@ from worker.attention.registry import (
     create_backend,
     get_backend_class,
     register_backend,
+    resolve_backend_name,
 )
 
 __all__ = [
@@ -29,5 +37,6 @@ __all__ = [
     "create_backend",
     "get_backend_class",
     "register_backend",
+    "resolve_backend_name",
     "write_kv",
 ]

@@ -34,7 +34,8 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
         return _BACKENDS[name]
     except KeyError:
         raise UnknownBackendError(
-            f"unknown attention backend {name!r}; valid names: {', '.join(backend_names())}"
+            f"unknown attention backend {name!r}; valid names: "
+            f"{', '.join([AUTO, *backend_names()])}"
         ) from None
 
 
@@ -43,6 +44,23 @@ def available_backends(device: str | torch.device, block_size: int = 16) -> list
     dev = torch.device(device)
     usable = [n for n, c in _BACKENDS.items() if c.unavailable_reason(dev, block_size) is None]
     return sorted(usable)
+
+
+AUTO = "auto"
+_PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
+
+
+def resolve_backend_name(name: str, device: str | torch.device, block_size: int = 16) -> str:
+    """``name`` itself, or for ``auto`` the fastest backend usable here (``triton`` on CUDA,
+    the native ``cpu`` kernels on the CPU, else the ``torch`` reference)."""
+    if name != AUTO:
+        return name
+    dev = torch.device(device)
+    for candidate in _PREFERENCE.get(dev.type, ("torch",)):
+        cls = _BACKENDS.get(candidate)
+        if cls is not None and cls.unavailable_reason(dev, block_size) is None:
+            return candidate
+    return "torch"
 
 
 def create_backend(
@@ -55,6 +73,7 @@ def create_backend(
     head_dim: int,
     scale: float,
 ) -> AttentionBackend:
+    name = resolve_backend_name(name, device, block_size)
     cls = get_backend_class(name)
     reason = cls.unavailable_reason(torch.device(device), block_size)
     if reason is not None:

@@ -3,7 +3,8 @@
 K/V are read by gathering whole physical blocks through the block table into a contiguous
 per-sequence view, then ``scaled_dot_product_attention`` with an explicit mask does the rest.
 Decodes (one new token) of a step are batched into one call; each prefill (or prefill chunk)
-gets its own call with a bottom-right-aligned causal mask over cached prefix + new tokens.
+gets its own call with a bottom-right-aligned causal mask over cached prefix + new tokens; a
+prompt with nothing cached attends to its own new K/V directly (causal, no gather, no mask).
 Simple and exact rather than fast: this is the reference the CUDA kernels are tested against.
 """
 
@@ -87,36 +88,52 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchPlan(meta, rows, tables, seq_lens, longest, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: TorchPlan, sliding_window=None):
-        meta = prepared.meta
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        block_size = k_cache.shape[1]
-        out = torch.empty_like(q)
+        write_kv(k, v, k_cache, v_cache, prepared.meta.slot_mapping)
+        out = q.new_empty(q.shape)
         if prepared.decode_rows is not None:
-            longest = prepared.decode_max_len
-            blocks = prepared.decode_block_tables[:, : -(-longest // block_size)]
-            keys = gather_context(k_cache, blocks, longest)  # [B, L, kvh, d]
-            values = gather_context(v_cache, blocks, longest)
-            q_pos = prepared.decode_seq_lens - 1  # [B, 1]
-            mask = context_mask(q_pos, longest, prepared.decode_seq_lens, sliding_window)
-            rows = prepared.decode_rows
-            out[rows] = self._sdpa(q[rows][:, None], keys, values, mask)[:, 0]
+            self._decodes(q, k_cache, v_cache, prepared, sliding_window, out)
         for p in prepared.prefills:
-            blocks = meta.block_tables[p.seq, : -(-p.seq_len // block_size)]
-            keys = gather_context(k_cache, blocks, p.seq_len)[None]
-            values = gather_context(v_cache, blocks, p.seq_len)[None]
-            n = p.end - p.start
-            q_pos = torch.arange(p.seq_len - n, p.seq_len, device=q.device)
-            mask = context_mask(q_pos, p.seq_len, p.seq_len, sliding_window)[None]
-            out[p.start : p.end] = self._sdpa(q[None, p.start : p.end], keys, values, mask)[0]
+            self._prefill(q, k, v, k_cache, v_cache, prepared.meta, p, sliding_window, out)
         return out
 
-    def _sdpa(self, q, keys, values, mask) -> torch.Tensor:
-        """q [B, n, H, d], keys/values [B, L, kvh, d], mask [B, n, L] -> [B, n, H, d]."""
+    def _decodes(self, q, k_cache, v_cache, prepared: TorchPlan, sliding_window, out) -> None:
+        """All one-token sequences of the step in one batched call over gathered contexts."""
+        longest = prepared.decode_max_len
+        blocks = prepared.decode_block_tables[:, : -(-longest // k_cache.shape[1])]
+        keys = gather_context(k_cache, blocks, longest)  # [B, L, kvh, d]
+        values = gather_context(v_cache, blocks, longest)
+        q_pos = prepared.decode_seq_lens - 1  # [B, 1]
+        mask = context_mask(q_pos, longest, prepared.decode_seq_lens, sliding_window)
+        rows = prepared.decode_rows
+        out[rows] = self._sdpa(q[rows][:, None], keys, values, mask)[:, 0]
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, p: _Prefill, sliding_window, out) -> None:
+        """One sequence's new tokens (a prompt or a chunk on top of its cached prefix)."""
+        n = p.end - p.start
+        if n == p.seq_len and (sliding_window is None or n <= sliding_window):
+            # Nothing cached before the chunk: its own k/v are the whole context, so attend
+            # causally to them directly (no gather, no explicit mask).
+            out[p.start : p.end] = self._sdpa(
+                q[None, p.start : p.end], k[None, p.start : p.end], v[None, p.start : p.end]
+            )[0]
+            return
+        blocks = meta.block_tables[p.seq, : -(-p.seq_len // k_cache.shape[1])]
+        keys = gather_context(k_cache, blocks, p.seq_len)[None]
+        values = gather_context(v_cache, blocks, p.seq_len)[None]
+        q_pos = torch.arange(p.seq_len - n, p.seq_len, device=q.device)
+        mask = context_mask(q_pos, p.seq_len, p.seq_len, sliding_window)[None]
+        out[p.start : p.end] = self._sdpa(q[None, p.start : p.end], keys, values, mask)[0]
+
+    def _sdpa(self, q, keys, values, mask=None) -> torch.Tensor:
+        """q [B, n, H, d], keys/values [B, L, kvh, d], mask [B, n, L] -> [B, n, H, d].
+
+        Without a mask: causal with n == L (a fresh prompt)."""
         result = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask[:, None],
+            attn_mask=None if mask is None else mask[:, None],
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )

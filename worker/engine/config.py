@@ -57,7 +57,11 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0, description="Seed of the RNG used by requests without a seed.")
     dtype: str = Field("float32", description="Model dtype (runner).")
     device: str = Field("cpu", description="Torch device (runner).")
-    attn_backend: str = Field("torch", description="Attention backend name (runner).")
+    attn_backend: str = Field(
+        "auto",
+        description="Attention backend (runner): auto, torch, cpu or triton; auto picks the "
+        "fastest usable one (triton on CUDA, the native cpu kernels on the CPU).",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -71,7 +71,7 @@ class RunnerExecutor(ModelExecutor):
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
-        attn_backend: str = "torch",
+        attn_backend: str = "auto",
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer

@@ -23,22 +23,60 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel; same formula as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
 
+class FusedLinear:
+    """One GEMM for several ``nn.Linear`` that read the same input (q/k/v, gate/up).
+
+    ``fuse`` allocates one weight (and bias) and re-points each part's parameters at a slice
+    of it, so the parts keep their checkpoint names (the loader copies into them, writing the
+    fused storage) and no memory is doubled. The output columns are the parts' in order.
+    """
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        self.sizes = [p.out_features for p in parts]
+        weight = torch.empty(
+            sum(self.sizes), parts[0].in_features, dtype=parts[0].weight.dtype,
+            device=parts[0].weight.device,
+        )  # fmt: skip
+        bias = None if parts[0].bias is None else weight.new_empty(sum(self.sizes))
+        start = 0
+        for part, size in zip(parts, self.sizes, strict=True):
+            weight[start : start + size].copy_(part.weight)
+            part.weight.data = weight[start : start + size]
+            if bias is not None:
+                bias[start : start + size].copy_(part.bias)
+                part.bias.data = bias[start : start + size]
+            start += size
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM once ``fuse`` was called."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -83,7 +121,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention)."""
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] (rotate-half convention).
+
+    ``x * cos + rotate_half(x) * sin`` without materialising ``rotate_half(x)``: each half is
+    updated in place with one fused multiply-add, the same products and sums as the reference.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out

@@ -15,7 +15,7 @@ from torch import nn
 
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
-from worker.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from worker.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, kvh, d]
 
@@ -38,17 +38,29 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer]
         self.backend = backend  # None only for shape-only (meta) models
+        self.qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, attn: Any
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        tokens, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is None:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        else:
+            qkv = self.qkv(x)
+        v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, : heads * d].view(tokens, heads, d))
+            k = self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k are adjacent columns: rotate both heads' sets in one pass
+            qk = apply_rope(
+                qkv[:, : (heads + kv_heads) * d].view(tokens, heads + kv_heads, d), cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
         assert self.backend is not None, "model built without an attention backend"
         out = self.backend.forward(q, k, v, kv[0], kv[1], attn, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -61,6 +73,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
 
     def forward(self, h, cos, sin, kv, attn):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, attn)
@@ -89,6 +105,12 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    def fuse_projections(self) -> None:
+        """Run q/k/v and gate/up as one GEMM each (call once weights are allocated; the
+        checkpoint names stay, see ``FusedLinear``)."""
+        for layer in self.model.layers:
+            layer.fuse()
 
     def forward(
         self,

@@ -46,5 +46,6 @@ def load_model(
         model = LlamaForCausalLM(cfg, backend).to(torch_dtype)
     model.to_empty(device=torch.device(device))
     model.model.rotary_emb.reset_buffers()  # float32, recomputed on the target device
+    model.fuse_projections()  # before loading: the checkpoint is copied into the fused storage
     load_weights(model, model_dir)
     return model.eval().requires_grad_(False)

@@ -41,7 +41,7 @@ class ModelRunner:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
-        attn_backend: str = "torch",
+        attn_backend: str = "auto",
     ) -> None:
         if block_size < 1:
             raise KVCacheSizeError(f"block_size={block_size} must be >= 1")

@@ -1,0 +1,77 @@
+"""``cpu``: the torch backend with decodes served by a native paged kernel (float32).
+
+On the CPU a decode step is memory-bound: the torch reference gathers every decode's whole
+context through the block table into a contiguous copy per layer and then reads it again in
+``scaled_dot_product_attention`` — three passes over the KV of the batch. The C kernel
+(``csrc/paged_decode.c``) reads each K/V row once, in place, through the block table, with the
+query heads of one GQA group sharing the pass; work items (sequence, kv head) are split across
+the torch thread count by context length. Prefills keep the torch path: they are GEMM-shaped
+and already run at BLAS speed there.
+
+Available when the device is the CPU and the kernel builds (a C compiler is present); other
+dtypes than float32 fall back to the torch path per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.attention import native
+from worker.attention.base import AttentionMetadata
+from worker.attention.registry import register_backend
+from worker.attention.torch_backend import TorchAttentionBackend, TorchPlan
+
+
+@dataclass(frozen=True)
+class CpuPlan(TorchPlan):
+    decode_lens32: torch.Tensor | None = None  # int32 [num_decodes]
+    spans: tuple[tuple[int, int], ...] = ()  # work item range per thread
+
+
+@register_backend
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, block_size: int) -> str | None:
+        if device.type != "cpu":
+            return f"runs on the CPU only, not {device.type}"
+        if native.load_kernels() is None:
+            return native.unavailable_reason()
+        return None
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        kernels = native.load_kernels()
+        assert kernels is not None, "create_backend checks unavailable_reason first"
+        self.kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata) -> CpuPlan:
+        plan = super().prepare(meta)
+        if plan.decode_rows is None:
+            return CpuPlan(**vars(plan))
+        lens = [meta.seq_lens_host[i] for i, n in enumerate(meta.query_lens_host) if n == 1]
+        return CpuPlan(
+            **vars(plan),
+            decode_lens32=plan.decode_seq_lens[:, 0].to(torch.int32),
+            spans=tuple(self.kernels.split(lens, self.num_kv_heads)),
+        )
+
+    def _decodes(self, q, k_cache, v_cache, prepared: CpuPlan, sliding_window, out) -> None:
+        if q.dtype != torch.float32:
+            super()._decodes(q, k_cache, v_cache, prepared, sliding_window, out)
+            return
+        self.kernels.paged_decode(
+            q,
+            out,
+            prepared.decode_rows,
+            k_cache,
+            v_cache,
+            prepared.decode_block_tables,
+            prepared.decode_lens32,
+            list(prepared.spans),
+            self.scale,
+            sliding_window,
+        )

@@ -1,0 +1,173 @@
+"""Small C kernels for the CPU, compiled on first use and called through ctypes.
+
+Why C through ctypes rather than a torch C++ extension: the kernels need no torch headers,
+so the system C compiler builds them in well under a second (a ``torch.utils.cpp_extension``
+build takes a minute of the two CI cores), and a ctypes call releases the GIL, so plain
+Python threads run the work items in parallel.
+
+The shared object is cached under ``$KVCLUSTER_CACHE`` (default ``~/.cache/kvcluster``) in
+``kernels/``, named by a hash of the source, the compiler command and this CPU's feature flags
+(``-march=native`` code must not move to another CPU). Several processes may build at once:
+each compiles aside and renames into place. Without a C compiler ``load_kernels`` returns
+``None`` with the reason in ``unavailable_reason()``; the ``cpu`` attention backend then
+reports itself unavailable and ``auto`` falls back to ``torch``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+_reason: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    root = Path(os.environ.get("KVCLUSTER_CACHE") or Path.home() / ".cache" / "kvcluster")
+    target = root / "kernels" / f"paged_decode-{tag}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+class NativeKernels:
+    """The loaded library plus a thread pool that splits work items across CPU cores."""
+
+    def __init__(self, lib: ctypes.CDLL, threads: int) -> None:
+        fn = lib.kvc_paged_decode_f32
+        i64, f32p = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [
+            f32p, i64, i64, f32p, i64, i64, f32p, f32p, f32p, f32p, i64, f32p, i64, i64,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+        ]  # fmt: skip
+        fn.restype = ctypes.c_int
+        self._decode = fn
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, "kvc-attn") if self.threads > 1 else None
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        rows: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        spans: list[tuple[int, int]],
+        scale: float,
+        window: int | None,
+    ) -> None:
+        """Attend decode ``i`` (q row ``rows[i]``) over its ``seq_lens[i]`` cached tokens and
+        write ``out[rows[i]]``. q/out: ``[tokens, heads, head_dim]`` float32 with a contiguous
+        last dim; caches contiguous; block_tables/seq_lens int32; rows int64; ``spans`` from
+        ``split`` (one per thread)."""
+        heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = k_cache.shape[2]
+        assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.is_contiguous()
+        assert v_cache.is_contiguous() and block_tables.stride(1) == 1
+        assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
+        fixed = (
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(),
+        )  # fmt: skip
+        tail = (heads, kv_heads, head_dim, k_cache.shape[1], scale, window or 0)
+        if self._pool is None or len(spans) == 1:
+            results = [self._decode(*fixed, lo, hi, *tail) for lo, hi in spans]
+        else:
+            futures = [self._pool.submit(self._decode, *fixed, lo, hi, *tail) for lo, hi in spans]
+            results = [f.result() for f in futures]
+        if any(results):
+            raise MemoryError("paged decode kernel could not allocate its score buffer")
+
+    def split(self, seq_lens: list[int], kv_heads: int) -> list[tuple[int, int]]:
+        """Work items ``0 .. n * kv_heads`` cut into one range per thread of similar work."""
+        return split_items(seq_lens, kv_heads, self.threads)
+
+
+def split_items(seq_lens: list[int], kv_heads: int, parts: int) -> list[tuple[int, int]]:
+    """Cut items ``0 .. n * kv_heads`` into at most ``parts`` ranges of similar context work."""
+    total = sum(seq_lens) * kv_heads
+    if parts == 1 or total == 0:
+        return [(0, len(seq_lens) * kv_heads)]
+    spans, begin, done, goal = [], 0, 0, total / parts
+    for i, length in enumerate(seq_lens):
+        for h in range(kv_heads):
+            done += length
+            item = i * kv_heads + h + 1
+            if done >= goal * (len(spans) + 1) and len(spans) < parts - 1:
+                spans.append((begin, item))
+                begin = item
+    spans.append((begin, len(seq_lens) * kv_heads))
+    return [s for s in spans if s[0] < s[1]]
+
+
+@cache
+def load_kernels() -> NativeKernels | None:
+    """The compiled kernels, or ``None`` (reason in ``unavailable_reason()``)."""
+    global _reason
+    compiler = _compiler()
+    if compiler is None:
+        _reason = "no C compiler found (set CC, or install gcc)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        _reason = f"building {SOURCE.name} with {compiler} failed: {detail.strip()[:500]}"
+        log.warning("native CPU kernels unavailable: %s", _reason)
+        return None
+    return NativeKernels(lib, torch.get_num_threads())
+
+
+def unavailable_reason() -> str | None:
+    """Why ``load_kernels`` returned ``None``; ``None`` if they loaded (or were not tried)."""
+    load_kernels()
+    return _reason
