@@ -1,6 +1,6 @@
 """Offline throughput of the engine (continuous batching) against static batching, on the CPU.
 
-    python -m benchmarks.engine_throughput            # ~100M-parameter random llama
+    python -m benchmarks.engine_throughput            # ~32M-parameter random llama (--size 100m)
     python -m benchmarks.engine_throughput --smoke    # tiny model, a few seconds
 
 Workload 1 (mixed): seeded prompts of ``--min-prompt``..``--max-prompt`` random tokens, each
@@ -176,7 +176,7 @@ def plot(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few seconds")
-    parser.add_argument("--size", default="100m", help="build_tiny_model size")
+    parser.add_argument("--size", default="32m", help="build_tiny_model size (tiny, 32m, 100m)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=512)

@@ -1,7 +1,7 @@
 """Build a random-weight Llama-family model folder offline, in the exact Hugging Face format.
 
     python -m worker.model.build_tiny --out DIR --family llama|mistral|qwen2|qwen3 \
-        [--size tiny|100m] [--seed N]
+        [--size tiny|32m|100m] [--seed N]
 
 The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and a real
 byte-level BPE tokenizer trained on an embedded corpus (``tokenizer.json`` and
@@ -34,6 +34,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = {
     # vocab, hidden, intermediate, layers, heads, kv heads, max positions
     "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, max_pos=2048),
+    "32m": dict(vocab=4096, hidden=512, inter=1792, layers=8, heads=8, kv=4, max_pos=4096),
     "100m": dict(vocab=4096, hidden=768, inter=2560, layers=12, heads=12, kv=4, max_pos=4096),
 }
 _MARKER = ".kvcluster-tiny.json"
