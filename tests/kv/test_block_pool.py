@@ -85,11 +85,44 @@ def test_pool_duplicate_key_stays_uncached_and_splits_the_event_run() -> None:
     chain = pool.take_new(3)
     pool.cache_full_blocks(chain, [_key(0), _key(1), _key(2)], [(0,), (1,), (2,)], None)
     assert chain[1].key is None and pool.cached[_key(1)] is first[0]
+    assert pool.twins == {_key(1): [chain[1]]} and chain[1].twin_of == _key(1)
     assert pool.events.drain() == [
         BlockStored(0, (_key(1),), None, ((1,),), 1),
         BlockStored(1, (_key(0),), None, ((0,),), 1),
         BlockStored(2, (_key(2),), _key(1), ((2,),), 1),
     ]
+
+
+def test_twin_release_and_promotion_on_the_bare_pool() -> None:
+    pool = BlockPool(num_blocks=3, block_size=1)
+    served, twin, other = pool.take_new(3)
+    pool.cache_full_blocks([served], [_key(1)], [(1,)], None)
+    pool.cache_full_blocks([twin], [_key(1)], [(1,)], None)
+    pool.release([served, other])  # served evictable at the back, other (uncached) in front
+    assert _ids(pool.free_queue) == [2, 0]
+    pool.touch([twin])  # a fork: two refs on the twin
+    pool.release([twin])
+    assert pool.twins == {_key(1): [twin]}  # still in use: still a twin
+    assert [b.block_id for b in pool.take_new(2)] == [2, 0]
+    assert pool.cached == {_key(1): twin} and twin.key == _key(1) and twin.twin_of is None
+    assert pool.twins == {}
+    assert pool.events.drain() == [BlockStored(0, (_key(1),), None, ((1,),), 1)]
+
+
+def test_check_prefix_closed_names_the_hole() -> None:
+    from worker.kv.invariants import check_prefix_closed, record_parents
+
+    parents: dict = {}
+    chain = (_key(0), _key(1), _key(2))
+    record_parents(BlockStored(0, chain, None, ((0,), (1,), (2,)), 1), parents)
+    record_parents(BlockRemoved(1, (_key(2),)), parents)  # names no parent
+    assert parents == {_key(0): None, _key(1): _key(0), _key(2): _key(1)}
+    check_prefix_closed({_key(0), _key(1)}, parents)
+    check_prefix_closed(set(), parents)
+    with pytest.raises(AssertionError, match="uncached parent"):
+        check_prefix_closed({_key(0), _key(2)}, parents)
+    with pytest.raises(AssertionError, match="never announced"):
+        check_prefix_closed({_key(9)}, parents)
 
 
 def test_pool_reset_refused_while_in_use() -> None:
@@ -125,4 +158,9 @@ def test_check_invariants_detects_corruption() -> None:
     pool.num_evictable -= 1
     pool.free_queue.append(pool.blocks[0])  # an in-use block in the free queue
     with pytest.raises(AssertionError, match="linked into the free queue"):
+        kv.check_invariants()
+    pool.free_queue.remove(pool.blocks[0])
+    kv.check_invariants()
+    pool.blocks[1].twin_of = pool.blocks[0].key  # a twin the pool does not list
+    with pytest.raises(AssertionError, match="twin"):
         kv.check_invariants()

@@ -9,6 +9,7 @@ from worker.kv import (
     BlockRemoved,
     BlockStored,
     HashContext,
+    KVAllocation,
     KVCacheManager,
     KVCapacityError,
     block_keys,
@@ -321,4 +322,77 @@ def test_user_errors() -> None:
     with pytest.raises(ValueError, match="prefix given"):
         kv.allocate_slots("a", [1, 2, 3], 1, prefix=kv.lookup_prefix([1, 2, 3], CTX))
     kv.free("nope")  # unknown: no-op
+    kv.check_invariants()
+
+
+def _twin_setup(kv: KVCacheManager) -> tuple[list[int], list[int]]:
+    """ "a" and "b" prefill the same 2 blocks concurrently; "b" then caches a child block.
+
+    Both are admitted before either fills a block, so "b"'s copies of blocks 0 and 1 are
+    twins of "a"'s, and "b"'s third block is cached with a parent served by "a".
+    """
+    b_tokens = A[:8] + [7, 7, 7, 7, 7]
+    assert _prefill_chunk(kv, "a", A[:8] + [1], 2) == [0]
+    assert _prefill_chunk(kv, "b", b_tokens, 2) == [1]
+    assert kv.allocate_slots("a", A[:8] + [1], 7).new_block_ids == [2, 3]
+    assert kv.allocate_slots("b", b_tokens, 11).new_block_ids == [4, 5, 6]
+    assert kv.block_table("a") == [0, 2, 3] and kv.block_table("b") == [1, 4, 5, 6]
+    ka, kb = _keys(A[:8] + [1]), _keys(b_tokens)
+    assert ka == kb[:2]
+    assert kv.drain_events() == [
+        BlockStored(0, tuple(ka), None, (tuple(A[0:4]), tuple(A[4:8])), BS),
+        BlockStored(1, (kb[2],), kb[1], ((7, 7, 7, 7),), BS),
+    ]
+    pool = kv._pool
+    assert {k: [b.block_id for b in t] for k, t in pool.twins.items()} == {ka[0]: [1], ka[1]: [4]}
+    kv.check_invariants()
+    return ka, kb
+
+
+def _prefill_chunk(kv: KVCacheManager, sid: str, tokens: list[int], n: int) -> list[int]:
+    hit = kv.lookup_prefix(tokens, CTX)
+    return kv.allocate_slots(sid, tokens, n, ctx=CTX, prefix=hit).new_block_ids
+
+
+def test_twin_is_promoted_when_its_key_is_evicted() -> None:
+    kv = _kv(8)
+    ka, kb = _twin_setup(kv)
+    kv.free("a")  # a's served copies become evictable: [3, 7, 2, 0] (partial 3 first)
+    assert _free_order(kv) == [3, 7, 2, 0]
+    assert _prefill(kv, "x", list(range(50, 62))) == KVAllocation([3, 7, 2], 0, [])
+    # Block 2 (key 1) was evicted, but b's twin 4 holds the same tokens: it now serves key 1,
+    # with no BlockRemoved; key 0 (block 0) is still cached and its twin still waits.
+    assert kv._pool.cached[ka[1]].block_id == 4 and kv._pool.cached[ka[0]].block_id == 0
+    assert not any(isinstance(e, BlockRemoved) for e in kv.drain_events())
+    assert {k: [b.block_id for b in t] for k, t in kv._pool.twins.items()} == {ka[0]: [1]}
+    kv.free("x")
+    assert _free_order(kv) == [0, 2, 7, 3]
+    assert _prefill(kv, "y", list(range(60, 76))).new_block_ids == [0, 2, 7, 3]
+    assert kv._pool.cached[ka[0]].block_id == 1 and kv._pool.twins == {}
+    kx = _keys(list(range(50, 62)))
+    assert kv.drain_events()[0] == BlockRemoved(3, (kx[2], kx[1], kx[0]))
+    # The worker's own prefix match still reaches b's child block through the promoted twins.
+    assert kv.lookup_prefix(A[:8] + [7, 7, 7, 7, 7], CTX).block_ids == (1, 4, 5)
+    assert set(kb).issubset(kv.cached_keys())
+    kv.check_invariants()
+
+
+def test_released_twin_moves_its_served_block_behind_the_children() -> None:
+    kv = _kv(8)
+    ka, kb = _twin_setup(kv)
+    kv.free("a")
+    assert _free_order(kv) == [3, 7, 2, 0]
+    kv.free("b")  # 6 partial to the front; 5 (child) back; twins 4, 1 free: 2 then 0 move back
+    assert _free_order(kv) == [1, 4, 6, 3, 7, 5, 2, 0]
+    assert kv._pool.twins == {} and kv._pool.blocks[4].token_ids is None
+    # Evicting in that order drops the child (kb[2]) before its parents: no hole.
+    x = list(range(300, 325))  # 7 blocks, the last one partial
+    assert _prefill(kv, "x", x).new_block_ids == [1, 4, 6, 3, 7, 5, 2]
+    assert kv.drain_events() == [
+        BlockRemoved(2, (kb[2], ka[1])),
+        BlockStored(
+            3, tuple(_keys(x)), None, tuple(tuple(x[i : i + BS]) for i in range(0, 24, BS)), BS
+        ),
+    ]
+    assert kv.cached_keys()[0] == ka[0]
     kv.check_invariants()

@@ -6,8 +6,11 @@ After every step: the manager's own ``check_invariants()``, plus independent che
 block's ref count equals the number of block tables holding it, free + in use = total, no
 referenced block in the free queue, each live sequence reads back exactly its tokens (so a
 copy-on-write can never leak a sibling's write, nor a prefix hit serve wrong KV), every cached
-block's slots hold its recorded tokens, and the key set rebuilt from the event stream equals
-the manager's cached keys.
+block's slots hold its recorded tokens, the key set rebuilt from the event stream equals
+the manager's cached keys, and that key set is PREFIX-CLOSED (every cached key's parent, as
+the events name it, is cached too) — the invariant the Redis index's bisect lookup rests on.
+``duplicate_prefill`` computes one prompt in two sequences at once, so the same blocks are
+filled twice ("twins") and evicted in every order.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from worker.kv import (
     KVCacheManager,
     KVCapacityError,
 )
+from worker.kv.invariants import check_prefix_closed, record_parents
 
 PREFIXES = [[], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5] * 10]
 TOKENS = st.lists(st.integers(0, 3), max_size=6)
@@ -56,6 +60,7 @@ class KVMachine(RuleBasedStateMachine):
         self.seqs: dict[int, _Seq] = {}
         self.next_id = 0
         self.index: set[bytes] = set()  # keys rebuilt from the event stream
+        self.parents: dict[bytes, bytes | None] = {}  # key -> parent, from BlockStored events
         self.next_event_seq = 0
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -136,6 +141,43 @@ class KVMachine(RuleBasedStateMachine):
         n = min(chunk, len(seq.tokens) - seq.computed)
         self._allocate(sid, seq.tokens, n)
 
+    @rule(
+        prefix=st.sampled_from(PREFIXES[1:]),
+        tail=TOKENS,
+        first=st.integers(1, 3),
+        chunks=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+        finish=st.sampled_from([(), (0,), (1,), (0, 1), (1, 0)]),
+    )
+    def duplicate_prefill(
+        self,
+        prefix: list[int],
+        tail: list[int],
+        first: int,
+        chunks: list[int],
+        finish: tuple[int, ...],
+    ) -> None:
+        """Two sequences prefill the same prompt concurrently, in interleaved chunks, then
+        ``finish`` frees some of them in that order (the next admits evict their blocks).
+
+        Both are admitted before either fills a block, so neither hits the other's cache:
+        every block both fill is computed twice (the second copy is a twin of the first).
+        """
+        tokens = prefix + tail
+        sids = (self.next_id, self.next_id + 1)
+        for _ in sids:
+            self._admit(tokens, first, None)
+        for turn, chunk in enumerate(chunks):
+            sid = sids[turn % 2]
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.computed < len(seq.tokens):
+                self._allocate(sid, seq.tokens, min(chunk, len(seq.tokens) - seq.computed))
+        if self.kv._pool.twins:
+            event("twins")
+        for i in finish:
+            if sids[i] in self.seqs:
+                self.kv.free(sids[i])
+                del self.seqs[sids[i]]
+
     @rule(i=PICK)
     def fork(self, i: int) -> None:
         if not self.seqs:
@@ -191,6 +233,7 @@ class KVMachine(RuleBasedStateMachine):
         for ev in self.kv.drain_events():
             assert ev.seq == self.next_event_seq
             self.next_event_seq += 1
+            record_parents(ev, self.parents)
             if isinstance(ev, BlockStored):
                 assert len(ev.keys) == len(ev.token_ids) and ev.block_size == self.bs
                 assert self.index.isdisjoint(ev.keys)
@@ -202,6 +245,7 @@ class KVMachine(RuleBasedStateMachine):
                 assert isinstance(ev, AllBlocksCleared)
                 self.index.clear()
         assert self.index == set(self.kv.cached_keys())
+        check_prefix_closed(self.index, self.parents)
 
     @invariant()
     def pool_is_consistent(self) -> None:

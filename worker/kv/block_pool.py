@@ -10,6 +10,22 @@ Free queue order (front = handed out first):
   evictable, least-recently-used first;
 - eviction is lazy: a cached free block keeps its key until its id is handed out again; only
   then is it removed from the map (and ``BlockRemoved`` emitted).
+
+Prefix closure: every cached key's parent key is cached too (the Redis index's bisect lookup
+relies on it, see :mod:`kvstore`). Two things keep it:
+
+- LRU order. A sequence releases its blocks tail-first and every holder of a block also holds
+  a block for each earlier key, so a cached block reaches the free queue no later than its
+  parent's, and the front of the queue is evicted before its parent.
+- Twins. When two sequences compute the same block concurrently, the second copy cannot be
+  cached (a key has one serving block) but its children can: the key then has a *twin*, an
+  uncached in-use block holding the same tokens. While a twin is in use, evicting the serving
+  block would leave its children's keys cached without their parent (a hole; the worker's own
+  prefix match would stop there too, so they would be dead cache). So evicting the serving
+  block *promotes* a twin to serve the key instead (no ``BlockRemoved``: the worker still holds
+  it). A twin released to ref count 0 stops being one; its children were released just before
+  it (tail-first), so the serving block, if evictable, moves to the back of the queue to stay
+  newer than them.
 """
 
 from __future__ import annotations
@@ -23,19 +39,21 @@ from worker.kv.hashing import BlockKey
 class KVBlock:
     """One physical block: its id, ref count, cache key and free-queue links."""
 
-    __slots__ = ("block_id", "ref_cnt", "key", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "key", "twin_of", "token_ids", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # index into the model runner's KV tensors; never changes
         self.ref_cnt = 0  # number of block tables holding this block
         self.key: BlockKey | None = None  # prefix-cache key while cached, else None
-        self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block (collision check)
+        self.twin_of: BlockKey | None = None  # key served by another block while this is a twin
+        self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
     def __repr__(self) -> str:
         key = self.key.hex()[:8] if self.key is not None else None
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={key})"
+        twin = f", twin_of={self.twin_of.hex()[:8]}" if self.twin_of is not None else ""
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={key}{twin})"
 
 
 class FreeBlockQueue:
@@ -112,6 +130,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}  # key -> the one block serving it
+        # key -> in-use uncached duplicates of its serving block, oldest first (a few at most)
+        self.twins: dict[BlockKey, list[KVBlock]] = {}
         self.events = EventLog()
         self.num_evictable = 0  # cached blocks with ref count 0 (kept O(1) for stats)
 
@@ -122,23 +142,37 @@ class BlockPool:
         """Hand out ``n`` blocks from the front of the free queue (ref count 1 each).
 
         A handed-out block that still holds a key is evicted now (lazy LRU eviction); all keys
-        evicted by one call form one ``BlockRemoved`` event.
+        evicted by one call form one ``BlockRemoved`` event. A key with a twin in use is not
+        evicted: the oldest twin serves it from now on.
         """
         assert n <= len(self.free_queue), f"take_new({n}) with {len(self.free_queue)} free"
         taken: list[KVBlock] = []
         evicted: list[BlockKey] = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            if block.key is not None:
+            key = block.key
+            if key is not None:
                 self.num_evictable -= 1
-                del self.cached[block.key]
-                evicted.append(block.key)
+                twins = self.twins.get(key)
+                if twins:
+                    self._promote(key, twins)
+                else:
+                    del self.cached[key]
+                    evicted.append(key)
                 block.key = block.token_ids = None
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
             self.events.removed(evicted)
         return taken
+
+    def _promote(self, key: BlockKey, twins: list[KVBlock]) -> None:
+        """The oldest twin (in use) serves ``key`` instead of its evicted serving block."""
+        twin = twins.pop(0)
+        if not twins:
+            del self.twins[key]
+        twin.twin_of, twin.key = None, key
+        self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more ref on each block; a free (evictable) one leaves the queue in O(1)."""
@@ -155,11 +189,31 @@ class BlockPool:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"{block} released more often than taken"
             if block.ref_cnt == 0:
+                if block.twin_of is not None:
+                    self._untwin(block)
                 if block.key is None:
                     self.free_queue.appendleft(block)  # nothing to keep: reuse first
                 else:
                     self.free_queue.append(block)  # keep cached, evict least recently used
                     self.num_evictable += 1
+
+    def _untwin(self, block: KVBlock) -> None:
+        """A twin released to ref count 0 becomes a plain free block.
+
+        Its children were released just before it (tail-first), so the serving block, if
+        evictable, moves to the back of the queue: the parent stays newer than its children.
+        """
+        key = block.twin_of
+        assert key is not None
+        twins = self.twins[key]
+        twins.remove(block)  # a few twins per key at most
+        if not twins:
+            del self.twins[key]
+        block.twin_of = block.token_ids = None
+        served = self.cached[key]
+        if served.ref_cnt == 0:
+            self.free_queue.remove(served)
+            self.free_queue.append(served)
 
     def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> KVBlock | None:
         """The cached block for ``key`` if its token ids also match (no collision can hit)."""
@@ -178,7 +232,8 @@ class BlockPool:
         """Cache newly filled, chained blocks; emit one ``BlockStored`` per unbroken run.
 
         A block whose key is already served by another block (two sequences computed the same
-        prefix concurrently) stays uncached; the chain of keys continues through it.
+        prefix concurrently) stays uncached and becomes a twin of it (see the module docstring);
+        the chain of keys continues through it.
         """
         run_keys: list[BlockKey] = []
         run_tokens: list[tuple[int, ...]] = []
@@ -186,6 +241,8 @@ class BlockPool:
         for block, key, toks in zip(blocks, keys, token_ids, strict=True):
             assert block.key is None, f"{block} is already cached"
             if key in self.cached:
+                block.twin_of, block.token_ids = key, toks
+                self.twins.setdefault(key, []).append(block)
                 if run_keys:
                     self.events.stored(run_keys, run_parent, run_tokens, self.block_size)
                     run_keys, run_tokens = [], []
@@ -205,6 +262,8 @@ class BlockPool:
         """Drop every key; refused (``False``, nothing changes) while any block is in use."""
         if self.num_used() > 0:
             return False
+        assert not self.twins, "a twin is always in use"
+        self.twins.clear()
         for block in self.cached.values():
             block.key = block.token_ids = None
         self.cached.clear()

@@ -2,15 +2,22 @@
 
 Written with explicit ``raise`` rather than ``assert`` so ``python -O`` cannot disable them,
 and with messages built only on failure (the property tests call this after every step).
+
+:func:`check_prefix_closed` checks the cache's PREFIX CLOSURE — every cached key's parent key
+is cached too — which the Redis index's bisect lookup relies on (see :mod:`kvstore`). The pool
+does not know parents, so the caller rebuilds them from the ``BlockStored`` events
+(:func:`record_parents`), exactly as an index consumer would.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
 from worker.kv.block_pool import BlockPool
+from worker.kv.events import BlockStored, KVEvent
+from worker.kv.hashing import BlockKey
 
 if TYPE_CHECKING:
     from worker.kv.manager import _Seq
@@ -33,6 +40,11 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         for i, block in enumerate(seq.blocks):
             if block.key is not None and (i >= n_full or block.key != seq.keys[i]):
                 _fail(f"seq {sid!r}: block {i} ({block}) is partial or has a foreign key")
+            if block.twin_of is not None and (i >= n_full or block.twin_of != seq.keys[i]):
+                _fail(f"seq {sid!r}: block {i} ({block}) is a twin of a foreign key")
+            # every full block serves its key or twins it: a sequence's keys are all cached
+            if caching and i < n_full and seq.keys[i] not in (block.key, block.twin_of):
+                _fail(f"seq {sid!r}: full block {i} ({block}) neither serves nor twins its key")
 
     for block in pool.blocks:
         if block.ref_cnt != holders[block.block_id]:
@@ -66,6 +78,57 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         _fail("a block holds a key missing from the cache map")
     if sum(1 for b in pool.cached.values() if b.ref_cnt == 0) != pool.num_evictable:
         _fail("evictable counter is wrong")
+    _check_twins(pool)
+
+
+def _check_twins(pool: BlockPool) -> None:
+    """Twins: in use, uncached, duplicating a cached key, listed once under that key."""
+    listed = 0
+    for key, twins in pool.twins.items():
+        if not twins:
+            _fail(f"empty twin list kept for {key.hex()}")
+        if key not in pool.cached:
+            _fail(f"twins of {key.hex()} outlived their key (a twin must be promoted)")
+        for twin in twins:
+            if twin.twin_of != key or twin.key is not None:
+                _fail(f"{twin} listed as a twin of {key.hex()} but twin_of={twin.twin_of!r}")
+            if twin.ref_cnt == 0:
+                _fail(f"twin {twin} is free (a released twin must stop being one)")
+            if twin.token_ids is None:
+                _fail(f"twin {twin} lacks its token ids (needed to serve after a promotion)")
+        listed += len(twins)
+        if len({t.block_id for t in twins}) != len(twins):
+            _fail(f"a block is listed twice among the twins of {key.hex()}")
+    if listed != sum(1 for b in pool.blocks if b.twin_of is not None):
+        _fail("a block has twin_of set but is not listed among its key's twins")
+
+
+def record_parents(event: KVEvent, parents: MutableMapping[BlockKey, BlockKey | None]) -> None:
+    """Add the key -> parent links a ``BlockStored`` event names (other events name none).
+
+    A key's parent never changes (keys are chained hashes), so links of evicted keys may stay.
+    """
+    if isinstance(event, BlockStored):
+        parent = event.parent
+        for key in event.keys:
+            parents[key] = parent
+            parent = key
+
+
+def check_prefix_closed(
+    cached: Collection[BlockKey], parents: Mapping[BlockKey, BlockKey | None]
+) -> None:
+    """Raise ``AssertionError`` unless every cached key's parent is cached (or it is block 0).
+
+    ``cached`` is the cache's key set (e.g. ``KVCacheManager.cached_keys()`` as a set, or a
+    set rebuilt from events); ``parents`` comes from :func:`record_parents`.
+    """
+    for key in cached:
+        if key not in parents:
+            _fail(f"cached key {key.hex()} was never announced by a BlockStored event")
+        parent = parents[key]
+        if parent is not None and parent not in cached:
+            _fail(f"cached key {key.hex()} has an uncached parent {parent.hex()} (a hole)")
 
 
 def _fail(message: str) -> None:
