@@ -66,14 +66,20 @@ def _paged_attention_kernel(
         for page in range(kv_begin // PAGE, tl.cdiv(kv_end, PAGE)):
             block = tl.load(block_tables_ptr + seq * stride_bt_seq + page).to(tl.int64)
             k = tl.load(
-                k_cache_ptr + block * stride_k_block + offs_n[:, None] * stride_k_slot
-                + kv_head * stride_k_head + offs_d[None, :],
+                k_cache_ptr
+                + block * stride_k_block
+                + offs_n[:, None] * stride_k_slot
+                + kv_head * stride_k_head
+                + offs_d[None, :],
                 mask=d_ok[None, :],
                 other=0.0,
             )
             v = tl.load(
-                v_cache_ptr + block * stride_v_block + offs_n[:, None] * stride_v_slot
-                + kv_head * stride_v_head + offs_d[None, :],
+                v_cache_ptr
+                + block * stride_v_block
+                + offs_n[:, None] * stride_v_slot
+                + kv_head * stride_v_head
+                + offs_d[None, :],
                 mask=d_ok[None, :],
                 other=0.0,
             )

@@ -226,4 +226,3 @@ class _Getter:
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ModelLoadError(f"{self.source}: {key}={value!r} must be a positive number")
         return float(value)
-
