@@ -148,11 +148,9 @@ class WorkerServer:
         self.telemetry.arrived(request.request_id)
         stream = await self.front.add_request_async(request.token_ids, request.params,
                                                     request_id=request.request_id)
-        ctx = self.front.with_engine(
-            lambda e: e.requests[request.request_id].ctx if request.request_id in e.requests
-            else None)
-        keys = (tuple(block_keys(request.token_ids, self.engine.config.block_size, ctx))
-                if ctx is not None else ())
+        # Parity keys from the same pure inputs the engine hashes with: no engine lock taken.
+        keys = tuple(block_keys(request.token_ids, self.engine.config.block_size,
+                                self.engine.hash_context(request.params)))
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:

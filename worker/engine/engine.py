@@ -87,6 +87,11 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
 
+    def hash_context(self, params: SamplingParams) -> HashContext:
+        """What a request's block keys are salted with (model id, LoRA id, tenant salt); a pure
+        function of config and params, so callers may use it without the engine's lock."""
+        return HashContext(self.config.model_id, None, params.cache_salt)
+
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
     ) -> str:
@@ -104,7 +109,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        ctx = HashContext(self.config.model_id, None, params.cache_salt)
+        ctx = self.hash_context(params)
         req = Request(rid, prompt_ids, params, next(self._arrivals), ctx, max_new)
         if params.use_beam_search:
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
