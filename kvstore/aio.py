@@ -24,7 +24,7 @@ class AsyncKVIndex:
         self.config = config
         self._client = make_async_client(config)
         self._reg_key = config.namespace + "reg"
-        self._lookup = self._client.register_script(scripts.LOOKUP)
+        self._lookup = self._client.register_script(scripts.LOOKUP[config.lookup])
         self._live = self._client.register_script(scripts.LIVE)
 
     async def aclose(self) -> None:

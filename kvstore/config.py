@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import redis
 import redis.asyncio
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +28,13 @@ class IndexConfig(BaseModel):
     model_id: str = Field(min_length=1, description="served model (key namespace)")
     record_every: int = Field(
         1, ge=1, description="record every k-th block key; lookups are exact at that granularity"
+    )
+    lookup: Literal["bisect", "scan"] = Field(
+        "bisect",
+        description=(
+            "bisect: O(breakpoints x log n) probes, exact when every publisher's cache is "
+            "prefix-closed (this engine's is); scan: reads every key, exact for any publisher"
+        ),
     )
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="a worker without heartbeat is dead")
     socket_timeout_s: float = Field(0.5, gt=0, description="per-command read/write timeout")

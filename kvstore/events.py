@@ -14,6 +14,13 @@ it never saw is not recorded (a lookup may under-count, never over-count).
 
 Recording is idempotent: replaying events already seen yields the same ops and state, so a
 caller may retry ``apply_events`` with the same batch after an outage.
+
+Prefix closure: fed every event of a prefix-closed cache, the recorded keys are prefix-closed
+too (a key is recorded only under a known parent, and the cache evicts children first). If
+events are lost before the recorder sees them, a remembered position may outlive the removal
+it missed and later let a key be recorded while its ancestor is not; :meth:`Recorder.forget`
+(called by the publisher after such a loss) restores closure, at the price of not recording
+the blocks cached before the loss until they are stored again (``k > 1`` only).
 """
 
 from __future__ import annotations
@@ -110,6 +117,11 @@ class Recorder:
             if self._recorded_position(pos):
                 out.append(key)
         return tuple(out)
+
+    def forget(self) -> None:
+        """Forget every position: only keys stored from now on under a known parent (or as
+        block 0) are recorded. For after lost events (see the module docstring)."""
+        self._pos.clear()
 
     def recorded(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """The subset of a worker's cached keys that the index records."""

@@ -36,9 +36,10 @@ class KVIndex:
         self.config = config
         self._client = make_client(config)
         self._reg_key = config.namespace + "reg"
-        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "HELD", "LOOKUP",
-                 "LIVE", "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
+        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "HELD", "LIVE",
+                 "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
+        self._scripts["LOOKUP"] = self._client.register_script(scripts.LOOKUP[config.lookup])
         # Resyncs and purges may legitimately run for long (a whole pool's keys): they use a
         # second client whose timeout is generous, so a slow Redis does not fail them forever.
         slow = {"socket_timeout_s": max(5.0, 10 * config.socket_timeout_s)}
@@ -134,7 +135,10 @@ class KVIndex:
 
     def lookup(self, keys: Sequence[BlockKey]) -> dict[str, int]:
         """For every live worker, how many leading blocks of ``keys`` (a prompt's chained
-        keys, block 0 first) it holds, in blocks; a multiple of ``record_every``."""
+        keys, block 0 first) it holds, in blocks; a multiple of ``record_every``.
+
+        With ``lookup="bisect"`` (the default) the answer assumes every worker's entries are
+        prefix-closed, as this engine publishes them; see :mod:`kvstore`."""
         k = self.config.record_every
         reply = self._run("LOOKUP", key_blob(sampled(keys, k)))
         return decode_lookup(reply, k)

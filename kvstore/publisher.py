@@ -9,9 +9,11 @@ under a lock held for O(1) and never touches Redis. The thread:
    trip each, numbered 1, 2, ...), heartbeats every ``heartbeat_ttl_s / 4`` and soon after
    the load changes, and now and then purges dead registrations;
 3. on :class:`IndexUnavailable` keeps the outbox (bounded by ``max_buffer_events``; on
-   overflow it drops it and marks a resync) and retries with backoff. When Redis answers
-   again, a lost registration (Redis restarted empty, or this worker was purged) is replaced
-   by a new epoch, and a resync from ``list_cached_keys()`` restores the worker's entries.
+   overflow it drops it and marks a resync; if ``submit`` itself overflowed, events were lost
+   before the recorder saw them, so it also forgets its positions, see ``Recorder.forget``)
+   and retries with backoff. When Redis answers again, a lost registration (Redis restarted
+   empty, or this worker was purged) is replaced by a new epoch, and a resync from
+   ``list_cached_keys()`` restores the worker's entries.
 
 ``list_cached_keys`` is called from the publisher thread; it must be safe to call while the
 engine runs (e.g. take the engine's lock or read a snapshot). Events submitted after the
@@ -202,6 +204,13 @@ class WorkerPublisher:
             submitted, self._inbox, self._inbox_events = self._inbox, [], 0
             overflow, self._inbox_overflow = self._inbox_overflow, False
         if overflow:
+            # Events were lost before the recorder saw them. The resync's snapshot supersedes
+            # everything up to now, and a remembered position may have outlived a removal it
+            # missed (it could later record a key whose ancestor it does not: a hole that a
+            # bisect lookup would read past), so the recorder starts afresh.
+            self._count(events_dropped=sum(len(events) for events in submitted))
+            submitted = []
+            self._recorder.forget()
             self._drop_outbox()
         applied = 0
         for events in submitted:

@@ -196,9 +196,9 @@ if not slot then return {} end
 return redis.call('SMEMBERS', ns .. 'held:' .. slot)
 """
 
-# ARGV: blob of the prompt's recorded keys, in order
-# -> {worker_id, leading blocks held, ...} for every live worker
-LOOKUP = _COMMON + r"""
+# Shared by both lookups: the live registrations (current and with a heartbeat).
+# wids[i]: worker id; live: slot bytes -> i; counts[i]: leading blocks (0 until found).
+_LOOKUP_LIVE = r"""
 local regs = redis.call('HGETALL', KEYS[1])
 local wids, slots, hbkeys = {}, {}, {}
 for i = 1, #regs, 2 do
@@ -209,21 +209,38 @@ for i = 1, #regs, 2 do
 end
 if #wids == 0 then return {} end
 local hb = redis.call('MGET', unpack(hbkeys))
-local live, counts = {}, {}  -- slot bytes -> index into wids; index -> leading blocks
+local live, counts = {}, {}
 for i = 1, #wids do
   if hb[i] then live[slot_bytes(slots[i])] = i; counts[i] = 0 end
 end
 local blob = ARGV[1]
 local n = #blob / 16
 local blk = ns .. 'blk'
+-- live slots holding the prompt's first key: the candidates (slot bytes -> true)
 local active, nactive = {}, 0
-local v = redis.call('HGET', blk, sub(blob, 1, 16))
-if v and n > 0 then
+local v = n > 0 and redis.call('HGET', blk, sub(blob, 1, 16)) or nil
+if v then
   for j = 1, #v, 2 do
     local sb = sub(v, j, j + 1)
     if live[sb] then active[sb] = true; nactive = nactive + 1 end
   end
 end
+"""
+
+_LOOKUP_OUT = r"""
+for sb in pairs(active) do counts[live[sb]] = n end
+local out = {}
+for i = 1, #wids do
+  if counts[i] then out[#out + 1] = wids[i]; out[#out + 1] = counts[i] end
+end
+return out
+"""
+
+# ARGV: blob of the prompt's recorded keys, in order
+# -> {worker_id, leading blocks held, ...} for every live worker
+# Scan: HMGET every key in growing chunks (1, 64, 256, 1024, 1024, ...) until no candidate is
+# left; a candidate's count is the index of the first key it lacks. Exact for any index.
+LOOKUP_SCAN = _COMMON + _LOOKUP_LIVE + r"""
 local prev, pos, chunk = v, 1, 64
 while nactive > 0 and pos < n do
   local to = math.min(n, pos + chunk)
@@ -243,13 +260,50 @@ while nactive > 0 and pos < n do
   pos = to
   chunk = math.min(chunk * 4, 1024)
 end
-for sb in pairs(active) do counts[live[sb]] = n end
-local out = {}
-for i = 1, #wids do
-  if counts[i] then out[#out + 1] = wids[i]; out[#out + 1] = counts[i] end
+""" + _LOOKUP_OUT
+
+# Bisect: exact when every live slot's key set is prefix-closed (see kvstore's docstring), so
+# that along the prompt the candidates holding key i only shrink. From an index lo that every
+# candidate holds, gallop (lo+1, lo+2, lo+4, ..., n-1) to the first probe some candidate lacks,
+# binary-search the gap for the first such index b, give the candidates missing at b the count
+# b, continue from b with the rest. O(breakpoints x log n) HGETs instead of n keys.
+LOOKUP_BISECT = _COMMON + _LOOKUP_LIVE + r"""
+-- does value pv name every candidate? (pv == lov, the value at lo, is the O(1) common case)
+local lov = v
+local function all_hold(pv)
+  if pv == lov then return true end
+  if not pv then return false end
+  local c = 0
+  for j = 1, #pv, 2 do if active[sub(pv, j, j + 1)] then c = c + 1 end end
+  return c == nactive
 end
-return out
-"""
+local function probe(i) return redis.call('HGET', blk, sub(blob, i * 16 + 1, i * 16 + 16)) end
+local lo = 0
+while nactive > 0 do
+  local good, bad, badv, step = lo, nil, nil, 1
+  while good < n - 1 do  -- gallop: first probe that some candidate lacks
+    local p = math.min(lo + step, n - 1)
+    local pv = probe(p)
+    if all_hold(pv) then good = p else bad, badv = p, pv; break end
+    step = step * 2
+  end
+  if not bad then break end  -- the candidates left hold the whole prompt
+  while bad - good > 1 do  -- binary search: good is held by all, bad is not
+    local m = math.floor((good + bad) / 2)
+    local mv = probe(m)
+    if all_hold(mv) then good = m else bad, badv = m, mv end
+  end
+  for sb in pairs(active) do
+    if not badv or not find_slot(badv, sb) then
+      counts[live[sb]] = bad; active[sb] = nil; nactive = nactive - 1
+    end
+  end
+  lo, lov = bad, badv
+end
+""" + _LOOKUP_OUT
+
+LOOKUP = {"bisect": LOOKUP_BISECT, "scan": LOOKUP_SCAN}
+"""The lookup script of each ``IndexConfig.lookup`` mode."""
 
 # -> {worker_id, "slot:epoch", heartbeat payload, ...} for every live worker
 LIVE = _COMMON + r"""

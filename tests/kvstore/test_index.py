@@ -1,4 +1,9 @@
-"""KVIndex against a real redis-server: apply, lookup, eviction, epochs, purge, resync."""
+"""KVIndex against a real redis-server: apply, lookup, eviction, epochs, purge, resync.
+
+Tests that take the ``index`` fixture run with both lookup modes (``bisect`` and ``scan``);
+their indices are prefix-closed, as a KV manager publishes them, so both must agree. Tests
+with a hand-made hole pick ``scan`` (or show where ``bisect`` differs).
+"""
 
 from __future__ import annotations
 
@@ -26,9 +31,9 @@ def blk_slots(index: KVIndex) -> dict[bytes, bytes]:
     return index.client.hgetall(index.config.namespace + "blk")
 
 
-@pytest.fixture
-def index(redis_server: RedisServer) -> KVIndex:
-    idx = make_index(redis_server)
+@pytest.fixture(params=["bisect", "scan"])
+def index(redis_server: RedisServer, request: pytest.FixtureRequest) -> KVIndex:
+    idx = make_index(redis_server, lookup=request.param)
     yield idx
     idx.close()
 
@@ -48,7 +53,8 @@ def test_apply_then_lookup_counts_leading_blocks_per_worker(index: KVIndex) -> N
     assert index.lookup(other)["a"] == 5
 
 
-def test_hole_stops_count_and_eviction_updates(index: KVIndex) -> None:
+def test_hole_stops_scan_count_and_eviction_updates(redis_server: RedisServer) -> None:
+    index = make_index(redis_server, lookup="scan")
     keys = chain(8)
     e = index.register("a")
     index.apply_events("a", e, 1, [stored(keys)])
@@ -60,6 +66,31 @@ def test_hole_stops_count_and_eviction_updates(index: KVIndex) -> None:
     assert index.lookup(keys) == {"a": 6}
     # removing a key never stored is a no-op
     assert index.apply_events("a", e, 4, [removed(*chain(2, salt=5))]).removed == 0
+    index.close()
+
+
+def test_bisect_trusts_prefix_closure_where_scan_sees_the_hole(redis_server: RedisServer) -> None:
+    """A hand-made index that no KV manager publishes, with holes: of an 8-block prompt "a"
+    holds every block but 5, "b" holds 0-2 and 4. Scan reads every key and stops at each
+    hole. Bisect probes keys 1, 2, 4 (held by both), 7 (only "a"), then 5 (neither): it never
+    reads key 3, so it credits "b" with 5 blocks; alone, "a" is probed at 1, 2, 4, 7 only and
+    credited with all 8. Exact only for prefix-closed indices, and a bisect that silently
+    scanned would fail here.
+    """
+    keys = chain(8)
+    scan, bisect = (make_index(redis_server, lookup=m) for m in ("scan", "bisect"))
+    ea, eb = scan.register("a"), scan.register("b")
+    scan.apply_events("a", ea, 1, [stored(keys), removed(keys[5])])
+    scan.apply_events("b", eb, 1, [stored(keys[:3]), stored([keys[4]], keys[3])])
+    assert scan.lookup(keys) == {"a": 5, "b": 3}
+    assert bisect.lookup(keys) == {"a": 5, "b": 5}
+    scan.deregister("b", eb)
+    assert scan.lookup(keys) == {"a": 5}
+    assert bisect.lookup(keys) == {"a": 8}
+    # on a prefix that avoids the holes both agree
+    assert scan.lookup(keys[:5]) == bisect.lookup(keys[:5]) == {"a": 5}
+    scan.close()
+    bisect.close()
 
 
 def test_all_cleared_forgets_only_that_worker(index: KVIndex) -> None:
@@ -196,8 +227,8 @@ def test_concurrent_writers_and_readers(index: KVIndex) -> None:
                 if start == 0:
                     events.append(stored(shared))
                 assert index.apply_events(w, epochs[w], seq, events).applied
-            seq += 1
-            index.apply_events(w, epochs[w], seq, [removed(chains[w][30])])
+            seq += 1  # evict the tail, children first (as the pool's LRU does)
+            index.apply_events(w, epochs[w], seq, [removed(*reversed(chains[w][30:]))])
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -220,8 +251,8 @@ def test_concurrent_writers_and_readers(index: KVIndex) -> None:
     assert index.lookup(shared) == dict.fromkeys(workers, 20)
     for w in workers:
         assert index.lookup(chains[w]) == {**dict.fromkeys(workers, 0), w: 30}
-        assert len(held(index, w)) == 39 + 20
-    assert len(blk_slots(index)) == 6 * 39 + 20
+        assert len(held(index, w)) == 30 + 20
+    assert len(blk_slots(index)) == 6 * 30 + 20
     assert set(blk_slots(index)[shared[0]]) == set(range(6))  # one holder byte pair each
 
 
@@ -243,7 +274,6 @@ def test_bad_keys_and_names_are_rejected(index: KVIndex) -> None:
         index.register("a\nb")
     with pytest.raises(TypeError, match="not a KV event"):
         index.apply_events("a", index.register("a"), 1, [object()])
-
 
 
 def test_purge_works_in_bounded_chunks_and_spares_live_workers(index: KVIndex) -> None:

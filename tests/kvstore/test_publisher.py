@@ -52,7 +52,8 @@ def test_events_and_load_reach_the_index(
 ) -> None:
     keys = chain(12)
     publisher.submit(pool.store(keys[:8]), LOAD)
-    publisher.submit(pool.store(keys[8:], keys[7]) + pool.evict(keys[10]), LOAD)
+    # evictions drop children before parents, as the KV manager's LRU does
+    publisher.submit(pool.store(keys[8:], keys[7]) + pool.evict(keys[11], keys[10]), LOAD)
     assert publisher.flush()
     assert index.lookup(keys) == {"w": 10}
     info = index.live_workers()["w"]
@@ -82,7 +83,7 @@ def test_redis_restart_mid_run_is_recovered_by_resync(
     first_epoch = publisher.epoch
     redis_server.stop()
     publisher.submit(pool.store(keys[10:20], keys[9]), LOAD)  # never blocks on Redis
-    publisher.submit(pool.evict(keys[15]), LOAD)
+    publisher.submit(pool.evict(*reversed(keys[15:20])), LOAD)
     wait_for(lambda: not publisher.healthy)
     redis_server.start()  # same port, empty: registration and entries are gone
     assert publisher.flush(timeout_s=10)
@@ -164,3 +165,32 @@ def test_purged_worker_registers_again_and_resyncs(
     wait_for(lambda: index.lookup(keys) == {"w": 4})  # the next heartbeat notices
     assert publisher.epoch > first_epoch
     assert publisher.stats.registrations == 2
+
+
+def test_lost_events_make_the_recorder_start_afresh(redis_server: RedisServer, pool: Pool) -> None:
+    """``submit`` overflowing loses events before the recorder sees them: with k > 1 the
+    recorder forgets its positions, so the index stays prefix-closed (it under-counts the
+    blocks cached before the loss) and records new chains again at once."""
+    index = KVIndex(IndexConfig(url=redis_server.url, model_id="m", record_every=2))
+    keys, other = chain(8), chain(4, salt=1)
+    first = WorkerPublisher(index, "w", pool.list_cached_keys, purge_interval_s=None)
+    first.start()
+    first.submit(pool.store(keys), LOAD)
+    assert first.flush() and index.held_keys("w") == {keys[1], keys[3], keys[5], keys[7]}
+    first.stop(deregister=False)
+    # A second publisher of the same worker shares its recorder (and its positions); its
+    # thread is not running yet, so its one-event inbox overflows.
+    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_buffer_events=1,
+                          purge_interval_s=None)  # fmt: skip
+    pub.submit(pool.evict(*reversed(keys[4:])), LOAD)
+    pub.submit(pool.store(keys[4:], keys[3]), LOAD)  # lost
+    assert pub.stats.events_dropped == 1
+    pub.start()
+    assert pub.flush()
+    assert pub.stats.events_dropped == 2 and pub.stats.resyncs == 1
+    assert index.held_keys("w") == set() and index.lookup(keys) == {"w": 0}
+    pub.submit(pool.store(other), LOAD)
+    assert pub.flush()
+    assert index.held_keys("w") == {other[1], other[3]} and index.lookup(other) == {"w": 4}
+    pub.stop()
+    index.close()
