@@ -4,12 +4,15 @@ Sends groups of prompts that share a long prefix (a system prompt per group plus
 distinct question), ``concurrency`` at a time, and reports latency, TTFT, throughput and
 where the requests were routed, with cached prompt tokens. A table on stdout, a PNG under
 ``benchmarks/results/`` and one JSON line of headline figures at the end.
+
+The pieces (prompts, one timed streaming request, percentiles, sending a list of prompts at a
+fixed concurrency) are shared with ``kvcluster bench --compare-policies``
+(:mod:`cluster.policy_bench`), which runs one fresh cluster per routing policy.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import threading
@@ -18,75 +21,146 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
+from cluster.report import pyplot, save_figure
 
 
 @dataclass
 class Sample:
-    ok: bool
-    code: str
-    latency_s: float
-    ttft_s: float
-    worker: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+    """What one streamed request measured, from the client's side."""
+
+    ok: bool  # finished without a gRPC error
+    code: str  # gRPC status name ("OK", "UNAVAILABLE", ...)
+    latency_s: float  # send to last response
+    ttft_s: float  # send to first token (nan when none came)
+    worker: str  # worker that served it ("" on error)
+    prompt_tokens: int  # prompt length in tokens
+    cached_tokens: int  # prompt tokens served from the worker's prefix cache
+    completion_tokens: int  # tokens generated
 
 
 def make_prompts(num_requests: int, num_groups: int, prefix_words: int, seed: int) -> list[str]:
+    """Seeded shared-prefix prompts: ``num_groups`` system prompts of ``prefix_words`` words,
+    each request one of them (at random) plus a distinct question."""
     rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "kernel", "cache", "block", "route", "token",
-             "prefix", "worker", "stream", "batch", "queue", "model", "index", "epoch", "ray"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "kernel",
+        "cache",
+        "block",
+        "route",
+        "token",
+        "prefix",
+        "worker",
+        "stream",
+        "batch",
+        "queue",
+        "model",
+        "index",
+        "epoch",
+        "ray",
+    ]
     prefixes = [" ".join(rng.choice(words) for _ in range(prefix_words)) for _ in range(num_groups)]
-    return [f"System: {prefixes[rng.randrange(num_groups)]}\nUser: question {i} "
-            f"{' '.join(rng.choice(words) for _ in range(8))}" for i in range(num_requests)]
+    return [
+        f"System: {prefixes[rng.randrange(num_groups)]}\nUser: question {i} "
+        f"{' '.join(rng.choice(words) for _ in range(8))}"
+        for i in range(num_requests)
+    ]
 
 
 def one_request(client: KVClusterClient, prompt: str, max_tokens: int) -> Sample:
+    """Stream one greedy completion; a gRPC error becomes a failed sample, never raises."""
     t0 = time.perf_counter()
     ttft = float("nan")
     out = Completion()
     try:
-        for msg in client.stream(build_request(prompt, max_tokens=max_tokens, temperature=0.0),
-                                 timeout=300):
+        for msg in client.stream(
+            build_request(prompt, max_tokens=max_tokens, temperature=0.0), timeout=300
+        ):
             if msg.token_ids and ttft != ttft:
                 ttft = time.perf_counter() - t0
             accumulate(out, msg)
         code = "OK"
     except grpc.RpcError as exc:
         code = exc.code().name
-    return Sample(code == "OK", code, time.perf_counter() - t0, ttft, out.worker_id,
-                  out.prompt_tokens, out.cached_tokens, out.completion_tokens)
+    return Sample(
+        code == "OK",
+        code,
+        time.perf_counter() - t0,
+        ttft,
+        out.worker_id,
+        out.prompt_tokens,
+        out.cached_tokens,
+        out.completion_tokens,
+    )
 
 
 def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``; nan when empty."""
     if not values:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_bench(target: str, *, num_requests: int = 64, concurrency: int = 8, num_groups: int = 4,
-              prefix_words: int = 200, max_tokens: int = 16, seed: int = 0,
-              plot: bool = True, out=sys.stdout) -> dict[str, float]:
-    prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
+def send_all(
+    client: KVClusterClient,
+    prompts: list[str],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    progress: TextIO | None = None,
+) -> tuple[list[Sample], float]:
+    """Send ``prompts`` ``concurrency`` at a time; returns the samples (in completion order)
+    and the wall time from first send to last response. With ``progress``, draws a bar there
+    (a separate stream, so the table and JSON line on stdout stay parseable)."""
     samples: list[Sample] = []
     lock = threading.Lock()
-    t0 = time.perf_counter()
-    with KVClusterClient(target) as client, ThreadPoolExecutor(concurrency) as pool:
-        def task(p: str) -> None:
-            s = one_request(client, p, max_tokens)
-            with lock:
-                samples.append(s)
+
+    def task(prompt: str) -> None:
+        s = one_request(client, prompt, max_tokens)
+        with lock:
+            samples.append(s)
+            if progress is not None:
                 done = len(samples)
-                bar = "#" * (30 * done // num_requests)
-                print(f"\r[{bar:<30}] {done}/{num_requests}", end="", file=sys.stderr, flush=True)
+                bar = "#" * (30 * done // len(prompts))
+                print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=progress, flush=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(task, prompts))
     wall = time.perf_counter() - t0
-    print(file=sys.stderr)
+    if progress is not None:
+        print(file=progress, flush=True)
+    return samples, wall
+
+
+def run_bench(
+    target: str,
+    *,
+    num_requests: int = 64,
+    concurrency: int = 8,
+    num_groups: int = 4,
+    prefix_words: int = 200,
+    max_tokens: int = 16,
+    seed: int = 0,
+    plot: bool = True,
+    out: TextIO | None = None,
+) -> dict[str, float]:
+    """Load-test the running cluster at ``target``: table, PNG and JSON line on ``out``."""
+    out = out or sys.stdout
+    prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
+    with KVClusterClient(target) as client:
+        samples, wall = send_all(
+            client, prompts, concurrency=concurrency, max_tokens=max_tokens, progress=sys.stderr
+        )
     ok = [s for s in samples if s.ok]
     prompt_tok = sum(s.prompt_tokens for s in ok)
     figures = {
@@ -116,15 +190,8 @@ def run_bench(target: str, *, num_requests: int = 64, concurrency: int = 8, num_
     return figures
 
 
-def _plot(samples: list[Sample]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    default = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-    path = Path(os.environ.get("KVCLUSTER_RESULTS_DIR") or default)
-    path.mkdir(parents=True, exist_ok=True)
+def _plot(samples: list[Sample]) -> Path:
+    plt = pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     ax[0].hist([s.ttft_s * 1e3 for s in samples], bins=30)
     ax[0].set_xlabel("TTFT (ms)")
@@ -132,6 +199,4 @@ def _plot(samples: list[Sample]) -> None:
     ax[1].scatter([s.cached_tokens for s in samples], [s.ttft_s * 1e3 for s in samples], s=8)
     ax[1].set_xlabel("cached prompt tokens")
     ax[1].set_ylabel("TTFT (ms)")
-    fig.tight_layout()
-    fig.savefig(path / "cluster_bench.png", dpi=110)
-    plt.close(fig)
+    return save_figure(fig, "cluster_bench.png")

@@ -31,8 +31,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = cluster.state()
     print(f"kvcluster {cfg.name!r} is up")
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
-    print(f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
-          "or RAY_AUTH_MODE=disabled)")
+    print(
+        f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
+        "or RAY_AUTH_MODE=disabled)"
+    )
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir}")
     print(f"  state          : {path}")
@@ -53,13 +55,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with KVClusterClient(_endpoint(args)) as client:
         st = client.status()
-    print(f"model {st.model_id}  policy {st.policy}  index "
-          f"{'up' if st.index_available else 'DOWN'}")
-    print(f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}"
-          f"{'hit rate':>10}")
+    print(
+        f"model {st.model_id}  policy {st.policy}  index {'up' if st.index_available else 'DOWN'}"
+    )
+    print(
+        f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}{'hit rate':>10}"
+    )
     for w in st.workers:
-        print(f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
-              f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}")
+        print(
+            f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
+            f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}"
+        )
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0
@@ -70,23 +76,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     out = Completion()
     with KVClusterClient(_endpoint(args)) as client:
-        req = build_request(args.prompt, max_tokens=args.max_tokens,
-                            temperature=args.temperature, cache_salt=args.cache_salt)
+        req = build_request(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            cache_salt=args.cache_salt,
+        )
         for msg in client.stream(req, timeout=args.timeout):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             accumulate(out, msg)
-    print(f"\n[worker {out.worker_id}; prompt {out.prompt_tokens} tokens, "
-          f"{out.cached_tokens} cached; {out.completion_tokens} generated; "
-          f"finish {out.finish_reasons.get(0)}]")
+    print(
+        f"\n[worker {out.worker_id}; prompt {out.prompt_tokens} tokens, "
+        f"{out.cached_tokens} cached; {out.completion_tokens} generated; "
+        f"finish {out.finish_reasons.get(0)}]"
+    )
     return 0
 
 
+_COMPARE_ONLY = ("workers", "model_size", "config", "policies")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare_policies:
+        return _compare_policies(args)
+    given = [f"--{k.replace('_', '-')}" for k in _COMPARE_ONLY if getattr(args, k) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only with --compare-policies")
     from cluster.bench import run_bench
 
-    run_bench(_endpoint(args), num_requests=args.requests, concurrency=args.concurrency,
-              num_groups=args.groups, max_tokens=args.max_tokens)
+    run_bench(
+        _endpoint(args),
+        num_requests=args.requests or 64,
+        concurrency=args.concurrency or 8,
+        num_groups=args.groups or 4,
+        max_tokens=args.max_tokens or 16,
+    )
+    return 0
+
+
+def _compare_policies(args: argparse.Namespace) -> int:
+    """A fresh in-process cluster per policy; defaults are the benchmark's FULL workload."""
+    from dataclasses import replace
+
+    from cluster.policy_bench import FULL, POLICIES, compare
+
+    if args.target:
+        raise ConfigError("--compare-policies starts its own clusters; drop --target")
+    base = load_config(args.config) if args.config else None
+    default_size = None if base else FULL.model_size  # a --config brings its own model
+    w = replace(
+        FULL,
+        model_size=args.model_size or default_size,
+        num_workers=args.workers or (base.workers.num_workers if base else 2),
+        num_requests=args.requests or FULL.num_requests,
+        concurrency=args.concurrency or FULL.concurrency,
+        num_groups=args.groups or FULL.num_groups,
+        max_tokens=args.max_tokens or FULL.max_tokens,
+    )
+    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    compare(w, policies, base)
     return 0
 
 
@@ -94,6 +143,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from cluster.demo import run_demo
 
     return run_demo(load_config(args.config), num_requests=args.requests)
+
+
+def _bench_args(sp: argparse.ArgumentParser) -> None:
+    """Flags of ``bench``; the sizes default per mode (load test: 64/8/4/16 tokens;
+    --compare-policies: the benchmark's FULL workload, 64/8/4/8 tokens on the 100m model)."""
+    sp.add_argument("--requests", type=int, help="requests (per policy with --compare-policies)")
+    sp.add_argument("--concurrency", type=int, help="requests in flight")
+    sp.add_argument("--groups", type=int, help="distinct shared system prompts")
+    sp.add_argument("--max-tokens", type=int, help="tokens generated per request")
+    cmp = sp.add_argument_group(
+        "--compare-policies",
+        "a fresh local cluster per routing policy, same seeded workload: "
+        "TTFT, throughput and hit rate with ratios vs round_robin, PNG, JSON line",
+    )
+    cmp.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="start a cluster per policy in this process instead of using --target",
+    )
+    cmp.add_argument(
+        "--workers",
+        type=int,
+        choices=(2, 3, 4),
+        help="CPU workers per cluster (default 2, or the --config's count)",
+    )
+    cmp.add_argument(
+        "--model-size",
+        choices=("tiny", "32m", "100m"),
+        help="offline model (default 100m; with --config, the config's model)",
+    )
+    cmp.add_argument(
+        "--config",
+        help="base cluster YAML; per run its policy, name and router port are overridden "
+        "and the dashboard is off (default: embedded defaults)",
+    )
+    cmp.add_argument(
+        "--policies", help="comma-separated (default round_robin,least_loaded,prefix_affinity)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--config", help="cluster YAML (see deploy/kvcluster.yaml)")
     sp.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto' after ray up)")
     add("down", cmd_down, "stop the cluster started by `up`")
-    for name, fn, help_ in (("status", cmd_status, "workers, load, KV usage, hit rates"),
-                            ("generate", cmd_generate, "stream a completion"),
-                            ("bench", cmd_bench, "load generator: table, plot, JSON line")):
+    for name, fn, help_ in (
+        ("status", cmd_status, "workers, load, KV usage, hit rates"),
+        ("generate", cmd_generate, "stream a completion"),
+        ("bench", cmd_bench, "load generator: table, plot, JSON line"),
+    ):
         sp = add(name, fn, help_)
         sp.add_argument("--target", help="router host:port (default: from the state file)")
         if name == "generate":
@@ -123,10 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--cache-salt", default="")
             sp.add_argument("--timeout", type=float, default=120.0)
         if name == "bench":
-            sp.add_argument("--requests", type=int, default=64)
-            sp.add_argument("--concurrency", type=int, default=8)
-            sp.add_argument("--groups", type=int, default=4)
-            sp.add_argument("--max-tokens", type=int, default=16)
+            _bench_args(sp)
     sp = add("demo", cmd_demo, "start a cluster in-process, send prefix-sharing requests, stop")
     sp.add_argument("--config", help="cluster YAML")
     sp.add_argument("--requests", type=int, default=8)
@@ -135,8 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError) as exc:

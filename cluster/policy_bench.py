@@ -1,0 +1,285 @@
+"""``kvcluster bench --compare-policies``: routing policies compared on one shared-prefix
+workload, each on a fresh local cluster started in this process.
+
+For each policy a fresh cluster (in-process Ray, local redis-server, 2-4 CPU workers, same
+config except ``router.routing.policy``) serves the same seeded workload, cold (nothing
+warmed): ``num_groups`` system prompts of ``prefix_words`` words, each request one of them
+plus a distinct question, ``concurrency`` in flight. A fresh cluster per policy, not one
+cluster re-configured, so no policy inherits the KV caches the previous one filled.
+
+Prints progress, one table (TTFT mean/p50/p99, req/s, output tok/s, prefix hit rate, ratios
+vs round_robin), saves ``cluster_policies.png`` under benchmarks/results/, and ends with one
+JSON line of headline figures. ``benchmarks/cluster_policies.py`` is the same code with the
+measured figures in its docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from cluster.bench import Sample, make_prompts, pct, send_all
+from cluster.client import KVClusterClient
+from cluster.config import ClusterConfig, ConfigError
+from cluster.report import emit_json, print_table, pyplot, save_figure
+
+POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
+BASELINE = "round_robin"  # the ratios' denominator
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One seeded shared-prefix workload and the cluster size it runs on."""
+
+    model_size: str | None  # offline model (build_tiny size); None: the base config's model
+    num_requests: int  # requests sent per policy
+    concurrency: int  # requests in flight at once
+    num_groups: int  # distinct system prompts
+    prefix_words: int  # words per system prompt
+    max_tokens: int  # tokens generated per request
+    num_blocks: int  # KV blocks per worker (16 tokens each); embedded config only
+    num_workers: int = 2  # CPU workers per cluster
+    seed: int = 0  # prompt RNG seed
+
+
+# Prefill dominates as in real serving: the 100m model, long system prompts, short answers,
+# and more distinct system prompts than one worker's KV cache holds (but not more than the
+# cluster's), so where a request lands decides whether its prefix is recomputed.
+FULL = Workload(
+    model_size="100m",
+    num_requests=64,
+    concurrency=8,
+    num_groups=4,
+    prefix_words=300,
+    max_tokens=8,
+    num_blocks=128,
+)
+SMOKE = Workload(
+    model_size="tiny",
+    num_requests=12,
+    concurrency=4,
+    num_groups=3,
+    prefix_words=60,
+    max_tokens=4,
+    num_blocks=64,
+)
+
+
+@dataclass
+class PolicyResult:
+    """What one policy's run measured."""
+
+    policy: str  # routing policy name
+    samples: list[Sample]  # one per request, in completion order
+    wall_s: float  # first send to last response
+
+
+def check_policies(policies: list[str]) -> None:
+    """Raise :class:`ConfigError` naming the valid policies before any cluster starts."""
+    import router.policies  # noqa: F401 - registers the built-in policies
+    from router.policy import policy_names
+
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown or not policies:
+        raise ConfigError(
+            f"unknown routing policies {unknown or policies!r}; valid: {', '.join(policy_names())}"
+        )
+
+
+def cluster_config(policy: str, w: Workload, base: ClusterConfig | None = None) -> ClusterConfig:
+    """The cluster one policy runs on.
+
+    Without ``base``: the embedded defaults sized by ``w`` (offline model of
+    ``w.model_size``, ``w.num_workers`` workers with ``w.num_blocks`` KV blocks each). With
+    ``base``: that config with ``policy``, and ``w.num_workers`` workers (and the offline
+    ``w.model_size`` model when set). Either way a name of its own, a free router port and no
+    dashboard, so it never collides with a cluster already running from the same YAML.
+    """
+    from worker.model.build_tiny import build_tiny_model
+
+    if base is None:
+        raw: dict = {
+            "workers": {
+                "num_cpus_per_worker": 0.5,
+                "engine": {
+                    "num_blocks": w.num_blocks,
+                    "block_size": 16,
+                    "max_waiting": 256,
+                    "max_num_seqs": 16,
+                    "max_num_batched_tokens": 1024,
+                    "max_model_len": 2048,
+                },
+            }
+        }
+    else:
+        raw = base.model_dump()
+    if w.model_size is not None:
+        raw["model"] = {
+            **raw.get("model", {}),
+            "path": str(build_tiny_model(family="llama", size=w.model_size)),
+        }
+    raw["name"] = f"bench-{policy}-{os.getpid()}"
+    raw["dashboard"] = False
+    raw["workers"]["num_workers"] = w.num_workers
+    router = raw.setdefault("router", {})
+    router["port"] = 0
+    router["routing"] = {**router.get("routing", {}), "policy": policy}
+    return ClusterConfig.model_validate(raw)
+
+
+def run_policy(
+    policy: str,
+    w: Workload,
+    prompts: list[str],
+    base: ClusterConfig | None = None,
+    progress: TextIO | None = None,
+) -> PolicyResult:
+    """Fresh cluster, the workload through it at ``w.concurrency``, cluster stopped."""
+    from cluster.launcher import Cluster  # late: imports Ray and the worker's model code
+
+    with (
+        Cluster(cluster_config(policy, w, base)) as cluster,
+        KVClusterClient(cluster.endpoints[0]) as client,
+    ):
+        samples, wall = send_all(
+            client, prompts, concurrency=w.concurrency, max_tokens=w.max_tokens, progress=progress
+        )
+    return PolicyResult(policy, samples, wall)
+
+
+def figures(r: PolicyResult) -> dict[str, float]:
+    """One policy's figures over its successful requests."""
+    ok = [s for s in r.samples if s.ok]
+    ttft = [s.ttft_s for s in ok]
+    prompt_tok = sum(s.prompt_tokens for s in ok)
+    return {
+        "ok": len(ok),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p99_s": pct(ttft, 0.99),
+        "req_s": len(ok) / r.wall_s,
+        "out_tok_s": sum(s.completion_tokens for s in ok) / r.wall_s,
+        "hit_rate": sum(s.cached_tokens for s in ok) / prompt_tok if prompt_tok else 0.0,
+        "prompt_tokens_mean": prompt_tok / len(ok) if ok else 0.0,
+    }
+
+
+def table_rows(results: list[PolicyResult]) -> list[dict]:
+    """One row per policy, with mean-TTFT and throughput ratios vs round_robin when it ran."""
+    figs = {r.policy: figures(r) for r in results}
+    rr = figs.get(BASELINE)
+    rows = []
+    for name, f in figs.items():
+        row = {"policy": name, **{k: v for k, v in f.items() if k != "prompt_tokens_mean"}}
+        if rr:
+            row["ttft_vs_rr"] = f["ttft_mean_s"] / rr["ttft_mean_s"]
+            row["thru_vs_rr"] = f["req_s"] / rr["req_s"]
+        rows.append(row)
+    return rows
+
+
+def headline(results: list[PolicyResult]) -> dict[str, float | bool]:
+    """The JSON line: per policy mean TTFT, req/s and hit rate; prefix_affinity's ratios vs
+    round_robin and whether the issue's targets (TTFT <= 0.5x, throughput >= 1.3x) are met.
+    The keys are those the benchmark has always printed, so runs stay comparable."""
+    figs = {r.policy: figures(r) for r in results}
+    out: dict[str, float | bool] = {}
+    for name, f in figs.items():
+        out[f"{name}_ttft_mean_s"] = round(f["ttft_mean_s"], 4)
+        out[f"{name}_req_s"] = round(f["req_s"], 4)
+        out[f"{name}_hit_rate"] = round(f["hit_rate"], 4)
+    rr, pa = figs.get(BASELINE), figs.get("prefix_affinity")
+    if rr and pa:
+        out["ttft_ratio_vs_rr"] = round(pa["ttft_mean_s"] / rr["ttft_mean_s"], 4)
+        out["throughput_ratio_vs_rr"] = round(pa["req_s"] / rr["req_s"], 4)
+        out["targets_met"] = bool(
+            out["ttft_ratio_vs_rr"] <= 0.5 and out["throughput_ratio_vs_rr"] >= 1.3
+        )
+    return out
+
+
+def plot(results: list[PolicyResult]) -> Path:
+    """TTFT CDF per policy and mean TTFT bars labelled with hit rate and req/s."""
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        ttft = sorted(s.ttft_s * 1e3 for s in r.samples if s.ok)
+        ax[0].plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=r.policy)
+    ax[0].set_xlabel("TTFT (ms)")
+    ax[0].set_ylabel("fraction of requests")
+    ax[0].legend()
+    figs = [figures(r) for r in results]
+    ax[1].bar([r.policy for r in results], [f["ttft_mean_s"] * 1e3 for f in figs])
+    ax[1].set_ylabel("mean TTFT (ms)")
+    for i, f in enumerate(figs):
+        ax[1].text(
+            i,
+            f["ttft_mean_s"] * 1e3,
+            f"hit {f['hit_rate']:.0%}\n{f['req_s']:.2f} req/s",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    return save_figure(fig, "cluster_policies.png")
+
+
+def model_label(w: Workload, base: ClusterConfig | None) -> str:
+    if w.model_size is not None:
+        return w.model_size
+    return Path(base.model.path).name if base and base.model.path else "tiny"
+
+
+def compare(
+    w: Workload,
+    policies: list[str] | tuple[str, ...] = POLICIES,
+    base: ClusterConfig | None = None,
+    out: TextIO | None = None,
+    progress: TextIO | None = None,
+) -> dict[str, float | bool]:
+    """Run every policy in turn on ``w``; print progress, the table, the plot's path and the
+    JSON line on ``out`` (progress bars on ``progress``, default stderr); return the headline.
+
+    Sets ``OMP_NUM_THREADS=1`` (unless set) before the first cluster starts: the local Ray's
+    worker processes inherit it, so the workers share the machine's cores without each
+    spawning a thread per core.
+    """
+    out = out or sys.stdout
+    check_policies(list(policies))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    print(f"workload: {w}", file=out, flush=True)
+    prompts = make_prompts(w.num_requests, w.num_groups, w.prefix_words, w.seed)
+    results = []
+    for policy in policies:
+        print(
+            f"{policy}: starting a cluster of {w.num_workers} workers "
+            f"({model_label(w, base)} model)",
+            file=out,
+            flush=True,
+        )
+        r = run_policy(policy, w, prompts, base, progress=progress or sys.stderr)
+        results.append(r)
+        f = figures(r)
+        errors = sorted({s.code for s in r.samples if not s.ok})
+        print(
+            f"{policy}: {f['ok']}/{w.num_requests} ok in {r.wall_s:.1f}s, "
+            f"mean TTFT {f['ttft_mean_s'] * 1e3:.0f} ms, hit {f['hit_rate']:.0%}"
+            + (f", errors {errors}" if errors else ""),
+            file=out,
+            flush=True,
+        )
+    tokens = figures(results[0])["prompt_tokens_mean"]
+    print_table(
+        table_rows(results),
+        f"routing policies, {w.num_workers} workers, "
+        f"{model_label(w, base)} model, ~{tokens:.0f} prompt tokens",
+        out=out,
+    )
+    print(f"plot: {plot(results)}", file=out)
+    head = headline(results)
+    emit_json(head, out=out)
+    return head
