@@ -272,7 +272,7 @@ LOOKUP_BISECT = _COMMON + _LOOKUP_LIVE + r"""
 local lov = v
 local function all_hold(pv)
   if pv == lov then return true end
-  if not pv then return false end
+  if not pv or #pv < 2 * nactive then return false end
   local c = 0
   for j = 1, #pv, 2 do if active[sub(pv, j, j + 1)] then c = c + 1 end end
   return c == nactive

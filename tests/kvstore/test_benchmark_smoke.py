@@ -19,4 +19,7 @@ def test_benchmark_smoke(
     assert head["kvstore_record_every"] == 2
     assert head["kvstore_entries"] == 20_000 // 2048 // 4 * 2048 * 4 // 2
     assert head["kvstore_bytes_per_entry"] > 0
+    for mode in ("bisect", "scan"):  # both lookup modes measured, answers checked on the way
+        for n in ("128", "2048", "2048_staggered"):
+            assert head[f"kvstore_lookup_{mode}_{n}_p99_ms"] > 0
     assert (tmp_path / "kvstore_lookup.png").exists()
