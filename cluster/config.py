@@ -72,6 +72,10 @@ class RedisConfig(_Strict):
         None, description="redis:// or rediss:// URL; None starts a local redis-server."
     )
     record_every: int = Field(1, ge=1, description="Index every k-th block key.")
+    lookup: Literal["bisect", "scan"] = Field(
+        "bisect", description="Prefix lookup: bisect (O(log n), exact for this engine's "
+        "prefix-closed caches) or scan (reads every key; exact for any publisher)."
+    )
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="Worker liveness TTL.")
 
     @field_validator("url")

@@ -207,6 +207,7 @@ class Cluster:
             return None
         return IndexConfig(url=self.redis_url, cluster=self.cfg.name, model_id=self.model_id,
                            record_every=self.cfg.redis.record_every,
+                           lookup=self.cfg.redis.lookup,
                            heartbeat_ttl_s=self.cfg.redis.heartbeat_ttl_s)
 
     def engine_config(self):  # noqa: ANN201
