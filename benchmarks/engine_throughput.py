@@ -138,8 +138,11 @@ _VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], new: int) -> dict | str:
-    """vLLM's CPU build from its own venv; a note (str) when it cannot run."""
+def run_vllm(
+    python: str, model_dir: Path, prompts: list[list[int]], new: int, threads: int = 0
+) -> dict | str:
+    """vLLM's CPU build from its own venv; a note (str) when it cannot run. ``threads`` > 0
+    binds its OpenMP threads to that many cores (as ``--threads`` limits torch's here)."""
     if not Path(python).exists():
         return f"skipped: no vLLM venv at {python} (see the issue for the install recipe)"
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,6 +150,8 @@ def run_vllm(python: str, model_dir: Path, prompts: list[list[int]], new: int) -
         script.write_text(_VLLM_SCRIPT)
         data.write_text(json.dumps(prompts))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         proc = subprocess.run(
             [python, str(script), str(model_dir), str(data), str(new)],
             capture_output=True, text=True, env=env, check=False,
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     m = engine.metrics()
     static = run_engine_static(Engine.from_model_dir(model_dir, cfg), prompts, params, args.batch)
     hf = run_transformers(model_dir, prompts, n, args.batch)
-    vllm = run_vllm(args.vllm_python, model_dir, prompts, n)
+    vllm = run_vllm(args.vllm_python, model_dir, prompts, n, args.threads)
     rows = [
         {"system": "engine (continuous)", "tok/s": cb["tok_s"], "wall s": cb["wall"],
          "same as hf": agreement(cb["tokens"], hf["tokens"])},

@@ -64,12 +64,12 @@ def test_kernel_matches_torch_reference(heads, kv_heads, head_dim, window):
 def test_split_items_covers_every_item_once_and_balances_context():
     lens = [5, 500, 7, 300, 300, 1, 90]
     for parts in (1, 2, 3, 8, 50):
-        spans = split_items(lens, kv_heads=2, parts=parts)
+        spans = split_items(lens, parts)
         covered = [i for lo, hi in spans for i in range(lo, hi)]
-        assert covered == list(range(len(lens) * 2))
+        assert covered == list(range(len(lens)))
         assert len(spans) <= parts
-    work = [sum(lens[i // 2] for i in range(lo, hi)) for lo, hi in split_items(lens, 2, 2)]
-    assert max(work) <= 0.5 * sum(lens) * 2 + 500  # no half gets more than one item too many
+    work = [sum(lens[lo:hi]) for lo, hi in split_items(lens, 2)]
+    assert work == [512, 691]  # cut at the item boundary nearest half the total
 
 
 def test_missing_compiler_is_reported_and_auto_falls_back_to_torch(tmp_path):

@@ -4,7 +4,7 @@ On the CPU a decode step is memory-bound: the torch reference gathers every deco
 context through the block table into a contiguous copy per layer and then reads it again in
 ``scaled_dot_product_attention`` — three passes over the KV of the batch. The C kernel
 (``csrc/paged_decode.c``) reads each K/V row once, in place, through the block table, with the
-query heads of one GQA group sharing the pass; work items (sequence, kv head) are split across
+rows of all kv heads of a token read together (contiguous memory); sequences are split across
 the torch thread count by context length. Prefills keep the torch path: they are GEMM-shaped
 and already run at BLAS speed there.
 
@@ -56,7 +56,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuPlan(
             **vars(plan),
             decode_lens32=plan.decode_seq_lens[:, 0].to(torch.int32),
-            spans=tuple(self.kernels.split(lens, self.num_kv_heads)),
+            spans=tuple(self.kernels.split(lens)),
         )
 
     def _decodes(self, q, k_cache, v_cache, prepared: CpuPlan, sliding_window, out) -> None:

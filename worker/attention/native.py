@@ -127,25 +127,27 @@ class NativeKernels:
         if any(results):
             raise MemoryError("paged decode kernel could not allocate its score buffer")
 
-    def split(self, seq_lens: list[int], kv_heads: int) -> list[tuple[int, int]]:
-        """Work items ``0 .. n * kv_heads`` cut into one range per thread of similar work."""
-        return split_items(seq_lens, kv_heads, self.threads)
+    def split(self, seq_lens: list[int]) -> list[tuple[int, int]]:
+        """Decodes ``0 .. n`` cut into one range per thread of similar context work."""
+        return split_items(seq_lens, self.threads)
 
 
-def split_items(seq_lens: list[int], kv_heads: int, parts: int) -> list[tuple[int, int]]:
-    """Cut items ``0 .. n * kv_heads`` into at most ``parts`` ranges of similar context work."""
-    total = sum(seq_lens) * kv_heads
+def split_items(seq_lens: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut items ``0 .. n`` (item i costs ``seq_lens[i]``) into at most ``parts`` contiguous
+    ranges of similar total cost."""
+    total = sum(seq_lens)
     if parts == 1 or total == 0:
-        return [(0, len(seq_lens) * kv_heads)]
-    spans, begin, done, goal = [], 0, 0, total / parts
+        return [(0, len(seq_lens))]
+    spans, begin, done, share = [], 0, 0, total / parts
     for i, length in enumerate(seq_lens):
-        for h in range(kv_heads):
-            done += length
-            item = i * kv_heads + h + 1
-            if done >= goal * (len(spans) + 1) and len(spans) < parts - 1:
-                spans.append((begin, item))
-                begin = item
-    spans.append((begin, len(seq_lens) * kv_heads))
+        goal = share * (len(spans) + 1)
+        if len(spans) < parts - 1 and done + length >= goal:
+            # cut at whichever side of item i lands nearer the goal
+            cut = i if goal - done < done + length - goal and i > begin else i + 1
+            spans.append((begin, cut))
+            begin = cut
+        done += length
+    spans.append((begin, len(seq_lens)))
     return [s for s in spans if s[0] < s[1]]
 
 

@@ -9,26 +9,72 @@
  *   k/v cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous
  *   block_tables  int32, row i of sequence i at  block_tables + i * table_stride
  *   rows      int64 [n]: the q/out row of decode i;   seq_lens int32 [n]: its context length
- * A work item is (decode i, kv head g): the heads sharing that kv head (GQA group) are done
- * together, so every K/V row is read once per item. Scores use a two-pass softmax in a
- * per-item buffer of group * seq_len floats.
+ * A work item is one decode: token by token it reads the K (then V) row of all kv heads at
+ * once — contiguous memory, 16 rows per block — which streams about twice as fast as walking
+ * one kv head at a time (a 1 KB stride). Scores use a two-pass softmax in a per-item buffer of
+ * num_heads * seq_len floats.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float dot(const float *a, const float *b, int n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+static inline float hsum8(const float *acc) {
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* q . k for four keys at once: four independent accumulator chains hide the FMA latency. */
+static inline void dot4(const float *restrict q, const float *restrict k0,
+                        const float *restrict k1, const float *restrict k2,
+                        const float *restrict k3, int n, float *out) {
+  float a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0};
   int d = 0;
   for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; j++) acc[j] += a[d + j] * b[d + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (int j = 0; j < 8; j++) {
+      const float x = q[d + j];
+      a0[j] += x * k0[d + j];
+      a1[j] += x * k1[d + j];
+      a2[j] += x * k2[d + j];
+      a3[j] += x * k3[d + j];
+    }
+  float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
+  for (; d < n; d++) {
+    s0 += q[d] * k0[d];
+    s1 += q[d] * k1[d];
+    s2 += q[d] * k2[d];
+    s3 += q[d] * k3[d];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+  v8f acc0 = {0}, acc1 = {0};
+  int d = 0;
+  for (; d + 16 <= n; d += 16) {
+    acc0 += load8(a + d) * load8(b + d);
+    acc1 += load8(a + d + 8) * load8(b + d + 8);
+  }
+  if (d + 8 <= n) {
+    acc0 += load8(a + d) * load8(b + d);
+    d += 8;
+  }
+  acc0 += acc1;
+  float s = ((acc0[0] + acc0[1]) + (acc0[2] + acc0[3])) + ((acc0[4] + acc0[5]) + (acc0[6] + acc0[7]));
   for (; d < n; d++) s += a[d] * b[d];
   return s;
 }
 
-/* Items [item_begin, item_end) of n * num_kv_heads; returns 0, or -1 if out of memory. */
+/* Items [item_begin, item_end) are decodes (sequences); each reads every kv head of a token
+ * at once, so K/V rows stream contiguously through each block. Returns 0, or -1 if out of
+ * memory. */
 int kvc_paged_decode_f32(const float *q, int64_t q_row_stride, int64_t q_head_stride,
                          float *out, int64_t out_row_stride, int64_t out_head_stride,
                          const int64_t *rows, const float *k_cache, const float *v_cache,
@@ -40,56 +86,57 @@ int kvc_paged_decode_f32(const float *q, int64_t q_row_stride, int64_t q_head_st
   const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
   int64_t cap = 0;
   float *scores = NULL;
-  float *acc = (float *)malloc(sizeof(float) * group * head_dim);
-  if (!acc) return -1;
-  for (int64_t item = item_begin; item < item_end; item++) {
-    const int64_t i = item / num_kv_heads;
-    const int kvh = (int)(item % num_kv_heads);
+  float *acc = (float *)malloc(sizeof(float) * num_heads * head_dim);
+  float *inv = (float *)malloc(sizeof(float) * num_heads);
+  if (!acc || !inv) { free(acc); free(inv); return -1; }
+  for (int64_t i = item_begin; i < item_end; i++) {
     const int len = seq_lens[i];
     const int start = (window > 0 && len > window) ? len - window : 0;
     const int span = len - start;
-    if ((int64_t)group * span > cap) {
-      cap = (int64_t)group * span * 2;
+    if ((int64_t)num_heads * span > cap) {
+      cap = (int64_t)num_heads * span * 2;
       free(scores);
       scores = (float *)malloc(sizeof(float) * cap);
-      if (!scores) { free(acc); return -1; }
+      if (!scores) { free(acc); free(inv); return -1; }
     }
     const int32_t *table = block_tables + i * table_stride;
-    const float *qi = q + rows[i] * q_row_stride + (int64_t)kvh * group * q_head_stride;
+    const float *qi = q + rows[i] * q_row_stride;
+    /* scores[h][t] = q_h . k_t * scale, token by token (one contiguous row of all kv heads) */
     for (int t = start; t < len; t++) {
       const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) *
-                                     token_stride + (int64_t)kvh * head_dim;
-      for (int g = 0; g < group; g++)
-        scores[(int64_t)g * span + (t - start)] = dot(qi + g * q_head_stride, k, head_dim) * scale;
+                                     token_stride;
+      for (int h = 0; h < num_heads; h++)
+        scores[(int64_t)h * span + (t - start)] =
+            dot(qi + h * q_head_stride, k + (int64_t)(h / group) * head_dim, head_dim) * scale;
     }
-    float inv_sum[64];
-    float *inv = group <= 64 ? inv_sum : (float *)malloc(sizeof(float) * group);
-    if (!inv) { free(scores); free(acc); return -1; }
-    for (int g = 0; g < group; g++) {
-      float *s = scores + (int64_t)g * span;
+    /* softmax numerators in place, 1 / denominator per head */
+    for (int h = 0; h < num_heads; h++) {
+      float *s = scores + (int64_t)h * span;
       float m = s[0];
-      for (int t = 1; t < span; t++) m = s[t] > m ? s[t] : m;
+      for (int j = 1; j < span; j++) m = s[j] > m ? s[j] : m;
       float sum = 0.0f;
-      for (int t = 0; t < span; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-      inv[g] = 1.0f / sum;
+      for (int j = 0; j < span; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+      inv[h] = 1.0f / sum;
     }
-    memset(acc, 0, sizeof(float) * group * head_dim);
+    /* acc[h] = sum_t p[h][t] v_t */
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int t = start; t < len; t++) {
       const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) *
-                                     token_stride + (int64_t)kvh * head_dim;
-      for (int g = 0; g < group; g++) {
-        const float p = scores[(int64_t)g * span + (t - start)];
-        float *a = acc + g * head_dim;
-        for (int d = 0; d < head_dim; d++) a[d] += p * v[d];
+                                     token_stride;
+      for (int h = 0; h < num_heads; h++) {
+        const float p = scores[(int64_t)h * span + (t - start)];
+        const float *restrict vh = v + (int64_t)(h / group) * head_dim;
+        float *restrict a = acc + (int64_t)h * head_dim;
+        for (int d = 0; d < head_dim; d++) a[d] += p * vh[d];
       }
     }
-    float *oi = out + rows[i] * out_row_stride + (int64_t)kvh * group * out_head_stride;
-    for (int g = 0; g < group; g++)
+    float *oi = out + rows[i] * out_row_stride;
+    for (int h = 0; h < num_heads; h++)
       for (int d = 0; d < head_dim; d++)
-        oi[g * out_head_stride + d] = acc[g * head_dim + d] * inv[g];
-    if (inv != inv_sum) free(inv);
+        oi[h * out_head_stride + d] = acc[(int64_t)h * head_dim + d] * inv[h];
   }
   free(scores);
   free(acc);
+  free(inv);
   return 0;
 }
