@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         "engine_static_tok_s": round(static["tok_s"], 1),
         "transformers_static_tok_s": round(hf["tok_s"], 1),
         "vllm_tok_s": round(vllm["tok_s"], 1) if isinstance(vllm, dict) else None,
+        "speedup_vs_vllm": round(cb["tok_s"] / vllm["tok_s"], 3)
+        if isinstance(vllm, dict)
+        else None,
         "speedup_vs_transformers": round(cb["tok_s"] / hf["tok_s"], 2),
         "speedup_vs_engine_static": round(cb["tok_s"] / static["tok_s"], 2),
         "greedy_match_transformers": round(agreement(cb["tokens"], hf["tokens"]), 3),
