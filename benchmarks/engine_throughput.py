@@ -23,8 +23,17 @@ peak blocks in use per step), prefix hit rate, TTFT and inter-token latency perc
 
 Fairness: vLLM's CPU backend binds one OpenMP thread per core; leave ``--threads 0`` (torch's
 default, one per core) for a like-for-like run. On a machine shared with other jobs use
-``--threads 1`` (oversubscribed OpenMP threads spin and lose up to 10x) and expect noise:
-systems run one after another, so a load spike hits only some of them.
+``--threads 1`` (oversubscribed OpenMP threads spin and lose up to 10x; vLLM is then bound
+to one core too) and expect noise: systems run one after another, so a load spike hits only
+some of them.
+
+Measured here (2-core VM, 32M model, 32 requests, 9692 prompt tokens, 128 new tokens each,
+``--threads 1`` while another job used the second core): engine 215.0 tok/s, vLLM CPU 186.6
+(1.15x), engine static b=8 161.4, transformers static b=8 103.2 (2.08x); identical greedy
+tokens in all four. Where the time goes (torch profiler): ~63 GFLOP/s in the GEMMs, near one
+AVX2 core's peak, which is 65% of the run; the native decode kernel (``worker/attention/
+csrc``) reads K/V at ~8 GB/s in place. Shared 512-token prefix: hit rate 0.913, 3.40x
+throughput, TTFT p50 1.44 s vs 8.32 s with caching off, same outputs.
 """
 
 from __future__ import annotations
