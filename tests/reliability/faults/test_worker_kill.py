@@ -58,7 +58,7 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
     victim = max(load, key=lambda w: (load[w][0] > 0, load[w][1]))
     survivor = next(w for w in cluster.workers if w != victim)
     held = sorted(index.held_keys(victim))[:64]
-    assert held and all(victim in index.lookup([k]) for k in held)
+    assert held and all(index.lookup([k]).get(victim) == 1 for k in held)
 
     ray.kill(cluster.workers[victim], no_restart=False)
     t_kill = time.monotonic()
@@ -67,7 +67,11 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
     assert first_failure.wait(30)
     right_after = [client.generate(f"Right after the kill {i}.", max_tokens=2,
                                    timeout=CALL_TIMEOUT_S) for i in range(3)]
-    assert {o.worker_id for o in right_after} == {survivor}
+    # (Ray may restart the victim within a second: a request it serves then must come from
+    # the new incarnation, registered with a newer epoch)
+    on_victim = [o for o in right_after if o.worker_id == victim]
+    assert {o.worker_id for o in right_after} <= {survivor, victim}
+    assert not on_victim or _epochs(client).get(victim, 0) > epochs0[victim]
 
     for t in threads:
         t.join(CALL_TIMEOUT_S + 10)
@@ -86,7 +90,8 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
     assert all(tokens == MAX_TOKENS for _, _, tokens in done)  # complete, not truncated
 
     # its index entries stop counting within seconds (heartbeat TTL 2 s or re-registration)
-    assert wait_for(lambda: not any(victim in index.lookup([k]) for k in held), 10)
+    # (the restarted victim may already be live again under a new epoch: it must hold none)
+    assert wait_for(lambda: not any(index.lookup([k]).get(victim, 0) for k in held), 10)
     assert time.monotonic() - t_kill < 15
 
     # Ray restarts it with a new epoch; it serves again and nothing leaked anywhere
