@@ -7,12 +7,14 @@ heads of 128, bf16) on an 8-GPU node.
   -> 1.1e-4 s per token + 2.1e-9 s per token per context token;
 - decode: each step reads the 140 GB of weights at 60 % of 8 x 2 TB/s -> 15 ms, plus
   the sequence's KV, 2 x 80 x 8 x 128 x 2 B = 327 KB per context token -> 3.4e-8 s;
-- chunked prefill: a step computes at most 8192 tokens (decodes first, then prefill
+- chunked prefill: a step computes at most 2048 tokens (decodes first, then prefill
   chunks FCFS), at most 128 running sequences.
 Every step pays the fixed weight-read cost, prefill chunks and decodes share steps.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,5 +53,13 @@ class SimConfig(_Strict):
     block_size: int = Field(16, ge=1, description="Tokens per KV block (engine and router).")
     event_delay_s: float = Field(
         0.1, ge=0, description="Delay from a worker's step end until its KV events reach the index."
+    )
+    waiting_load: Literal["uncached", "whole"] = Field(
+        "uncached",
+        description="What a worker's heartbeat counts as queued prefill for a request still "
+        "waiting for admission. 'uncached': its prompt minus the prefix the worker already "
+        "caches (what it will compute). 'whole': its whole prompt, the rule of the engine's "
+        "Scheduler.pending_prefill_tokens today; it overstates the queue of a worker that "
+        "holds the waiting prompts' prefixes, which makes prefix_affinity avoid its holders.",
     )
     time: TimeModel = TimeModel()

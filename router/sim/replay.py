@@ -61,6 +61,7 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
             KVCacheManager(num_blocks, sim.block_size),
             sim.time,
             parity=router.check_parity,
+            waiting_load=sim.waiting_load,
         )
         for i in range(sim.num_workers)
     }

@@ -47,6 +47,25 @@ def test_sim_worker_exact_steps_and_prefix_hit() -> None:
     assert worker.idle() and worker.computed_prefill_tokens == 124
 
 
+def test_sim_worker_waiting_load_counts_cached_prefix_only_when_asked() -> None:
+    # The engine's pending_prefill_tokens counts a waiting prompt whole; "uncached" counts
+    # what the worker will compute. Once admitted both count the uncached tail only.
+    loads = {}
+    for rule in ("uncached", "whole"):
+        worker = SimWorker("w0", KVCacheManager(64, 16), TM, waiting_load=rule)
+        worker.submit(SimRequest("a", 0.0, tokens(1, 100), output_len=1), 0, ())
+        worker.advance(1.0)
+        worker.submit(SimRequest("b", 1.0, tokens(1, 100) + tokens(2, 20), 1), 96, ())
+        waiting = worker.load(1.0).queued_prefill_tokens
+        worker.advance(1.01)  # step 1.0 -> 1.034 admits b and computes its 24 tokens
+        in_flight = worker.load(1.01).queued_prefill_tokens
+        worker.advance(2.0)
+        loads[rule] = (waiting, in_flight, worker.load(2.0).queued_prefill_tokens)
+    assert loads == {"uncached": (24, 24, 0), "whole": (120, 24, 0)}
+    with pytest.raises(ValueError, match="waiting_load"):
+        SimWorker("w1", KVCacheManager(4, 16), TM, waiting_load="all")
+
+
 def _pair(gap_s: float) -> list[SimRequest]:
     doc = tokens(5, 2000)
     return [
