@@ -64,6 +64,23 @@ def test_tiny_pool_preempts_and_chunks_yet_outputs_are_exact() -> None:
     assert_no_blocks_in_use(engine)
 
 
+def test_queued_prefill_counts_only_the_uncached_part_of_waiting_prompts() -> None:
+    """The load a worker reports (what a router weighs against recomputing elsewhere) is the
+    prefill it will really do: a waiting prompt whose prefix is cached counts only the rest."""
+    engine, _ = make(max_num_batched_tokens=64, max_num_seqs=1)
+    prefix = list(range(30, 54))  # 6 full blocks of 4
+    engine.add_request(prefix + [7, 8], SamplingParams(temperature=0, max_tokens=1))
+    run_all(engine)  # the prefix is cached now, nothing in use
+    engine.add_request(list(range(2, 12)), SamplingParams(temperature=0, max_tokens=50))
+    engine.step()  # occupies the only sequence slot: the next requests wait
+    engine.add_request(prefix + [9, 10, 11], GREEDY)  # 24 cached of 27
+    engine.add_request(list(range(2, 15))[::-1], GREEDY)  # 13, nothing cached
+    assert len(engine.scheduler.waiting) == 2
+    assert engine.metrics().pending_prefill_tokens == (27 - 24) + 13
+    run_all(engine)
+    assert_no_blocks_in_use(engine)
+
+
 def test_decodes_first_then_prefill_chunks() -> None:
     engine, ex = make(max_num_batched_tokens=12, long_prefill_token_threshold=5, max_num_seqs=8)
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

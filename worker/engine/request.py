@@ -43,7 +43,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "index", "token_ids", "prompt_len", "num_computed", "allocated",
         "finish_reason", "stop_reason", "text", "generator", "cumulative_logprob",
-        "new_tokens", "new_logprobs", "pending_logits", "finish_sent",
+        "new_tokens", "new_logprobs", "pending_logits", "finish_sent", "cached_hint",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +69,9 @@ class Sequence:
         self.new_logprobs: list[TokenLogprob] = []  # their logprobs, if requested
         self.pending_logits: torch.Tensor | None = None  # beams: logits waiting for siblings
         self.finish_sent = False  # the delta carrying finish_reason was handed out
+        # while waiting: prefix-cache hit tokens at its last lookup (on arrival, then at each
+        # admission attempt); the load report counts only the rest as queued prefill
+        self.cached_hint = 0
 
     @property
     def num_output(self) -> int:

@@ -83,9 +83,10 @@ class Scheduler:
         seq.reset_for_recompute()
 
     def pending_prefill_tokens(self) -> int:
-        """Tokens still to prefill: whole sequences of waiting requests, unfinished prefills
-        (chunked or recomputed) of running ones."""
-        waiting = sum(len(s.token_ids) for r in self.waiting for s in r.seqs)
+        """Tokens still to prefill: waiting requests' sequences less the prefix-cache hit seen
+        at their last lookup (what a router compares against a recompute elsewhere), and the
+        unfinished prefills (chunked or recomputed) of running ones."""
+        waiting = sum(len(s.token_ids) - s.cached_hint for r in self.waiting for s in r.seqs)
         running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
         return waiting + running
 
@@ -147,6 +148,7 @@ class Scheduler:
             hit = None
             if not seq.allocated:
                 hit = self.kv.lookup_prefix(seq.token_ids, req.ctx)
+                seq.cached_hint = hit.num_tokens
                 if any(b in self._writing for b in hit.block_ids):
                     return "defer"
             computed = hit.num_tokens if hit is not None else seq.num_computed
