@@ -50,17 +50,17 @@ TARGET_IMBALANCE = 1.05
 TARGET_TTFT_RATIO = 0.5
 
 
-def _run(task: tuple[str, str, int, argparse.Namespace]) -> Summary:
-    workload, policy, workers, args = task
+def _run(task: tuple[str, str, int, int, argparse.Namespace]) -> Summary:
+    workload, policy, workers, seed, args = task
     if workload == "trace":
-        requests = trace_requests(Path(args.trace), limit=args.limit, seed=args.seed)
+        requests = trace_requests(Path(args.trace), limit=args.limit, seed=seed)
         block = args.block_size or 512
     else:
-        requests = iter(shared_prefix_requests(seed=args.seed, sessions=args.sessions))
+        requests = iter(shared_prefix_requests(seed=seed, sessions=args.sessions))
         block = args.block_size or 16
     routing = RoutingConfig(
         policy=policy,
-        seed=args.seed,
+        seed=seed,
         prefix_affinity={"prefill_weight": args.prefill_weight},
     )
     sim = SimConfig(
@@ -130,6 +130,39 @@ def _plot(results: dict[tuple[str, str, int], Summary], args: argparse.Namespace
     return save_figure(fig, "trace_replay.png")
 
 
+def _seed_targets(
+    by_seed: dict[tuple[str, str, int, int], Summary],
+    seeds: list[int],
+    workers: int,
+    headline: dict[str, float | int | str | bool],
+) -> None:
+    """The issue's targets over several seeds. least_loaded samples two workers at random, so
+    its mean TTFT alone moves by a few percent from seed to seed (more than the margin at
+    stake): the TTFT target is judged on the ratio of the policies' mean TTFTs over the seeds,
+    with every per-seed ratio printed next to it; hit rate and imbalance must hold at every
+    seed."""
+    pa = [by_seed[("trace", "prefix_affinity", workers, s)] for s in seeds]
+    ll = [by_seed[("trace", "least_loaded", workers, s)] for s in seeds]
+    per_seed = [a.ttft_mean_s / b.ttft_mean_s for a, b in zip(pa, ll, strict=True)]
+    ratio = sum(a.ttft_mean_s for a in pa) / sum(b.ttft_mean_s for b in ll)
+    hit, imbalance = min(a.hit_rate for a in pa), max(a.imbalance for a in pa)
+    tag = f"trace_w{workers}"
+    headline[f"{tag}_seeds"] = ",".join(map(str, seeds))
+    headline[f"{tag}_ttft_ratio_per_seed"] = ",".join(f"{r:.3f}" for r in per_seed)
+    headline[f"{tag}_ttft_ratio_seed_mean"] = round(ratio, 3)
+    headline[f"{tag}_hit_rate_min"] = round(hit, 4)
+    headline[f"{tag}_imbalance_max"] = round(imbalance, 4)
+    checks = (hit >= TARGET_HIT, imbalance <= TARGET_IMBALANCE, ratio <= TARGET_TTFT_RATIO)
+    headline[f"{tag}_targets_met"] = all(checks)
+    ok = ["ok" if c else "MISSED" for c in checks]
+    print(
+        f"\ntargets ({tag}, seeds {headline[f'{tag}_seeds']}): min hit {hit:.3f} >= "
+        f"{TARGET_HIT} [{ok[0]}], max imbalance {imbalance:.3f} <= {TARGET_IMBALANCE} [{ok[1]}], "
+        f"TTFT ratio of seed means {ratio:.3f} <= {TARGET_TTFT_RATIO} [{ok[2]}] "
+        f"(per seed: {headline[f'{tag}_ttft_ratio_per_seed']})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny run (seconds), for CI")
@@ -152,30 +185,45 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sessions", type=int, default=600, help="generated workload sessions")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds",
+        default="0,1,2,3,4",
+        help="seeds of the headline trace comparison (least_loaded vs prefix_affinity at "
+        "--workers); the TTFT target is judged on the ratio of their mean TTFTs",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.limit = args.limit or 800
-        args.workers, args.sweep, args.sessions, args.jobs = 8, "", 24, 1
+        args.workers, args.sweep, args.sessions, args.jobs, args.seeds = 8, "", 24, 1, "0,1"
         args.kv_tokens = min(args.kv_tokens, 500_000)
     if not Path(args.trace).exists() and args.workload != "shared_prefix":
         raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
 
     counts = sorted({args.workers, *(int(n) for n in args.sweep.split(",") if n)})
+    seeds = [args.seed, *(int(x) for x in args.seeds.split(",") if x and int(x) != args.seed)]
     tasks = []
     if args.workload in ("trace", "both"):
-        tasks += [("trace", p, n, args) for n in counts for p in POLICIES]
+        tasks += [("trace", p, n, args.seed, args) for n in counts for p in POLICIES]
+        tasks += [
+            ("trace", p, args.workers, seed, args)
+            for seed in seeds[1:]
+            for p in ("least_loaded", "prefix_affinity")
+        ]
     if args.workload in ("shared_prefix", "both"):
-        tasks += [("shared_prefix", p, args.workers, args) for p in POLICIES]
+        tasks += [("shared_prefix", p, args.workers, args.seed, args) for p in POLICIES]
     started = time.perf_counter()
     if args.jobs > 1:
         with Pool(args.jobs) as pool:
             summaries = pool.map(_run, tasks, chunksize=1)
     else:
         summaries = [_run(t) for t in tasks]
-    results = {(t[0], t[1], t[2]): s for t, s in zip(tasks, summaries, strict=True)}
+    by_seed = {(t[0], t[1], t[2], t[3]): s for t, s in zip(tasks, summaries, strict=True)}
+    results = {(w, p, n): s for (w, p, n, seed), s in by_seed.items() if seed == args.seed}
 
     blocks = {"trace": args.block_size or 512, "shared_prefix": args.block_size or 16}
-    rows = [_row(t[0], s, blocks[t[0]]) for t, s in zip(tasks, summaries, strict=True)]
+    rows = [
+        {"seed": t[3], **_row(t[0], s, blocks[t[0]])} for t, s in zip(tasks, summaries, strict=True)
+    ]
     print_table(rows, f"trace replay ({len(tasks)} runs, {time.perf_counter() - started:.0f} s)")
     print(
         f"\nKV cache {args.kv_tokens:,} tokens/worker; block size {blocks['trace']} (trace), "
@@ -199,14 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         headline[f"{tag}_ttft_ratio_vs_least_loaded"] = round(ratio, 3)
         headline[f"{tag}_parity_mismatches"] = pa.parity_mismatches
         if wl == "trace":
-            print(
-                f"\ntargets ({tag}): hit {pa.hit_rate:.3f} >= {TARGET_HIT} "
-                f"[{'ok' if pa.hit_rate >= TARGET_HIT else 'MISSED'}], imbalance "
-                f"{pa.imbalance:.3f} <= {TARGET_IMBALANCE} "
-                f"[{'ok' if pa.imbalance <= TARGET_IMBALANCE else 'MISSED'}], TTFT ratio "
-                f"{ratio:.3f} <= {TARGET_TTFT_RATIO} "
-                f"[{'ok' if ratio <= TARGET_TTFT_RATIO else 'MISSED'}]"
-            )
+            _seed_targets(by_seed, seeds, args.workers, headline)
     if any(wl == "trace" for wl, _, _ in results):
         print(f"plot: {_plot(results, args)}")
     emit_json(headline)
