@@ -23,11 +23,12 @@ benchmark's name, flags and JSON keys.
 
     .venv/bin/python -m benchmarks.cluster_policies [--smoke]
 
-Measured here (2 cores, 100m model, ~760-token prompts, 4 groups, concurrency 8): 64
-requests: prefix_affinity TTFT 0.505 x round_robin's, throughput 1.58 x, hit 88% vs 64%;
-96 requests: 0.568 x, 1.45 x, hit 91% vs 64%. Throughput target met, TTFT just missed:
-prefix_affinity's p50 is ~0.3 x but its tail is long (a worker holding the busier groups
-queues; the default balance bounds, 8 requests / 65536 tokens, never trigger at this size).
+Measured here (quiet 2-core VM, 100m model, ~760-token prompts, 4 groups, concurrency 8),
+64 requests: prefix_affinity mean TTFT 1.335 s vs round_robin 3.666 s (0.364 x; target <= 0.5),
+throughput 2.16 x (target >= 1.3), hit rate 0.88 vs 0.60; least_loaded 0.93 x / 1.02 x.
+(Session 1 measured 0.505 x before the engine's load report subtracted a waiting prompt's
+cached prefix: the holder of a busy system prompt looked loaded by its own queued hits and
+lost their siblings to the other worker, which recomputed the prefix.)
 """
 
 from __future__ import annotations

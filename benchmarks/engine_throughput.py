@@ -27,13 +27,13 @@ default, one per core) for a like-for-like run. On a machine shared with other j
 to one core too) and expect noise: systems run one after another, so a load spike hits only
 some of them.
 
-Measured here (2-core VM, 32M model, 32 requests, 9692 prompt tokens, 128 new tokens each,
-``--threads 1`` while another job used the second core): engine 215.0 tok/s, vLLM CPU 186.6
-(1.15x), engine static b=8 161.4, transformers static b=8 103.2 (2.08x); identical greedy
-tokens in all four. Where the time goes (torch profiler): ~63 GFLOP/s in the GEMMs, near one
+Measured here (2-core VM, 32M model, 32 requests, 9692 prompt tokens, 128 new tokens each),
+quiet, default threads: engine 308.0 tok/s, vLLM CPU 185.4 (1.66x), engine static b=8 172.4,
+transformers static b=8 145.3 (2.12x); ``--threads 1`` while another job used the second
+core: engine 215.0, vLLM 186.6 (1.15x), transformers 103.2; identical greedy tokens in all. Where the time goes (torch profiler): ~63 GFLOP/s in the GEMMs, near one
 AVX2 core's peak, which is 65% of the run; the native decode kernel (``worker/attention/
-csrc``) reads K/V at ~8 GB/s in place. Shared 512-token prefix: hit rate 0.913, 3.40x
-throughput, TTFT p50 1.44 s vs 8.32 s with caching off, same outputs.
+csrc``) reads K/V at ~8 GB/s in place. Shared 512-token prefix (quiet): hit rate 0.913,
+2.40x throughput, TTFT p50 0.89 s vs 5.40 s with caching off, same outputs.
 """
 
 from __future__ import annotations
