@@ -26,6 +26,7 @@ benchmark's name, flags and JSON keys.
 Measured here (quiet 2-core VM, 100m model, ~760-token prompts, 4 groups, concurrency 8),
 64 requests: prefix_affinity mean TTFT 1.335 s vs round_robin 3.666 s (0.364 x; target <= 0.5),
 throughput 2.16 x (target >= 1.3), hit rate 0.88 vs 0.60; least_loaded 0.93 x / 1.02 x.
+``--requests 96``: 1.494 s vs 3.063 s (0.488 x), throughput 1.95 x, hit rate 0.87 vs 0.65.
 (Session 1 measured 0.505 x before the engine's load report subtracted a waiting prompt's
 cached prefix: the holder of a busy system prompt looked loaded by its own queued hits and
 lost their siblings to the other worker, which recomputed the prefix.)
