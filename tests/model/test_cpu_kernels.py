@@ -72,6 +72,15 @@ def test_split_items_covers_every_item_once_and_balances_context():
     assert work == [512, 691]  # cut at the item boundary nearest half the total
 
 
+def test_loading_the_kernels_leaves_the_process_float_state_alone():
+    """A library built with -ffast-math turns on flush-to-zero for the whole process when it
+    is loaded; subnormals must still exist after the kernels are (they are, at import)."""
+    assert native.load_kernels() is not None
+    assert sys.float_info.min / 2 > 0
+    assert torch.tensor(sys.float_info.min, dtype=torch.float64).div(2).item() > 0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0  # a float32 subnormal
+
+
 def test_missing_compiler_is_reported_and_auto_falls_back_to_torch(tmp_path):
     code = (
         "from worker.attention import native, resolve_backend_name\n"

@@ -32,7 +32,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11")
+# Not -ffast-math: a shared object linked with it sets flush-to-zero in the whole process at
+# load time (crtfastmath), silently changing every float op of torch and Python. The few
+# relaxations the reductions need to vectorise are asked for one by one instead.
+CFLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+    "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
+)  # fmt: skip
 _reason: str | None = None
 
 

@@ -1,7 +1,7 @@
 /* Paged decode attention on the CPU, float32: one new token per sequence attends to its
  * context read in place through the block table (no gather into a contiguous copy).
  *
- * Built and loaded by worker/attention/native.py (cc -O3 -march=native -ffast-math -shared);
+ * Built and loaded by worker/attention/native.py (cc -O3 -march=native, see CFLAGS there);
  * called through ctypes, which releases the GIL, so Python threads split the work items.
  *
  * Layouts (element strides, float32):
