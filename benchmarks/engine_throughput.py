@@ -31,10 +31,11 @@ Measured here (2-core VM, 32M model, 32 requests, 9692 prompt tokens, 128 new to
 quiet, default threads, two runs: engine 267.1 / 256.0 tok/s, vLLM CPU 185.0 / 180.9 (1.44x /
 1.42x), engine static b=8 168.9 / 164.7, transformers static b=8 125.3 / 148.4 (2.13x / 1.73x);
 ``--threads 1`` while another job used the second core: engine 215.0, vLLM 186.6 (1.15x),
-transformers 103.2; identical greedy tokens in all. Where the time goes (torch profiler): ~63 GFLOP/s in the GEMMs, near one
-AVX2 core's peak, which is 65% of the run; the native decode kernel (``worker/attention/
-csrc``) reads K/V at ~8 GB/s in place. Shared 512-token prefix (quiet): hit rate 0.913,
-2.25x throughput, TTFT p50 1.14 s vs 5.33 s with caching off, same outputs.
+transformers 103.2; identical greedy tokens in all. Where the time goes (torch profiler):
+~63 GFLOP/s in the GEMMs, near one AVX2 core's peak, which is 65% of the run; the native
+decode kernel (``worker/attention/csrc``) reads K/V at ~8 GB/s in place. Shared 512-token
+prefix (quiet): hit rate 0.913, 2.25x throughput, TTFT p50 1.14 s vs 5.33 s with caching
+off, same outputs.
 """
 
 from __future__ import annotations
