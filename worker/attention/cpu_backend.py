@@ -52,10 +52,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         plan = super().prepare(meta)
         if plan.decode_rows is None:
             return CpuPlan(**vars(plan))
-        lens = [meta.seq_lens_host[i] for i, n in enumerate(meta.query_lens_host) if n == 1]
+        lens = plan.decode_lens_host
         return CpuPlan(
             **vars(plan),
-            decode_lens32=plan.decode_seq_lens[:, 0].to(torch.int32),
+            decode_lens32=torch.tensor(lens, dtype=torch.int32, device=meta.seq_lens.device),
             spans=tuple(self.kernels.split(lens)),
         )
 
@@ -71,7 +71,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             v_cache,
             prepared.decode_block_tables,
             prepared.decode_lens32,
-            list(prepared.spans),
+            prepared.spans,
             self.scale,
             sliding_window,
         )

@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -105,7 +106,7 @@ class NativeKernels:
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        spans: list[tuple[int, int]],
+        spans: Sequence[tuple[int, int]],
         scale: float,
         window: int | None,
     ) -> None:
@@ -133,12 +134,12 @@ class NativeKernels:
         if any(results):
             raise MemoryError("paged decode kernel could not allocate its score buffer")
 
-    def split(self, seq_lens: list[int]) -> list[tuple[int, int]]:
+    def split(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
         """Decodes ``0 .. n`` cut into one range per thread of similar context work."""
         return split_items(seq_lens, self.threads)
 
 
-def split_items(seq_lens: list[int], parts: int) -> list[tuple[int, int]]:
+def split_items(seq_lens: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """Cut items ``0 .. n`` (item i costs ``seq_lens[i]``) into at most ``parts`` contiguous
     ranges of similar total cost."""
     total = sum(seq_lens)

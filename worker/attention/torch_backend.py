@@ -38,8 +38,13 @@ class TorchPlan:
     decode_rows: torch.Tensor | None  # int64 [num_decodes]: row of each decode token; None if none
     decode_block_tables: torch.Tensor | None  # [num_decodes, blocks needed by the longest]
     decode_seq_lens: torch.Tensor | None  # int64 [num_decodes, 1]
-    decode_max_len: int  # longest context among the decodes (0 if none)
+    decode_lens_host: tuple[int, ...]  # host copy: context length of each decode
     prefills: tuple[_Prefill, ...]  # sequences with > 1 new token
+
+    @property
+    def decode_max_len(self) -> int:
+        """Longest context among the decodes (0 if none)."""
+        return max(self.decode_lens_host, default=0)
 
 
 def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
@@ -78,14 +83,14 @@ class TorchAttentionBackend(AttentionBackend):
             if n > 1
         )
         if not decodes:
-            return TorchPlan(meta, None, None, None, 0, prefills)
+            return TorchPlan(meta, None, None, None, (), prefills)
         device = meta.block_tables.device
-        longest = max(meta.seq_lens_host[i] for i in decodes)
+        lens = tuple(meta.seq_lens_host[i] for i in decodes)
         idx = torch.tensor(decodes, dtype=torch.long, device=device)
         rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
         seq_lens = meta.seq_lens.index_select(0, idx).long()[:, None]
         tables = meta.block_tables.index_select(0, idx)
-        return TorchPlan(meta, rows, tables, seq_lens, longest, prefills)
+        return TorchPlan(meta, rows, tables, seq_lens, lens, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: TorchPlan, sliding_window=None):
         write_kv(k, v, k_cache, v_cache, prepared.meta.slot_mapping)

@@ -33,20 +33,21 @@ class RMSNorm(nn.Module):
 class FusedLinear:
     """One GEMM for several ``nn.Linear`` that read the same input (q/k/v, gate/up).
 
-    ``fuse`` allocates one weight (and bias) and re-points each part's parameters at a slice
-    of it, so the parts keep their checkpoint names (the loader copies into them, writing the
-    fused storage) and no memory is doubled. The output columns are the parts' in order.
+    Allocates one weight (and bias) and re-points each part's parameters at a slice of it, so
+    the parts keep their checkpoint names (the loader copies into them, writing the fused
+    storage) and no memory is doubled. The output columns are the parts' in order. Built after
+    the parameters are allocated (``to_empty`` would give each part storage of its own again).
     """
 
     def __init__(self, parts: list[nn.Linear]) -> None:
-        self.sizes = [p.out_features for p in parts]
+        sizes = [p.out_features for p in parts]
         weight = torch.empty(
-            sum(self.sizes), parts[0].in_features, dtype=parts[0].weight.dtype,
+            sum(sizes), parts[0].in_features, dtype=parts[0].weight.dtype,
             device=parts[0].weight.device,
         )  # fmt: skip
-        bias = None if parts[0].bias is None else weight.new_empty(sum(self.sizes))
+        bias = None if parts[0].bias is None else weight.new_empty(sum(sizes))
         start = 0
-        for part, size in zip(parts, self.sizes, strict=True):
+        for part, size in zip(parts, sizes, strict=True):
             weight[start : start + size].copy_(part.weight)
             part.weight.data = weight[start : start + size]
             if bias is not None:
@@ -60,7 +61,7 @@ class FusedLinear:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM once ``fuse`` was called."""
+    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (``fuse``, by the loader)."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
@@ -73,8 +74,7 @@ class GatedMLP(nn.Module):
         self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        assert self.gate_up is not None, "call fuse() once the weights are allocated"
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 

@@ -47,10 +47,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache, attn: Any
     ) -> torch.Tensor:
         tokens, heads, kv_heads, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is None:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        else:
-            qkv = self.qkv(x)
+        assert self.qkv is not None, "call fuse() once the weights are allocated"
+        qkv = self.qkv(x)
         v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, : heads * d].view(tokens, heads, d))
