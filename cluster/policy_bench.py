@@ -79,15 +79,19 @@ class PolicyResult:
 
 
 def check_policies(policies: list[str]) -> None:
-    """Raise :class:`ConfigError` naming the valid policies before any cluster starts."""
-    import router.policies  # noqa: F401 - registers the built-in policies
-    from router.policy import policy_names
+    """Raise :class:`ConfigError` naming the valid policies before any cluster starts (the
+    routing config's own validation, run once per name)."""
+    from pydantic import ValidationError
 
-    unknown = [p for p in policies if p not in policy_names()]
-    if unknown or not policies:
-        raise ConfigError(
-            f"unknown routing policies {unknown or policies!r}; valid: {', '.join(policy_names())}"
-        )
+    from router.config import RoutingConfig
+
+    if not policies:
+        raise ConfigError("no routing policies given")
+    for policy in policies:
+        try:
+            RoutingConfig(policy=policy)
+        except ValidationError as exc:
+            raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 def cluster_config(policy: str, w: Workload, base: ClusterConfig | None = None) -> ClusterConfig:
