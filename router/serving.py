@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from kvstore import WorkerLoad
 from router.router import Router
-from router.types import NoWorkersError, RouteRequest
+from router.types import NoWorkersError, RouteDecision, RouteRequest
 from router.workers import WorkerDirectory, WorkerGone
 from worker.engine import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams
 from worker.kv import HashContext
@@ -95,15 +96,43 @@ class ServingCore:
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         # This router's own view of the work it sent, newer than any heartbeat: prompt tokens
-        # not yet prefilled (no token back yet) and open streams, per worker.
+        # not yet prefilled (no token back yet) and open streams, per worker. Written by the
+        # decide thread (placing) and the event loop (first token, end), hence the lock.
+        self._own_lock = threading.Lock()
         self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
         self._open: Counter[str] = Counter()
+
+    def _place(
+        self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]
+    ) -> RouteDecision:
+        """Route ``request`` and count it as this router's own work on the chosen worker, in
+        one step (decide thread). Reading the loads and recording the placement together is
+        what spreads a burst: requests that arrive together are decided one after another,
+        each seeing its predecessors' placements even though no heartbeat shows them yet.
+        (The decide thread is the only one that adds work, so the lock need not be held over
+        the index lookup; the event loop only takes work away.)"""
+        with self._own_lock:
+            loads = self._with_own_work(heartbeats)
+        decision = self.router.route(request, loads)
+        w = decision.worker_id
+        with self._own_lock:
+            self._open[w] += 1
+            uncached = len(request.token_ids) - decision.cached_tokens_expected
+            self._unprefilled[w][request.request_id] = uncached
+        return decision
+
+    def _prefilled(self, worker: str, request_id: str, *, done: bool) -> None:
+        """The request's first token came back (its prefill is done), or it ``done``."""
+        with self._own_lock:
+            self._unprefilled[worker].pop(request_id, None)
+            if done:
+                self._open[worker] -= 1
 
     def _with_own_work(self, loads: Mapping[str, WorkerLoad]) -> dict[str, WorkerLoad]:
         """Heartbeat loads lag by up to a heartbeat interval; a burst routed meanwhile would
         all see idle workers and herd. Take, per worker, the larger of the heartbeat's figure
         and what this router alone has sent there (max, not sum: the heartbeat may already
-        include it)."""
+        include it). Caller holds ``_own_lock``."""
         out = {}
         for w, load in loads.items():
             mine = sum(self._unprefilled[w].values()) if w in self._unprefilled else 0
@@ -123,11 +152,11 @@ class ServingCore:
         full: list[str] = []  # workers that refused the request: waiting queue full
         loop = asyncio.get_running_loop()
         for attempt in range(self.max_attempts):
-            candidates = self._with_own_work({
+            candidates = {
                 w: load
                 for w, load in (await self.directory.candidates()).items()
                 if w not in excluded
-            })
+            }
             if not candidates:
                 if full:
                     raise self._overloaded(request_id, full)
@@ -136,13 +165,9 @@ class ServingCore:
                     + (f" (tried {sorted(excluded)})" if excluded else "")
                 )
             route_req = RouteRequest(request_id, token_ids, ctx)
-            decision = await loop.run_in_executor(
-                self._decide, self.router.route, route_req, candidates
-            )
+            decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
             worker = decision.worker_id
             produced = finished = False
-            self._open[worker] += 1
-            self._unprefilled[worker][request_id] = len(token_ids) - decision.cached_tokens_expected
             try:
                 async for item in self.directory.stream(
                     worker, WorkerRequest(request_id, token_ids, params)
@@ -153,7 +178,7 @@ class ServingCore:
                         continue
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
-                        self._unprefilled[worker].pop(request_id, None)
+                        self._prefilled(worker, request_id, done=False)
                     finished = item.finished
                     yield worker, item
                 return
@@ -179,8 +204,7 @@ class ServingCore:
                 full.append(f"{worker} ({exc})")
                 self.overflows += 1
             finally:
-                self._open[worker] -= 1
-                self._unprefilled[worker].pop(request_id, None)
+                self._prefilled(worker, request_id, done=True)
                 if not finished:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))

@@ -81,6 +81,25 @@ def test_queued_prefill_counts_only_the_uncached_part_of_waiting_prompts() -> No
     assert_no_blocks_in_use(engine)
 
 
+def test_queued_prefill_counts_a_shared_prefix_once_per_burst() -> None:
+    """Siblings queued together behind one that will compute their shared prefix count only
+    their tails (the engine computes the prefix once); an abort of the one ahead recounts."""
+    engine, _ = make(max_num_batched_tokens=64, max_num_seqs=1)
+    engine.add_request(list(range(2, 12)), SamplingParams(temperature=0, max_tokens=50))
+    engine.step()  # occupies the only sequence slot: the next requests wait
+    prefix = list(range(30, 54))  # 6 full blocks of 4, cached nowhere yet
+    first = engine.add_request(prefix + [7, 8], GREEDY)
+    engine.add_request(prefix + [9, 10, 11], GREEDY)
+    engine.add_request(prefix[:8] + [5, 6, 7, 8, 9], GREEDY)  # shares 2 blocks of it
+    assert engine.metrics().pending_prefill_tokens == 26 + (27 - 24) + (13 - 8)
+    engine.abort(first)  # the second now computes the prefix, the third still shares 2
+    assert engine.metrics().pending_prefill_tokens == 27 + (13 - 8)
+    results = run_all(engine)
+    assert all(r.completions[0].token_ids for rid, r in results.items() if rid != first)
+    assert engine.metrics().pending_prefill_tokens == 0
+    assert_no_blocks_in_use(engine)
+
+
 def test_decodes_first_then_prefill_chunks() -> None:
     engine, ex = make(max_num_batched_tokens=12, long_prefill_token_threshold=5, max_num_seqs=8)
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -71,3 +71,30 @@ def test_burst_spreads_before_heartbeats_show_the_load() -> None:
 
     placed = asyncio.run(main())
     assert sorted(placed) == ["w0", "w1"], placed
+
+
+def test_simultaneous_burst_spreads() -> None:
+    """Eight distinct prompts sent at the same instant (all read the same idle heartbeats
+    before any is placed) still split evenly: each decision sees the ones before it."""
+
+    async def main() -> list[str]:
+        directory = HeldWorkers()
+        core = ServingCore(Router(RoutingConfig(block_size=16)), directory,
+                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
+                                       max_prompt_tokens=4095))
+        params = SamplingParams(max_tokens=1)
+
+        async def run(rid: str, tag: int) -> None:
+            async for _ in core.generate(rid, [tag] * 200, params):
+                pass
+
+        tasks = [asyncio.create_task(run(f"r{i}", i + 1)) for i in range(8)]
+        while len(directory.placed) < 8:
+            await asyncio.sleep(0.001)
+        directory.release.set()
+        await asyncio.gather(*tasks)
+        core.close()
+        return directory.placed
+
+    placed = asyncio.run(main())
+    assert sorted(placed) == ["w0"] * 4 + ["w1"] * 4, placed

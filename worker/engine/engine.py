@@ -118,7 +118,6 @@ class Engine:
             )
         seq = Sequence(0, list(prompt_ids), len(prompt_ids), self.processor.new_text(req), None)
         seq.generator = sample_generator(params.seed, 0)
-        seq.cached_hint = self.kv.lookup_prefix(prompt_ids, ctx).num_tokens  # read-only
         req.seqs.append(seq)
         self.requests[rid] = req
         self.scheduler.add(req)

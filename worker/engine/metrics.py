@@ -38,7 +38,7 @@ class EngineMetrics:
     num_running: int  # requests holding or acquiring KV blocks
     num_waiting: int  # requests queued (new or preempted)
     pending_prefill_tokens: int  # prompt tokens still to compute: waiting + unfinished prefills
-    # (cache hits not subtracted for waiting requests) - the router's "work queued here"
+    # (a waiting prompt less its cached or already-queued prefix) - the router's "work queued here"
     kv_usage: float  # used blocks / all blocks
     kv_used_blocks: int  # blocks with a reference
     kv_total_blocks: int  # pool size

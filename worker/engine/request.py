@@ -12,7 +12,7 @@ import torch
 from worker.engine.detokenizer import OutputText
 from worker.engine.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
 from worker.engine.sampling_params import SamplingParams
-from worker.kv import HashContext
+from worker.kv import BlockKey, HashContext
 
 if TYPE_CHECKING:
     from worker.engine.beam import BeamSearch
@@ -43,7 +43,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "index", "token_ids", "prompt_len", "num_computed", "allocated",
         "finish_reason", "stop_reason", "text", "generator", "cumulative_logprob",
-        "new_tokens", "new_logprobs", "pending_logits", "finish_sent", "cached_hint",
+        "new_tokens", "new_logprobs", "pending_logits", "finish_sent", "cached_hint", "claim",
     )  # fmt: skip
 
     def __init__(
@@ -69,9 +69,11 @@ class Sequence:
         self.new_logprobs: list[TokenLogprob] = []  # their logprobs, if requested
         self.pending_logits: torch.Tensor | None = None  # beams: logits waiting for siblings
         self.finish_sent = False  # the delta carrying finish_reason was handed out
-        # while waiting: prefix-cache hit tokens at its last lookup (on arrival, then at each
-        # admission attempt); the load report counts only the rest as queued prefill
+        # while waiting: leading prompt tokens it should not compute - cached, or claimed by a
+        # sequence queued ahead of it (set on queueing, refreshed at each admission attempt);
+        # the load report counts only the rest as queued prefill
         self.cached_hint = 0
+        self.claim: list[BlockKey] = []  # while waiting: its full-block keys (Scheduler claims)
 
     @property
     def num_output(self) -> int:

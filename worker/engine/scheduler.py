@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from typing import Literal
 
 from worker.engine.config import EngineConfig
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
-from worker.kv import KVCacheManager, KVCapacityError, PrefixHit
+from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
 
@@ -51,6 +52,9 @@ class Scheduler:
         self.kv = kv
         self.policy = policy
         self.waiting: list[Request] = []  # sorted by policy key
+        # full-block keys of waiting sequences' prompts -> how many claim them: a sibling
+        # queued behind a claim will find that block cached when its turn comes
+        self._claims: Counter[BlockKey] = Counter()
         self.running: list[Request] = []
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
         # per-step state
@@ -62,16 +66,48 @@ class Scheduler:
     # ---- queues --------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
+        """Queue ``req`` (new or preempted) and claim its prompt's blocks (see
+        :meth:`pending_prefill_tokens`)."""
         keys = [self.policy.key(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, self.policy.key(req)), req)
+        for seq in req.seqs:
+            if not seq.allocated:
+                seq.cached_hint, seq.claim = self.kv.expected_prefix(
+                    seq.token_ids, req.ctx, self._claims
+                )
+                self._claims.update(seq.claim)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and free all its blocks (abort / finish)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._unqueue(req)
+            self._reclaim()  # siblings counted on it to compute their shared prefix
         self.free_blocks(req)
+
+    def _unqueue(self, req: Request) -> None:
+        """Out of the waiting queue; its claims go (admitted: its blocks are cached now)."""
+        self.waiting.remove(req)
+        for seq in req.seqs:
+            for key in seq.claim:
+                left = self._claims[key] - 1
+                if left:
+                    self._claims[key] = left
+                else:
+                    del self._claims[key]
+            seq.claim = []
+
+    def _reclaim(self) -> None:
+        """Recount every waiting sequence's claims and hint in queue order (after an abort)."""
+        self._claims.clear()
+        for req in self.waiting:
+            for seq in req.seqs:
+                if seq.claim:
+                    seq.cached_hint, _ = self.kv.expected_prefix(
+                        seq.token_ids, req.ctx, self._claims, seq.claim
+                    )
+                    self._claims.update(seq.claim)
 
     def free_blocks(self, req: Request) -> None:
         for seq in (*req.seqs, *req.done_seqs):
@@ -83,9 +119,12 @@ class Scheduler:
         seq.reset_for_recompute()
 
     def pending_prefill_tokens(self) -> int:
-        """Tokens still to prefill: waiting requests' sequences less the prefix-cache hit seen
-        at their last lookup (what a router compares against a recompute elsewhere), and the
-        unfinished prefills (chunked or recomputed) of running ones."""
+        """Tokens still to prefill, what a router compares against a recompute elsewhere:
+        the unfinished prefills (chunked or recomputed) of running requests, and each waiting
+        sequence less its leading blocks that are cached or claimed by a sequence queued
+        ahead of it (a burst of prompts sharing a system prompt counts that prompt once; the
+        engine computes it once). Hints are set on queueing and refreshed at each admission
+        attempt; an abort of a waiting request recounts them."""
         waiting = sum(len(s.token_ids) - s.cached_hint for r in self.waiting for s in r.seqs)
         running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
         return waiting + running
@@ -133,7 +172,7 @@ class Scheduler:
                 if outcome == "defer":
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
-            self.waiting.remove(req)
+            self._unqueue(req)
             self.running.append(req)
             out.admitted.append(req.request_id)
             if req.status is RequestStatus.PREEMPTED:

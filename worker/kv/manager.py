@@ -18,11 +18,11 @@ Typical use by a scheduler::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.events import KVEvent
-from worker.kv.hashing import BlockKey, HashContext, hash_block, hash_full_blocks
+from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
 from worker.kv.invariants import check_invariants
 from worker.kv.types import KVAllocation, KVCapacityError, KVStats, PrefixHit, SeqId
 
@@ -88,6 +88,33 @@ class KVCacheManager:
             keys.append(key)
             parent = key
         return PrefixHit(tuple(ids), tuple(keys), len(ids) * bs, ctx)
+
+    def expected_prefix(
+        self,
+        token_ids: Sequence[int],
+        ctx: HashContext,
+        queued: Container[BlockKey],
+        keys: Sequence[BlockKey] | None = None,
+    ) -> tuple[int, list[BlockKey]]:
+        """Leading prompt tokens a queued sequence should not have to compute: full blocks
+        cached here or ``queued`` (claimed by a sequence ahead of it, which will compute them
+        first), capped like :meth:`lookup_prefix`. Returns the count and the keys of every
+        capped full block, which a caller may keep and pass back as ``keys`` to skip hashing.
+        A pure query (no refs taken); an estimate for load reports, never for adoption.
+        """
+        bs = self.block_size
+        n_blocks = (len(token_ids) - 1) // bs if token_ids else 0
+        if keys is None:
+            keys = block_keys(token_ids[: n_blocks * bs], bs, ctx)
+        if not self.enable_prefix_caching:
+            return 0, list(keys)
+        hit = 0
+        for i, key in enumerate(keys):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            if key not in queued and self._pool.lookup(key, toks) is None:
+                break
+            hit += 1
+        return hit * bs, list(keys)
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         return [b.block_id for b in self._seq(seq_id).blocks]
