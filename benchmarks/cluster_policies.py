@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from cluster.policy_bench import FULL, POLICIES, SMOKE, compare
+from cluster.policy_bench import FULL, POLICIES, SMOKE, compare, parse_seeds
 
 __all__ = ["FULL", "SMOKE", "main"]
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | bool]:
     p.add_argument("--smoke", action="store_true", help="tiny model and sizes (< 2 minutes)")
     p.add_argument("--requests", type=int, help="override the workload's request count")
     p.add_argument("--concurrency", type=int, help="override the workload's concurrency")
+    p.add_argument("--seeds", help="comma-separated prompt seeds (default 0,1,2; smoke 0)")
     p.add_argument(
         "--policies",
         default=",".join(POLICIES),
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | bool]:
         w,
         num_requests=args.requests or w.num_requests,
         concurrency=args.concurrency or w.concurrency,
+        seeds=parse_seeds(args.seeds) if args.seeds else w.seeds,
     )
     return compare(w, args.policies.split(","))
 

@@ -94,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMPARE_ONLY = ("workers", "model_size", "config", "policies")
+_COMPARE_ONLY = ("workers", "model_size", "config", "policies", "seeds")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -119,7 +119,7 @@ def _compare_policies(args: argparse.Namespace) -> int:
     """A fresh in-process cluster per policy; defaults are the benchmark's FULL workload."""
     from dataclasses import replace
 
-    from cluster.policy_bench import FULL, POLICIES, compare
+    from cluster.policy_bench import FULL, POLICIES, compare, parse_seeds
 
     if args.target:
         raise ConfigError("--compare-policies starts its own clusters; drop --target")
@@ -133,6 +133,7 @@ def _compare_policies(args: argparse.Namespace) -> int:
         concurrency=args.concurrency or FULL.concurrency,
         num_groups=args.groups or FULL.num_groups,
         max_tokens=args.max_tokens or FULL.max_tokens,
+        seeds=parse_seeds(args.seeds) if args.seeds else FULL.seeds,
     )
     policies = args.policies.split(",") if args.policies else list(POLICIES)
     compare(w, policies, base)
@@ -180,6 +181,11 @@ def _bench_args(sp: argparse.ArgumentParser) -> None:
     )
     cmp.add_argument(
         "--policies", help="comma-separated (default round_robin,least_loaded,prefix_affinity)"
+    )
+    cmp.add_argument(
+        "--seeds",
+        help="comma-separated prompt seeds, run in turn on each policy's cluster; figures and "
+        "targets are over all of them (default 0,1,2)",
     )
 
 

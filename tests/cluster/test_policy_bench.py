@@ -21,6 +21,7 @@ from cluster.policy_bench import (
     check_policies,
     cluster_config,
     headline,
+    parse_seeds,
     table_rows,
 )
 from tests.cluster.conftest import ENGINE
@@ -82,11 +83,39 @@ def test_ratios_and_headline_against_round_robin() -> None:
     assert "ttft_ratio_vs_rr" not in headline([pa])  # no baseline, no ratios
 
 
+def test_seeds_pool_into_a_ratio_of_seed_means() -> None:
+    """Several seeds: one row per policy over all of them (walls summed); the target is
+    judged on the pooled means, and each seed's own ratio is listed too."""
+    results = [
+        PolicyResult("round_robin", [sample(2.0), sample(2.0)], wall_s=2.0, seed=0),
+        PolicyResult("prefix_affinity", [sample(0.5), sample(0.5)], wall_s=1.0, seed=0),
+        PolicyResult("round_robin", [sample(4.0), sample(4.0)], wall_s=4.0, seed=1),
+        PolicyResult("prefix_affinity", [sample(2.5), sample(2.5)], wall_s=2.0, seed=1),
+    ]
+    rows = table_rows(results)
+    assert [r["policy"] for r in rows] == ["round_robin", "prefix_affinity"]
+    assert rows[0]["ok"] == 4 and rows[0]["req_s"] == pytest.approx(4 / 6)
+    head = headline(results)
+    assert head["ttft_ratio_vs_rr"] == 0.5  # 1.5 s vs 3 s: the mean of each seed's mean
+    assert head["ttft_ratio_per_seed"] == [0.25, 0.625]  # the second seed alone misses
+    assert head["seeds"] == [0, 1] and head["targets_met"] is True
+    assert "seeds" not in headline(results[:2])  # one seed: the keys of a single run
+
+
+def test_seeds_flag_parses_and_rejects_with_the_value() -> None:
+    assert parse_seeds("0,1,2") == (0, 1, 2) and parse_seeds("7") == (7,)
+    with pytest.raises(ConfigError, match="'0,x'"):
+        parse_seeds("0,x")
+    with pytest.raises(ConfigError, match="repeats"):
+        parse_seeds("1,1")
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
-    """Two real clusters in turn (round_robin, prefix_affinity), 6 requests each."""
+    """Two real clusters in turn (round_robin, prefix_affinity), two seeds of 6 requests
+    each on each."""
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"redis": {"heartbeat_ttl_s": 2.0}}))
     env = {**os.environ, "KVCLUSTER_RESULTS_DIR": str(tmp_path)}
     run = subprocess.run(
@@ -112,6 +141,8 @@ def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
             "3",
             "--policies",
             "round_robin,prefix_affinity",
+            "--seeds",
+            "0,1",
         ],
         env=env,
         capture_output=True,
@@ -123,8 +154,10 @@ def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
     head = json.loads(lines[-1])
     for policy in ("round_robin", "prefix_affinity"):
         assert {f"{policy}_ttft_mean_s", f"{policy}_req_s", f"{policy}_hit_rate"} <= set(head)
-        assert f"{policy}: 6/6 ok" in run.stdout
+        assert f"{policy}: 12/12 ok" in run.stdout  # both seeds, one cluster
+    assert "  seed 1: 6/6 ok" in run.stdout
     assert {"ttft_ratio_vs_rr", "throughput_ratio_vs_rr", "targets_met"} <= set(head)
+    assert head["seeds"] == [0, 1] and len(head["ttft_ratio_per_seed"]) == 2
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["policy", "ok"])
     assert lines[header].split() == [
         "policy",
@@ -140,6 +173,6 @@ def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
     ]
     rows = {line.split()[0]: line.split() for line in lines[header + 2 : header + 4]}
     assert set(rows) == {"round_robin", "prefix_affinity"}
-    assert all(r[1] == "6" for r in rows.values())  # every request succeeded
+    assert all(r[1] == "12" for r in rows.values())  # every request succeeded
     assert rows["round_robin"][-2:] == ["1.000", "1.000"]  # ratios vs itself
     assert (tmp_path / "cluster_policies.png").exists()
