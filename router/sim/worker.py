@@ -22,7 +22,7 @@ watermark (the cache never fills with running sequences at the benchmark's sizes
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -61,7 +61,7 @@ class RequestRecord:
 class _Active:
     """A request inside a worker."""
 
-    __slots__ = ("req", "rec", "keys", "pos", "est_new", "decode_left", "ctx_len")
+    __slots__ = ("req", "rec", "keys", "pos", "est_new", "claim", "decode_left", "ctx_len")
 
     def __init__(self, req: SimRequest, rec: RequestRecord, keys: Sequence[BlockKey]) -> None:
         self.req = req
@@ -69,6 +69,7 @@ class _Active:
         self.keys = keys  # the router's block keys for this prompt (parity check)
         self.pos = 0  # prompt tokens computed or cached so far
         self.est_new = 0  # uncached tokens counted into the queue before admission
+        self.claim: list[BlockKey] = []  # while waiting: its prompt's full-block keys
         self.decode_left = 0  # tokens still to decode
         self.ctx_len = 0  # KV length while decoding
 
@@ -101,6 +102,7 @@ class SimWorker:
         self.decoding: list[_Active] = []
         self.queued_prefill = 0  # uncached prompt tokens still to compute (waiting + admitted)
         self.waiting_cached = 0  # prompt tokens of waiting requests their prefix hit will skip
+        self._claims: Counter[BlockKey] = Counter()  # waiting prompts' block keys (as the engine)
         self.decode_ctx = 0  # sum of KV lengths of decoding sequences
         self.computed_prefill_tokens = 0  # prompt tokens this worker actually computed
         self.busy_s = 0.0  # time spent in steps
@@ -125,10 +127,11 @@ class SimWorker:
             expected_cached,
         )
         active = _Active(req, rec, keys)
-        # A real engine can ask its own KV manager what would hit now (a pure query).
-        active.est_new = (
-            len(req.token_ids) - self.kv.lookup_prefix(req.token_ids, req.ctx).num_tokens
-        )
+        # As the engine's scheduler does: what its KV manager would hit now, or a request
+        # queued ahead of it will have cached by its turn (a pure query).
+        hint, active.claim = self.kv.expected_prefix(req.token_ids, req.ctx, self._claims)
+        self._claims.update(active.claim)
+        active.est_new = len(req.token_ids) - hint
         self.queued_prefill += active.est_new
         self.waiting_cached += len(req.token_ids) - active.est_new
         self.waiting.append(active)
@@ -262,6 +265,11 @@ class SimWorker:
     def _pop_waiting(self) -> _Active:
         active = self.waiting.popleft()
         self.waiting_cached -= len(active.req.token_ids) - active.est_new
+        self._claims.subtract(active.claim)
+        for key in active.claim:
+            if not self._claims[key]:
+                del self._claims[key]
+        active.claim = []
         return active
 
     def _running(self) -> int:

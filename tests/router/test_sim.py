@@ -66,6 +66,18 @@ def test_sim_worker_waiting_load_counts_cached_prefix_only_when_asked() -> None:
         SimWorker("w1", KVCacheManager(4, 16), TM, waiting_load="all")
 
 
+def test_sim_worker_counts_a_prefix_shared_in_its_queue_once() -> None:
+    # As the engine: a sibling queued behind the request that will cache its prefix counts
+    # only its tail, and the prefix is computed once.
+    worker = SimWorker("w0", KVCacheManager(64, 16), TM)
+    worker.submit(SimRequest("a", 0.0, tokens(1, 100), output_len=1), 0, ())
+    b = worker.submit(SimRequest("b", 0.0, tokens(1, 100) + tokens(2, 20), 1), 0, ())
+    assert worker.load(0.0).queued_prefill_tokens == 100 + 24
+    worker.advance(5.0)
+    assert worker.idle() and b.cached_tokens == 96
+    assert worker.computed_prefill_tokens == 124 and worker.load(5.0).queued_prefill_tokens == 0
+
+
 def _pair(gap_s: float) -> list[SimRequest]:
     doc = tokens(5, 2000)
     return [
