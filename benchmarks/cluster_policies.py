@@ -2,12 +2,17 @@
 prefix_affinity (issue 7, "Benchmark").
 
 For each policy a fresh local cluster (in-process Ray, local redis-server, 2 CPU workers,
-same config except ``router.routing.policy``) serves the same seeded workload, cold (nothing
+same config except ``router.routing.policy``) serves the same seeded workloads, cold (nothing
 warmed): ``num_groups`` system prompts of ``prefix_words`` words, each request one of them
 plus a distinct question, ``concurrency`` in flight. Prefill dominates as in real serving:
 the 100m-parameter offline model, long system prompts, short answers, and more distinct
 system prompts than one worker's KV cache holds (but not more than the cluster's), so where a
-request lands decides whether its prefix is recomputed.
+request lands decides whether its prefix is recomputed. Each cluster serves three prompt
+seeds in turn (``--seeds``, default 0,1,2); seeds share no system prompt, so each starts
+cache-cold. The figures pool the seeds, so the TTFT ratio is the ratio of the seed means;
+the per-seed ratios are printed and in the JSON line. One seed's 64 requests are not enough
+to judge on: the first burst of 8 (4 system prompts, nothing cached, no KV event yet) costs
+a large share of the mean, and where it lands varies with arrival order.
 
 Prints one table (TTFT mean/p50/p99, req/s, output tok/s, prefix hit rate, ratios vs
 round_robin), saves ``cluster_policies.png`` under benchmarks/results/, and ends with one JSON
@@ -21,15 +26,22 @@ The code is :mod:`cluster.policy_bench` (workloads ``FULL`` and ``SMOKE`` includ
 by ``kvcluster bench --compare-policies``, whose defaults are ``FULL``; this module keeps the
 benchmark's name, flags and JSON keys.
 
-    .venv/bin/python -m benchmarks.cluster_policies [--smoke]
+    .venv/bin/python -m benchmarks.cluster_policies [--smoke] [--seeds 0,1,2]   # ~9 min full
 
-Measured here (quiet 2-core VM, 100m model, ~760-token prompts, 4 groups, concurrency 8),
-three runs of 64 requests: prefix_affinity mean TTFT 0.364 x, 0.591 x and 0.443 x
-round_robin's (target <= 0.5: met in two of three), throughput 2.16 x, 1.56 x, 2.04 x (target
->= 1.3: always), hit rate 0.88 / 0.84 / 0.90 vs 0.60 / 0.63 / 0.58; ``--requests 96``: 0.488 x,
-1.95 x. The spread is the policy's, not the machine's: which worker first computes each system
-prompt while no KV event has arrived yet (the first burst of 8) decides how many cold misses
-follow, and the worse runs show more of them (lower hit rate, higher p50).
+Measured here (quiet 2-core VM, 100m model, ~756-token prompts, 4 groups, concurrency 8,
+64 requests x seeds 0,1,2 per policy), two runs: prefix_affinity mean TTFT 0.307 x and
+0.277 x round_robin's (per seed 0.266 / 0.332 / 0.330 and 0.262 / 0.278 / 0.296; target <=
+0.5: met, every seed too), throughput 2.40 x and 2.54 x (target >= 1.3 x), hit rate 0.90 vs
+0.59-0.60; least_loaded 1.02 x / 0.77 x round_robin's TTFT.
+
+What it took (session 3; session 2 measured 0.364 x, 0.591 x and 0.443 x on seed 0 alone):
+- The router read its own-work loads before its (serialised) routing decision and recorded
+  the placement after it, so the 8 requests of a simultaneous burst all saw idle workers, and
+  7 of 8 could land on one. Loads are now read and the placement recorded in one step.
+- The engine's load report counted a waiting prompt whole when its prefix was about to be
+  computed by a sibling queued ahead of it (the prefix was not cached yet on arrival), so a
+  burst's holder looked ~1,100 tokens busier than it was. Waiting sequences now claim their
+  prompt blocks, and one queued behind a claim counts only its tail.
 (Session 1 measured 0.505 x before the engine's load report subtracted a waiting prompt's
 cached prefix: the holder of a busy system prompt looked loaded by its own queued hits and
 lost their siblings to the other worker, which recomputed the prefix.)

@@ -5,7 +5,9 @@ For each policy a fresh cluster (in-process Ray, local redis-server, 2-4 CPU wor
 config except ``router.routing.policy``) serves the same seeded workload, cold (nothing
 warmed): ``num_groups`` system prompts of ``prefix_words`` words, each request one of them
 plus a distinct question, ``concurrency`` in flight. A fresh cluster per policy, not one
-cluster re-configured, so no policy inherits the KV caches the previous one filled.
+cluster re-configured, so no policy inherits the KV caches the previous one filled. Each
+cluster serves every seed of ``Workload.seeds`` in turn (seeds share no system prompt, so
+each starts cache-cold); figures pool the seeds, so a TTFT ratio is a ratio of seed means.
 
 Prints progress, one table (TTFT mean/p50/p99, req/s, output tok/s, prefix hit rate, ratios
 vs round_robin), saves ``cluster_policies.png`` under benchmarks/results/, and ends with one
