@@ -170,7 +170,7 @@ class ServingCore:
             produced = finished = False
             try:
                 async for item in self.directory.stream(
-                    worker, WorkerRequest(request_id, token_ids, params)
+                    worker, WorkerRequest(request_id, token_ids, params, bool(decision.keys))
                 ):
                     if isinstance(item, Admitted):
                         if decision.keys:

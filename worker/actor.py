@@ -150,7 +150,8 @@ class WorkerServer:
                                                     request_id=request.request_id)
         # Parity keys from the same pure inputs the engine hashes with: no engine lock taken.
         keys = tuple(block_keys(request.token_ids, self.engine.config.block_size,
-                                self.engine.hash_context(request.params)))
+                                self.engine.hash_context(request.params))
+                     ) if request.want_keys else ()
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:

@@ -59,6 +59,10 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(cluster, client) -> Non
         assert o.cached_tokens < o.prompt_tokens
     status = client.status()
     assert status.decisions.get("prefix_affinity/prefix", 0) >= 3
+    # every worker sent its own keys back and they equal the router's (one hash function)
+    stats = [ray.get(r.stats.remote(), timeout=30) for r in cluster.routers.values()]
+    assert sum(s["parity_checks"] for s in stats) >= 4
+    assert sum(s["parity_mismatches"] for s in stats) == 0
 
 
 def test_unary_equals_stream(client) -> None:

@@ -24,6 +24,7 @@ class HeldWorkers(WorkerDirectory):
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.placed: list[str] = []
+        self.requests: list[WorkerRequest] = []
 
     async def candidates(self) -> Mapping[str, WorkerLoad]:
         return {"w0": IDLE, "w1": IDLE}
@@ -31,6 +32,7 @@ class HeldWorkers(WorkerDirectory):
     async def stream(self, worker_id: str, request: WorkerRequest
                      ) -> AsyncIterator[Admitted | RequestOutput]:
         self.placed.append(worker_id)
+        self.requests.append(request)
         yield Admitted(worker_id, 1, ())
         await self.release.wait()
         usage = Usage(len(request.token_ids), 0, 1)
@@ -98,3 +100,22 @@ def test_simultaneous_burst_spreads() -> None:
 
     placed = asyncio.run(main())
     assert sorted(placed) == ["w0"] * 4 + ["w1"] * 4, placed
+
+
+def test_only_a_router_that_hashes_prompts_asks_for_parity_keys() -> None:
+    """Hashing a long prompt on the worker is wasted unless the router compares the keys."""
+
+    async def main(policy: str) -> bool:
+        directory = HeldWorkers()
+        directory.release.set()
+        core = ServingCore(Router(RoutingConfig(policy=policy, block_size=16)), directory,
+                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
+                                       max_prompt_tokens=4095))
+        async for _ in core.generate("r", [3] * 100, SamplingParams(max_tokens=1)):
+            pass
+        core.close()
+        return directory.requests[0].want_keys
+
+    assert asyncio.run(main("prefix_affinity")) is True
+    assert asyncio.run(main("round_robin")) is False
+    assert asyncio.run(main("least_loaded")) is False
