@@ -396,3 +396,21 @@ def test_released_twin_moves_its_served_block_behind_the_children() -> None:
     ]
     assert kv.cached_keys()[0] == ka[0]
     kv.check_invariants()
+
+
+def test_expected_prefix_counts_cached_then_queued_blocks_and_its_keys_skip_rehashing() -> None:
+    kv = _kv(16)
+    _prefill(kv, "a", A[:5])  # caches block [100..103]
+    prompt = A + [1, 2, 3]  # 13 tokens: 3 full blocks count (the last token is recomputed)
+    keys = _keys(prompt)[:3]
+    assert kv.expected_prefix(prompt, CTX, set()) == (4, keys)  # only the cached block
+    assert kv.expected_prefix(prompt, CTX, {keys[1]}) == (8, keys)  # + one queued ahead
+    assert kv.expected_prefix(prompt, CTX, {keys[2]}) == (4, keys)  # a hole stops the run
+    assert kv.expected_prefix(prompt, HashContext("m", None, "t"), set())[0] == 0  # salted
+    assert kv.expected_prefix(prompt, CTX, set(keys), keys) == (12, keys)  # given keys
+    # the same keys passed to the lookup give the same hit as hashing afresh
+    assert kv.lookup_prefix(prompt, CTX, keys) == kv.lookup_prefix(prompt, CTX)
+    assert _kv(16, enable_prefix_caching=False).expected_prefix(prompt, CTX, set(keys)) == (
+        0,
+        keys,
+    )

@@ -186,7 +186,7 @@ class Scheduler:
         while True:
             hit = None
             if not seq.allocated:
-                hit = self.kv.lookup_prefix(seq.token_ids, req.ctx)
+                hit = self.kv.lookup_prefix(seq.token_ids, req.ctx, seq.claim)
                 seq.cached_hint = hit.num_tokens
                 if any(b in self._writing for b in hit.block_ids):
                     return "defer"

@@ -66,11 +66,18 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------------
 
-    def lookup_prefix(self, token_ids: Sequence[int], ctx: HashContext) -> PrefixHit:
+    def lookup_prefix(
+        self,
+        token_ids: Sequence[int],
+        ctx: HashContext,
+        known_keys: Sequence[BlockKey] = (),
+    ) -> PrefixHit:
         """Longest run of cached full blocks matching the prompt (pure query, takes no refs).
 
         Walks block by block and stops at the first miss; a hit also compares token ids.
         Capped so the last prompt token is always recomputed (its logits are needed).
+        ``known_keys``: the chain of the leading full blocks of ``token_ids`` under ``ctx``
+        if the caller has it (from :meth:`expected_prefix`); those blocks are not rehashed.
         """
         if not self.enable_prefix_caching:
             return PrefixHit.empty(ctx)
@@ -80,7 +87,10 @@ class KVCacheManager:
         parent: BlockKey | None = None
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
+            if i < len(known_keys):
+                key = known_keys[i]
+            else:
+                key = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
             block = self._pool.lookup(key, toks)
             if block is None:
                 break
