@@ -55,14 +55,10 @@ from contextlib import ExitStack
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from kvstore import IndexConfig, KVIndex
 from worker.kv.hashing import BlockKey
+from worker.stats import quantile
 
 TARGET_LOOKUP_P99_MS = 2.0
 TARGET_EVENTS_PER_S = 200_000
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _chains(n_chains: int, length: int, rng: random.Random) -> list[list[BlockKey]]:
@@ -151,9 +147,9 @@ def lookups(
         lat.append((time.perf_counter() - t0) * 1e3)
         assert all(got[w] == n for w, n in expect.items()), (got, expect)
     server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
-    return {"p50_ms": statistics.median(lat), "p99_ms": _percentile(lat, 0.99),
+    return {"p50_ms": statistics.median(lat), "p99_ms": quantile(lat, 0.99),
             "server_p50_ms": statistics.median(server),
-            "server_p99_ms": _percentile(server, 0.99)}  # fmt: skip
+            "server_p99_ms": quantile(server, 0.99)}  # fmt: skip
 
 
 def full_hits(state: dict, n_blocks: int, k: int) -> list[tuple[list[BlockKey], dict[str, int]]]:
@@ -236,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
             "bytes_per_distinct_block": (mem1 - mem0) / distinct,
             "lookup": lat, "miss_2k_ms": miss_ms,
             "ping": {"p50_ms": statistics.median(ping),
-                     "p99_ms": _percentile(ping, 0.99)}}  # fmt: skip
+                     "p99_ms": quantile(ping, 0.99)}}  # fmt: skip
 
 
 def _delete_namespace(index: KVIndex) -> None:

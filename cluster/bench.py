@@ -27,6 +27,7 @@ import grpc
 
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
 from cluster.report import pyplot, save_figure
+from worker.stats import quantile
 
 
 @dataclass
@@ -102,14 +103,6 @@ def one_request(client: KVClusterClient, prompt: str, max_tokens: int) -> Sample
     )
 
 
-def pct(values: list[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``; nan when empty."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def send_all(
     client: KVClusterClient,
     prompts: list[str],
@@ -168,10 +161,10 @@ def run_bench(
         "ok": float(len(ok)),
         "throughput_req_s": len(ok) / wall,
         "output_tok_s": sum(s.completion_tokens for s in ok) / wall,
-        "latency_p50_s": pct([s.latency_s for s in ok], 0.5),
-        "latency_p99_s": pct([s.latency_s for s in ok], 0.99),
-        "ttft_p50_s": pct([s.ttft_s for s in ok], 0.5),
-        "ttft_p99_s": pct([s.ttft_s for s in ok], 0.99),
+        "latency_p50_s": quantile([s.latency_s for s in ok], 0.5),
+        "latency_p99_s": quantile([s.latency_s for s in ok], 0.99),
+        "ttft_p50_s": quantile([s.ttft_s for s in ok], 0.5),
+        "ttft_p99_s": quantile([s.ttft_s for s in ok], 0.99),
         "prefix_hit_rate": (sum(s.cached_tokens for s in ok) / prompt_tok) if prompt_tok else 0.0,
     }
     print(f"{'metric':<20}{'value':>14}", file=out)

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from cluster.bench import Sample, make_prompts, pct, send_all
+from cluster.bench import Sample, make_prompts, send_all
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig, ConfigError
 from cluster.report import emit_json, print_table, pyplot, save_figure
+from worker.stats import quantile
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
 BASELINE = "round_robin"  # the ratios' denominator
@@ -199,8 +200,8 @@ def figures(r: PolicyResult) -> dict[str, float]:
     return {
         "ok": len(ok),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
-        "ttft_p50_s": pct(ttft, 0.5),
-        "ttft_p99_s": pct(ttft, 0.99),
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
         "req_s": len(ok) / r.wall_s,
         "out_tok_s": sum(s.completion_tokens for s in ok) / r.wall_s,
         "hit_rate": sum(s.cached_tokens for s in ok) / prompt_tok if prompt_tok else 0.0,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from router.types import Reason, RouteDecision
+from worker.stats import quantile
 
 
 class LatencyHistogram:
@@ -31,11 +31,7 @@ class LatencyHistogram:
 
     def quantile(self, q: float) -> float:
         """Nearest-rank quantile of the recent window (0.0 when empty)."""
-        if not self._recent:
-            return 0.0
-        ordered = sorted(self._recent)
-        rank = max(1, math.ceil(q * len(ordered)))
-        return ordered[rank - 1]
+        return quantile(self._recent, q, empty=0.0)
 
 
 @dataclass

@@ -6,13 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from router.sim.replay import ReplayResult
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank quantile of an ascending list (nan when empty)."""
-    if not sorted_values:
-        return math.nan
-    return sorted_values[max(1, math.ceil(q * len(sorted_values))) - 1]
+from worker.stats import quantile
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from worker.stats import quantile
+
 _SAMPLES = 100_000  # latency samples kept (most recent)
 
 
@@ -24,11 +26,8 @@ class LatencySummary:
         data = sorted(values)
         if not data:
             return cls(0, 0.0, 0.0, 0.0, 0.0)
-
-        def pct(q: float) -> float:
-            return data[min(len(data) - 1, round(q * (len(data) - 1)))]
-
-        return cls(len(data), sum(data) / len(data), pct(0.5), pct(0.9), pct(0.99))
+        p50, p90, p99 = (quantile(data, q) for q in (0.5, 0.9, 0.99))
+        return cls(len(data), sum(data) / len(data), p50, p90, p99)
 
 
 @dataclass(frozen=True, slots=True)
