@@ -77,12 +77,14 @@ block j, blocks 0..j-1"). Every writer keeps it so:
   set by a snapshot of its (prefix-closed) cache; a clear empties it;
 * PURGE_SLOT removes a *dead* slot's entries in random chunks (not prefix-closed meanwhile),
   but dead slots are never candidates, and bisect counts candidates in a value rather than
-  comparing value lengths, so other slots' entries never matter.
-
-One window remains: a resync's snapshot is taken while the engine runs, and events from
-around it are applied on top of it in the next batches; until they are (milliseconds), a slot
-may show a hole, where bisect may over-count and scan under-counts. Counts are routing hints
-(a worker reuses only what its own prefix match finds), so this costs routing quality only.
+  comparing value lengths, so other slots' entries never matter;
+* RESYNC snapshots are exact: the worker takes its cache's keys under the engine lock and
+  marks there which submitted events they already hold (``WorkerPublisher.mark_snapshot``),
+  so those are dropped rather than replayed on the newer snapshot (which could leave a child
+  without its parent until later events arrived). A publisher that does not mark its
+  snapshots keeps that few-millisecond window, where bisect may over-count and scan
+  under-count; counts are routing hints (a worker reuses only what its own prefix match
+  finds), so it would cost routing quality only.
 
 Use ``scan`` when a publisher is not this engine, or its cache may hold a block without its
 parent (another eviction policy, hand-written events): scan is exact for any index.

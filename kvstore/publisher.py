@@ -18,6 +18,14 @@ under a lock held for O(1) and never touches Redis. The thread:
 ``list_cached_keys`` is called from the publisher thread; it must be safe to call while the
 engine runs (e.g. take the engine's lock or read a snapshot). Events submitted after the
 snapshot are applied on top of it, so the index converges to the pool's state.
+
+If ``list_cached_keys`` also calls :meth:`WorkerPublisher.mark_snapshot` while ``submit``
+cannot run (the worker does both under its engine lock), the resync is exact from the first
+moment: every event submitted before that mark is already in the snapshot, so those events
+(inbox and outbox) are dropped instead of replayed on top of it (the recorder still sees them,
+to keep its positions). Without the mark, old events replayed on the newer snapshot can leave
+a slot with a hole for a few milliseconds (a removed parent whose re-stored child the
+snapshot holds), until the events that follow them arrive.
 """
 
 from __future__ import annotations
@@ -67,8 +75,10 @@ class WorkerPublisher:
         self._recorder = index.recorder(worker_id)
         # shared between submit() and the thread, under _lock
         self._lock = threading.Lock()
-        self._inbox: list[Sequence[object]] = []
+        self._inbox: list[tuple[int, Sequence[object]]] = []  # (submit number, events)
         self._inbox_events = 0
+        self._submits = 0  # submit() calls so far
+        self._cut: int | None = None  # submits covered by the snapshot being taken
         self._inbox_overflow = False
         self._load = _IDLE
         self._stats = PublisherStats()
@@ -95,15 +105,23 @@ class WorkerPublisher:
         """Queue a step's events and current load. Never waits on Redis."""
         with self._lock:
             self._load = load
+            self._submits += 1
             self._stats.events_submitted += len(events)
             if events:
                 if self._inbox_events + len(events) > self._max_buffer:
                     self._stats.events_dropped += len(events)
                     self._inbox_overflow = True
                 else:
-                    self._inbox.append(events)
+                    self._inbox.append((self._submits, events))
                     self._inbox_events += len(events)
         self._wake.set()
+
+    def mark_snapshot(self) -> None:
+        """Called by ``list_cached_keys`` at the moment of its snapshot, where no ``submit``
+        can run concurrently: every event submitted so far is in the snapshot (see the module
+        docstring)."""
+        with self._lock:
+            self._cut = self._submits
 
     @property
     def epoch(self) -> int | None:
@@ -201,7 +219,8 @@ class WorkerPublisher:
     def _drain(self) -> None:
         """Inbox -> recorder -> outbox. Runs whatever Redis's state, so positions stay right."""
         with self._lock:
-            submitted, self._inbox, self._inbox_events = self._inbox, [], 0
+            submitted = [events for _, events in self._inbox]
+            self._inbox, self._inbox_events = [], 0
             overflow, self._inbox_overflow = self._inbox_overflow, False
         if overflow:
             # Events were lost before the recorder saw them. The resync's snapshot supersedes
@@ -262,13 +281,37 @@ class WorkerPublisher:
     def _resync(self) -> bool:
         """Send the pool's whole key set; False if the epoch went stale."""
         assert self._epoch is not None
+        with self._lock:
+            self._cut = None
+        keys = self._list_cached_keys()
+        self._supersede()
         self._seq += 1
-        if not self.index.resync(self.worker_id, self._epoch, self._seq, self._list_cached_keys()):
+        if not self.index.resync(self.worker_id, self._epoch, self._seq, keys):
             self._epoch = None
             return False
         self._resync_due = False
         self._count(resyncs=1)
         return True
+
+    def _supersede(self) -> None:
+        """If the snapshot was marked, drop the events it already holds: the whole outbox
+        (drained before it) and the inbox up to the mark, recorded but not sent."""
+        with self._lock:
+            cut, self._cut = self._cut, None
+            if cut is None:
+                return
+            covered = [events for n, events in self._inbox if n <= cut]
+            self._inbox = [(n, events) for n, events in self._inbox if n > cut]
+            self._inbox_events = sum(len(events) for _, events in self._inbox)
+        for events in covered:
+            self._recorder.record(events)  # positions stay current; the ops are not needed
+        superseded = self._outbox_events + sum(len(events) for events in covered)
+        if self._inflight is not None:
+            superseded += sum(n for _, n in self._inflight[1])
+        self._outbox.clear()
+        self._outbox_events = 0
+        self._inflight = None
+        self._count(events_applied=superseded)
 
     def _apply_outbox(self) -> bool:
         """Send the outbox in batches; False if the epoch went stale (register again)."""

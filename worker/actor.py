@@ -131,8 +131,16 @@ class WorkerServer:
         self.telemetry.after_step(engine, outputs)
 
     def _cached_keys(self) -> list:
-        """For a resync: the pool's cached keys, read between steps."""
-        return self.front.with_engine(lambda e: e.kv.cached_keys())
+        """For a resync: the pool's cached keys, read between steps. Under the engine lock,
+        where ``_after_step`` submits, so the publisher learns exactly which submitted events
+        the snapshot already holds (``mark_snapshot``) and does not replay them on it."""
+
+        def snapshot(engine: Engine) -> list:
+            if self.publisher is not None:
+                self.publisher.mark_snapshot()
+            return engine.kv.cached_keys()
+
+        return self.front.with_engine(snapshot)
 
     # -- API (called by routers through Ray) -----------------------------------------------
 

@@ -10,6 +10,7 @@ import pytest
 from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from tests.kvstore.helpers import Pool, chain
 from tests.redis_server import RedisServer
+from worker.kv.hashing import BlockKey
 
 LOAD = WorkerLoad(running=1, waiting=0, free_blocks=50, total_blocks=64, queued_prefill_tokens=0)
 
@@ -194,3 +195,43 @@ def test_lost_events_make_the_recorder_start_afresh(redis_server: RedisServer, p
     assert index.held_keys("w") == {other[1], other[3]} and index.lookup(other) == {"w": 4}
     pub.stop()
     index.close()
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_marked_resync_snapshot_is_not_overwritten_by_older_events(
+    index: KVIndex, pool: Pool, marked: bool
+) -> None:
+    """Step 1 evicts C and its parent P, step 2 stores P again with another child D; the
+    resync snapshot is taken after both. Replaying step 1 on it would leave D without P (a
+    hole) until step 2 arrives; with the snapshot marked, both steps are superseded instead.
+    The thread is not started: drain and sync run here, in the order the thread runs them."""
+    k0, p, c, d = chain(3) + [chain(1, salt=7)[0]]
+    cut_taken = []
+
+    def snapshot() -> list[BlockKey]:
+        if marked:
+            pub.mark_snapshot()
+            cut_taken.append(True)
+        return pool.list_cached_keys()
+
+    pub = WorkerPublisher(index, "w", snapshot, purge_interval_s=None)
+    pub.submit(pool.store([k0, p, c]), LOAD)
+    pub._drain()
+    pub._sync(time.monotonic())  # registered; [k0, p, c] published
+    assert index.lookup([k0, p, c]) == {"w": 3}
+    pub.submit(pool.evict(c, p), LOAD)  # step 1
+    pub._drain()  # into the outbox (not sent yet: Redis is slow, say)
+    pub.submit(pool.store([p], k0) + pool.store([d], p), LOAD)  # step 2, still in the inbox
+    pub._resync_due = True
+    pub._sync(time.monotonic())  # resync, then whatever is left in the outbox
+    after = index.held_keys("w")
+    if marked:
+        assert cut_taken and after == {k0, p, d}  # the snapshot, exactly
+        assert pub.stats.events_applied == pub.stats.events_submitted  # nothing lost
+    else:
+        assert after == {k0, d}  # the hole: d without its parent p
+    pub._drain()
+    pub._sync(time.monotonic())
+    assert index.held_keys("w") == {k0, p, d}  # either way it converges
+    assert index.lookup([k0, p, d]) == {"w": 3}
+    pub.stop()
