@@ -281,3 +281,25 @@ def test_request_too_big_for_the_cache_alone_ends_with_length() -> None:
     assert {c.finish_reason for c in result.completions} == {FinishReason.LENGTH}
     assert any(c.stop_reason == "kv_capacity" for c in result.completions)
     assert_no_blocks_in_use(engine)
+
+
+def test_tenant_cache_fraction_keeps_one_tenant_from_flushing_anothers_prefix() -> None:
+    """32 blocks, quota 1/4: tenant "a" keeps its system prompt cached while tenant "b"
+    streams many distinct prompts through; without the quota b's prompts evict it."""
+    system = list(range(2, 26))  # 6 full blocks of 4
+
+    def a_hit_after_b_flood(fraction: float) -> tuple[int, int]:
+        engine, _ = make(num_blocks=32, tenant_cache_fraction=fraction)
+        engine.generate([system + [30]], SamplingParams(temperature=0, max_tokens=2,
+                                                        cache_salt="a"))
+        for i in range(12):  # 12 x 5 idle blocks of b, more than the pool
+            engine.generate([[40 + i] * 21], SamplingParams(temperature=0, max_tokens=1,
+                                                            cache_salt="b"))
+        out = engine.generate([system + [31]], SamplingParams(temperature=0, max_tokens=2,
+                                                              cache_salt="a"))
+        assert_no_blocks_in_use(engine)
+        return out[0].usage.cached_tokens, engine.kv.stats().tenant_quota_evictions
+
+    assert a_hit_after_b_flood(1.0) == (0, 0)
+    cached, evictions = a_hit_after_b_flood(0.25)
+    assert cached == 24 and evictions > 0

@@ -414,3 +414,27 @@ def test_expected_prefix_counts_cached_then_queued_blocks_and_its_keys_skip_reha
         0,
         keys,
     )
+
+
+def test_tenant_quota_evicts_the_tenants_own_lru_blocks_and_keeps_prefixes() -> None:
+    """Quota 2 evictable blocks per tenant: tenant a's third idle block evicts a's oldest
+    (a chain's deepest block: released first), never tenant b's; in-use blocks do not count."""
+    kv = KVCacheManager(16, BS, tenant_quota_blocks=2)
+    a, b = HashContext("m", cache_salt="a"), HashContext("m", cache_salt="b")
+    long = list(range(200, 213))  # 3 full blocks + 1 token
+    _prefill(kv, "b", long, b)
+    kv.free("b")
+    assert kv.lookup_prefix(long, b).num_tokens == 8  # b keeps its quota: the first 2 blocks
+    kv.drain_events()
+    _prefill(kv, "a1", long, a)
+    assert kv.stats().evictable_cached_blocks == 2  # a's 3 blocks are in use: not limited
+    kv.free("a1")  # tail-first: a's third block is its oldest idle one
+    removed = [e for e in kv.drain_events() if isinstance(e, BlockRemoved)]
+    assert [k for e in removed for k in e.keys] == [_keys(long, a)[2]]
+    assert kv.lookup_prefix(long, a).num_tokens == 8 and kv.lookup_prefix(long, b).num_tokens == 8
+    _prefill(kv, "a2", list(range(300, 306)), a)  # one more full block of tenant a
+    kv.free("a2")  # over quota again: a's oldest idle block is the deeper one of `long`
+    assert kv.lookup_prefix(long, a).num_tokens == 4  # still a prefix: block 0 kept
+    assert kv.lookup_prefix(long, b).num_tokens == 8  # b untouched
+    assert kv.stats().tenant_quota_evictions == 3  # b's third block, then two of a's
+    kv.check_invariants()

@@ -52,10 +52,13 @@ class KVMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         num_blocks=st.integers(3, 14),
         caching=st.sampled_from([True, True, True, False]),
+        quota=st.sampled_from([None, None, 0, 1, 2, 4]),
     )
-    def setup(self, block_size: int, num_blocks: int, caching: bool) -> None:
+    def setup(self, block_size: int, num_blocks: int, caching: bool, quota: int | None) -> None:
         self.bs = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching=caching, tenant_quota_blocks=quota
+        )
         self.mem: list[int | None] = [None] * (num_blocks * block_size)
         self.seqs: dict[int, _Seq] = {}
         self.next_id = 0
@@ -257,6 +260,8 @@ class KVMachine(RuleBasedStateMachine):
         assert not set(queued) & set(holders)
         assert len(queued) + len(holders) == kv.num_blocks == len(pool.blocks)
         assert kv.num_free_blocks() == len(queued) == kv.stats().free_blocks
+        if kv.stats().tenant_quota_evictions:
+            event("tenant quota evicted")
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self) -> None:

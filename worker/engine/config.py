@@ -47,6 +47,15 @@ class EngineConfig(BaseModel):
     )
     policy: str = Field("fcfs", description="Scheduling policy: " + ", ".join(policy_names()))
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    tenant_cache_fraction: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Per-tenant quota of the prefix cache: the share of KV blocks one tenant "
+        "(cache_salt; no salt is one tenant too) may keep cached and idle. Beyond it that "
+        "tenant's own least recently used blocks are evicted, so one tenant cannot flush the "
+        "others' prefixes. 1.0 = no quota.",
+    )
     admission_watermark: float = Field(
         0.01,
         ge=0.0,

@@ -56,9 +56,11 @@ class Engine:
         self.tokenizer = executor.tokenizer
         self.max_model_len = config.max_model_len or limit
         self.eos_ids = frozenset(executor.eos_token_ids)
+        quota = config.tenant_cache_fraction
         self.kv = KVCacheManager(
             executor.num_blocks, config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            tenant_quota_blocks=int(quota * executor.num_blocks) if quota < 1.0 else None,
         )  # fmt: skip
         self.scheduler = Scheduler(config, self.kv, get_policy(config.policy))
         self.requests: dict[str, Request] = {}  # live requests by id

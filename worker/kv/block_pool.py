@@ -26,10 +26,19 @@ relies on it, see :mod:`kvstore`). Two things keep it:
   it). A twin released to ref count 0 stops being one; its children were released just before
   it (tail-first), so the serving block, if evictable, moves to the back of the queue to stay
   newer than them.
+
+Per-tenant quota (optional, ``tenant_quota``): each tenant (a ``cache_salt``; ``None`` is the
+unsalted tenant) may keep at most that many cached *evictable* blocks. A release that takes a
+tenant over its quota evicts that tenant's own least recently used evictable block at once,
+so one tenant's traffic cannot flush the others' prefixes (in-use blocks are not limited:
+admission and preemption govern those). A tenant's LRU order is the free queue's order
+restricted to its blocks, so its oldest evictable block has no cached descendant (a chain is
+one tenant's: the salt is in its first key): prefix closure holds.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 from worker.kv.events import EventLog
@@ -39,7 +48,7 @@ from worker.kv.hashing import BlockKey
 class KVBlock:
     """One physical block: its id, ref count, cache key and free-queue links."""
 
-    __slots__ = ("block_id", "ref_cnt", "key", "twin_of", "token_ids", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "key", "twin_of", "token_ids", "tenant", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # index into the model runner's KV tensors; never changes
@@ -47,6 +56,7 @@ class KVBlock:
         self.key: BlockKey | None = None  # prefix-cache key while cached, else None
         self.twin_of: BlockKey | None = None  # key served by another block while this is a twin
         self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
+        self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
@@ -125,8 +135,14 @@ class FreeBlockQueue:
 class BlockPool:
     """``num_blocks`` blocks, their ref counts, the free queue and the key -> block map."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, tenant_quota: int | None = None) -> None:
+        if tenant_quota is not None and tenant_quota < 0:
+            raise ValueError(f"tenant_quota must be >= 0 or None, got {tenant_quota}")
         self.block_size = block_size
+        self.tenant_quota = tenant_quota
+        # tenant -> its evictable cached blocks, least recently used first (quota only)
+        self._evictable: dict[str | None, OrderedDict[int, KVBlock]] = {}
+        self.quota_evictions = 0  # blocks evicted because their tenant was over its quota
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}  # key -> the one block serving it
@@ -150,21 +166,49 @@ class BlockPool:
         evicted: list[BlockKey] = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            key = block.key
-            if key is not None:
-                self.num_evictable -= 1
-                twins = self.twins.get(key)
-                if twins:
-                    self._promote(key, twins)
-                else:
-                    del self.cached[key]
-                    evicted.append(key)
-                block.key = block.token_ids = None
+            if block.key is not None:
+                self._uncache(block, evicted)
             block.ref_cnt = 1
             taken.append(block)
         if evicted:
             self.events.removed(evicted)
         return taken
+
+    def _uncache(self, block: KVBlock, evicted: list[BlockKey]) -> None:
+        """Evict an evictable cached block's key (taken out of the free queue by the caller);
+        a key with a twin in use is served by the twin instead (nothing evicted)."""
+        key = block.key
+        assert key is not None and block.ref_cnt == 0
+        self.num_evictable -= 1
+        self._forget_evictable(block)
+        twins = self.twins.get(key)
+        if twins:
+            self._promote(key, twins)
+        else:
+            del self.cached[key]
+            evicted.append(key)
+        block.key = block.token_ids = None
+        block.tenant = None
+
+    def _forget_evictable(self, block: KVBlock) -> None:
+        if self.tenant_quota is not None:
+            del self._evictable[block.tenant][block.block_id]
+
+    def _evictable_again(self, block: KVBlock) -> list[BlockKey]:
+        """``block`` (cached) just became the newest evictable one: over its tenant's quota,
+        that tenant's least recently used evictable blocks go. Returns the evicted keys."""
+        if self.tenant_quota is None:
+            return []
+        mine = self._evictable.setdefault(block.tenant, OrderedDict())
+        mine[block.block_id] = block
+        evicted: list[BlockKey] = []
+        while len(mine) > self.tenant_quota:
+            oldest = next(iter(mine.values()))
+            self.free_queue.remove(oldest)
+            self._uncache(oldest, evicted)
+            self.free_queue.appendleft(oldest)  # nothing to keep: reuse first
+            self.quota_evictions += 1
+        return evicted
 
     def _promote(self, key: BlockKey, twins: list[KVBlock]) -> None:
         """The oldest twin (in use) serves ``key`` instead of its evicted serving block."""
@@ -172,6 +216,7 @@ class BlockPool:
         if not twins:
             del self.twins[key]
         twin.twin_of, twin.key = None, key
+        twin.tenant = self.cached[key].tenant
         self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -181,10 +226,12 @@ class BlockPool:
                 self.free_queue.remove(block)
                 if block.key is not None:
                     self.num_evictable -= 1
+                    self._forget_evictable(block)
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one ref on each block, in the given order (callers pass tail-first)."""
+        evicted: list[BlockKey] = []
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"{block} released more often than taken"
@@ -196,6 +243,9 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)  # keep cached, evict least recently used
                     self.num_evictable += 1
+                    evicted += self._evictable_again(block)
+        if evicted:
+            self.events.removed(evicted)
 
     def _untwin(self, block: KVBlock) -> None:
         """A twin released to ref count 0 becomes a plain free block.
@@ -214,6 +264,8 @@ class BlockPool:
         if served.ref_cnt == 0:
             self.free_queue.remove(served)
             self.free_queue.append(served)
+            if self.tenant_quota is not None:
+                self._evictable[served.tenant].move_to_end(served.block_id)
 
     def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> KVBlock | None:
         """The cached block for ``key`` if its token ids also match (no collision can hit)."""
@@ -228,8 +280,10 @@ class BlockPool:
         keys: Sequence[BlockKey],
         token_ids: Sequence[tuple[int, ...]],
         parent: BlockKey | None,
+        tenant: str | None = None,
     ) -> None:
-        """Cache newly filled, chained blocks; emit one ``BlockStored`` per unbroken run.
+        """Cache newly filled, chained blocks of ``tenant``; emit one ``BlockStored`` per
+        unbroken run.
 
         A block whose key is already served by another block (two sequences computed the same
         prefix concurrently) stays uncached and becomes a twin of it (see the module docstring);
@@ -248,7 +302,7 @@ class BlockPool:
                     run_keys, run_tokens = [], []
                 run_parent = key
                 continue
-            block.key, block.token_ids = key, toks
+            block.key, block.token_ids, block.tenant = key, toks, tenant
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.append(toks)
@@ -265,8 +319,9 @@ class BlockPool:
         assert not self.twins, "a twin is always in use"
         self.twins.clear()
         for block in self.cached.values():
-            block.key = block.token_ids = None
+            block.key = block.token_ids = block.tenant = None
         self.cached.clear()
+        self._evictable.clear()
         self.num_evictable = 0
         self.events.cleared()
         return True

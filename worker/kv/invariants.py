@@ -78,6 +78,8 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         _fail("a block holds a key missing from the cache map")
     if sum(1 for b in pool.cached.values() if b.ref_cnt == 0) != pool.num_evictable:
         _fail("evictable counter is wrong")
+    if pool.tenant_quota is not None:
+        _check_tenant_quota(pool)
     _check_twins(pool)
 
 
@@ -133,3 +135,23 @@ def check_prefix_closed(
 
 def _fail(message: str) -> None:
     raise AssertionError(message)
+
+
+def _check_tenant_quota(pool: BlockPool) -> None:
+    """Each tenant's evictable list is its evictable cached blocks in free-queue order, and
+    within the quota."""
+    quota = pool.tenant_quota
+    assert quota is not None
+    expected: dict[str | None, list[int]] = {}
+    for block in pool.free_queue:
+        if block.key is not None:
+            expected.setdefault(block.tenant, []).append(block.block_id)
+    got = {t: list(blocks) for t, blocks in pool._evictable.items() if blocks}
+    if got != expected:
+        _fail(f"per-tenant evictable lists {got} != free-queue order {expected}")
+    for tenant, ids in got.items():
+        if len(ids) > quota:
+            _fail(f"tenant {tenant!r} keeps {len(ids)} evictable blocks, quota {quota}")
+    for block in pool.blocks:
+        if block.key is None and block.tenant is not None:
+            _fail(f"uncached {block} still names tenant {block.tenant!r}")

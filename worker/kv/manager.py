@@ -49,8 +49,15 @@ class KVCacheManager:
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        tenant_quota_blocks: int | None = None,
     ) -> None:
+        """``tenant_quota_blocks``: most cached evictable blocks one tenant (``cache_salt``)
+        keeps; beyond it that tenant's own LRU blocks are evicted (None: no quota)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -58,7 +65,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._pool = BlockPool(num_blocks, block_size)
+        self._pool = BlockPool(num_blocks, block_size, tenant_quota_blocks)
         self._seqs: dict[SeqId, _Seq] = {}
         self._copies: list[tuple[int, int]] = []
         self._queried_tokens = 0
@@ -239,7 +246,7 @@ class KVCacheManager:
             start = len(seq.keys)
             parent = seq.keys[-1] if seq.keys else None
             stored = seq.blocks[start : start + len(new_keys)]
-            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent)
+            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent, seq.ctx.cache_salt)
             seq.keys.extend(new_keys)
         return KVAllocation([b.block_id for b in fresh], computed if is_new else 0, copies)
 
@@ -299,6 +306,7 @@ class KVCacheManager:
             prefix_queried_tokens=q,
             prefix_hit_tokens=h,
             prefix_hit_rate=h / q if q else 0.0,
+            tenant_quota_evictions=pool.quota_evictions,
         )
 
     def check_invariants(self) -> None:

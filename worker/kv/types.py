@@ -61,3 +61,4 @@ class KVStats:
     prefix_queried_tokens: int  # prompt tokens of admitted sequences
     prefix_hit_tokens: int  # of those, tokens served from the prefix cache
     prefix_hit_rate: float  # prefix_hit_tokens / prefix_queried_tokens (0.0 when none)
+    tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
