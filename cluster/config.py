@@ -39,6 +39,13 @@ class WorkersConfig(_Strict):
     use_gpu: bool = Field(False, description="One worker per GPU (num_gpus=1) when true.")
     num_cpus_per_worker: float = Field(0.5, gt=0, description="Ray CPUs reserved per worker.")
     max_restarts: int = Field(3, ge=-1, description="Ray actor restarts on failure (-1: inf).")
+    start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long `up` waits for every worker to load its model. On an "
+        "autoscaling cloud cluster a worker waits for its GPU node to join first, which can "
+        "take longer than loading: raise this there (deploy/cluster-aws.yaml uses 1200).",
+    )
     engine: EngineConfig = Field(
         EngineConfig(num_blocks=512, max_waiting=256),
         description="Each worker's engine: block size, KV size, batch limits, policy, dtype. "

@@ -250,10 +250,28 @@ class Cluster:
 
     # -- whole cluster -----------------------------------------------------------------------
 
-    def up(self, timeout_s: float = 300.0) -> Cluster:
-        """Start everything; a failed start stops what it had started (Redis, Ray, actors)."""
+    def _wait_workers(self, timeout_s: float) -> None:
+        """Until every worker has loaded its model; on timeout name the ones still pending
+        (Ray keeps an actor pending while no node has its resources, e.g. a GPU node that
+        is still joining) and the setting to raise."""
+        refs = {h.ready.remote(): name for name, h in self.workers.items()}
+        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            names = sorted(refs[r] for r in pending)
+            raise TimeoutError(
+                f"workers {', '.join(names)} not ready within {timeout_s:.0f}s "
+                f"(workers.start_timeout_s): their nodes may still be joining, or lack the "
+                f"resources they ask for (num_gpus=1 if use_gpu, num_cpus_per_worker="
+                f"{self.cfg.workers.num_cpus_per_worker}); see the Ray dashboard"
+            )
+        ray.get(list(refs))  # a worker that failed to load raises its error here
+
+    def up(self, timeout_s: float | None = None) -> Cluster:
+        """Start everything; a failed start stops what it had started (Redis, Ray, actors).
+        ``timeout_s``: for the workers to be ready (default ``workers.start_timeout_s``) and
+        again for the routers."""
         try:
-            return self._up(timeout_s)
+            return self._up(timeout_s or self.cfg.workers.start_timeout_s)
         except BaseException:
             self.down()
             raise
@@ -265,7 +283,7 @@ class Cluster:
         self._start_ray()
         for i in range(self.cfg.workers.num_workers):
             self.start_worker(i)
-        ray.get([h.ready.remote() for h in self.workers.values()], timeout=timeout_s)
+        self._wait_workers(timeout_s)
         for i in range(self.cfg.router.num_routers):
             self.start_router(i)
         self.endpoints = ray.get([h.start.remote() for h in self.routers.values()],

@@ -21,6 +21,14 @@ def test_example_yaml_loads_and_documents_every_key() -> None:
             assert lines[i - 1].lstrip().startswith("#"), f"key without a comment: {line!r}"
 
 
+def test_gpu_example_yaml_loads() -> None:
+    """The config deploy/cluster-aws.yaml's head starts: GPU workers, long start timeout."""
+    cfg = load_config(ROOT / "deploy" / "kvcluster-gpu.yaml")
+    assert cfg.workers.use_gpu and cfg.workers.engine.device == "cuda"
+    assert cfg.workers.start_timeout_s == 1200 and cfg.ray_address == "auto"
+    assert "kvcluster-gpu.yaml" in (ROOT / "deploy" / "cluster-aws.yaml").read_text()
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "needle"),
     [("workerz: {}", "workerz"),

@@ -125,6 +125,22 @@ def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
         redis.Redis.from_url(cluster.redis_url, socket_timeout=1).ping()
 
 
+def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() -> None:
+    """Workers asking for a GPU on this CPU-only Ray stay pending (as on a cloud cluster whose
+    GPU nodes have not joined yet): up() gives up after workers.start_timeout_s, names the
+    pending workers and the setting, and stops what it started."""
+    cfg = cluster_config("rel-no-gpu", workers={"use_gpu": True, "start_timeout_s": 3})
+    cluster = launcher.Cluster(cfg)
+    with pytest.raises(TimeoutError) as info:
+        with cluster:
+            pass
+    msg = str(info.value)
+    assert "worker-0, worker-1 not ready within 3s" in msg
+    assert "workers.start_timeout_s" in msg and "num_gpus=1" in msg
+    assert not ray.is_initialized()
+    assert cluster.redis is not None and not cluster.redis.alive()
+
+
 def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeypatch) -> None:
     """`kvcluster up` (detached) starts its own Ray head and redis-server as separate process
     groups; when workers then fail to start, both are stopped, not left behind."""
