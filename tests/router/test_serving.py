@@ -46,24 +46,29 @@ class HeldWorkers(WorkerDirectory):
         return []
 
 
+LIMITS = ModelLimits("m", vocab_size=1000, max_model_len=4096, max_prompt_tokens=4095)
+
+
+def serving(directory: WorkerDirectory, policy: str = "prefix_affinity") -> ServingCore:
+    return ServingCore(Router(RoutingConfig(policy=policy, block_size=16)), directory, LIMITS)
+
+
+async def send(core: ServingCore, request_id: str, token_ids: list[int]) -> None:
+    """One request through the core, its outputs read and dropped."""
+    async for _ in core.generate(request_id, token_ids, SamplingParams(max_tokens=1)):
+        pass
+
+
 def test_burst_spreads_before_heartbeats_show_the_load() -> None:
     """Heartbeats lag: two prompts routed back to back must not both see idle workers."""
 
     async def main() -> list[str]:
         directory = HeldWorkers()
-        core = ServingCore(Router(RoutingConfig(block_size=16)), directory,
-                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
-                                       max_prompt_tokens=4095))
-        params = SamplingParams(max_tokens=1)
-
-        async def run(rid: str, tag: int) -> None:
-            async for _ in core.generate(rid, [tag] * 200, params):
-                pass
-
-        first = asyncio.create_task(run("a", 1))
+        core = serving(directory)
+        first = asyncio.create_task(send(core, "a", [1] * 200))
         while not directory.placed:
             await asyncio.sleep(0.001)
-        second = asyncio.create_task(run("b", 2))
+        second = asyncio.create_task(send(core, "b", [2] * 200))
         while len(directory.placed) < 2:
             await asyncio.sleep(0.001)
         directory.release.set()
@@ -81,16 +86,8 @@ def test_simultaneous_burst_spreads() -> None:
 
     async def main() -> list[str]:
         directory = HeldWorkers()
-        core = ServingCore(Router(RoutingConfig(block_size=16)), directory,
-                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
-                                       max_prompt_tokens=4095))
-        params = SamplingParams(max_tokens=1)
-
-        async def run(rid: str, tag: int) -> None:
-            async for _ in core.generate(rid, [tag] * 200, params):
-                pass
-
-        tasks = [asyncio.create_task(run(f"r{i}", i + 1)) for i in range(8)]
+        core = serving(directory)
+        tasks = [asyncio.create_task(send(core, f"r{i}", [i + 1] * 200)) for i in range(8)]
         while len(directory.placed) < 8:
             await asyncio.sleep(0.001)
         directory.release.set()
@@ -108,11 +105,8 @@ def test_only_a_router_that_hashes_prompts_asks_for_parity_keys() -> None:
     async def main(policy: str) -> bool:
         directory = HeldWorkers()
         directory.release.set()
-        core = ServingCore(Router(RoutingConfig(policy=policy, block_size=16)), directory,
-                           ModelLimits("m", vocab_size=1000, max_model_len=4096,
-                                       max_prompt_tokens=4095))
-        async for _ in core.generate("r", [3] * 100, SamplingParams(max_tokens=1)):
-            pass
+        core = serving(directory, policy)
+        await send(core, "r", [3] * 100)
         core.close()
         return directory.requests[0].want_keys
 
