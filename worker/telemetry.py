@@ -39,6 +39,11 @@ class WorkerTelemetry:
                                     "Prompt tokens served from the prefix cache / admitted.",
                                     tag_keys=keys)
             self.preemptions = m.Gauge("kvc_preemptions", "Preemptions so far.", tag_keys=keys)
+            self.quota_evictions = m.Gauge(
+                "kvc_tenant_quota_evictions",
+                "Idle cached blocks evicted because their tenant was over its cache quota.",
+                tag_keys=keys,
+            )
 
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
@@ -69,3 +74,4 @@ class WorkerTelemetry:
             self.waiting.set(len(sched.waiting), self.tags)
             self.hit_rate.set(kv.prefix_hit_rate, self.tags)
             self.preemptions.set(engine.stats.num_preemptions, self.tags)
+            self.quota_evictions.set(kv.tenant_quota_evictions, self.tags)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -189,3 +190,24 @@ def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch)
     last = json.loads(buf.getvalue().strip().splitlines()[-1])
     assert last["bench"]["ok"] == 12
     assert (tmp_path / "cluster_bench.png").exists()
+
+
+def test_metrics_reach_rays_prometheus_export(cluster, client) -> None:
+    """Worker and router metrics (ray.util.metrics) are scraped from the node's Prometheus
+    endpoint, tagged by worker / policy and reason (Ray flushes them every few seconds)."""
+    client.generate("Count me in the metrics.", max_tokens=3, temperature=0.0)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    want = {"ray_kvc_ttft_seconds_count", "ray_kvc_inter_token_seconds_count",
+            "ray_kvc_kv_usage", "ray_kvc_prefix_hit_rate", "ray_kvc_waiting",
+            "ray_kvc_tenant_quota_evictions", "ray_kvc_routed_requests_total"}
+    seen: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not want <= set(seen):
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        for line in body.decode().splitlines():
+            if line.startswith("ray_kvc_"):
+                seen[line.split("{")[0]] = line
+        time.sleep(1)
+    assert want <= set(seen), sorted(want - set(seen))
+    assert 'worker="worker-' in seen["ray_kvc_ttft_seconds_count"]
+    assert 'policy="prefix_affinity"' in seen["ray_kvc_routed_requests_total"]
