@@ -29,10 +29,12 @@ benchmark's name, flags and JSON keys.
     .venv/bin/python -m benchmarks.cluster_policies [--smoke] [--seeds 0,1,2]   # ~9 min full
 
 Measured here (quiet 2-core VM, 100m model, ~756-token prompts, 4 groups, concurrency 8,
-64 requests x seeds 0,1,2 per policy), two runs: prefix_affinity mean TTFT 0.307 x and
-0.277 x round_robin's (per seed 0.266 / 0.332 / 0.330 and 0.262 / 0.278 / 0.296; target <=
-0.5: met, every seed too), throughput 2.40 x and 2.54 x (target >= 1.3 x), hit rate 0.90 vs
-0.59-0.60; least_loaded 1.02 x / 0.77 x round_robin's TTFT.
+64 requests x seeds 0,1,2 per policy), three runs: prefix_affinity mean TTFT 0.307 x,
+0.277 x and 0.338 x round_robin's (target <= 0.5: met; per seed 0.266 / 0.332 / 0.330,
+0.262 / 0.278 / 0.296 and 0.256 / 0.304 / 0.488 - one seed alone can come close to the
+line, which is why the pooled figure is the one judged), throughput 2.40 x, 2.54 x and
+2.32 x (target >= 1.3 x), hit rate 0.90 vs 0.59-0.60; least_loaded 1.02 x, 0.77 x and
+0.88 x round_robin's TTFT.
 
 What it took (session 3; session 2 measured 0.364 x, 0.591 x and 0.443 x on seed 0 alone):
 - The router read its own-work loads before its (serialised) routing decision and recorded
