@@ -81,25 +81,29 @@ class Scheduler:
         """Take a request out of the queues and free all its blocks (abort / finish)."""
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting:
-            self._unqueue(req)
+        elif req in self.waiting and self._unqueue(req):
             self._reclaim()  # siblings counted on it to compute their shared prefix
         self.free_blocks(req)
 
-    def _unqueue(self, req: Request) -> None:
-        """Out of the waiting queue; its claims go (admitted: its blocks are cached now)."""
+    def _unqueue(self, req: Request) -> bool:
+        """Out of the waiting queue; its claims go (admitted: its blocks are cached now).
+        True if another waiting sequence claims one of its blocks too (shares a prefix)."""
         self.waiting.remove(req)
-        for seq in req.seqs:
+        shared = False
+        for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
             for key in seq.claim:
                 left = self._claims[key] - 1
                 if left:
                     self._claims[key] = left
+                    shared = True
                 else:
                     del self._claims[key]
             seq.claim = []
+        return shared
 
     def _reclaim(self) -> None:
-        """Recount every waiting sequence's claims and hint in queue order (after an abort)."""
+        """Recount every waiting sequence's claims and hint in queue order (after an abort of
+        a request that shared blocks with others; O(waiting prompt blocks), no hashing)."""
         self._claims.clear()
         for req in self.waiting:
             for seq in req.seqs:
