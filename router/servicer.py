@@ -297,6 +297,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
+                    tenant_quota_evictions=s.tenant_quota_evictions,
                 )
                 for s in statuses
             ],

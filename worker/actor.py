@@ -181,7 +181,9 @@ class WorkerServer:
             running=m.num_running, waiting=m.num_waiting, free_blocks=load.free_blocks,
             total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
-            index_healthy=self.publisher.healthy if self.publisher is not None else False)
+            index_healthy=self.publisher.healthy if self.publisher is not None else False,
+            tenant_quota_evictions=self.front.with_engine(
+                lambda e: e.kv.stats().tenant_quota_evictions))
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""

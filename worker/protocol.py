@@ -41,3 +41,4 @@ class WorkerStatus:
     queued_prefill_tokens: int
     prefix_hit_rate: float
     index_healthy: bool
+    tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota

@@ -1,6 +1,7 @@
 """One hardened cluster for the abuse tests: gRPC over TLS with bearer-token auth (two
 tenants), a Redis that wants a password over TLS, small queues (2 running + 2 waiting per
-worker) and a 256 KiB message limit. Certificates come from ``openssl`` in a temp dir.
+worker), a per-tenant quota of a quarter of each worker's cache and a 256 KiB message
+limit. Certificates come from ``openssl`` in a temp dir.
 
 Every log record of this process and every Ray log file of the session is kept for the
 secrets test (no token and no Redis password may appear in any of them).
@@ -23,7 +24,8 @@ from tests.redis_server import make_tls_files
 TOKENS = {"alice": secrets.token_urlsafe(24), "bob": secrets.token_urlsafe(24)}
 REDIS_PASSWORD = secrets.token_urlsafe(24)
 MAX_MESSAGE_BYTES = 256 << 10
-GUARD_ENGINE = {**ENGINE, "max_num_seqs": 2, "max_waiting": 2}
+# small queues; each tenant may keep a quarter of a worker's KV blocks cached while idle
+GUARD_ENGINE = {**ENGINE, "max_num_seqs": 2, "max_waiting": 2, "tenant_cache_fraction": 0.25}
 
 
 class Records(logging.Handler):
