@@ -60,11 +60,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     print(
         f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}{'hit rate':>10}"
+        f"{'quota evict':>13}"
     )
     for w in st.workers:
         print(
             f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
-            f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}"
+            f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))

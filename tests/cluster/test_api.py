@@ -172,7 +172,7 @@ def test_cli_generate_and_status(cluster) -> None:
     st = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--target", target],
                         capture_output=True, text=True, timeout=120)
     assert st.returncode == 0, st.stderr
-    assert "worker-0" in st.stdout and "worker-1" in st.stdout
+    assert "worker-0" in st.stdout and "worker-1" in st.stdout and "quota evict" in st.stdout
 
 
 def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch) -> None:
