@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -135,6 +136,28 @@ def send_all(
     return samples, wall
 
 
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, float]:
+    """Figures over the successful samples of a run that took ``wall_s``: ok (count), req_s,
+    out_tok_s, ttft_mean_s / p50 / p99, latency_p50_s / p99, hit_rate (cached / prompt
+    tokens), prompt_tokens_mean."""
+    ok = [s for s in samples if s.ok]
+    ttft = [s.ttft_s for s in ok]
+    latency = [s.latency_s for s in ok]
+    prompt_tok = sum(s.prompt_tokens for s in ok)
+    return {
+        "ok": len(ok),
+        "req_s": len(ok) / wall_s,
+        "out_tok_s": sum(s.completion_tokens for s in ok) / wall_s,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "latency_p50_s": quantile(latency, 0.5),
+        "latency_p99_s": quantile(latency, 0.99),
+        "hit_rate": sum(s.cached_tokens for s in ok) / prompt_tok if prompt_tok else 0.0,
+        "prompt_tokens_mean": prompt_tok / len(ok) if ok else 0.0,
+    }
+
+
 def run_bench(
     target: str,
     *,
@@ -155,17 +178,17 @@ def run_bench(
             client, prompts, concurrency=concurrency, max_tokens=max_tokens, progress=sys.stderr
         )
     ok = [s for s in samples if s.ok]
-    prompt_tok = sum(s.prompt_tokens for s in ok)
+    f = summarize(samples, wall)
     figures = {
         "requests": float(num_requests),
-        "ok": float(len(ok)),
-        "throughput_req_s": len(ok) / wall,
-        "output_tok_s": sum(s.completion_tokens for s in ok) / wall,
-        "latency_p50_s": quantile([s.latency_s for s in ok], 0.5),
-        "latency_p99_s": quantile([s.latency_s for s in ok], 0.99),
-        "ttft_p50_s": quantile([s.ttft_s for s in ok], 0.5),
-        "ttft_p99_s": quantile([s.ttft_s for s in ok], 0.99),
-        "prefix_hit_rate": (sum(s.cached_tokens for s in ok) / prompt_tok) if prompt_tok else 0.0,
+        "ok": float(f["ok"]),
+        "throughput_req_s": f["req_s"],
+        "output_tok_s": f["out_tok_s"],
+        "latency_p50_s": f["latency_p50_s"],
+        "latency_p99_s": f["latency_p99_s"],
+        "ttft_p50_s": f["ttft_p50_s"],
+        "ttft_p99_s": f["ttft_p99_s"],
+        "prefix_hit_rate": f["hit_rate"],
     }
     print(f"{'metric':<20}{'value':>14}", file=out)
     for k, v in figures.items():

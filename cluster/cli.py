@@ -106,13 +106,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(given)}: only with --compare-policies")
     from cluster.bench import run_bench
 
-    run_bench(
-        _endpoint(args),
-        num_requests=args.requests or 64,
-        concurrency=args.concurrency or 8,
-        num_groups=args.groups or 4,
-        max_tokens=args.max_tokens or 16,
-    )
+    sizes = {
+        "num_requests": args.requests,
+        "concurrency": args.concurrency,
+        "num_groups": args.groups,
+        "max_tokens": args.max_tokens,
+    }
+    run_bench(_endpoint(args), **{k: v for k, v in sizes.items() if v is not None})
     return 0
 
 

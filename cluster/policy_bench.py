@@ -18,17 +18,15 @@ measured figures in its docstring.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from cluster.bench import Sample, make_prompts, send_all
+from cluster.bench import Sample, make_prompts, send_all, summarize
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig, ConfigError
 from cluster.report import emit_json, print_table, pyplot, save_figure
-from worker.stats import quantile
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
 BASELINE = "round_robin"  # the ratios' denominator
@@ -192,21 +190,14 @@ def run_policy(
     return out
 
 
+_FIGURES = ("ok", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "req_s", "out_tok_s", "hit_rate",
+            "prompt_tokens_mean")  # fmt: skip
+
+
 def figures(r: PolicyResult) -> dict[str, float]:
-    """One policy's figures over its successful requests."""
-    ok = [s for s in r.samples if s.ok]
-    ttft = [s.ttft_s for s in ok]
-    prompt_tok = sum(s.prompt_tokens for s in ok)
-    return {
-        "ok": len(ok),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
-        "ttft_p50_s": quantile(ttft, 0.5),
-        "ttft_p99_s": quantile(ttft, 0.99),
-        "req_s": len(ok) / r.wall_s,
-        "out_tok_s": sum(s.completion_tokens for s in ok) / r.wall_s,
-        "hit_rate": sum(s.cached_tokens for s in ok) / prompt_tok if prompt_tok else 0.0,
-        "prompt_tokens_mean": prompt_tok / len(ok) if ok else 0.0,
-    }
+    """One policy's figures over its successful requests (the table's columns, in order)."""
+    f = summarize(r.samples, r.wall_s)
+    return {k: f[k] for k in _FIGURES}
 
 
 def table_rows(results: list[PolicyResult]) -> list[dict]:

@@ -154,16 +154,17 @@ class WorkerServer:
         ``caller``: the calling router's actor handle; if it dies, the request is aborted.
         """
         self.telemetry.arrived(request.request_id)
+        # Hashed once, here and not under the engine lock: the scheduler's queue claims and
+        # the router's parity check use the same keys.
+        keys = block_keys(request.token_ids, self.engine.config.block_size,
+                          self.engine.hash_context(request.params))
         stream = await self.front.add_request_async(request.token_ids, request.params,
-                                                    request_id=request.request_id)
-        # Parity keys from the same pure inputs the engine hashes with: no engine lock taken.
-        keys = tuple(block_keys(request.token_ids, self.engine.config.block_size,
-                                self.engine.hash_context(request.params))
-                     ) if request.want_keys else ()
+                                                    request_id=request.request_id,
+                                                    prompt_keys=keys)
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:
-            yield Admitted(self.worker_id, epoch, keys)
+            yield Admitted(self.worker_id, epoch, tuple(keys) if request.want_keys else ())
             async for out in stream:
                 yield out
         finally:
@@ -182,8 +183,7 @@ class WorkerServer:
             total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
-            tenant_quota_evictions=self.front.with_engine(
-                lambda e: e.kv.stats().tenant_quota_evictions))
+            tenant_quota_evictions=m.tenant_quota_evictions)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""

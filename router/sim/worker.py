@@ -265,10 +265,7 @@ class SimWorker:
     def _pop_waiting(self) -> _Active:
         active = self.waiting.popleft()
         self.waiting_cached -= len(active.req.token_ids) - active.est_new
-        self._claims.subtract(active.claim)
-        for key in active.claim:
-            if not self._claims[key]:
-                del self._claims[key]
+        self.kv.release_claims(self._claims, active.claim)
         active.claim = []
         return active
 

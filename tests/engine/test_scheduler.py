@@ -305,3 +305,24 @@ def test_tenant_cache_fraction_keeps_one_tenant_from_flushing_anothers_prefix() 
     assert a_hit_after_b_flood(1.0) == (0, 0)
     cached, evictions = a_hit_after_b_flood(0.25)
     assert cached == 24 and evictions > 0
+
+
+def test_prompt_keys_hashed_by_the_caller_claim_the_same_blocks() -> None:
+    """The worker hashes a prompt once, outside the engine lock, and hands the keys in; the
+    queue then counts exactly as if the scheduler had hashed them itself."""
+    from worker.kv import block_keys
+
+    prefix = list(range(30, 54))
+    prompts = [prefix + [7, 8], prefix + [9, 10, 11], prefix[:8] + [5, 6, 7, 8, 9]]
+    counts = []
+    for hashed in (False, True):
+        engine, _ = make(max_num_batched_tokens=64, max_num_seqs=1)
+        engine.add_request(list(range(2, 12)), SamplingParams(temperature=0, max_tokens=50))
+        engine.step()
+        for p in prompts:
+            keys = block_keys(p, 4, engine.hash_context(GREEDY)) if hashed else None
+            engine.add_request(p, GREEDY, prompt_keys=keys)
+        counts.append((engine.metrics().pending_prefill_tokens, dict(engine.scheduler._claims)))
+        run_all(engine)
+        assert_no_blocks_in_use(engine)
+    assert counts[0] == counts[1] and counts[0][0] == 26 + 3 + 5

@@ -31,7 +31,7 @@ from worker.engine.request import Request, Sequence, sample_generator
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
-from worker.kv import HashContext, KVCacheManager, KVEvent
+from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +95,18 @@ class Engine:
         return HashContext(self.config.model_id, None, params.cache_salt)
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt_keys: Seq[BlockKey] | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises InvalidRequest / EngineOverloaded."""
+        """Queue a request; returns its id. Raises InvalidRequest / EngineOverloaded.
+
+        ``prompt_keys``: ``block_keys(prompt, block_size, hash_context(params))`` if the caller
+        has them (the worker hashes outside the engine lock, once for the scheduler and the
+        router's parity check)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.requests:
@@ -122,7 +131,7 @@ class Engine:
         seq.generator = sample_generator(params.seed, 0)
         req.seqs.append(seq)
         self.requests[rid] = req
-        self.scheduler.add(req)
+        self.scheduler.add(req, prompt_keys)
         return rid
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -197,6 +206,7 @@ class Engine:
             kv_used_blocks=kv.used_blocks,
             kv_total_blocks=kv.num_blocks,
             prefix_hit_rate=kv.prefix_hit_rate,
+            tenant_quota_evictions=kv.tenant_quota_evictions,
             num_preemptions=s.num_preemptions,
             num_partial_prefills=s.num_partial_prefills,
             num_steps=s.num_steps,

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from worker.engine.engine import Engine, Prompt
@@ -24,6 +24,7 @@ from worker.engine.errors import EngineStopped
 from worker.engine.metrics import EngineMetrics
 from worker.engine.outputs import GenerationResult, RequestOutput
 from worker.engine.sampling_params import SamplingParams
+from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -161,10 +162,16 @@ class StreamingEngine:
         return self._add(prompt, params, request_id, None)
 
     async def add_request_async(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt_keys: Sequence[BlockKey] | None = None,
     ) -> RequestStream:
-        """Queue a request from asyncio code; iterate the returned stream with ``async for``."""
-        return self._add(prompt, params, request_id, asyncio.get_running_loop())
+        """Queue a request from asyncio code; iterate the returned stream with ``async for``.
+        ``prompt_keys``: see :meth:`Engine.add_request`."""
+        return self._add(prompt, params, request_id, asyncio.get_running_loop(), prompt_keys)
 
     def _add(
         self,
@@ -172,11 +179,14 @@ class StreamingEngine:
         params: SamplingParams | None,
         request_id: str | None,
         loop: asyncio.AbstractEventLoop | None,
+        prompt_keys: Sequence[BlockKey] | None = None,
     ) -> RequestStream:
         if self._stopping or self._thread is None:
             raise EngineStopped("the streaming engine is not running (call start())")
         with self._lock:
-            rid = self.engine.add_request(prompt, params, request_id=request_id)
+            rid = self.engine.add_request(
+                prompt, params, request_id=request_id, prompt_keys=prompt_keys
+            )
             stream = self._streams[rid] = RequestStream(rid, self, loop)
         self._wake.set()
         return stream

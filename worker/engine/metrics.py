@@ -42,6 +42,7 @@ class EngineMetrics:
     kv_used_blocks: int  # blocks with a reference
     kv_total_blocks: int  # pool size
     prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted
+    tenant_quota_evictions: int  # idle cached blocks evicted over their tenant's cache quota
     num_preemptions: int  # requests preempted (recompute) so far
     num_partial_prefills: int  # prefill chunks that stopped short of their prompt (chunking)
     num_steps: int  # engine steps that ran the model

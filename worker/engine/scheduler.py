@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from collections.abc import Sequence as Seq
 from typing import Literal
 
 from worker.engine.config import EngineConfig
@@ -65,15 +66,16 @@ class Scheduler:
 
     # ---- queues --------------------------------------------------------------------------
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, prompt_keys: Seq[BlockKey] | None = None) -> None:
         """Queue ``req`` (new or preempted) and claim its prompt's blocks (see
-        :meth:`pending_prefill_tokens`)."""
-        keys = [self.policy.key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, self.policy.key(req)), req)
+        :meth:`pending_prefill_tokens`). ``prompt_keys``: a new request's block keys if the
+        caller hashed them already (outside the engine lock)."""
+        order = [self.policy.key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect(order, self.policy.key(req)), req)
         for seq in req.seqs:
             if not seq.allocated:
                 seq.cached_hint, seq.claim = self.kv.expected_prefix(
-                    seq.token_ids, req.ctx, self._claims
+                    seq.token_ids, req.ctx, self._claims, prompt_keys
                 )
                 self._claims.update(seq.claim)
 
@@ -91,13 +93,7 @@ class Scheduler:
         self.waiting.remove(req)
         shared = False
         for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
-            for key in seq.claim:
-                left = self._claims[key] - 1
-                if left:
-                    self._claims[key] = left
-                    shared = True
-                else:
-                    del self._claims[key]
+            shared |= self.kv.release_claims(self._claims, seq.claim)
             seq.claim = []
         return shared
 

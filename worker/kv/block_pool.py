@@ -187,8 +187,7 @@ class BlockPool:
         else:
             del self.cached[key]
             evicted.append(key)
-        block.key = block.token_ids = None
-        block.tenant = None
+        block.key = block.token_ids = block.tenant = None
 
     def _forget_evictable(self, block: KVBlock) -> None:
         if self.tenant_quota is not None:
@@ -317,7 +316,6 @@ class BlockPool:
         if self.num_used() > 0:
             return False
         assert not self.twins, "a twin is always in use"
-        self.twins.clear()
         for block in self.cached.values():
             block.key = block.token_ids = block.tenant = None
         self.cached.clear()

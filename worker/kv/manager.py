@@ -18,7 +18,8 @@ Typical use by a scheduler::
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections import Counter
+from collections.abc import Container, Iterable, Sequence
 
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.events import KVEvent
@@ -116,13 +117,16 @@ class KVCacheManager:
         """Leading prompt tokens a queued sequence should not have to compute: full blocks
         cached here or ``queued`` (claimed by a sequence ahead of it, which will compute them
         first), capped like :meth:`lookup_prefix`. Returns the count and the keys of every
-        capped full block, which a caller may keep and pass back as ``keys`` to skip hashing.
+        capped full block, which a caller may keep and pass back as ``keys`` to skip hashing
+        (``keys`` may run past the cap, e.g. ``block_keys`` of the whole prompt).
         A pure query (no refs taken); an estimate for load reports, never for adoption.
         """
         bs = self.block_size
         n_blocks = (len(token_ids) - 1) // bs if token_ids else 0
         if keys is None:
             keys = block_keys(token_ids[: n_blocks * bs], bs, ctx)
+        else:
+            keys = keys[:n_blocks]
         if not self.enable_prefix_caching:
             return 0, list(keys)
         hit = 0
@@ -132,6 +136,20 @@ class KVCacheManager:
                 break
             hit += 1
         return hit * bs, list(keys)
+
+    @staticmethod
+    def release_claims(claims: Counter[BlockKey], keys: Iterable[BlockKey]) -> bool:
+        """Drop one claim on each of ``keys`` (from :meth:`expected_prefix`) from ``claims``;
+        True if another queued sequence still claims one of them (they share a prefix)."""
+        shared = False
+        for key in keys:
+            left = claims[key] - 1
+            if left:
+                claims[key] = left
+                shared = True
+            else:
+                del claims[key]
+        return shared
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         return [b.block_id for b in self._seq(seq_id).blocks]

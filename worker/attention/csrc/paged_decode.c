@@ -19,35 +19,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float hsum8(const float *acc) {
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline float hsum8(v8f acc) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
-
-/* q . k for four keys at once: four independent accumulator chains hide the FMA latency. */
-static inline void dot4(const float *restrict q, const float *restrict k0,
-                        const float *restrict k1, const float *restrict k2,
-                        const float *restrict k3, int n, float *out) {
-  float a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0};
-  int d = 0;
-  for (; d + 8 <= n; d += 8)
-    for (int j = 0; j < 8; j++) {
-      const float x = q[d + j];
-      a0[j] += x * k0[d + j];
-      a1[j] += x * k1[d + j];
-      a2[j] += x * k2[d + j];
-      a3[j] += x * k3[d + j];
-    }
-  float s0 = hsum8(a0), s1 = hsum8(a1), s2 = hsum8(a2), s3 = hsum8(a3);
-  for (; d < n; d++) {
-    s0 += q[d] * k0[d];
-    s1 += q[d] * k1[d];
-    s2 += q[d] * k2[d];
-    s3 += q[d] * k3[d];
-  }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
-
-typedef float v8f __attribute__((vector_size(32)));
 
 static inline v8f load8(const float *p) {
   v8f v;
@@ -66,8 +42,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
     acc0 += load8(a + d) * load8(b + d);
     d += 8;
   }
-  acc0 += acc1;
-  float s = ((acc0[0] + acc0[1]) + (acc0[2] + acc0[3])) + ((acc0[4] + acc0[5]) + (acc0[6] + acc0[7]));
+  float s = hsum8(acc0 + acc1);
   for (; d < n; d++) s += a[d] * b[d];
   return s;
 }
