@@ -50,7 +50,13 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return None
+
+
+class RequestFailed(Exception):
+    """The engine failed this one request (a bug it hit); others were not affected."""
 
 
 class TokenAuth:
@@ -221,6 +227,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         if token_ids is None:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+            if out.error is not None:  # it failed inside the engine (the engine goes on)
+                raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
             yield worker, out, spec.stream_text
 
     async def Generate(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,7 +117,8 @@ class WorkerServer:
             self.publisher = WorkerPublisher(
                 index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
         self.telemetry = WorkerTelemetry(self.worker_id)
-        self.front = StreamingEngine(self.engine, on_step=self._after_step)
+        self.front = StreamingEngine(self.engine, on_step=self._after_step,
+                                     on_death=self._engine_died)
         self.front.start()
         self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
@@ -129,6 +132,16 @@ class WorkerServer:
         if self.publisher is not None:
             self.publisher.submit(events, engine_load(engine))
         self.telemetry.after_step(engine, outputs)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """The loop died (the engine could not contain an error): this worker is useless.
+        Stop the heartbeat and deregister (routers drop it at once), then end the process so
+        that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
+        log.critical("worker %s: engine loop died (%r); leaving for a restart",
+                     self.worker_id, exc)
+        if self.publisher is not None:
+            self.publisher.stop()
+        exit_process_soon()
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
@@ -193,6 +206,20 @@ class WorkerServer:
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
+
+
+def exit_process_soon(grace_s: float = 1.0) -> None:
+    """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
+    callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
+    Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+
+    def leave() -> None:
+        time.sleep(grace_s)
+        os._exit(70)  # EX_SOFTWARE
+
+    threading.Thread(target=leave, name="engine-died-exit", daemon=True).start()
 
 
 WorkerActor = ray.remote(WorkerServer)

@@ -115,7 +115,7 @@ class Engine:
         validate_request(
             prompt_ids, params, config=self.config, vocab_size=self.executor.vocab_size,
             max_model_len=self.max_model_len, num_blocks=self.kv.num_blocks,
-            has_tokenizer=self.tokenizer is not None,
+            has_tokenizer=self.tokenizer is not None, eos_ids=self.eos_ids,
         )  # fmt: skip
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
@@ -158,8 +158,20 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + model step; return the news of every request that changed."""
+        """Run one scheduling + model step; return the news of every request that changed.
+
+        Never raises for one request's sake: a request whose processing fails ends with an
+        error (see ``OutputProcessor.fail``); an error outside any one request (the scheduler,
+        the model) fails the running requests and the engine goes on serving. Only an error
+        while failing them propagates (the engine's state cannot be trusted then)."""
         outputs, self._pending = self._pending, []
+        try:
+            return self._step(outputs)
+        except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
+            log.exception("engine step failed; aborting the running requests")
+            return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_partial_prefills += sched.num_partial_prefills
@@ -177,12 +189,20 @@ class Engine:
             changed = self.processor.process(sched, logits)
         for req in sched.doomed:
             if not req.finished:
-                self.processor.finish_capacity(req)
                 changed[req.request_id] = req
+                self.processor.guarded(req, lambda r=req: self.processor.finish_capacity(r))
         now = time.monotonic()
         for req in changed.values():
-            outputs.append(self.processor.output(req, now))
+            outputs.append(self._output(req, now))
         return outputs
+
+    def _output(self, req: Request, now: float) -> RequestOutput:
+        try:
+            return self.processor.output(req, now)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the step
+            self.processor.fail(req, exc)
+            error = req.error or f"{type(exc).__name__}: {exc}"
+            return RequestOutput(req.request_id, [], True, req.usage(), error)
 
     def _fail_running(self, error: str) -> list[RequestOutput]:
         failed = []
