@@ -39,7 +39,8 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32."""
+        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
+        model's device (the sampler runs there)."""
 
 
 class RunnerExecutor(ModelExecutor):
@@ -100,5 +101,5 @@ class RunnerExecutor(ModelExecutor):
             )
             for c in chunks
         ]
-        logits = self.runner.execute(self.runner.build_input(seqs))
-        return logits.float().cpu()
+        # Logits stay on the runner's device: the sampler works there and sends back only ids.
+        return self.runner.execute(self.runner.build_input(seqs)).float()
