@@ -84,6 +84,7 @@ class Engine:
             num_blocks=config.num_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             attn_backend=config.attn_backend,
+            cuda_graphs=config.cuda_graphs,
         )
         return cls(executor, config)
 

@@ -73,6 +73,7 @@ class RunnerExecutor(ModelExecutor):
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
+        cuda_graphs: bool = False,
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
@@ -85,6 +86,7 @@ class RunnerExecutor(ModelExecutor):
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
+            cuda_graphs=cuda_graphs,
         )
         return cls(runner, Tokenizer.from_dir(model_dir))
 
