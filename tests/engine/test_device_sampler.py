@@ -22,6 +22,13 @@ def reference_row(logits, spec: SampleSpec, default: torch.Generator):
     """One row by the rules, without batching tricks."""
     p = spec.params
     row = logits.clone()
+    counts = torch.zeros(VOCAB)
+    for t in spec.output_ids:
+        counts[t] += 1
+    seen = set(spec.prompt_ids) | set(spec.output_ids)
+    for t in seen:
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     if spec.banned:
         row[list(spec.banned)] = float("-inf")
     if p.is_greedy:
@@ -52,6 +59,9 @@ def random_params(rng: random.Random) -> SamplingParams:
         min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
         seed=rng.choice([None, rng.randrange(1000)]),
         logprobs=rng.choice([None, None, 0, 3]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5, -1.0]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.7, 2.0]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
         max_tokens=4,
     )
 
@@ -61,7 +71,9 @@ def make_specs(params, rng: random.Random, device="cpu"):
     for i, p in enumerate(params):
         gen = None if p.seed is None else torch.Generator(device).manual_seed(p.seed + i)
         banned = tuple(rng.sample(range(VOCAB), rng.choice([0, 0, 1, 4])))
-        specs.append(SampleSpec(p, gen, banned))
+        history = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 3, 9]))]
+        split = rng.randrange(len(history) + 1)
+        specs.append(SampleSpec(p, gen, banned, history[:split], history[split:]))
     return specs
 
 

@@ -4,7 +4,9 @@ Greedy rows take the argmax. Random rows go through temperature, top-k, top-p an
 then draw with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw
 from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``: the
 tokens of a seeded request therefore do not depend on what else is in the batch.
-Logprobs are those of the raw model distribution (before temperature and filters).
+Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions) adjust the
+logits first, for every row that sets them, greedy rows included.
+Logprobs are those of the raw model distribution (before penalties, temperature and filters).
 
 Every step's work is batched tensor ops on the device that produced the logits (a GPU in
 production): per-row parameters go over in small copies, and only the sampled ids (plus the
@@ -29,6 +31,8 @@ class SampleSpec:
     params: SamplingParams  # the request's parameters
     generator: torch.Generator | None  # private RNG (seeded requests), else the engine's
     banned: tuple[int, ...] = ()  # token ids masked out (EOS / stop ids before min_tokens)
+    prompt_ids: Sequence[int] = ()  # read only when the request sets penalties
+    output_ids: Sequence[int] = ()
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -50,6 +54,36 @@ def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
         out.append(buf)
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return out
+
+
+def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` occurrence counts of each row's ids (one padded copy over)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = _to_device([list(r) + [vocab] * (width - len(r)) for r in rows], torch.long, device)
+    counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
+    if width:
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]  # the last column took the padding
+
+
+def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    rows = [i for i, s in enumerate(specs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    chosen = [specs[i] for i in rows]
+    idx = _to_device(rows, torch.long, device)
+    sub = logits.index_select(0, idx)
+    out_counts = _token_counts([s.output_ids for s in chosen], vocab, device)
+    if any(s.params.repetition_penalty != 1.0 for s in chosen):
+        seen = (out_counts > 0) | (_token_counts([s.prompt_ids for s in chosen], vocab, device) > 0)
+        rep = _to_device([s.params.repetition_penalty for s in chosen], sub.dtype, device)
+        rep = rep.unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = _to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
+    pres = _to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
+    sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(sub.dtype)
+    return logits.index_copy(0, idx, sub)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
@@ -118,6 +152,7 @@ def sample(
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     device = logits.device
     raw = logits
+    logits = _apply_penalties(logits, specs)
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
