@@ -73,7 +73,7 @@ class RunnerExecutor(ModelExecutor):
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graph_max_batch: int = 0,
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ class RunnerExecutor(ModelExecutor):
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
-            cuda_graphs=cuda_graphs,
+            cuda_graph_max_batch=cuda_graph_max_batch,
         )
         return cls(runner, Tokenizer.from_dir(model_dir))
 

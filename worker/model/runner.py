@@ -17,7 +17,7 @@ import torch
 from worker.attention import create_backend
 from worker.attention.base import AttentionMetadata
 from worker.model.config import ModelConfig
-from worker.model.cuda_graphs import DecodeGraphs
+from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
 
@@ -47,7 +47,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         if block_size < 1:
             raise KVCacheSizeError(f"block_size={block_size} must be >= 1")
@@ -72,8 +72,8 @@ class ModelRunner:
         )
         self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
         no_graphs = DecodeGraphs.supported(self.device, self.backend.name)
-        use_graphs = cuda_graphs and no_graphs is None
-        if cuda_graphs and not use_graphs:
+        use_graphs = cuda_graph_max_batch > 0 and no_graphs is None
+        if cuda_graph_max_batch > 0 and not use_graphs:
             log.info("CUDA graphs off: %s", no_graphs)
         # With graphs, one extra block past num_blocks takes the padded rows' K/V writes.
         physical = self._num_blocks + (1 if use_graphs else 0)
@@ -87,7 +87,7 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = self._capture_graphs()
+            self.graphs = self._capture_graphs(cuda_graph_max_batch)
 
     def _logits_of_all_rows(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -95,13 +95,17 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(meta))
         return self.model.compute_logits(hidden)
 
-    def _capture_graphs(self) -> DecodeGraphs | None:
+    def _capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
+        """Graphs for decode batches of up to ``max_batch`` sequences (the engine's
+        ``max_num_seqs``); None, with the reason logged, if capture fails."""
+        buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
         graphs = DecodeGraphs(
             self._logits_of_all_rows,
             device=self.device,
             block_size=self.block_size,
             max_blocks_per_seq=-(-self.config.max_position_embeddings // self.block_size),
             pad_block=self._num_blocks,
+            buckets=buckets,
         )
         try:
             with torch.inference_mode():
