@@ -226,7 +226,7 @@ def paged_attention(
         part_out = torch.empty(
             (num_splits, tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
         )
-        part_lse = torch.empty((num_splits, tokens, num_heads), dtype=torch.float32, device=q.device)
+        part_lse = part_out.new_empty((num_splits, tokens, num_heads))
     else:  # unused by the kernel; any tensor satisfies the signature
         part_out, part_lse = out, out
     grid = (num_seqs, num_kv_heads, tiles * num_splits)
