@@ -9,14 +9,16 @@ Two modes share one code path (:class:`Cluster`):
   file (``~/.kvcluster/<name>.json``) tells ``down``/``status``/``generate`` where it is.
 
 Ray 2.60 notes: the dashboard needs the token from ``~/.ray/auth_token`` unless
-``RAY_AUTH_MODE=disabled``; and Ray's GCS listens on all interfaces and names the machine's
-address (not loopback) even for a local head, so a driver must connect with that address
-(forcing ``--node-ip-address=127.0.0.1`` on the head makes drivers fail to connect). The
-dashboard and the gRPC routers are bound to loopback by default.
+``RAY_AUTH_MODE=disabled`` (and so does the Ray CLI against our head: ``RAY_AUTH_MODE=token``).
+An embedded Ray (ours, or any at a loopback address) runs in Ray's single-node mode
+(:func:`use_loopback_ray`): its node address is 127.0.0.1, so GCS, raylet, workers' gRPC
+servers, the agents and the dashboard all listen on loopback only. (``--node-ip-address=
+127.0.0.1`` alone does not do it: Ray swaps a loopback node address for the machine's.)
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -39,6 +41,9 @@ from worker.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 STATE_DIR = Path(os.environ.get("KVCLUSTER_STATE_DIR", Path.home() / ".kvcluster"))
+# Ray's switch for single-node clusters ("0": the node address is loopback, nothing binds
+# beyond it); named after the platforms where it is the default
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass
@@ -87,22 +92,47 @@ def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
     return str(path), cfg.model.model_id or path.name
 
 
-def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tuple[str, int, str]:
-    """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
-    ``down`` stops exactly it, never another Ray on the machine).
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``) names this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    Returns (GCS address, pid of the head's process group, dashboard URL).
+
+def use_loopback_ray() -> None:
+    """Put this process, and every Ray process it starts, in Ray's single-node mode: the node
+    address is 127.0.0.1 and every Ray server (GCS, raylet, workers, agents, dashboard, client
+    server) binds it. Call before starting or joining an embedded (loopback) Ray; a driver
+    joining such a head needs it too, or Ray looks for a raylet at the machine's address."""
+    from ray._private import ray_constants
+
+    os.environ[RAY_SINGLE_NODE_ENV] = "0"  # Ray processes started from here inherit it
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import in this process
+
+
+def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0, *,
+                   dashboard: bool = True) -> tuple[str, int, str | None]:
+    """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
+    ``down`` stops exactly it, never another Ray on the machine), every port on 127.0.0.1.
+
+    Returns (GCS address, pid of the head's process group, dashboard URL or None).
     """
     port, dash = free_port(), free_port()
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-           f"--port={port}", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", "--disable-usage-stats"]
+           f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--include-dashboard={str(dashboard).lower()}",
+           "--disable-usage-stats"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, RAY_SINGLE_NODE_ENV: "0"}
     with open(STATE_DIR / f"ray-head-{port}.log", "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -110,7 +140,8 @@ def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tupl
                                f"{STATE_DIR / f'ray-head-{port}.log'}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return f"127.0.0.1:{port}", proc.pid, f"http://127.0.0.1:{dash}"
+                url = f"http://127.0.0.1:{dash}" if dashboard else None
+                return f"127.0.0.1:{port}", proc.pid, url
         except OSError:
             time.sleep(0.2)
     stop_group(proc.pid)
@@ -188,8 +219,11 @@ class Cluster:
     def _start_ray(self) -> None:
         if ray.is_initialized():
             return
+        if self.ray_address is None or is_loopback_address(self.ray_address):
+            use_loopback_ray()
         if self.ray_address is None and self.detached:
-            self.ray_address, self.ray_pid, self._dashboard = start_ray_head()
+            self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
+                dashboard=self.cfg.dashboard)
         kwargs = dict(namespace=self.namespace, log_to_driver=False,
                       logging_level=logging.WARNING)
         if self.ray_address is None:
@@ -292,6 +326,8 @@ class Cluster:
         return self
 
     def dashboard_url(self) -> str | None:
+        if not self.cfg.dashboard:
+            return None
         if self._dashboard is not None:
             return self._dashboard
         try:
@@ -339,6 +375,8 @@ def down_detached(name: str) -> ClusterState:
     """``kvcluster down``: kill the actors, stop our Redis and Ray head."""
     st = ClusterState.load(name)
     try:
+        if is_loopback_address(st.ray_address):
+            use_loopback_ray()
         use_token_auth_if_configured()
         ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,
                  logging_level=logging.WARNING)
