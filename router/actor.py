@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 
 from kvstore import IndexConfig, KVIndex
+from router.breaker import CircuitBreaker
 from router.config import RequestLimits, RoutingConfig
 from router.metrics import RouterMetrics
 from router.prefix_source import KVIndexSource
@@ -54,11 +55,18 @@ class RouterServer:
         model_dir = Path(settings.model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
-        self.index = KVIndex(settings.index) if settings.index is not None else None
+        self.index = None
+        if settings.index is not None:  # reads on the request path: short timeouts
+            timeout = settings.routing.index_timeout_s
+            self.index = KVIndex(settings.index.model_copy(
+                update={"socket_timeout_s": timeout, "connect_timeout_s": timeout}))
         self.metrics = RouterMetrics()
-        source = KVIndexSource(self.index) if self.index is not None else None
+        # one breaker for every index read: a frozen Redis costs one timeout per probe
+        self.breaker = CircuitBreaker(settings.routing.index_probe_interval_s)
+        source = (KVIndexSource(self.index, breaker=self.breaker)
+                  if self.index is not None else None)
         self.router = Router(settings.routing, source, metrics=self.metrics)
-        self.directory = RayWorkerDirectory(settings.namespace, self.index)
+        self.directory = RayWorkerDirectory(settings.namespace, self.index, breaker=self.breaker)
         limits = ModelLimits(
             model_id=settings.model_id,
             vocab_size=model_cfg.vocab_size,
@@ -122,6 +130,7 @@ class RouterServer:
             retries=self.core.retries,
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
+            **self.breaker.snapshot(),
         )
         return snap
 
