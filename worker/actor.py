@@ -115,6 +115,7 @@ class WorkerServer:
             self.publisher = WorkerPublisher(
                 index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
         self.telemetry = WorkerTelemetry(self.worker_id)
+        self.telemetry.start_heartbeat()
         self.front = StreamingEngine(self.engine, on_step=self._after_step)
         self.front.start()
         self.callers = CallerWatch(self.front.abort)
@@ -190,6 +191,7 @@ class WorkerServer:
         return self.front.with_engine(lambda e: e.kv.stats().used_blocks)
 
     def shutdown(self) -> None:
+        self.telemetry.stop_heartbeat()
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
