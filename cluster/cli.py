@@ -50,7 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("  dashboard      : off (dashboard: false)")
     print(f"  ray            : {st.ray_address} (Ray CLI: {ray_cli_hint(st.ray_address)})")
     print(f"  redis          : {redact_url(st.redis_url)}")
-    print(f"  model          : {st.model_dir}")
+    print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
     print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
     return 0

@@ -38,6 +38,7 @@ from kvstore import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.config import ModelConfig
+from worker.model.default_model import default_model_id, resolve_default_model
 
 log = logging.getLogger(__name__)
 STATE_DIR = Path(os.environ.get("KVCLUSTER_STATE_DIR", Path.home() / ".kvcluster"))
@@ -58,7 +59,7 @@ class ClusterState:
     redis_pid: int | None  # pid of the redis-server ``up`` started, if any
     endpoints: list[str]  # the routers' gRPC host:port
     dashboard_url: str | None  # Ray dashboard
-    model_dir: str  # served model folder
+    model_dir: str | None  # served model folder (None: the default, resolved on each node)
     workers: list[str]  # worker actor names
 
     def save(self) -> Path:
@@ -81,15 +82,14 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
 
-def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
-    """(model folder, model id); builds the offline tiny model when no path is set."""
+def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
+    """(model folder or None, model id). None stands for the default model: every worker and
+    router resolves it on its own node (the head's path would mean nothing elsewhere); its id
+    is known without resolving it."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser().resolve()
-    else:
-        from worker.model.build_tiny import build_tiny_model
-
-        path = build_tiny_model(family=cfg.model.tiny_family)
-    return str(path), cfg.model.model_id or path.name
+        return str(path), cfg.model.model_id or path.name
+    return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
 
 
 def is_loopback_address(address: str) -> bool:
@@ -202,7 +202,7 @@ class Cluster:
         self.workers: dict[str, ray.actor.ActorHandle] = {}
         self.routers: dict[str, ray.actor.ActorHandle] = {}
         self.endpoints: list[str] = []
-        self.model_dir = ""
+        self.model_path: str | None = None  # what workers get (None: they resolve the default)
         self.model_id = ""
 
     # -- pieces ----------------------------------------------------------------------------
@@ -247,9 +247,20 @@ class Cluster:
     def engine_config(self):  # noqa: ANN201
         return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
 
-    def max_model_len(self) -> int:
+    @property
+    def model_dir(self) -> str:
+        """This machine's copy of the served model (for tools and tests on the head; the
+        default model is resolved here only when asked)."""
+        if self.model_path is not None:
+            return self.model_path
+        return str(resolve_default_model(self.cfg.model.tiny_family))
+
+    def max_model_len(self) -> int | None:
+        """The engines' max_model_len; None: the model's own (each router reads it)."""
         engine = self.cfg.workers.engine
-        return engine.max_model_len or ModelConfig.from_dir(self.model_dir).max_position_embeddings
+        if engine.max_model_len or self.model_path is None:
+            return engine.max_model_len
+        return ModelConfig.from_dir(self.model_path).max_position_embeddings
 
     def start_worker(self, i: int) -> ray.actor.ActorHandle:
         w = self.cfg.workers
@@ -259,8 +270,9 @@ class Cluster:
                     num_gpus=1 if w.use_gpu else 0, max_concurrency=1000)
         if self.detached:
             opts["lifetime"] = "detached"
-        settings = WorkerSettings(worker_id=name, model_dir=self.model_dir,
-                                  engine=self.engine_config(), index=self.index_config())
+        settings = WorkerSettings(worker_id=name, model_dir=self.model_path,
+                                  engine=self.engine_config(), index=self.index_config(),
+                                  default_family=self.cfg.model.tiny_family)
         handle = WorkerActor.options(**opts).remote(settings)
         self.workers[name] = handle
         return handle
@@ -270,7 +282,8 @@ class Cluster:
         name = f"router-{i}"
         routing = r.routing.model_copy(update={"block_size": self.cfg.workers.engine.block_size})
         settings = RouterSettings(
-            router_id=name, namespace=self.namespace, model_dir=self.model_dir,
+            router_id=name, namespace=self.namespace, model_dir=self.model_path,
+            default_family=self.cfg.model.tiny_family,
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
             index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
@@ -312,7 +325,7 @@ class Cluster:
 
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
-        self.model_dir, self.model_id = resolve_model(self.cfg)
+        self.model_path, self.model_id = resolve_model(self.cfg)
         self._start_redis()
         self._start_ray()
         for i in range(self.cfg.workers.num_workers):
@@ -342,7 +355,7 @@ class Cluster:
                             ray_address=self.ray_address or "", ray_pid=self.ray_pid,
                             redis_url=self.redis_url, redis_pid=self.redis_pid,
                             endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
-                            model_dir=self.model_dir, workers=sorted(self.workers))
+                            model_dir=self.model_path, workers=sorted(self.workers))
 
     def down(self) -> None:
         for h in self.routers.values():
