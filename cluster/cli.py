@@ -20,6 +20,16 @@ def _endpoint(args: argparse.Namespace) -> str:
     return ClusterState.load(args.name).endpoints[0]
 
 
+def ray_cli_hint(ray_address: str) -> str:
+    """How to point the Ray CLI at a ``kvcluster up`` head: it runs with token auth (Ray 2.60
+    turns it on when ``~/.ray/auth_token`` exists), which the CLI only uses when told; an
+    embedded (loopback) head also needs the CLI in Ray's single-node mode."""
+    from cluster.launcher import RAY_SINGLE_NODE_ENV, is_loopback_address
+
+    local = f"{RAY_SINGLE_NODE_ENV}=0 " if is_loopback_address(ray_address) else ""
+    return f"RAY_AUTH_MODE=token {local}ray status --address {ray_address}"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster.launcher import Cluster
 
@@ -31,12 +41,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = cluster.state()
     print(f"kvcluster {cfg.name!r} is up")
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
-    print(
-        f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
-        "or RAY_AUTH_MODE=disabled)"
-    )
+    if st.dashboard_url:
+        print(
+            f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
+            "or RAY_AUTH_MODE=disabled)"
+        )
+    else:
+        print("  dashboard      : off (dashboard: false)")
+    print(f"  ray            : {st.ray_address} (Ray CLI: {ray_cli_hint(st.ray_address)})")
     print(f"  redis          : {redact_url(st.redis_url)}")
-    print(f"  model          : {st.model_dir}")
+    print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
     print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
     return 0

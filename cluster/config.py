@@ -24,7 +24,8 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     path: str | None = Field(
-        None, description="Hugging Face model folder; None builds the offline tiny model."
+        None, description="Hugging Face model folder; None: the default model, which every "
+        "worker and router resolves on its own node (worker/model/default_model.py)."
     )
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."

@@ -97,6 +97,12 @@ class RoutingConfig(_Strict):
         "arriving before the worker's KV events land together. 0 disables.",
     )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
+    index_timeout_s: float = Field(
+        0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
+        "costs at most this, once per probe interval).")
+    index_probe_interval_s: float = Field(
+        1.0, gt=0, description="After an index read fails, reads are skipped (routing by load) "
+        "and one probe per interval checks whether the index is back.")
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
 

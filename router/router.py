@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.types import WorkerLoad
+from router.breaker import CircuitOpen
 from router.config import RoutingConfig
 from router.metrics import RouterMetrics
 from router.parity import check_parity
@@ -160,6 +161,9 @@ class Router:
             return None
 
     def _index_error(self, exc: Exception) -> None:
+        if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago
+            self.metrics.index_skipped += 1
+            return
         self.metrics.index_errors += 1
         n = self.metrics.index_errors
         if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: visible but bounded

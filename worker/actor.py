@@ -25,6 +25,7 @@ from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
+from worker.model.default_model import resolve_default_model
 from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
@@ -36,9 +37,10 @@ class WorkerSettings:
     """Everything one worker needs (built by the launcher)."""
 
     worker_id: str  # registry id and Ray actor name, e.g. "worker-0"
-    model_dir: str  # Hugging Face folder
+    model_dir: str | None  # Hugging Face folder; None: the default model, resolved here
     engine: EngineConfig  # block size, KV size, limits, policy (model_id filled in)
     index: IndexConfig | None  # None: do not publish (no Redis)
+    default_family: str = "llama"  # family of the default model (model_dir None)
 
 
 def engine_load(engine: Engine) -> WorkerLoad:
@@ -110,13 +112,16 @@ class WorkerServer:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.engine = Engine.from_model_dir(settings.model_dir, settings.engine)
+        # the default model is resolved on this worker's node, never sent as a head's path
+        self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
+        self.engine = Engine.from_model_dir(self.model_dir, settings.engine)
         self.publisher: WorkerPublisher | None = None
         if settings.index is not None:
             index = KVIndex(settings.index)
             self.publisher = WorkerPublisher(
                 index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
         self.telemetry = WorkerTelemetry(self.worker_id)
+        self.telemetry.start_heartbeat()
         self.front = StreamingEngine(self.engine, on_step=self._after_step,
                                      on_death=self._engine_died)
         self.front.start()
@@ -139,6 +144,7 @@ class WorkerServer:
         that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
         log.critical("worker %s: engine loop died (%r); leaving for a restart",
                      self.worker_id, exc)
+        self.telemetry.stop_heartbeat()
         if self.publisher is not None:
             self.publisher.stop()
         exit_process_soon()
@@ -203,6 +209,7 @@ class WorkerServer:
         return self.front.with_engine(lambda e: e.kv.stats().used_blocks)
 
     def shutdown(self) -> None:
+        self.telemetry.stop_heartbeat()
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
