@@ -77,14 +77,19 @@ class ClusterState:
 
 
 def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
-    """(model folder, model id); builds the offline tiny model when no path is set."""
+    """(model folder or .gguf file, model id): model.path, else the offline tiny model when
+    model.tiny_family is set, else the default model (worker.model.default_model)."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser().resolve()
-    else:
+    elif cfg.model.tiny_family is not None:
         from worker.model.build_tiny import build_tiny_model
 
         path = build_tiny_model(family=cfg.model.tiny_family)
-    return str(path), cfg.model.model_id or path.name
+    else:
+        from worker.model.default_model import MODEL_ID, default_model_path
+
+        return str(default_model_path()), cfg.model.model_id or MODEL_ID
+    return str(path), cfg.model.model_id or (path.stem if path.is_file() else path.name)
 
 
 def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tuple[str, int, str]:

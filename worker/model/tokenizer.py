@@ -107,6 +107,9 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """From a Hugging Face folder, or from a ``.gguf`` file."""
+        if str(model_dir).lower().endswith(".gguf"):
+            return cls.from_gguf(model_dir)
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():
@@ -128,6 +131,14 @@ class Tokenizer:
             chat_template=template,
             extra_eos_ids=extra,
         )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata."""
+        from worker.model.gguf_file import tokenizer_backend_from_gguf
+
+        backend, special = tokenizer_backend_from_gguf(path)
+        return cls(backend, **special)
 
     def _id(self, token: str | None) -> int | None:
         if token is None:
@@ -169,13 +180,19 @@ class Tokenizer:
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=checked,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"chat template does not compile: {exc}") from exc
+        try:
+            return self._template.render(
+                messages=checked,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:  # incl. the sandbox refusing an unsafe access
+            raise ValueError(f"chat template failed: {exc}") from exc
 
     apply_chat_template = render_chat  # the transformers name
 
