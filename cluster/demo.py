@@ -59,7 +59,9 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) ->
         for i, out in rows:
             print(f"demo-{i:<4}{i % 2:>7}{out.worker_id:>11}{out.prompt_tokens:>8}"
                   f"{out.cached_tokens:>8}  {QUESTIONS[i % len(QUESTIONS)]}")
-            print(f"{'':<43}-> {' '.join(out.text.split())}")
+            answer = " ".join(out.text.split())
+            answer = answer if len(answer) <= 100 else answer[:97] + "..."
+            print(f"{'':<43}-> {answer}")
         print(f"\n{'worker':<12}{'running':>8}{'kv usage':>10}{'hit rate':>10}")
         for w in status.workers:
             print(f"{w.worker_id:<12}{w.running:>8}{w.kv_usage:>10.2f}{w.prefix_hit_rate:>10.2f}")
