@@ -17,8 +17,9 @@ from tests.cluster.conftest import ENGINE
 
 def test_up_generate_status_down(tmp_path: Path) -> None:
     name = f"updown-{os.getpid()}"
-    cfg = {"name": name, "model": {"tiny_family": "llama"}, "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1,
-                                     "engine": ENGINE}, "router": {"port": 0}}
+    cfg = {"name": name, "model": {"tiny_family": "llama"},
+           "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
+           "router": {"port": 0}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "KVCLUSTER_STATE_DIR": str(tmp_path)}
     cli = [sys.executable, "-m", "cluster.cli"]
@@ -36,6 +37,11 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         st = subprocess.run([*cli, "status", "--name", name], env=env, capture_output=True,
                             text=True, timeout=120)
         assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
+        gen = subprocess.run([*cli, "generate", "--name", name, "--chat", "Hi!", "--system",
+                              "Be brief.", "--max-tokens", "3"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        # rendered with the tiny model's ChatML template (Tokenizer.encode_chat: 32 tokens)
+        assert gen.returncode == 0 and "prompt 32 tokens" in gen.stdout, gen.stderr[-3000:]
     finally:
         down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True,
                               text=True, timeout=120)
