@@ -84,6 +84,7 @@ class Engine:
             num_blocks=config.num_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             attn_backend=config.attn_backend,
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
         )
         return cls(executor, config)
 

@@ -39,7 +39,8 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32."""
+        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
+        model's device (the sampler runs there)."""
 
 
 class RunnerExecutor(ModelExecutor):
@@ -72,6 +73,7 @@ class RunnerExecutor(ModelExecutor):
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
@@ -84,6 +86,7 @@ class RunnerExecutor(ModelExecutor):
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
+            cuda_graph_max_batch=cuda_graph_max_batch,
         )
         return cls(runner, Tokenizer.from_dir(model_dir))
 
@@ -100,5 +103,5 @@ class RunnerExecutor(ModelExecutor):
             )
             for c in chunks
         ]
-        logits = self.runner.execute(self.runner.build_input(seqs))
-        return logits.float().cpu()
+        # Logits stay on the runner's device: the sampler works there and sends back only ids.
+        return self.runner.execute(self.runner.build_input(seqs)).float()
