@@ -87,12 +87,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.client import Completion, KVClusterClient, accumulate, build_request
+    from cluster.client import Completion, KVClusterClient, accumulate, build_request, chat
 
     out = Completion()
     with KVClusterClient(_endpoint(args)) as client:
         req = build_request(
-            args.prompt,
+            chat(args.prompt, args.system) if args.chat else args.prompt,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             cache_salt=args.cache_salt,
@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", help="router host:port (default: from the state file)")
         if name == "generate":
             sp.add_argument("prompt")
+            sp.add_argument("--chat", action="store_true",
+                            help="send the prompt as a user message (the model's chat template)")
+            sp.add_argument("--system", help="with --chat: a system message before it")
             sp.add_argument("--max-tokens", type=int, default=32)
             sp.add_argument("--temperature", type=float, default=0.0)
             sp.add_argument("--cache-salt", default="")
