@@ -19,7 +19,7 @@ which the manager calls when it hands the step's copies to the runner.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from worker.kv.events import HOST, EventLog
 from worker.kv.hashing import BlockKey
@@ -64,6 +64,7 @@ class HostTier:
         self.lru: OrderedDict[BlockKey, HostBlock] = OrderedDict()  # oldest first
         self._by_tenant: dict[str | None, OrderedDict[BlockKey, None]] = {}
         self.pinned: list[int] = []  # checked out for a pending load; freed by release_pinned
+        self._children: Counter[BlockKey | None] = Counter()  # parent -> its children here
         self.num_stored = 0  # blocks copied in from the device (eviction or swap-out)
         self.num_loaded = 0  # blocks loaded back into the device
         self.num_evicted = 0  # blocks dropped from the host tier (LRU or quota)
@@ -73,6 +74,10 @@ class HostTier:
 
     def __contains__(self, key: object) -> bool:
         return key in self.lru
+
+    def has_children(self, key: BlockKey) -> bool:
+        """Whether a block here continues ``key`` (then dropping ``key`` would leave a hole)."""
+        return key in self._children
 
     def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> HostBlock | None:
         """The host block caching ``key`` if its token ids match too (pure query)."""
@@ -96,6 +101,7 @@ class HostTier:
             return None
         block = HostBlock(self.free.pop(), key, parent, token_ids, tenant)
         self.lru[key] = block
+        self._children[parent] += 1
         self.num_stored += 1
         self.events.stored([key], parent, [token_ids], self.block_size, HOST)
         if self.tenant_quota is not None:
@@ -133,6 +139,7 @@ class HostTier:
         """Forget every block (the device pool's reset emits the one ``AllBlocksCleared``)."""
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.lru.clear()
+        self._children.clear()
         self._by_tenant.clear()
         self.pinned.clear()
 
@@ -154,6 +161,11 @@ class HostTier:
 
     def _forget(self, block: HostBlock) -> None:
         del self.lru[block.key]
+        left = self._children[block.parent] - 1
+        if left:
+            self._children[block.parent] = left
+        else:
+            del self._children[block.parent]
         if self.tenant_quota is not None:
             mine = self._by_tenant[block.tenant]
             del mine[block.key]

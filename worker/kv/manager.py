@@ -354,6 +354,11 @@ class KVCacheManager:
         device); the caller runs them before the next copy-on-write or forward pass. Host
         blocks read by these loads become reusable now."""
         transfers, self._transfers = self._transfers, TierTransfers()
+        # A host block may be stored into, evicted and stored into again before the copies
+        # run: only its last offload counts (a batched copy with repeated targets is undefined).
+        last = {host: dev for dev, host in transfers.to_host}
+        if len(last) < len(transfers.to_host):
+            transfers.to_host = [(dev, host) for host, dev in last.items()]
         if self._host is not None:
             self._host.release_pinned()
         return transfers
@@ -483,7 +488,8 @@ class KVCacheManager:
         assert self._host is not None and block.key is not None and block.token_ids is not None
         if block.block_id in self._no_offload:
             self._no_offload.discard(block.block_id)
-            return
+            if not self._host.has_children(block.key):  # else dropping it leaves a hole
+                return
         host_id = self._host.store(block.key, block.parent, block.token_ids, block.tenant)
         if host_id is not None:
             self._transfers.to_host.append((block.block_id, host_id))
