@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.engine.policy import policy_names
@@ -55,6 +57,25 @@ class EngineConfig(BaseModel):
         "(cache_salt; no salt is one tenant too) may keep cached and idle. Beyond it that "
         "tenant's own least recently used blocks are evicted, so one tenant cannot flush the "
         "others' prefixes. 1.0 = no quota.",
+    )
+    host_kv_bytes: int = Field(
+        0,
+        ge=0,
+        description="Host-memory KV tier (pinned on CUDA): cached blocks evicted from the "
+        "device are kept there and loaded back on a prefix hit; swapped-out preempted requests "
+        "too. 0 = off.",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="What a preemption does with the victim's KV: 'swap' keeps its blocks for "
+        "the host tier, 'recompute' drops them, 'auto' picks the cheaper by estimate "
+        "(host_load_block_cost per block vs one per token). Without a host tier: recompute.",
+    )
+    host_load_block_cost: float = Field(
+        1.0,
+        gt=0.0,
+        description="Estimated cost of loading one block back from the host tier, in prompt "
+        "tokens of prefill compute (the swap-or-recompute estimate).",
     )
     admission_watermark: float = Field(
         0.01,

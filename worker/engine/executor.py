@@ -11,6 +11,7 @@ import torch
 
 from worker.engine.detokenizer import TokenizerLike
 from worker.engine.sched_output import ScheduledChunk
+from worker.kv import TierTransfers
 
 if TYPE_CHECKING:
     from worker.model.runner import ModelRunner
@@ -32,6 +33,12 @@ class ModelExecutor(ABC):
     max_model_len: int  # longest context the model supports
     eos_token_ids: tuple[int, ...]
     tokenizer: TokenizerLike | None
+    num_host_blocks: int = 0  # host KV tier blocks (0: no host tier)
+
+    def swap(self, transfers: TierTransfers) -> None:
+        """Run the host tier's copies: ``to_host`` (device -> host) first, then ``to_device``
+        (host -> device), each as one batched copy. Only called with ``num_host_blocks``."""
+        raise NotImplementedError(f"{type(self).__name__} has no host KV tier")
 
     @abstractmethod
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -61,6 +68,7 @@ class RunnerExecutor(ModelExecutor):
             eos += list(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self.tokenizer = tokenizer
+        self.num_host_blocks = runner.num_host_blocks
 
     @classmethod
     def from_model_dir(
@@ -74,6 +82,7 @@ class RunnerExecutor(ModelExecutor):
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        host_kv_bytes: int = 0,
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
@@ -87,11 +96,16 @@ class RunnerExecutor(ModelExecutor):
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
             cuda_graph_max_batch=cuda_graph_max_batch,
+            host_kv_bytes=host_kv_bytes,
         )
         return cls(runner, Tokenizer.from_dir(model_dir))
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
+
+    def swap(self, transfers: TierTransfers) -> None:
+        self.runner.swap_out(transfers.to_host)
+        self.runner.swap_in(transfers.to_device)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         seqs = [

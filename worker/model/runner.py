@@ -48,6 +48,7 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        host_kv_bytes: int = 0,
     ) -> None:
         if block_size < 1:
             raise KVCacheSizeError(f"block_size={block_size} must be >= 1")
@@ -84,6 +85,19 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_layers)
+        ]
+        if host_kv_bytes < 0:
+            raise KVCacheSizeError(f"host_kv_bytes={host_kv_bytes} must be >= 0")
+        self.num_host_blocks = host_kv_bytes // self.bytes_per_block
+        # Host tier: same layout in host memory, pinned on CUDA so copies are DMA transfers.
+        pin = self.device.type == "cuda"
+        host_shape = (self.num_host_blocks, *shape[1:])
+        self.host_kv_caches = [
+            (
+                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+            )
+            for _ in range(cfg.num_layers if self.num_host_blocks else 0)
         ]
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -164,6 +178,35 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs, one gather per layer."""
+        if not pairs:
+            return
+        dev, host = self._pair_index(pairs, "swap_out", self._num_blocks, self.num_host_blocks)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            hk.index_copy_(0, host, k.index_select(0, dev.to(k.device)).to("cpu"))
+            hv.index_copy_(0, host, v.index_select(0, dev.to(v.device)).to("cpu"))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host blocks back into device blocks, ``(host, device)`` pairs (loads)."""
+        if not pairs:
+            return
+        host, dev = self._pair_index(pairs, "swap_in", self.num_host_blocks, self._num_blocks)
+        dev = dev.to(self.device)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            k.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
+            v.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
+
+    @staticmethod
+    def _pair_index(
+        pairs: Sequence[tuple[int, int]], what: str, n_src: int, n_dst: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = [s for s, _ in pairs]
+        dst = [d for _, d in pairs]
+        if min(src) < 0 or max(src) >= n_src or min(dst) < 0 or max(dst) >= n_dst:
+            raise ValueError(f"{what}: block ids out of range ({n_src} -> {n_dst}): {pairs}")
+        return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
 
     def build_input(self, seqs: Sequence[SeqChunk]) -> ModelInput:
         """``ModelInput.build`` with this runner's block size and device."""
