@@ -17,6 +17,8 @@ from worker.attention import create_backend
 from worker.model.config import ModelConfig
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
+from worker.model.lora import LoraAdapter
+from worker.model.lora_slots import LoraSlots
 
 __all__ = ["ModelInput", "ModelRunner", "SeqChunk", "KVCacheSizeError"]
 
@@ -64,6 +66,7 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg
         )
+        self.lora: LoraSlots | None = None  # adapter slots, made by enable_lora
         self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
         shape = (self._num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -128,12 +131,29 @@ class ModelRunner:
         """``ModelInput.build`` with this runner's block size and device."""
         return ModelInput.build(seqs, self.block_size, self.device)
 
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate ``max_loras`` adapter slots of rank ``max_rank`` (once; later calls return
+        the same slots)."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.model, self.config, max_loras, max_rank)
+        return self.lora
+
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
+    def execute(
+        self, batch: ModelInput, adapters: Sequence[LoraAdapter | None] | None = None
+    ) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
 
         Writes the K/V of every new token into the cache at ``batch.slot_mapping``.
+        ``adapters``: per sequence of the batch, its LoRA adapter (None: the base model).
         """
         prepared = self.backend.prepare(batch.attention_metadata())
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        if self.lora is not None:
+            self.lora.set_batch(adapters or [None] * len(batch.query_lens_host),
+                                batch.query_lens_host)  # fmt: skip
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
