@@ -118,9 +118,7 @@ class LoraSlots:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def set_batch(
-        self, adapters: Sequence[LoraAdapter | None], query_lens: Sequence[int]
-    ) -> None:
+    def set_batch(self, adapters: Sequence[LoraAdapter | None], query_lens: Sequence[int]) -> None:
         """Per sequence of the flat batch (in order): its adapter (None: base) and new tokens."""
         self._groups = []
         used = [a for a in adapters if a is not None]
@@ -131,9 +129,7 @@ class LoraSlots:
         if len(set(per_seq)) == 1:  # one adapter for the whole batch: no gather / scatter
             self._groups = [(per_seq[0], None)]
             return
-        token_slot = torch.repeat_interleave(
-            torch.tensor(per_seq), torch.tensor(list(query_lens))
-        )
+        token_slot = torch.repeat_interleave(torch.tensor(per_seq), torch.tensor(list(query_lens)))
         for slot in sorted(set(slots.values())):
             rows = (token_slot == slot).nonzero().squeeze(1).to(self._device)
             self._groups.append((slot, rows))
