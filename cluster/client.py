@@ -34,10 +34,12 @@ class Completion:
 
 
 def build_request(prompt: str | list[int], *, request_id: str = "", cache_salt: str = "",
-                  tenant: str = "", priority: int = 0, **params: object) -> pb.GenerateRequest:
-    """``params`` are SamplingParams fields (max_tokens=..., temperature=..., stop=[...])."""
+                  tenant: str = "", priority: int = 0, lora: str = "",
+                  **params: object) -> pb.GenerateRequest:
+    """``params`` are SamplingParams fields (max_tokens=..., temperature=..., stop=[...]);
+    ``lora``: a LoRA adapter's name (empty: the base model)."""
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, tenant=tenant,
-                             priority=priority, params=pb.SamplingParams(**params))
+                             priority=priority, lora=lora, params=pb.SamplingParams(**params))
     if isinstance(prompt, str):
         req.text = prompt
     else:

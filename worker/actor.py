@@ -23,7 +23,7 @@ from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from worker.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,16 @@ def engine_load(engine: Engine) -> WorkerLoad:
     return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
                       free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
                       queued_prefill_tokens=sched.pending_prefill_tokens(),
-                      decode_tokens=decoding)
+                      decode_tokens=decoding, **lora_load(engine))
+
+
+def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
+    """The adapters a router routes by: served and in a slot (engine thread)."""
+    if not engine.loras:
+        return {}
+    loaded = engine.executor.loaded_loras()
+    return {"lora_ids": tuple(sorted(engine.loras.values())),
+            "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras))}
 
 
 class CallerWatch:
@@ -183,7 +192,14 @@ class WorkerServer:
             total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
-            tenant_quota_evictions=m.tenant_quota_evictions)
+            tenant_quota_evictions=m.tenant_quota_evictions,
+            adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
+                           for i in load.lora_ids))
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a LoRA adapter folder at run time; returns its stable id. The next
+        heartbeat tells the routers."""
+        return self.front.with_engine(lambda e: e.add_lora(name, path))
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
