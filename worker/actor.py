@@ -199,7 +199,13 @@ class WorkerServer:
     def add_lora(self, name: str, path: str) -> str:
         """Register a LoRA adapter folder at run time; returns its stable id. The next
         heartbeat tells the routers."""
-        return self.front.with_engine(lambda e: e.add_lora(name, path))
+        def add(engine: Engine) -> str:
+            adapter_id = engine.add_lora(name, path)
+            if self.publisher is not None:  # an idle worker publishes no step: tell now
+                self.publisher.submit([], engine_load(engine))
+            return adapter_id
+
+        return self.front.with_engine(add)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
