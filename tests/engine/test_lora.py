@@ -146,6 +146,21 @@ def test_unknown_adapter_is_invalid_and_names_it(tiny_dir, lora_dirs) -> None:
     assert not engine.has_unfinished_requests()
 
 
+def test_slot_memory_matches_the_formula(tiny_dir, lora_dirs) -> None:
+    from worker.model.lora_slots import slot_bytes
+
+    engine = lora_engine(tiny_dir, lora_dirs, max_loras=3, max_lora_rank=16)
+    slots = engine.executor.runner.lora
+    assert slots.bytes_per_slot == slot_bytes(engine.executor.runner.config, 16, 4)
+    allocated = sum(
+        t.numel() * t.element_size()
+        for layer in slots.weights
+        for a, bs in layer.values()
+        for t in (a, *bs)
+    )
+    assert allocated == 3 * slots.bytes_per_slot
+
+
 def test_runtime_registration_and_stable_ids(tiny_dir, lora_dirs, tmp_path) -> None:
     engine = lora_engine(tiny_dir, {})
     assert engine.loras == {}

@@ -37,6 +37,16 @@ GROUPS = {
 }
 
 
+def slot_bytes(cfg: ModelConfig, max_rank: int, element_size: int) -> int:
+    """Device memory of one adapter slot: per layer, A and B of q/k/v, o, gate/up, down at
+    rank ``max_rank`` (what :attr:`LoraSlots.bytes_per_slot` allocates)."""
+    h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    kv, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    # A: one [in, R] per projection; B: one [R, out] per projection
+    per_rank = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * inter) + (inter + h)
+    return cfg.num_layers * max_rank * per_rank * element_size
+
+
 class LoraSlots:
     """``max_loras`` device slots for adapters of one model, and the hooks that apply them."""
 
