@@ -40,6 +40,9 @@ _OPTIONAL_PARAMS = (
     "length_penalty",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 

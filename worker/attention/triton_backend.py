@@ -72,4 +72,5 @@ class TritonAttentionBackend(AttentionBackend):
             prepared.max_query_len,
             self.scale,
             sliding_window,
+            max_seq_len=prepared.max_seq_len,
         )

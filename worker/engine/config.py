@@ -71,6 +71,11 @@ class EngineConfig(BaseModel):
         description="Attention backend (runner): auto, torch, cpu or triton; auto picks the "
         "fastest usable one (triton on CUDA, the native cpu kernels on the CPU).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay decode steps from CUDA graphs captured at start-up per batch-size "
+        "bucket (CUDA with the triton backend only; ignored elsewhere).",
+    )
 
     max_loras: int = Field(
         4,

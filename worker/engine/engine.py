@@ -87,8 +87,12 @@ class Engine:
             num_blocks=config.num_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             attn_backend=config.attn_backend,
+<<<<<<< HEAD
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
+=======
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
+>>>>>>> main
         )
         return cls(executor, config)
 

@@ -40,7 +40,8 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32."""
+        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
+        model's device (the sampler runs there)."""
 
     def add_lora(self, name: str, path: str) -> str:
         """Register a PEFT adapter folder under ``name``; return its stable adapter id.
@@ -91,6 +92,7 @@ class RunnerExecutor(ModelExecutor):
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> RunnerExecutor:
@@ -105,6 +107,7 @@ class RunnerExecutor(ModelExecutor):
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
+            cuda_graph_max_batch=cuda_graph_max_batch,
         )
         return cls(runner, Tokenizer.from_dir(model_dir), max_loras=max_loras,
                    max_lora_rank=max_lora_rank)  # fmt: skip
@@ -139,5 +142,5 @@ class RunnerExecutor(ModelExecutor):
         ]
         adapters = [self._loras[c.req.params.lora] if c.req.params.lora else None
                     for c in chunks] if self._loras else None  # fmt: skip
-        logits = self.runner.execute(self.runner.build_input(seqs), adapters)
-        return logits.float().cpu()
+        # Logits stay on the runner's device: the sampler works there and sends back only ids.
+        return self.runner.execute(self.runner.build_input(seqs), adapters).float()

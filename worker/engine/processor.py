@@ -98,7 +98,10 @@ class OutputProcessor:
             for s in group:
                 targets.append((req, s))
                 rows.append(row)
-                specs.append(SampleSpec(req.params, s.generator, self._banned(req, s)))
+                spec = SampleSpec(req.params, s.generator, self._banned(req, s))
+                if req.params.has_penalties:
+                    spec.prompt_ids, spec.output_ids = s.token_ids[: s.prompt_len], s.output_ids
+                specs.append(spec)
         if not targets:
             return
         tokens, logprobs = sample(logits[rows], specs, self._rng)

@@ -19,6 +19,8 @@ MAX_N = 256  # parallel samples / beams of one request
 MAX_LOGPROBS = 20  # top alternatives returned per token
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_ABS_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
 
 
 def _is_int(value: Any) -> bool:
@@ -39,6 +41,9 @@ class SamplingParams:
     top_k: int | None = None  # keep the k most likely tokens; None (or 0 / -1) = all
     top_p: float = 1.0  # nucleus: smallest set with cumulative probability >= top_p, (0, 1]
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, [0, 1]
+    presence_penalty: float = 0.0  # minus this on each already generated token's logit
+    frequency_penalty: float = 0.0  # minus this times each generated token's count
+    repetition_penalty: float = 1.0  # prompt/output tokens: logit / p if > 0 else logit * p
     seed: int | None = None  # per-request RNG: same seed -> same output whatever the batch
     n: int = 1  # parallel samples sharing the prompt's KV blocks (one prefill)
     beam_width: int = 1  # > 1 = beam search (deterministic; sampling fields are ignored)
@@ -80,6 +85,14 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or abs(value) > MAX_ABS_PENALTY:
+                raise bad(name, f"must be a number in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}]")
+        if not _is_num(self.repetition_penalty) or not (
+            0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY}]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise bad("seed", f"must be None or an integer in [0, {MAX_SEED}]")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -120,6 +133,15 @@ class SamplingParams:
                 raise bad("stop", "stop strings are not supported with beam search")
             if self.logprobs is not None:
                 raise bad("logprobs", "logprobs are not supported with beam search")
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+                if getattr(self, name) != SamplingParams.__dataclass_fields__[name].default:
+                    raise bad(name, "penalties are not supported with beam search")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:
