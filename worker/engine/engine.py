@@ -87,12 +87,9 @@ class Engine:
             num_blocks=config.num_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             attn_backend=config.attn_backend,
-<<<<<<< HEAD
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
-=======
-            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
->>>>>>> main
         )
         return cls(executor, config)
 
