@@ -112,6 +112,32 @@ def test_chunked_prefill_preemption_and_slot_shortage_keep_outputs(
     assert_no_blocks_in_use(engine)
 
 
+def test_one_step_runs_base_and_every_adapter_together(tiny_dir, lora_dirs) -> None:
+    engine = lora_engine(tiny_dir, lora_dirs)
+    for a in MIX:
+        engine.add_request(PROMPTS[0], params(a))
+    engine.step()
+    assert {r.params.lora for r in engine.scheduler.running} == set(MIX)
+    assert sorted(engine.executor.loaded_loras()) == ["a1", "a2", "a3"]
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_slots_evict_the_least_recently_used_adapter_not_in_the_batch(tiny_dir, lora_dirs):
+    engine = lora_engine(tiny_dir, lora_dirs, max_loras=2)
+    slots = engine.executor.runner.lora
+    a1, a2, a3 = (engine.executor._loras[n] for n in ("a1", "a2", "a3"))
+    assert slots.ensure([a1]) == {"a1": 0}
+    assert slots.ensure([a2]) == {"a2": 1}
+    slots.ensure([a1])  # a1 used again: a2 is now the least recently used
+    assert slots.ensure([a3]) == {"a3": 1}
+    assert list(slots.slot_of) == ["a1", "a3"]
+    assert slots.ensure([a2, a3]) == {"a2": 0, "a3": 1}  # a1 goes, a3 (in the batch) stays
+    assert slots.loads == 4
+    with pytest.raises(ValueError, match="max_loras=2"):
+        slots.ensure([a1, a2, a3])
+
+
 def test_slot_limit_holds_every_step(tiny_dir, lora_dirs) -> None:
     engine = lora_engine(tiny_dir, lora_dirs, max_loras=1)
     for a in MIX:
