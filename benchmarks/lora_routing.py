@@ -17,7 +17,12 @@ workers (real KV managers, the 70B-class time model of ``router/sim/config.py``)
 Not modelled: adapter slot loads (the simulated workers hold every adapter), so the figures
 isolate the prefix-cache effect; the adapter-load term is exercised by the tests.
 
-    .venv/bin/python -m benchmarks.lora_routing            # ~2,000 requests, a minute or two
+Measured (defaults: 8 adapters + base, 1,656 requests, 8 workers, seed 0): hit rate 0.874
+aware, 0.778 blind, 0.661 least_loaded; mean TTFT 0.235 s vs 0.374 s blind (0.63x) and
+0.398 s least_loaded; p99 1.19 / 1.43 / 1.23 s. The blind router logs parity mismatches:
+its keys differ from the workers' on every LoRA request, which is the point.
+
+    .venv/bin/python -m benchmarks.lora_routing            # ~1,700 requests, a minute or two
     .venv/bin/python -m benchmarks.lora_routing --smoke    # seconds
 """
 

@@ -17,6 +17,11 @@ random rank-``--rank`` adapters on all seven projections. Systems, same model an
 
 Memory per slot: ``LoraSlots.bytes_per_slot`` of this model, and the formula
 (``slot_bytes``) for a Llama-3-8B shape, both at ``--rank``.
+
+Measured (defaults, 1 thread, machine busy with 8 jobs on 2 cores): mixed 221.3 tok/s, one
+adapter at a time 84.5 (2.62x), base only 248.3 (the LoRA deltas cost 12%); same greedy
+tokens mixed and one at a time. Slot: 5.1 MiB (32M model, float32, r=16); Llama-3-8B shape,
+bf16, r=16: 80 MiB.
 """
 
 from __future__ import annotations
