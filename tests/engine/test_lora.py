@@ -225,3 +225,15 @@ def test_bad_adapters_are_rejected_with_the_reason(tiny_dir, lora_dirs, tmp_path
     with pytest.raises(LoraError, match="q_proj has A .* this model needs A"):
         engine.add_lora("wrong", str(wrong))
     assert engine.loras == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_batch_on_cuda_with_graphs_equals_peft(tiny_dir, lora_dirs, reference) -> None:
+    # decode batches without adapters replay CUDA graphs; batches with one run eagerly
+    engine = lora_engine(tiny_dir, lora_dirs, device="cuda", cuda_graphs=True)
+    reqs = [(p, a) for p in PROMPTS for a in MIX]
+    results = engine.generate([p for p, _ in reqs], [params(a) for _, a in reqs])
+    for (p, a), res in zip(reqs, results, strict=True):
+        assert res.completions[0].token_ids == reference(p, a), a
+    assert_no_blocks_in_use(engine)
