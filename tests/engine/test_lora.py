@@ -237,3 +237,27 @@ def test_mixed_batch_on_cuda_with_graphs_equals_peft(tiny_dir, lora_dirs, refere
     for (p, a), res in zip(reqs, results, strict=True):
         assert res.completions[0].token_ids == reference(p, a), a
     assert_no_blocks_in_use(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms
+def test_other_families_equal_peft(family, tmp_path) -> None:
+    from worker.model.build_tiny import build_tiny_model
+
+    transformers = pytest.importorskip("transformers")
+    model_dir = build_tiny_model(tmp_path / family, family, "tiny")
+    adapter = str(build_tiny_lora(tmp_path / "a", model_dir, rank=8, seed=4))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(base.eval(), adapter)
+    engine = Engine.from_model_dir(
+        model_dir, EngineConfig(num_blocks=64, lora_adapters={"a": adapter})
+    )
+    prompt = PROMPTS[0]
+    got = engine.generate([prompt, prompt], [params(None), params("a")])
+    kw = dict(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want_lora = ref.generate(input_ids=torch.tensor([prompt]), **kw)[0, len(prompt) :]
+        with ref.disable_adapter():
+            want_base = ref.generate(input_ids=torch.tensor([prompt]), **kw)[0, len(prompt) :]
+    assert got[0].completions[0].token_ids == want_base.tolist()
+    assert got[1].completions[0].token_ids == want_lora.tolist()
+    assert want_lora.tolist() != want_base.tolist()
