@@ -81,6 +81,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
+        if w.adapters:  # LoRA adapters; * = in a device slot now
+            print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0
@@ -96,6 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             cache_salt=args.cache_salt,
+            lora=args.lora,
         )
         for msg in client.stream(req, timeout=args.timeout):
             sys.stdout.write(msg.text)
@@ -234,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-tokens", type=int, default=32)
             sp.add_argument("--temperature", type=float, default=0.0)
             sp.add_argument("--cache-salt", default="")
+            sp.add_argument("--lora", default="", help="LoRA adapter name (default: base model)")
             sp.add_argument("--timeout", type=float, default=120.0)
         if name == "bench":
             _bench_args(sp)

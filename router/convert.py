@@ -10,7 +10,7 @@ import hashlib
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -151,6 +151,9 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
             raise InvalidRequest("token_ids", [], "must hold at least one token id")
     salt = tenant_salt(tenant, req.cache_salt)
     params = params_from_pb(req.params, priority=req.priority, cache_salt=salt, limits=limits)
+    if req.lora:
+        _check_str("lora", req.lora, 64)
+        params = replace(params, lora=req.lora)
     return GenerateSpec(
         request_id=req.request_id or uuid.uuid4().hex,
         text=text,

@@ -309,6 +309,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
+                                               loaded=a.loaded) for a in s.adapters],
                 )
                 for s in statuses
             ],

@@ -26,7 +26,7 @@ from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from worker.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,16 @@ def engine_load(engine: Engine) -> WorkerLoad:
     return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
                       free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
                       queued_prefill_tokens=sched.pending_prefill_tokens(),
-                      decode_tokens=decoding)
+                      decode_tokens=decoding, **lora_load(engine))
+
+
+def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
+    """The adapters a router routes by: served and in a slot (engine thread)."""
+    if not engine.loras:
+        return {}
+    loaded = engine.executor.loaded_loras()
+    return {"lora_ids": tuple(sorted(engine.loras.values())),
+            "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras))}
 
 
 class CallerWatch:
@@ -202,7 +211,20 @@ class WorkerServer:
             total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
-            tenant_quota_evictions=m.tenant_quota_evictions)
+            tenant_quota_evictions=m.tenant_quota_evictions,
+            adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
+                           for i in load.lora_ids))
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a LoRA adapter folder at run time; returns its stable id. The next
+        heartbeat tells the routers."""
+        def add(engine: Engine) -> str:
+            adapter_id = engine.add_lora(name, path)
+            if self.publisher is not None:  # an idle worker publishes no step: tell now
+                self.publisher.submit([], engine_load(engine))
+            return adapter_id
+
+        return self.front.with_engine(add)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""

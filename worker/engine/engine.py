@@ -68,6 +68,9 @@ class Engine:
         self.stats = MetricsRecorder()
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
+        self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
+        for name, path in config.lora_adapters.items():
+            self.add_lora(name, path)
         self.processor = OutputProcessor(
             kv=self.kv, scheduler=self.scheduler, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
             stats=self.stats, requests=self.requests, seed=config.seed,
@@ -87,15 +90,31 @@ class Engine:
             attn_backend=config.attn_backend,
             cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
             host_kv_bytes=config.host_kv_bytes,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
         return cls(executor, config)
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
+        its stable id, the ``lora_id`` of its requests' block keys. Raises ``LoraError``
+        (a ``ValueError``) for a folder this model cannot serve."""
+        adapter_id = self.executor.add_lora(name, str(path))
+        self.loras[name] = adapter_id
+        return adapter_id
 
     # ---- requests ------------------------------------------------------------------------
 
     def hash_context(self, params: SamplingParams) -> HashContext:
         """What a request's block keys are salted with (model id, LoRA id, tenant salt); a pure
         function of config and params, so callers may use it without the engine's lock."""
-        return HashContext(self.config.model_id, None, params.cache_salt)
+        lora_id = None
+        if params.lora is not None:
+            lora_id = self.loras.get(params.lora)
+            if lora_id is None:
+                served = ", ".join(sorted(self.loras)) or "none"
+                raise InvalidRequest("lora", params.lora, f"unknown adapter; served: {served}")
+        return HashContext(self.config.model_id, lora_id, params.cache_salt)
 
     def add_request(
         self,

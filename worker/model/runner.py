@@ -20,6 +20,8 @@ from worker.model.config import ModelConfig
 from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
+from worker.model.lora import LoraAdapter
+from worker.model.lora_slots import LoraSlots
 
 __all__ = ["ModelInput", "ModelRunner", "SeqChunk", "KVCacheSizeError"]
 
@@ -71,6 +73,7 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg
         )
+        self.lora: LoraSlots | None = None  # adapter slots, made by enable_lora
         self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
         no_graphs = DecodeGraphs.supported(self.device, self.backend.name)
         use_graphs = cuda_graph_max_batch > 0 and no_graphs is None
@@ -212,14 +215,32 @@ class ModelRunner:
         """``ModelInput.build`` with this runner's block size and device."""
         return ModelInput.build(seqs, self.block_size, self.device)
 
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate ``max_loras`` adapter slots of rank ``max_rank`` (once; later calls return
+        the same slots)."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.model, self.config, max_loras, max_rank)
+        return self.lora
+
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
+    def execute(
+        self, batch: ModelInput, adapters: Sequence[LoraAdapter | None] | None = None
+    ) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
 
         Writes the K/V of every new token into the cache at ``batch.slot_mapping``.
+        ``adapters``: per sequence of the batch, its LoRA adapter (None: the base model).
         """
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+        lora = adapters is not None and any(a is not None for a in adapters)
+        if self.graphs is not None and not lora and self.graphs.can_run(batch):
+            return self.graphs.run(batch)  # graphs hold the base model only: LoRA runs eagerly
         prepared = self.backend.prepare(batch.attention_metadata())
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        if self.lora is not None:
+            self.lora.set_batch(adapters or [None] * len(batch.query_lens_host),
+                                batch.query_lens_host)  # fmt: skip
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
