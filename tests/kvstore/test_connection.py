@@ -12,8 +12,10 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from kvstore import AsyncKVIndex, IndexConfig, IndexUnavailable, KVIndex
-from kvstore.config import make_client
+from kvstore.aio import AsyncKVIndex
+from kvstore.config import IndexConfig, make_client
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable
 from tests.kvstore.helpers import chain, stored
 from tests.redis_server import RedisServer, make_tls_files
 

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.types import WorkerLoad
 from tests.kvstore.helpers import AllBlocksCleared, chain, removed, stored
 from tests.redis_server import RedisServer
 

@@ -14,9 +14,9 @@ from cluster import launcher
 from cluster.config import redact_url
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.convert import malformed_reason, spec_from_pb, tenant_salt
-from router.servicer import DecodeGuard
-from router.serving import ModelLimits, check_limits
+from router.edge.convert import malformed_reason, spec_from_pb, tenant_salt
+from router.edge.servicer import DecodeGuard
+from router.serving.core import ModelLimits, check_limits
 from tests.cluster.conftest import cluster_config
 from tests.reliability.helpers import raw_string_field
 from worker.engine import InvalidRequest, SamplingParams

@@ -12,7 +12,7 @@ import threading
 import time
 
 from cluster.client import KVClusterClient
-from kvstore import KVIndex
+from kvstore.index import KVIndex
 from tests.reliability.helpers import CALL_TIMEOUT_S, decisions, generate_code, wait_for
 from worker.kv import HashContext, block_keys
 

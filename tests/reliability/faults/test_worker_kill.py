@@ -14,7 +14,7 @@ import time
 import grpc
 import ray
 
-from kvstore import KVIndex
+from kvstore.index import KVIndex
 from tests.reliability.helpers import (
     CALL_TIMEOUT_S,
     queued,
