@@ -22,6 +22,8 @@ from tests.redis_server import RedisServer
 from worker.kv import BlockRemoved, BlockStored, HashContext, KVCacheManager, block_keys
 from worker.kv.invariants import check_prefix_closed, record_parents
 
+pytestmark = pytest.mark.redis
+
 CTX = HashContext("m")
 
 

@@ -15,6 +15,8 @@ from kvstore.types import WorkerLoad
 from tests.kvstore.helpers import Pool, chain
 from tests.redis_server import RedisServer
 
+pytestmark = pytest.mark.redis
+
 LOAD = WorkerLoad(running=1, waiting=0, free_blocks=50, total_blocks=64, queued_prefill_tokens=0)
 
 

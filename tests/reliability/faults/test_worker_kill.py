@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import ray
 
 from kvstore.index import KVIndex
@@ -22,6 +23,8 @@ from tests.reliability.helpers import (
     wait_for,
     wait_idle,
 )
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 BURST = 12
 MAX_TOKENS = 300  # long enough that the running streams are mid-way when the kill lands

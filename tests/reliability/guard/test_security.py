@@ -23,6 +23,8 @@ from tests.reliability.guard.conftest import REDIS_PASSWORD, TOKENS, connect
 from tests.reliability.helpers import CALL_TIMEOUT_S, code_of, wait_for
 from worker.kv import HashContext, block_keys
 
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
 SHARED = ("Confidential: the merger of Acme and Globex closes on Friday; the price is 42 per "
           "share and the board meets at nine. Summarise the risks. ")
 
