@@ -2,9 +2,8 @@
 
 Workers publish KV events through :class:`kvstore.publisher.WorkerPublisher` (a background
 thread; the engine only calls ``submit``); routers call :meth:`kvstore.index.KVIndex.lookup`
-(one round trip, whatever the prompt length) and ``KVIndex.live_workers``, or their
-coroutine twins on ``kvstore.aio.AsyncKVIndex`` from asyncio code. Every operation is one
-atomic Lua script. Config: ``kvstore.config.IndexConfig``; types and errors:
+(one round trip, whatever the prompt length) and ``KVIndex.live_workers``. Every operation
+is one atomic Lua script. Config: ``kvstore.config.IndexConfig``; types and errors:
 ``kvstore.types``. ``kvstore.blocks`` is the ground layer: the block vocabulary that the
 index, workers and routers share (importing it loads nothing of the index).
 

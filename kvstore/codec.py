@@ -1,10 +1,10 @@
 """Encoding of script arguments and replies, and the mapping of Redis errors; shared by the
-sync (:mod:`kvstore.index`) and asyncio (:mod:`kvstore.aio`) clients."""
+client (:mod:`kvstore.index`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 import redis
@@ -85,17 +85,6 @@ def guard(call: Callable[[], T]) -> T:
     """Run a redis-py call, turning outages and timeouts into :class:`IndexUnavailable`."""
     try:
         return call()
-    except Exception as exc:
-        err = translate(exc)
-        if err is exc:
-            raise
-        raise err from exc
-
-
-async def guard_async(awaitable: Awaitable[T]) -> T:
-    """:func:`guard` for a redis.asyncio call."""
-    try:
-        return await awaitable
     except Exception as exc:
         err = translate(exc)
         if err is exc:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import redis
-import redis.asyncio
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -82,8 +80,3 @@ def make_client(config: IndexConfig) -> redis.Redis:
     retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
     return redis.Redis.from_url(config.url, **_client_kwargs(config, retry))
 
-
-def make_async_client(config: IndexConfig) -> redis.asyncio.Redis:
-    """The asyncio twin of :func:`make_client` (same URL handling, timeouts and retry)."""
-    retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
-    return redis.asyncio.Redis.from_url(config.url, **_client_kwargs(config, retry))

@@ -1,8 +1,6 @@
 """KV events as the index sees them, and the recorder that samples every k-th block key.
 
-The index does not import the KV manager: any object whose class is named ``BlockStored``,
-``BlockRemoved`` or ``AllBlocksCleared`` (or that has a ``kind`` attribute with one of those
-names) and carries the attributes of the protocols below is accepted.
+Events are the block vocabulary's (:mod:`kvstore.blocks.events`), as the KV manager emits them.
 
 A :class:`Recorder` turns events into :data:`Op` s on the keys the index records. With
 ``record_every == 1`` that is every key. With ``k > 1`` it records the key of block ``j`` only
@@ -26,45 +24,21 @@ the blocks cached before the loss until they are stored again (``k > 1`` only).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Literal
 
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.blocks.hashing import BlockKey
 
 OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
 Op = tuple[OpKind, tuple[BlockKey, ...]]
 """One recorded change: ("S", keys) stored, ("R", keys) removed, ("C", ()) all cleared."""
 
-
-class BlockStoredLike(Protocol):
-    seq: int
-    keys: tuple[BlockKey, ...]  # chain order: keys[i]'s parent is keys[i-1]
-    parent: BlockKey | None  # parent of keys[0]; None when keys[0] is block 0
-    block_size: int
-
-
-class BlockRemovedLike(Protocol):
-    seq: int
-    keys: tuple[BlockKey, ...]
-
-
-class AllBlocksClearedLike(Protocol):
-    seq: int
-
-
-_KINDS: dict[str, OpKind] = {
-    "BlockStored": "S",
-    "BlockRemoved": "R",
-    "AllBlocksCleared": "C",
-    "stored": "S",
-    "removed": "R",
-    "cleared": "C",
-}
+_KINDS: dict[type, OpKind] = {BlockStored: "S", BlockRemoved: "R", AllBlocksCleared: "C"}
 
 
 def event_kind(event: object) -> OpKind:
     """``"S"``, ``"R"`` or ``"C"`` for a KV event; ``TypeError`` for anything else."""
-    name = getattr(event, "kind", None) or type(event).__name__
-    kind = _KINDS.get(str(name))
+    kind = _KINDS.get(type(event))
     if kind is None:
         raise TypeError(
             f"not a KV event: {event!r} (expected BlockStored, BlockRemoved or AllBlocksCleared)"

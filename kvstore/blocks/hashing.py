@@ -62,14 +62,6 @@ def _first_block_extra(ctx: HashContext) -> bytes:
     )
 
 
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Canonical bytes of a block's token ids (little-endian uint32)."""
-    try:
-        return struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error as exc:  # negative or > 2**32-1
-        raise ValueError(f"token ids must be in [0, 2**32): {exc}") from None
-
-
 def hash_block(parent: BlockKey | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockKey:
     """Key of one full block given its parent's key (``None`` for the first block).
 

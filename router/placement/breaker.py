@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -86,26 +86,6 @@ class CircuitBreaker:
             raise
         except BaseException:
             self._release()  # not an index failure (e.g. a bad argument): no verdict
-            raise
-        self._record(None)
-        return result
-
-    async def acall(
-        self,
-        fn: Callable[[], Awaitable[T]],
-        *,
-        failures: tuple[type[BaseException], ...] = (Exception,),
-    ) -> T:
-        """:meth:`call` for a coroutine function."""
-        if not self._admit():
-            raise CircuitOpen(f"index circuit open after: {self.last_error}")
-        try:
-            result = await fn()
-        except failures as exc:
-            self._record(exc)
-            raise
-        except BaseException:
-            self._release()
             raise
         self._record(None)
         return result

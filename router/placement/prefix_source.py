@@ -6,7 +6,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
-from kvstore.aio import AsyncKVIndex
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey
 from kvstore.index import KVIndex
@@ -34,41 +33,20 @@ class PrefixSource(ABC):
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         """Leading blocks of ``keys`` held per worker."""
 
-    async def alookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
-        """:meth:`lookup` for asyncio callers; override when the backend has async I/O."""
-        return self.lookup(keys)
-
 
 class KVIndexSource(PrefixSource):
-    """Adapter over the Redis index (live workers only): a :class:`kvstore.index.KVIndex` for
-    :meth:`lookup` and/or a :class:`kvstore.aio.AsyncKVIndex` for :meth:`alookup`. Reads go
-    through ``breaker`` (shared with the router's other index reads): while it is open a
-    lookup raises ``CircuitOpen`` at once instead of waiting on Redis."""
+    """Adapter over the Redis index (live workers only). Reads go through ``breaker`` (shared
+    with the router's other index reads): while it is open a lookup raises ``CircuitOpen``
+    at once instead of waiting on Redis."""
 
-    def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None, *,
-                 breaker: CircuitBreaker | None = None) -> None:
-        if index is None and aindex is None:
-            raise ValueError("KVIndexSource needs a KVIndex, an AsyncKVIndex or both")
+    def __init__(self, index: KVIndex, *, breaker: CircuitBreaker | None = None) -> None:
         self.index = index
-        self.aindex = aindex
         self.breaker = breaker if breaker is not None else CircuitBreaker()
 
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
-        if self.index is None:
-            raise TypeError("this KVIndexSource has only an AsyncKVIndex: use Router.aroute")
         index = self.index
         try:
             return self.breaker.call(lambda: index.lookup(keys), failures=(IndexUnavailable,))
-        except IndexUnavailable as exc:
-            raise PrefixSourceUnavailable(str(exc)) from exc
-
-    async def alookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
-        if self.aindex is None:
-            return self.lookup(keys)
-        aindex = self.aindex
-        try:
-            return await self.breaker.acall(lambda: aindex.lookup(keys),
-                                            failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 

@@ -59,20 +59,6 @@ class Router:
         index = self._lookup(keys) if keys else None
         return self._decide(request, candidates, keys, index, start)
 
-    async def aroute(
-        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
-    ) -> RouteDecision:
-        """:meth:`route` for asyncio servers: the index lookup is awaited
-        (:meth:`PrefixSource.alookup`); hashing and the policy run inline (CPU, ~ms)."""
-        start, keys = self._begin(request, candidates)
-        index = None
-        if keys and self.prefix_source is not None:
-            try:
-                index = await self.prefix_source.alookup(keys)
-            except Exception as exc:  # degrade, never fail: route by load
-                self._index_error(exc)
-        return self._decide(request, candidates, keys, index, start)
-
     def _begin(
         self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
     ) -> tuple[float, tuple[BlockKey, ...]]:

@@ -1,31 +1,11 @@
-"""Test doubles of the KV manager's side: its event types (duck-typed) and a tiny block pool."""
+"""Test helpers on the KV manager's side: event builders and a tiny block pool."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.blocks.hashing import BlockKey, block_keys
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    seq: int
-    keys: tuple[BlockKey, ...]
-    parent: BlockKey | None
-    token_ids: tuple[tuple[int, ...], ...] = ()
-    block_size: int = 4
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    seq: int
-    keys: tuple[BlockKey, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    seq: int
 
 
 def chain(n: int, salt: int = 0) -> list[BlockKey]:
@@ -34,7 +14,7 @@ def chain(n: int, salt: int = 0) -> list[BlockKey]:
 
 
 def stored(keys: list[BlockKey], parent: BlockKey | None = None) -> BlockStored:
-    return BlockStored(0, tuple(keys), parent)
+    return BlockStored(0, tuple(keys), parent, (), 4)
 
 
 def removed(*keys: BlockKey) -> BlockRemoved:

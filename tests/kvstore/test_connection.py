@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import socket
 import time
@@ -12,7 +11,6 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from kvstore.aio import AsyncKVIndex
 from kvstore.config import IndexConfig, make_client
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
@@ -122,32 +120,3 @@ def test_unresponsive_server_raises_within_the_timeout() -> None:
         index.close()
 
 
-@pytest.mark.redis
-def test_async_index_reads_what_the_sync_index_wrote(redis_server: RedisServer) -> None:
-    cfg = IndexConfig(url=redis_server.url, model_id="m")
-    index = KVIndex(cfg)
-    e = index.register("a", address="h:1")
-    index.apply_events("a", e, 1, [stored(chain(5))])
-
-    async def read() -> tuple[dict, dict]:
-        aindex = AsyncKVIndex(cfg)
-        try:
-            return await aindex.lookup(chain(7)), await aindex.live_workers()
-        finally:
-            await aindex.aclose()
-
-    counts, live = asyncio.run(read())
-    assert counts == {"a": 5}
-    assert live == index.live_workers() and live["a"].address == "h:1"
-    redis_server.stop()
-
-    async def down() -> None:
-        aindex = AsyncKVIndex(cfg)
-        try:
-            await aindex.lookup(chain(1))
-        finally:
-            await aindex.aclose()
-
-    with pytest.raises(IndexUnavailable):
-        asyncio.run(down())
-    index.close()

@@ -12,10 +12,11 @@ import time
 
 import pytest
 
+from kvstore.blocks.events import AllBlocksCleared
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
-from tests.kvstore.helpers import AllBlocksCleared, chain, removed, stored
+from tests.kvstore.helpers import chain, removed, stored
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

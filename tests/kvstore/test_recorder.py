@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved
 from kvstore.events import Recorder, event_kind, sampled
-from tests.kvstore.helpers import AllBlocksCleared, BlockRemoved, chain, removed, stored
+from tests.kvstore.helpers import chain, removed, stored
 
 
 def test_every_key_is_recorded_when_k_is_1() -> None:
@@ -45,14 +46,15 @@ def test_clear_forgets_positions() -> None:
     assert rec.recorded(keys) == []
 
 
-def test_event_kind_accepts_names_and_kind_attribute() -> None:
-    class Custom:
+def test_event_kind_accepts_only_kv_events() -> None:
+    class LookAlike:
         kind = "removed"
 
     assert event_kind(BlockRemoved(0, ())) == "R"
-    assert event_kind(Custom()) == "R"
-    with pytest.raises(TypeError):
-        event_kind("BlockStored")
+    assert event_kind(AllBlocksCleared(0)) == "C"
+    for other in ("BlockStored", LookAlike()):
+        with pytest.raises(TypeError):
+            event_kind(other)
 
 
 def test_sampled_positions() -> None:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from kvstore.aio import AsyncKVIndex
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from router import KVIndexSource, Reason, Router, RouteRequest, RoutingConfig
@@ -55,24 +52,3 @@ def test_prefix_affinity_over_redis_index_and_outage(redis_server: RedisServer) 
     assert router.metrics.count(Reason.NO_INDEX) == 1
 
 
-def test_aroute_awaits_the_async_index(redis_server: RedisServer) -> None:
-    config = IndexConfig(url=redis_server.url, cluster="t", model_id="m")
-    index = KVIndex(config)
-    kv = KVCacheManager(256, 16)
-    epoch = index.register("w1", load=load())
-    index.register("w0", load=load())
-    prompt = tokens(4, 160)
-    kv.allocate_slots("p", prompt, len(prompt), ctx=HashContext("m"))
-    assert index.apply_events("w1", epoch, 1, kv.drain_events()).applied
-    live = {w: info.load for w, info in index.live_workers().items()}
-
-    async def go() -> tuple[str, Reason, int]:
-        aindex = AsyncKVIndex(config)
-        try:
-            router = Router(RoutingConfig(block_size=16), KVIndexSource(aindex=aindex))
-            d = await router.aroute(RouteRequest("q", prompt + [7], HashContext("m")), live)
-            return d.worker_id, d.reason, d.cached_tokens_expected
-        finally:
-            await aindex.aclose()
-
-    assert asyncio.run(go()) == ("w1", Reason.PREFIX, 160)

@@ -4,7 +4,6 @@ from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block
 from worker.kv.manager import KVCacheManager
 from worker.kv.types import (
-    BlockId,
     KVAllocation,
     KVCapacityError,
     KVStats,
@@ -15,7 +14,6 @@ from worker.kv.types import (
 
 __all__ = [
     "AllBlocksCleared",
-    "BlockId",
     "BlockKey",
     "BlockRemoved",
     "BlockStored",

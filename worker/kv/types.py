@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import NewType
 
 from kvstore.blocks.hashing import BlockKey, HashContext
-
-BlockId = NewType("BlockId", int)
-"""Index of a physical KV block in the pool (and in the model runner's KV tensors)."""
 
 SeqId = Hashable
 """A sequence's id (request id, or request id + sample index): any hashable, e.g. str or int."""
