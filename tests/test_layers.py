@@ -35,8 +35,9 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    best = max((name for name in LAYERS if module == name or module.startswith(name + ".")),
-               key=len)
+    best = max(
+        (name for name in LAYERS if module == name or module.startswith(name + ".")), key=len
+    )
     # A package's __init__ runs whenever any module below it is imported, so it belongs to
     # the lowest layer inside it (kvstore/__init__ must not pull the index into the ground).
     inner = [name for name in LAYERS if name.startswith(module + ".")]
@@ -150,6 +151,7 @@ def test_router_and_ground_load_without_torch() -> None:
         "import sys, router.actor, router.edge.servicer, kvstore.blocks.protocol; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from router.placement.policies import ROUTING_POLICIES
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,12 +124,5 @@ class RoutingConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        import router.placement.policies  # noqa: F401 - registers the built-in policies
-        from router.placement.policy import (
-            policy_names,  # late: router.placement.policy imports this module
-        )
-
-        if value not in policy_names():
-            valid = ", ".join(policy_names())
-            raise ValueError(f"unknown routing policy {value!r}; valid: {valid}")
+        ROUTING_POLICIES.get(value)  # raises naming the valid ones
         return value

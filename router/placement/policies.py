@@ -29,17 +29,22 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
-from router.placement.policy import RoutingPolicy, load_tokens, register_policy
+from router.placement.policy import ROUTING_POLICIES, RoutingPolicy, load_tokens
 from router.placement.types import Placement, Reason, RouteRequest, WorkerView
+
+if TYPE_CHECKING:  # the config imports this module to validate policy names
+    from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
 
 _REL_TOL = 1e-9  # costs within this relative distance count as a tie
 
 
-@register_policy("round_robin")
+@ROUTING_POLICIES.register
 class RoundRobin(RoutingPolicy):
     """Each request goes to the next worker in id order; ignores load and caches."""
+
+    name = "round_robin"
 
     def __init__(self) -> None:
         self._turn = 0
@@ -54,13 +59,15 @@ class RoundRobin(RoutingPolicy):
         return Placement(view.worker_id, Reason.ROUND_ROBIN, view.cached_tokens or 0)
 
 
-@register_policy("least_loaded")
+@ROUTING_POLICIES.register
 class LeastLoaded(RoutingPolicy):
     """Power of d choices: sample d workers, take the least loaded (first sampled on ties).
 
     Sampling instead of a global minimum keeps many routers with slightly stale loads from
     all picking the same "emptiest" worker at once.
     """
+
+    name = "least_loaded"
 
     def __init__(self, config: LeastLoadedConfig, rng: random.Random) -> None:
         self.config = config
@@ -78,9 +85,11 @@ class LeastLoaded(RoutingPolicy):
         return Placement(view.worker_id, Reason.LOAD, view.cached_tokens or 0)
 
 
-@register_policy("prefix_affinity")
+@ROUTING_POLICIES.register
 class PrefixAffinity(RoutingPolicy):
     """Cheapest worker by (uncached prefill + queued prefill + decode load), load-bounded."""
+
+    name = "prefix_affinity"
 
     uses_prefix = True
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
+from kvstore.blocks.registry import Registry
 from kvstore.types import WorkerLoad
-from router.placement.config import LoadWeights, RoutingConfig
 from router.placement.types import Placement, RouteRequest, UnknownPolicyError, WorkerView
+
+if TYPE_CHECKING:  # the config validates policy names against the registry below
+    from router.placement.config import LoadWeights, RoutingConfig
 
 
 class RoutingPolicy(ABC):
@@ -45,35 +48,13 @@ def load_tokens(load: WorkerLoad, weights: LoadWeights) -> float:
     return load.queued_prefill_tokens + weights.decode_weight * load.decode_tokens
 
 
-_REGISTRY: dict[str, type[RoutingPolicy]] = {}
-P = TypeVar("P", bound=type[RoutingPolicy])
-
-
-def register_policy(name: str) -> Callable[[P], P]:
-    """Class decorator: make a policy available under ``name``."""
-
-    def wrap(cls: P) -> P:
-        if name in _REGISTRY:
-            raise ValueError(f"routing policy {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
+ROUTING_POLICIES: Registry[type[RoutingPolicy]] = Registry("routing policy", UnknownPolicyError)
+register_policy = ROUTING_POLICIES.register
+policy_names = ROUTING_POLICIES.names
 
 
 def make_policy(config: RoutingConfig, rng: random.Random | None = None) -> RoutingPolicy:
-    """Instantiate ``config.policy``; unknown names raise listing the valid ones."""
-    import router.placement.policies  # noqa: F401  (registers the built-in policies)
-
-    try:
-        cls = _REGISTRY[config.policy]
-    except KeyError:
-        raise UnknownPolicyError(
-            f"unknown routing policy {config.policy!r}; valid: {', '.join(policy_names())}"
-        ) from None
+    """Instantiate ``config.policy``; unknown names raise listing the valid ones (the
+    built-in policies are registered: the config module imports them)."""
+    cls = ROUTING_POLICIES.get(config.policy)
     return cls.from_config(config, rng if rng is not None else random.Random(config.seed))

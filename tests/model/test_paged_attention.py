@@ -203,7 +203,7 @@ def test_chunked_prefill_equals_one_shot_prefill():
 
 
 def test_unknown_backend_lists_valid_names():
-    with pytest.raises(UnknownBackendError, match="'nope'.*valid names: auto, cpu, torch, triton"):
+    with pytest.raises(UnknownBackendError, match="'nope'.*valid: auto, cpu, torch, triton"):
         make_backend("nope")
     assert backend_names() == ["cpu", "torch", "triton"]
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.blocks.registry import Registry
 from worker.attention.base import AttentionBackend
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 
 class UnknownBackendError(ValueError):
@@ -17,32 +16,19 @@ class BackendUnavailableError(RuntimeError):
     """The backend exists but cannot run here (no CUDA, no Triton, unsupported block size)."""
 
 
-def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Class decorator: make ``cls`` selectable as ``cls.name``."""
-    assert cls.name not in _BACKENDS, f"attention backend {cls.name!r} registered twice"
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-def backend_names() -> list[str]:
-    """All registered names, usable here or not."""
-    return sorted(_BACKENDS)
+BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", UnknownBackendError)
+register_backend = BACKENDS.register
+backend_names = BACKENDS.names  # all registered names, usable here or not
 
 
 def get_backend_class(name: str) -> type[AttentionBackend]:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise UnknownBackendError(
-            f"unknown attention backend {name!r}; valid names: "
-            f"{', '.join([AUTO, *backend_names()])}"
-        ) from None
+    return BACKENDS.get(name, also_valid=[AUTO])
 
 
 def available_backends(device: str | torch.device, block_size: int = 16) -> list[str]:
     """Names of the backends that can run on ``device`` with ``block_size``."""
     dev = torch.device(device)
-    usable = [n for n, c in _BACKENDS.items() if c.unavailable_reason(dev, block_size) is None]
+    usable = [n for n, c in BACKENDS.items() if c.unavailable_reason(dev, block_size) is None]
     return sorted(usable)
 
 
@@ -57,8 +43,9 @@ def resolve_backend_name(name: str, device: str | torch.device, block_size: int 
         return name
     dev = torch.device(device)
     for candidate in _PREFERENCE.get(dev.type, ("torch",)):
-        cls = _BACKENDS.get(candidate)
-        if cls is not None and cls.unavailable_reason(dev, block_size) is None:
+        if candidate in BACKENDS and (
+            BACKENDS.get(candidate).unavailable_reason(dev, block_size) is None
+        ):
             return candidate
     return "torch"
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.engine.policy import policy_names
+from worker.engine.policy import SCHEDULING_POLICIES, policy_names
 
 
 class EngineConfig(BaseModel):
@@ -116,8 +116,7 @@ class EngineConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        if value not in policy_names():
-            raise ValueError(f"unknown policy {value!r}; valid: {', '.join(policy_names())}")
+        SCHEDULING_POLICIES.get(value)  # raises naming the valid ones
         return value
 
     @model_validator(mode="after")

@@ -10,11 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
+from kvstore.blocks.registry import Registry
+
 if TYPE_CHECKING:
     from worker.engine.request import Request
-
-_POLICIES: dict[str, type[SchedulingPolicy]] = {}
-
 
 class SchedulingPolicy(ABC):
     """Orders requests. Obligation: ``key`` depends only on fields fixed at arrival."""
@@ -26,20 +25,13 @@ class SchedulingPolicy(ABC):
         """Smaller = served first; the largest running key is the first preemption victim."""
 
 
-def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
-    _POLICIES[cls.name] = cls
-    return cls
-
-
-def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+SCHEDULING_POLICIES: Registry[type[SchedulingPolicy]] = Registry("policy")
+register_policy = SCHEDULING_POLICIES.register
+policy_names = SCHEDULING_POLICIES.names
 
 
 def get_policy(name: str) -> SchedulingPolicy:
-    try:
-        return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; valid: {', '.join(policy_names())}") from None
+    return SCHEDULING_POLICIES.get(name)()
 
 
 @register_policy
