@@ -4,7 +4,7 @@ the trace-replay simulator."""
 
 from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
 from router.placement.metrics import RouterMetrics
-from router.placement.parity import check_parity, first_mismatch
+from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
 from router.placement.policies import LeastLoaded, PrefixAffinity, RoundRobin
 from router.placement.policy import RoutingPolicy, make_policy, policy_names, register_policy
@@ -50,7 +50,6 @@ __all__ = [
     "UnknownPolicyError",
     "WorkerView",
     "check_parity",
-    "first_mismatch",
     "make_policy",
     "policy_names",
     "register_policy",

@@ -195,7 +195,7 @@ class WorkerServer:
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:
-            yield Admitted(self.worker_id, epoch, tuple(keys) if request.want_keys else ())
+            yield Admitted(self.worker_id, epoch, keys[-1] if request.want_keys and keys else None)
             async for out in stream:
                 yield out
         finally:

@@ -2,6 +2,6 @@
 
 Chained block keys and their hashing, KV events, the request / output / error types a
 router and a worker exchange; and two shared utilities, the one quantile rule and the one
-registry of named implementations. This is
-the ground layer: it imports nothing else from the project (``tests/test_layers.py``).
+registry of named implementations. This is the ground layer: it imports nothing else from
+the project (``tests/test_layers.py``).
 """

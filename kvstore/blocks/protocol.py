@@ -15,7 +15,7 @@ class WorkerRequest:
     request_id: str  # unique id; the engine's request id
     token_ids: list[int]  # the tokenized prompt
     params: SamplingParams  # validated sampling parameters (cache_salt, priority inside)
-    want_keys: bool = True  # send the prompt's block keys back in Admitted (parity check)
+    want_keys: bool = True  # send the prompt's last block key back in Admitted (parity check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +24,9 @@ class Admitted:
 
     worker_id: str  # the worker's registry id
     epoch: int | None  # its registration epoch in the index (None: index not reached yet)
-    keys: tuple[BlockKey, ...]  # the prompt's full-block keys as this worker computes them
-    # (empty unless the request's want_keys: routers that do not hash prompts skip it)
+    last_key: BlockKey | None  # the key of the prompt's last full block as this worker
+    # computes it (keys are chained: it names the whole prefix); None unless the request's
+    # want_keys (routers that do not hash prompts skip it) and the prompt has a full block
 
 
 @dataclass(frozen=True, slots=True)

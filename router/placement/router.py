@@ -113,10 +113,10 @@ class Router:
         return decision
 
     def check_parity(
-        self, request_id: str, router_keys: Sequence[BlockKey], worker_keys: Sequence[BlockKey]
+        self, request_id: str, router_keys: Sequence[BlockKey], worker_key: BlockKey | None
     ) -> bool:
         """See :func:`router.placement.parity.check_parity`; counts into this router's metrics."""
-        return check_parity(request_id, router_keys, worker_keys, self.metrics)
+        return check_parity(request_id, router_keys, worker_key, self.metrics)
 
     def _cached_tokens(
         self,

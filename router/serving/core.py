@@ -186,7 +186,7 @@ class ServingCore:
                 ):
                     if isinstance(item, Admitted):
                         if decision.keys:
-                            self.router.check_parity(request_id, decision.keys, item.keys)
+                            self.router.check_parity(request_id, decision.keys, item.last_key)
                         continue
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True

@@ -306,10 +306,10 @@ class SimWorker:
     def _check_parity(
         self, active: _Active, hit_keys: Sequence[BlockKey], events: list[KVEvent]
     ) -> None:
-        """Compare the router's keys with the chain this allocation hit + stored.
-
-        Only a contiguous chain is comparable position by position: when a block was already
-        cached under another block (so not re-stored), the chain has a gap and is skipped.
+        """Compare the router's last key with the last of the chain this allocation hit +
+        stored. Only a contiguous chain names the prompt's last block: when a block was
+        already cached under another block (so not re-stored), the chain has a gap and the
+        check is skipped.
         """
         chain = list(hit_keys)
         for event in events:
@@ -317,7 +317,7 @@ class SimWorker:
                 chain.extend(event.keys)
         if len(chain) == len(active.req.token_ids) // self.kv.block_size:
             assert self.parity is not None
-            self.parity(active.req.request_id, active.keys, chain)
+            self.parity(active.req.request_id, active.keys, chain[-1])
 
     def _finish(self, active: _Active, end: float) -> None:
         active.rec.finish_s = end

@@ -84,7 +84,7 @@ class Workers(WorkerDirectory):
     async def stream(self, worker_id: str, request: WorkerRequest
                      ) -> AsyncIterator[Admitted | RequestOutput]:  # fmt: skip
         self.requests.append((worker_id, request))
-        yield Admitted(worker_id, 1, ())
+        yield Admitted(worker_id, 1, None)
         delta = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
         yield RequestOutput(request.request_id, [delta], True, Usage(len(request.token_ids), 0, 1))
 

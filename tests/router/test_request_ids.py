@@ -45,7 +45,7 @@ class OneEngine(WorkerDirectory):
         aborted = self.live[rid] = asyncio.Event()
         self.admitted.append(rid)
         try:
-            yield Admitted(worker_id, 1, ())
+            yield Admitted(worker_id, 1, None)
             done = asyncio.ensure_future(self.release.wait())
             gone = asyncio.ensure_future(aborted.wait())
             await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -33,7 +33,7 @@ class HeldWorkers(WorkerDirectory):
                      ) -> AsyncIterator[Admitted | RequestOutput]:
         self.placed.append(worker_id)
         self.requests.append(request)
-        yield Admitted(worker_id, 1, ())
+        yield Admitted(worker_id, 1, None)
         await self.release.wait()
         usage = Usage(len(request.token_ids), 0, 1)
         yield RequestOutput(request.request_id, [CompletionDelta(0, "x", [7],
