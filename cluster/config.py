@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.config import RequestLimits, RoutingConfig
+from router.placement.config import RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
 

@@ -34,7 +34,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port, start_detached
-from kvstore import IndexConfig
+from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.config import ModelConfig

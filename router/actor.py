@@ -13,16 +13,17 @@ from pathlib import Path
 
 import ray
 
-from kvstore import IndexConfig, KVIndex
-from router.breaker import CircuitBreaker
-from router.config import RequestLimits, RoutingConfig
-from router.metrics import RouterMetrics
-from router.prefix_source import KVIndexSource
-from router.ray_workers import RayWorkerDirectory
-from router.router import Router
-from router.servicer import KVClusterServicer, TokenAuth, start_server
-from router.serving import ModelLimits, ServingCore
-from router.telemetry import start_exporter
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from router.edge.servicer import KVClusterServicer, TokenAuth, start_server
+from router.placement.breaker import CircuitBreaker
+from router.placement.config import RequestLimits, RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.prefix_source import KVIndexSource
+from router.placement.router import Router
+from router.serving.core import ModelLimits, ServingCore
+from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.telemetry import start_exporter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer

@@ -21,12 +21,15 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from kvstore.blocks.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.publisher import WorkerPublisher
+from kvstore.types import WorkerLoad
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
-from worker.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)

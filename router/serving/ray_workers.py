@@ -24,11 +24,13 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from kvstore import IndexUnavailable, KVIndex, WorkerLoad
-from router.breaker import CircuitBreaker, CircuitOpen
-from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import EngineStopped, RequestOutput
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable, WorkerLoad
+from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
 WORKER_PREFIX = "worker-"

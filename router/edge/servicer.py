@@ -1,6 +1,6 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
 
-Protobuf stops here: requests become :class:`router.convert.GenerateSpec`, the serving core
+Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
 works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
 """
 
@@ -17,10 +17,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayTaskError
 
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.outputs import GenerationResult
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.config import RequestLimits
-from router.convert import (
+from router.edge.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
     chat_token_ids,
@@ -28,9 +29,9 @@ from router.convert import (
     responses_from_output,
     spec_from_pb,
 )
-from router.serving import ClusterOverloaded, ServingCore, StreamBroken
-from router.types import NoWorkersError
-from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
+from router.placement.config import RequestLimits
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

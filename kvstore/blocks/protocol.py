@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.engine import SamplingParams
-from worker.kv import BlockKey
+from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

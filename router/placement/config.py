@@ -122,8 +122,10 @@ class RoutingConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        import router.policies  # noqa: F401 - registers the built-in policies
-        from router.policy import policy_names  # late: router.policy imports this module
+        import router.placement.policies  # noqa: F401 - registers the built-in policies
+        from router.placement.policy import (
+            policy_names,  # late: router.placement.policy imports this module
+        )
 
         if value not in policy_names():
             valid = ", ".join(policy_names())

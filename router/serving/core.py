@@ -18,14 +18,16 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from kvstore import WorkerLoad
-from router.adapters import resolve_adapter, serving
-from router.router import Router
-from router.types import NoWorkersError, RouteDecision, RouteRequest
-from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams
-from worker.kv import HashContext
-from worker.protocol import Admitted, WorkerRequest
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.hashing import HashContext
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.types import WorkerLoad
+from router.placement.adapters import resolve_adapter, serving
+from router.placement.router import Router
+from router.placement.types import NoWorkersError, RouteDecision, RouteRequest
+from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import contextlib
 
 import ray
 
-from router.metrics import RouterMetrics
+from router.placement.metrics import RouterMetrics
 
 
 class RouterExporter:
