@@ -76,3 +76,15 @@ def test_a_dead_engine_loop_restarts_the_worker(cluster, client) -> None:
 
 def ray_call(cluster, fn):  # noqa: ANN001, ANN201
     return on_workers(cluster, lambda s: fn(s) if s.worker_id == VICTIM else None)[VICTIM]
+
+
+def test_worker_processes_wait_passively(cluster) -> None:
+    """OpenMP in every worker actor was told to sleep, not spin, before torch loaded (a
+    spinning team collapses when another process takes a core: worker/cpu_threads.py)."""
+
+    def policy(server) -> str | None:  # noqa: ANN001
+        from worker import cpu_threads
+
+        return cpu_threads.effective_wait_policy
+
+    assert set(on_workers(cluster, policy).values()) == {"PASSIVE"}
