@@ -62,6 +62,7 @@ class SamplingParams:
     priority: int = 0  # smaller = more important (priority policy); ties go by arrival
     cache_salt: str | None = None  # tenant salt: requests with different salts share no KV
     skip_special_tokens: bool = True  # drop special tokens from the text
+    lora: str | None = None  # LoRA adapter name (None: the base model); the worker checks it
     # stop_token_ids as a set, for the per-token check on the engine's hot path
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
@@ -135,6 +136,10 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256
         ):
             raise bad("cache_salt", "must be None or a non-empty string of <= 256 characters")
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or not 0 < len(self.lora) <= 64
+        ):
+            raise bad("lora", "must be None or an adapter name of 1-64 characters")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")

@@ -39,7 +39,7 @@ one tenant's: the salt is in its first key): prefix closure holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from worker.kv.events import EventLog
 from worker.kv.hashing import BlockKey
@@ -56,7 +56,9 @@ class BlockPoolError(RuntimeError):
 class KVBlock:
     """One physical block: its id, ref count, cache key and free-queue links."""
 
-    __slots__ = ("block_id", "ref_cnt", "key", "twin_of", "token_ids", "tenant", "prev", "next")
+    __slots__ = (
+        "block_id", "ref_cnt", "key", "twin_of", "token_ids", "tenant", "parent", "prev", "next"
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # index into the model runner's KV tensors; never changes
@@ -65,6 +67,7 @@ class KVBlock:
         self.twin_of: BlockKey | None = None  # key served by another block while this is a twin
         self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
         self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
+        self.parent: BlockKey | None = None  # key before ``key`` (a host tier names it)
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
@@ -163,6 +166,9 @@ class BlockPool:
         self.twins: dict[BlockKey, list[KVBlock]] = {}
         self.events = EventLog()
         self.num_evictable = 0  # cached blocks with ref count 0 (kept O(1) for stats)
+        # called with each evicted cached block before its key is cleared (KV still intact
+        # until the block is handed out and written): the host tier's offload hook
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     def num_free(self) -> int:
         return len(self.free_queue)
@@ -200,9 +206,11 @@ class BlockPool:
         if twins:
             self._promote(key, twins)
         else:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[key]
             evicted.append(key)
-        block.key = block.token_ids = block.tenant = None
+        block.key = block.token_ids = block.tenant = block.parent = None
 
     def _forget_evictable(self, block: KVBlock) -> None:
         if self.tenant_quota is not None:
@@ -230,7 +238,7 @@ class BlockPool:
         if not twins:
             del self.twins[key]
         twin.twin_of, twin.key = None, key
-        twin.tenant = self.cached[key].tenant
+        twin.tenant, twin.parent = self.cached[key].tenant, self.cached[key].parent
         self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -322,6 +330,7 @@ class BlockPool:
                 run_parent = key
                 continue
             block.key, block.token_ids, block.tenant = key, toks, tenant
+            block.parent = run_keys[-1] if run_keys else run_parent
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.append(toks)
@@ -338,7 +347,7 @@ class BlockPool:
         if self.twins:
             raise BlockPoolError("a twin is in use although no block is")
         for block in self.cached.values():
-            block.key = block.token_ids = block.tenant = None
+            block.key = block.token_ids = block.tenant = block.parent = None
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0
