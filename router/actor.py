@@ -114,6 +114,7 @@ class RouterServer:
             await self.server.stop(grace_s)
             self.server = None
         self.core.close()
+        self.servicer.tokenize.close()
 
     def stats(self) -> dict:
         """Router metrics plus retry counters (for status and tests)."""

@@ -77,6 +77,10 @@ class RequestLimits(_Strict):
     max_cache_salt_chars: int = Field(256, ge=1, description="cache_salt length.")
     max_prompt_chars: int = Field(1 << 20, ge=1, description="Text prompt length (characters);"
                                   " token limits come from the model's max_model_len.")
+    max_chars_per_token: int = Field(
+        16, ge=1, description="Bound on characters per token of a text that fits the model: "
+        "texts over max_model_len x this are rejected before tokenizing (Generate and "
+        "Tokenize), so an oversized input costs the router nothing.")
     max_stop_strings: int = Field(16, ge=0, le=16, description="Stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Length of one stop string.")
     max_n: int = Field(16, ge=1, le=256, description="Parallel samples or beams per request.")

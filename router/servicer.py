@@ -28,6 +28,7 @@ from router.convert import (
     spec_from_pb,
 )
 from router.serving import ClusterOverloaded, ServingCore, StreamBroken
+from router.tokenizing import TokenizerPool, check_text_chars
 from router.types import NoWorkersError
 from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
 from worker.model.tokenizer import Tokenizer
@@ -200,6 +201,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
+        self.tokenize = TokenizerPool(tokenizer)
         self.policy = policy
         self.index_available = index_available
         self.auth = auth
@@ -219,7 +221,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
         if token_ids is None:
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
+            check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
+            token_ids = await self.tokenize.encode(spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
             yield worker, out, spec.stream_text
 
@@ -271,7 +274,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add)
+        try:
+            check_text_chars("text", request.text, self.limits, self.core.limits.max_model_len)
+            ids = await self.tokenize.encode(request.text, add)
+        except Exception as exc:
+            await self._abort(context, exc)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
 
     async def ClusterStatus(
