@@ -7,14 +7,15 @@ apart from its cache of the index and its recent placements, so any number may r
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
 from kvstore import IndexConfig, KVIndex
-from router.config import RequestLimits, RoutingConfig
+from router.config import LivenessConfig, RequestLimits, RoutingConfig
 from router.metrics import RouterMetrics
 from router.prefix_source import KVIndexSource
 from router.ray_workers import RayWorkerDirectory
@@ -46,6 +47,7 @@ class RouterSettings:
     limits: RequestLimits  # per-request limits enforced at the edge
     tls_cert: str | None  # PEM files; both set = TLS
     tls_key: str | None
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
 
 
 class RouterServer:
@@ -58,7 +60,8 @@ class RouterServer:
         self.metrics = RouterMetrics()
         source = KVIndexSource(self.index) if self.index is not None else None
         self.router = Router(settings.routing, source, metrics=self.metrics)
-        self.directory = RayWorkerDirectory(settings.namespace, self.index)
+        self.directory = RayWorkerDirectory(settings.namespace, self.index,
+                                            liveness=settings.liveness)
         limits = ModelLimits(
             model_id=settings.model_id,
             vocab_size=model_cfg.vocab_size,
@@ -78,22 +81,43 @@ class RouterServer:
         self.server = None
         self.port: int | None = None
         self._exporter = None
+        self._starting = asyncio.Lock()
+        _start_again_if_restarted()
+
+    def incarnation(self) -> str:
+        """Random per start of this router (workers compare it to spot a restarted caller)."""
+        return self.directory.incarnation
 
     async def start(self) -> str:
-        """Start serving; returns ``host:port``."""
+        """Start serving (once; later calls return the address); returns ``host:port``."""
+        async with self._starting:
+            if self.server is None:
+                await self._start()
+        return f"{self.settings.host}:{self.port}"
+
+    async def _start(self) -> None:
         tls = None
         if self.settings.tls_cert and self.settings.tls_key:
             tls = (
                 Path(self.settings.tls_cert).read_bytes(),
                 Path(self.settings.tls_key).read_bytes(),
             )
-        self.server, self.port = await start_server(
-            self.servicer,
-            host=self.settings.host,
-            port=self.settings.port,
-            max_message_bytes=self.settings.max_message_bytes,
-            tls=tls,
-        )
+        for attempt in range(50):  # a restart may find the port still held for a moment
+            try:
+                self.server, self.port = await start_server(
+                    self.servicer,
+                    host=self.settings.host,
+                    port=self.settings.port,
+                    max_message_bytes=self.settings.max_message_bytes,
+                    tls=tls,
+                )
+                break
+            except RuntimeError as exc:  # grpc: "Failed to bind to address"
+                if attempt == 49 or not self.settings.port:
+                    raise
+                log.warning("router %s: port %d busy (%s), retrying", self.settings.router_id,
+                            self.settings.port, exc)
+                await asyncio.sleep(0.2)
         self._exporter = start_exporter(
             self.settings.router_id,
             self.metrics,
@@ -105,7 +129,6 @@ class RouterServer:
             self.settings.host,
             self.port,
         )
-        return f"{self.settings.host}:{self.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._exporter is not None:
@@ -128,6 +151,19 @@ class RouterServer:
 
     def ready(self) -> bool:
         return self.server is not None
+
+
+def _start_again_if_restarted() -> None:
+    """A router that Ray restarted after a crash was constructed again but nobody calls its
+    ``start``: it asks itself to (queued behind ``__init__``), binding its old port, so the
+    clients' channels reconnect to it."""
+    try:
+        ctx = ray.get_runtime_context()
+        if ctx.was_current_actor_reconstructed:
+            ctx.current_actor.start.remote()
+            log.warning("router restarted by Ray: serving again on its port")
+    except RuntimeError:  # not an actor (a test constructs the class directly)
+        pass
 
 
 RouterActor = ray.remote(RouterServer)

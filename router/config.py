@@ -87,6 +87,22 @@ class RequestLimits(_Strict):
     max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
 
 
+class LivenessConfig(_Strict):
+    """How a router notices a worker that stopped answering without dying (frozen, wedged,
+    partitioned): Ray reports nothing for it, so the router asks."""
+
+    stream_stall_s: float = Field(
+        5.0, gt=0, description="A stream with no output for this long makes the router probe "
+        "its worker; a worker that does not answer the probe is given up on: the request is "
+        "retried elsewhere when it has streamed nothing, else ends UNAVAILABLE.")
+    probe_timeout_s: float = Field(
+        3.0, gt=0, description="How long a worker has to answer that probe (a busy worker "
+        "answers in milliseconds: its event loop is not the engine's thread).")
+    status_timeout_s: float = Field(
+        2.0, gt=0, description="Per-worker timeout of ClusterStatus; a worker that does not "
+        "answer in time is listed as stale, not left out.")
+
+
 class RoutingConfig(_Strict):
     """The router's placement settings."""
 

@@ -296,7 +296,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 pb.WorkerStatus(
                     worker_id=s.worker_id,
                     epoch=s.epoch or 0,
-                    alive=s.worker_id in live,
+                    alive=s.worker_id in live and not s.stale,
                     running=s.running,
                     waiting=s.waiting,
                     free_blocks=s.free_blocks,
@@ -305,6 +305,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    stale=s.stale,
+                    heartbeat_age_s=s.heartbeat_age_s,
                 )
                 for s in statuses
             ],

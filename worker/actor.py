@@ -23,7 +23,7 @@ from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from worker.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,13 @@ class CallerWatch:
                     self.aborted += 1
 
     async def _alive(self, caller: Any) -> bool:
+        """A :class:`CallerRef` is alive while its router answers with the same incarnation
+        (a router Ray restarted has a new one and no reader for its predecessor's streams)."""
         try:
+            if isinstance(caller, CallerRef):
+                now = await asyncio.wait_for(caller.handle.incarnation.remote(),
+                                             self.ping_timeout_s)
+                return now == caller.incarnation
             await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
         except ActorDiedError:
             return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from worker.engine import SamplingParams
 from worker.kv import BlockKey
@@ -42,3 +43,16 @@ class WorkerStatus:
     prefix_hit_rate: float
     index_healthy: bool
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    # filled in by the router, not the worker:
+    stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
+    heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never
+
+
+@dataclass(frozen=True, slots=True)
+class CallerRef:
+    """Who sent a request: the router's actor and the id of its current incarnation. A
+    router that Ray restarted answers with a new id, so its predecessor's requests (whose
+    streams nobody reads any more) are known orphans."""
+
+    handle: Any  # the router's Ray actor handle
+    incarnation: str  # random per start of that router
