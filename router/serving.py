@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvstore import WorkerLoad
+from router.adapters import resolve_adapter, serving
 from router.router import Router
 from router.types import NoWorkersError, RouteDecision, RouteRequest
 from router.workers import WorkerDirectory, WorkerGone
@@ -154,14 +155,17 @@ class ServingCore:
         in the cleanup below, stop) another client's request."""
         check_limits(token_ids, params, self.limits)
         label, request_id = request_id, uuid.uuid4().hex
-        ctx = HashContext(self.limits.model_id, None, params.cache_salt)
+        lora_id = None
+        if params.lora is not None:
+            lora_id = resolve_adapter(params.lora, await self.directory.candidates())
+        ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
         excluded: set[str] = set()
         full: list[str] = []  # workers that refused the request: waiting queue full
         loop = asyncio.get_running_loop()
         for attempt in range(self.max_attempts):
             candidates = {
                 w: load
-                for w, load in (await self.directory.candidates()).items()
+                for w, load in serving(lora_id, await self.directory.candidates()).items()
                 if w not in excluded
             }
             if not candidates:

@@ -11,12 +11,15 @@ inputs queues only behind itself.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from router.config import RequestLimits
 from worker.engine import InvalidRequest
 from worker.model.tokenizer import Tokenizer
 
+T = TypeVar("T")
 SMALL_TEXT_CHARS = 16384  # up to here a text is "short": ~1 ms to tokenize
 
 
@@ -50,9 +53,12 @@ class TokenizerPool:
         self._long = ThreadPoolExecutor(long_threads, thread_name_prefix="tokenize-long")
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        pool = self._short if len(text) <= SMALL_TEXT_CHARS else self._long
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, self.tokenizer.encode, text, add_special_tokens)
+        return await self.run(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, tokenizing ``chars`` characters, in the pool for its size."""
+        pool = self._short if chars <= SMALL_TEXT_CHARS else self._long
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def close(self) -> None:
         self._short.shutdown(wait=False, cancel_futures=True)

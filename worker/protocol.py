@@ -43,6 +43,7 @@ class WorkerStatus:
     prefix_hit_rate: float
     index_healthy: bool
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
     heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never
@@ -56,3 +57,12 @@ class CallerRef:
 
     handle: Any  # the router's Ray actor handle
     incarnation: str  # random per start of that router
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """One LoRA adapter of a worker."""
+
+    name: str  # what requests ask for
+    adapter_id: str  # stable id folded into block keys
+    loaded: bool  # in a device slot now
