@@ -77,8 +77,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{'quota evict':>13}"
     )
     for w in st.workers:
+        alive = "stale" if w.stale else str(w.alive)  # stale: no answer or no heartbeat
         print(
-            f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
+            f"{w.worker_id:<12}{w.epoch:>16}{alive:>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now

@@ -285,10 +285,11 @@ class Cluster:
             router_id=name, namespace=self.namespace, model_dir=self.model_path,
             default_family=self.cfg.model.tiny_family,
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
-            index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
+            # a fixed port even when none is configured: a router Ray restarts binds it again
+            index=self.index_config(), host=r.host, port=r.port + i if r.port else free_port(),
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
-            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key)
-        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=0)
+            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key, liveness=r.liveness)
+        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
         if self.detached:
             opts["lifetime"] = "detached"
         handle = RouterActor.options(**opts).remote(settings)

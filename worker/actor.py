@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from kvstore.blocks.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
+from kvstore.blocks.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
@@ -111,7 +111,13 @@ class CallerWatch:
                     self.aborted += 1
 
     async def _alive(self, caller: Any) -> bool:
+        """A :class:`CallerRef` is alive while its router answers with the same incarnation
+        (a router Ray restarted has a new one and no reader for its predecessor's streams)."""
         try:
+            if isinstance(caller, CallerRef):
+                now = await asyncio.wait_for(caller.handle.incarnation.remote(),
+                                             self.ping_timeout_s)
+                return now == caller.incarnation
             await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
         except ActorDiedError:
             return False

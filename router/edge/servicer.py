@@ -29,6 +29,7 @@ from router.edge.convert import (
     responses_from_output,
     spec_from_pb,
 )
+from router.edge.tokenizing import TokenizerPool, check_text_chars
 from router.placement.config import RequestLimits
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
@@ -208,6 +209,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
+        self.tokenize = TokenizerPool(tokenizer)
         self.policy = policy
         self.index_available = index_available
         self.auth = auth
@@ -227,9 +229,12 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
         if spec.messages is not None:
-            token_ids = await asyncio.to_thread(chat_token_ids, self.tokenizer, spec.messages)
+            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            token_ids = await self.tokenize.run(chars, chat_token_ids, self.tokenizer,
+                                                spec.messages)
         elif token_ids is None:
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
+            check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
+            token_ids = await self.tokenize.encode(spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
             if out.error is not None:  # it failed inside the engine (the engine goes on)
                 raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
@@ -283,7 +288,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add)
+        try:
+            check_text_chars("text", request.text, self.limits, self.core.limits.max_model_len)
+            ids = await self.tokenize.encode(request.text, add)
+        except Exception as exc:
+            await self._abort(context, exc)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
 
     async def ClusterStatus(
@@ -301,7 +310,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 pb.WorkerStatus(
                     worker_id=s.worker_id,
                     epoch=s.epoch or 0,
-                    alive=s.worker_id in live,
+                    alive=s.worker_id in live and not s.stale,
                     running=s.running,
                     waiting=s.waiting,
                     free_blocks=s.free_blocks,
@@ -310,6 +319,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    stale=s.stale,
+                    heartbeat_age_s=s.heartbeat_age_s,
                     adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
                                                loaded=a.loaded) for a in s.adapters],
                 )
