@@ -81,6 +81,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
+    # this router's predicted vs realised prefix hits per worker (router/prediction.py)
+    print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
+          f"{'gap now':>9}{'resyncs':>9}")
+    for w in st.workers:
+        print(f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
+              f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
+              f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}")
+    if st.index_circuit_open:
+        print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0

@@ -17,6 +17,7 @@ from kvstore import IndexConfig, KVIndex
 from router.breaker import CircuitBreaker
 from router.config import RequestLimits, RoutingConfig
 from router.metrics import RouterMetrics
+from router.prediction import PredictionTracker
 from router.prefix_source import KVIndexSource
 from router.ray_workers import RayWorkerDirectory
 from router.router import Router
@@ -78,7 +79,10 @@ class RouterServer:
             max_model_len=max_model_len,
             max_prompt_tokens=max_model_len - 1,
         )
-        self.core = ServingCore(self.router, self.directory, limits)
+        # a miss is a gap of one block at the index's granularity
+        record_every = settings.index.record_every if settings.index is not None else 1
+        self.predictions = PredictionTracker(settings.routing.block_size * record_every)
+        self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         self.servicer = KVClusterServicer(
             self.core,
@@ -111,6 +115,7 @@ class RouterServer:
             self.settings.router_id,
             self.metrics,
             lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+            self.predictions,
         )
         log.info(
             "router %s serving gRPC on %s:%d",
@@ -136,6 +141,7 @@ class RouterServer:
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
+            **self.predictions.totals(),
         )
         return snap
 

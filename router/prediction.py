@@ -94,7 +94,7 @@ class PredictionTracker:
         now = self._clock()
         if w.last_resync is not None and now - w.last_resync < self.cooldown_s:
             return None
-        gaps = list(w.recent)[-len(streak):]
+        gaps = list(w.recent)[-len(streak) :]
         streak.clear()
         w.resyncs += 1
         w.last_resync = now

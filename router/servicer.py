@@ -27,6 +27,7 @@ from router.convert import (
     responses_from_output,
     spec_from_pb,
 )
+from router.prediction import WorkerPredictions
 from router.serving import ClusterOverloaded, ServingCore, StreamBroken
 from router.types import NoWorkersError
 from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
@@ -280,7 +281,13 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         statuses = await self.core.directory.statuses()
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
+        predicted = self.core.predictions.workers if self.core.predictions is not None else {}
+        breaker = getattr(self.core.directory, "breaker", None)
         return pb.ClusterStatusResponse(
+            index_circuit_open=breaker is not None and breaker.is_open,
+            index_reads_skipped=breaker.skipped if breaker is not None else 0,
+            prediction_misses=sum(p.misses for p in predicted.values()),
+            index_resyncs=sum(p.resyncs for p in predicted.values()),
             policy=self.policy,
             model_id=self.core.limits.model_id,
             index_available=bool(self.index_available()),
@@ -298,6 +305,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    **_prediction_fields(predicted.get(s.worker_id)),
                 )
                 for s in statuses
             ],
@@ -309,6 +317,16 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             log.exception("internal error serving a request")
             mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         await context.abort(*mapped)
+
+
+def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
+    """WorkerStatus fields 14-19 from this router's predictions for one worker."""
+    if p is None:
+        return {}
+    return dict(predicted_cached_tokens=p.predicted_tokens,
+                realised_cached_tokens=p.realised_tokens, prediction_placements=p.placements,
+                prediction_misses=p.misses, recent_cache_gap_tokens=p.mean_abs_gap(),
+                index_resyncs=p.resyncs)
 
 
 async def start_server(
