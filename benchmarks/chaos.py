@@ -469,7 +469,7 @@ def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
     from cluster.config import ClusterConfig
 
     return ClusterConfig.model_validate({
-        "name": name, "dashboard": False,
+        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
         "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": {
             "num_blocks": 256, "block_size": 16, "max_waiting": 64, "max_num_seqs": 8,
             "max_num_batched_tokens": 256, "max_model_len": 512}},

@@ -81,6 +81,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
+        if w.adapters:  # LoRA adapters; * = in a device slot now
+            print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
     # this router's predicted vs realised prefix hits per worker (router/prediction.py)
     print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
           f"{'gap now':>9}{'resyncs':>9}")
@@ -96,15 +98,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.client import Completion, KVClusterClient, accumulate, build_request
+    from cluster.client import Completion, KVClusterClient, accumulate, build_request, chat
 
     out = Completion()
     with KVClusterClient(_endpoint(args)) as client:
         req = build_request(
-            args.prompt,
+            chat(args.prompt, args.system) if args.chat else args.prompt,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             cache_salt=args.cache_salt,
+            lora=args.lora,
         )
         for msg in client.stream(req, timeout=args.timeout):
             sys.stdout.write(msg.text)
@@ -237,9 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", help="router host:port (default: from the state file)")
         if name == "generate":
             sp.add_argument("prompt")
+            sp.add_argument("--chat", action="store_true",
+                            help="send the prompt as a user message (the model's chat template)")
+            sp.add_argument("--system", help="with --chat: a system message before it")
             sp.add_argument("--max-tokens", type=int, default=32)
             sp.add_argument("--temperature", type=float, default=0.0)
             sp.add_argument("--cache-salt", default="")
+            sp.add_argument("--lora", default="", help="LoRA adapter name (default: base model)")
             sp.add_argument("--timeout", type=float, default=120.0)
         if name == "bench":
             _bench_args(sp)

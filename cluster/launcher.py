@@ -88,7 +88,7 @@ def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
     is known without resolving it."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser().resolve()
-        return str(path), cfg.model.model_id or path.name
+        return str(path), cfg.model.model_id or (path.stem if path.is_file() else path.name)
     return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
 
 

@@ -27,7 +27,7 @@ from ray.exceptions import (
 from kvstore import IndexUnavailable, KVIndex, WorkerLoad
 from router.breaker import CircuitBreaker, CircuitOpen
 from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import RequestOutput
+from worker.engine import EngineStopped, RequestOutput
 from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,8 @@ class RayWorkerDirectory(WorkerDirectory):
         except _ACTOR_ERRORS as exc:
             raise WorkerGone(str(exc).splitlines()[0]) from exc
         except RayTaskError as exc:  # the worker raised (InvalidRequest, EngineOverloaded):
+            if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+                raise WorkerGone(str(exc.cause)) from exc
             if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
                 raise exc.cause from None
             raise

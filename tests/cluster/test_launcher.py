@@ -35,7 +35,7 @@ def _dashboard_ports(pids: set[int]) -> set[int]:
 
 def test_up_generate_status_down(tmp_path: Path) -> None:
     name = f"updown-{os.getpid()}"
-    cfg = {"name": name, "dashboard": False,
+    cfg = {"name": name, "dashboard": False, "model": {"tiny_family": "llama"},
            "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
            "router": {"port": 0}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -74,6 +74,11 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=120)
         assert ray_status.returncode == 0 and "Resources" in ray_status.stdout, (
             ray_status.stdout[-2000:] + ray_status.stderr[-2000:])
+        gen = subprocess.run([*cli, "generate", "--name", name, "--chat", "Hi!", "--system",
+                              "Be brief.", "--max-tokens", "3"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        # rendered with the tiny model's ChatML template (Tokenizer.encode_chat: 32 tokens)
+        assert gen.returncode == 0 and "prompt 32 tokens" in gen.stdout, gen.stderr[-3000:]
     finally:
         down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True,
                               text=True, timeout=120)
