@@ -20,6 +20,7 @@ from router.edge.servicer import KVClusterServicer, TokenAuth, start_server
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from router.placement.metrics import RouterMetrics
+from router.placement.prediction import PredictionTracker
 from router.placement.prefix_source import KVIndexSource
 from router.placement.router import Router
 from router.serving.core import ModelLimits, ServingCore
@@ -83,7 +84,10 @@ class RouterServer:
             max_model_len=max_model_len,
             max_prompt_tokens=max_model_len - 1,
         )
-        self.core = ServingCore(self.router, self.directory, limits)
+        # a miss is a gap of one block at the index's granularity
+        record_every = settings.index.record_every if settings.index is not None else 1
+        self.predictions = PredictionTracker(settings.routing.block_size * record_every)
+        self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         self.servicer = KVClusterServicer(
             self.core,
@@ -137,6 +141,7 @@ class RouterServer:
             self.settings.router_id,
             self.metrics,
             lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+            self.predictions,
         )
         log.info(
             "router %s serving gRPC on %s:%d",
@@ -162,6 +167,7 @@ class RouterServer:
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
+            **self.predictions.totals(),
         )
         return snap
 

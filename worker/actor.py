@@ -210,6 +210,15 @@ class WorkerServer:
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
 
+    def resync_index(self, reason: str) -> bool:
+        """A router found this worker's index entries wrong (``reason``): replace them with
+        the pool's cached keys. False when this worker publishes no index."""
+        if self.publisher is None:
+            return False
+        log.warning("worker %s: resyncing its index entries: %s", self.worker_id, reason)
+        self.publisher.request_resync()
+        return True
+
     def status(self) -> WorkerStatus:
         m = self.front.metrics()
         load = self.front.with_engine(engine_load)

@@ -31,6 +31,7 @@ from router.edge.convert import (
 )
 from router.edge.tokenizing import TokenizerPool, check_text_chars
 from router.placement.config import RequestLimits
+from router.placement.prediction import WorkerPredictions
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
 from worker.model.tokenizer import Tokenizer
@@ -301,7 +302,13 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         statuses = await self.core.directory.statuses()
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
+        predicted = self.core.predictions.workers if self.core.predictions is not None else {}
+        breaker = getattr(self.core.directory, "breaker", None)
         return pb.ClusterStatusResponse(
+            index_circuit_open=breaker is not None and breaker.is_open,
+            index_reads_skipped=breaker.skipped if breaker is not None else 0,
+            prediction_misses=sum(p.misses for p in predicted.values()),
+            index_resyncs=sum(p.resyncs for p in predicted.values()),
             policy=self.policy,
             model_id=self.core.limits.model_id,
             index_available=bool(self.index_available()),
@@ -323,6 +330,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     heartbeat_age_s=s.heartbeat_age_s,
                     adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
                                                loaded=a.loaded) for a in s.adapters],
+                    **_prediction_fields(predicted.get(s.worker_id)),
                 )
                 for s in statuses
             ],
@@ -334,6 +342,16 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             log.exception("internal error serving a request")
             mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         await context.abort(*mapped)
+
+
+def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
+    """WorkerStatus fields 14-19 from this router's predictions for one worker."""
+    if p is None:
+        return {}
+    return dict(predicted_cached_tokens=p.predicted_tokens,
+                realised_cached_tokens=p.realised_tokens, prediction_placements=p.placements,
+                prediction_misses=p.misses, recent_cache_gap_tokens=p.mean_abs_gap(),
+                index_resyncs=p.resyncs)
 
 
 async def start_server(

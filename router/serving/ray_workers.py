@@ -216,6 +216,13 @@ class RayWorkerDirectory(WorkerDirectory):
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
 
+    async def resync(self, worker_id: str, reason: str) -> bool:
+        try:
+            return bool(await asyncio.wait_for(
+                self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s))
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            return False
+
     async def statuses(self) -> list[WorkerStatus]:
         """Every worker Ray knows by name, asked in parallel with a per-worker timeout: one
         that does not answer (frozen) or has no live heartbeat is listed as stale."""
