@@ -1,4 +1,4 @@
-"""Llama-family models from Hugging Face folders, run over a paged KV cache.
+"""Llama-family models from Hugging Face folders and GGUF files, run over a paged KV cache.
 
 Public API (imported lazily, so ``worker.model.tokenizer`` stays torch-free for the router):
 
@@ -8,6 +8,7 @@ Public API (imported lazily, so ``worker.model.tokenizer`` stays torch-free for 
 * ``ModelInput`` / ``SeqChunk``: the flat step batch and its builder from Python lists;
 * ``ModelConfig``: parsed ``config.json``; ``Tokenizer``: encode/decode/chat template;
 * ``build_tiny_model(out_dir, family, size, seed)``: random-weight model folder, offline;
+* ``default_model_path()``: the default model's GGUF file (SmolLM2-135M-Instruct);
 * errors: ``ModelLoadError`` > ``UnsupportedModelError``, ``WeightMismatchError``.
 """
 
@@ -25,6 +26,7 @@ _EXPORTS = {
     "SUPPORTED_ARCHITECTURES": "worker.model.config",
     "Tokenizer": "worker.model.tokenizer",
     "build_tiny_model": "worker.model.build_tiny",
+    "default_model_path": "worker.model.default_model",
     "ModelLoadError": "worker.model.errors",
     "UnsupportedModelError": "worker.model.errors",
     "WeightMismatchError": "worker.model.errors",
