@@ -37,12 +37,21 @@ def _logits(path) -> torch.Tensor:
     return runner.execute(runner.build_input(chunks))
 
 
-def test_f32_gguf_equals_the_folder(hf_dir, gguf_f32):
+@pytest.mark.parametrize(
+    ("family", "arch"), [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
+)
+def test_f32_gguf_equals_the_folder(model_dirs, tmp_path, family, arch):
+    """llama: Q/K rows interleaved by the converter; qwen2: QKV bias, tied embeddings;
+    qwen3: q/k norms, head_dim != hidden / heads."""
+    hf_dir = model_dirs[family]
+    gguf_f32 = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch=arch)
     cfg, ref = ModelConfig.from_dir(gguf_f32), ModelConfig.from_dir(hf_dir)
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope", "tie_word_embeddings"):  # fmt: skip
+                  "head_dim", "rope", "tie_word_embeddings", "qkv_bias",
+                  "qk_norm"):  # fmt: skip
         assert getattr(cfg, field) == getattr(ref, field), field
     assert cfg.rms_norm_eps == pytest.approx(ref.rms_norm_eps)  # stored as float32
+    assert cfg.architecture == {"llama": "LlamaForCausalLM"}.get(arch, ref.architecture)
     torch.testing.assert_close(_logits(gguf_f32), _logits(hf_dir), atol=1e-5, rtol=0)
 
 
@@ -63,8 +72,11 @@ def test_quantized_gguf_weights_are_the_folder_s_within_one_step(hf_dir, tmp_pat
             assert err > 0  # really quantized
 
 
-def test_gguf_tokenizer_equals_the_folder(hf_dir, gguf_f32):
-    ours, ref = Tokenizer.from_dir(gguf_f32), Tokenizer.from_dir(hf_dir)
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])  # with and without a bos token
+def test_gguf_tokenizer_equals_the_folder(model_dirs, tmp_path, family):
+    hf_dir = model_dirs[family]
+    gguf = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch="llama")
+    ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(hf_dir)
     for text in ["The cache of keys and values.", "12345 don't  stop\n\n ünïcode 🙂"]:
         assert ours.encode(text) == ref.encode(text)
         assert ours.decode(ref.encode(text)) == ref.decode(ref.encode(text))

@@ -2,8 +2,9 @@
 
 Torch-free (the router reads the config and tokenizer too); the weights are loaded by
 ``gguf_weights``. Built on the ``gguf`` package's reader. Supported: the ``llama``
-architecture (Llama, Mistral, SmolLM, ... as llama.cpp writes them) with a byte-level BPE
-(``gpt2``) tokenizer. Anything else is refused with an error naming what the file says.
+architecture (Llama, Mistral, SmolLM, ... as llama.cpp writes them), ``qwen2`` and ``qwen3``,
+with a byte-level BPE (``gpt2``) tokenizer. Anything else is refused with an error naming
+what the file says.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from worker.model.config import ModelConfig, RopeConfig
 from worker.model.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# llama.cpp architecture -> the Hugging Face class it was converted from
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_TOKENIZERS = ("gpt2",)
 _CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, ...)
 _USER_DEFINED = 4  # llama.cpp token type of added, non-special tokens
@@ -106,6 +112,12 @@ class _Meta:
         return value
 
 
+def interleaves_rotary_rows(arch: str) -> bool:
+    """llama.cpp's converter reorders Q/K rows for its interleaved rotary embedding only for
+    ``llama`` (Qwen models use its NeoX rotary, which keeps the Hugging Face layout)."""
+    return arch == "llama"
+
+
 def architecture(reader: GGUFReader, source: str) -> str:
     arch = _Meta(reader, source).require("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -146,7 +158,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
     vocab = meta.positive_int(key("vocab_size"), len(tokens) or None)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.positive_int(key("feed_forward_length")),
@@ -161,7 +173,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
-        qk_norm=False,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         sliding_windows=(None,) * meta.positive_int(key("block_count")),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
