@@ -43,12 +43,14 @@ def chat(user: str, system: str | None = None) -> list[dict[str, str]]:
 
 
 def build_request(prompt: Prompt, *, request_id: str = "", cache_salt: str = "",
-                  tenant: str = "", priority: int = 0, **params: object) -> pb.GenerateRequest:
+                  tenant: str = "", priority: int = 0, lora: str = "",
+                  **params: object) -> pb.GenerateRequest:
     """``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered
     by the router with the model's chat template). ``params`` are SamplingParams fields
-    (max_tokens=..., temperature=..., stop=[...])."""
+    (max_tokens=..., temperature=..., stop=[...]); ``lora``: a LoRA adapter's name (empty:
+    the base model)."""
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, tenant=tenant,
-                             priority=priority, params=pb.SamplingParams(**params))
+                             priority=priority, lora=lora, params=pb.SamplingParams(**params))
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):

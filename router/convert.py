@@ -10,7 +10,7 @@ import hashlib
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -19,6 +19,7 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.config import RequestLimits
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams
 from worker.engine.outputs import FinishReason
+from worker.engine.sampling_params import MAX_STOP_TOKEN_IDS
 
 if TYPE_CHECKING:
     from worker.model.tokenizer import Tokenizer
@@ -97,6 +98,9 @@ def params_from_pb(
     for s in msg.stop:
         _check_str("stop", s, limits.max_stop_string_chars)
     values["stop"] = tuple(msg.stop)
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before copying them
+        raise InvalidRequest("stop_token_ids", f"<{len(msg.stop_token_ids)} ids>",
+                             f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["priority"] = priority
     values["cache_salt"] = cache_salt
@@ -107,15 +111,17 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
     """The salt folded into block 0's key: a tenant's requests never share KV (or a routing
     signal) with another tenant's, whatever ``cache_salt`` they send.
 
-    No tenant: the client's salt as is (None when empty). A tenant: ``tenant:<name>``, plus a
-    digest of the client's salt when one is set (so a client cannot pick another tenant's
-    salt, and the result stays within SamplingParams' 256-character limit).
+    No tenant: ``salt:`` and a digest of the client's salt (None when empty), a namespace of
+    its own, so no client salt (``"tenant:X"`` say) can name tenant X's KV. A tenant:
+    ``tenant:<name>``, plus a digest of the client's salt when one is set (so a client cannot
+    pick another tenant's salt). Digests keep the result within SamplingParams' 256 characters.
     """
+    digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
     if not tenant:
-        return cache_salt or None
+        return f"salt:{digest}" if cache_salt else None
     if not cache_salt:
         return f"tenant:{tenant}"
-    return f"tenant:{tenant}#{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
+    return f"tenant:{tenant}#{digest}"
 
 
 def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
@@ -145,6 +151,9 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
             raise InvalidRequest("token_ids", [], "must hold at least one token id")
     salt = tenant_salt(tenant, req.cache_salt)
     params = params_from_pb(req.params, priority=req.priority, cache_salt=salt, limits=limits)
+    if req.lora:
+        _check_str("lora", req.lora, 64)
+        params = replace(params, lora=req.lora)
     return GenerateSpec(
         request_id=req.request_id or uuid.uuid4().hex,
         text=text,

@@ -51,7 +51,13 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return None
+
+
+class RequestFailed(Exception):
+    """The engine failed this one request (a bug it hit); others were not affected."""
 
 
 class TokenAuth:
@@ -224,6 +230,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         elif token_ids is None:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+            if out.error is not None:  # it failed inside the engine (the engine goes on)
+                raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
             yield worker, out, spec.stream_text
 
     async def Generate(
@@ -301,6 +309,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
+                                               loaded=a.loaded) for a in s.adapters],
                 )
                 for s in statuses
             ],

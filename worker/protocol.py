@@ -42,3 +42,13 @@ class WorkerStatus:
     prefix_hit_rate: float
     index_healthy: bool
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """One LoRA adapter of a worker."""
+
+    name: str  # what requests ask for
+    adapter_id: str  # stable id folded into block keys
+    loaded: bool  # in a device slot now

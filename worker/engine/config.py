@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.engine.policy import policy_names
@@ -56,6 +58,25 @@ class EngineConfig(BaseModel):
         "tenant's own least recently used blocks are evicted, so one tenant cannot flush the "
         "others' prefixes. 1.0 = no quota.",
     )
+    host_kv_bytes: int = Field(
+        0,
+        ge=0,
+        description="Host-memory KV tier (pinned on CUDA): cached blocks evicted from the "
+        "device are kept there and loaded back on a prefix hit; swapped-out preempted requests "
+        "too. 0 = off.",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="What a preemption does with the victim's KV: 'swap' keeps its blocks for "
+        "the host tier, 'recompute' drops them, 'auto' picks the cheaper by estimate "
+        "(host_load_block_cost per block vs one per token). Without a host tier: recompute.",
+    )
+    host_load_block_cost: float = Field(
+        1.0,
+        gt=0.0,
+        description="Estimated cost of loading one block back from the host tier, in prompt "
+        "tokens of prefill compute (the swap-or-recompute estimate).",
+    )
     admission_watermark: float = Field(
         0.01,
         ge=0.0,
@@ -75,6 +96,21 @@ class EngineConfig(BaseModel):
         True,
         description="Replay decode steps from CUDA graphs captured at start-up per batch-size "
         "bucket (CUDA with the triton backend only; ignored elsewhere).",
+    )
+
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapter slots on the device: adapters that can run in one batch. "
+        "Requests of an adapter that finds every slot used by running requests wait.",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="Largest LoRA rank r served; slots are sized for it."
+    )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters registered at start: name -> PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors). More can be added at run time.",
     )
 
     @field_validator("policy")

@@ -43,7 +43,7 @@ class EngineMetrics:
     kv_total_blocks: int  # pool size
     prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted
     tenant_quota_evictions: int  # idle cached blocks evicted over their tenant's cache quota
-    num_preemptions: int  # requests preempted (recompute) so far
+    num_preemptions: int  # requests preempted so far (swap or recompute)
     num_partial_prefills: int  # prefill chunks that stopped short of their prompt (chunking)
     num_steps: int  # engine steps that ran the model
     computed_tokens: int  # tokens run through the model (prefill + decode)
@@ -52,6 +52,13 @@ class EngineMetrics:
     num_finished: int  # requests finished (any reason)
     ttft: LatencySummary  # arrival -> first token
     itl: LatencySummary  # between consecutive tokens of a request
+    num_swap_preemptions: int = 0  # of num_preemptions, those that kept the KV (swap)
+    recomputed_tokens: int = 0  # tokens resumed requests computed again (found in no tier)
+    host_total_blocks: int = 0  # host KV tier size (0: none)
+    host_cached_blocks: int = 0  # blocks the host tier holds now
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier
+    host_loaded_blocks: int = 0  # blocks copied host -> device
+    host_stored_blocks: int = 0  # blocks copied device -> host (evictions, swap-outs)
 
 
 class MetricsRecorder:
@@ -59,6 +66,8 @@ class MetricsRecorder:
 
     def __init__(self) -> None:
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.recomputed_tokens = 0
         self.num_partial_prefills = 0
         self.num_steps = 0
         self.computed_tokens = 0

@@ -30,6 +30,7 @@ class Usage:
     prompt_tokens: int  # tokens of the prompt
     cached_tokens: int  # prompt tokens served from the prefix cache at first admission
     completion_tokens: int  # generated tokens over all samples returned so far
+    host_cached_tokens: int = 0  # of cached_tokens, those loaded back from the host KV tier
 
 
 @dataclass(slots=True)

@@ -148,6 +148,7 @@ class Request:
         self.forked = params.n == 1 or params.use_beam_search  # n>1: samples forked yet?
         self.beam: BeamSearch | None = None
         self.num_cached_tokens: int | None = None  # prefix-hit tokens at first admission
+        self.num_host_cached_tokens = 0  # of those, loaded back from the host tier
         self.protected = False  # resumed after preemption and not progressed since
         self.progressed = False  # produced tokens since the last output (TTFT / ITL)
         self.doomed = False  # cannot fit the KV cache even alone: finish after this step
@@ -180,4 +181,9 @@ class Request:
         return sum(s.num_output for s in (*self.seqs, *self.done_seqs))
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.num_cached_tokens or 0, self.completion_tokens())
+        return Usage(
+            self.prompt_len,
+            self.num_cached_tokens or 0,
+            self.completion_tokens(),
+            self.num_host_cached_tokens,
+        )

@@ -9,7 +9,7 @@ in :func:`worker.engine.validate.validate_request`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from worker.engine.errors import InvalidRequest
@@ -18,7 +18,12 @@ GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 MAX_N = 256  # parallel samples / beams of one request
 MAX_LOGPROBS = 20  # top alternatives returned per token
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128  # each is checked per generated token (a set) and masked before min_tokens
 MAX_SEED = 2**63 - 1
+# Beyond this a length penalty only decides by length (len ** 10 dwarfs any log-prob gap);
+# scores are ranked in log space, so the bound is for sense, not for overflow.
+MAX_LENGTH_PENALTY = 10.0
 MAX_ABS_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
 
@@ -57,6 +62,9 @@ class SamplingParams:
     priority: int = 0  # smaller = more important (priority policy); ties go by arrival
     cache_salt: str | None = None  # tenant salt: requests with different salts share no KV
     skip_special_tokens: bool = True  # drop special tokens from the text
+    lora: str | None = None  # LoRA adapter name (None: the base model); the worker checks it
+    # stop_token_ids as a set, for the per-token check on the engine's hot path
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -67,6 +75,7 @@ class SamplingParams:
         if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
             set_(self, "top_k", None)
         self._validate()
+        set_(self, "stop_token_set", frozenset(self.stop_token_ids))
 
     def _validate(self) -> None:
         def bad(field: str, limit: str) -> InvalidRequest:
@@ -98,14 +107,23 @@ class SamplingParams:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
             raise bad("beam_width", f"must be an integer in [1, {MAX_N}] (1 = no beam search)")
-        if not _is_num(self.length_penalty):
-            raise bad("length_penalty", "must be a finite number")
+        if not _is_num(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            raise bad("length_penalty", f"must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
+                      f"{MAX_LENGTH_PENALTY:g}]")
         if self.early_stopping not in (True, False, "never") or _is_int(self.early_stopping):
             raise bad("early_stopping", "must be True, False or 'never'")
-        if len(self.stop) > MAX_STOP_STRINGS or not all(
-            isinstance(s, str) and s for s in self.stop
-        ):
-            raise bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"<{len(self.stop)} strings>",
+                                 f"must be at most {MAX_STOP_STRINGS} strings")
+        limit = f"each must be a non-empty string of at most {MAX_STOP_STRING_CHARS} characters"
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", limit)
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequest("stop", f"<{len(s)} chars>", limit)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest("stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
+                                 f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (
@@ -118,6 +136,10 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256
         ):
             raise bad("cache_salt", "must be None or a non-empty string of <= 256 characters")
+        if self.lora is not None and (
+            not isinstance(self.lora, str) or not 0 < len(self.lora) <= 64
+        ):
+            raise bad("lora", "must be None or an adapter name of 1-64 characters")
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")
@@ -154,7 +176,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from a mapping; unknown keys are an error naming the valid ones."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(values) - known)
         if unknown:
             field = unknown[0]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from worker.kv import TierTransfers
+
 if TYPE_CHECKING:
     from worker.engine.request import Request, Sequence
 
@@ -34,6 +36,8 @@ class SchedulerOutput:
     """One step's batch and the bookkeeping that came with it."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
+    transfers: TierTransfers = field(default_factory=TierTransfers)  # host tier copies: run
+    # first (offloads read blocks this step overwrites; loads fill blocks it reads)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) to run
     # before the forward pass
     num_batched_tokens: int = 0  # sum of num_tokens over chunks (<= the step's token budget)
@@ -42,6 +46,8 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)  # request ids moved waiting -> running
     resumed: list[str] = field(default_factory=list)  # of those, ids resumed after preemption
     preempted: list[str] = field(default_factory=list)  # ids preempted (blocks freed) this step
+    swapped: list[str] = field(default_factory=list)  # of those, ids whose KV was kept (swap)
+    recomputed_tokens: int = 0  # tokens resumed requests compute again (in neither tier)
     doomed: list[Request] = field(default_factory=list)  # cannot fit even alone: finish them
     # with "length" after this step
 

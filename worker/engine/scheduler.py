@@ -13,10 +13,13 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in th
 
 Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
 which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
-scheduler preempts by recompute: the victim (largest policy key: lowest priority, latest
-arrival) loses all its blocks and goes back to the waiting queue, where the prefix cache
-gives back whatever survived when it is resumed. A resumed request is *protected* until it
-produces a token, so two requests cannot keep preempting each other without progress.
+scheduler preempts: the victim (largest policy key: lowest priority, latest arrival) loses
+all its blocks and goes back to the waiting queue, where the prefix cache gives back whatever
+survived when it is resumed. With a host KV tier the victim's blocks are *swapped* (kept: the
+device evicts them into the host tier, and its resumption loads them back) or dropped for
+*recompute*, whichever the estimate says is cheaper (``preemption_mode``). A resumed
+request is *protected* until it produces a token, so two requests cannot keep preempting
+each other without progress.
 
 Two rules keep the KV cache honest, because a block is registered in the prefix cache when
 it is allocated, before the forward pass writes its KV:
@@ -113,9 +116,9 @@ class Scheduler:
         for seq in (*req.seqs, *req.done_seqs):
             self.free_seq(seq)
 
-    def free_seq(self, seq: Sequence) -> None:
+    def free_seq(self, seq: Sequence, *, offload: bool = True) -> None:
         if seq.allocated:
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.seq_id, offload=offload)
         seq.reset_for_recompute()
 
     def pending_prefill_tokens(self) -> int:
@@ -153,16 +156,23 @@ class Scheduler:
                         break
         if not out.preempted:
             self._admit_waiting()
+        out.transfers = self.kv.take_transfers()
         out.blocks_to_copy = self.kv.take_copies()
         return out
 
     def _admit_waiting(self) -> None:
         out = self._out
+        # LoRA adapters of running requests: each holds a device slot while it runs
+        adapters = {r.params.lora for r in self.running if r.params.lora is not None}
         for req in list(self.waiting):
             if self._budget == 0:
                 break
             if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
                 break
+            lora = req.params.lora
+            if lora is not None and lora not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    continue  # every slot is in use: wait for one, let others pass
             outcome: Outcome = "wait"
             for seq in _work(req):
                 outcome = self._schedule_seq(req, seq, admit=True) if self._budget else "wait"
@@ -173,6 +183,8 @@ class Scheduler:
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
             self._unqueue(req)
+            if lora is not None:
+                adapters.add(lora)
             self.running.append(req)
             out.admitted.append(req.request_id)
             if req.status is RequestStatus.PREEMPTED:
@@ -225,6 +237,9 @@ class Scheduler:
             seq.num_computed = hit.num_tokens
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = hit.num_tokens
+                req.num_host_cached_tokens = alloc.num_host_tokens
+            if req.status is RequestStatus.PREEMPTED:
+                self._out.recomputed_tokens += max(0, len(seq.token_ids) - 1 - hit.num_tokens)
         self._add_chunk(req, seq, n)
         return "ok"
 
@@ -284,13 +299,28 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         assert req.request_id not in self._touched, "preempting a request scheduled this step"
         self.running.remove(req)
+        swap = self._should_swap(req)
         for seq in req.seqs:
-            self.free_seq(seq)
+            self.free_seq(seq, offload=swap)
+        if swap:
+            self._out.swapped.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.protected = False
         req.num_preemptions += 1
         self.add(req)
         self._out.preempted.append(req.request_id)
+
+    def _should_swap(self, req: Request) -> bool:
+        """Swap (keep the KV in the host tier) when loading its full blocks back is estimated
+        cheaper than recomputing its tokens."""
+        mode = self.config.preemption_mode
+        if not self.kv.has_host_tier or mode == "recompute":
+            return False
+        if mode == "swap":
+            return True
+        bs = self.kv.block_size
+        tokens = sum(s.num_computed for s in req.seqs if s.allocated)
+        return (tokens // bs) * self.config.host_load_block_cost < tokens
 
     def _doom(self, req: Request) -> None:
         if not req.doomed:

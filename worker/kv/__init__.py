@@ -3,7 +3,15 @@
 from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block
 from worker.kv.manager import KVCacheManager
-from worker.kv.types import BlockId, KVAllocation, KVCapacityError, KVStats, PrefixHit, SeqId
+from worker.kv.types import (
+    BlockId,
+    KVAllocation,
+    KVCapacityError,
+    KVStats,
+    PrefixHit,
+    SeqId,
+    TierTransfers,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -19,6 +27,7 @@ __all__ = [
     "KVStats",
     "PrefixHit",
     "SeqId",
+    "TierTransfers",
     "block_keys",
     "hash_block",
 ]

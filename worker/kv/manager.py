@@ -10,10 +10,18 @@ Typical use by a scheduler::
     hit = kv.lookup_prefix(prompt, ctx)                      # pure query, no refs
     alloc = kv.allocate_slots(rid, prompt, len(prompt) - hit.num_tokens, ctx=ctx, prefix=hit)
     if alloc is None: ...                                     # does not fit now; pool unchanged
+    runner.swap(kv.take_transfers())                          # host tier: offloads, loads
     runner.copy_blocks(kv.take_copies()); runner.forward(kv.block_table(rid), ...)
     kv.allocate_slots(rid, prompt + [tok], 1)                 # each decode step
     kv.free(rid)                                              # finish / abort / preempt
     publish(kv.drain_events())                                # once per engine step
+
+Host tier (``host_num_blocks`` > 0, see ``host_tier.py``): a cached block the pool evicts is
+offloaded to host memory (a device -> host copy), and a prefix hit continues into the host
+tier: adopting it takes fresh device blocks for those keys and loads them (host -> device).
+``take_transfers`` hands both copy lists to the runner; it must run them before the step's
+copy-on-write copies and forward pass (offloads read blocks the step will overwrite, loads
+write blocks the step will read).
 """
 
 from __future__ import annotations
@@ -24,8 +32,16 @@ from collections.abc import Container, Iterable, Sequence
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.events import KVEvent
 from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
-from worker.kv.invariants import check_invariants
-from worker.kv.types import KVAllocation, KVCapacityError, KVStats, PrefixHit, SeqId
+from worker.kv.host_tier import HostBlock, HostTier
+from worker.kv.invariants import check_host_tier, check_invariants
+from worker.kv.types import (
+    KVAllocation,
+    KVCapacityError,
+    KVStats,
+    PrefixHit,
+    SeqId,
+    TierTransfers,
+)
 
 
 class _Seq:
@@ -56,9 +72,12 @@ class KVCacheManager:
         *,
         enable_prefix_caching: bool = True,
         tenant_quota_blocks: int | None = None,
+        host_num_blocks: int = 0,
     ) -> None:
         """``tenant_quota_blocks``: most cached evictable blocks one tenant (``cache_salt``)
-        keeps; beyond it that tenant's own LRU blocks are evicted (None: no quota)."""
+        keeps; beyond it that tenant's own LRU blocks are evicted (None: no quota).
+        ``host_num_blocks``: size of the host tier (0: none); the quota applies there in the
+        same proportion."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -71,6 +90,18 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []
         self._queried_tokens = 0
         self._hit_tokens = 0
+        self._host_hit_tokens = 0
+        self._host: HostTier | None = None
+        self._transfers = TierTransfers()
+        self._no_offload: set[int] = set()  # released blocks to drop, not offload, on eviction
+        if host_num_blocks < 0:
+            raise ValueError(f"host_num_blocks must be >= 0, got {host_num_blocks}")
+        if host_num_blocks and enable_prefix_caching:
+            quota = None
+            if tenant_quota_blocks is not None:
+                quota = tenant_quota_blocks * host_num_blocks // num_blocks
+            self._host = HostTier(host_num_blocks, block_size, self._pool.events, quota)
+            self._pool.on_evict = self._offload
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -93,19 +124,23 @@ class KVCacheManager:
         ids: list[int] = []
         keys: list[BlockKey] = []
         parent: BlockKey | None = None
+        n_host = 0
         for i in range((len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             if i < len(known_keys):
                 key = known_keys[i]
             else:
                 key = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
-            block = self._pool.lookup(key, toks)
-            if block is None:
+            block = None if n_host else self._pool.lookup(key, toks)
+            if block is not None:
+                ids.append(block.block_id)
+            elif self._host is not None and self._host.lookup(key, toks) is not None:
+                n_host += 1  # the prefix continues in the host tier
+            else:
                 break
-            ids.append(block.block_id)
             keys.append(key)
             parent = key
-        return PrefixHit(tuple(ids), tuple(keys), len(ids) * bs, ctx)
+        return PrefixHit(tuple(ids), tuple(keys), len(keys) * bs, ctx, n_host * bs)
 
     def expected_prefix(
         self,
@@ -133,7 +168,8 @@ class KVCacheManager:
         for i, key in enumerate(keys):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
             if key not in queued and self._pool.lookup(key, toks) is None:
-                break
+                if self._host is None or self._host.lookup(key, toks) is None:
+                    break
             hit += 1
         return hit * bs, list(keys)
 
@@ -176,8 +212,8 @@ class KVCacheManager:
         """
         seq = self._seqs.get(seq_id_or_none) if seq_id_or_none is not None else None
         if seq is None:
-            blocks = self._adoptable(prefix, None, None)
-            computed = len(blocks) * self.block_size
+            blocks, loads = self._adoptable(prefix, None, None)
+            computed = (len(blocks) + len(loads)) * self.block_size
         else:
             blocks, computed = seq.blocks, seq.num_computed
         n_new, cow, evictable = self._count(
@@ -211,11 +247,13 @@ class KVCacheManager:
         bs = self.block_size
         seq = self._seqs.get(seq_id)
         is_new = seq is None
+        loads: list[HostBlock] = []
         if seq is None:
             if ctx is None:
                 ctx = prefix.ctx if prefix is not None and prefix.ctx is not None else HashContext()
-            blocks = self._adoptable(prefix, ctx, token_ids)
-            computed, keys = len(blocks) * bs, self._hit_keys(prefix, len(blocks))
+            blocks, loads = self._adoptable(prefix, ctx, token_ids)
+            computed = (len(blocks) + len(loads)) * bs
+            keys = self._hit_keys(prefix, len(blocks))
         else:
             if prefix is not None:
                 raise ValueError(f"prefix given for running sequence {seq_id!r}")
@@ -235,20 +273,32 @@ class KVCacheManager:
         if n_new + cow + evictable > self._pool.num_free():
             return None
         # Hash before mutating anything: a bad token id raises with the pool untouched.
-        new_keys: list[BlockKey] = []
-        new_toks: list[tuple[int, ...]] = []
-        if self.enable_prefix_caching and total // bs > len(keys):
-            parent = keys[-1] if keys else None
-            new_keys, new_toks = hash_full_blocks(
-                token_ids, bs, len(keys), total // bs, parent, ctx
+        # Loaded host blocks are cached on the device like newly computed ones (keys known).
+        new_keys: list[BlockKey] = [b.key for b in loads]
+        new_toks: list[tuple[int, ...]] = [b.token_ids for b in loads]
+        n_keys = len(keys) + len(loads)
+        if self.enable_prefix_caching and total // bs > n_keys:
+            parent = new_keys[-1] if new_keys else keys[-1] if keys else None
+            more_keys, more_toks = hash_full_blocks(
+                token_ids, bs, n_keys, total // bs, parent, ctx
             )
+            new_keys += more_keys
+            new_toks += more_toks
 
         if seq is None:
             self._pool.touch(blocks)
+            self._no_offload.difference_update(b.block_id for b in blocks)
             seq = self._seqs[seq_id] = _Seq(ctx, list(blocks), computed, keys)
             self._queried_tokens += len(token_ids)
             self._hit_tokens += computed
+            self._host_hit_tokens += len(loads) * bs
+            if loads:
+                assert self._host is not None
+                self._host.checkout(loads)  # pinned: take_new's offloads cannot reuse them
         fresh = self._pool.take_new(n_new + cow) if n_new + cow else []
+        self._no_offload.difference_update(b.block_id for b in fresh)
+        for host_block, dev in zip(loads, fresh, strict=False):
+            self._transfers.to_device.append((host_block.block_id, dev.block_id))
         copies: list[tuple[int, int]] = []
         if cow:
             src, dst = seq.blocks[-1], fresh[0]
@@ -266,7 +316,14 @@ class KVCacheManager:
             stored = seq.blocks[start : start + len(new_keys)]
             self._pool.cache_full_blocks(stored, new_keys, new_toks, parent, seq.ctx.cache_salt)
             seq.keys.extend(new_keys)
-        return KVAllocation([b.block_id for b in fresh], computed if is_new else 0, copies)
+            if self._host is not None:
+                self._host.discard(new_keys)  # recomputed here: drop a stale host copy
+        return KVAllocation(
+            [b.block_id for b in fresh],
+            computed if is_new else 0,
+            copies,
+            len(loads) * bs,
+        )
 
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> None:
         """Make ``child_seq_id`` share every block of the parent (ref counts up, no copy)."""
@@ -278,15 +335,37 @@ class KVCacheManager:
             parent.ctx, list(parent.blocks), parent.num_computed, list(parent.keys)
         )
 
-    def free(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId, *, offload: bool = True) -> None:
         """Release a finished, aborted or preempted sequence (no-op if unknown).
 
         Blocks are released tail-first, so among this sequence's cached blocks the end of the
-        prompt becomes evictable before its (likely shared) start.
+        prompt becomes evictable before its (likely shared) start. ``offload=False``: blocks
+        only this sequence holds are dropped, not offloaded, when the device evicts them (a
+        preemption that chose recompute over swap).
         """
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
+            if not offload and self._host is not None:
+                self._no_offload.update(b.block_id for b in seq.blocks if b.ref_cnt == 1)
             self._pool.release(reversed(seq.blocks))
+
+    def take_transfers(self) -> TierTransfers:
+        """Pending host-tier copies: offloads (device -> host) first, then loads (host ->
+        device); the caller runs them before the next copy-on-write or forward pass. Host
+        blocks read by these loads become reusable now."""
+        transfers, self._transfers = self._transfers, TierTransfers()
+        # A host block may be stored into, evicted and stored into again before the copies
+        # run: only its last offload counts (a batched copy with repeated targets is undefined).
+        last = {host: dev for dev, host in transfers.to_host}
+        if len(last) < len(transfers.to_host):
+            transfers.to_host = [(dev, host) for host, dev in last.items()]
+        if self._host is not None:
+            self._host.release_pinned()
+        return transfers
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self._host is not None
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""
@@ -299,7 +378,12 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; ``False`` (nothing changes) while any block is in use."""
-        return self._pool.reset_cache()
+        if not self._pool.reset_cache():
+            return False
+        if self._host is not None:
+            self._host.clear()
+        self._no_offload.clear()
+        return True
 
     def cached_keys(self) -> list[BlockKey]:
         """Keys of all cached blocks (in use or evictable), e.g. to resync the block index.
@@ -308,6 +392,10 @@ class KVCacheManager:
         thread mutating the pool, so a publisher thread may call it without the engine's lock.
         """
         return list(self._pool.cached)
+
+    def host_cached_keys(self) -> list[BlockKey]:
+        """Keys the host tier holds (empty without one)."""
+        return list(self._host.lru) if self._host is not None else []
 
     def stats(self) -> KVStats:
         pool = self._pool
@@ -325,11 +413,27 @@ class KVCacheManager:
             prefix_hit_tokens=h,
             prefix_hit_rate=h / q if q else 0.0,
             tenant_quota_evictions=pool.quota_evictions,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self._host
+        if host is None:
+            return {}
+        return {
+            "host_blocks": host.num_blocks,
+            "host_cached_blocks": len(host),
+            "host_hit_tokens": self._host_hit_tokens,
+            "host_stored_blocks": host.num_stored,
+            "host_loaded_blocks": host.num_loaded,
+            "host_evicted_blocks": host.num_evicted,
+        }
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (used by the tests)."""
         check_invariants(self._pool, self._seqs, self.enable_prefix_caching)
+        if self._host is not None:
+            check_host_tier(self._host, self._pool)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -354,24 +458,41 @@ class KVCacheManager:
 
     def _adoptable(
         self, prefix: PrefixHit | None, ctx: HashContext | None, token_ids: Sequence[int] | None
-    ) -> list[KVBlock]:
-        """Blocks of ``prefix`` still cached under their keys (a stale tail is dropped)."""
+    ) -> tuple[list[KVBlock], list[HostBlock]]:
+        """Blocks of ``prefix`` still cached under their keys: device blocks, then the host
+        blocks the prefix continues in (a stale tail is dropped)."""
         if prefix is None or not prefix.keys or not self.enable_prefix_caching:
-            return []
+            return [], []
         if ctx is not None and prefix.ctx is not None and prefix.ctx != ctx:
             raise ValueError(f"prefix was looked up with {prefix.ctx}, allocating with {ctx}")
         bs = self.block_size
         if token_ids is not None and prefix.num_tokens > len(token_ids) - 1:
             raise ValueError("prefix hit covers the last prompt token; it must be recomputed")
         blocks: list[KVBlock] = []
+        loads: list[HostBlock] = []
         for i, key in enumerate(prefix.keys):
-            block = self._pool.cached.get(key)
-            if block is None:
+            block = None if loads else self._pool.cached.get(key)
+            held = block if block is not None else self._host.lru.get(key) if self._host else None
+            if held is None:
                 break
-            if token_ids is not None and block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+            if token_ids is not None and held.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 raise ValueError(f"prefix hit block {i} does not match token_ids")
-            blocks.append(block)
-        return blocks
+            if block is not None:
+                blocks.append(block)
+            else:
+                loads.append(held)  # type: ignore[arg-type]
+        return blocks, loads
+
+    def _offload(self, block: KVBlock) -> None:
+        """Pool eviction hook: keep the evicted block's KV in the host tier (copy pending)."""
+        assert self._host is not None and block.key is not None and block.token_ids is not None
+        if block.block_id in self._no_offload:
+            self._no_offload.discard(block.block_id)
+            if not self._host.has_children(block.key):  # else dropping it leaves a hole
+                return
+        host_id = self._host.store(block.key, block.parent, block.token_ids, block.tenant)
+        if host_id is not None:
+            self._transfers.to_host.append((block.block_id, host_id))
 
     @staticmethod
     def _hit_keys(prefix: PrefixHit | None, n: int) -> list[BlockKey]:

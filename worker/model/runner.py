@@ -20,6 +20,8 @@ from worker.model.config import ModelConfig
 from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
+from worker.model.lora import LoraAdapter
+from worker.model.lora_slots import LoraSlots
 
 __all__ = ["ModelInput", "ModelRunner", "SeqChunk", "KVCacheSizeError"]
 
@@ -48,6 +50,7 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        host_kv_bytes: int = 0,
     ) -> None:
         if block_size < 1:
             raise KVCacheSizeError(f"block_size={block_size} must be >= 1")
@@ -70,6 +73,7 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg
         )
+        self.lora: LoraSlots | None = None  # adapter slots, made by enable_lora
         self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
         no_graphs = DecodeGraphs.supported(self.device, self.backend.name)
         use_graphs = cuda_graph_max_batch > 0 and no_graphs is None
@@ -84,6 +88,19 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(cfg.num_layers)
+        ]
+        if host_kv_bytes < 0:
+            raise KVCacheSizeError(f"host_kv_bytes={host_kv_bytes} must be >= 0")
+        self.num_host_blocks = host_kv_bytes // self.bytes_per_block
+        # Host tier: same layout in host memory, pinned on CUDA so copies are DMA transfers.
+        pin = self.device.type == "cuda"
+        host_shape = (self.num_host_blocks, *shape[1:])
+        self.host_kv_caches = [
+            (
+                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
+            )
+            for _ in range(cfg.num_layers if self.num_host_blocks else 0)
         ]
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
@@ -165,18 +182,65 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, ``(device, host)`` pairs, one gather per layer."""
+        if not pairs:
+            return
+        dev, host = self._pair_index(pairs, "swap_out", self._num_blocks, self.num_host_blocks)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            hk.index_copy_(0, host, k.index_select(0, dev.to(k.device)).to("cpu"))
+            hv.index_copy_(0, host, v.index_select(0, dev.to(v.device)).to("cpu"))
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host blocks back into device blocks, ``(host, device)`` pairs (loads)."""
+        if not pairs:
+            return
+        host, dev = self._pair_index(pairs, "swap_in", self.num_host_blocks, self._num_blocks)
+        dev = dev.to(self.device)
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            k.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
+            v.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
+
+    @staticmethod
+    def _pair_index(
+        pairs: Sequence[tuple[int, int]], what: str, n_src: int, n_dst: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        src = [s for s, _ in pairs]
+        dst = [d for _, d in pairs]
+        if min(src) < 0 or max(src) >= n_src or min(dst) < 0 or max(dst) >= n_dst:
+            raise ValueError(f"{what}: block ids out of range ({n_src} -> {n_dst}): {pairs}")
+        return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+
     def build_input(self, seqs: Sequence[SeqChunk]) -> ModelInput:
         """``ModelInput.build`` with this runner's block size and device."""
         return ModelInput.build(seqs, self.block_size, self.device)
 
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate ``max_loras`` adapter slots of rank ``max_rank`` (once; later calls return
+        the same slots)."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.model, self.config, max_loras, max_rank)
+        return self.lora
+
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
+    def execute(
+        self, batch: ModelInput, adapters: Sequence[LoraAdapter | None] | None = None
+    ) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
 
         Writes the K/V of every new token into the cache at ``batch.slot_mapping``.
+        ``adapters``: per sequence of the batch, its LoRA adapter (None: the base model).
         """
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+        lora = adapters is not None and any(a is not None for a in adapters)
+        if self.graphs is not None and not lora and self.graphs.can_run(batch):
+            return self.graphs.run(batch)  # graphs hold the base model only: LoRA runs eagerly
         prepared = self.backend.prepare(batch.attention_metadata())
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        if self.lora is not None:
+            self.lora.set_batch(adapters or [None] * len(batch.query_lens_host),
+                                batch.query_lens_host)  # fmt: skip
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -74,6 +74,9 @@ CASES = [
     ("min-p-over-one", req(min_p=2.0), INVALID, ["min_p", "[0, 1]"]),
     ("length-penalty-nan", req(length_penalty=math.nan), INVALID,
      ["length_penalty", "finite"]),
+    # the attack of issue 13: (len + 1) ** 2000 overflowed in the engine and stopped it
+    ("beam-length-penalty-huge", req(beam_width=2, length_penalty=2000.0), INVALID,
+     ["length_penalty", "[-10, 10]"]),
     ("n-over-hard-limit", req(n=1000), INVALID, ["n", "at most 16", "router.limits.max_n"]),
     ("n-over-max-num-seqs", req(n=3), INVALID, ["n", "max_num_seqs=2"]),
     ("beam-width-over-hard-limit", req(beam_width=1000), INVALID,
@@ -95,6 +98,8 @@ CASES = [
     ("stop-string-too-long", req(stop=["y" * 300]), INVALID, ["stop", "256 characters"]),
     ("stop-token-id-over-vocab", req(stop_token_ids=[VOCAB + 7]), INVALID,
      ["stop_token_ids", f"vocab_size={VOCAB}"]),
+    ("stop-token-ids-too-many", req(stop_token_ids=list(range(50_000))), INVALID,
+     ["stop_token_ids", "<50000 ids>", "at most 128"]),
     ("logprobs-over-limit", req(logprobs=50), INVALID,
      ["logprobs", "at most 20", "router.limits.max_logprobs"]),
     ("seed-over-int63", req(seed=2**64 - 1), INVALID, ["seed", str(2**63 - 1)]),

@@ -1,0 +1,173 @@
+"""The host-memory tier: cached blocks evicted from the device, kept for a later load back.
+
+Pure bookkeeping (no tensors): host block ids, their keys, parents, tokens and tenants, an LRU
+order and per-tenant quotas. The KV manager calls :meth:`HostTier.store` when the device pool
+evicts a cached block (the model runner then copies device -> host) and :meth:`checkout` when a
+prompt's prefix continues here (the runner copies host -> device). Tiers are exclusive: a key
+leaves the host tier when it is loaded back or recomputed on the device.
+
+Prefix closure: the device's keys are closed (see ``block_pool.py``); the host tier keeps the
+*union* closed — a host key's parent is on the device or in the host tier. The device evicts
+children before parents, so they arrive here first; evicting the oldest host block therefore
+removes a key none of whose descendants is held anywhere. (Tiers are exclusive, so a key never
+arrives while an older copy of it waits here.)
+
+Hazard the caller must respect: a host block read by a pending load must not be the target of
+a pending store. Checked-out blocks are *pinned* (not reusable) until :meth:`release_pinned`,
+which the manager calls when it hands the step's copies to the runner.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from worker.kv.events import HOST, EventLog
+from worker.kv.hashing import BlockKey
+
+
+class HostBlock:
+    """One host block: id (index into the runner's host tensors) and what it caches."""
+
+    __slots__ = ("block_id", "key", "parent", "token_ids", "tenant")
+
+    def __init__(
+        self,
+        block_id: int,
+        key: BlockKey,
+        parent: BlockKey | None,
+        token_ids: tuple[int, ...],
+        tenant: str | None,
+    ) -> None:
+        self.block_id = block_id
+        self.key = key
+        self.parent = parent  # key of the block before it (events name it for the index)
+        self.token_ids = token_ids  # compared on a hit: a collision can never load wrong KV
+        self.tenant = tenant  # cache_salt of the prompt that cached it (quotas)
+
+    def __repr__(self) -> str:
+        return f"HostBlock(id={self.block_id}, key={self.key.hex()[:8]})"
+
+
+class HostTier:
+    """``num_blocks`` host blocks; LRU over cached ones; per-tenant quota (optional)."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, events: EventLog, tenant_quota: int | None = None
+    ) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"host num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tenant_quota = tenant_quota
+        self.events = events  # the device pool's log: one ordered stream for both tiers
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
+        self.lru: OrderedDict[BlockKey, HostBlock] = OrderedDict()  # oldest first
+        self._by_tenant: dict[str | None, OrderedDict[BlockKey, None]] = {}
+        self.pinned: list[int] = []  # checked out for a pending load; freed by release_pinned
+        self._children: Counter[BlockKey | None] = Counter()  # parent -> its children here
+        self.num_stored = 0  # blocks copied in from the device (eviction or swap-out)
+        self.num_loaded = 0  # blocks loaded back into the device
+        self.num_evicted = 0  # blocks dropped from the host tier (LRU or quota)
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.lru
+
+    def has_children(self, key: BlockKey) -> bool:
+        """Whether a block here continues ``key`` (then dropping ``key`` would leave a hole)."""
+        return key in self._children
+
+    def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> HostBlock | None:
+        """The host block caching ``key`` if its token ids match too (pure query)."""
+        block = self.lru.get(key)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def store(
+        self,
+        key: BlockKey,
+        parent: BlockKey | None,
+        token_ids: tuple[int, ...],
+        tenant: str | None,
+    ) -> int | None:
+        """Take a block evicted from the device; returns the host block id the caller must
+        copy it into, or None (no tier, or every block pinned). Evicts the LRU block if full."""
+        if key in self.lru or self.tenant_quota == 0:  # (the first: not with exclusive tiers)
+            return None
+        if not self.free and not self._evict_oldest():
+            return None
+        block = HostBlock(self.free.pop(), key, parent, token_ids, tenant)
+        self.lru[key] = block
+        self._children[parent] += 1
+        self.num_stored += 1
+        self.events.stored([key], parent, [token_ids], self.block_size, HOST)
+        if self.tenant_quota is not None:
+            mine = self._by_tenant.setdefault(tenant, OrderedDict())
+            mine[key] = None
+            while len(mine) > self.tenant_quota:
+                self._evict_oldest(tenant, of_tenant=True)
+        return block.block_id
+
+    def checkout(self, blocks: list[HostBlock]) -> None:
+        """Take ``blocks`` out of the tier for a load back; their ids stay pinned until
+        :meth:`release_pinned` (the load reads them at the next copy)."""
+        if not blocks:
+            return
+        for block in blocks:
+            self._forget(block)
+            self.pinned.append(block.block_id)
+        self.num_loaded += len(blocks)
+        self.events.removed([b.key for b in blocks], HOST)
+
+    def discard(self, keys: list[BlockKey]) -> None:
+        """Drop host copies of keys the device caches now (recomputed): tiers stay exclusive."""
+        gone = [self.lru[k] for k in keys if k in self.lru]
+        for block in gone:
+            self._forget(block)
+            self.free.append(block.block_id)
+        if gone:
+            self.events.removed([b.key for b in gone], HOST)
+
+    def release_pinned(self) -> None:
+        self.free.extend(self.pinned)
+        self.pinned.clear()
+
+    def clear(self) -> None:
+        """Forget every block (the device pool's reset emits the one ``AllBlocksCleared``)."""
+        self.free = list(range(self.num_blocks - 1, -1, -1))
+        self.lru.clear()
+        self._children.clear()
+        self._by_tenant.clear()
+        self.pinned.clear()
+
+    def _evict_oldest(self, tenant: str | None = None, *, of_tenant: bool = False) -> bool:
+        """Drop the least recently stored block (of ``tenant`` if ``of_tenant``): within one
+        tenant the order is the same LRU restricted to its chains, so closure holds too."""
+        if of_tenant:
+            key = next(iter(self._by_tenant[tenant]))
+        else:
+            key = next(iter(self.lru), None)
+            if key is None:
+                return False
+        block = self.lru[key]
+        self._forget(block)
+        self.free.append(block.block_id)
+        self.num_evicted += 1
+        self.events.removed([block.key], HOST)
+        return True
+
+    def _forget(self, block: HostBlock) -> None:
+        del self.lru[block.key]
+        left = self._children[block.parent] - 1
+        if left:
+            self._children[block.parent] = left
+        else:
+            del self._children[block.parent]
+        if self.tenant_quota is not None:
+            mine = self._by_tenant[block.tenant]
+            del mine[block.key]
+            if not mine:
+                del self._by_tenant[block.tenant]
