@@ -53,7 +53,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
-    print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
+    print("try: kvcluster generate --chat 'What is the capital of France?'   |   "
+          "kvcluster status   |   kvcluster down")
     return 0
 
 
