@@ -41,6 +41,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = cluster.state()
     print(f"kvcluster {cfg.name!r} is up")
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
+    if st.http_endpoints:
+        print(f"  OpenAI API     : {', '.join(u + '/v1' for u in st.http_endpoints)}")
     if st.dashboard_url:
         print(
             f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
