@@ -17,7 +17,12 @@ def _endpoint(args: argparse.Namespace) -> str:
         return args.target
     from cluster.launcher import ClusterState
 
-    return ClusterState.load(args.name).endpoints[0]
+    st = ClusterState.load(args.name)
+    if getattr(args, "api", "grpc") == "http":
+        if not st.http_endpoints:
+            raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
+        return st.http_endpoints[0]
+    return st.endpoints[0]
 
 
 def ray_cli_hint(ray_address: str) -> str:
@@ -131,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "num_groups": args.groups,
         "max_tokens": args.max_tokens,
     }
-    run_bench(_endpoint(args), **{k: v for k, v in sizes.items() if v is not None})
+    run_bench(_endpoint(args), api=args.api, **{k: v for k, v in sizes.items() if v is not None})
     return 0
 
 
@@ -173,6 +178,8 @@ def _bench_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--concurrency", type=int, help="requests in flight")
     sp.add_argument("--groups", type=int, help="distinct shared system prompts")
     sp.add_argument("--max-tokens", type=int, help="tokens generated per request")
+    sp.add_argument("--api", choices=("grpc", "http"), default="grpc",
+                    help="drive the gRPC API or the OpenAI HTTP API (--target: its URL)")
     cmp = sp.add_argument_group(
         "--compare-policies",
         "a fresh local cluster per routing policy, same seeded workload: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import http.client
+import io
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import openai
 import pytest
 
 from benchmarks.chaos import on_workers, wait_idle
+from cluster.bench import run_bench
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
@@ -432,3 +434,25 @@ def test_bad_inputs_get_4xx_naming_the_problem(
         json.dumps({"model": model, "prompt": "still", "max_tokens": 2}).encode(),
     )
     assert ok == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
+
+
+def test_kvcluster_bench_drives_the_http_api(
+    base_url: str, http_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
+    out = io.StringIO()
+    figures = run_bench(
+        base_url,
+        api="http",
+        num_requests=6,
+        concurrency=2,
+        num_groups=1,
+        prefix_words=60,
+        max_tokens=4,
+        plot=False,
+        out=out,
+    )
+    assert figures["ok"] == 6 and figures["ttft_p50_s"] > 0
+    assert figures["prefix_hit_rate"] > 0  # one shared system prompt: later requests hit
+    assert json.loads(out.getvalue().splitlines()[-1])["api"] == "http"
+    assert idle_and_unheld(http_cluster)
