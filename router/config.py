@@ -97,6 +97,14 @@ class RoutingConfig(_Strict):
         "arriving before the worker's KV events land together. 0 disables.",
     )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
+    host_hit_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A block a worker holds in its host KV tier counts as this fraction of a "
+        "device hit (it must be loaded back): routing prefers a device hit but still beats "
+        "recomputing. 0 ignores the host tier.",
+    )
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
 
