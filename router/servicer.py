@@ -262,6 +262,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,
                 completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
             )
             if u
             else None,
@@ -298,6 +299,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    host_total_blocks=s.host_total_blocks,
+                    host_cached_blocks=s.host_cached_blocks,
+                    host_hit_tokens=s.host_hit_tokens,
+                    swap_preemptions=s.swap_preemptions,
+                    recompute_preemptions=s.recompute_preemptions,
                 )
                 for s in statuses
             ],

@@ -183,7 +183,10 @@ class WorkerServer:
             total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
-            tenant_quota_evictions=m.tenant_quota_evictions)
+            tenant_quota_evictions=m.tenant_quota_evictions,
+            host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
+            host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
+            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
