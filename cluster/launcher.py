@@ -9,14 +9,16 @@ Two modes share one code path (:class:`Cluster`):
   file (``~/.kvcluster/<name>.json``) tells ``down``/``status``/``generate`` where it is.
 
 Ray 2.60 notes: the dashboard needs the token from ``~/.ray/auth_token`` unless
-``RAY_AUTH_MODE=disabled``; and Ray's GCS listens on all interfaces and names the machine's
-address (not loopback) even for a local head, so a driver must connect with that address
-(forcing ``--node-ip-address=127.0.0.1`` on the head makes drivers fail to connect). The
-dashboard and the gRPC routers are bound to loopback by default.
+``RAY_AUTH_MODE=disabled`` (and so does the Ray CLI against our head: ``RAY_AUTH_MODE=token``).
+An embedded Ray (ours, or any at a loopback address) runs in Ray's single-node mode
+(:func:`use_loopback_ray`): its node address is 127.0.0.1, so GCS, raylet, workers' gRPC
+servers, the agents and the dashboard all listen on loopback only. (``--node-ip-address=
+127.0.0.1`` alone does not do it: Ray swaps a loopback node address for the machine's.)
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -36,9 +38,13 @@ from kvstore import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.config import ModelConfig
+from worker.model.default_model import default_model_id, resolve_default_model
 
 log = logging.getLogger(__name__)
 STATE_DIR = Path(os.environ.get("KVCLUSTER_STATE_DIR", Path.home() / ".kvcluster"))
+# Ray's switch for single-node clusters ("0": the node address is loopback, nothing binds
+# beyond it); named after the platforms where it is the default
+RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass
@@ -53,7 +59,7 @@ class ClusterState:
     redis_pid: int | None  # pid of the redis-server ``up`` started, if any
     endpoints: list[str]  # the routers' gRPC host:port
     dashboard_url: str | None  # Ray dashboard
-    model_dir: str  # served model folder
+    model_dir: str | None  # served model folder (None: the default, resolved on each node)
     workers: list[str]  # worker actor names
 
     def save(self) -> Path:
@@ -76,33 +82,57 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
 
-def resolve_model(cfg: ClusterConfig) -> tuple[str, str]:
-    """(model folder, model id); builds the offline tiny model when no path is set."""
+def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
+    """(model folder or None, model id). None stands for the default model: every worker and
+    router resolves it on its own node (the head's path would mean nothing elsewhere); its id
+    is known without resolving it."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser().resolve()
-    else:
-        from worker.model.build_tiny import build_tiny_model
-
-        path = build_tiny_model(family=cfg.model.tiny_family)
-    return str(path), cfg.model.model_id or path.name
+        return str(path), cfg.model.model_id or (path.stem if path.is_file() else path.name)
+    return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
 
 
-def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tuple[str, int, str]:
+def is_loopback_address(address: str) -> bool:
+    """Whether a Ray address (``host:port``) names this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def use_loopback_ray() -> None:
+    """Put this process, and every Ray process it starts, in Ray's single-node mode: the node
+    address is 127.0.0.1 and every Ray server (GCS, raylet, workers, agents, dashboard, client
+    server) binds it. Call before starting or joining an embedded (loopback) Ray; a driver
+    joining such a head needs it too, or Ray looks for a raylet at the machine's address."""
+    from ray._private import ray_constants
+
+    os.environ[RAY_SINGLE_NODE_ENV] = "0"  # Ray processes started from here inherit it
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import in this process
+
+
+def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0, *,
+                   dashboard: bool = True) -> tuple[str, int, str | None]:
     """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
-    ``down`` stops exactly it, never another Ray on the machine).
+    ``down`` stops exactly it, never another Ray on the machine), every port on 127.0.0.1.
 
-    Returns (GCS address, pid of the head's process group, dashboard URL).
+    Returns (GCS address, pid of the head's process group, dashboard URL or None).
     """
     port, dash = free_port(), free_port()
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-           f"--port={port}", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", "--disable-usage-stats"]
+           f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={dash}", f"--include-dashboard={str(dashboard).lower()}",
+           "--disable-usage-stats"]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, RAY_SINGLE_NODE_ENV: "0"}
     with open(STATE_DIR / f"ray-head-{port}.log", "ab") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -110,7 +140,8 @@ def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0) -> tupl
                                f"{STATE_DIR / f'ray-head-{port}.log'}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return f"127.0.0.1:{port}", proc.pid, f"http://127.0.0.1:{dash}"
+                url = f"http://127.0.0.1:{dash}" if dashboard else None
+                return f"127.0.0.1:{port}", proc.pid, url
         except OSError:
             time.sleep(0.2)
     stop_group(proc.pid)
@@ -171,7 +202,7 @@ class Cluster:
         self.workers: dict[str, ray.actor.ActorHandle] = {}
         self.routers: dict[str, ray.actor.ActorHandle] = {}
         self.endpoints: list[str] = []
-        self.model_dir = ""
+        self.model_path: str | None = None  # what workers get (None: they resolve the default)
         self.model_id = ""
 
     # -- pieces ----------------------------------------------------------------------------
@@ -188,8 +219,11 @@ class Cluster:
     def _start_ray(self) -> None:
         if ray.is_initialized():
             return
+        if self.ray_address is None or is_loopback_address(self.ray_address):
+            use_loopback_ray()
         if self.ray_address is None and self.detached:
-            self.ray_address, self.ray_pid, self._dashboard = start_ray_head()
+            self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
+                dashboard=self.cfg.dashboard)
         kwargs = dict(namespace=self.namespace, log_to_driver=False,
                       logging_level=logging.WARNING)
         if self.ray_address is None:
@@ -213,9 +247,20 @@ class Cluster:
     def engine_config(self):  # noqa: ANN201
         return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
 
-    def max_model_len(self) -> int:
+    @property
+    def model_dir(self) -> str:
+        """This machine's copy of the served model (for tools and tests on the head; the
+        default model is resolved here only when asked)."""
+        if self.model_path is not None:
+            return self.model_path
+        return str(resolve_default_model(self.cfg.model.tiny_family))
+
+    def max_model_len(self) -> int | None:
+        """The engines' max_model_len; None: the model's own (each router reads it)."""
         engine = self.cfg.workers.engine
-        return engine.max_model_len or ModelConfig.from_dir(self.model_dir).max_position_embeddings
+        if engine.max_model_len or self.model_path is None:
+            return engine.max_model_len
+        return ModelConfig.from_dir(self.model_path).max_position_embeddings
 
     def start_worker(self, i: int) -> ray.actor.ActorHandle:
         w = self.cfg.workers
@@ -225,8 +270,9 @@ class Cluster:
                     num_gpus=1 if w.use_gpu else 0, max_concurrency=1000)
         if self.detached:
             opts["lifetime"] = "detached"
-        settings = WorkerSettings(worker_id=name, model_dir=self.model_dir,
-                                  engine=self.engine_config(), index=self.index_config())
+        settings = WorkerSettings(worker_id=name, model_dir=self.model_path,
+                                  engine=self.engine_config(), index=self.index_config(),
+                                  default_family=self.cfg.model.tiny_family)
         handle = WorkerActor.options(**opts).remote(settings)
         self.workers[name] = handle
         return handle
@@ -236,7 +282,8 @@ class Cluster:
         name = f"router-{i}"
         routing = r.routing.model_copy(update={"block_size": self.cfg.workers.engine.block_size})
         settings = RouterSettings(
-            router_id=name, namespace=self.namespace, model_dir=self.model_dir,
+            router_id=name, namespace=self.namespace, model_dir=self.model_path,
+            default_family=self.cfg.model.tiny_family,
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
             index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
@@ -278,7 +325,7 @@ class Cluster:
 
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
-        self.model_dir, self.model_id = resolve_model(self.cfg)
+        self.model_path, self.model_id = resolve_model(self.cfg)
         self._start_redis()
         self._start_ray()
         for i in range(self.cfg.workers.num_workers):
@@ -292,6 +339,8 @@ class Cluster:
         return self
 
     def dashboard_url(self) -> str | None:
+        if not self.cfg.dashboard:
+            return None
         if self._dashboard is not None:
             return self._dashboard
         try:
@@ -306,7 +355,7 @@ class Cluster:
                             ray_address=self.ray_address or "", ray_pid=self.ray_pid,
                             redis_url=self.redis_url, redis_pid=self.redis_pid,
                             endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
-                            model_dir=self.model_dir, workers=sorted(self.workers))
+                            model_dir=self.model_path, workers=sorted(self.workers))
 
     def down(self) -> None:
         for h in self.routers.values():
@@ -339,6 +388,8 @@ def down_detached(name: str) -> ClusterState:
     """``kvcluster down``: kill the actors, stop our Redis and Ray head."""
     st = ClusterState.load(name)
     try:
+        if is_loopback_address(st.ray_address):
+            use_loopback_ray()
         use_token_auth_if_configured()
         ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,
                  logging_level=logging.WARNING)

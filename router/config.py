@@ -65,6 +65,13 @@ class PrefixAffinityConfig(LoadWeights):
         "prompt's holder from collecting every new session (its decode batch and KV memory "
         "grow). None disables.",
     )
+    adapter_load_tokens: float = Field(
+        256.0,
+        ge=0,
+        description="Cost, in prefill tokens, of running a LoRA request on a worker that does "
+        "not hold its adapter in a device slot (loading it, and evicting another's). Small "
+        "against a long cached prefix, so a hot adapter can still spread under load.",
+    )
 
 
 class RequestLimits(_Strict):
@@ -104,6 +111,18 @@ class RoutingConfig(_Strict):
         description="A block a worker holds in its host KV tier counts as this fraction of a "
         "device hit (it must be loaded back): routing prefers a device hit but still beats "
         "recomputing. 0 ignores the host tier.",
+    )
+    index_timeout_s: float = Field(
+        0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
+        "costs at most this, once per probe interval).")
+    index_probe_interval_s: float = Field(
+        1.0, gt=0, description="After an index read fails, reads are skipped (routing by load) "
+        "and one probe per interval checks whether the index is back.")
+    adapter_aware: bool = Field(
+        True,
+        description="Hash LoRA requests' prompts with their adapter id and weigh where adapters "
+        "are loaded. False is the adapter-blind baseline (keys without the adapter never "
+        "match the workers', so LoRA requests route by load), kept for comparisons.",
     )
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()

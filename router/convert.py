@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
@@ -17,6 +19,10 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.config import RequestLimits
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams
 from worker.engine.outputs import FinishReason
+from worker.engine.sampling_params import MAX_STOP_TOKEN_IDS
+
+if TYPE_CHECKING:
+    from worker.model.tokenizer import Tokenizer
 
 DEFAULT_LIMITS = RequestLimits()
 
@@ -40,6 +46,9 @@ _OPTIONAL_PARAMS = (
     "length_penalty",
     "ignore_eos",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 
@@ -53,6 +62,9 @@ class GenerateSpec:
     params: SamplingParams  # validated sampling parameters (cache_salt, priority folded in)
     tenant: str  # tenant name ("" = anonymous)
     stream_text: bool  # send text deltas (else token ids only)
+    # chat messages as ({"role", "content"}, ...) when the prompt is a conversation; the
+    # serving edge renders them with the model's chat template into ``text``'s place
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def _check_str(field: str, value: str, limit: int) -> None:
@@ -86,6 +98,9 @@ def params_from_pb(
     for s in msg.stop:
         _check_str("stop", s, limits.max_stop_string_chars)
     values["stop"] = tuple(msg.stop)
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before copying them
+        raise InvalidRequest("stop_token_ids", f"<{len(msg.stop_token_ids)} ids>",
+                             f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["priority"] = priority
     values["cache_salt"] = cache_salt
@@ -96,15 +111,17 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
     """The salt folded into block 0's key: a tenant's requests never share KV (or a routing
     signal) with another tenant's, whatever ``cache_salt`` they send.
 
-    No tenant: the client's salt as is (None when empty). A tenant: ``tenant:<name>``, plus a
-    digest of the client's salt when one is set (so a client cannot pick another tenant's
-    salt, and the result stays within SamplingParams' 256-character limit).
+    No tenant: ``salt:`` and a digest of the client's salt (None when empty), a namespace of
+    its own, so no client salt (``"tenant:X"`` say) can name tenant X's KV. A tenant:
+    ``tenant:<name>``, plus a digest of the client's salt when one is set (so a client cannot
+    pick another tenant's salt). Digests keep the result within SamplingParams' 256 characters.
     """
+    digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
     if not tenant:
-        return cache_salt or None
+        return f"salt:{digest}" if cache_salt else None
     if not cache_salt:
         return f"tenant:{tenant}"
-    return f"tenant:{tenant}#{hashlib.sha256(cache_salt.encode()).hexdigest()[:32]}"
+    return f"tenant:{tenant}#{digest}"
 
 
 def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
@@ -119,9 +136,11 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
     _check_str("cache_salt", req.cache_salt, limits.max_cache_salt_chars)
     which = req.WhichOneof("prompt")
     if which is None:
-        raise InvalidRequest("prompt", None, "set exactly one of text or token_ids")
-    text = token_ids = None
-    if which == "text":
+        raise InvalidRequest("prompt", None, "set exactly one of text, token_ids or messages")
+    text = token_ids = messages = None
+    if which == "messages":
+        messages = messages_from_pb(req.messages, limits)
+    elif which == "text":
         if not req.text:
             raise InvalidRequest("text", "", "must be a non-empty string")
         _check_str("text", req.text, limits.max_prompt_chars)
@@ -132,6 +151,9 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
             raise InvalidRequest("token_ids", [], "must hold at least one token id")
     salt = tenant_salt(tenant, req.cache_salt)
     params = params_from_pb(req.params, priority=req.priority, cache_salt=salt, limits=limits)
+    if req.lora:
+        _check_str("lora", req.lora, 64)
+        params = replace(params, lora=req.lora)
     return GenerateSpec(
         request_id=req.request_id or uuid.uuid4().hex,
         text=text,
@@ -139,7 +161,22 @@ def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
         params=params,
         tenant=req.tenant,
         stream_text=req.stream_text if req.HasField("stream_text") else True,
+        messages=messages,
     )
+
+
+def messages_from_pb(
+    msg: pb.ChatMessages, limits: RequestLimits = DEFAULT_LIMITS
+) -> tuple[dict[str, str], ...]:
+    """Chat messages as dicts; the roles and contents are checked when the template is
+    rendered (``Tokenizer.render_chat``), the total size here."""
+    if not msg.messages:
+        raise InvalidRequest("messages", [], "must hold at least one message")
+    total = sum(len(m.content) for m in msg.messages)
+    if total > limits.max_prompt_chars:
+        raise InvalidRequest("messages", f"<{total} chars>",
+                             f"must be at most {limits.max_prompt_chars} characters in all")
+    return tuple({"role": m.role, "content": m.content} for m in msg.messages)
 
 
 def responses_from_output(
@@ -236,3 +273,13 @@ def _bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> st
     except ValueError:
         return None
     return None
+
+
+def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Render a conversation with the model's chat template (plus the assistant's turn
+    prefix) and tokenize it; a bad message or a model without a template is the client's
+    error (INVALID_ARGUMENT naming the message)."""
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise InvalidRequest("messages", f"<{len(messages)} messages>", str(exc)) from exc

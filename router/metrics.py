@@ -41,6 +41,7 @@ class RouterMetrics:
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (policy, reason)
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # decision latency
     index_errors: int = 0  # prefix lookups that raised (routed by load instead)
+    index_skipped: int = 0  # prefix lookups not tried: the index circuit was open (by load)
     pending_assists: int = 0  # decisions where pending placements knew more than the index
     parity_checks: int = 0  # keys compared with what the chosen worker stored
     parity_mismatches: int = 0  # of those, different keys: the router hashes differently!
@@ -59,6 +60,7 @@ class RouterMetrics:
             "decision_latency_p99_s": self.latency.quantile(0.99),
             "decision_latency_mean_s": self.latency.total_s / max(1, self.latency.count),
             "index_errors": self.index_errors,
+            "index_skipped": self.index_skipped,
             "pending_assists": self.pending_assists,
             "parity_checks": self.parity_checks,
             "parity_mismatches": self.parity_mismatches,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from kvstore.aio import AsyncKVIndex
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
+from router.breaker import CircuitBreaker
 from router.types import WorkerId
 from worker.kv import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KVEvent
 
@@ -54,27 +55,34 @@ class PrefixSource(ABC):
 
 class KVIndexSource(PrefixSource):
     """Adapter over the Redis index (live workers only): a :class:`kvstore.KVIndex` for
-    :meth:`lookup` and/or a :class:`kvstore.AsyncKVIndex` for :meth:`alookup`."""
+    :meth:`lookup` and/or a :class:`kvstore.AsyncKVIndex` for :meth:`alookup`. Reads go
+    through ``breaker`` (shared with the router's other index reads): while it is open a
+    lookup raises :class:`~router.breaker.CircuitOpen` at once instead of waiting on Redis."""
 
-    def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None) -> None:
+    def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None, *,
+                 breaker: CircuitBreaker | None = None) -> None:
         if index is None and aindex is None:
             raise ValueError("KVIndexSource needs a KVIndex, an AsyncKVIndex or both")
         self.index = index
         self.aindex = aindex
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
 
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         if self.index is None:
             raise TypeError("this KVIndexSource has only an AsyncKVIndex: use Router.aroute")
+        index = self.index
         try:
-            return self.index.lookup(keys)
+            return self.breaker.call(lambda: index.lookup(keys), failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 
     async def alookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         if self.aindex is None:
             return self.lookup(keys)
+        aindex = self.aindex
         try:
-            return await self.aindex.lookup(keys)
+            return await self.breaker.acall(lambda: aindex.lookup(keys),
+                                            failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 

@@ -25,8 +25,9 @@ from ray.exceptions import (
 )
 
 from kvstore import IndexUnavailable, KVIndex, WorkerLoad
+from router.breaker import CircuitBreaker, CircuitOpen
 from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import RequestOutput
+from worker.engine import EngineStopped, RequestOutput
 from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,11 @@ class RayWorkerDirectory(WorkerDirectory):
         live_ttl_s: float = 0.1,
         dead_ttl_s: float = 10.0,
         call_timeout_s: float = 10.0,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
         self.namespace = namespace
         self.index = index
+        self.breaker = breaker if breaker is not None else CircuitBreaker()  # index reads
         self.live_ttl_s = live_ttl_s
         self.dead_ttl_s = dead_ttl_s
         self.call_timeout_s = call_timeout_s
@@ -74,7 +77,11 @@ class RayWorkerDirectory(WorkerDirectory):
         if now - self._live[0] < self.live_ttl_s:
             return self._live[1]
         try:
-            infos = await asyncio.to_thread(self.index.live_workers)
+            infos = await asyncio.to_thread(
+                self.breaker.call, self.index.live_workers, failures=(IndexUnavailable,))
+        except CircuitOpen:
+            self.index_ok = False
+            return None
         except IndexUnavailable as exc:
             if self.index_ok:
                 log.warning("index unavailable, routing by load over Ray's worker list: %s", exc)
@@ -152,6 +159,8 @@ class RayWorkerDirectory(WorkerDirectory):
         except _ACTOR_ERRORS as exc:
             raise WorkerGone(str(exc).splitlines()[0]) from exc
         except RayTaskError as exc:  # the worker raised (InvalidRequest, EngineOverloaded):
+            if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+                raise WorkerGone(str(exc.cause)) from exc
             if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
                 raise exc.cause from None
             raise

@@ -8,8 +8,10 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 from kvstore.types import WorkerLoad
+from router.breaker import CircuitOpen
 from router.config import RoutingConfig
 from router.metrics import RouterMetrics
 from router.parity import check_parity
@@ -85,7 +87,10 @@ class Router:
             return start, ()
         keys = request.keys
         if keys is None:
-            keys = tuple(block_keys(request.token_ids, self.config.block_size, request.hash_ctx))
+            ctx = request.hash_ctx
+            if not self.config.adapter_aware:  # the baseline: hash as if there were no adapter
+                ctx = replace(ctx, lora_id=None)
+            keys = tuple(block_keys(request.token_ids, self.config.block_size, ctx))
         return start, keys
 
     def _decide(
@@ -101,7 +106,12 @@ class Router:
             cached = self._cached_tokens(keys, len(request.token_ids), ids, index)
         else:
             cached = dict.fromkeys(ids)
-        views = [WorkerView(w, candidates[w], cached[w]) for w in ids]
+        lora_id = request.hash_ctx.lora_id if self.config.adapter_aware else None
+        views = [
+            WorkerView(w, candidates[w], cached[w],
+                       lora_id is None or lora_id in candidates[w].lora_loaded)
+            for w in ids
+        ]  # fmt: skip
         placement = self.policy.choose(request, views)
         if keys:
             self.pending.record(placement.worker_id, keys, self._clock())
@@ -166,6 +176,9 @@ class Router:
             return None
 
     def _index_error(self, exc: Exception) -> None:
+        if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago
+            self.metrics.index_skipped += 1
+            return
         self.metrics.index_errors += 1
         n = self.metrics.index_errors
         if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: visible but bounded

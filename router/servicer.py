@@ -23,6 +23,7 @@ from router.config import RequestLimits
 from router.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
+    chat_token_ids,
     malformed_reason,
     responses_from_output,
     spec_from_pb,
@@ -50,7 +51,13 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return None
+
+
+class RequestFailed(Exception):
+    """The engine failed this one request (a bug it hit); others were not affected."""
 
 
 class TokenAuth:
@@ -218,9 +225,13 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
         spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
-        if token_ids is None:
+        if spec.messages is not None:
+            token_ids = await asyncio.to_thread(chat_token_ids, self.tokenizer, spec.messages)
+        elif token_ids is None:
             token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+            if out.error is not None:  # it failed inside the engine (the engine goes on)
+                raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
             yield worker, out, spec.stream_text
 
     async def Generate(
@@ -304,6 +315,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     host_hit_tokens=s.host_hit_tokens,
                     swap_preemptions=s.swap_preemptions,
                     recompute_preemptions=s.recompute_preemptions,
+                    adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
+                                               loaded=a.loaded) for a in s.adapters],
                 )
                 for s in statuses
             ],

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvstore import WorkerLoad
+from router.adapters import resolve_adapter, serving
 from router.router import Router
 from router.types import NoWorkersError, RouteDecision, RouteRequest
 from router.workers import WorkerDirectory, WorkerGone
@@ -146,22 +148,30 @@ class ServingCore:
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """``request_id`` is the client's label only: outputs carry it back, but on the
+        workers the request runs under an id this router generates. Client ids are not
+        unique across clients or tenants, so a reused one must never reach (or, by the abort
+        in the cleanup below, stop) another client's request."""
         check_limits(token_ids, params, self.limits)
-        ctx = HashContext(self.limits.model_id, None, params.cache_salt)
+        label, request_id = request_id, uuid.uuid4().hex
+        lora_id = None
+        if params.lora is not None:
+            lora_id = resolve_adapter(params.lora, await self.directory.candidates())
+        ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
         excluded: set[str] = set()
         full: list[str] = []  # workers that refused the request: waiting queue full
         loop = asyncio.get_running_loop()
         for attempt in range(self.max_attempts):
             candidates = {
                 w: load
-                for w, load in (await self.directory.candidates()).items()
+                for w, load in serving(lora_id, await self.directory.candidates()).items()
                 if w not in excluded
             }
             if not candidates:
                 if full:
-                    raise self._overloaded(request_id, full)
+                    raise self._overloaded(label, full)
                 raise NoWorkersError(
-                    f"no live worker for request {request_id!r}"
+                    f"no live worker for request {label!r}"
                     + (f" (tried {sorted(excluded)})" if excluded else "")
                 )
             route_req = RouteRequest(request_id, token_ids, ctx)
@@ -180,7 +190,7 @@ class ServingCore:
                         produced = True
                         self._prefilled(worker, request_id, done=False)
                     finished = item.finished
-                    yield worker, item
+                    yield worker, replace(item, request_id=label)
                 return
             except WorkerGone as exc:
                 self.directory.mark_dead(worker)
@@ -188,7 +198,7 @@ class ServingCore:
                 if produced:
                     self.broken += 1
                     raise StreamBroken(
-                        f"worker {worker} died while streaming request {request_id!r}: {exc}; "
+                        f"worker {worker} died while streaming request {label!r}: {exc}; "
                         "the partial output is lost, retry the request"
                     ) from exc
                 self.retries += 1
@@ -196,7 +206,7 @@ class ServingCore:
                     "worker %s died before request %s produced a token (attempt %d): "
                     "retrying elsewhere",
                     worker,
-                    request_id,
+                    label,
                     attempt + 1,
                 )
             except EngineOverloaded as exc:  # nothing was queued: try a worker with room
@@ -209,8 +219,8 @@ class ServingCore:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))
         if full:
-            raise self._overloaded(request_id, full)
-        raise NoWorkersError(f"request {request_id!r}: {self.max_attempts} workers died in turn")
+            raise self._overloaded(label, full)
+        raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
 
     def _overloaded(self, request_id: str, full: list[str]) -> ClusterOverloaded:
         return ClusterOverloaded(

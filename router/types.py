@@ -52,6 +52,7 @@ class WorkerView:
     worker_id: WorkerId  # registry id
     load: WorkerLoad  # last reported load (heartbeat)
     cached_tokens: int | None  # prompt tokens this worker would serve from cache; None: unknown
+    adapter_loaded: bool = True  # the request's LoRA adapter is in a device slot (or no adapter)
 
 
 @dataclass(frozen=True, slots=True)

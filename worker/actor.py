@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,8 @@ from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from worker.model.default_model import resolve_default_model
+from worker.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -34,9 +37,10 @@ class WorkerSettings:
     """Everything one worker needs (built by the launcher)."""
 
     worker_id: str  # registry id and Ray actor name, e.g. "worker-0"
-    model_dir: str  # Hugging Face folder
+    model_dir: str | None  # Hugging Face folder; None: the default model, resolved here
     engine: EngineConfig  # block size, KV size, limits, policy (model_id filled in)
     index: IndexConfig | None  # None: do not publish (no Redis)
+    default_family: str = "llama"  # family of the default model (model_dir None)
 
 
 def engine_load(engine: Engine) -> WorkerLoad:
@@ -46,7 +50,16 @@ def engine_load(engine: Engine) -> WorkerLoad:
     return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
                       free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
                       queued_prefill_tokens=sched.pending_prefill_tokens(),
-                      decode_tokens=decoding)
+                      decode_tokens=decoding, **lora_load(engine))
+
+
+def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
+    """The adapters a router routes by: served and in a slot (engine thread)."""
+    if not engine.loras:
+        return {}
+    loaded = engine.executor.loaded_loras()
+    return {"lora_ids": tuple(sorted(engine.loras.values())),
+            "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras))}
 
 
 class CallerWatch:
@@ -108,14 +121,18 @@ class WorkerServer:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.engine = Engine.from_model_dir(settings.model_dir, settings.engine)
+        # the default model is resolved on this worker's node, never sent as a head's path
+        self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
+        self.engine = Engine.from_model_dir(self.model_dir, settings.engine)
         self.publisher: WorkerPublisher | None = None
         if settings.index is not None:
             index = KVIndex(settings.index)
             self.publisher = WorkerPublisher(
                 index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
         self.telemetry = WorkerTelemetry(self.worker_id)
-        self.front = StreamingEngine(self.engine, on_step=self._after_step)
+        self.telemetry.start_heartbeat()
+        self.front = StreamingEngine(self.engine, on_step=self._after_step,
+                                     on_death=self._engine_died)
         self.front.start()
         self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
@@ -129,6 +146,17 @@ class WorkerServer:
         if self.publisher is not None:
             self.publisher.submit(events, engine_load(engine))
         self.telemetry.after_step(engine, outputs)
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """The loop died (the engine could not contain an error): this worker is useless.
+        Stop the heartbeat and deregister (routers drop it at once), then end the process so
+        that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
+        log.critical("worker %s: engine loop died (%r); leaving for a restart",
+                     self.worker_id, exc)
+        self.telemetry.stop_heartbeat()
+        if self.publisher is not None:
+            self.publisher.stop()
+        exit_process_soon()
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
@@ -186,16 +214,44 @@ class WorkerServer:
             tenant_quota_evictions=m.tenant_quota_evictions,
             host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
             host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
-            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions)
+            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
+            adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
+                           for i in load.lora_ids))
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a LoRA adapter folder at run time; returns its stable id. The next
+        heartbeat tells the routers."""
+        def add(engine: Engine) -> str:
+            adapter_id = engine.add_lora(name, path)
+            if self.publisher is not None:  # an idle worker publishes no step: tell now
+                self.publisher.submit([], engine_load(engine))
+            return adapter_id
+
+        return self.front.with_engine(add)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
         return self.front.with_engine(lambda e: e.kv.stats().used_blocks)
 
     def shutdown(self) -> None:
+        self.telemetry.stop_heartbeat()
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
+
+
+def exit_process_soon(grace_s: float = 1.0) -> None:
+    """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
+    callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
+    Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return
+
+    def leave() -> None:
+        time.sleep(grace_s)
+        os._exit(70)  # EX_SOFTWARE
+
+    threading.Thread(target=leave, name="engine-died-exit", daemon=True).start()
 
 
 WorkerActor = ray.remote(WorkerServer)

@@ -47,3 +47,13 @@ class WorkerStatus:
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier since start
     swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
     recompute_preemptions: int = 0  # preemptions that dropped it
+    adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """One LoRA adapter of a worker."""
+
+    name: str  # what requests ask for
+    adapter_id: str  # stable id folded into block keys
+    loaded: bool  # in a device slot now

@@ -2,30 +2,58 @@
 dashboard): TTFT and inter-token latency histograms, prefix-hit and prompt tokens, KV
 usage and queue lengths. Measured at the actor: arrival is when the router's call reached
 this worker. Outside Ray (plain-class tests) nothing is exported but the counters still run.
+
+Ray drops a gauge from its export when nothing set it for a while (~30 s), so an idle
+worker's gauges would vanish: the engine thread records their values after each step and a
+heartbeat thread (:meth:`WorkerTelemetry.start_heartbeat`) sets them again every few seconds.
+Totals (preemptions) are counters, increased by what changed since the last step.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass
+from types import ModuleType
 
 import ray
 
 from worker.engine import Engine, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+GAUGE_REFRESH_S = 5.0  # well inside Ray's expiry of metrics not set for ~30 s
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeValues:
+    """The worker's gauges as of its last engine step."""
+
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    prefix_hit_rate: float = 0.0
+    tenant_quota_evictions: int = 0
 
 
 class WorkerTelemetry:
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, *, metrics_api: ModuleType | None = None) -> None:
+        """``metrics_api``: a module with ``ray.util.metrics``'s ``Gauge``, ``Counter`` and
+        ``Histogram`` (default: Ray's own when Ray is initialized, else nothing exported)."""
         self.tags = {"worker": worker_id}
         self._arrival: dict[str, float] = {}  # request id -> arrival (until first token)
         self._last: dict[str, float] = {}  # request id -> last token time
         self.ttft_count = 0
         self.itl_count = 0
-        self._exported = ray.is_initialized()
-        if self._exported:
-            from ray.util import metrics as m
-
+        self.gauges = GaugeValues()  # replaced (never mutated) by the engine thread
+        self.gauge_refreshes = 0  # times the gauges were set (steps and heartbeats)
+        self._preemptions_sent = 0  # preemptions already added to the counter
+        self._beat: threading.Thread | None = None
+        self._stop = threading.Event()
+        if metrics_api is None and ray.is_initialized():
+            from ray.util import metrics as metrics_api
+        self._exported = metrics_api is not None
+        if metrics_api is not None:
+            m = metrics_api
             keys = ("worker",)
             self.ttft = m.Histogram("kvc_ttft_seconds", "Time to first token at the worker.",
                                     boundaries=LATENCY_BUCKETS_S, tag_keys=keys)
@@ -38,7 +66,8 @@ class WorkerTelemetry:
             self.hit_rate = m.Gauge("kvc_prefix_hit_rate",
                                     "Prompt tokens served from the prefix cache / admitted.",
                                     tag_keys=keys)
-            self.preemptions = m.Gauge("kvc_preemptions", "Preemptions so far.", tag_keys=keys)
+            self.preemptions = m.Counter("kvc_preemptions", "Requests preempted.",
+                                         tag_keys=keys)
             self.quota_evictions = m.Gauge(
                 "kvc_tenant_quota_evictions",
                 "Idle cached blocks evicted because their tenant was over its cache quota.",
@@ -67,11 +96,46 @@ class WorkerTelemetry:
             if out.finished:
                 self._arrival.pop(rid, None)
                 self._last.pop(rid, None)
-        if self._exported:
-            sched, kv = engine.scheduler, engine.kv.stats()
-            self.kv_usage.set(kv.usage, self.tags)
-            self.running.set(len(sched.running), self.tags)
-            self.waiting.set(len(sched.waiting), self.tags)
-            self.hit_rate.set(kv.prefix_hit_rate, self.tags)
-            self.preemptions.set(engine.stats.num_preemptions, self.tags)
-            self.quota_evictions.set(kv.tenant_quota_evictions, self.tags)
+        sched, kv = engine.scheduler, engine.kv.stats()
+        self.gauges = GaugeValues(kv_usage=kv.usage, running=len(sched.running),
+                                  waiting=len(sched.waiting), prefix_hit_rate=kv.prefix_hit_rate,
+                                  tenant_quota_evictions=kv.tenant_quota_evictions)
+        preempted = engine.stats.num_preemptions - self._preemptions_sent
+        if preempted > 0:
+            self._preemptions_sent += preempted
+            if self._exported:
+                self.preemptions.inc(preempted, self.tags)
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:
+        """Set every gauge to its last recorded value (any thread)."""
+        g = self.gauges
+        self.gauge_refreshes += 1
+        if not self._exported:
+            return
+        self.kv_usage.set(g.kv_usage, self.tags)
+        self.running.set(g.running, self.tags)
+        self.waiting.set(g.waiting, self.tags)
+        self.hit_rate.set(g.prefix_hit_rate, self.tags)
+        self.quota_evictions.set(g.tenant_quota_evictions, self.tags)
+
+    def start_heartbeat(self, interval_s: float = GAUGE_REFRESH_S) -> None:
+        """Refresh the gauges every ``interval_s`` from a daemon thread, steps or not."""
+        if self._beat is not None:
+            return
+
+        def beat() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.refresh_gauges()
+                except Exception:  # noqa: BLE001, S112 - metrics never take a worker down
+                    continue
+
+        self._beat = threading.Thread(target=beat, name="kvc-gauges", daemon=True)
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2.0)
+            self._beat = None

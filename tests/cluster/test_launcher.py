@@ -8,17 +8,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cluster.client import KVClusterClient
 from cluster.launcher import group_alive
 from tests.cluster.conftest import ENGINE
+from tests.cluster.sockets import descendants, listeners, process_group
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+
+def _dashboard_ports(pids: set[int]) -> set[int]:
+    """The ``--port`` of Ray's dashboard process among ``pids`` (it runs even without the
+    dashboard, as the jobs API server, but must not serve the dashboard's port then)."""
+    out = set()
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"dashboard/dashboard.py") for a in argv):
+            out |= {int(a[7:]) for a in argv if a.startswith(b"--port=")}
+    return out
 
 
 def test_up_generate_status_down(tmp_path: Path) -> None:
     name = f"updown-{os.getpid()}"
-    cfg = {"name": name, "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1,
-                                     "engine": ENGINE}, "router": {"port": 0}}
+    cfg = {"name": name, "dashboard": False, "model": {"tiny_family": "llama"},
+           "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
+           "router": {"port": 0}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "KVCLUSTER_STATE_DIR": str(tmp_path)}
     cli = [sys.executable, "-m", "cluster.cli"]
@@ -36,6 +55,30 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         st = subprocess.run([*cli, "status", "--name", name], env=env, capture_output=True,
                             text=True, timeout=120)
         assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
+        # every port of the head, its workers and routers and Redis is on loopback
+        pids = process_group(state["ray_pid"]) | descendants(state["redis_pid"])
+        mine = listeners(pids)
+        assert {"gcs_server", "raylet", "redis-server"} <= {e.command for e in mine}, mine
+        assert not [e for e in mine if not e.loopback], mine
+        # dashboard: false means no dashboard
+        assert state["dashboard_url"] is None and "dashboard      : off" in up.stdout
+        assert not _dashboard_ports(pids) & {e.port for e in mine}
+        # the Ray CLI works against the head as `up` says (token auth, README)
+        hint = (f"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status "
+                f"--address {state['ray_address']}")
+        assert hint in up.stdout
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        ray_status = subprocess.run(
+            [ray_cli, "status", "--address", state["ray_address"]],
+            env={**env, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+            capture_output=True, text=True, timeout=120)
+        assert ray_status.returncode == 0 and "Resources" in ray_status.stdout, (
+            ray_status.stdout[-2000:] + ray_status.stderr[-2000:])
+        gen = subprocess.run([*cli, "generate", "--name", name, "--chat", "Hi!", "--system",
+                              "Be brief.", "--max-tokens", "3"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        # rendered with the tiny model's ChatML template (Tokenizer.encode_chat: 32 tokens)
+        assert gen.returncode == 0 and "prompt 32 tokens" in gen.stdout, gen.stderr[-3000:]
     finally:
         down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True,
                               text=True, timeout=120)

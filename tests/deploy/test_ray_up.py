@@ -124,7 +124,7 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
     gcs_port, dash_port, grpc_port = free_port(), free_port(), free_port()
     kv_config = tmp / "kvcluster.yaml"
     kv_config.write_text(yaml.safe_dump({
-        "name": name, "dashboard": False,
+        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
         "workers": {"num_workers": 1, "num_cpus_per_worker": 0.5,
                     "engine": {"num_blocks": 64, "max_num_seqs": 4}},
         "router": {"num_routers": 1, "host": "127.0.0.1", "port": grpc_port}}))

@@ -93,3 +93,24 @@ def test_latency_metrics_count_every_token() -> None:
     assert m.ttft.count == 3 and m.itl.count == 3 * 4
     assert 0 < m.ttft.p50 <= m.ttft.p99 and m.itl.p50 > 0
     assert m.generation_tokens == 15 and m.num_finished == 3 and m.prompt_tokens == 16
+
+
+def test_penalties_reach_the_sampler_through_the_engine() -> None:
+    """Greedy with penalties equals stepping the fake model's logits with the penalty rules."""
+    engine = make()
+    params = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True,
+        presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3,
+    )  # fmt: skip
+    got = tokens(engine, params)
+    ctx, out = list(PROMPT), []
+    for _ in range(12):
+        logits = context_logits(ctx, 64).clone()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=64).float()
+        for t in set(ctx):
+            logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+        logits -= 1.5 * counts + 0.5 * (counts > 0).float()
+        out.append(int(logits.argmax()))
+        ctx.append(out[-1])
+    assert got == out
+    assert got != tokens(make(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

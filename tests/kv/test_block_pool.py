@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from worker.kv.block_pool import BlockPool, BlockPoolError, FreeBlockQueue, KVBlock
 from worker.kv.events import BlockRemoved, BlockStored
 from worker.kv.hashing import BlockKey
 
@@ -32,12 +32,12 @@ def test_free_queue_push_pop_remove_exact_order() -> None:
 def test_free_queue_rejects_double_insert_and_foreign_remove() -> None:
     blocks = [KVBlock(i) for i in range(2)]
     q = FreeBlockQueue(blocks[:1])
-    with pytest.raises(AssertionError, match="already in the free queue"):
+    with pytest.raises(BlockPoolError, match="already in the free queue"):
         q.append(blocks[0])
-    with pytest.raises(AssertionError, match="not in the free queue"):
+    with pytest.raises(BlockPoolError, match="not in the free queue"):
         q.remove(blocks[1])
     q.popleft()
-    with pytest.raises(AssertionError, match="empty"):
+    with pytest.raises(BlockPoolError, match="empty"):
         q.popleft()
 
 

@@ -24,3 +24,16 @@ def test_model_decode_benchmark_smoke(tmp_path, monkeypatch, capsys):
     assert headline["greedy_match"] is True  # same greedy tokens as transformers
     assert {"ours_tok_s_b1", "hf_tok_s_b3", "ratio_b3"} <= headline.keys()
     assert (tmp_path / "results" / "model_decode.png").stat().st_size > 0
+
+
+def test_gpu_engine_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    """On the CPU: the engine part of the GPU benchmark at its smoke size."""
+    pytest.importorskip("transformers")
+    from benchmarks.gpu_engine import main
+
+    monkeypatch.setenv("KVCLUSTER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path / "results"))
+    main(["--smoke", "--skip-kernels"])
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert headline["model"] == "tiny" and headline["engine_tok_s"] > 0
+    assert headline["decode_step_ms"] > 0 and headline["speedup_vs_transformers"] > 0

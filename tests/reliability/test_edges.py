@@ -84,7 +84,8 @@ def test_malformed_reason_names_nested_string_fields() -> None:
 
 
 def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
-    assert tenant_salt(None, "") is None and tenant_salt("", "s") == "s"
+    assert tenant_salt(None, "") is None and tenant_salt("", "s") == tenant_salt(None, "s")
+    assert tenant_salt("", "s") != tenant_salt("", "t")
     assert tenant_salt("alice", "") == "tenant:alice"
     forged = tenant_salt("bob", tenant_salt("alice", ""))  # bob asks for alice's salt
     assert forged.startswith("tenant:bob#") and forged != tenant_salt("alice", "")

@@ -35,3 +35,15 @@ def test_within_limits_passes_and_defaults_are_wider() -> None:
     spec = spec_from_pb(req, limits=LIMITS)
     assert spec.params.n == 4 and spec.params.stop == ("a", "b") and spec.request_id == "r1"
     spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=16)))  # default max_n
+
+
+def test_penalties_cross_the_wire_and_are_bounded() -> None:
+    params = pb.SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2)
+    spec = spec_from_pb(pb.GenerateRequest(text="x", params=params))
+    assert spec.params.presence_penalty == 0.5 and spec.params.frequency_penalty == -1.0
+    assert spec.params.repetition_penalty == pytest.approx(1.2)
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                         ("repetition_penalty", 0.0)):  # fmt: skip
+        with pytest.raises(InvalidRequest) as info:
+            spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(**{field: value})))
+        assert info.value.field == field

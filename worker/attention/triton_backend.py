@@ -2,12 +2,11 @@
 
 Why not ``vllm-flash-attn`` (what DESIGN.md first planned)
 ---------------------------------------------------------
-* Its only PyPI release, 2.6.2 (Sept 2024), is a binary built against and pinned to
+* Its last PyPI release, 2.6.2 (Sept 2024), is a binary built against and pinned to
   ``torch==2.4.0``. This project runs ``torch==2.13.0``: installing it would downgrade torch
-  (or fail to import with an ABI mismatch), so it cannot be the ``gpu`` extra.
-* Its paged (``block_table``) API requires a page size that is a multiple of 256 tokens, while
-  the KV manager and prefix cache work in blocks of 16 (the default): 256-token blocks would
-  cut prefix-cache hits to whole 256-token units and waste up to 255 slots per sequence.
+  (or fail to import with an ABI mismatch), so it cannot be the ``gpu`` extra. That pin is the
+  one blocker: the fork's paged (``block_table``) API accepts block sizes in multiples of 16,
+  which fits the KV manager's blocks (16 by default).
 * Upstream ``flash-attn`` is a source distribution compiled against the local torch (a long
   nvcc build, or a prebuilt wheel fetched from outside the registry at install time), which
   the offline install of this project cannot rely on.
@@ -22,7 +21,7 @@ What a user choosing a backend must know
   products, exact up to summation order), bfloat16, float16. The first call of each shape
   pays a JIT compile (cached on disk by Triton afterwards).
 * A ``vllm-flash-attn`` backend could be registered next to these once a release for the
-  project's torch exists; it would require ``block_size % 256 == 0``.
+  project's torch exists (``block_size`` a multiple of 16).
 """
 
 from __future__ import annotations
@@ -72,4 +71,5 @@ class TritonAttentionBackend(AttentionBackend):
             prepared.max_query_len,
             self.scale,
             sliding_window,
+            max_seq_len=prepared.max_seq_len,
         )

@@ -18,16 +18,42 @@ parent). Mirrored exactly, because ties and the stopping heuristics decide the o
   else the current length) with the worst finished score;
 * stop when no improvement is possible, or all slots are finished and
   ``early_stopping is True``, or every candidate hit.
+
+Finished hypotheses are RANKED in log space: for a log-probability sum ``s < 0`` the score
+``s / len ** p`` orders like ``p * log(len) - log(-s)``, which cannot overflow for any
+length penalty (``len ** p`` does: ``9 ** 2000`` raises ``OverflowError``), and an empty
+slot is an explicit flag, not a sentinel score a real hypothesis could fall below (with a
+negative penalty a real score can be far below -1e9). The reported score is computed from the
+same logarithms in float64, clamped to the finite range.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
-NEG = -1.0e9  # transformers' "never pick this" score offset
+NEG = -1.0e9  # transformers' "never pick this" offset for running beams that hit a stop
+_INF = float("inf")
+
+
+def rank_key(logprob_sum: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
+    """Monotone in ``logprob_sum / length ** length_penalty`` (log-prob sums are <= 0), float64,
+    finite or +-inf but never an overflow: +inf for a sum of 0, -inf for an impossible one."""
+    lp = logprob_sum.double()
+    return length_penalty * math.log(length) - torch.log(-lp)
+
+
+def beam_score(logprob_sum: float, length: int, length_penalty: float) -> float:
+    """``logprob_sum / length ** length_penalty`` without overflow, clamped to finite floats."""
+    if logprob_sum >= 0.0:
+        return 0.0
+    log_mag = math.log(-logprob_sum) - length_penalty * math.log(length)
+    big = sys.float_info.max
+    return -math.exp(log_mag) if log_mag < math.log(big) else -big
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +83,10 @@ class BeamSearch:
         self.stop_ids = frozenset(stop_ids)
         self.keep = max(2, 1 + len(self.stop_ids)) * width
         self.running_scores = torch.zeros(1)  # cumulative logprob per live beam, best first
-        self.finished_scores = torch.full((width,), NEG)  # slots, best first
+        # finished slots, best first: rank key (see rank_key), logprob sum, length, flag
+        self.finished_keys = torch.full((width,), -_INF, dtype=torch.float64)
+        self.finished_sums = torch.zeros(width)
+        self.finished_lens = [1] * width
         self.finished_flags = torch.zeros(width, dtype=torch.bool)
         self.finished_tokens: list[list[int] | None] = [None] * width
         self._improvable = True  # the early-stop heuristic is not satisfied yet
@@ -87,22 +116,31 @@ class BeamSearch:
         self.running_scores = running_lp[nxt]
         next_beams = [(parents[i], tokens[i]) for i in nxt.tolist()]
 
-        scores = top_lp / ((gen_len + 1) ** self.length_penalty)
+        # an impossible candidate (-inf: every token banned) never counts as finished
+        just_finished = hits & (torch.arange(k) < self.width) & (top_lp > -_INF)
         if bool(self.finished_flags.all()) and self.early_stopping is True:
-            scores = scores + NEG
+            just_finished[:] = False
         if not self._improvable:
-            scores = scores + NEG
-        just_finished = hits & (torch.arange(k) < self.width)
-        scores = scores + (~just_finished).to(torch.float32) * NEG
-        merged_scores = torch.cat((self.finished_scores, scores))
-        merged_flags = torch.cat((self.finished_flags, just_finished))
+            just_finished[:] = False
+        m = min(self.width, k)  # only the first width candidates can finish
+        keys = rank_key(top_lp[:m], gen_len + 1, self.length_penalty)
+        merged_keys = torch.cat((self.finished_keys, torch.where(just_finished[:m], keys, -_INF)))
+        merged_flags = torch.cat((self.finished_flags, just_finished[:m]))
+        # best first; an empty slot ranks below every finished hypothesis, whatever its score
+        flags_l, keys_l = merged_flags.tolist(), merged_keys.tolist()
+        order = sorted(range(len(keys_l)), key=lambda i: (not flags_l[i], -keys_l[i], i))
+        order = order[: self.width]
+        merged_sums = torch.cat((self.finished_sums, top_lp[:m]))
+        merged_lens = self.finished_lens + [gen_len + 1] * m
         merged_tokens = self.finished_tokens + [
-            [*outputs[p], t] for p, t in zip(parents, tokens, strict=True)
+            [*outputs[p], t] for p, t in zip(parents[:m], tokens[:m], strict=True)
         ]
-        sel = torch.topk(merged_scores, self.width)[1]
-        self.finished_scores = merged_scores[sel]
+        sel = torch.tensor(order)
+        self.finished_keys = merged_keys[sel]
+        self.finished_sums = merged_sums[sel]
         self.finished_flags = merged_flags[sel]
-        self.finished_tokens = [merged_tokens[i] for i in sel.tolist()]
+        self.finished_lens = [merged_lens[i] for i in order]
+        self.finished_tokens = [merged_tokens[i] for i in order]
 
         self._update_heuristic(gen_len + 1)
         all_finished = bool(self.finished_flags.all())
@@ -118,9 +156,10 @@ class BeamSearch:
             best_len = self.max_new_tokens
         else:
             best_len = gen_len
-        best_possible = self.running_scores[0] / (best_len**self.length_penalty)
-        worst = torch.where(self.finished_flags, self.finished_scores.min(), NEG)
-        self._improvable = self._improvable and bool((best_possible > worst).any())
+        if not bool(self.finished_flags.all()):
+            return  # an empty slot: a live beam can always still improve the result
+        best_possible = rank_key(self.running_scores[:1], best_len, self.length_penalty)[0]
+        self._improvable = self._improvable and bool(best_possible > self.finished_keys.min())
 
     def results(self, n: int) -> list[BeamHypothesis]:
         """The best ``n`` finished hypotheses, best first."""
@@ -130,16 +169,20 @@ class BeamSearch:
             if toks is None or not bool(self.finished_flags[i]):
                 continue
             hit = bool(toks) and toks[-1] in self.stop_ids
-            out.append(BeamHypothesis(toks, float(self.finished_scores[i]), hit))
+            score = beam_score(float(self.finished_sums[i]), self.finished_lens[i],
+                               self.length_penalty)
+            out.append(BeamHypothesis(toks, score, hit))
         return out
 
     def give_up(self, outputs: Sequence[list[int]]) -> None:
         """End early (KV capacity): live beams become hypotheses if nothing finished yet."""
         if not bool(self.finished_flags.any()) and outputs:
-            lp = self.length_penalty
             n = max(len(outputs[0]), 1)
             for i, toks in enumerate(outputs[: self.width]):
                 self.finished_tokens[i] = list(toks)
-                self.finished_scores[i] = float(self.running_scores[i]) / n**lp
+                self.finished_sums[i] = self.running_scores[i]
+                self.finished_lens[i] = n
+                self.finished_keys[i] = rank_key(self.running_scores[i : i + 1], n,
+                                                 self.length_penalty)[0]
                 self.finished_flags[i] = True
         self.done = True

@@ -92,6 +92,26 @@ class EngineConfig(BaseModel):
         description="Attention backend (runner): auto, torch, cpu or triton; auto picks the "
         "fastest usable one (triton on CUDA, the native cpu kernels on the CPU).",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay decode steps from CUDA graphs captured at start-up per batch-size "
+        "bucket (CUDA with the triton backend only; ignored elsewhere).",
+    )
+
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapter slots on the device: adapters that can run in one batch. "
+        "Requests of an adapter that finds every slot used by running requests wait.",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="Largest LoRA rank r served; slots are sized for it."
+    )
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters registered at start: name -> PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors). More can be added at run time.",
+    )
 
     @field_validator("policy")
     @classmethod

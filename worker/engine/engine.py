@@ -68,6 +68,9 @@ class Engine:
         self.stats = MetricsRecorder()
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
+        self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
+        for name, path in config.lora_adapters.items():
+            self.add_lora(name, path)
         self.processor = OutputProcessor(
             kv=self.kv, scheduler=self.scheduler, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
             stats=self.stats, requests=self.requests, seed=config.seed,
@@ -85,16 +88,33 @@ class Engine:
             num_blocks=config.num_blocks,
             kv_memory_bytes=config.kv_memory_bytes,
             attn_backend=config.attn_backend,
+            cuda_graph_max_batch=config.max_num_seqs if config.cuda_graphs else 0,
             host_kv_bytes=config.host_kv_bytes,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
         return cls(executor, config)
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
+        its stable id, the ``lora_id`` of its requests' block keys. Raises ``LoraError``
+        (a ``ValueError``) for a folder this model cannot serve."""
+        adapter_id = self.executor.add_lora(name, str(path))
+        self.loras[name] = adapter_id
+        return adapter_id
 
     # ---- requests ------------------------------------------------------------------------
 
     def hash_context(self, params: SamplingParams) -> HashContext:
         """What a request's block keys are salted with (model id, LoRA id, tenant salt); a pure
         function of config and params, so callers may use it without the engine's lock."""
-        return HashContext(self.config.model_id, None, params.cache_salt)
+        lora_id = None
+        if params.lora is not None:
+            lora_id = self.loras.get(params.lora)
+            if lora_id is None:
+                served = ", ".join(sorted(self.loras)) or "none"
+                raise InvalidRequest("lora", params.lora, f"unknown adapter; served: {served}")
+        return HashContext(self.config.model_id, lora_id, params.cache_salt)
 
     def add_request(
         self,
@@ -117,7 +137,7 @@ class Engine:
         validate_request(
             prompt_ids, params, config=self.config, vocab_size=self.executor.vocab_size,
             max_model_len=self.max_model_len, num_blocks=self.kv.num_blocks,
-            has_tokenizer=self.tokenizer is not None,
+            has_tokenizer=self.tokenizer is not None, eos_ids=self.eos_ids,
         )  # fmt: skip
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
@@ -160,8 +180,20 @@ class Engine:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + model step; return the news of every request that changed."""
+        """Run one scheduling + model step; return the news of every request that changed.
+
+        Never raises for one request's sake: a request whose processing fails ends with an
+        error (see ``OutputProcessor.fail``); an error outside any one request (the scheduler,
+        the model) fails the running requests and the engine goes on serving. Only an error
+        while failing them propagates (the engine's state cannot be trusted then)."""
         outputs, self._pending = self._pending, []
+        try:
+            return self._step(outputs)
+        except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
+            log.exception("engine step failed; aborting the running requests")
+            return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_swap_preemptions += len(sched.swapped)
@@ -186,12 +218,20 @@ class Engine:
                 changed = self.processor.process(sched, logits)
         for req in sched.doomed:
             if not req.finished:
-                self.processor.finish_capacity(req)
                 changed[req.request_id] = req
+                self.processor.guarded(req, lambda r=req: self.processor.finish_capacity(r))
         now = time.monotonic()
         for req in changed.values():
-            outputs.append(self.processor.output(req, now))
+            outputs.append(self._output(req, now))
         return outputs
+
+    def _output(self, req: Request, now: float) -> RequestOutput:
+        try:
+            return self.processor.output(req, now)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the step
+            self.processor.fail(req, exc)
+            error = req.error or f"{type(exc).__name__}: {exc}"
+            return RequestOutput(req.request_id, [], True, req.usage(), error)
 
     def _fail_running(self, error: str) -> list[RequestOutput]:
         failed = []

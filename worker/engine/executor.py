@@ -14,6 +14,7 @@ from worker.engine.sched_output import ScheduledChunk
 from worker.kv import TierTransfers
 
 if TYPE_CHECKING:
+    from worker.model.lora import LoraAdapter
     from worker.model.runner import ModelRunner
 
 
@@ -46,13 +47,30 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32."""
+        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
+        model's device (the sampler runs there)."""
+
+    def add_lora(self, name: str, path: str) -> str:
+        """Register a PEFT adapter folder under ``name``; return its stable adapter id.
+        A chunk whose request names the adapter (``params.lora``) runs with it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
+
+    def loaded_loras(self) -> list[str]:
+        """Names of the adapters in device slots now (engine thread)."""
+        return []
 
 
 class RunnerExecutor(ModelExecutor):
     """:class:`worker.model.runner.ModelRunner` behind the executor interface."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: TokenizerLike | None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: TokenizerLike | None,
+        *,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+    ) -> None:
         from worker.model.runner import SeqChunk  # local: keep engine imports light
 
         self._chunk_cls = SeqChunk
@@ -68,6 +86,8 @@ class RunnerExecutor(ModelExecutor):
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self.tokenizer = tokenizer
         self.num_host_blocks = runner.num_host_blocks
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._loras: dict[str, LoraAdapter] = {}  # registered adapters (host weights)
 
     @classmethod
     def from_model_dir(
@@ -80,7 +100,10 @@ class RunnerExecutor(ModelExecutor):
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
         host_kv_bytes: int = 0,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> RunnerExecutor:
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
@@ -93,9 +116,26 @@ class RunnerExecutor(ModelExecutor):
             num_blocks=num_blocks,
             kv_memory_bytes=kv_memory_bytes,
             attn_backend=attn_backend,
+            cuda_graph_max_batch=cuda_graph_max_batch,
             host_kv_bytes=host_kv_bytes,
         )
-        return cls(runner, Tokenizer.from_dir(model_dir))
+        return cls(runner, Tokenizer.from_dir(model_dir), max_loras=max_loras,
+                   max_lora_rank=max_lora_rank)  # fmt: skip
+
+    def add_lora(self, name: str, path: str) -> str:
+        from worker.model.lora import LoraError, load_adapter
+
+        adapter = load_adapter(name, path, self.runner.config, self.max_lora_rank)
+        old = self._loras.get(name)
+        if old is not None and old.adapter_id != adapter.adapter_id:
+            raise LoraError(f"adapter {name!r} is registered with other weights "
+                            f"({old.adapter_id}); register the new ones under a new name")
+        self.runner.enable_lora(self.max_loras, self.max_lora_rank)
+        self._loras[name] = adapter
+        return adapter.adapter_id
+
+    def loaded_loras(self) -> list[str]:
+        return list(self.runner.lora.slot_of) if self.runner.lora is not None else []
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
@@ -114,5 +154,7 @@ class RunnerExecutor(ModelExecutor):
             )
             for c in chunks
         ]
-        logits = self.runner.execute(self.runner.build_input(seqs))
-        return logits.float().cpu()
+        adapters = [self._loras[c.req.params.lora] if c.req.params.lora else None
+                    for c in chunks] if self._loras else None  # fmt: skip
+        # Logits stay on the runner's device: the sampler works there and sends back only ids.
+        return self.runner.execute(self.runner.build_input(seqs), adapters).float()

@@ -7,7 +7,9 @@ lock for a whole step. Validation errors (``InvalidRequest``) and ``EngineOverlo
 raised in the caller's thread, before anything is queued.
 
 The worker actor wraps this class; ``on_step`` is its hook to drain KV events and publish load
-after every step.
+after every step, ``on_death`` its hook for a loop that died (the engine failed in a way it
+could not contain; one request's failure never does that): every stream then ends with the
+error, new requests are refused, and the worker takes itself down to be restarted.
 """
 
 from __future__ import annotations
@@ -110,13 +112,16 @@ class StreamingEngine:
         engine: Engine,
         *,
         on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.5,
     ) -> None:
         """``on_step(engine, outputs)`` runs in the engine thread after every step, with the
         engine lock held: it may read the engine (drain KV events, metrics) but must not call
-        this front."""
+        this front; if it raises, the error is logged and the loop goes on. ``on_death(exc)``
+        runs in the engine thread once, after the loop died and every stream was ended."""
         self.engine = engine
         self._on_step = on_step
+        self._on_death = on_death
         self._idle_wait = idle_wait_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -181,9 +186,11 @@ class StreamingEngine:
         loop: asyncio.AbstractEventLoop | None,
         prompt_keys: Sequence[BlockKey] | None = None,
     ) -> RequestStream:
-        if self._stopping or self._thread is None:
-            raise EngineStopped("the streaming engine is not running (call start())")
-        with self._lock:
+        with self._lock:  # checked under the lock: a dying loop takes the streams under it
+            if self.error is not None:
+                raise EngineStopped(f"the engine loop died: {self.error!r}")
+            if self._stopping or self._thread is None:
+                raise EngineStopped("the streaming engine is not running (call start())")
             rid = self.engine.add_request(
                 prompt, params, request_id=request_id, prompt_keys=prompt_keys
             )
@@ -215,7 +222,7 @@ class StreamingEngine:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
                     if busy and self._on_step is not None:
-                        self._on_step(self.engine, outputs)
+                        self._hook(outputs)
                 self._dispatch(outputs)
                 if not busy:
                     self._wake.wait(self._idle_wait)
@@ -223,9 +230,23 @@ class StreamingEngine:
             log.exception("engine loop died")
             self.error = exc
             self._stopping = True
-            for stream in list(self._streams.values()):
-                stream._put(exc)
-            self._streams.clear()
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream._put(EngineStopped(f"the engine loop died: {exc!r}"))
+            if self._on_death is not None:
+                self._on_death(exc)
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs (or was never started); False once it died."""
+        return self.error is None
+
+    def _hook(self, outputs: list[RequestOutput]) -> None:
+        try:
+            self._on_step(self.engine, outputs)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - publishing/telemetry must not stop the engine
+            log.exception("on_step hook failed; the engine goes on")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         gone: list[str] = []

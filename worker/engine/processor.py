@@ -3,12 +3,18 @@
 Everything here runs in the engine's thread between two forward passes. Sequences give their
 KV blocks back the moment they finish (a pruned beam, a stopped sample), not when their
 request ends.
+
+One request's failure is its own: an exception while sampling, stopping, detokenizing or
+advancing the beams of one request ends that request with an error (the gRPC edge answers
+INTERNAL with the message) and the others go on (:meth:`OutputProcessor.fail`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +26,8 @@ from worker.engine.sampler import SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.kv import KVCacheManager
+
+log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -51,6 +59,23 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.skip_special_tokens)
         return OutputText(detok, p.stop, p.include_stop_str_in_output)
 
+    def fail(self, req: Request, exc: BaseException) -> None:
+        """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
+        log.exception("request %s failed inside the engine; it is aborted, the engine goes on",
+                      req.request_id, exc_info=exc)
+        if not req.finished:
+            req.final_deltas.clear()
+            self.abort(req, f"internal error processing the request: {type(exc).__name__}: {exc}")
+
+    def guarded(self, req: Request, fn: Callable[[], object]) -> bool:
+        """Run one request's piece of work; False (and the request failed) if it raised."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+            self.fail(req, exc)
+            return False
+        return True
+
     def abort(self, req: Request, error: str | None) -> None:
         req.error = error
         for seq in req.seqs:
@@ -79,8 +104,8 @@ class OutputProcessor:
         self._sample(jobs, logits, changed)
         for req in beams.values():
             if all(s.pending_logits is not None for s in req.seqs):
-                self._beam_step(req)
                 changed[req.request_id] = req
+                self.guarded(req, lambda r=req: self._beam_step(r))
         return changed
 
     def _sample(
@@ -93,18 +118,48 @@ class OutputProcessor:
         for req, seq, row in jobs:
             group = [seq]
             if not req.forked:  # n > 1: the prompt is computed once, then forked
-                group += self._fork_samples(req, seq)
                 req.forked = True
+                changed[req.request_id] = req
+                fork = lambda r=req, s=seq, g=group: g.extend(self._fork_samples(r, s))  # noqa: E731
+                if not self.guarded(req, fork):
+                    continue
             for s in group:
                 targets.append((req, s))
                 rows.append(row)
-                specs.append(SampleSpec(req.params, s.generator, self._banned(req, s)))
+                spec = SampleSpec(req.params, s.generator, self._banned(req, s))
+                if req.params.has_penalties:
+                    spec.prompt_ids, spec.output_ids = s.token_ids[: s.prompt_len], s.output_ids
+                specs.append(spec)
         if not targets:
             return
-        tokens, logprobs = sample(logits[rows], specs, self._rng)
-        for (req, seq), tok, lp in zip(targets, tokens, logprobs, strict=True):
-            self._append(req, seq, tok, lp)
+        try:
+            sampled = list(zip(targets, *sample(logits[rows], specs, self._rng), strict=True))
+        except Exception:  # noqa: BLE001 - find the request that broke the batch
+            sampled = self._sample_each(targets, rows, specs, logits)
+        for (req, seq), tok, lp in sampled:
             changed[req.request_id] = req
+            if not req.finished:
+                self.guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
+
+    def _sample_each(
+        self, targets: list[tuple[Request, Sequence]], rows: list[int], specs: list[SampleSpec],
+        logits: torch.Tensor,
+    ) -> list[tuple[tuple[Request, Sequence], int, TokenLogprob | None]]:  # fmt: skip
+        """The batch failed: sample each request alone; the ones that still fail are failed."""
+        by_req: dict[str, list[int]] = defaultdict(list)
+        for i, (req, _) in enumerate(targets):
+            by_req[req.request_id].append(i)
+        out = []
+        for idx in by_req.values():
+            req = targets[idx[0]][0]
+            try:
+                toks, lps = sample(logits[[rows[i] for i in idx]], [specs[i] for i in idx],
+                                   self._rng)
+            except Exception as exc:  # noqa: BLE001
+                self.fail(req, exc)
+                continue
+            out += [(targets[i], t, p) for i, t, p in zip(idx, toks, lps, strict=True)]
+        return out
 
     def _fork_samples(self, req: Request, seq: Sequence) -> list[Sequence]:
         kids = []
@@ -135,7 +190,7 @@ class OutputProcessor:
         check = seq.num_output >= p.min_tokens
         reason: FinishReason | None = None
         stop_reason: str | int | None = None
-        if check and tok in p.stop_token_ids:
+        if check and tok in p.stop_token_set:
             reason, stop_reason = FinishReason.STOP, tok
         elif check and not p.ignore_eos and tok in self.eos_ids:
             reason = FinishReason.STOP
@@ -207,7 +262,11 @@ class OutputProcessor:
 
     def _finish_beam(self, req: Request) -> None:
         assert req.beam is not None
-        for rank, hyp in enumerate(req.beam.results(req.params.n)):
+        hyps = req.beam.results(req.params.n)
+        if not hyps:  # nothing finished (e.g. every candidate impossible): the live beams
+            req.beam.give_up([s.output_ids for s in req.seqs])
+            hyps = req.beam.results(req.params.n)
+        for rank, hyp in enumerate(hyps):
             toks = hyp.token_ids
             shown = toks[:-1] if hyp.hit_stop else toks
             text = (
@@ -216,7 +275,7 @@ class OutputProcessor:
                 else ""
             )
             reason = FinishReason.STOP if hyp.hit_stop else FinishReason.LENGTH
-            stop = toks[-1] if hyp.hit_stop and toks[-1] in req.params.stop_token_ids else None
+            stop = toks[-1] if hyp.hit_stop and toks[-1] in req.params.stop_token_set else None
             req.final_deltas.append(
                 CompletionDelta(rank, text, list(toks), None, reason, stop, hyp.score)
             )

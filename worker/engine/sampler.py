@@ -1,10 +1,16 @@
-"""Logits -> tokens for a batch of sequences with per-row parameters.
+"""Logits -> tokens for a batch of sequences with per-row parameters, on the logits' device.
 
 Greedy rows take the argmax. Random rows go through temperature, top-k, top-p and min-p,
 then draw with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw
 from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``: the
 tokens of a seeded request therefore do not depend on what else is in the batch.
-Logprobs are those of the raw model distribution (before temperature and filters).
+Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions) adjust the
+logits first, for every row that sets them, greedy rows included.
+Logprobs are those of the raw model distribution (before penalties, temperature and filters).
+
+Every step's work is batched tensor ops on the device that produced the logits (a GPU in
+production): per-row parameters go over in small copies, and only the sampled ids (plus the
+logprobs a request asked for) come back, through pinned memory with one synchronisation.
 """
 
 from __future__ import annotations
@@ -25,6 +31,59 @@ class SampleSpec:
     params: SamplingParams  # the request's parameters
     generator: torch.Generator | None  # private RNG (seeded requests), else the engine's
     banned: tuple[int, ...] = ()  # token ids masked out (EOS / stop ids before min_tokens)
+    prompt_ids: Sequence[int] = ()  # read only when the request sets penalties
+    output_ids: Sequence[int] = ()
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` in one (non-blocking, pinned on CUDA) copy."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Device tensors on the host with one synchronisation (pinned buffers on CUDA)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors)
+    out = []
+    for t in tensors:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        out.append(buf)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
+
+
+def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` occurrence counts of each row's ids (one padded copy over)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = _to_device([list(r) + [vocab] * (width - len(r)) for r in rows], torch.long, device)
+    counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
+    if width:
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]  # the last column took the padding
+
+
+def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    rows = [i for i, s in enumerate(specs) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    chosen = [specs[i] for i in rows]
+    idx = _to_device(rows, torch.long, device)
+    sub = logits.index_select(0, idx)
+    out_counts = _token_counts([s.output_ids for s in chosen], vocab, device)
+    if any(s.params.repetition_penalty != 1.0 for s in chosen):
+        seen = (out_counts > 0) | (_token_counts([s.prompt_ids for s in chosen], vocab, device) > 0)
+        rep = _to_device([s.params.repetition_penalty for s in chosen], sub.dtype, device)
+        rep = rep.unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = _to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
+    pres = _to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
+    sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(sub.dtype)
+    return logits.index_copy(0, idx, sub)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
@@ -34,10 +93,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = torch.tensor(ks, device=logits.device)
+    k = _to_device(ks, torch.long, logits.device)
     kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    p = torch.tensor(ps, dtype=logits.dtype, device=logits.device)
+    p = _to_device(ps, logits.dtype, logits.device)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1 - p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
@@ -45,51 +104,89 @@ def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
+def _race(
+    probs: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
+) -> torch.Tensor:
+    """``E ~ Exp(1)`` per cell. A seeded row draws from its own generator (on that generator's
+    device, so a seed gives the same tokens whatever the batch); unseeded rows share the
+    engine's, drawn in one call when it lives on another device than the logits."""
+    race = torch.empty_like(probs)
+    device = probs.device
+    shared: list[int] = []
+    for i, spec in enumerate(specs):
+        gen = spec.generator or default
+        if gen.device == device:
+            race[i].exponential_(generator=gen)
+        elif spec.generator is not None:
+            row = torch.empty(probs.shape[-1], dtype=probs.dtype, device=gen.device)
+            race[i].copy_(row.exponential_(generator=gen), non_blocking=True)
+        else:
+            shared.append(i)
+    if shared:
+        seed = int(torch.randint(2**62, (), generator=default))
+        local = torch.Generator(device=device).manual_seed(seed)
+        idx = _to_device(shared, torch.long, device)
+        draw = torch.empty((len(shared), probs.shape[-1]), dtype=probs.dtype, device=device)
+        race.index_copy_(0, idx, draw.exponential_(generator=local))
+    return race
+
+
 def _sample_random(
     logits: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
 ) -> torch.Tensor:
-    temps = torch.tensor([s.params.temperature for s in specs], dtype=logits.dtype)
+    temps = _to_device([s.params.temperature for s in specs], logits.dtype, logits.device)
     logits = _apply_top_k_top_p(logits / temps.unsqueeze(1), specs)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([s.params.min_p for s in specs], dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    if any(s.params.min_p > 0 for s in specs):
+        min_p = _to_device([s.params.min_p for s in specs], probs.dtype, probs.device)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < cutoff, 0.0)
-    race = torch.empty_like(probs)
-    for i, spec in enumerate(specs):
-        race[i].exponential_(generator=spec.generator or default)
-    return (probs / race).argmax(dim=-1)
+    return (probs / _race(probs, specs, default)).argmax(dim=-1)
 
 
 def sample(
     logits: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` [rows, vocab] (float32); returns tokens and logprobs."""
+    """One token per row of ``logits`` [rows, vocab] (float32, on any device); returns tokens
+    and logprobs on the host."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
+    device = logits.device
     raw = logits
-    if any(s.banned for s in specs):
-        logits = logits.clone()
-        for i, spec in enumerate(specs):
-            if spec.banned:
-                logits[i, list(spec.banned)] = float("-inf")
-    tokens = torch.empty(len(specs), dtype=torch.long)
+    logits = _apply_penalties(logits, specs)
+    banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
+    if banned_rows:
+        cells = [banned_rows, [t for s in specs for t in s.banned]]
+        logits = logits.index_put(
+            tuple(_to_device(cells, torch.long, device)),
+            torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
+        )
     greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
     rand = [i for i, s in enumerate(specs) if not s.params.is_greedy]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    if rand:
-        tokens[rand] = _sample_random(logits[rand], [specs[i] for i in rand], default)
-    token_list = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = [None] * len(specs)
+    if not rand:
+        tokens = logits.argmax(dim=-1)
+    elif not greedy:
+        tokens = _sample_random(logits, specs, default)
+    else:
+        tokens = torch.empty(len(specs), dtype=torch.long, device=device)
+        g_idx = _to_device(greedy, torch.long, device)
+        r_idx = _to_device(rand, torch.long, device)
+        tokens.index_copy_(0, g_idx, logits.index_select(0, g_idx).argmax(dim=-1))
+        picked = _sample_random(logits.index_select(0, r_idx), [specs[i] for i in rand], default)
+        tokens.index_copy_(0, r_idx, picked)
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
-    if want:
-        lp = raw[want].log_softmax(dim=-1)
-        for row, i in enumerate(want):
-            k = specs[i].params.logprobs
-            top = lp[row].topk(k) if k else None
-            logprobs[i] = TokenLogprob(
-                token_list[i],
-                float(lp[row, token_list[i]]),
-                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else (),
-            )
+    if not want:
+        (host_tokens,) = _to_host(tokens)
+        return host_tokens.tolist(), [None] * len(specs)
+    w_idx = _to_device(want, torch.long, device)
+    lp = raw.index_select(0, w_idx).log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1)
+    top_v, top_i = lp.topk(max(specs[i].params.logprobs for i in want))
+    host_tokens, chosen, top_v, top_i = _to_host(tokens, chosen, top_v, top_i)
+    token_list = host_tokens.tolist()
+    chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * len(specs)
+    for row, i in enumerate(want):
+        k = specs[i].params.logprobs
+        top = tuple(zip(top_il[row][:k], top_vl[row][:k], strict=True)) if k else ()
+        logprobs[i] = TokenLogprob(token_list[i], chosen_l[row], top)
     return token_list, logprobs

@@ -162,11 +162,17 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         out = self._out
+        # LoRA adapters of running requests: each holds a device slot while it runs
+        adapters = {r.params.lora for r in self.running if r.params.lora is not None}
         for req in list(self.waiting):
             if self._budget == 0:
                 break
             if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
                 break
+            lora = req.params.lora
+            if lora is not None and lora not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    continue  # every slot is in use: wait for one, let others pass
             outcome: Outcome = "wait"
             for seq in _work(req):
                 outcome = self._schedule_seq(req, seq, admit=True) if self._budget else "wait"
@@ -177,6 +183,8 @@ class Scheduler:
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
             self._unqueue(req)
+            if lora is not None:
+                adapters.add(lora)
             self.running.append(req)
             out.admitted.append(req.request_id)
             if req.status is RequestStatus.PREEMPTED:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from worker.engine.config import EngineConfig
 from worker.engine.errors import InvalidRequest
@@ -18,6 +18,7 @@ def validate_request(
     max_model_len: int,
     num_blocks: int,
     has_tokenizer: bool,
+    eos_ids: Collection[int] = (),
 ) -> None:
     """Raise :class:`InvalidRequest` if the request can never be served by this engine."""
     n = len(prompt_ids)
@@ -58,5 +59,12 @@ def validate_request(
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={vocab_size}")
+    if params.min_tokens > 0:  # before min_tokens, EOS and the stop ids are masked out
+        banned = params.stop_token_set | (set() if params.ignore_eos else set(eos_ids))
+        if len(banned) >= vocab_size:
+            raise InvalidRequest(
+                "stop_token_ids", f"<{len(params.stop_token_ids)} ids>",
+                f"with min_tokens={params.min_tokens} they and EOS ban every token of the "
+                f"vocabulary (vocab_size={vocab_size}): nothing could be generated")
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop", list(params.stop), "stop strings need a tokenizer")

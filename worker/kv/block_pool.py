@@ -45,6 +45,14 @@ from worker.kv.events import EventLog
 from worker.kv.hashing import BlockKey
 
 
+class BlockPoolError(RuntimeError):
+    """The pool was misused (double release, double insert, popping an empty queue, ...).
+
+    Raised explicitly, not by ``assert``, so ``python -O`` keeps the checks; raised before
+    anything changes, so the free queue and the ref counts stay intact.
+    """
+
+
 class KVBlock:
     """One physical block: its id, ref count, cache key and free-queue links."""
 
@@ -95,9 +103,11 @@ class FreeBlockQueue:
         return self._len
 
     def _link_after(self, node: KVBlock, block: KVBlock) -> None:
-        assert block.prev is None, f"{block} is already in the free queue"
+        if block.prev is not None or block.next is not None:
+            raise BlockPoolError(f"{block} is already in the free queue")
         after = node.next
-        assert after is not None
+        if after is None:
+            raise BlockPoolError(f"{node} is not linked into the free queue")
         block.prev, block.next = node, after
         node.next = block
         after.prev = block
@@ -106,7 +116,8 @@ class FreeBlockQueue:
     def append(self, block: KVBlock) -> None:
         """Push to the back (evicted last)."""
         tail_prev = self._tail.prev
-        assert tail_prev is not None
+        if tail_prev is None:  # pragma: no cover - the sentinels are always linked
+            raise BlockPoolError("free queue's tail sentinel is unlinked")
         self._link_after(tail_prev, block)
 
     def appendleft(self, block: KVBlock) -> None:
@@ -116,7 +127,8 @@ class FreeBlockQueue:
     def remove(self, block: KVBlock) -> None:
         """Take ``block`` out from anywhere in the queue in O(1)."""
         prev, nxt = block.prev, block.next
-        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        if prev is None or nxt is None or block is self._head or block is self._tail:
+            raise BlockPoolError(f"{block} is not in the free queue")
         prev.next = nxt
         nxt.prev = prev
         block.prev = block.next = None
@@ -124,7 +136,8 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVBlock:
         block = self._head.next
-        assert block is not None and block is not self._tail, "free queue is empty"
+        if block is None or block is self._tail:
+            raise BlockPoolError("popleft from an empty free queue")
         self.remove(block)
         return block
 
@@ -167,7 +180,8 @@ class BlockPool:
         evicted by one call form one ``BlockRemoved`` event. A key with a twin in use is not
         evicted: the oldest twin serves it from now on.
         """
-        assert n <= len(self.free_queue), f"take_new({n}) with {len(self.free_queue)} free"
+        if not 0 <= n <= len(self.free_queue):
+            raise BlockPoolError(f"take_new({n}) with {len(self.free_queue)} free blocks")
         taken: list[KVBlock] = []
         evicted: list[BlockKey] = []
         for _ in range(n):
@@ -184,7 +198,8 @@ class BlockPool:
         """Evict an evictable cached block's key (taken out of the free queue by the caller);
         a key with a twin in use is served by the twin instead (nothing evicted)."""
         key = block.key
-        assert key is not None and block.ref_cnt == 0
+        if key is None or block.ref_cnt != 0:
+            raise BlockPoolError(f"{block} is not an evictable cached block")
         self.num_evictable -= 1
         self._forget_evictable(block)
         twins = self.twins.get(key)
@@ -240,8 +255,9 @@ class BlockPool:
         """Drop one ref on each block, in the given order (callers pass tail-first)."""
         evicted: list[BlockKey] = []
         for block in blocks:
+            if block.ref_cnt <= 0:
+                raise BlockPoolError(f"{block} released more often than taken")
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} released more often than taken"
             if block.ref_cnt == 0:
                 if block.twin_of is not None:
                     self._untwin(block)
@@ -261,7 +277,8 @@ class BlockPool:
         evictable, moves to the back of the queue: the parent stays newer than its children.
         """
         key = block.twin_of
-        assert key is not None
+        if key is None:  # pragma: no cover - the caller checked
+            raise BlockPoolError(f"{block} is not a twin")
         twins = self.twins[key]
         twins.remove(block)  # a few twins per key at most
         if not twins:
@@ -296,11 +313,14 @@ class BlockPool:
         prefix concurrently) stays uncached and becomes a twin of it (see the module docstring);
         the chain of keys continues through it.
         """
+        blocks = list(blocks)
+        for block in blocks:  # checked first: a refused call changes nothing
+            if block.key is not None or block.twin_of is not None:
+                raise BlockPoolError(f"{block} is already cached")
         run_keys: list[BlockKey] = []
         run_tokens: list[tuple[int, ...]] = []
         run_parent = parent
         for block, key, toks in zip(blocks, keys, token_ids, strict=True):
-            assert block.key is None, f"{block} is already cached"
             if key in self.cached:
                 block.twin_of, block.token_ids = key, toks
                 self.twins.setdefault(key, []).append(block)
@@ -324,7 +344,8 @@ class BlockPool:
         """Drop every key; refused (``False``, nothing changes) while any block is in use."""
         if self.num_used() > 0:
             return False
-        assert not self.twins, "a twin is always in use"
+        if self.twins:
+            raise BlockPoolError("a twin is in use although no block is")
         for block in self.cached.values():
             block.key = block.token_ids = block.tenant = block.parent = None
         self.cached.clear()

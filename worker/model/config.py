@@ -68,6 +68,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """From a Hugging Face folder's config.json, or from a ``.gguf`` file's metadata."""
+        if str(model_dir).lower().endswith(".gguf"):
+            from worker.model.gguf_file import config_from_gguf
+
+            return config_from_gguf(model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(

@@ -100,17 +100,22 @@ class ModelInput:
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs]
         seq_lens = [s.start_pos + len(s.token_ids) for s in seqs]
 
-        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
+        # One host buffer (pinned on CUDA), one non-blocking copy; the fields are views of it.
+        parts = (ids, positions, slots, logits, starts, seq_lens, [b for t in tables for b in t])
+        host = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        device = torch.device(device)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        views = flat.split([len(part) for part in parts])
         return cls(
-            input_ids=tensor(ids, torch.long),
-            positions=tensor(positions, torch.long),
-            slot_mapping=tensor(slots, torch.long),
-            query_start_loc=tensor(starts, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            logits_indices=tensor(logits, torch.long),
+            input_ids=views[0],
+            positions=views[1],
+            slot_mapping=views[2],
+            logits_indices=views[3],
+            query_start_loc=views[4].to(torch.int32),
+            seq_lens=views[5].to(torch.int32),
+            block_tables=views[6].view(len(seqs), width).to(torch.int32),
             query_lens_host=tuple(len(s.token_ids) for s in seqs),
             seq_lens_host=tuple(seq_lens),
         )

@@ -9,6 +9,8 @@ import torch
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.errors import ModelLoadError
+from worker.model.gguf_file import is_gguf
+from worker.model.gguf_weights import load_gguf_weights
 from worker.model.llama import LlamaForCausalLM
 from worker.model.weights import load_weights
 
@@ -39,7 +41,8 @@ def load_model(
     device: str | torch.device = "cpu",
     config: ModelConfig | None = None,
 ) -> LlamaForCausalLM:
-    """Load weights of ``model_dir`` into a model on ``device`` in ``dtype`` (inference mode)."""
+    """Load weights of ``model_dir`` (a Hugging Face folder or a ``.gguf`` file) into a model
+    on ``device`` in ``dtype`` (inference mode)."""
     cfg = config or ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
@@ -47,5 +50,8 @@ def load_model(
     model.to_empty(device=torch.device(device))
     model.model.rotary_emb.reset_buffers()  # float32, recomputed on the target device
     model.fuse_projections()  # before loading: the checkpoint is copied into the fused storage
-    load_weights(model, model_dir)
+    if is_gguf(model_dir):
+        load_gguf_weights(model, model_dir, cfg)
+    else:
+        load_weights(model, model_dir)
     return model.eval().requires_grad_(False)

@@ -8,17 +8,24 @@ logits of the rows it asked for.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from worker.attention import create_backend
+from worker.attention.base import AttentionMetadata
 from worker.model.config import ModelConfig
+from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
+from worker.model.lora import LoraAdapter
+from worker.model.lora_slots import LoraSlots
 
 __all__ = ["ModelInput", "ModelRunner", "SeqChunk", "KVCacheSizeError"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20  # KV budget on CPU when neither size is given
 DEFAULT_GPU_KV_FRACTION = 0.85  # of the device memory still free after loading the weights
@@ -42,6 +49,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
+        cuda_graph_max_batch: int = 0,
         host_kv_bytes: int = 0,
     ) -> None:
         if block_size < 1:
@@ -65,8 +73,15 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg
         )
+        self.lora: LoraSlots | None = None  # adapter slots, made by enable_lora
         self._num_blocks = self._size_cache(num_blocks, kv_memory_bytes)
-        shape = (self._num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        no_graphs = DecodeGraphs.supported(self.device, self.backend.name)
+        use_graphs = cuda_graph_max_batch > 0 and no_graphs is None
+        if cuda_graph_max_batch > 0 and not use_graphs:
+            log.info("CUDA graphs off: %s", no_graphs)
+        # With graphs, one extra block past num_blocks takes the padded rows' K/V writes.
+        physical = self._num_blocks + (1 if use_graphs else 0)
+        shape = (physical, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -87,6 +102,35 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers if self.num_host_blocks else 0)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = self._capture_graphs(cuda_graph_max_batch)
+
+    def _logits_of_all_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, self.kv_caches, self.backend.prepare(meta))
+        return self.model.compute_logits(hidden)
+
+    def _capture_graphs(self, max_batch: int) -> DecodeGraphs | None:
+        """Graphs for decode batches of up to ``max_batch`` sequences (the engine's
+        ``max_num_seqs``); None, with the reason logged, if capture fails."""
+        buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
+        graphs = DecodeGraphs(
+            self._logits_of_all_rows,
+            device=self.device,
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-self.config.max_position_embeddings // self.block_size),
+            pad_block=self._num_blocks,
+            buckets=buckets,
+        )
+        try:
+            with torch.inference_mode():
+                graphs.capture_all()
+        except Exception:  # a failed capture costs speed, never correctness
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            return None
+        return graphs
 
     @property
     def num_blocks(self) -> int:
@@ -171,12 +215,32 @@ class ModelRunner:
         """``ModelInput.build`` with this runner's block size and device."""
         return ModelInput.build(seqs, self.block_size, self.device)
 
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate ``max_loras`` adapter slots of rank ``max_rank`` (once; later calls return
+        the same slots)."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.model, self.config, max_loras, max_rank)
+        return self.lora
+
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
+    def execute(
+        self, batch: ModelInput, adapters: Sequence[LoraAdapter | None] | None = None
+    ) -> torch.Tensor:
         """Run one step; return float32 logits ``[len(batch.logits_indices), vocab_size]``.
 
         Writes the K/V of every new token into the cache at ``batch.slot_mapping``.
+        ``adapters``: per sequence of the batch, its LoRA adapter (None: the base model).
         """
+        lora = adapters is not None and any(a is not None for a in adapters)
+        if self.graphs is not None and not lora and self.graphs.can_run(batch):
+            return self.graphs.run(batch)  # graphs hold the base model only: LoRA runs eagerly
         prepared = self.backend.prepare(batch.attention_metadata())
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        if self.lora is not None:
+            self.lora.set_batch(adapters or [None] * len(batch.query_lens_host),
+                                batch.query_lens_host)  # fmt: skip
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_batch()
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -40,6 +40,37 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
+# End-of-turn markers of common chat templates, searched in this order (ChatML first).
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """Validate a chat: a non-empty list of {role, content} with known roles and non-empty
+    content. Returns plain dicts (what the template sees); raises ValueError naming the
+    message index, the field and the value."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError(
+            f"messages must be a list of {{role, content}}, got {type(messages).__name__}"
+        )
+    if not messages:
+        raise ValueError("messages is empty: a chat needs at least one message")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"messages has {len(messages)} entries, limit {MAX_CHAT_MESSAGES}")
+    out = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be a mapping with role and content")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role={role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError(f"messages[{i}].content is empty (role {role!r})")
+        out.append({"role": role, "content": content})
+    return out
+
+
 class Tokenizer:
     """encode / decode / chat template of one model folder."""
 
@@ -59,12 +90,26 @@ class Tokenizer:
         self.eos_token_id = self._id(eos_token)
         self.pad_token_id = self._id(pad_token)
         self.chat_template = chat_template
-        ids = [self.eos_token_id] if self.eos_token_id is not None else []
+        # The token the chat template closes each turn with; generation stops there by
+        # default (a ChatML model's eos may be <|endoftext|>, which an answer never emits).
+        self.end_of_turn_token = next(
+            (
+                t
+                for t in _END_OF_TURN_TOKENS
+                if chat_template and t in chat_template and backend.token_to_id(t) is not None
+            ),
+            None,
+        )
+        self.end_of_turn_token_id = self._id(self.end_of_turn_token)
+        ids = [i for i in (self.eos_token_id, self.end_of_turn_token_id) if i is not None]
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*ids, *extra_eos_ids]))
         self._template: jinja2.Template | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """From a Hugging Face folder, or from a ``.gguf`` file."""
+        if str(model_dir).lower().endswith(".gguf"):
+            return cls.from_gguf(model_dir)
         root = Path(model_dir)
         path = root / "tokenizer.json"
         if not path.is_file():
@@ -86,6 +131,14 @@ class Tokenizer:
             chat_template=template,
             extra_eos_ids=extra,
         )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata."""
+        from worker.model.gguf_file import tokenizer_backend_from_gguf
+
+        backend, special = tokenizer_backend_from_gguf(path)
+        return cls(backend, **special)
 
     def _id(self, token: str | None) -> int | None:
         if token is None:
@@ -109,30 +162,41 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(
+    def render_chat(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Render ``messages`` ([{"role": ..., "content": ...}]) to the prompt text.
+        """Render ``messages`` ([{"role": ..., "content": ...}]) to the prompt text with the
+        model's chat template in a sandboxed Jinja environment (as transformers does).
 
+        Raises ValueError for a model without a template, an unknown role or empty content.
         The template emits the bos token itself, so encode the result with
         ``add_special_tokens=False`` (as transformers does).
         """
         if self.chat_template is None:
-            raise ModelLoadError("this tokenizer has no chat template")
+            raise ValueError("this model has no chat template; send a plain text prompt")
+        checked = check_messages(messages)
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
             )
             env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"chat template does not compile: {exc}") from exc
+        try:
+            return self._template.render(
+                messages=checked,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:  # incl. the sandbox refusing an unsafe access
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+    apply_chat_template = render_chat  # the transformers name
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)

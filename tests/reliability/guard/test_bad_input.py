@@ -40,7 +40,15 @@ CASES = [
     ("empty-token-ids", pb.GenerateRequest(token_ids=pb.TokenIds()).SerializeToString(),
      INVALID, ["token_ids", "at least one"]),
     ("no-prompt", pb.GenerateRequest(request_id="r").SerializeToString(), INVALID,
-     ["prompt", "exactly one of text or token_ids"]),
+     ["prompt", "exactly one of text, token_ids or messages"]),
+    # chat messages (rendered with the tiny model's ChatML template)
+    ("chat-unknown-role", req([{"role": "robot", "content": "hi"}]), INVALID,
+     ["messages", "messages[0].role='robot'", "system, user, assistant"]),
+    ("chat-empty-content", req([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "  "}]), INVALID,
+     ["messages", "messages[1].content is empty"]),
+    ("chat-no-messages", pb.GenerateRequest(messages=pb.ChatMessages()).SerializeToString(),
+     INVALID, ["messages", "at least one message"]),
     ("non-utf8-text", raw_string_field(2, b"caf\xe9 au lait \xff"), INVALID, ["text", "UTF-8"]),
     ("non-utf8-request-id", req() + raw_string_field(1, b"\xc3\x28"), INVALID,
      ["request_id", "UTF-8"]),
@@ -66,6 +74,9 @@ CASES = [
     ("min-p-over-one", req(min_p=2.0), INVALID, ["min_p", "[0, 1]"]),
     ("length-penalty-nan", req(length_penalty=math.nan), INVALID,
      ["length_penalty", "finite"]),
+    # the attack of issue 13: (len + 1) ** 2000 overflowed in the engine and stopped it
+    ("beam-length-penalty-huge", req(beam_width=2, length_penalty=2000.0), INVALID,
+     ["length_penalty", "[-10, 10]"]),
     ("n-over-hard-limit", req(n=1000), INVALID, ["n", "at most 16", "router.limits.max_n"]),
     ("n-over-max-num-seqs", req(n=3), INVALID, ["n", "max_num_seqs=2"]),
     ("beam-width-over-hard-limit", req(beam_width=1000), INVALID,
@@ -87,6 +98,8 @@ CASES = [
     ("stop-string-too-long", req(stop=["y" * 300]), INVALID, ["stop", "256 characters"]),
     ("stop-token-id-over-vocab", req(stop_token_ids=[VOCAB + 7]), INVALID,
      ["stop_token_ids", f"vocab_size={VOCAB}"]),
+    ("stop-token-ids-too-many", req(stop_token_ids=list(range(50_000))), INVALID,
+     ["stop_token_ids", "<50000 ids>", "at most 128"]),
     ("logprobs-over-limit", req(logprobs=50), INVALID,
      ["logprobs", "at most 20", "router.limits.max_logprobs"]),
     ("seed-over-int63", req(seed=2**64 - 1), INVALID, ["seed", str(2**63 - 1)]),
@@ -123,6 +136,20 @@ def test_both_prompt_fields_follow_protobuf_oneof_rules(alice) -> None:
         params=pb.SamplingParams(max_tokens=2)).SerializeToString()
     msgs = raw_generate(alice.channel, data, metadata=alice.metadata)
     assert msgs[-1].usage.prompt_tokens == 3
+
+
+def test_chat_messages_are_rendered_with_the_model_template(alice) -> None:
+    from worker.model.build_tiny import build_tiny_model
+    from worker.model.tokenizer import Tokenizer
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = alice.generate(chat, max_tokens=2, temperature=0.0, ignore_eos=True,
+                         timeout=CALL_TIMEOUT_S)
+    tok = Tokenizer.from_dir(build_tiny_model(family="llama"))
+    rendered = tok.encode_chat(chat)
+    assert tok.decode(rendered, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert out.prompt_tokens == len(rendered)
+    assert out.completion_tokens == 2
 
 
 def test_unary_and_tokenize_reject_malformed_bytes_too(alice) -> None:

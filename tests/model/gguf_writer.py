@@ -1,0 +1,112 @@
+"""Write a tiny Hugging Face model folder as a GGUF file the way llama.cpp's converter does
+(Q/K rows interleaved for its rotary embedding, tokenizer and chat template as metadata), so
+the GGUF loader is tested on small files, including broken and unsupported ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFWriter
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+
+_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py ``LlamaModel.permute``."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: QType = QType.F32,
+    *,
+    arch: str = "llama",
+    tensor_types: dict[str, QType] | None = None,
+) -> Path:
+    """``tensor_types``: per GGUF tensor name, a type to store instead of ``qtype`` (as raw,
+    zero bytes: for types the loader must refuse)."""
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    w = GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    vocab = tok["model"]["vocab"]
+    tokens = [None] * cfg["vocab_size"]
+    for text, idx in vocab.items():
+        tokens[idx] = text
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    for text, idx in special.items():
+        tokens[idx] = text
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(special["<s>"])
+    w.add_eos_token_id(special["</s>"])
+    w.add_add_bos_token(True)
+    w.add_chat_template(tok_cfg["chat_template"])
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        data = tensor.astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            data = permute(data, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            data = permute(data, cfg["num_key_value_heads"])
+        target = gguf_name(name)
+        forced = (tensor_types or {}).get(target)
+        if forced is not None:
+            from gguf.constants import GGML_QUANT_SIZES
+
+            block, size = GGML_QUANT_SIZES[forced]
+            raw = np.zeros((data.shape[0], data.shape[1] // block * size), dtype=np.uint8)
+            w.add_tensor(target, raw, raw_dtype=forced)
+        elif data.ndim == 1 or qtype == QType.F32:
+            w.add_tensor(target, data)
+        else:
+            w.add_tensor(target, quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

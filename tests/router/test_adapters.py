@@ -1,0 +1,141 @@
+"""LoRA adapters in routing: id resolution, eligible workers, the adapter-load term, keys."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+
+import pytest
+
+from kvstore import WorkerLoad
+from router.adapters import resolve_adapter, serving
+from router.config import RoutingConfig
+from router.router import Router
+from router.serving import ModelLimits, ServingCore
+from router.types import RouteRequest
+from router.workers import WorkerDirectory
+from worker.engine import InvalidRequest, RequestOutput, SamplingParams, Usage
+from worker.engine.outputs import CompletionDelta, FinishReason
+from worker.kv import HashContext, block_keys
+from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+
+IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100, queued_prefill_tokens=0)
+A1, A2 = "a1@00000000000000aa", "a2@00000000000000bb"
+LOADS = {
+    "w0": replace(IDLE, lora_ids=(A1, A2), lora_loaded=(A1,)),
+    "w1": replace(IDLE, lora_ids=(A1, A2), lora_loaded=(A2,)),
+    "w2": IDLE,  # serves no adapter
+}
+PROMPT = list(range(10, 74))  # 4 blocks of 16
+
+
+def test_resolve_names_the_unknown_adapter_and_lists_the_served() -> None:
+    assert resolve_adapter("a1", LOADS) == A1
+    with pytest.raises(InvalidRequest, match="'nope'.*unknown adapter.*a1, a2"):
+        resolve_adapter("nope", LOADS)
+    with pytest.raises(InvalidRequest, match="serve: none"):
+        resolve_adapter("a1", {"w2": IDLE})
+    # workers disagree (a re-registration rolling out): the majority's id
+    newer = "a1@00000000000000cc"
+    mixed = {**LOADS, "w2": replace(IDLE, lora_ids=(newer,))}
+    assert resolve_adapter("a1", mixed) == A1
+
+
+def test_only_workers_serving_the_adapter_are_candidates() -> None:
+    assert sorted(serving(A1, LOADS)) == ["w0", "w1"]
+    assert sorted(serving(None, LOADS)) == ["w0", "w1", "w2"]
+
+
+def route(router: Router, adapter_id: str | None, loads=LOADS, rid: str = "r") -> str:
+    req = RouteRequest(rid, PROMPT, HashContext("m", adapter_id))
+    return router.route(req, serving(adapter_id, loads)).worker_id
+
+
+def test_the_worker_holding_the_adapter_wins_at_equal_load() -> None:
+    router = Router(RoutingConfig(block_size=16, pending_ttl_s=0))
+    assert route(router, A1) == "w0"
+    assert route(router, A2) == "w1"
+    # the load term outweighs the adapter-load term: a hot adapter spreads
+    busy = {**LOADS, "w0": replace(LOADS["w0"], queued_prefill_tokens=1000)}
+    assert route(router, A1, busy) == "w1"
+
+
+def test_router_keys_carry_the_adapter_and_blind_routing_drops_it() -> None:
+    aware = Router(RoutingConfig(block_size=16))
+    blind = Router(RoutingConfig(block_size=16, adapter_aware=False))
+    req = RouteRequest("r", PROMPT, HashContext("m", A1))
+    keys = aware.route(req, LOADS).keys
+    assert keys == tuple(block_keys(PROMPT, 16, HashContext("m", A1)))
+    assert set(keys).isdisjoint(block_keys(PROMPT, 16, HashContext("m", A2)))
+    assert set(keys).isdisjoint(block_keys(PROMPT, 16, HashContext("m")))
+    assert blind.route(req, LOADS).keys == tuple(block_keys(PROMPT, 16, HashContext("m")))
+
+
+class Workers(WorkerDirectory):
+    """Fixed heartbeats; each stream answers one token at once."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, WorkerRequest]] = []
+
+    async def candidates(self) -> Mapping[str, WorkerLoad]:
+        return LOADS
+
+    async def stream(self, worker_id: str, request: WorkerRequest
+                     ) -> AsyncIterator[Admitted | RequestOutput]:  # fmt: skip
+        self.requests.append((worker_id, request))
+        yield Admitted(worker_id, 1, ())
+        delta = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
+        yield RequestOutput(request.request_id, [delta], True, Usage(len(request.token_ids), 0, 1))
+
+    async def abort(self, worker_id: str, request_id: str) -> None:
+        return None
+
+    async def statuses(self) -> list[WorkerStatus]:
+        return []
+
+
+def test_serving_core_routes_by_adapter_and_rejects_unknown_ones() -> None:
+    async def main(directory: Workers) -> None:
+        core = ServingCore(Router(RoutingConfig(block_size=16, pending_ttl_s=0)), directory,
+                           ModelLimits("m", 1000, 4096, 4095))  # fmt: skip
+        for i, name in enumerate(["a2", "a1", "a2"]):
+            async for _ in core.generate(f"r{i}", PROMPT, SamplingParams(lora=name)):
+                pass
+        with pytest.raises(InvalidRequest, match="nope"):
+            async for _ in core.generate("bad", PROMPT, SamplingParams(lora="nope")):
+                pass
+        core.close()
+
+    directory = Workers()
+    asyncio.run(main(directory))
+    assert [(w, r.params.lora) for w, r in directory.requests] == [
+        ("w1", "a2"), ("w0", "a1"), ("w1", "a2"),
+    ]  # fmt: skip
+
+
+def test_heartbeat_carries_adapters_and_grpc_field_maps_to_params() -> None:
+    import json
+
+    from protos.kvcluster.v1 import kvcluster_pb2 as pb
+    from router.convert import spec_from_pb
+
+    load = LOADS["w0"]
+    assert WorkerLoad.from_dict(json.loads(json.dumps(load.to_dict()))) == load
+    assert (
+        WorkerLoad.from_dict(
+            {
+                "running": 1,
+                "waiting": 0,
+                "free_blocks": 1,
+                "total_blocks": 1,
+                "queued_prefill_tokens": 0,
+            }
+        ).lora_ids
+        == ()
+    )
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), lora="a1")
+    assert spec_from_pb(req).params.lora == "a1"
+    assert spec_from_pb(pb.GenerateRequest(text="hi")).params.lora is None
+    with pytest.raises(InvalidRequest, match="lora"):
+        spec_from_pb(pb.GenerateRequest(text="hi", lora="x" * 65))
