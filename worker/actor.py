@@ -230,6 +230,9 @@ class WorkerServer:
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
             tenant_quota_evictions=m.tenant_quota_evictions,
+            host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
+            host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
+            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
             adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
                            for i in load.lora_ids))
 

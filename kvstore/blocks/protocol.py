@@ -43,6 +43,11 @@ class WorkerStatus:
     prefix_hit_rate: float
     index_healthy: bool
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    host_total_blocks: int = 0  # host KV tier size (0: none)
+    host_cached_blocks: int = 0  # blocks the host tier holds now
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier since start
+    swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
+    recompute_preemptions: int = 0  # preemptions that dropped it
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat

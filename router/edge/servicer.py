@@ -280,6 +280,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,
                 completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
             )
             if u
             else None,
@@ -328,6 +329,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     tenant_quota_evictions=s.tenant_quota_evictions,
                     stale=s.stale,
                     heartbeat_age_s=s.heartbeat_age_s,
+                    host_total_blocks=s.host_total_blocks,
+                    host_cached_blocks=s.host_cached_blocks,
+                    host_hit_tokens=s.host_hit_tokens,
+                    swap_preemptions=s.swap_preemptions,
+                    recompute_preemptions=s.recompute_preemptions,
                     adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
                                                loaded=a.loaded) for a in s.adapters],
                     **_prediction_fields(predicted.get(s.worker_id)),

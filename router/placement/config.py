@@ -124,6 +124,14 @@ class RoutingConfig(_Strict):
         "arriving before the worker's KV events land together. 0 disables.",
     )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
+    host_hit_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A block a worker holds in its host KV tier counts as this fraction of a "
+        "device hit (it must be loaded back): routing prefers a device hit but still beats "
+        "recomputing. 0 ignores the host tier.",
+    )
     index_timeout_s: float = Field(
         0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
         "costs at most this, once per probe interval).")
