@@ -64,6 +64,8 @@ class Recorder:
         k = self.record_every
         for event in events:
             kind = event_kind(event)
+            if getattr(event, "tier", "device") != "device":
+                continue  # the Redis index records the device tier only (host: router-side)
             if kind == "C":
                 self._pos.clear()
                 ops.append(("C", ()))

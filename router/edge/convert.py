@@ -208,6 +208,7 @@ def responses_from_output(
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,
                 completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
             )
         )
     return msgs

@@ -40,5 +40,10 @@ class WorkerDirectory(ABC):
     async def statuses(self) -> list[WorkerStatus]:
         """Every reachable worker's status."""
 
+    async def resync(self, worker_id: str, reason: str) -> bool:
+        """Ask the worker to rebuild its index entries from its pool (``reason`` is logged
+        there); False when it could not be asked. Optional: the default asks nobody."""
+        return False
+
     def mark_dead(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """Stop offering ``worker_id`` until it shows a new heartbeat."""

@@ -59,7 +59,11 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
     workers = {
         f"w{i:02d}": SimWorker(
             f"w{i:02d}",
-            KVCacheManager(num_blocks, sim.block_size),
+            KVCacheManager(
+                num_blocks,
+                sim.block_size,
+                host_num_blocks=sim.host_kv_tokens_per_worker // sim.block_size,
+            ),
             sim.time,
             parity=router.check_parity,
             waiting_load=sim.waiting_load,

@@ -86,6 +86,11 @@ def test_malformed_reason_names_nested_string_fields() -> None:
 def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
     assert tenant_salt(None, "") is None and tenant_salt("", "s") == tenant_salt(None, "s")
     assert tenant_salt("", "s") != tenant_salt("", "t")
+    # without auth a client salt is its own namespace: it cannot name tenant X's KV
+    assert tenant_salt(None, "tenant:alice") != tenant_salt("alice", "")
+    posed = spec_from_pb(pb.GenerateRequest(text="hi", cache_salt="tenant:alice"))
+    real = spec_from_pb(pb.GenerateRequest(text="hi", tenant="alice"), tenant="alice")
+    assert posed.params.cache_salt != real.params.cache_salt
     assert tenant_salt("alice", "") == "tenant:alice"
     forged = tenant_salt("bob", tenant_salt("alice", ""))  # bob asks for alice's salt
     assert forged.startswith("tenant:bob#") and forged != tenant_salt("alice", "")
