@@ -1,5 +1,5 @@
 """Routing policies compared on one shared-prefix workload: round_robin, least_loaded,
-prefix_affinity (issue 7, "Benchmark").
+prefix_affinity.
 
 For each policy a fresh local cluster (in-process Ray, local redis-server, 2 CPU workers,
 same config except ``router.routing.policy``) serves the same seeded workloads, cold (nothing
@@ -35,18 +35,6 @@ Measured here (quiet 2-core VM, 100m model, ~756-token prompts, 4 groups, concur
 line, which is why the pooled figure is the one judged), throughput 2.40 x, 2.54 x and
 2.32 x (target >= 1.3 x), hit rate 0.90 vs 0.59-0.60; least_loaded 1.02 x, 0.77 x and
 0.88 x round_robin's TTFT.
-
-What it took (session 3; session 2 measured 0.364 x, 0.591 x and 0.443 x on seed 0 alone):
-- The router read its own-work loads before its (serialised) routing decision and recorded
-  the placement after it, so the 8 requests of a simultaneous burst all saw idle workers, and
-  7 of 8 could land on one. Loads are now read and the placement recorded in one step.
-- The engine's load report counted a waiting prompt whole when its prefix was about to be
-  computed by a sibling queued ahead of it (the prefix was not cached yet on arrival), so a
-  burst's holder looked ~1,100 tokens busier than it was. Waiting sequences now claim their
-  prompt blocks, and one queued behind a claim counts only its tail.
-(Session 1 measured 0.505 x before the engine's load report subtracted a waiting prompt's
-cached prefix: the holder of a busy system prompt looked loaded by its own queued hits and
-lost their siblings to the other worker, which recomputed the prefix.)
 """
 
 from __future__ import annotations

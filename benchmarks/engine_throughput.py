@@ -70,6 +70,17 @@ from worker.model.default_model import default_model_path
 DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(Path.home() / "vllm-venv/bin/python"))
 
 
+def left_padded(group: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of a batch, left-padded (for ``model.generate``)."""
+    width = max(map(len, group))
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    mask = torch.zeros(len(group), width, dtype=torch.long)
+    for row, p in enumerate(group):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
 def mixed_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -130,18 +141,13 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], new: int, batch:
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
-        width = max(map(len, group))
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for row, p in enumerate(group):  # left padding
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
+        ids, mask = left_padded(group)
         with torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=0,
             )  # fmt: skip
-        tokens.extend(out[:, width:].tolist())
+        tokens.extend(out[:, ids.shape[1] :].tolist())
     wall = time.perf_counter() - start
     return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
 

@@ -5,7 +5,7 @@ device KV cache) are each asked ``--rounds`` times, round-robin, with a short di
 device-only LRU cache evicts every prefix before it comes back (each request recomputes it),
 while a host tier (``--host-x`` times the device cache) keeps them and loads them back.
 Both engines run the same requests in the same process, one after the other (a warm-up run
-first); greedy outputs must be identical. Target (issue 18): >= 1.5x throughput with the tier.
+first); greedy outputs must be identical. Target: >= 1.5x throughput with the tier.
 
     .venv/bin/python -m benchmarks.host_tier_engine            # ~32M-parameter model, minutes
     .venv/bin/python -m benchmarks.host_tier_engine --smoke    # seconds

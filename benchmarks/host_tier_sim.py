@@ -6,7 +6,7 @@ through the real router (prefix_affinity) against 8 simulated workers, each a re
 tier of 0..16x that size, and an unbounded-cache run for reference. Host blocks are loaded
 back at ``TimeModel.host_load_s_per_token`` (200 GB/s per node for a 70B-class model, see
 ``router/sim/config.py``); the router counts a host block as ``host_hit_weight`` of a device
-block. Targets (issue 18), host tier 8x the device: hit rate within 5 % of the unbounded
+block. Targets, host tier 8x the device: hit rate within 5 % of the unbounded
 run's, mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png``.
 
     .venv/bin/python -m benchmarks.host_tier_sim            # full trace, several minutes

@@ -18,7 +18,7 @@ over the steps where requests wait for memory), peak and mean
 concurrent requests, steps to drain the mix, preemptions, and for the paged manager its CPU
 cost per token processed (``time.perf_counter`` spent in its calls). A sweep over block
 sizes 8..128 plots waste and that overhead.
-Target (issue 2): paged >= 97% at block size 16.
+Target: paged >= 97% at block size 16.
 
     .venv/bin/python -m benchmarks.kv_memory            # 2000 requests, ~1 min
     .venv/bin/python -m benchmarks.kv_memory --smoke    # a few seconds

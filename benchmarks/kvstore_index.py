@@ -16,7 +16,7 @@ publishes them. Measures
   hold to distinct depths (bisect's bad case: one breakpoint per holder; these entries are
   added after the memory measurement), and for a miss.
 
-Targets (issue 5): lookup p99 <= 2 ms for 2k blocks on loopback; >= 200k block events/s.
+Targets: lookup p99 <= 2 ms for 2k blocks on loopback; >= 200k block events/s.
 
     nice -n 10 .venv/bin/python -m benchmarks.kvstore_index   # 1M entries, 64 workers
     .venv/bin/python -m benchmarks.kvstore_index --smoke      # a few seconds

@@ -10,7 +10,7 @@ of 2048 tokens per step). Workers' KV events reach the router's in-memory index
 
 Reports per policy: token hit rate, load imbalance (max / mean prompt tokens computed per
 worker), TTFT mean/p50/p90/p99, throughput; a PNG with hit rate and mean TTFT per policy and
-versus worker count. Targets (issue 6), trace, 8 workers, 3.1M tokens each: prefix_affinity
+versus worker count. Targets, trace, 8 workers, 3.1M tokens each: prefix_affinity
 hit rate >= 0.31 with imbalance <= 1.05, mean TTFT <= 0.5 x least_loaded's.
 
 Measured (full trace, 8 workers, seeds 0..4; ``--seeds``): prefix_affinity hit rate

@@ -220,8 +220,7 @@ class WorkerServer:
         return True
 
     def status(self) -> WorkerStatus:
-        m = self.front.metrics()
-        load = self.front.with_engine(engine_load)
+        m, load = self.front.with_engine(lambda e: (e.metrics(), engine_load(e)))  # one lock
         return WorkerStatus(
             worker_id=self.worker_id,
             epoch=self.publisher.epoch if self.publisher is not None else None,
