@@ -12,17 +12,15 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError
 
+from kvstore.blocks.strict import Strict
+from kvstore.config import IndexSettings
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Strict):
+class ServedModelConfig(Strict):
     path: str | None = Field(
         None,
         description="Hugging Face model folder or .gguf file; None: the default model "
@@ -39,7 +37,7 @@ class ModelConfig(_Strict):
     )
 
 
-class WorkersConfig(_Strict):
+class WorkersConfig(Strict):
     num_workers: int = Field(2, ge=1, le=1024, description="Workers on CPU-only clusters.")
     use_gpu: bool = Field(False, description="One worker per GPU (num_gpus=1) when true.")
     num_cpus_per_worker: float = Field(0.5, gt=0, description="Ray CPUs reserved per worker.")
@@ -58,7 +56,7 @@ class WorkersConfig(_Strict):
     )
 
 
-class RouterConfig(_Strict):
+class RouterConfig(Strict):
     num_routers: int = Field(1, ge=1, le=64, description="Router actors (gRPC servers).")
     host: str = Field("127.0.0.1", description="gRPC bind address.")
     port: int = Field(50051, ge=0, le=65535, description="First router's port (0: free port); "
@@ -91,33 +89,14 @@ class RouterConfig(_Strict):
     )
 
 
-class RedisConfig(_Strict):
-    url: str | None = Field(
-        None, description="redis:// or rediss:// URL; None starts a local redis-server."
-    )
-    record_every: int = Field(1, ge=1, description="Index every k-th block key.")
-    lookup: Literal["bisect", "scan"] = Field(
-        "bisect", description="Prefix lookup: bisect (O(log n), exact for this engine's "
-        "prefix-closed caches) or scan (reads every key; exact for any publisher)."
-    )
-    heartbeat_ttl_s: float = Field(5.0, gt=0, description="Worker liveness TTL.")
-
-    @field_validator("url")
-    @classmethod
-    def _scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis.url must start with redis://, rediss:// or unix://, got {v!r}")
-        return v
-
-
-class ClusterConfig(_Strict):
+class ClusterConfig(Strict):
     name: str = Field("kvcluster", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace.")
     ray_address: str | None = Field(None, description="Ray address; None starts a local Ray.")
     dashboard: bool = Field(True, description="Start Ray's dashboard with a local Ray.")
-    model: ModelConfig = ModelConfig()
+    model: ServedModelConfig = ServedModelConfig()
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
-    redis: RedisConfig = RedisConfig()
+    redis: IndexSettings = IndexSettings()
 
 
 def redact_url(url: str | None) -> str | None:

@@ -231,10 +231,8 @@ class Cluster:
     def index_config(self) -> IndexConfig | None:
         if self.redis_url is None:
             return None
-        return IndexConfig(url=self.redis_url, cluster=self.cfg.name, model_id=self.model_id,
-                           record_every=self.cfg.redis.record_every,
-                           lookup=self.cfg.redis.lookup,
-                           heartbeat_ttl_s=self.cfg.redis.heartbeat_ttl_s)
+        return IndexConfig(**{**self.cfg.redis.model_dump(), "url": self.redis_url},
+                           cluster=self.cfg.name, model_id=self.model_id)
 
     def engine_config(self):  # noqa: ANN201
         return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})

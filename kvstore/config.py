@@ -5,25 +5,25 @@ from __future__ import annotations
 from typing import Literal
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstore.blocks.strict import Strict
 
-class IndexConfig(BaseModel):
-    """Where the index lives and how it samples block keys.
+
+class IndexSettings(Strict):
+    """How to reach the index and how it samples block keys (the cluster config's ``redis:``).
 
     ``url`` accepts ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` for TLS and
-    ``unix://``. TLS and client options that the URL's query string names (``ssl_ca_certs``,
-    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``, ``ssl_check_hostname``, ...) are passed
-    to redis-py as they are and take precedence over the timeouts below.
+    ``unix://``; None: the launcher starts a local ``redis-server``. TLS and client options
+    that the URL's query string names (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+    ``ssl_cert_reqs``, ``ssl_check_hostname``, ...) are passed to redis-py as they are and
+    take precedence over the timeouts below.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    url: str = Field("redis://127.0.0.1:6379/0", description="redis://, rediss:// or unix:// URL")
-    cluster: str = Field("default", min_length=1, description="cluster name (key namespace)")
-    model_id: str = Field(min_length=1, description="served model (key namespace)")
+    url: str | None = Field(None, description="redis://, rediss:// or unix:// URL; None starts "
+                            "a local redis-server")
     record_every: int = Field(
         1, ge=1, description="record every k-th block key; lookups are exact at that granularity"
     )
@@ -38,6 +38,21 @@ class IndexConfig(BaseModel):
     socket_timeout_s: float = Field(0.5, gt=0, description="per-command read/write timeout")
     connect_timeout_s: float = Field(0.5, gt=0, description="TCP/TLS connect timeout")
 
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url {value!r} must start with redis://, rediss:// or unix://")
+        return value
+
+
+class IndexConfig(IndexSettings):
+    """One (cluster, model)'s index: the settings, a server, and the key namespace."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis://, rediss:// or unix:// URL")
+    cluster: str = Field("default", min_length=1, description="cluster name (key namespace)")
+    model_id: str = Field(min_length=1, description="served model (key namespace)")
+
     @field_validator("cluster", "model_id")
     @classmethod
     def _no_braces(cls, value: str) -> str:
@@ -46,13 +61,6 @@ class IndexConfig(BaseModel):
                 f"{value!r} contains '{{' or '}}', which would break the Redis Cluster hash tag; "
                 "rename it without braces"
             )
-        return value
-
-    @field_validator("url")
-    @classmethod
-    def _known_scheme(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"url {value!r} must start with redis://, rediss:// or unix://")
         return value
 
     @property

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from kvstore.blocks.strict import Strict
 from router.placement.policies import ROUTING_POLICIES
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LoadWeights(_Strict):
+class LoadWeights(Strict):
     """How a worker's reported load converts into one number, in prefill-token units."""
 
     decode_weight: float = Field(
@@ -76,7 +73,7 @@ class PrefixAffinityConfig(LoadWeights):
     )
 
 
-class RequestLimits(_Strict):
+class RequestLimits(Strict):
     """Every per-request limit the router enforces at the edge, in one place (the engine
     re-checks what it must: vocabulary, max_model_len, KV size, max_num_seqs). A request over
     a limit gets INVALID_ARGUMENT naming the field, the value and the limit."""
@@ -96,7 +93,7 @@ class RequestLimits(_Strict):
     max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
 
 
-class LivenessConfig(_Strict):
+class LivenessConfig(Strict):
     """How a router notices a worker that stopped answering without dying (frozen, wedged,
     partitioned): Ray reports nothing for it, so the router asks."""
 
@@ -112,7 +109,7 @@ class LivenessConfig(_Strict):
         "answer in time is listed as stale, not left out.")
 
 
-class RoutingConfig(_Strict):
+class RoutingConfig(Strict):
     """The router's placement settings."""
 
     policy: str = Field("prefix_affinity", description="Registered policy name.")

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from kvstore.blocks.strict import Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TimeModel(_Strict):
+class TimeModel(Strict):
     """Seconds one worker spends per engine step (see the module docstring)."""
 
     step_overhead_s: float = Field(0.015, ge=0, description="Fixed cost of every step.")
@@ -50,7 +48,7 @@ class TimeModel(_Strict):
         return n * self.prefill_s_per_token + pairs * self.attn_s_per_token_pair
 
 
-class SimConfig(_Strict):
+class SimConfig(Strict):
     """The simulated cluster."""
 
     num_workers: int = Field(8, ge=1, description="Workers, each with its own KV manager.")

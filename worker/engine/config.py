@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from kvstore.blocks.strict import Strict
 from worker.engine.policy import SCHEDULING_POLICIES, policy_names
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(Strict):
     """Knobs of one worker's engine: batch limits, KV pool size, scheduling policy."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     model_id: str = Field("", description="Model id folded into block keys (HashContext).")
     max_num_seqs: int = Field(64, ge=1, description="Running sequences per step (decode batch).")
