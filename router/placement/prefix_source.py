@@ -72,68 +72,46 @@ class InMemoryPrefixIndex(PrefixSource):
     """
 
     def __init__(self) -> None:
-        self._holders: dict[BlockKey, set[WorkerId]] = {}
-        self._keys_of: dict[WorkerId, set[BlockKey]] = {}
-        self._host = _HostKeys()
+        self._device = _TierKeys()
+        self._host = _TierKeys()
         self._next_seq: dict[WorkerId, int] = {}
         self.events_applied = 0  # events applied since creation
         self.gaps = 0  # event batches whose first seq skipped ahead (lost events)
 
     def apply(self, worker_id: WorkerId, events: Iterable[KVEvent]) -> None:
         """Apply one worker's events, in the order it emitted them."""
-        mine = self._keys_of.setdefault(worker_id, set())
         for event in events:
             expected = self._next_seq.get(worker_id, event.seq)
             if event.seq != expected:
                 self.gaps += 1
             self._next_seq[worker_id] = event.seq + 1
             self.events_applied += 1
-            if getattr(event, "tier", "device") != "device":
-                self._host.apply(worker_id, event)
-                continue
             if isinstance(event, AllBlocksCleared):
-                self._host.remove_worker(worker_id)
-            if isinstance(event, BlockStored):
-                for key in event.keys:
-                    self._holders.setdefault(key, set()).add(worker_id)
-                mine.update(event.keys)
-            elif isinstance(event, BlockRemoved):
-                for key in event.keys:
-                    self._drop(key, worker_id)
-                mine.difference_update(event.keys)
-            elif isinstance(event, AllBlocksCleared):
                 self.remove_worker(worker_id)
-                mine = self._keys_of.setdefault(worker_id, set())
-            else:  # pragma: no cover - exhaustive over KVEvent
-                raise TypeError(f"unknown KV event {event!r}")
+            elif getattr(event, "tier", "device") != "device":
+                self._host.apply(worker_id, event)
+            else:
+                self._device.apply(worker_id, event)
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget every key of a worker (it died, restarted, or cleared its cache)."""
-        for key in self._keys_of.pop(worker_id, set()):
-            self._drop(key, worker_id)
+        self._device.remove_worker(worker_id)
         self._host.remove_worker(worker_id)
 
-    def _drop(self, key: BlockKey, worker_id: WorkerId) -> None:
-        holders = self._holders.get(key)
-        if holders is not None:
-            holders.discard(worker_id)
-            if not holders:
-                del self._holders[key]
-
     def num_keys(self, worker_id: WorkerId) -> int:
-        return len(self._keys_of.get(worker_id, ()))
+        return len(self._device.keys_of.get(worker_id, ()))
 
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         if self.events_applied == 0:
             return None
-        return leading_counts(keys, self._holders.get)
+        return leading_counts(keys, self._device.holders.get)
 
     def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
         device = self.lookup(keys)
         if device is None or not self._host.holders:
             return None if device is None else {w: (n, 0) for w, n in device.items()}
         empty: set[WorkerId] = set()
-        dev, host = self._holders, self._host.holders
+        dev, host = self._device.holders, self._host.holders
 
         def either(key: BlockKey) -> set[WorkerId]:
             return dev.get(key, empty) | host.get(key, empty)
@@ -142,15 +120,15 @@ class InMemoryPrefixIndex(PrefixSource):
         return {w: (device.get(w, 0), n - device.get(w, 0)) for w, n in both.items()}
 
 
-class _HostKeys:
-    """Key -> workers holding it in their host KV tier (from events with ``tier="host"``)."""
+class _TierKeys:
+    """Key -> workers holding it in one KV tier, and each worker's keys there."""
 
     def __init__(self) -> None:
         self.holders: dict[BlockKey, set[WorkerId]] = {}
-        self._keys_of: dict[WorkerId, set[BlockKey]] = {}
+        self.keys_of: dict[WorkerId, set[BlockKey]] = {}
 
     def apply(self, worker_id: WorkerId, event: KVEvent) -> None:
-        mine = self._keys_of.setdefault(worker_id, set())
+        mine = self.keys_of.setdefault(worker_id, set())
         if isinstance(event, BlockStored):
             for key in event.keys:
                 self.holders.setdefault(key, set()).add(worker_id)
@@ -159,9 +137,11 @@ class _HostKeys:
             for key in event.keys:
                 self._drop(key, worker_id)
             mine.difference_update(event.keys)
+        else:  # pragma: no cover - a clear is handled by the caller
+            raise TypeError(f"unknown KV event {event!r}")
 
     def remove_worker(self, worker_id: WorkerId) -> None:
-        for key in self._keys_of.pop(worker_id, set()):
+        for key in self.keys_of.pop(worker_id, set()):
             self._drop(key, worker_id)
 
     def _drop(self, key: BlockKey, worker_id: WorkerId) -> None:
