@@ -23,6 +23,7 @@ from kvstore.blocks.hashing import HashContext
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.validate import check_model_limits
 from kvstore.types import WorkerLoad
 from router.placement.adapters import resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
@@ -52,22 +53,9 @@ class ModelLimits:
 
 
 def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
-    n = len(token_ids)
-    if n == 0:
-        raise InvalidRequest("prompt", 0, "must have at least one token")
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(
-            "token_ids", bad, f"each must be in [0, vocab_size={limits.vocab_size})"
-        )
-    cap = min(limits.max_prompt_tokens, limits.max_model_len - 1)
-    if n > cap:
-        raise InvalidRequest(
-            "prompt",
-            n,
-            f"must be at most {cap} tokens (max_model_len="
-            f"{limits.max_model_len}, one token left to generate)",
-        )
+    check_model_limits(token_ids, params, vocab_size=limits.vocab_size,
+                       max_model_len=limits.max_model_len,
+                       max_prompt_tokens=limits.max_prompt_tokens, ids_field="token_ids")
     if params.max_tokens > limits.max_model_len - 1:
         raise InvalidRequest(
             "max_tokens",
@@ -75,9 +63,6 @@ def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimi
             f"must be at most {limits.max_model_len - 1} (max_model_len="
             f"{limits.max_model_len} minus at least one prompt token)",
         )
-    bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={limits.vocab_size}")
 
 
 class ServingCore:

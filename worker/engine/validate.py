@@ -1,4 +1,5 @@
-"""Checks of a request against the model and the engine (limits SamplingParams cannot know)."""
+"""Checks of a request against the engine (the model's limits are the shared
+:func:`kvstore.blocks.validate.check_model_limits`; SamplingParams checks itself)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Collection, Sequence
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.validate import check_model_limits
 from worker.engine.config import EngineConfig
 
 
@@ -21,20 +23,8 @@ def validate_request(
     eos_ids: Collection[int] = (),
 ) -> None:
     """Raise :class:`InvalidRequest` if the request can never be served by this engine."""
+    check_model_limits(prompt_ids, params, vocab_size=vocab_size, max_model_len=max_model_len)
     n = len(prompt_ids)
-    if n == 0:
-        raise InvalidRequest("prompt", 0, "must have at least one token")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("prompt", bad, f"token ids must be in [0, vocab_size={vocab_size})")
-    if n >= max_model_len:
-        raise InvalidRequest(
-            "prompt",
-            n,
-            f"must be shorter than max_model_len={max_model_len} tokens "
-            "(room for at least one generated token)",
-            "shorten the prompt",
-        )
     bs = config.block_size
     width = params.width
     blocks = -(-(n + 1) // bs) + (width - 1)  # prompt + first token, one private block per fork
@@ -56,9 +46,6 @@ def validate_request(
     field = "beam_width" if params.use_beam_search else "n"
     if width > config.max_num_seqs:
         raise InvalidRequest(field, width, f"must be <= max_num_seqs={config.max_num_seqs}")
-    bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={vocab_size}")
     if params.min_tokens > 0:  # before min_tokens, EOS and the stop ids are masked out
         banned = params.stop_token_set | (set() if params.ignore_eos else set(eos_ids))
         if len(banned) >= vocab_size:
