@@ -98,7 +98,7 @@ def check_policies(policies: list[str]) -> None:
     routing config's own validation, run once per name)."""
     from pydantic import ValidationError
 
-    from router.config import RoutingConfig
+    from router.placement.config import RoutingConfig
 
     if not policies:
         raise ConfigError("no routing policies given")

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
-from worker.kv.hashing import BlockKey
+from kvstore.blocks.hashing import BlockKey
 
 OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
 Op = tuple[OpKind, tuple[BlockKey, ...]]

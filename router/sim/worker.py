@@ -26,9 +26,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.blocks.events import BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
-from worker.kv import BlockKey, BlockStored, HashContext, KVCacheManager, KVCapacityError, KVEvent
+from worker.kv import KVCacheManager, KVCapacityError
 
 
 @dataclass(slots=True)

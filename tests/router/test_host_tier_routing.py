@@ -5,7 +5,7 @@ device hit — above a miss, below a device hit."""
 from __future__ import annotations
 
 from router import InMemoryPrefixIndex, Reason, Router, RoutingConfig
-from router.types import RouteRequest
+from router.placement.types import RouteRequest
 from tests.router.harness import load, tokens
 from worker.kv import HashContext, KVCacheManager, block_keys
 

@@ -10,16 +10,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.types import WorkerLoad
-from router.breaker import CircuitOpen
-from router.config import RoutingConfig
-from router.metrics import RouterMetrics
-from router.parity import check_parity
-from router.pending import PendingPlacements
-from router.policy import make_policy
-from router.prefix_source import PrefixSource, TierCounts
-from router.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
-from worker.kv import BlockKey, block_keys
+from router.placement.breaker import CircuitOpen
+from router.placement.config import RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.parity import check_parity
+from router.placement.pending import PendingPlacements
+from router.placement.policy import make_policy
+from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Router:
     def check_parity(
         self, request_id: str, router_keys: Sequence[BlockKey], worker_keys: Sequence[BlockKey]
     ) -> bool:
-        """See :func:`router.parity.check_parity`; counts into this router's metrics."""
+        """See :func:`router.placement.parity.check_parity`; counts into this router's metrics."""
         return check_parity(request_id, router_keys, worker_keys, self.metrics)
 
     def _cached_tokens(

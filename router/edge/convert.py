@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.outputs import FinishReason, RequestOutput
+from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.config import RequestLimits
-from worker.engine import InvalidRequest, RequestOutput, SamplingParams
-from worker.engine.outputs import FinishReason
-from worker.engine.sampling_params import MAX_STOP_TOKEN_IDS
+from router.placement.config import RequestLimits
 
 if TYPE_CHECKING:
     from worker.model.tokenizer import Tokenizer

@@ -7,11 +7,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from kvstore.aio import AsyncKVIndex
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
-from router.breaker import CircuitBreaker
-from router.types import WorkerId
-from worker.kv import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KVEvent
+from router.placement.breaker import CircuitBreaker
+from router.placement.types import WorkerId
 
 TierCounts = tuple[int, int]
 """(leading blocks on the device, further leading blocks in the host tier) of one worker."""
@@ -54,10 +55,10 @@ class PrefixSource(ABC):
 
 
 class KVIndexSource(PrefixSource):
-    """Adapter over the Redis index (live workers only): a :class:`kvstore.KVIndex` for
-    :meth:`lookup` and/or a :class:`kvstore.AsyncKVIndex` for :meth:`alookup`. Reads go
+    """Adapter over the Redis index (live workers only): a :class:`kvstore.index.KVIndex` for
+    :meth:`lookup` and/or a :class:`kvstore.aio.AsyncKVIndex` for :meth:`alookup`. Reads go
     through ``breaker`` (shared with the router's other index reads): while it is open a
-    lookup raises :class:`~router.breaker.CircuitOpen` at once instead of waiting on Redis."""
+    lookup raises ``CircuitOpen`` at once instead of waiting on Redis."""
 
     def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None, *,
                  breaker: CircuitBreaker | None = None) -> None:
