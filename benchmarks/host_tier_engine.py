@@ -1,6 +1,6 @@
 """Host KV tier on the real CPU engine: a shared-prefix workload larger than the device cache.
 
-``--prefixes`` long prompts prefixes (``--prefix-len`` tokens each, together several times the
+``--prefixes`` long prompt prefixes (``--prefix-len`` tokens each, together several times the
 device KV cache) are each asked ``--rounds`` times, round-robin, with a short distinct tail: a
 device-only LRU cache evicts every prefix before it comes back (each request recomputes it),
 while a host tier (``--host-x`` times the device cache) keeps them and loads them back.
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=2, help="short answers: prefill-bound")
     ap.add_argument("--max-seqs", type=int, default=4)
-    ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for both)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
