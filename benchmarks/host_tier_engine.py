@@ -9,8 +9,8 @@ first); greedy outputs must be identical. Target (issue 18): >= 1.5x throughput 
 
 Measured (defaults, ~32M model, busy machine): 3.70x throughput (624 vs 169 tok/s), mean TTFT
 0.34x, hit rate 0.656 vs 0, 4,312 vs 12,504 tokens computed, identical outputs. With long
-answers the step count is set by decoding and the gain shrinks (8 prefixes of 256 tokens,
-8 new tokens each: 1.11x).
+answers the step count is set by decoding and the gain shrinks (6 prefixes of 256 tokens,
+3x a 32-block cache, 8 new tokens each: 1.11x).
 
     .venv/bin/python -m benchmarks.host_tier_engine            # ~32M-parameter model, minutes
     .venv/bin/python -m benchmarks.host_tier_engine --smoke    # seconds
