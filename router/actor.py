@@ -54,6 +54,7 @@ class RouterSettings:
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
+    http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
 
 
 class RouterServer:
@@ -97,6 +98,13 @@ class RouterServer:
             auth=auth,
             limits=settings.limits,
         )
+        self.http = None
+        if settings.http_port is not None:
+            from router.http_api import OpenAIServer  # HTTP stack only where it serves
+
+            self.http = OpenAIServer(self.core, self.tokenizer, auth=auth,
+                                     limits=settings.limits,
+                                     max_body_bytes=settings.max_message_bytes)
         self.server = None
         self.port: int | None = None
         self._exporter = None
@@ -143,6 +151,9 @@ class RouterServer:
             lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
             self.predictions,
         )
+        if self.http is not None:
+            await self.http.start(self.settings.host, self.settings.http_port or 0,
+                                  tls_cert=self.settings.tls_cert, tls_key=self.settings.tls_key)
         log.info(
             "router %s serving gRPC on %s:%d",
             self.settings.router_id,
@@ -153,6 +164,8 @@ class RouterServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._exporter is not None:
             self._exporter.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
@@ -170,6 +183,13 @@ class RouterServer:
             **self.predictions.totals(),
         )
         return snap
+
+    def http_endpoint(self) -> str | None:
+        """``http(s)://host:port`` of the OpenAI API (None: not serving HTTP)."""
+        if self.http is None or self.http.port is None:
+            return None
+        scheme = "https" if self.settings.tls_cert and self.settings.tls_key else "http"
+        return f"{scheme}://{self.settings.host}:{self.http.port}"
 
     def ready(self) -> bool:
         return self.server is not None

@@ -78,7 +78,7 @@ class Engine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Load a Hugging Face model folder with the runner and build an engine on it."""
+        """Load a Hugging Face model folder (or a .gguf file) and build an engine on it."""
         config = config or EngineConfig()
         executor = RunnerExecutor.from_model_dir(
             model_dir,

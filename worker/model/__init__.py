@@ -9,5 +9,6 @@ No re-exports, so that the torch-free modules (``config``, ``tokenizer``, ``gguf
 * ``inputs.ModelInput`` / ``inputs.SeqChunk``: the flat step batch and its builder;
 * ``config.ModelConfig``: parsed ``config.json``; ``tokenizer.Tokenizer``: encode/decode/chat;
 * ``build_tiny.build_tiny_model(out_dir, family, size, seed)``: random-weight model, offline;
+* ``default_model.resolve_default_model()``: the default model (SmolLM2-135M-Instruct GGUF);
 * ``errors``: ``ModelLoadError`` > ``UnsupportedModelError``, ``WeightMismatchError``.
 """
