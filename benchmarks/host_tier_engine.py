@@ -7,10 +7,10 @@ while a host tier (``--host-x`` times the device cache) keeps them and loads the
 Both engines run the same requests in the same process, one after the other (a warm-up run
 first); greedy outputs must be identical. Target (issue 18): >= 1.5x throughput with the tier.
 
-Measured (defaults, ~32M model, busy machine): 3.70x throughput (624 vs 169 tok/s), mean TTFT
-0.34x, hit rate 0.656 vs 0, 4,312 vs 12,504 tokens computed, identical outputs. With long
-answers the step count is set by decoding and the gain shrinks (6 prefixes of 256 tokens,
-3x a 32-block cache, 8 new tokens each: 1.11x).
+Measured (defaults, ~32M model, busy machine, two runs): 3.70x and 4.75x throughput (624 vs
+169, 572 vs 121 tok/s), mean TTFT 0.34x and 0.31x, hit rate 0.656 vs 0, 4,312 vs 12,504
+tokens computed, identical outputs. With long answers the step count is set by decoding and
+the gain shrinks (6 prefixes of 256 tokens, 3x a 32-block cache, 8 new tokens each: 1.11x).
 
     .venv/bin/python -m benchmarks.host_tier_engine            # ~32M-parameter model, minutes
     .venv/bin/python -m benchmarks.host_tier_engine --smoke    # seconds
