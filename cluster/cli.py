@@ -17,7 +17,12 @@ def _endpoint(args: argparse.Namespace) -> str:
         return args.target
     from cluster.launcher import ClusterState
 
-    return ClusterState.load(args.name).endpoints[0]
+    st = ClusterState.load(args.name)
+    if getattr(args, "api", "grpc") == "http":
+        if not st.http_endpoints:
+            raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
+        return st.http_endpoints[0]
+    return st.endpoints[0]
 
 
 def ray_cli_hint(ray_address: str, *, embedded: bool) -> str:
@@ -41,6 +46,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     st = cluster.state()
     print(f"kvcluster {cfg.name!r} is up")
     print(f"  gRPC endpoints : {', '.join(st.endpoints)}")
+    if st.http_endpoints:
+        print(f"  OpenAI API     : {', '.join(u + '/v1' for u in st.http_endpoints)}")
     if st.dashboard_url:
         print(
             f"  dashboard      : {st.dashboard_url} (Ray 2.60: token in ~/.ray/auth_token, "
@@ -53,7 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
-    print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
+    print("try: kvcluster generate --chat 'What is the capital of France?'   |   "
+          "kvcluster status   |   kvcluster down")
     return 0
 
 
@@ -78,13 +86,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{'quota evict':>13}"
     )
     for w in st.workers:
+        alive = "stale" if w.stale else str(w.alive)  # stale: no answer or no heartbeat
         print(
-            f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
+            f"{w.worker_id:<12}{w.epoch:>16}{alive:>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
-    # this router's predicted vs realised prefix hits per worker (router/prediction.py)
+    # this router's predicted vs realised prefix hits per worker (router/placement/prediction.py)
     print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
           f"{'gap now':>9}{'resyncs':>9}")
     for w in st.workers:
@@ -139,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "num_groups": args.groups,
         "max_tokens": args.max_tokens,
     }
-    run_bench(_endpoint(args), **{k: v for k, v in sizes.items() if v is not None})
+    run_bench(_endpoint(args), api=args.api, **{k: v for k, v in sizes.items() if v is not None})
     return 0
 
 
@@ -181,6 +190,8 @@ def _bench_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--concurrency", type=int, help="requests in flight")
     sp.add_argument("--groups", type=int, help="distinct shared system prompts")
     sp.add_argument("--max-tokens", type=int, help="tokens generated per request")
+    sp.add_argument("--api", choices=("grpc", "http"), default="grpc",
+                    help="drive the gRPC API or the OpenAI HTTP API (--target: its URL)")
     cmp = sp.add_argument_group(
         "--compare-policies",
         "a fresh local cluster per routing policy, same seeded workload: "

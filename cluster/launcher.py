@@ -27,14 +27,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
 
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port, start_detached
-from kvstore import IndexConfig
+from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.config import ModelConfig
@@ -61,6 +61,7 @@ class ClusterState:
     dashboard_url: str | None  # Ray dashboard
     model_dir: str | None  # served model folder (None: the default, resolved on each node)
     workers: list[str]  # worker actor names
+    http_endpoints: list[str] = field(default_factory=list)  # the routers' OpenAI HTTP URLs
 
     def save(self) -> Path:
         """Write the state file, readable by its owner only (the Redis URL may hold a
@@ -212,6 +213,7 @@ class Cluster:
         self.workers: dict[str, ray.actor.ActorHandle] = {}
         self.routers: dict[str, ray.actor.ActorHandle] = {}
         self.endpoints: list[str] = []
+        self.http_endpoints: list[str] = []  # OpenAI API base URLs (none when http_port None)
         self.model_path: str | None = None  # what workers get (None: they resolve the default)
         self.model_id = ""
 
@@ -295,10 +297,13 @@ class Cluster:
             router_id=name, namespace=self.namespace, model_dir=self.model_path,
             default_family=self.cfg.model.tiny_family,
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
-            index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
+            # a fixed port even when none is configured: a router Ray restarts binds it again
+            index=self.index_config(), host=r.host, port=r.port + i if r.port else free_port(),
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
-            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key)
-        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=0)
+            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key, liveness=r.liveness,
+            http_port=None if r.http_port is None else r.http_port + i if r.http_port
+            else free_port())
+        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
         if self.detached:
             opts["lifetime"] = "detached"
         handle = RouterActor.options(**opts).remote(settings)
@@ -345,6 +350,8 @@ class Cluster:
             self.start_router(i)
         self.endpoints = ray.get([h.start.remote() for h in self.routers.values()],
                                  timeout=timeout_s)
+        self.http_endpoints = [u for u in ray.get(
+            [h.http_endpoint.remote() for h in self.routers.values()]) if u]
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
         return self
 
@@ -365,7 +372,8 @@ class Cluster:
                             ray_address=self.ray_address or "", ray_pid=self.ray_pid,
                             redis_url=self.redis_url, redis_pid=self.redis_pid,
                             endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
-                            model_dir=self.model_path, workers=sorted(self.workers))
+                            model_dir=self.model_path, workers=sorted(self.workers),
+                            http_endpoints=self.http_endpoints)
 
     def down(self) -> None:
         for h in self.routers.values():

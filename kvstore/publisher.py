@@ -38,10 +38,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from kvstore.blocks.hashing import BlockKey
 from kvstore.events import Op
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
-from worker.kv.hashing import BlockKey
 
 _log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
     name = f"updown-{os.getpid()}"
     cfg = {"name": name, "dashboard": False, "model": {"tiny_family": "llama"},
            "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
-           "router": {"port": 0}}
+           "router": {"port": 0, "http_port": 0}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "KVCLUSTER_STATE_DIR": str(tmp_path)}
     cli = [sys.executable, "-m", "cluster.cli"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.launcher import Cluster
-from kvstore import KVIndex
+from kvstore.index import KVIndex
 from tests.reliability.helpers import wait_for
 from worker.kv import HashContext, block_keys
 

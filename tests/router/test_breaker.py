@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.types import IndexUnavailable
-from router.breaker import CircuitBreaker, CircuitOpen
-from router.prefix_source import KVIndexSource, PrefixSourceUnavailable
+from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.placement.prefix_source import KVIndexSource, PrefixSourceUnavailable
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.prediction import PredictionTracker
+from router.placement.prediction import PredictionTracker
 
 
 class Clock:

@@ -4,7 +4,7 @@ The router's in-process :class:`RouterMetrics` stays the source of truth; every
 ``interval_s`` the exporter pushes what changed: routed requests per (policy, reason),
 decision latency, index errors, parity mismatches, retries and broken streams; and per
 worker the cached tokens predicted and realised, their gap and the misses and resyncs
-(:mod:`router.prediction`).
+(:mod:`router.placement.prediction`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 
 import ray
 
-from router.metrics import RouterMetrics
-from router.prediction import GAP_BUCKETS_TOKENS, PredictionTracker
+from router.placement.metrics import RouterMetrics
+from router.placement.prediction import GAP_BUCKETS_TOKENS, PredictionTracker
 
 
 class RouterExporter:
