@@ -393,7 +393,7 @@ def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float 
     again."""
     import signal
 
-    from worker.stats import quantile
+    from kvstore.blocks.stats import quantile
 
     clients = [KVClusterClient(e) for e in cluster.endpoints]
     results: list[tuple[float, float, bool]] = []  # (start, seconds, ok)

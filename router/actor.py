@@ -16,16 +16,18 @@ from pathlib import Path
 
 import ray
 
-from kvstore import IndexConfig, KVIndex
-from router.breaker import CircuitBreaker
-from router.config import LivenessConfig, RequestLimits, RoutingConfig
-from router.metrics import RouterMetrics
-from router.prefix_source import KVIndexSource
-from router.ray_workers import RayWorkerDirectory
-from router.router import Router
-from router.servicer import KVClusterServicer, TokenAuth, start_server
-from router.serving import ModelLimits, ServingCore
-from router.telemetry import start_exporter
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from router.edge.servicer import KVClusterServicer, TokenAuth, start_server
+from router.placement.breaker import CircuitBreaker
+from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.prediction import PredictionTracker
+from router.placement.prefix_source import KVIndexSource
+from router.placement.router import Router
+from router.serving.core import ModelLimits, ServingCore
+from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.telemetry import start_exporter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
@@ -54,6 +56,7 @@ class RouterSettings:
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
+    http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
 
 
 class RouterServer:
@@ -84,7 +87,10 @@ class RouterServer:
             max_model_len=max_model_len,
             max_prompt_tokens=max_model_len - 1,
         )
-        self.core = ServingCore(self.router, self.directory, limits)
+        # a miss is a gap of one block at the index's granularity
+        record_every = settings.index.record_every if settings.index is not None else 1
+        self.predictions = PredictionTracker(settings.routing.block_size * record_every)
+        self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         self.servicer = KVClusterServicer(
             self.core,
@@ -94,6 +100,13 @@ class RouterServer:
             auth=auth,
             limits=settings.limits,
         )
+        self.http = None
+        if settings.http_port is not None:
+            from router.http_api import OpenAIServer  # HTTP stack only where it serves
+
+            self.http = OpenAIServer(self.core, self.tokenizer, auth=auth,
+                                     limits=settings.limits,
+                                     max_body_bytes=settings.max_message_bytes)
         self.server = None
         self.port: int | None = None
         self._exporter = None
@@ -138,7 +151,11 @@ class RouterServer:
             self.settings.router_id,
             self.metrics,
             lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+            self.predictions,
         )
+        if self.http is not None:
+            await self.http.start(self.settings.host, self.settings.http_port or 0,
+                                  tls_cert=self.settings.tls_cert, tls_key=self.settings.tls_key)
         log.info(
             "router %s serving gRPC on %s:%d",
             self.settings.router_id,
@@ -149,6 +166,8 @@ class RouterServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._exporter is not None:
             self._exporter.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
@@ -163,8 +182,16 @@ class RouterServer:
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
+            **self.predictions.totals(),
         )
         return snap
+
+    def http_endpoint(self) -> str | None:
+        """``http(s)://host:port`` of the OpenAI API (None: not serving HTTP)."""
+        if self.http is None or self.http.port is None:
+            return None
+        scheme = "https" if self.settings.tls_cert and self.settings.tls_key else "http"
+        return f"{scheme}://{self.settings.host}:{self.http.port}"
 
     def ready(self) -> bool:
         return self.server is not None

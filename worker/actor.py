@@ -21,12 +21,15 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from kvstore.blocks.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.publisher import WorkerPublisher
+from kvstore.types import WorkerLoad
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
-from worker.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -207,6 +210,15 @@ class WorkerServer:
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
 
+    def resync_index(self, reason: str) -> bool:
+        """A router found this worker's index entries wrong (``reason``): replace them with
+        the pool's cached keys. False when this worker publishes no index."""
+        if self.publisher is None:
+            return False
+        log.warning("worker %s: resyncing its index entries: %s", self.worker_id, reason)
+        self.publisher.request_resync()
+        return True
+
     def status(self) -> WorkerStatus:
         m = self.front.metrics()
         load = self.front.with_engine(engine_load)
@@ -218,6 +230,9 @@ class WorkerServer:
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
             tenant_quota_evictions=m.tenant_quota_evictions,
+            host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
+            host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
+            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
             adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
                            for i in load.lora_ids))
 

@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.config import RequestLimits
-from router.servicer import KVClusterServicer
-from router.serving import ModelLimits
-from router.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
+from router.edge.servicer import KVClusterServicer
+from router.edge.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
+from router.placement.config import RequestLimits
+from router.serving.core import ModelLimits
 
 MAX_MODEL_LEN = 512
 LIMITS = RequestLimits(max_chars_per_token=16)  # 8192 characters for max_model_len 512

@@ -1,0 +1,73 @@
+"""What a router and a worker actor exchange (plain dataclasses, pickled by Ray)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequest:
+    """One request as the router hands it to the chosen worker."""
+
+    request_id: str  # unique id; the engine's request id
+    token_ids: list[int]  # the tokenized prompt
+    params: SamplingParams  # validated sampling parameters (cache_salt, priority inside)
+    want_keys: bool = True  # send the prompt's block keys back in Admitted (parity check)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """First item of every worker stream: the request was queued on this worker."""
+
+    worker_id: str  # the worker's registry id
+    epoch: int | None  # its registration epoch in the index (None: index not reached yet)
+    keys: tuple[BlockKey, ...]  # the prompt's full-block keys as this worker computes them
+    # (empty unless the request's want_keys: routers that do not hash prompts skip it)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A worker's state for ClusterStatus and the dashboard."""
+
+    worker_id: str
+    epoch: int | None
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    queued_prefill_tokens: int
+    prefix_hit_rate: float
+    index_healthy: bool
+    tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    host_total_blocks: int = 0  # host KV tier size (0: none)
+    host_cached_blocks: int = 0  # blocks the host tier holds now
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier since start
+    swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
+    recompute_preemptions: int = 0  # preemptions that dropped it
+    adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+    # filled in by the router, not the worker:
+    stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
+    heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never
+
+
+@dataclass(frozen=True, slots=True)
+class CallerRef:
+    """Who sent a request: the router's actor and the id of its current incarnation. A
+    router that Ray restarted answers with a new id, so its predecessor's requests (whose
+    streams nobody reads any more) are known orphans."""
+
+    handle: Any  # the router's Ray actor handle
+    incarnation: str  # random per start of that router
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """One LoRA adapter of a worker."""
+
+    name: str  # what requests ask for
+    adapter_id: str  # stable id folded into block keys
+    loaded: bool  # in a device slot now

@@ -1,0 +1,399 @@
+"""The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
+
+Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
+works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from ray.exceptions import RayTaskError
+
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.outputs import GenerationResult
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+from router.edge.convert import (
+    DEFAULT_LIMITS,
+    FINISH_TO_PB,
+    chat_token_ids,
+    malformed_reason,
+    responses_from_output,
+    spec_from_pb,
+)
+from router.edge.tokenizing import TokenizerPool, check_text_chars
+from router.placement.config import RequestLimits
+from router.placement.prediction import WorkerPredictions
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
+from worker.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The one place where errors become gRPC codes (None: an internal error)."""
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, Exception):
+        exc = exc.cause  # raised on the worker: its own message, not Ray's traceback
+    if isinstance(exc, Malformed):
+        return grpc.StatusCode.INVALID_ARGUMENT, exc.reason
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, EngineOverloaded | ClusterOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NoWorkersError | StreamBroken):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
+    return None
+
+
+class RequestFailed(Exception):
+    """The engine failed this one request (a bug it hit); others were not affected."""
+
+
+class TokenAuth:
+    """Bearer tokens -> tenants. Compared in constant time; tokens are never logged."""
+
+    def __init__(self, tokens: Mapping[str, str]) -> None:
+        self._tenants = [(tok.encode(), tenant) for tenant, tok in tokens.items()]
+
+    def tenant_of(self, metadata: Any) -> str | None:
+        header = dict(metadata or ()).get("authorization", "")
+        token = header[7:].encode() if header.startswith("Bearer ") else b""
+        found = None
+        for tok, tenant in self._tenants:  # no early exit: constant time in the match position
+            if hmac.compare_digest(tok, token):
+                found = tenant
+        return found
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects API calls without a valid ``authorization: Bearer <token>`` (UNAUTHENTICATED).
+
+    Health checks and reflection stay open (probes carry no token).
+    """
+
+    def __init__(self, auth: TokenAuth) -> None:
+        self.auth = auth
+
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        handler = await continuation(details)
+        if (
+            details.method.startswith(f"/{SERVICE_NAME}/")
+            and handler is not None
+            and self.auth.tenant_of(details.invocation_metadata) is None
+        ):
+            return _deny_handler(handler)
+        return handler
+
+
+def _rewrap(
+    handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind (unary or server-streaming response) running
+    ``behaviour(request, context, handler)`` (an async generator for streams)."""
+    deserializer = deserializer or handler.request_deserializer
+    if handler.response_streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
+            async for item in behaviour(request, context, handler):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream,
+            request_deserializer=deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behaviour(request, context, handler)
+
+    return grpc.unary_unary_rpc_method_handler(
+        unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
+    )
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext, _: Any) -> None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or invalid bearer token (metadata 'authorization')",
+        )
+
+    if handler.response_streaming:
+
+        async def deny_stream(
+            request: Any, context: grpc.aio.ServicerContext, _: Any
+        ) -> AsyncIterator[Any]:
+            await deny(request, context, _)
+            yield  # pragma: no cover - abort raises
+
+        return _rewrap(handler, deny_stream)
+    return _rewrap(handler, deny)
+
+
+class Malformed(Exception):
+    """A request whose bytes do not parse (corrupt wire format, a string field that is not
+    UTF-8); stands in for the message so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # names the field when it can (see convert.malformed_reason)
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Unparseable API requests get INVALID_ARGUMENT naming the field, not grpc's UNKNOWN."""
+
+    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        handler = await continuation(details)
+        if (
+            handler is None
+            or handler.request_streaming
+            or handler.request_deserializer is None
+            or not details.method.startswith(f"/{SERVICE_NAME}/")
+        ):
+            return handler
+        parse = handler.request_deserializer
+        descriptor = parse.__self__.DESCRIPTOR
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError; any parse failure is the client's
+                return Malformed(malformed_reason(descriptor, data, exc))
+
+        if handler.response_streaming:
+
+            async def guarded_stream(
+                request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
+            ) -> AsyncIterator[Any]:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                async for item in inner.unary_stream(request, context):
+                    yield item
+
+            return _rewrap(handler, guarded_stream, lenient)
+
+        async def guarded(
+            request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
+        ) -> Any:
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            return await inner.unary_unary(request, context)
+
+        return _rewrap(handler, guarded, lenient)
+
+
+class KVClusterServicer(pb_grpc.KVClusterServicer):
+    def __init__(
+        self,
+        core: ServingCore,
+        tokenizer: Tokenizer,
+        *,
+        policy: str,
+        index_available: Any = lambda: False,
+        auth: TokenAuth | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
+    ) -> None:
+        self.core = core
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.tokenize = TokenizerPool(tokenizer)
+        self.policy = policy
+        self.index_available = index_available
+        self.auth = auth
+
+    def _tenant(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str | None:
+        if self.auth is None:
+            return request.tenant or None
+        tenant = self.auth.tenant_of(context.invocation_metadata())
+        if request.tenant and request.tenant != tenant:
+            raise InvalidRequest("tenant", request.tenant, "must match the bearer token's tenant")
+        return tenant
+
+    async def _outputs(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tuple[str, Any, bool]]:
+        # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
+        spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
+        token_ids = spec.token_ids
+        if spec.messages is not None:
+            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            token_ids = await self.tokenize.run(chars, chat_token_ids, self.tokenizer,
+                                                spec.messages)
+        elif token_ids is None:
+            check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
+            token_ids = await self.tokenize.encode(spec.text)
+        async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+            if out.error is not None:  # it failed inside the engine (the engine goes on)
+                raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
+            yield worker, out, spec.stream_text
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for worker, out, stream_text in self._outputs(request, context):
+                for msg in responses_from_output(out, worker_id=worker, stream_text=stream_text):
+                    yield msg
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    async def GenerateUnary(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GenerateResult:
+        result = GenerationResult(request_id="", completions=[])
+        worker = ""
+        try:
+            async for worker, out, _ in self._outputs(request, context):  # noqa: B007
+                result.request_id = out.request_id
+                result.add(out)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+        u = result.usage
+        return pb.GenerateResult(
+            request_id=result.request_id,
+            worker_id=worker,
+            completions=[
+                pb.Completion(
+                    index=c.index,
+                    token_ids=c.token_ids,
+                    text=c.text,
+                    finish_reason=FINISH_TO_PB[c.finish_reason],
+                )
+                for c in result.completions
+            ],
+            usage=pb.Usage(
+                prompt_tokens=u.prompt_tokens,
+                cached_tokens=u.cached_tokens,
+                completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
+            )
+            if u
+            else None,
+        )
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        try:
+            check_text_chars("text", request.text, self.limits, self.core.limits.max_model_len)
+            ids = await self.tokenize.encode(request.text, add)
+        except Exception as exc:
+            await self._abort(context, exc)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
+
+    async def ClusterStatus(
+        self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClusterStatusResponse:
+        statuses = await self.core.directory.statuses()
+        live = await self.core.directory.candidates()
+        snap = self.core.router.metrics.snapshot()
+        predicted = self.core.predictions.workers if self.core.predictions is not None else {}
+        breaker = getattr(self.core.directory, "breaker", None)
+        return pb.ClusterStatusResponse(
+            index_circuit_open=breaker is not None and breaker.is_open,
+            index_reads_skipped=breaker.skipped if breaker is not None else 0,
+            prediction_misses=sum(p.misses for p in predicted.values()),
+            index_resyncs=sum(p.resyncs for p in predicted.values()),
+            policy=self.policy,
+            model_id=self.core.limits.model_id,
+            index_available=bool(self.index_available()),
+            decisions={k: int(v) for k, v in snap["decisions"].items()},  # type: ignore[union-attr]
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=s.worker_id,
+                    epoch=s.epoch or 0,
+                    alive=s.worker_id in live and not s.stale,
+                    running=s.running,
+                    waiting=s.waiting,
+                    free_blocks=s.free_blocks,
+                    total_blocks=s.total_blocks,
+                    kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
+                    prefix_hit_rate=s.prefix_hit_rate,
+                    queued_prefill_tokens=s.queued_prefill_tokens,
+                    tenant_quota_evictions=s.tenant_quota_evictions,
+                    stale=s.stale,
+                    heartbeat_age_s=s.heartbeat_age_s,
+                    host_total_blocks=s.host_total_blocks,
+                    host_cached_blocks=s.host_cached_blocks,
+                    host_hit_tokens=s.host_hit_tokens,
+                    swap_preemptions=s.swap_preemptions,
+                    recompute_preemptions=s.recompute_preemptions,
+                    adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
+                                               loaded=a.loaded) for a in s.adapters],
+                    **_prediction_fields(predicted.get(s.worker_id)),
+                )
+                for s in statuses
+            ],
+        )
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        mapped = _status_of(exc)
+        if mapped is None:
+            log.exception("internal error serving a request")
+            mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        await context.abort(*mapped)
+
+
+def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
+    """WorkerStatus fields 14-19 from this router's predictions for one worker."""
+    if p is None:
+        return {}
+    return dict(predicted_cached_tokens=p.predicted_tokens,
+                realised_cached_tokens=p.realised_tokens, prediction_placements=p.placements,
+                prediction_misses=p.misses, recent_cache_gap_tokens=p.mean_abs_gap(),
+                index_resyncs=p.resyncs)
+
+
+async def start_server(
+    servicer: KVClusterServicer,
+    *,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server with the API, health and reflection; returns (server, port)."""
+    # auth first: an unauthenticated caller learns nothing, not even that its bytes are bad
+    interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
+    if servicer.auth is not None:
+        interceptors.insert(0, AuthInterceptor(servicer.auth))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_KVClusterServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    addr = f"{host}:{port}"
+    if tls is not None:
+        creds = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
+        bound = server.add_secure_port(addr, creds)
+    else:
+        bound = server.add_insecure_port(addr)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,39 @@
+"""LoRA adapters in routing: resolve a request's adapter name to its stable id, and keep
+only the workers that serve it.
+
+Workers report the ids of the adapters they serve (``name@digest``) and which are in a device
+slot with every heartbeat (``WorkerLoad.lora_ids`` / ``lora_loaded``). The id, not the name,
+goes into block 0's key, so the router's keys equal the workers' and a prefix cached under
+one adapter never counts for another.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.types import WorkerLoad
+
+
+def adapter_name(adapter_id: str) -> str:
+    return adapter_id.split("@", 1)[0]
+
+
+def resolve_adapter(name: str, loads: Mapping[str, WorkerLoad]) -> str:
+    """The stable id of adapter ``name`` among live workers; the most common one if workers
+    disagree (a re-registration in progress). Unknown: ``InvalidRequest`` naming it."""
+    ids = Counter(i for ld in loads.values() for i in ld.lora_ids if adapter_name(i) == name)
+    if not ids:
+        served = sorted({adapter_name(i) for ld in loads.values() for i in ld.lora_ids})
+        raise InvalidRequest(
+            "lora", name, f"unknown adapter; live workers serve: {', '.join(served) or 'none'}"
+        )
+    return min(ids, key=lambda i: (-ids[i], i))
+
+
+def serving(adapter_id: str | None, loads: Mapping[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+    """The workers that can run a request of ``adapter_id`` (all for the base model)."""
+    if adapter_id is None:
+        return dict(loads)
+    return {w: ld for w, ld in loads.items() if adapter_id in ld.lora_ids}

@@ -1,0 +1,161 @@
+"""Typed, validated configuration of the placement policies (pydantic, unknown keys rejected)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoadWeights(_Strict):
+    """How a worker's reported load converts into one number, in prefill-token units."""
+
+    decode_weight: float = Field(
+        0.0,
+        ge=0,
+        description="Cost of one unit of WorkerLoad.decode_tokens, in prefill tokens. Decode "
+        "work slows prefill down only a little per running sequence; 0 ignores it.",
+    )
+
+
+class LeastLoadedConfig(LoadWeights):
+    """``least_loaded``: power of d choices on load."""
+
+    choices: int = Field(2, ge=1, description="Workers sampled per request (2 = two choices).")
+
+
+class PrefixAffinityConfig(LoadWeights):
+    """``prefix_affinity``: cheapest worker by uncached prefill + load, under a load bound.
+
+    cost(w) = prefill_weight * (prompt - cached(w)) + queued_prefill(w) + decode_weight *
+    decode(w); a worker whose load exceeds mean + max(balance_slack * mean,
+    balance_abs_tokens), or whose requests exceed mean + max(balance_slack * mean,
+    balance_abs_requests), is not eligible (the least-loaded worker always is).
+    """
+
+    prefill_weight: float = Field(
+        2.0,
+        gt=0,
+        description="Cost of one uncached prompt token relative to one queued token. 1 makes "
+        "the cost this prompt's own time to first token (FCFS); but a token computed now also "
+        "delays every later request on that worker, which > 1 charges for (like Dynamo's "
+        "overlap weight). 2 gave the best hit rate at equal TTFT in the trace replay.",
+    )
+    balance_slack: float = Field(
+        0.5,
+        ge=0,
+        description="Relative load bound: workers above (1 + slack) x mean load are skipped. "
+        "Larger keeps more affinity, smaller balances harder.",
+    )
+    balance_abs_tokens: int = Field(
+        65536,
+        ge=0,
+        description="Absolute load bound in prefill tokens: a few long prompts' worth, so "
+        "ordinary queue swings (one 30k-token prompt) never break a conversation's affinity; "
+        "only a runaway holder does.",
+    )
+    balance_abs_requests: int | None = Field(
+        8,
+        ge=0,
+        description="Second load bound, on requests in a worker (running + waiting): workers "
+        "above mean + max(slack x mean, this) are skipped too, unless that leaves none. Queued "
+        "prefill is ~0 on a lightly loaded cluster, so only this bound stops a popular system "
+        "prompt's holder from collecting every new session (its decode batch and KV memory "
+        "grow). None disables.",
+    )
+    adapter_load_tokens: float = Field(
+        256.0,
+        ge=0,
+        description="Cost, in prefill tokens, of running a LoRA request on a worker that does "
+        "not hold its adapter in a device slot (loading it, and evicting another's). Small "
+        "against a long cached prefix, so a hot adapter can still spread under load.",
+    )
+
+
+class RequestLimits(_Strict):
+    """Every per-request limit the router enforces at the edge, in one place (the engine
+    re-checks what it must: vocabulary, max_model_len, KV size, max_num_seqs). A request over
+    a limit gets INVALID_ARGUMENT naming the field, the value and the limit."""
+
+    max_request_id_chars: int = Field(128, ge=1, description="Client request id length.")
+    max_tenant_chars: int = Field(64, ge=1, description="Tenant name length.")
+    max_cache_salt_chars: int = Field(256, ge=1, description="cache_salt length.")
+    max_prompt_chars: int = Field(1 << 20, ge=1, description="Text prompt length (characters);"
+                                  " token limits come from the model's max_model_len.")
+    max_chars_per_token: int = Field(
+        16, ge=1, description="Bound on characters per token of a text that fits the model: "
+        "texts over max_model_len x this are rejected before tokenizing (Generate and "
+        "Tokenize), so an oversized input costs the router nothing.")
+    max_stop_strings: int = Field(16, ge=0, le=16, description="Stop strings per request.")
+    max_stop_string_chars: int = Field(256, ge=1, description="Length of one stop string.")
+    max_n: int = Field(16, ge=1, le=256, description="Parallel samples or beams per request.")
+    max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
+
+
+class LivenessConfig(_Strict):
+    """How a router notices a worker that stopped answering without dying (frozen, wedged,
+    partitioned): Ray reports nothing for it, so the router asks."""
+
+    stream_stall_s: float = Field(
+        5.0, gt=0, description="A stream with no output for this long makes the router probe "
+        "its worker; a worker that does not answer the probe is given up on: the request is "
+        "retried elsewhere when it has streamed nothing, else ends UNAVAILABLE.")
+    probe_timeout_s: float = Field(
+        3.0, gt=0, description="How long a worker has to answer that probe (a busy worker "
+        "answers in milliseconds: its event loop is not the engine's thread).")
+    status_timeout_s: float = Field(
+        2.0, gt=0, description="Per-worker timeout of ClusterStatus; a worker that does not "
+        "answer in time is listed as stale, not left out.")
+
+
+class RoutingConfig(_Strict):
+    """The router's placement settings."""
+
+    policy: str = Field("prefix_affinity", description="Registered policy name.")
+    block_size: int = Field(
+        16, ge=1, description="Tokens per KV block; must equal the workers' block size."
+    )
+    pending_ttl_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long the router remembers its own placements' prefixes, so siblings "
+        "arriving before the worker's KV events land together. 0 disables.",
+    )
+    seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
+    host_hit_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A block a worker holds in its host KV tier counts as this fraction of a "
+        "device hit (it must be loaded back): routing prefers a device hit but still beats "
+        "recomputing. 0 ignores the host tier.",
+    )
+    index_timeout_s: float = Field(
+        0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
+        "costs at most this, once per probe interval).")
+    index_probe_interval_s: float = Field(
+        1.0, gt=0, description="After an index read fails, reads are skipped (routing by load) "
+        "and one probe per interval checks whether the index is back.")
+    adapter_aware: bool = Field(
+        True,
+        description="Hash LoRA requests' prompts with their adapter id and weigh where adapters "
+        "are loaded. False is the adapter-blind baseline (keys without the adapter never "
+        "match the workers', so LoRA requests route by load), kept for comparisons.",
+    )
+    least_loaded: LeastLoadedConfig = LeastLoadedConfig()
+    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        import router.placement.policies  # noqa: F401 - registers the built-in policies
+        from router.placement.policy import (
+            policy_names,  # late: router.placement.policy imports this module
+        )
+
+        if value not in policy_names():
+            valid = ", ".join(policy_names())
+            raise ValueError(f"unknown routing policy {value!r}; valid: {valid}")
+        return value

@@ -1,0 +1,79 @@
+"""The placement-policy interface and its registry (policies are chosen by name)."""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import ClassVar, TypeVar
+
+from kvstore.types import WorkerLoad
+from router.placement.config import LoadWeights, RoutingConfig
+from router.placement.types import Placement, RouteRequest, UnknownPolicyError, WorkerView
+
+
+class RoutingPolicy(ABC):
+    """Chooses one worker for a request from a list of candidate views. Pure: no I/O.
+
+    Caller obligations:
+    - ``views`` is non-empty, worker ids are unique, and the order is deterministic (the
+      router sorts by id): ties and samples are drawn from a seeded RNG over that order, so
+      the same inputs give the same decision.
+    - For a policy with ``uses_prefix``, each view's ``cached_tokens`` is what that worker
+      would serve from its prefix cache for this prompt (index + the router's own pending
+      placements), capped as the engine caps it; ``None`` means unknown. For other policies
+      the caller may pass ``None`` everywhere and skip hashing.
+    - One instance per router: policies keep state (a turn counter, an RNG) and are not
+      thread-safe; call ``choose`` from one thread or event loop.
+    """
+
+    name: ClassVar[str]
+    uses_prefix: ClassVar[bool] = False
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, views: Sequence[WorkerView]) -> Placement:
+        """The worker to serve ``request``."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: RoutingConfig, rng: random.Random) -> RoutingPolicy:
+        """Build from the router's config; ``rng`` is the policy's only randomness."""
+
+
+def load_tokens(load: WorkerLoad, weights: LoadWeights) -> float:
+    """A worker's load as one number in prefill-token units (queued prefill + decode)."""
+    return load.queued_prefill_tokens + weights.decode_weight * load.decode_tokens
+
+
+_REGISTRY: dict[str, type[RoutingPolicy]] = {}
+P = TypeVar("P", bound=type[RoutingPolicy])
+
+
+def register_policy(name: str) -> Callable[[P], P]:
+    """Class decorator: make a policy available under ``name``."""
+
+    def wrap(cls: P) -> P:
+        if name in _REGISTRY:
+            raise ValueError(f"routing policy {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_policy(config: RoutingConfig, rng: random.Random | None = None) -> RoutingPolicy:
+    """Instantiate ``config.policy``; unknown names raise listing the valid ones."""
+    import router.placement.policies  # noqa: F401  (registers the built-in policies)
+
+    try:
+        cls = _REGISTRY[config.policy]
+    except KeyError:
+        raise UnknownPolicyError(
+            f"unknown routing policy {config.policy!r}; valid: {', '.join(policy_names())}"
+        ) from None
+    return cls.from_config(config, rng if rng is not None else random.Random(config.seed))

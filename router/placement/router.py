@@ -1,0 +1,185 @@
+"""The router's placement core: hash the prompt, ask the prefix source, merge in its own
+pending placements, let the policy choose, and record metrics. No Ray, no gRPC here: the
+actor/servicer wraps this class."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+from kvstore.blocks.hashing import BlockKey, block_keys
+from kvstore.types import WorkerLoad
+from router.placement.breaker import CircuitOpen
+from router.placement.config import RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.parity import check_parity
+from router.placement.pending import PendingPlacements
+from router.placement.policy import make_policy
+from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Places requests on workers. Not thread-safe: one per event loop / actor.
+
+    ``prefix_source`` may be ``None`` (no index configured); ``clock`` gives seconds for the
+    pending-placement TTL (the simulator passes its simulated clock).
+    """
+
+    def __init__(
+        self,
+        config: RoutingConfig,
+        prefix_source: PrefixSource | None = None,
+        *,
+        metrics: RouterMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = make_policy(config, rng)
+        self.prefix_source = prefix_source
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.pending = PendingPlacements(config.pending_ttl_s)
+        self._clock = clock
+
+    def route(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> RouteDecision:
+        """Choose a worker among ``candidates`` (live workers and their last load).
+
+        Never fails for the index's sake: if the prefix source raises, routes by load.
+        Raises :class:`NoWorkersError` when ``candidates`` is empty.
+        """
+        start, keys = self._begin(request, candidates)
+        index = self._lookup(keys) if keys else None
+        return self._decide(request, candidates, keys, index, start)
+
+    async def aroute(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> RouteDecision:
+        """:meth:`route` for asyncio servers: the index lookup is awaited
+        (:meth:`PrefixSource.alookup`); hashing and the policy run inline (CPU, ~ms)."""
+        start, keys = self._begin(request, candidates)
+        index = None
+        if keys and self.prefix_source is not None:
+            try:
+                index = await self.prefix_source.alookup_tiers(keys)
+            except Exception as exc:  # degrade, never fail: route by load
+                self._index_error(exc)
+        return self._decide(request, candidates, keys, index, start)
+
+    def _begin(
+        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> tuple[float, tuple[BlockKey, ...]]:
+        """Start the clock, validate, and hash the prompt if the policy reads prefixes."""
+        start = time.perf_counter()
+        if not candidates:
+            raise NoWorkersError(
+                f"no live worker to route request {request.request_id!r} to; start workers or "
+                "check that their heartbeats reach Redis"
+            )
+        if not self.policy.uses_prefix:
+            return start, ()
+        keys = request.keys
+        if keys is None:
+            ctx = request.hash_ctx
+            if not self.config.adapter_aware:  # the baseline: hash as if there were no adapter
+                ctx = replace(ctx, lora_id=None)
+            keys = tuple(block_keys(request.token_ids, self.config.block_size, ctx))
+        return start, keys
+
+    def _decide(
+        self,
+        request: RouteRequest,
+        candidates: Mapping[WorkerId, WorkerLoad],
+        keys: tuple[BlockKey, ...],
+        index: Mapping[WorkerId, TierCounts] | None,
+        start: float,
+    ) -> RouteDecision:
+        ids = sorted(candidates)
+        if self.policy.uses_prefix:
+            cached = self._cached_tokens(keys, len(request.token_ids), ids, index)
+        else:
+            cached = dict.fromkeys(ids)
+        lora_id = request.hash_ctx.lora_id if self.config.adapter_aware else None
+        views = [
+            WorkerView(w, candidates[w], cached[w],
+                       lora_id is None or lora_id in candidates[w].lora_loaded)
+            for w in ids
+        ]  # fmt: skip
+        placement = self.policy.choose(request, views)
+        if keys:
+            self.pending.record(placement.worker_id, keys, self._clock())
+        decision = RouteDecision(
+            worker_id=placement.worker_id,
+            policy=self.policy.name,
+            reason=placement.reason,
+            cached_tokens_expected=placement.cached_tokens_expected,
+            decision_latency_s=time.perf_counter() - start,
+            keys=keys,
+        )
+        self.metrics.observe(decision)
+        return decision
+
+    def check_parity(
+        self, request_id: str, router_keys: Sequence[BlockKey], worker_keys: Sequence[BlockKey]
+    ) -> bool:
+        """See :func:`router.placement.parity.check_parity`; counts into this router's metrics."""
+        return check_parity(request_id, router_keys, worker_keys, self.metrics)
+
+    def _cached_tokens(
+        self,
+        keys: Sequence[BlockKey],
+        n_tokens: int,
+        ids: list[WorkerId],
+        index: Mapping[WorkerId, TierCounts] | None,
+    ) -> dict[WorkerId, int | None]:
+        """Prompt tokens each worker would serve from cache; ``None`` where nothing is known.
+
+        Index answer merged (max) with pending placements; capped like the engine caps a
+        hit (the last prompt token is always recomputed, whole blocks only). Host-tier blocks
+        count ``host_hit_weight`` of a device block (they must be loaded back).
+        """
+        if not keys:  # shorter than one block: nothing can hit anywhere
+            return dict.fromkeys(ids, 0)
+        pending = self.pending.lookup(keys, self._clock())
+        bs = self.config.block_size
+        cap = (n_tokens - 1) // bs if n_tokens else 0
+        out: dict[WorkerId, int | None] = {}
+        assisted = False
+        weight = self.config.host_hit_weight
+        for w in ids:
+            known: float | None = None
+            if index is not None:
+                dev, host = index.get(w, (0, 0))
+                dev = min(dev, cap)
+                known = dev + weight * min(host, cap - dev)
+            mine = pending.get(w, 0)
+            if mine and (known is None or mine > known):
+                known, assisted = min(mine, cap), True
+            out[w] = None if known is None else int(known * bs)
+        self.metrics.pending_assists += assisted
+        return out
+
+    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+        if self.prefix_source is None:
+            return None
+        try:
+            return self.prefix_source.lookup_tiers(keys)
+        except Exception as exc:  # degrade, never fail: route by load
+            self._index_error(exc)
+            return None
+
+    def _index_error(self, exc: Exception) -> None:
+        if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago
+            self.metrics.index_skipped += 1
+            return
+        self.metrics.index_errors += 1
+        n = self.metrics.index_errors
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: visible but bounded
+            log.warning("prefix index unavailable (%d errors), routing by load: %s", n, exc)

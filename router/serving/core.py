@@ -1,0 +1,269 @@
+"""The router's serving path, protobuf-free: validate limits, route, stream, retry, abort.
+
+``ServingCore.generate`` yields ``(worker_id, RequestOutput)`` pairs. A worker that dies
+before the request produced any token is retried on another worker (transparently to the
+client); one that dies after raises :class:`StreamBroken`. Whatever ends the stream early
+(client cancel, deadline, error) aborts the request on the worker, so no KV block is kept
+for a client that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.hashing import HashContext
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.types import WorkerLoad
+from router.placement.adapters import resolve_adapter, serving
+from router.placement.prediction import PredictionTracker
+from router.placement.router import Router
+from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.serving.workers import WorkerDirectory, WorkerGone
+
+log = logging.getLogger(__name__)
+
+
+class StreamBroken(Exception):
+    """The worker died after tokens had been sent; the client must retry the request."""
+
+
+class ClusterOverloaded(Exception):
+    """Every live worker's waiting queue is full (RESOURCE_EXHAUSTED); retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the router checks before routing (the worker checks again)."""
+
+    model_id: str  # folded into block 0's key; must equal the workers'
+    vocab_size: int  # token ids must be below it
+    max_model_len: int  # prompt + generated tokens must fit
+    max_prompt_tokens: int  # prompts longer than this are rejected
+
+
+def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
+    n = len(token_ids)
+    if n == 0:
+        raise InvalidRequest("prompt", 0, "must have at least one token")
+    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            "token_ids", bad, f"each must be in [0, vocab_size={limits.vocab_size})"
+        )
+    cap = min(limits.max_prompt_tokens, limits.max_model_len - 1)
+    if n > cap:
+        raise InvalidRequest(
+            "prompt",
+            n,
+            f"must be at most {cap} tokens (max_model_len="
+            f"{limits.max_model_len}, one token left to generate)",
+        )
+    if params.max_tokens > limits.max_model_len - 1:
+        raise InvalidRequest(
+            "max_tokens",
+            params.max_tokens,
+            f"must be at most {limits.max_model_len - 1} (max_model_len="
+            f"{limits.max_model_len} minus at least one prompt token)",
+        )
+    bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={limits.vocab_size}")
+
+
+class ServingCore:
+    """One router's request path. Routing decisions run on one thread (Router is not
+    thread-safe and its Redis lookup is blocking), so the event loop never waits on Redis."""
+
+    def __init__(
+        self,
+        router: Router,
+        directory: WorkerDirectory,
+        limits: ModelLimits,
+        *,
+        max_attempts: int = 3,
+        predictions: PredictionTracker | None = None,
+    ) -> None:
+        self.router = router
+        # predicted vs realised cached tokens per worker; None: not compared
+        self.predictions = predictions
+        self._resyncs: set[asyncio.Task] = set()  # resync requests in flight
+        self.directory = directory
+        self.limits = limits
+        self.max_attempts = max_attempts
+        self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
+        self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
+        self.retries = 0  # requests moved to another worker after a death before any token
+        self.broken = 0  # streams ended because their worker died mid-stream
+        self.overflows = 0  # attempts refused by a worker whose waiting queue was full
+        # This router's own view of the work it sent, newer than any heartbeat: prompt tokens
+        # not yet prefilled (no token back yet) and open streams, per worker. Written by the
+        # decide thread (placing) and the event loop (first token, end), hence the lock.
+        self._own_lock = threading.Lock()
+        self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
+        self._open: Counter[str] = Counter()
+
+    def _place(
+        self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]
+    ) -> RouteDecision:
+        """Route ``request`` and count it as this router's own work on the chosen worker, in
+        one step (decide thread). Reading the loads and recording the placement together is
+        what spreads a burst: requests that arrive together are decided one after another,
+        each seeing its predecessors' placements even though no heartbeat shows them yet.
+        (The decide thread is the only one that adds work, so the lock need not be held over
+        the index lookup; the event loop only takes work away.)"""
+        with self._own_lock:
+            loads = self._with_own_work(heartbeats)
+        decision = self.router.route(request, loads)
+        w = decision.worker_id
+        with self._own_lock:
+            self._open[w] += 1
+            uncached = len(request.token_ids) - decision.cached_tokens_expected
+            self._unprefilled[w][request.request_id] = uncached
+        return decision
+
+    def _prefilled(self, worker: str, request_id: str, *, done: bool) -> None:
+        """The request's first token came back (its prefill is done), or it ``done``."""
+        with self._own_lock:
+            self._unprefilled[worker].pop(request_id, None)
+            if done:
+                self._open[worker] -= 1
+
+    def _with_own_work(self, loads: Mapping[str, WorkerLoad]) -> dict[str, WorkerLoad]:
+        """Heartbeat loads lag by up to a heartbeat interval; a burst routed meanwhile would
+        all see idle workers and herd. Take, per worker, the larger of the heartbeat's figure
+        and what this router alone has sent there (max, not sum: the heartbeat may already
+        include it). Caller holds ``_own_lock``."""
+        out = {}
+        for w, load in loads.items():
+            mine = sum(self._unprefilled[w].values()) if w in self._unprefilled else 0
+            out[w] = replace(load, queued_prefill_tokens=max(load.queued_prefill_tokens, mine),
+                             running=max(load.running, self._open[w]))
+        return out
+
+    def close(self) -> None:
+        self._decide.shutdown(wait=False, cancel_futures=True)
+
+    async def generate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """``request_id`` is the client's label only: outputs carry it back, but on the
+        workers the request runs under an id this router generates. Client ids are not
+        unique across clients or tenants, so a reused one must never reach (or, by the abort
+        in the cleanup below, stop) another client's request."""
+        check_limits(token_ids, params, self.limits)
+        label, request_id = request_id, uuid.uuid4().hex
+        lora_id = None
+        if params.lora is not None:
+            lora_id = resolve_adapter(params.lora, await self.directory.candidates())
+        ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
+        excluded: set[str] = set()
+        full: list[str] = []  # workers that refused the request: waiting queue full
+        loop = asyncio.get_running_loop()
+        for attempt in range(self.max_attempts):
+            candidates = {
+                w: load
+                for w, load in serving(lora_id, await self.directory.candidates()).items()
+                if w not in excluded
+            }
+            if not candidates:
+                if full:
+                    raise self._overloaded(label, full)
+                raise NoWorkersError(
+                    f"no live worker for request {label!r}"
+                    + (f" (tried {sorted(excluded)})" if excluded else "")
+                )
+            route_req = RouteRequest(request_id, token_ids, ctx)
+            decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
+            worker = decision.worker_id
+            produced = finished = gone = False
+            try:
+                async for item in self.directory.stream(
+                    worker, WorkerRequest(request_id, token_ids, params, bool(decision.keys))
+                ):
+                    if isinstance(item, Admitted):
+                        if decision.keys:
+                            self.router.check_parity(request_id, decision.keys, item.keys)
+                        continue
+                    if not produced and any(d.token_ids for d in item.outputs):
+                        produced = True
+                        self._prefilled(worker, request_id, done=False)
+                        self._compare_prediction(decision, item)
+                    finished = item.finished
+                    yield worker, replace(item, request_id=label)
+                return
+            except WorkerGone as exc:
+                gone = True
+                self.directory.mark_dead(worker)
+                excluded.add(worker)
+                if produced:
+                    self.broken += 1
+                    raise StreamBroken(
+                        f"worker {worker} died while streaming request {label!r}: {exc}; "
+                        "the partial output is lost, retry the request"
+                    ) from exc
+                self.retries += 1
+                log.warning(
+                    "worker %s died before request %s produced a token (attempt %d): "
+                    "retrying elsewhere",
+                    worker,
+                    label,
+                    attempt + 1,
+                )
+            except EngineOverloaded as exc:  # nothing was queued: try a worker with room
+                excluded.add(worker)
+                full.append(f"{worker} ({exc})")
+                self.overflows += 1
+            finally:
+                self._prefilled(worker, request_id, done=True)
+                if not finished and gone:
+                    # a frozen worker would hold the retry for the abort's whole timeout; the
+                    # abort still reaches it if it thaws
+                    task = asyncio.create_task(self._abort_quietly(worker, request_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+                elif not finished:
+                    # client gone, deadline, error or death: never leave blocks behind
+                    await asyncio.shield(self._abort_quietly(worker, request_id))
+        if full:
+            raise self._overloaded(label, full)
+        raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
+
+    def _compare_prediction(self, decision: RouteDecision, first: RequestOutput) -> None:
+        """The first output reports the prefix hit the worker realised: compare it with the
+        hit this router predicted; a worker whose predictions keep missing resyncs."""
+        if self.predictions is None or not decision.keys or decision.reason == Reason.NO_INDEX:
+            return  # nothing was predicted from the index
+        verdict = self.predictions.observe(
+            decision.worker_id, decision.cached_tokens_expected, first.usage.cached_tokens
+        )
+        if verdict is None:
+            return
+        log.warning("worker %s's index entries look wrong; asking it to resync: %s",
+                    verdict.worker_id, verdict.reason)
+        task = asyncio.get_running_loop().create_task(
+            self.directory.resync(verdict.worker_id, verdict.reason)
+        )
+        self._resyncs.add(task)
+        task.add_done_callback(self._resyncs.discard)
+
+    def _overloaded(self, request_id: str, full: list[str]) -> ClusterOverloaded:
+        return ClusterOverloaded(
+            f"request {request_id!r} not queued: every worker tried has a "
+            f"full queue; retry later. " + "; ".join(full)
+        )
+
+    async def _abort_quietly(self, worker: str, request_id: str) -> None:
+        try:
+            await self.directory.abort(worker, request_id)
+        except Exception as exc:  # the worker may be dead; its blocks died with it
+            log.debug("abort of %s on %s failed: %s", request_id, worker, exc)

@@ -1,0 +1,251 @@
+"""The Ray-backed :class:`WorkerDirectory`: named worker actors, liveness from the index.
+
+Live workers and their load come from the Redis index's heartbeats (one cached round trip
+per ``live_ttl_s``). When Redis is unreachable the directory falls back to the worker
+actors Ray knows by name and to this router's own in-flight counts, so requests are still
+served (routing by load). A worker that died while serving is skipped until it shows a
+new epoch (Ray restarted it) or, without an index, for ``dead_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+
+import ray
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    GetTimeoutError,
+    RayActorError,
+    RayTaskError,
+)
+
+from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable, WorkerLoad
+from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.placement.config import LivenessConfig
+from router.serving.workers import WorkerDirectory, WorkerGone
+
+log = logging.getLogger(__name__)
+WORKER_PREFIX = "worker-"
+_ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+def _current_actor() -> ray.actor.ActorHandle | None:
+    """This actor's own handle (None outside an actor, e.g. a test driver)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
+
+
+class RayWorkerDirectory(WorkerDirectory):
+    def __init__(
+        self,
+        namespace: str,
+        index: KVIndex | None,
+        *,
+        live_ttl_s: float = 0.1,
+        dead_ttl_s: float = 10.0,
+        call_timeout_s: float = 10.0,
+        breaker: CircuitBreaker | None = None,
+        liveness: LivenessConfig | None = None,
+    ) -> None:
+        self.namespace = namespace
+        self.index = index
+        self.breaker = breaker if breaker is not None else CircuitBreaker()  # index reads
+        self.live_ttl_s = live_ttl_s
+        self.dead_ttl_s = dead_ttl_s
+        self.call_timeout_s = call_timeout_s
+        self.liveness = liveness or LivenessConfig()
+        self.stalls = 0  # streams given up because their worker stopped answering
+        self.inflight: Counter[str] = Counter()  # this router's open streams per worker
+        self.index_ok = index is not None
+        self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
+        self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+        self._seen: dict[str, float] = {}  # worker -> when its heartbeat was last live
+        # passed with every request: a worker aborts the requests of a router that died (or
+        # was restarted: a new incarnation id)
+        self.incarnation = uuid.uuid4().hex
+        handle = _current_actor()
+        self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
+
+    # -- liveness --------------------------------------------------------------------------
+
+    async def _from_index(self) -> dict[str, tuple[int, WorkerLoad]] | None:
+        if self.index is None:
+            return None
+        now = time.monotonic()
+        if now - self._live[0] < self.live_ttl_s:
+            return self._live[1]
+        try:
+            infos = await asyncio.to_thread(
+                self.breaker.call, self.index.live_workers, failures=(IndexUnavailable,))
+        except CircuitOpen:
+            self.index_ok = False
+            return None
+        except IndexUnavailable as exc:
+            if self.index_ok:
+                log.warning("index unavailable, routing by load over Ray's worker list: %s", exc)
+            self.index_ok = False
+            return None
+        self.index_ok = True
+        live = {w: (i.epoch, i.load) for w, i in infos.items()}
+        self._live = (now, live)
+        self._seen.update(dict.fromkeys(live, now))
+        return live
+
+    def _from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
+        names = ray.util.list_named_actors(all_namespaces=True)
+        out: dict[str, tuple[int | None, WorkerLoad]] = {}
+        for entry in names:
+            if entry["namespace"] == self.namespace and entry["name"].startswith(WORKER_PREFIX):
+                w = entry["name"]
+                out[w] = (
+                    None,
+                    WorkerLoad(
+                        running=self.inflight[w],
+                        waiting=0,
+                        free_blocks=0,
+                        total_blocks=0,
+                        queued_prefill_tokens=0,
+                    ),
+                )
+        return out
+
+    async def candidates(self) -> Mapping[str, WorkerLoad]:
+        live = await self._from_index()
+        entries = live if live else await asyncio.to_thread(self._from_ray)
+        now = time.monotonic()
+        out = {}
+        for w, (epoch, load) in entries.items():
+            dead = self._dead.get(w)
+            if dead is not None:
+                since, dead_epoch = dead
+                restarted = epoch is not None and dead_epoch is not None and epoch > dead_epoch
+                if not restarted and now - since < self.dead_ttl_s:
+                    continue
+                del self._dead[w]
+            out[w] = load
+        return out
+
+    def mark_dead(self, worker_id: str) -> None:
+        epoch = self._live[1].get(worker_id, (None,))[0]
+        self._dead[worker_id] = (time.monotonic(), epoch)
+        self._handles.pop(worker_id, None)
+        self._live = (0.0, self._live[1])  # re-read the registry on the next request
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _handle(self, worker_id: str) -> ray.actor.ActorHandle:
+        h = self._handles.get(worker_id)
+        if h is None:
+            try:
+                h = ray.get_actor(worker_id, namespace=self.namespace)
+            except ValueError as exc:
+                raise WorkerGone(f"no actor named {worker_id!r}: {exc}") from exc
+            self._handles[worker_id] = h
+        return h
+
+    async def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
+        self.inflight[worker_id] += 1
+        nxt: asyncio.Future | None = None
+        try:
+            gen = (
+                self._handle(worker_id)
+                .generate.options(num_returns="streaming")
+                .remote(request, self.caller)
+            )
+            it = gen.__aiter__()
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not (await asyncio.wait({nxt}, timeout=self.liveness.stream_stall_s))[0]:
+                    if not await self._answers(worker_id):
+                        nxt.cancel()
+                        self.stalls += 1
+                        raise WorkerGone(
+                            f"worker {worker_id} stalled: no output for "
+                            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
+                            f"within {self.liveness.probe_timeout_s:g}s"
+                        )
+                try:
+                    ref = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield await ref
+        except _ACTOR_ERRORS as exc:
+            raise WorkerGone(str(exc).splitlines()[0]) from exc
+        except RayTaskError as exc:  # the worker raised (InvalidRequest, EngineOverloaded):
+            if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+                raise WorkerGone(str(exc.cause)) from exc
+            if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
+                raise exc.cause from None
+            raise
+        finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+            self.inflight[worker_id] -= 1
+
+    async def _answers(self, worker_id: str) -> bool:
+        """Whether the worker's actor answers a ping in time (a frozen process does not)."""
+        try:
+            await asyncio.wait_for(
+                self._handle(worker_id).__ray_ready__.remote(), self.liveness.probe_timeout_s
+            )
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            return False
+        return True
+
+    async def abort(self, worker_id: str, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(
+                self._handle(worker_id).abort.remote(request_id), self.call_timeout_s
+            )
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            pass  # a dead worker's blocks are gone with it
+
+    async def resync(self, worker_id: str, reason: str) -> bool:
+        try:
+            return bool(await asyncio.wait_for(
+                self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s))
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            return False
+
+    async def statuses(self) -> list[WorkerStatus]:
+        """Every worker Ray knows by name, asked in parallel with a per-worker timeout: one
+        that does not answer (frozen) or has no live heartbeat is listed as stale."""
+        names = sorted(await asyncio.to_thread(self._from_ray))
+        live = await self._from_index()
+        results = await asyncio.gather(*(self._status(n) for n in names))
+        now = time.monotonic()
+        out = []
+        for name, status in zip(names, results, strict=True):
+            seen = self._seen.get(name)
+            if status is None:
+                epoch = live.get(name, (None,))[0] if live else None
+                status = WorkerStatus(name, epoch, 0, 0, 0, 0, 0, 0.0, index_healthy=False)
+            stale = status.stale or (live is not None and name not in live)
+            out.append(replace(status, stale=stale,
+                               heartbeat_age_s=None if seen is None else now - seen))
+        return out
+
+    async def _status(self, name: str) -> WorkerStatus | None:
+        try:
+            return await asyncio.wait_for(self._handle(name).status.remote(),
+                                          self.liveness.status_timeout_s)
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
+            log.warning("worker %s did not answer a status call: %s", name,
+                        type(exc).__name__)
+            return None
