@@ -62,7 +62,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from worker.engine import Engine, EngineConfig, SamplingParams
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.default_model import default_model_path
 

@@ -19,16 +19,17 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
 from cluster.report import pyplot, save_figure
-from worker.stats import quantile
+from kvstore.blocks.stats import quantile
 
 
 @dataclass
@@ -105,21 +106,23 @@ def one_request(client: KVClusterClient, prompt: str, max_tokens: int) -> Sample
 
 
 def send_all(
-    client: KVClusterClient,
+    client: Any,
     prompts: list[str],
     *,
     concurrency: int,
     max_tokens: int,
     progress: TextIO | None = None,
+    one: Callable[[Any, str, int], Sample] = one_request,
 ) -> tuple[list[Sample], float]:
     """Send ``prompts`` ``concurrency`` at a time; returns the samples (in completion order)
-    and the wall time from first send to last response. With ``progress``, draws a bar there
+    and the wall time from first send to last response. ``one(client, prompt, max_tokens)``
+    times one request (gRPC by default). With ``progress``, draws a bar there
     (a separate stream, so the table and JSON line on stdout stay parseable)."""
     samples: list[Sample] = []
     lock = threading.Lock()
 
     def task(prompt: str) -> None:
-        s = one_request(client, prompt, max_tokens)
+        s = one(client, prompt, max_tokens)
         with lock:
             samples.append(s)
             if progress is not None:
@@ -169,13 +172,24 @@ def run_bench(
     seed: int = 0,
     plot: bool = True,
     out: TextIO | None = None,
+    api: str = "grpc",
 ) -> dict[str, float]:
-    """Load-test the running cluster at ``target``: table, PNG and JSON line on ``out``."""
+    """Load-test the running cluster at ``target``: table, PNG and JSON line on ``out``.
+    ``api``: "grpc" (``target`` host:port) or "http" (``target`` the OpenAI API's URL)."""
     out = out or sys.stdout
     prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
-    with KVClusterClient(target) as client:
+    one: Callable[[Any, str, int], Sample] = one_request
+    if api == "http":
+        from cluster.http_bench import OpenAIBenchClient, one_http_request
+
+        client_cm: Any = OpenAIBenchClient(target)
+        one = one_http_request
+    else:
+        client_cm = KVClusterClient(target)
+    with client_cm as client:
         samples, wall = send_all(
-            client, prompts, concurrency=concurrency, max_tokens=max_tokens, progress=sys.stderr
+            client, prompts, concurrency=concurrency, max_tokens=max_tokens,
+            progress=sys.stderr, one=one,
         )
     ok = [s for s in samples if s.ok]
     f = summarize(samples, wall)
@@ -202,7 +216,7 @@ def run_bench(
         print(f"errors: {dict(errors)}", file=out)
     if plot and ok:
         _plot(ok)
-    print(json.dumps({"bench": figures}), file=out)
+    print(json.dumps({"bench": figures, "api": api}), file=out)
     return figures
 
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.config import RequestLimits, RoutingConfig
+from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
 
@@ -63,7 +63,12 @@ class RouterConfig(_Strict):
     host: str = Field("127.0.0.1", description="gRPC bind address.")
     port: int = Field(50051, ge=0, le=65535, description="First router's port (0: free port); "
                       "router i listens on port + i.")
-    max_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC message size limit.")
+    max_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC message size limit "
+                                   "(also the OpenAI HTTP API's request body limit).")
+    http_port: int | None = Field(
+        8000, ge=0, le=65535, description="First router's OpenAI-compatible HTTP port (0: "
+        "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
+        "tokens and TLS files as gRPC.")
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
     )
@@ -76,6 +81,13 @@ class RouterConfig(_Strict):
     routing: RoutingConfig = Field(
         RoutingConfig(), description="Placement policy and weights; block_size is taken from "
         "workers.engine.block_size."
+    )
+    liveness: LivenessConfig = Field(
+        LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
+    )
+    max_restarts: int = Field(
+        -1, ge=-1, description="Ray restarts of a router that died (-1: always). A restarted "
+        "router binds the same port again; clients' gRPC channels reconnect to it."
     )
 
 

@@ -19,7 +19,7 @@ def cluster_config(name: str, **overrides: object) -> ClusterConfig:
     raw: dict = {
         "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
         "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": dict(ENGINE)},
-        "router": {"port": 0},
+        "router": {"port": 0, "http_port": 0},
         "redis": {"heartbeat_ttl_s": 2.0},
     }
     for key, value in overrides.items():
