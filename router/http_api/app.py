@@ -30,6 +30,7 @@ from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
+from router.edge.tokenizing import TokenizerPool, check_text_chars
 from router.http_api.protocol import OpenAIRequest, parse_request, to_specs
 from router.http_api.responses import Shaper
 from router.placement.adapters import adapter_name
@@ -131,6 +132,7 @@ class OpenAIServer:
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        self.tokenize = TokenizerPool(tokenizer)  # off the loop, big texts apart
         self.auth = auth
         self.limits = limits
         self.max_body_bytes = max_body_bytes
@@ -182,6 +184,7 @@ class OpenAIServer:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
+        self.tokenize.close()
 
     # -- small routes -------------------------------------------------------------------
 
@@ -308,10 +311,13 @@ class OpenAIServer:
 
     async def _token_ids(self, spec: GenerateSpec) -> list[int]:
         if spec.messages is not None:
-            return await asyncio.to_thread(chat_token_ids, self.tokenizer, spec.messages)
+            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
         if spec.token_ids is not None:
             return spec.token_ids
-        return await asyncio.to_thread(self.tokenizer.encode, spec.text)
+        # refused before any work is spent on it, as on the gRPC edge
+        check_text_chars("prompt", spec.text, self.limits, self.core.limits.max_model_len)
+        return await self.tokenize.encode(spec.text)
 
     async def _one(
         self, spec: GenerateSpec, ids: list[int]
