@@ -13,7 +13,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
@@ -68,7 +67,6 @@ class RayWorkerDirectory(WorkerDirectory):
         self.call_timeout_s = call_timeout_s
         self.liveness = liveness or LivenessConfig()
         self.stalls = 0  # streams given up because their worker stopped answering
-        self.inflight: Counter[str] = Counter()  # this router's open streams per worker
         self.index_ok = index is not None
         self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
         self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
@@ -114,7 +112,7 @@ class RayWorkerDirectory(WorkerDirectory):
                 out[w] = (
                     None,
                     WorkerLoad(
-                        running=self.inflight[w],
+                        running=0,  # the serving core adds its own open streams
                         waiting=0,
                         free_blocks=0,
                         total_blocks=0,
@@ -160,7 +158,6 @@ class RayWorkerDirectory(WorkerDirectory):
     async def stream(
         self, worker_id: str, request: WorkerRequest
     ) -> AsyncIterator[Admitted | RequestOutput]:
-        self.inflight[worker_id] += 1
         nxt: asyncio.Future | None = None
         try:
             gen = (
@@ -196,7 +193,6 @@ class RayWorkerDirectory(WorkerDirectory):
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()
-            self.inflight[worker_id] -= 1
 
     async def _answers(self, worker_id: str) -> bool:
         """Whether the worker's actor answers a ping in time (a frozen process does not)."""
