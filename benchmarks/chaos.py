@@ -32,6 +32,7 @@ import grpc
 import ray
 from ray.exceptions import ActorUnavailableError
 
+from benchmarks.chaos_faults import frozen_worker_recovery, router_kill_recovery
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
@@ -392,7 +393,7 @@ def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float 
     again."""
     import signal
 
-    from worker.stats import quantile
+    from kvstore.blocks.stats import quantile
 
     clients = [KVClusterClient(e) for e in cluster.endpoints]
     results: list[tuple[float, float, bool]] = []  # (start, seconds, ok)
@@ -473,9 +474,38 @@ def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
         "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": {
             "num_blocks": 256, "block_size": 16, "max_waiting": 64, "max_num_seqs": 8,
             "max_num_batched_tokens": 256, "max_model_len": 512}},
-        "router": {"port": 0, "num_routers": 2},
+        "router": {"port": 0, "num_routers": 2,
+                   "liveness": {"stream_stall_s": 2.0, "probe_timeout_s": 2.0}},
         "redis": {"heartbeat_ttl_s": 2.0},
     })
+
+
+def frozen_worker_row(cluster: Cluster) -> dict:
+    """SIGSTOP a streaming worker: recovery = freeze until its clients were released (their
+    streams ended UNAVAILABLE); new requests meanwhile must all be served elsewhere."""
+    r = frozen_worker_recovery(cluster)
+    shorts = r["short_requests"]
+    worst = max((s for _, _, s in shorts), default=0.0)
+    return {"fault": "frozen worker", "recovery s": _round(r["streams_released_s"]),
+            "requests during fault": len(shorts),
+            "served": sum(code == "OK" for _, code, _ in shorts),
+            "detail": f"slowest of them {worst:.1f}s; status answered in {r['status_s']:.2f}s"
+                      f" listing it {'stale' if r['status_victim_stale'] else 'LIVE'}; live "
+                      f"again {_round(r['back_s'])}s after SIGCONT"}
+
+
+def router_kill_row(cluster: Cluster) -> dict:
+    """SIGKILL a router: recovery = kill until the same client's next call succeeded."""
+    r = router_kill_recovery(cluster)
+    return {"fault": "router kill", "recovery s": _round(r["recovery_s"]),
+            "requests during fault": r["attempts"], "served": int(r["recovery_s"] is not None),
+            "detail": f"restarted by Ray: {r['restarted']}, same port: {r['same_endpoint']}, "
+                      f"its open stream {r['open_stream'][0]} and stopped on the worker: "
+                      f"{r['orphans_freed']}"}
+
+
+def _round(x: float | None) -> float:
+    return float("nan") if x is None else round(x, 2)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -491,6 +521,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"cluster up in {time.monotonic() - t0:.0f}s; routers {cluster.endpoints}")
         rep = run_chaos(cluster, n, seed=args.seed, concurrency=args.concurrency)
         frozen = frozen_redis_row(cluster, 3.0 if args.smoke else 10.0)
+        recovery = [frozen_worker_row(cluster), router_kill_row(cluster)]
     print_table([{"sent": rep.sent, "completed": rep.completed, "retried": rep.retried,
                   "failed": sum(rep.failed.values()), "unexpected": rep.unexpected,
                   "hung": rep.hung, "stuck": rep.stuck, "blocks leaked": rep.blocks_leaked,
@@ -514,6 +545,10 @@ def main(argv: list[str] | None = None) -> dict:
                 chaos_frozen_redis_p50_ratio=round(
                     frozen.p50_frozen_s / max(frozen.p50_before_s, 1e-9), 2),
                 chaos_frozen_redis_recovery_s=round(frozen.recovery_s, 2))
+    print_table(recovery, "faults Ray does not report: time to recover (stall timeout 2 s + "
+                "probe 2 s)")
+    for row in recovery:
+        head[f"chaos_{row['fault'].replace(' ', '_')}_recovery_s"] = row["recovery s"]
     plot(rep)
     emit_json(head)
     return head

@@ -2,6 +2,7 @@
 
     python -m benchmarks.engine_throughput            # ~32M-parameter random llama (--size 100m)
     python -m benchmarks.engine_throughput --smoke    # tiny model, a few seconds
+    python -m benchmarks.engine_throughput --neighbour  # beside a CPU burner (neighbour.py)
     python -m benchmarks.engine_throughput --model default   # SmolLM2-135M-Instruct (GGUF)
     python -m benchmarks.engine_throughput --model PATH      # a Hugging Face folder or .gguf
 
@@ -61,7 +62,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from worker.engine import Engine, EngineConfig, SamplingParams
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.default_model import default_model_path
 
@@ -225,18 +227,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--neighbour", action="store_true",
+                        help="only workload 1, quiet vs beside a process spinning on one core")
+    parser.add_argument("--rounds", type=int, default=3, help="--neighbour: rounds per cell")
     args = parser.parse_args(argv)
     if args.smoke:
         args.size, args.requests, args.min_prompt, args.max_prompt = "tiny", 6, 16, 48
         args.max_tokens, args.batch, args.prefix, args.kv_mb = 8, 2, 48, 16
+    if args.neighbour:
+        return neighbour_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model == "default":
-        model_dir = default_model_path()
-    elif args.model:
-        model_dir = Path(args.model).expanduser()
-    else:
-        model_dir = build_tiny_model(None, "llama", args.size, args.seed)
+    model_dir = resolve_model(args)
     cfg = EngineConfig(
         kv_memory_bytes=args.kv_mb * 2**20,
         max_num_seqs=args.max_num_seqs,
@@ -322,6 +324,34 @@ def main(argv: list[str] | None = None) -> dict:
         "itl_p50_ms": round(m.itl.p50 * 1e3, 2),
         "itl_p90_ms": round(m.itl.p90 * 1e3, 2),
     }
+    emit_json(head)
+    return head
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    if args.model == "default":
+        return default_model_path()
+    if args.model:
+        return Path(args.model).expanduser()
+    return build_tiny_model(None, "llama", args.size, args.seed)
+
+
+def neighbour_main(args: argparse.Namespace) -> dict:
+    from benchmarks.neighbour import measure
+
+    model_dir = resolve_model(args)
+    vocab = Engine.from_model_dir(model_dir, EngineConfig(num_blocks=8)).executor.vocab_size
+    prompts = mixed_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
+    cfg = {"kv_memory_bytes": args.kv_mb * 2**20, "max_num_seqs": args.max_num_seqs,
+           "max_num_batched_tokens": args.max_batched_tokens}
+    spec = {"model_dir": str(model_dir), "cfg": cfg, "prompts": prompts,
+            "max_tokens": args.max_tokens}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, head = measure(spec, Path(tmp) / "spec.json", rounds=args.rounds,
+                             threads=args.threads)
+    print(f"model {model_dir.name}: {args.requests} requests, {sum(map(len, prompts))} prompt "
+          f"tokens, {args.max_tokens} new tokens each; busy = one process spinning on a core")
+    print_table(rows, "engine throughput alone (quiet) and beside a CPU burner (busy)")
     emit_json(head)
     return head
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.engine_throughput import mixed_prompts, run_engine
-from worker.engine import Engine, EngineConfig, SamplingParams
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16

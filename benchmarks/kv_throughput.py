@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from worker.kv import HashContext, KVCacheManager, block_keys
+from kvstore.blocks.hashing import HashContext, block_keys
+from worker.kv import KVCacheManager
 
 CTX = HashContext("bench-model", None, "tenant-0")
 LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384]

@@ -53,9 +53,10 @@ import time
 from contextlib import ExitStack
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from kvstore import IndexConfig, KVIndex
-from worker.kv.hashing import BlockKey
-from worker.stats import quantile
+from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.stats import quantile
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
 
 TARGET_LOOKUP_P99_MS = 2.0
 TARGET_EVENTS_PER_S = 200_000
@@ -188,9 +189,9 @@ def run(args: argparse.Namespace) -> dict:
     with ExitStack() as stack:
         url = args.url
         if url is None:
-            from tests.redis_server import RedisServer
+            from cluster.local_redis import LocalRedis
 
-            url = stack.enter_context(RedisServer()).url
+            url = stack.enter_context(LocalRedis()).url
         model = f"bench-{os.getpid()}"
         cfg = IndexConfig(url=url, model_id=model, record_every=args.record_every,
                           socket_timeout_s=30.0, heartbeat_ttl_s=3600.0)  # workers stay live

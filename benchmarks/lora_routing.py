@@ -33,9 +33,9 @@ import heapq
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.workloads import shared_prefix_requests
+from kvstore.blocks.hashing import HashContext
 from router import RoutingConfig
 from router.sim import SimConfig, SimRequest, replay, summarize
-from worker.kv import HashContext
 
 MODEL = "lora-bench"
 

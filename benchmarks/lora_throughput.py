@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import emit_json, print_table
-from worker.engine import Engine, EngineConfig, SamplingParams
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.config import ModelConfig

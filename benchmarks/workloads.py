@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.blocks.hashing import HashContext
 from router.sim import SimRequest
-from worker.kv import HashContext
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace
 VOCAB = 32_000

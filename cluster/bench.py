@@ -29,7 +29,7 @@ import grpc
 
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
 from cluster.report import pyplot, save_figure
-from worker.stats import quantile
+from kvstore.blocks.stats import quantile
 
 
 @dataclass

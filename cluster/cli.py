@@ -25,13 +25,13 @@ def _endpoint(args: argparse.Namespace) -> str:
     return st.endpoints[0]
 
 
-def ray_cli_hint(ray_address: str) -> str:
+def ray_cli_hint(ray_address: str, *, embedded: bool) -> str:
     """How to point the Ray CLI at a ``kvcluster up`` head: it runs with token auth (Ray 2.60
     turns it on when ``~/.ray/auth_token`` exists), which the CLI only uses when told; an
-    embedded (loopback) head also needs the CLI in Ray's single-node mode."""
-    from cluster.launcher import RAY_SINGLE_NODE_ENV, is_loopback_address
+    embedded head (one ``up`` started) also needs the CLI in Ray's single-node mode."""
+    from cluster.launcher import RAY_SINGLE_NODE_ENV
 
-    local = f"{RAY_SINGLE_NODE_ENV}=0 " if is_loopback_address(ray_address) else ""
+    local = f"{RAY_SINGLE_NODE_ENV}=0 " if embedded else ""
     return f"RAY_AUTH_MODE=token {local}ray status --address {ray_address}"
 
 
@@ -55,11 +55,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     else:
         print("  dashboard      : off (dashboard: false)")
-    print(f"  ray            : {st.ray_address} (Ray CLI: {ray_cli_hint(st.ray_address)})")
+    hint = ray_cli_hint(st.ray_address, embedded=st.ray_pid is not None)
+    print(f"  ray            : {st.ray_address} (Ray CLI: {hint})")
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
-    print("try: kvcluster generate 'Hello'   |   kvcluster status   |   kvcluster down")
+    print("try: kvcluster generate --chat 'What is the capital of France?'   |   "
+          "kvcluster status   |   kvcluster down")
     return 0
 
 
@@ -84,12 +86,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{'quota evict':>13}"
     )
     for w in st.workers:
+        alive = "stale" if w.stale else str(w.alive)  # stale: no answer or no heartbeat
         print(
-            f"{w.worker_id:<12}{w.epoch:>16}{str(w.alive):>7}{w.running:>5}{w.waiting:>6}"
+            f"{w.worker_id:<12}{w.epoch:>16}{alive:>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
+    # this router's predicted vs realised prefix hits per worker (router/placement/prediction.py)
+    print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
+          f"{'gap now':>9}{'resyncs':>9}")
+    for w in st.workers:
+        print(f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
+              f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
+              f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}")
+    if st.index_circuit_open:
+        print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.config import RequestLimits, RoutingConfig
+from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
 
@@ -81,6 +81,13 @@ class RouterConfig(_Strict):
     routing: RoutingConfig = Field(
         RoutingConfig(), description="Placement policy and weights; block_size is taken from "
         "workers.engine.block_size."
+    )
+    liveness: LivenessConfig = Field(
+        LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
+    )
+    max_restarts: int = Field(
+        -1, ge=-1, description="Ray restarts of a router that died (-1: always). A restarted "
+        "router binds the same port again; clients' gRPC channels reconnect to it."
     )
 
 

@@ -10,15 +10,15 @@ Two modes share one code path (:class:`Cluster`):
 
 Ray 2.60 notes: the dashboard needs the token from ``~/.ray/auth_token`` unless
 ``RAY_AUTH_MODE=disabled`` (and so does the Ray CLI against our head: ``RAY_AUTH_MODE=token``).
-An embedded Ray (ours, or any at a loopback address) runs in Ray's single-node mode
+An embedded Ray (one this launcher starts) runs in Ray's single-node mode
 (:func:`use_loopback_ray`): its node address is 127.0.0.1, so GCS, raylet, workers' gRPC
-servers, the agents and the dashboard all listen on loopback only. (``--node-ip-address=
+servers, the agents and the dashboard all listen on loopback only; a driver joining it must
+be in that mode too, one joining any other Ray must not be. (``--node-ip-address=
 127.0.0.1`` alone does not do it: Ray swaps a loopback node address for the machine's.)
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -34,7 +34,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port, start_detached
-from kvstore import IndexConfig
+from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.config import ModelConfig
@@ -93,22 +93,12 @@ def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
     return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
 
 
-def is_loopback_address(address: str) -> bool:
-    """Whether a Ray address (``host:port``) names this machine's loopback."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def use_loopback_ray() -> None:
     """Put this process, and every Ray process it starts, in Ray's single-node mode: the node
     address is 127.0.0.1 and every Ray server (GCS, raylet, workers, agents, dashboard, client
-    server) binds it. Call before starting or joining an embedded (loopback) Ray; a driver
-    joining such a head needs it too, or Ray looks for a raylet at the machine's address."""
+    server) binds it. Call before starting an embedded Ray or joining one (else the driver
+    looks for a raylet at the machine's address); never before joining another Ray (which
+    registered its nodes at their own addresses)."""
     from ray._private import ray_constants
 
     os.environ[RAY_SINGLE_NODE_ENV] = "0"  # Ray processes started from here inherit it
@@ -221,7 +211,7 @@ class Cluster:
     def _start_ray(self) -> None:
         if ray.is_initialized():
             return
-        if self.ray_address is None or is_loopback_address(self.ray_address):
+        if self.ray_address is None:  # a Ray of our own: loopback only
             use_loopback_ray()
         if self.ray_address is None and self.detached:
             self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
@@ -287,11 +277,13 @@ class Cluster:
             router_id=name, namespace=self.namespace, model_dir=self.model_path,
             default_family=self.cfg.model.tiny_family,
             model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
-            index=self.index_config(), host=r.host, port=r.port + i if r.port else 0,
+            # a fixed port even when none is configured: a router Ray restarts binds it again
+            index=self.index_config(), host=r.host, port=r.port + i if r.port else free_port(),
             max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
-            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key,
-            http_port=None if r.http_port is None else r.http_port + i if r.http_port else 0)
-        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=0)
+            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key, liveness=r.liveness,
+            http_port=None if r.http_port is None else r.http_port + i if r.http_port
+            else free_port())
+        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
         if self.detached:
             opts["lifetime"] = "detached"
         handle = RouterActor.options(**opts).remote(settings)
@@ -394,7 +386,7 @@ def down_detached(name: str) -> ClusterState:
     """``kvcluster down``: kill the actors, stop our Redis and Ray head."""
     st = ClusterState.load(name)
     try:
-        if is_loopback_address(st.ray_address):
+        if st.ray_pid is not None:  # the head `up` started runs in single-node mode
             use_loopback_ray()
         use_token_auth_if_configured()
         ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,

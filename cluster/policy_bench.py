@@ -98,7 +98,7 @@ def check_policies(policies: list[str]) -> None:
     routing config's own validation, run once per name)."""
     from pydantic import ValidationError
 
-    from router.config import RoutingConfig
+    from router.placement.config import RoutingConfig
 
     if not policies:
         raise ConfigError("no routing policies given")
@@ -281,7 +281,11 @@ def plot(results: list[PolicyResult]) -> Path:
 def model_label(w: Workload, base: ClusterConfig | None) -> str:
     if w.model_size is not None:
         return w.model_size
-    return Path(base.model.path).name if base and base.model.path else "tiny"
+    if base is not None and base.model.path:
+        return Path(base.model.path).name
+    if base is None or base.model.tiny_family is not None:
+        return "tiny"
+    return "SmolLM2-135M-Instruct"  # the default model
 
 
 def compare(

@@ -1,9 +1,12 @@
 """Global KV block index on Redis: which worker holds which KV blocks, cluster-wide.
 
-Workers publish KV events through :class:`WorkerPublisher` (a background thread; the engine
-only calls ``submit``); routers call :meth:`KVIndex.lookup` (one round trip, whatever the
-prompt length) and :meth:`KVIndex.live_workers`, or their coroutine twins on
-:class:`AsyncKVIndex` from asyncio code. Every operation is one atomic Lua script.
+Workers publish KV events through :class:`kvstore.publisher.WorkerPublisher` (a background
+thread; the engine only calls ``submit``); routers call :meth:`kvstore.index.KVIndex.lookup`
+(one round trip, whatever the prompt length) and ``KVIndex.live_workers``, or their
+coroutine twins on ``kvstore.aio.AsyncKVIndex`` from asyncio code. Every operation is one
+atomic Lua script. Config: ``kvstore.config.IndexConfig``; types and errors:
+``kvstore.types``. ``kvstore.blocks`` is the ground layer: the block vocabulary that the
+index, workers and routers share (importing it loads nothing of the index).
 
 Schema
 ======
@@ -92,32 +95,3 @@ parent (another eviction policy, hand-written events): scan is exact for any ind
 Writers: one thread per worker id (its :class:`Recorder` is not thread-safe); any number of
 workers and routers may share one :class:`KVIndex`.
 """
-
-from kvstore.aio import AsyncKVIndex
-from kvstore.config import IndexConfig
-from kvstore.events import Op, Recorder
-from kvstore.index import KVIndex
-from kvstore.publisher import WorkerPublisher
-from kvstore.types import (
-    ApplyResult,
-    IndexFull,
-    IndexUnavailable,
-    PublisherStats,
-    WorkerInfo,
-    WorkerLoad,
-)
-
-__all__ = [
-    "ApplyResult",
-    "AsyncKVIndex",
-    "IndexConfig",
-    "IndexFull",
-    "IndexUnavailable",
-    "KVIndex",
-    "Op",
-    "PublisherStats",
-    "Recorder",
-    "WorkerInfo",
-    "WorkerLoad",
-    "WorkerPublisher",
-]

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import scripts
+from kvstore.blocks.hashing import BlockKey
 from kvstore.codec import decode_live, decode_lookup, guard_async, key_blob
 from kvstore.config import IndexConfig, make_async_client
 from kvstore.events import sampled
 from kvstore.types import WorkerInfo
-from worker.kv.hashing import BlockKey
 
 
 class AsyncKVIndex:

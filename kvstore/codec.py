@@ -9,9 +9,9 @@ from typing import TypeVar
 
 import redis
 
+from kvstore.blocks.hashing import KEY_BYTES, BlockKey
 from kvstore.events import Op
 from kvstore.types import ApplyResult, IndexUnavailable, WorkerInfo, WorkerLoad
-from worker.kv.hashing import KEY_BYTES, BlockKey
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
-from worker.kv.hashing import BlockKey
+from kvstore.blocks.hashing import BlockKey
 
 OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
 Op = tuple[OpKind, tuple[BlockKey, ...]]
@@ -90,6 +90,8 @@ class Recorder:
         k = self.record_every
         for event in events:
             kind = event_kind(event)
+            if getattr(event, "tier", "device") != "device":
+                continue  # the Redis index records the device tier only (host: router-side)
             if kind == "C":
                 self._pos.clear()
                 ops.append(("C", ()))

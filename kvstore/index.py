@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from kvstore import scripts
+from kvstore.blocks.hashing import BlockKey
 from kvstore.codec import (
     check_worker_id,
     decode_apply,
@@ -22,7 +23,6 @@ from kvstore.codec import (
 from kvstore.config import IndexConfig, make_client
 from kvstore.events import Op, Recorder, sampled
 from kvstore.types import ApplyResult, IndexFull, WorkerInfo, WorkerLoad
-from worker.kv.hashing import BlockKey
 
 
 class KVIndex:

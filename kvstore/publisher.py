@@ -38,10 +38,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from kvstore.blocks.hashing import BlockKey
 from kvstore.events import Op
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
-from worker.kv.hashing import BlockKey
 
 _log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class WorkerPublisher:
         self._stats = PublisherStats()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._resync_asked = threading.Event()  # request_resync() was called
         # owned by the thread
         self._outbox: deque[Item] = deque()
         self._outbox_events = 0
@@ -114,6 +115,12 @@ class WorkerPublisher:
                 else:
                     self._inbox.append((self._submits, events))
                     self._inbox_events += len(events)
+        self._wake.set()
+
+    def request_resync(self) -> None:
+        """Replace this worker's entries with a fresh snapshot of its pool soon (any thread):
+        for entries found wrong from outside (e.g. a router's predictions keep missing)."""
+        self._resync_asked.set()
         self._wake.set()
 
     def mark_snapshot(self) -> None:
@@ -256,6 +263,9 @@ class WorkerPublisher:
                 setattr(self._stats, name, getattr(self._stats, name) + n)
 
     def _sync(self, now: float) -> None:
+        if self._resync_asked.is_set():
+            self._resync_asked.clear()
+            self._resync_due = True
         for _ in range(3):  # a registration lost meanwhile restarts the round (bounded)
             if self._epoch is None:
                 self._register()

@@ -2,20 +2,20 @@
 sources they read, pending placements, parity self-check and metrics; ``router.sim`` holds
 the trace-replay simulator."""
 
-from router.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
-from router.metrics import RouterMetrics
-from router.parity import check_parity, first_mismatch
-from router.pending import PendingPlacements
-from router.policies import LeastLoaded, PrefixAffinity, RoundRobin
-from router.policy import RoutingPolicy, make_policy, policy_names, register_policy
-from router.prefix_source import (
+from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.parity import check_parity, first_mismatch
+from router.placement.pending import PendingPlacements
+from router.placement.policies import LeastLoaded, PrefixAffinity, RoundRobin
+from router.placement.policy import RoutingPolicy, make_policy, policy_names, register_policy
+from router.placement.prefix_source import (
     InMemoryPrefixIndex,
     KVIndexSource,
     PrefixSource,
     PrefixSourceUnavailable,
 )
-from router.router import Router
-from router.types import (
+from router.placement.router import Router
+from router.placement.types import (
     NoWorkersError,
     Placement,
     Reason,

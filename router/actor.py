@@ -7,22 +7,25 @@ apart from its cache of the index and its recent placements, so any number may r
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from kvstore import IndexConfig, KVIndex
-from router.breaker import CircuitBreaker
-from router.config import RequestLimits, RoutingConfig
-from router.metrics import RouterMetrics
-from router.prefix_source import KVIndexSource
-from router.ray_workers import RayWorkerDirectory
-from router.router import Router
-from router.servicer import KVClusterServicer, TokenAuth, start_server
-from router.serving import ModelLimits, ServingCore
-from router.telemetry import start_exporter
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from router.edge.servicer import KVClusterServicer, TokenAuth, start_server
+from router.placement.breaker import CircuitBreaker
+from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.prediction import PredictionTracker
+from router.placement.prefix_source import KVIndexSource
+from router.placement.router import Router
+from router.serving.core import ModelLimits, ServingCore
+from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.telemetry import start_exporter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
@@ -50,6 +53,7 @@ class RouterSettings:
     tls_cert: str | None  # PEM files; both set = TLS
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
 
 
@@ -72,14 +76,19 @@ class RouterServer:
         source = (KVIndexSource(self.index, breaker=self.breaker)
                   if self.index is not None else None)
         self.router = Router(settings.routing, source, metrics=self.metrics)
-        self.directory = RayWorkerDirectory(settings.namespace, self.index, breaker=self.breaker)
+        self.directory = RayWorkerDirectory(settings.namespace, self.index,
+                                            breaker=self.breaker,
+                                            liveness=settings.liveness)
         limits = ModelLimits(
             model_id=settings.model_id,
             vocab_size=model_cfg.vocab_size,
             max_model_len=max_model_len,
             max_prompt_tokens=max_model_len - 1,
         )
-        self.core = ServingCore(self.router, self.directory, limits)
+        # a miss is a gap of one block at the index's granularity
+        record_every = settings.index.record_every if settings.index is not None else 1
+        self.predictions = PredictionTracker(settings.routing.block_size * record_every)
+        self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         self.servicer = KVClusterServicer(
             self.core,
@@ -99,26 +108,48 @@ class RouterServer:
         self.server = None
         self.port: int | None = None
         self._exporter = None
+        self._starting = asyncio.Lock()
+        _start_again_if_restarted()
+
+    def incarnation(self) -> str:
+        """Random per start of this router (workers compare it to spot a restarted caller)."""
+        return self.directory.incarnation
 
     async def start(self) -> str:
-        """Start serving; returns ``host:port``."""
+        """Start serving (once; later calls return the address); returns ``host:port``."""
+        async with self._starting:
+            if self.server is None:
+                await self._start()
+        return f"{self.settings.host}:{self.port}"
+
+    async def _start(self) -> None:
         tls = None
         if self.settings.tls_cert and self.settings.tls_key:
             tls = (
                 Path(self.settings.tls_cert).read_bytes(),
                 Path(self.settings.tls_key).read_bytes(),
             )
-        self.server, self.port = await start_server(
-            self.servicer,
-            host=self.settings.host,
-            port=self.settings.port,
-            max_message_bytes=self.settings.max_message_bytes,
-            tls=tls,
-        )
+        for attempt in range(50):  # a restart may find the port still held for a moment
+            try:
+                self.server, self.port = await start_server(
+                    self.servicer,
+                    host=self.settings.host,
+                    port=self.settings.port,
+                    max_message_bytes=self.settings.max_message_bytes,
+                    tls=tls,
+                )
+                break
+            except RuntimeError as exc:  # grpc: "Failed to bind to address"
+                if attempt == 49 or not self.settings.port:
+                    raise
+                log.warning("router %s: port %d busy (%s), retrying", self.settings.router_id,
+                            self.settings.port, exc)
+                await asyncio.sleep(0.2)
         self._exporter = start_exporter(
             self.settings.router_id,
             self.metrics,
             lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+            self.predictions,
         )
         if self.http is not None:
             await self.http.start(self.settings.host, self.settings.http_port or 0,
@@ -129,7 +160,6 @@ class RouterServer:
             self.settings.host,
             self.port,
         )
-        return f"{self.settings.host}:{self.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._exporter is not None:
@@ -140,6 +170,7 @@ class RouterServer:
             await self.server.stop(grace_s)
             self.server = None
         self.core.close()
+        self.servicer.tokenize.close()
 
     def stats(self) -> dict:
         """Router metrics plus retry counters (for status and tests)."""
@@ -149,6 +180,7 @@ class RouterServer:
             broken_streams=self.core.broken,
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
+            **self.predictions.totals(),
         )
         return snap
 
@@ -161,6 +193,19 @@ class RouterServer:
 
     def ready(self) -> bool:
         return self.server is not None
+
+
+def _start_again_if_restarted() -> None:
+    """A router that Ray restarted after a crash was constructed again but nobody calls its
+    ``start``: it asks itself to (queued behind ``__init__``), binding its old port, so the
+    clients' channels reconnect to it."""
+    try:
+        ctx = ray.get_runtime_context()
+        if ctx.was_current_actor_reconstructed:
+            ctx.current_actor.start.remote()
+            log.warning("router restarted by Ray: serving again on its port")
+    except RuntimeError:  # not an actor (a test constructs the class directly)
+        pass
 
 
 RouterActor = ray.remote(RouterServer)

@@ -21,12 +21,15 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from kvstore.blocks.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.publisher import WorkerPublisher
+from kvstore.types import WorkerLoad
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
-from worker.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -108,7 +111,13 @@ class CallerWatch:
                     self.aborted += 1
 
     async def _alive(self, caller: Any) -> bool:
+        """A :class:`CallerRef` is alive while its router answers with the same incarnation
+        (a router Ray restarted has a new one and no reader for its predecessor's streams)."""
         try:
+            if isinstance(caller, CallerRef):
+                now = await asyncio.wait_for(caller.handle.incarnation.remote(),
+                                             self.ping_timeout_s)
+                return now == caller.incarnation
             await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
         except ActorDiedError:
             return False
@@ -201,6 +210,15 @@ class WorkerServer:
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
 
+    def resync_index(self, reason: str) -> bool:
+        """A router found this worker's index entries wrong (``reason``): replace them with
+        the pool's cached keys. False when this worker publishes no index."""
+        if self.publisher is None:
+            return False
+        log.warning("worker %s: resyncing its index entries: %s", self.worker_id, reason)
+        self.publisher.request_resync()
+        return True
+
     def status(self) -> WorkerStatus:
         m = self.front.metrics()
         load = self.front.with_engine(engine_load)
@@ -212,6 +230,9 @@ class WorkerServer:
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
             tenant_quota_evictions=m.tenant_quota_evictions,
+            host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
+            host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
+            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
             adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
                            for i in load.lora_ids))
 

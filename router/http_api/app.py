@@ -26,14 +26,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from router.adapters import adapter_name
-from router.config import RequestLimits
-from router.convert import GenerateSpec, chat_token_ids
+from router.edge.convert import GenerateSpec, chat_token_ids
+from router.edge.servicer import RequestFailed, TokenAuth
 from router.http_api.protocol import OpenAIRequest, parse_request, to_specs
 from router.http_api.responses import Shaper
-from router.servicer import RequestFailed, TokenAuth
-from router.serving import ClusterOverloaded, ServingCore, StreamBroken
-from router.types import NoWorkersError
+from router.placement.adapters import adapter_name
+from router.placement.config import RequestLimits
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
 from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest, RequestOutput
 from worker.model.tokenizer import Tokenizer
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.config import RequestLimits
-from router.convert import GenerateSpec, spec_from_pb
+from router.edge.convert import GenerateSpec, spec_from_pb
+from router.placement.config import RequestLimits
 from worker.engine import InvalidRequest
 
 # Sampling fields copied to pb.SamplingParams as they are: name -> JSON type.

@@ -10,6 +10,10 @@ heads of 128, bf16) on an 8-GPU node.
 - chunked prefill: a step computes at most 2048 tokens (decodes first, then prefill
   chunks FCFS), at most 128 running sequences.
 Every step pays the fixed weight-read cost, prefill chunks and decodes share steps.
+- host KV tier (when ``host_kv_tokens_per_worker`` > 0): loading a block back reads its
+  327 KB per token over the node's host links, 8 x PCIe Gen5 at ~25 GB/s effective each
+  = 200 GB/s -> 1.6e-6 s per token, paid in the step that admits the request (not
+  overlapped with compute: a conservative bound).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class TimeModel(_Strict):
     decode_s_per_ctx_token: float = Field(
         3.4e-8, ge=0, description="Per context token of each decoding sequence, per step."
     )
+    host_load_s_per_token: float = Field(
+        1.6e-6, ge=0, description="Loading one token's KV back from the host tier (bandwidth)."
+    )
     max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_running: int = Field(128, ge=1, description="Sequences in the running batch at most.")
 
@@ -49,6 +56,12 @@ class SimConfig(_Strict):
     num_workers: int = Field(8, ge=1, description="Workers, each with its own KV manager.")
     kv_tokens_per_worker: int = Field(
         3_100_000, ge=1, description="KV cache capacity per worker, in tokens (LRU beyond it)."
+    )
+    host_kv_tokens_per_worker: int = Field(
+        0,
+        ge=0,
+        description="Host-memory KV tier per worker, in tokens (0 = none): blocks evicted from "
+        "the device are kept there (LRU) and loaded back on a prefix hit.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV block (engine and router).")
     event_delay_s: float = Field(

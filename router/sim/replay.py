@@ -13,13 +13,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from router.config import RoutingConfig
-from router.prefix_source import InMemoryPrefixIndex
-from router.router import Router
+from kvstore.blocks.events import KVEvent
+from router.placement.config import RoutingConfig
+from router.placement.prefix_source import InMemoryPrefixIndex
+from router.placement.router import Router
+from router.placement.types import RouteRequest
 from router.sim.config import SimConfig
 from router.sim.worker import RequestRecord, SimRequest, SimWorker
-from router.types import RouteRequest
-from worker.kv import KVCacheManager, KVEvent
+from worker.kv import KVCacheManager
 
 
 @dataclass
@@ -58,7 +59,11 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
     workers = {
         f"w{i:02d}": SimWorker(
             f"w{i:02d}",
-            KVCacheManager(num_blocks, sim.block_size),
+            KVCacheManager(
+                num_blocks,
+                sim.block_size,
+                host_num_blocks=sim.host_kv_tokens_per_worker // sim.block_size,
+            ),
             sim.time,
             parity=router.check_parity,
             waiting_load=sim.waiting_load,

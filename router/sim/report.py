@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from kvstore.blocks.stats import quantile
 from router.sim.replay import ReplayResult
-from worker.stats import quantile
 
 
 @dataclass(frozen=True)

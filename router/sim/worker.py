@@ -26,9 +26,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.blocks.events import BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
-from worker.kv import BlockKey, BlockStored, HashContext, KVCacheManager, KVCapacityError, KVEvent
+from worker.kv import KVCacheManager, KVCapacityError
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class RequestRecord:
     output_len: int  # generated tokens
     expected_cached: int  # prompt tokens the router expected to hit
     cached_tokens: int = 0  # prompt tokens actually served from the prefix cache
+    host_cached_tokens: int = 0  # of those, loaded back from the host KV tier
     first_token_s: float = math.nan  # end of the step that finished its prefill
     finish_s: float = math.nan  # end of the step that produced its last token
     rejected: bool = False  # could never fit in this worker's KV cache
@@ -110,6 +113,7 @@ class SimWorker:
         self._step_events: list[KVEvent] = []
         self._blocked = False  # head of the queue did not fit; retry after a sequence ends
         self._step_prefill = 0  # prompt tokens computed by the last simulated step
+        self._load_s = 0.0  # host-tier loads of this step's admissions (seconds)
 
     # ---- interface used by the replay loop -------------------------------------------------
 
@@ -198,6 +202,8 @@ class SimWorker:
                 continue
             self.prefilling.append(active)
             busy, budget = self._chunk(active, budget, busy, done)
+        busy += self._load_s
+        self._load_s = 0.0
         end = self.clock + busy
         self._decode_steps(1, end)
         for active in done:
@@ -257,6 +263,7 @@ class SimWorker:
     def _end_step(self, end: float, busy: float) -> None:
         self.clock = end
         self.busy_s += busy
+        self.kv.take_transfers()  # no tensors here: the copies' time is in the step already
         self._step_events.extend(self.kv.drain_events())
         if self._step_events:
             self._events.append((end, self._step_events))
@@ -294,6 +301,8 @@ class SimWorker:
         assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
         active.pos = alloc.num_cached_tokens
         active.rec.cached_tokens = alloc.num_cached_tokens
+        active.rec.host_cached_tokens = alloc.num_host_tokens
+        self._load_s += alloc.num_host_tokens * self.tm.host_load_s_per_token
         self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
         events = self.kv.drain_events()
         self._step_events.extend(events)

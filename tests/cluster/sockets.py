@@ -101,3 +101,17 @@ def listeners(pids: set[int]) -> list[Listener]:
                 if inode in inodes:
                     out.append(Listener(pid, comm, *inodes[inode]))
     return sorted(set(out), key=lambda x: (x.pid, x.port))
+
+
+def dashboard_ports(pids: set[int]) -> set[int]:
+    """The ``--port`` of Ray's dashboard process among ``pids`` (it runs even without the
+    dashboard, as the jobs API server, but must not serve the dashboard's port then)."""
+    out = set()
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"dashboard/dashboard.py") for a in argv):
+            out |= {int(a[7:]) for a in argv if a.startswith(b"--port=")}
+    return out

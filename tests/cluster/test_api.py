@@ -16,6 +16,8 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from worker.engine import Engine, SamplingParams
 from worker.model.tokenizer import Tokenizer
 
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
 SHARED = ("You are a careful assistant that answers questions about distributed systems, "
           "paged attention, prefix caching, routing and Ray actors in great detail. ") * 2
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from cluster.launcher import Cluster
-from tests.cluster.sockets import descendants, listeners
+from tests.cluster.sockets import dashboard_ports, descendants, listeners
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -28,5 +28,6 @@ def test_embedded_cluster_listens_on_loopback_only(cluster: Cluster, client) -> 
 def test_dashboard_false_starts_no_dashboard(cluster: Cluster) -> None:
     assert cluster.cfg.dashboard is False
     assert cluster.dashboard_url() is None
-    ports = {entry.port for entry in listeners(descendants(os.getpid()))}
-    assert 8265 not in ports  # Ray's dashboard port
+    pids = descendants(os.getpid())
+    assert dashboard_ports(pids), "Ray's dashboard process (its jobs API server) not found"
+    assert not dashboard_ports(pids) & {entry.port for entry in listeners(pids)}

@@ -14,23 +14,9 @@ import yaml
 from cluster.client import KVClusterClient
 from cluster.launcher import group_alive
 from tests.cluster.conftest import ENGINE
-from tests.cluster.sockets import descendants, listeners, process_group
+from tests.cluster.sockets import dashboard_ports, descendants, listeners, process_group
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
-
-
-def _dashboard_ports(pids: set[int]) -> set[int]:
-    """The ``--port`` of Ray's dashboard process among ``pids`` (it runs even without the
-    dashboard, as the jobs API server, but must not serve the dashboard's port then)."""
-    out = set()
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"dashboard/dashboard.py") for a in argv):
-            out |= {int(a[7:]) for a in argv if a.startswith(b"--port=")}
-    return out
 
 
 def test_up_generate_status_down(tmp_path: Path) -> None:
@@ -62,7 +48,7 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         assert not [e for e in mine if not e.loopback], mine
         # dashboard: false means no dashboard
         assert state["dashboard_url"] is None and "dashboard      : off" in up.stdout
-        assert not _dashboard_ports(pids) & {e.port for e in mine}
+        assert not dashboard_ports(pids) & {e.port for e in mine}
         # the Ray CLI works against the head as `up` says (token auth, README)
         hint = (f"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status "
                 f"--address {state['ray_address']}")

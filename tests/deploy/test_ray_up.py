@@ -27,7 +27,7 @@ import yaml
 from cluster.client import KVClusterClient
 from tests.deploy.sshd import LoopbackSSHD, free_port, listening, missing_tools
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

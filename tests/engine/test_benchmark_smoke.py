@@ -20,3 +20,13 @@ def test_engine_throughput_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp
     assert head["prefix_hit_rate"] > 0.3  # 48 of ~80 tokens of every later prompt are cached
     assert head["engine_tok_s"] > 0 and head["transformers_static_tok_s"] > 0
     assert (tmp_path / "engine_throughput.png").stat().st_size > 0
+
+
+def test_engine_beside_a_cpu_burner_smoke(capsys: pytest.CaptureFixture) -> None:
+    head = engine_throughput.main(["--neighbour", "--smoke", "--rounds", "1", "--requests",
+                                   "2", "--max-tokens", "2"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert "quiet/busy" in out and "torch default" in out
+    for key in ("worker", "torch_default"):
+        assert head[f"neighbour_{key}_quiet_tok_s"] > 0 and head[f"neighbour_{key}_busy_tok_s"] > 0

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.sampler import SampleSpec, sample
-from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 97
 

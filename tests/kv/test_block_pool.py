@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.blocks.events import BlockRemoved, BlockStored
+from kvstore.blocks.hashing import BlockKey
 from worker.kv.block_pool import BlockPool, BlockPoolError, FreeBlockQueue, KVBlock
-from worker.kv.events import BlockRemoved, BlockStored
-from worker.kv.hashing import BlockKey
 
 
 def _ids(queue: FreeBlockQueue) -> list[int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.kv.hashing import HashContext, block_keys, hash_block, hash_full_blocks
+from kvstore.blocks.hashing import HashContext, block_keys, hash_block, hash_full_blocks
 
 CTX = HashContext("llama", "lora-1", "tenant")
 PROMPT = list(range(40))
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = """
 import json, sys
-from worker.kv.hashing import HashContext, block_keys
+from kvstore.blocks.hashing import HashContext, block_keys
 keys = block_keys(list(range(40)), 16, HashContext("llama", "lora-1", "tenant"))
 print(json.dumps([k.hex() for k in keys] + [str(hash("salt"))]))
 """

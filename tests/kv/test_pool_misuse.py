@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.blocks.hashing import BlockKey
 from worker.kv.block_pool import BlockPool, BlockPoolError, KVBlock
-from worker.kv.hashing import BlockKey
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from worker.kv.hashing import BlockKey, block_keys
+from kvstore.blocks.hashing import BlockKey, block_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import kvstore_index
 
+pytestmark = pytest.mark.redis  # the benchmark starts its own redis-server
+
 
 def test_benchmark_smoke(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

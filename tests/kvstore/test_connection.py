@@ -12,8 +12,10 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from kvstore import AsyncKVIndex, IndexConfig, IndexUnavailable, KVIndex
-from kvstore.config import make_client
+from kvstore.aio import AsyncKVIndex
+from kvstore.config import IndexConfig, make_client
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable
 from tests.kvstore.helpers import chain, stored
 from tests.redis_server import RedisServer, make_tls_files
 
@@ -57,6 +59,7 @@ def test_namespace_carries_cluster_hash_tag() -> None:
     assert IndexConfig(cluster="prod", model_id="llama-3-8b").namespace == "kvc:{prod:llama-3-8b}:"
 
 
+@pytest.mark.redis
 def test_password_protected_server() -> None:
     with RedisServer(password="hunter2") as server:
         index = KVIndex(IndexConfig(url=server.url, model_id="m"))
@@ -70,6 +73,7 @@ def test_password_protected_server() -> None:
         wrong.close()
 
 
+@pytest.mark.redis
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 def test_real_tls_server(tmp_path: Path) -> None:
     tls = make_tls_files(tmp_path)
@@ -94,6 +98,7 @@ def _elapsed(call) -> float:  # noqa: ANN001
     return time.monotonic() - t0
 
 
+@pytest.mark.redis
 def test_stopped_server_raises_index_unavailable_promptly(redis_server: RedisServer) -> None:
     index = KVIndex(IndexConfig(url=redis_server.url, model_id="m"))
     index.register("a")
@@ -117,6 +122,7 @@ def test_unresponsive_server_raises_within_the_timeout() -> None:
         index.close()
 
 
+@pytest.mark.redis
 def test_async_index_reads_what_the_sync_index_wrote(redis_server: RedisServer) -> None:
     cfg = IndexConfig(url=redis_server.url, model_id="m")
     index = KVIndex(cfg)

@@ -12,9 +12,13 @@ import time
 
 import pytest
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.types import WorkerLoad
 from tests.kvstore.helpers import AllBlocksCleared, chain, removed, stored
 from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
 
 LOAD = WorkerLoad(running=2, waiting=1, free_blocks=10, total_blocks=64, queued_prefill_tokens=96)
 

@@ -16,10 +16,13 @@ import random
 
 import pytest
 
-from kvstore import IndexConfig, KVIndex
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
 from tests.redis_server import RedisServer
 from worker.kv import BlockRemoved, BlockStored, HashContext, KVCacheManager, block_keys
 from worker.kv.invariants import check_prefix_closed, record_parents
+
+pytestmark = pytest.mark.redis
 
 CTX = HashContext("m")
 

@@ -7,10 +7,15 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvstore import IndexConfig, KVIndex, WorkerLoad, WorkerPublisher
+from kvstore.blocks.hashing import BlockKey
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from kvstore.publisher import WorkerPublisher
+from kvstore.types import WorkerLoad
 from tests.kvstore.helpers import Pool, chain
 from tests.redis_server import RedisServer
-from worker.kv.hashing import BlockKey
+
+pytestmark = pytest.mark.redis
 
 LOAD = WorkerLoad(running=1, waiting=0, free_blocks=50, total_blocks=64, queued_prefill_tokens=0)
 

@@ -62,7 +62,7 @@ def test_sampled_positions() -> None:
 
 
 def test_real_kv_manager_events_are_accepted() -> None:
-    events = pytest.importorskip("worker.kv.events")
+    events = pytest.importorskip("kvstore.blocks.events")
     keys = chain(2)
     log = events.EventLog()
     log.stored(keys, None, [(1, 2, 3, 4)] * 2, 4)

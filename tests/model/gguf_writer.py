@@ -23,6 +23,8 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -66,7 +68,10 @@ def write_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -83,13 +88,16 @@ def write_gguf(
     w.add_token_types([3 if t in special else 1 for t in tokens])
     merges = tok["model"]["merges"]
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    w.add_bos_token_id(special["<s>"])
+    if tok_cfg.get("bos_token"):
+        w.add_bos_token_id(special[tok_cfg["bos_token"]])
     w.add_eos_token_id(special["</s>"])
-    w.add_add_bos_token(True)
+    w.add_add_bos_token(bool(tok_cfg.get("bos_token")))
     w.add_chat_template(tok_cfg["chat_template"])
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         data = tensor.astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":  # llama.cpp permutes Q/K for its llama architecture only
+            pass
+        elif name.endswith("q_proj.weight"):
             data = permute(data, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             data = permute(data, cfg["num_key_value_heads"])

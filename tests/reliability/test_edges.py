@@ -14,9 +14,9 @@ from cluster import launcher
 from cluster.config import redact_url
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.convert import malformed_reason, spec_from_pb, tenant_salt
-from router.servicer import DecodeGuard
-from router.serving import ModelLimits, check_limits
+from router.edge.convert import malformed_reason, spec_from_pb, tenant_salt
+from router.edge.servicer import DecodeGuard
+from router.serving.core import ModelLimits, check_limits
 from tests.cluster.conftest import cluster_config
 from tests.reliability.helpers import raw_string_field
 from worker.engine import InvalidRequest, SamplingParams
@@ -86,6 +86,11 @@ def test_malformed_reason_names_nested_string_fields() -> None:
 def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
     assert tenant_salt(None, "") is None and tenant_salt("", "s") == tenant_salt(None, "s")
     assert tenant_salt("", "s") != tenant_salt("", "t")
+    # without auth a client salt is its own namespace: it cannot name tenant X's KV
+    assert tenant_salt(None, "tenant:alice") != tenant_salt("alice", "")
+    posed = spec_from_pb(pb.GenerateRequest(text="hi", cache_salt="tenant:alice"))
+    real = spec_from_pb(pb.GenerateRequest(text="hi", tenant="alice"), tenant="alice")
+    assert posed.params.cache_salt != real.params.cache_salt
     assert tenant_salt("alice", "") == "tenant:alice"
     forged = tenant_salt("bob", tenant_salt("alice", ""))  # bob asks for alice's salt
     assert forged.startswith("tenant:bob#") and forged != tenant_salt("alice", "")
@@ -113,6 +118,8 @@ def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monk
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
     """Workers cannot load a model from an empty folder: up() fails after Redis and Ray
     started, and the context manager stops both."""
@@ -126,6 +133,8 @@ def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
         redis.Redis.from_url(cluster.redis_url, socket_timeout=1).ping()
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() -> None:
     """Workers asking for a GPU on this CPU-only Ray stay pending (as on a cloud cluster whose
     GPU nodes have not joined yet): up() gives up after workers.start_timeout_s, names the
@@ -142,6 +151,8 @@ def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() ->
     assert cluster.redis is not None and not cluster.redis.alive()
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeypatch) -> None:
     """`kvcluster up` (detached) starts its own Ray head and redis-server as separate process
     groups; when workers then fail to start, both are stopped, not left behind."""

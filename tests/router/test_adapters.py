@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from kvstore import WorkerLoad
-from router.adapters import resolve_adapter, serving
-from router.config import RoutingConfig
-from router.router import Router
-from router.serving import ModelLimits, ServingCore
-from router.types import RouteRequest
-from router.workers import WorkerDirectory
+from kvstore.blocks.outputs import CompletionDelta, FinishReason
+from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.types import WorkerLoad
+from router.placement.adapters import resolve_adapter, serving
+from router.placement.config import RoutingConfig
+from router.placement.router import Router
+from router.placement.types import RouteRequest
+from router.serving.core import ModelLimits, ServingCore
+from router.serving.workers import WorkerDirectory
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams, Usage
-from worker.engine.outputs import CompletionDelta, FinishReason
 from worker.kv import HashContext, block_keys
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 
 IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100, queued_prefill_tokens=0)
 A1, A2 = "a1@00000000000000aa", "a2@00000000000000bb"
@@ -118,7 +118,7 @@ def test_heartbeat_carries_adapters_and_grpc_field_maps_to_params() -> None:
     import json
 
     from protos.kvcluster.v1 import kvcluster_pb2 as pb
-    from router.convert import spec_from_pb
+    from router.edge.convert import spec_from_pb
 
     load = LOADS["w0"]
     assert WorkerLoad.from_dict(json.loads(json.dumps(load.to_dict()))) == load

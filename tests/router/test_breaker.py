@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.types import IndexUnavailable
-from router.breaker import CircuitBreaker, CircuitOpen
-from router.prefix_source import KVIndexSource, PrefixSourceUnavailable
+from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.placement.prefix_source import KVIndexSource, PrefixSourceUnavailable
 
 
 class Clock:
@@ -92,3 +92,30 @@ def test_prefix_source_fails_fast_while_open() -> None:
 def test_probe_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="probe_interval_s"):
         CircuitBreaker(0)
+
+
+def test_async_lookups_share_the_breaker() -> None:
+    import asyncio
+
+    clock = Clock()
+    index = FlakyIndex()
+
+    class AsyncIndex:
+        async def lookup(self, keys):  # noqa: ANN001, ANN201
+            return index.lookup(keys)
+
+    breaker = CircuitBreaker(1.0, clock=clock)
+    source = KVIndexSource(aindex=AsyncIndex(), breaker=breaker)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        index.down = True
+        with pytest.raises(PrefixSourceUnavailable):
+            await source.alookup([1])
+        with pytest.raises(CircuitOpen):
+            await source.alookup([1])
+        index.down = False
+        clock.now = 1.0
+        assert await source.alookup([1, 2]) == {"w0": 2}
+
+    asyncio.run(run())
+    assert index.calls == 2 and not breaker.is_open

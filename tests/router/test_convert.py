@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.config import RequestLimits
-from router.convert import spec_from_pb
+from router.edge.convert import spec_from_pb
+from router.placement.config import RequestLimits
 from worker.engine import InvalidRequest
 
 LIMITS = RequestLimits(max_n=4, max_stop_strings=2, max_request_id_chars=8, max_logprobs=3)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.config import RequestLimits
 from router.http_api import error_status
 from router.http_api.protocol import parse_request, to_specs
-from router.serving import ClusterOverloaded, StreamBroken
-from router.types import NoWorkersError
+from router.placement.config import RequestLimits
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, StreamBroken
 from worker.engine import EngineOverloaded, InvalidRequest
 
 LIMITS = RequestLimits()

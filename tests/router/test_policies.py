@@ -17,8 +17,8 @@ from router import (
     make_policy,
     policy_names,
 )
-from router.config import LeastLoadedConfig, PrefixAffinityConfig
-from router.policies import LeastLoaded
+from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig
+from router.placement.policies import LeastLoaded
 from tests.router.harness import load
 
 REQ = RouteRequest("r", list(range(10_000)))

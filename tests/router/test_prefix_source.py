@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from router import InMemoryPrefixIndex, PendingPlacements
-from router.prefix_source import leading_counts
+from router.placement.prefix_source import leading_counts
 from tests.router.harness import tokens
 from worker.kv import AllBlocksCleared, BlockKey, KVCacheManager, block_keys
 

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from kvstore import AsyncKVIndex, IndexConfig, KVIndex
+from kvstore.aio import AsyncKVIndex
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
 from router import KVIndexSource, Reason, Router, RouteRequest, RoutingConfig
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens

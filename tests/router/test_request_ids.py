@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
-from kvstore import WorkerLoad
-from router.config import RoutingConfig
-from router.router import Router
-from router.serving import ModelLimits, ServingCore
-from router.workers import WorkerDirectory
+from kvstore.blocks.outputs import CompletionDelta, FinishReason
+from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.types import WorkerLoad
+from router.placement.config import RoutingConfig
+from router.placement.router import Router
+from router.serving.core import ModelLimits, ServingCore
+from router.serving.workers import WorkerDirectory
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams, Usage
-from worker.engine.outputs import CompletionDelta, FinishReason
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 
 IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100, queued_prefill_tokens=0)
 LIMITS = ModelLimits("m", vocab_size=1000, max_model_len=4096, max_prompt_tokens=4095)

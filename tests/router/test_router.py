@@ -132,7 +132,7 @@ def test_parity_mismatch_is_counted_and_logged(caplog: pytest.LogCaptureFixture)
     good = block_keys(prompt, 16, HashContext("m"))
     assert router.check_parity("ok", good, good + block_keys(tokens(4, 32), 16))
     wrong_salt = block_keys(prompt, 16, HashContext("m", cache_salt="x"))
-    with caplog.at_level(logging.ERROR, logger="router.parity"):
+    with caplog.at_level(logging.ERROR, logger="router.placement.parity"):
         assert not router.check_parity("bad", good, wrong_salt)
         assert not router.check_parity("bad2", good, [])
     assert (router.metrics.parity_checks, router.metrics.parity_mismatches) == (3, 2)

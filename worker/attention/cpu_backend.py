@@ -27,7 +27,7 @@ from worker.attention.torch_backend import TorchAttentionBackend, TorchPlan
 @dataclass(frozen=True)
 class CpuPlan(TorchPlan):
     decode_lens32: torch.Tensor | None = None  # int32 [num_decodes]
-    spans: tuple[tuple[int, int], ...] = ()  # work item range per thread
+    spans: tuple[tuple[int, int], ...] = ()  # work item ranges, a few per thread
 
 
 @register_backend

@@ -41,6 +41,7 @@ CFLAGS = (
     "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
 )  # fmt: skip
 _reason: str | None = None
+PIECES_PER_THREAD = 2  # work ranges per pool thread (finer balances better, each costs a call)
 
 
 def _cpu_flags() -> str:
@@ -113,7 +114,7 @@ class NativeKernels:
         """Attend decode ``i`` (q row ``rows[i]``) over its ``seq_lens[i]`` cached tokens and
         write ``out[rows[i]]``. q/out: ``[tokens, heads, head_dim]`` float32 with a contiguous
         last dim; caches contiguous; block_tables/seq_lens int32; rows int64; ``spans`` from
-        ``split`` (one per thread)."""
+        ``split`` (a few per thread)."""
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[2]
         assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype == torch.float32
@@ -135,8 +136,11 @@ class NativeKernels:
             raise MemoryError("paged decode kernel could not allocate its score buffer")
 
     def split(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
-        """Decodes ``0 .. n`` cut into one range per thread of similar context work."""
-        return split_items(seq_lens, self.threads)
+        """Decodes ``0 .. n`` cut into ranges of similar context work, ``PIECES_PER_THREAD``
+        per thread: the pool's threads take them in turn, so a thread that another process
+        delays (a busy core) holds up one small piece, not a whole share of the step."""
+        parts = self.threads * PIECES_PER_THREAD if self.threads > 1 else 1
+        return split_items(seq_lens, parts)
 
 
 def split_items(seq_lens: Sequence[int], parts: int) -> list[tuple[int, int]]:

@@ -8,13 +8,8 @@ Knows nothing about Ray, Redis or gRPC. Offline use::
 Streaming (thread-safe, asyncio-friendly): :class:`StreamingEngine`.
 """
 
-from worker.engine.config import EngineConfig
-from worker.engine.engine import Engine
-from worker.engine.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
-from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.front import RequestStream, StreamingEngine
-from worker.engine.metrics import EngineMetrics, LatencySummary
-from worker.engine.outputs import (
+from kvstore.blocks.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
+from kvstore.blocks.outputs import (
     Completion,
     CompletionDelta,
     FinishReason,
@@ -23,8 +18,13 @@ from worker.engine.outputs import (
     TokenLogprob,
     Usage,
 )
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine.config import EngineConfig
+from worker.engine.engine import Engine
+from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.front import RequestStream, StreamingEngine
+from worker.engine.metrics import EngineMetrics, LatencySummary
 from worker.engine.policy import SchedulingPolicy, get_policy, policy_names, register_policy
-from worker.engine.sampling_params import SamplingParams
 
 __all__ = [
     "Completion",

@@ -19,16 +19,16 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.outputs import GenerationResult, RequestOutput
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.beam import BeamSearch
 from worker.engine.config import EngineConfig
-from worker.engine.errors import EngineOverloaded, InvalidRequest
 from worker.engine.executor import ModelExecutor, RunnerExecutor
 from worker.engine.metrics import EngineMetrics, LatencySummary, MetricsRecorder
-from worker.engine.outputs import GenerationResult, RequestOutput
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence, sample_generator
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
@@ -78,7 +78,7 @@ class Engine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Load a Hugging Face model folder with the runner and build an engine on it."""
+        """Load a Hugging Face model folder (or a .gguf file) and build an engine on it."""
         config = config or EngineConfig()
         executor = RunnerExecutor.from_model_dir(
             model_dir,

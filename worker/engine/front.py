@@ -21,11 +21,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.outputs import GenerationResult, RequestOutput
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.engine import Engine, Prompt
-from worker.engine.errors import EngineStopped
 from worker.engine.metrics import EngineMetrics
-from worker.engine.outputs import GenerationResult, RequestOutput
-from worker.engine.sampling_params import SamplingParams
 from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)

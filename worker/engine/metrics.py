@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from worker.stats import quantile
+from kvstore.blocks.stats import quantile
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
+from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.metrics import MetricsRecorder
-from worker.engine.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
 from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
 from worker.engine.sampler import SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.blocks.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import OutputText
-from worker.engine.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
-from worker.engine.sampling_params import SamplingParams
 from worker.kv import BlockKey, HashContext
 
 if TYPE_CHECKING:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.outputs import TokenLogprob
-from worker.engine.sampling_params import SamplingParams
+from kvstore.blocks.outputs import TokenLogprob
+from kvstore.blocks.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

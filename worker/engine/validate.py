@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig
-from worker.engine.errors import InvalidRequest
-from worker.engine.sampling_params import SamplingParams
 
 
 def validate_request(

@@ -1,7 +1,7 @@
 """Paged KV-cache manager (pure Python): block pool, block tables, prefix cache, CoW, events."""
 
-from worker.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block
 from worker.kv.manager import KVCacheManager
 from worker.kv.types import (
     BlockId,

@@ -41,8 +41,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from worker.kv.events import EventLog
-from worker.kv.hashing import BlockKey
+from kvstore.blocks.events import EventLog
+from kvstore.blocks.hashing import BlockKey
 
 
 class BlockPoolError(RuntimeError):

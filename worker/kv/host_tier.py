@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from worker.kv.events import HOST, EventLog
-from worker.kv.hashing import BlockKey
+from kvstore.blocks.events import HOST, EventLog
+from kvstore.blocks.hashing import BlockKey
 
 
 class HostBlock:

@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Collection, Mapping, MutableMapping
 from typing import TYPE_CHECKING
 
+from kvstore.blocks.events import BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey
 from worker.kv.block_pool import BlockPool
-from worker.kv.events import BlockStored, KVEvent
-from worker.kv.hashing import BlockKey
 
 if TYPE_CHECKING:
     from worker.kv.host_tier import HostTier

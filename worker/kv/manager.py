@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Container, Iterable, Sequence
 
+from kvstore.blocks.events import KVEvent
+from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
 from worker.kv.block_pool import BlockPool, KVBlock
-from worker.kv.events import KVEvent
-from worker.kv.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.invariants import check_host_tier, check_invariants
 from worker.kv.types import (

@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NewType
 
-from worker.kv.hashing import BlockKey, HashContext
+from kvstore.blocks.hashing import BlockKey, HashContext
 
 BlockId = NewType("BlockId", int)
 """Index of a physical KV block in the pool (and in the model runner's KV tensors)."""

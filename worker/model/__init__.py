@@ -1,38 +1,14 @@
-"""Llama-family models from Hugging Face folders, run over a paged KV cache.
+"""Llama-family models from Hugging Face folders and GGUF files, run over a paged KV cache.
 
-Public API (imported lazily, so ``worker.model.tokenizer`` stays torch-free for the router):
+No re-exports, so that the torch-free modules (``config``, ``tokenizer``, ``gguf_file``,
+``default_model``) load without torch for the router. The modules:
 
-* ``ModelRunner(model_dir, dtype=..., device=..., block_size=..., num_blocks=...,
+* ``runner.ModelRunner(model_dir, dtype=..., device=..., block_size=..., num_blocks=...,
   kv_memory_bytes=..., attn_backend=...)`` with ``num_blocks``, ``copy_blocks(pairs)``,
   ``build_input(seqs)`` and ``execute(model_input) -> logits``;
-* ``ModelInput`` / ``SeqChunk``: the flat step batch and its builder from Python lists;
-* ``ModelConfig``: parsed ``config.json``; ``Tokenizer``: encode/decode/chat template;
-* ``build_tiny_model(out_dir, family, size, seed)``: random-weight model folder, offline;
-* errors: ``ModelLoadError`` > ``UnsupportedModelError``, ``WeightMismatchError``.
+* ``inputs.ModelInput`` / ``inputs.SeqChunk``: the flat step batch and its builder;
+* ``config.ModelConfig``: parsed ``config.json``; ``tokenizer.Tokenizer``: encode/decode/chat;
+* ``build_tiny.build_tiny_model(out_dir, family, size, seed)``: random-weight model, offline;
+* ``default_model.resolve_default_model()``: the default model (SmolLM2-135M-Instruct GGUF);
+* ``errors``: ``ModelLoadError`` > ``UnsupportedModelError``, ``WeightMismatchError``.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_EXPORTS = {
-    "ModelRunner": "worker.model.runner",
-    "KVCacheSizeError": "worker.model.runner",
-    "ModelInput": "worker.model.inputs",
-    "SeqChunk": "worker.model.inputs",
-    "ModelConfig": "worker.model.config",
-    "SUPPORTED_ARCHITECTURES": "worker.model.config",
-    "Tokenizer": "worker.model.tokenizer",
-    "build_tiny_model": "worker.model.build_tiny",
-    "ModelLoadError": "worker.model.errors",
-    "UnsupportedModelError": "worker.model.errors",
-    "WeightMismatchError": "worker.model.errors",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'worker.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)

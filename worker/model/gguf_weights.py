@@ -19,7 +19,7 @@ from torch import nn
 
 from worker.model.config import ModelConfig
 from worker.model.errors import UnsupportedModelError, WeightMismatchError
-from worker.model.gguf_file import open_gguf
+from worker.model.gguf_file import architecture, interleaves_rotary_rows, open_gguf
 
 SUPPORTED_QUANT_TYPES = tuple(
     QType[name]
@@ -41,6 +41,8 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -61,9 +63,7 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weight.shape[0]
     half = rows // num_heads // 2
     return (
-        weight.reshape(num_heads, half, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
+        weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
 
 
@@ -86,6 +86,7 @@ def read_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
 def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> None:
     """Copy the file's tensors into ``model``'s parameters (converting dtype, moving device)."""
     reader, source = open_gguf(path), str(path)
+    interleaved = interleaves_rotary_rows(architecture(reader, source))
     params = model.state_dict()
     expected = {name: tuple(t.shape) for name, t in params.items()}
     found: dict[str, ReaderTensor] = {}
@@ -117,9 +118,9 @@ def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> N
     with torch.no_grad():
         for name, tensor in found.items():
             data = read_tensor(tensor, source)
-            if ".q_proj." in name:
+            if interleaved and ".q_proj." in name:
                 data = unpermute_rotary(data, cfg.num_heads)
-            elif ".k_proj." in name:
+            elif interleaved and ".k_proj." in name:
                 data = unpermute_rotary(data, cfg.num_kv_heads)
             if not data.flags.writeable:  # an F32 tensor is a view of the read-only map
                 data = data.copy()

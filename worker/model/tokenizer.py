@@ -135,7 +135,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer and chat template stored in a GGUF file's metadata."""
-        from worker.model.gguf_file import tokenizer_backend_from_gguf
+        from worker.model.gguf_tokenizer import tokenizer_backend_from_gguf
 
         backend, special = tokenizer_backend_from_gguf(path)
         return cls(backend, **special)

@@ -16,11 +16,14 @@ from tests.cluster.conftest import ENGINE, cluster_config
 
 # 4 running sequences per worker: a burst queues requests that have produced no token yet
 FAULTS_ENGINE = {**ENGINE, "max_num_seqs": 4, "max_waiting": 64}
+# a frozen worker is given up on after 2 s of silence and a 2 s probe
+LIVENESS = {"stream_stall_s": 2.0, "probe_timeout_s": 2.0, "status_timeout_s": 1.0}
 
 
 @pytest.fixture(scope="package")
 def cluster() -> Cluster:
-    cfg = cluster_config(f"rel-faults-{os.getpid()}", router={"num_routers": 2},
+    cfg = cluster_config(f"rel-faults-{os.getpid()}", router={"num_routers": 2,
+                                                               "liveness": LIVENESS},
                          workers={"engine": FAULTS_ENGINE})
     with Cluster(cfg) as c:
         yield c

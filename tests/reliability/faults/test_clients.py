@@ -10,6 +10,7 @@ import random
 import threading
 
 import grpc
+import pytest
 
 from cluster.client import KVClusterClient, build_request
 from tests.reliability.helpers import (
@@ -20,6 +21,8 @@ from tests.reliability.helpers import (
     wait_for,
     wait_idle,
 )
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
 def _long(i: int, max_tokens: int = 300) -> object:

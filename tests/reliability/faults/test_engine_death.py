@@ -76,3 +76,72 @@ def test_a_dead_engine_loop_restarts_the_worker(cluster, client) -> None:
 
 def ray_call(cluster, fn):  # noqa: ANN001, ANN201
     return on_workers(cluster, lambda s: fn(s) if s.worker_id == VICTIM else None)[VICTIM]
+
+
+def test_worker_processes_wait_passively(cluster) -> None:
+    """OpenMP in every worker actor was told to sleep, not spin, before torch loaded (a
+    spinning team collapses when another process takes a core: worker/cpu_threads.py)."""
+
+    def policy(server) -> str | None:  # noqa: ANN001
+        from worker import cpu_threads
+
+        return cpu_threads.effective_wait_policy
+
+    assert set(on_workers(cluster, policy).values()) == {"PASSIVE"}
+
+
+MARK = (497, 498, 499, 496)  # prompts starting with these token ids hit the injected bug
+
+
+def _inject_bug(server) -> None:  # noqa: ANN001 - runs inside each worker actor
+    proc = server.engine.processor
+    original = type(proc)._append
+
+    def append(req, seq, tok, lp) -> None:  # noqa: ANN001
+        if tuple(req.prompt_ids[: len(MARK)]) == MARK and seq.num_output >= 2:
+            raise ZeroDivisionError("injected bug hit by one request")
+        original(proc, req, seq, tok, lp)
+
+    proc._append = append
+
+
+def _remove_bug(server) -> None:  # noqa: ANN001
+    server.engine.processor.__dict__.pop("_append", None)
+
+
+def test_a_request_that_breaks_gets_internal_and_the_others_stream_on(cluster, client) -> None:
+    on_workers(cluster, _inject_bug)
+    try:
+        outcomes: dict[str, object] = {}
+
+        def send(name: str, prompt: list[int]) -> None:
+            try:
+                out = client.generate(
+                    prompt, max_tokens=24, ignore_eos=True, temperature=0.0, timeout=CALL_TIMEOUT_S
+                )
+                outcomes[name] = ("OK", out.completion_tokens)
+            except grpc.RpcError as exc:
+                outcomes[name] = (exc.code(), exc.details())
+
+        jobs = {f"ok-{i}": [10 + i, 20, 30, 40 + i] * 4 for i in range(4)}
+        jobs["poison"] = [*MARK, 7, 8, 9]
+        threads = [threading.Thread(target=send, args=kv) for kv in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(CALL_TIMEOUT_S + 10)
+        code, details = outcomes["poison"]
+        assert code == grpc.StatusCode.INTERNAL
+        assert "ZeroDivisionError" in details and "injected bug" in details
+        assert all(outcomes[f"ok-{i}"] == ("OK", 24) for i in range(4)), outcomes
+        # every worker still serves (before: the bug ended the engine loop for good)
+        for i in range(4):
+            assert (
+                client.generate(
+                    [60 + i, 61, 62], max_tokens=4, ignore_eos=True, timeout=CALL_TIMEOUT_S
+                ).completion_tokens
+                == 4
+            )
+        assert wait_idle(cluster), "the failed request left blocks or requests behind"
+    finally:
+        on_workers(cluster, _remove_bug)

@@ -11,10 +11,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from cluster.client import KVClusterClient
-from kvstore import KVIndex
+from kvstore.index import KVIndex
 from tests.reliability.helpers import CALL_TIMEOUT_S, decisions, generate_code, wait_for
 from worker.kv import HashContext, block_keys
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 PREFIXES = [f"System prompt {i}: you are assistant number {i} of a cluster that caches "
             f"attention keys and values; answer in the voice of a {kind}. "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 import ray
 
 from cluster.client import KVClusterClient, build_request
@@ -21,6 +22,8 @@ from tests.reliability.helpers import (
     wait_for,
     wait_idle,
 )
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 STREAMS = 3
 MAX_TOKENS = 480  # would take many seconds to finish; must be stopped, not waited out

@@ -18,6 +18,8 @@ import pytest
 from benchmarks.chaos import run_chaos
 from tests.reliability.helpers import MixedLoad, wait_idle, worker_rss
 
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
 RSS_MARGIN = (1.10, 32 << 20)  # end RSS <= warm-up RSS * 1.10 + 32 MiB, per worker
 FULL = pytest.mark.skipif(not os.environ.get("KVCLUSTER_SOAK_FULL"),
                           reason="several thousand requests: set KVCLUSTER_SOAK_FULL=1")

@@ -12,9 +12,10 @@ import threading
 import time
 
 import grpc
+import pytest
 import ray
 
-from kvstore import KVIndex
+from kvstore.index import KVIndex
 from tests.reliability.helpers import (
     CALL_TIMEOUT_S,
     queued,
@@ -22,6 +23,8 @@ from tests.reliability.helpers import (
     wait_for,
     wait_idle,
 )
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 BURST = 12
 MAX_TOKENS = 300  # long enough that the running streams are mid-way when the kill lands

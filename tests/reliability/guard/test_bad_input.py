@@ -118,6 +118,8 @@ def test_table_has_at_least_25_cases() -> None:
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 @pytest.mark.parametrize(("data", "code", "needles"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
 def test_malformed_request(alice, data, code, needles) -> None:
@@ -129,6 +131,8 @@ def test_malformed_request(alice, data, code, needles) -> None:
     assert "Traceback" not in details and "ray::" not in details  # no internals leak
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_both_prompt_fields_follow_protobuf_oneof_rules(alice) -> None:
     """A message with text and then token_ids is, by protobuf's oneof rule, token_ids."""
     data = raw_string_field(2, b"ignored text") + pb.GenerateRequest(
@@ -138,6 +142,8 @@ def test_both_prompt_fields_follow_protobuf_oneof_rules(alice) -> None:
     assert msgs[-1].usage.prompt_tokens == 3
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_chat_messages_are_rendered_with_the_model_template(alice) -> None:
     from worker.model.build_tiny import build_tiny_model
     from worker.model.tokenizer import Tokenizer
@@ -152,6 +158,8 @@ def test_chat_messages_are_rendered_with_the_model_template(alice) -> None:
     assert out.completion_tokens == 2
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_unary_and_tokenize_reject_malformed_bytes_too(alice) -> None:
     tokenize = alice.channel.unary_unary("/kvcluster.v1.KVCluster/Tokenize",
                                          request_serializer=None,
@@ -167,6 +175,8 @@ def test_unary_and_tokenize_reject_malformed_bytes_too(alice) -> None:
     assert code == INVALID and "top_p" in details
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_still_serving_after_the_abuse(secure, alice) -> None:
     out = alice.generate("Still alive after all that?", max_tokens=4, temperature=0.0,
                          ignore_eos=True, timeout=CALL_TIMEOUT_S)

@@ -5,11 +5,14 @@ server keeps serving. Bounded and derandomized, so CI runs the same examples eve
 from __future__ import annotations
 
 import grpc
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from tests.reliability.helpers import code_of, raw_generate
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.RESOURCE_EXHAUSTED}

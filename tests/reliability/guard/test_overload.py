@@ -11,9 +11,12 @@ import time
 from collections import Counter
 
 import grpc
+import pytest
 
 from tests.reliability.guard.conftest import connect
 from tests.reliability.helpers import CALL_TIMEOUT_S, code_of, wait_idle
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 BURST = 20
 CAPACITY = 2 * (2 + 2)  # workers x (running + waiting)

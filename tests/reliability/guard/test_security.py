@@ -17,11 +17,13 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import KVClusterClient
-from kvstore import KVIndex
-from router.convert import tenant_salt
+from kvstore.index import KVIndex
+from router.edge.convert import tenant_salt
 from tests.reliability.guard.conftest import REDIS_PASSWORD, TOKENS, connect
 from tests.reliability.helpers import CALL_TIMEOUT_S, code_of, wait_for
 from worker.kv import HashContext, block_keys
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 SHARED = ("Confidential: the merger of Acme and Globex closes on Friday; the price is 42 per "
           "share and the board meets at nine. Summarise the risks. ")

@@ -2,7 +2,9 @@
 
 The router's in-process :class:`RouterMetrics` stays the source of truth; every
 ``interval_s`` the exporter pushes what changed: routed requests per (policy, reason),
-decision latency, index errors, parity mismatches, retries and broken streams.
+decision latency, index errors, parity mismatches, retries and broken streams; and per
+worker the cached tokens predicted and realised, their gap and the misses and resyncs
+(:mod:`router.placement.prediction`).
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import contextlib
 
 import ray
 
-from router.metrics import RouterMetrics
+from router.placement.metrics import RouterMetrics
+from router.placement.prediction import GAP_BUCKETS_TOKENS, PredictionTracker
 
 
 class RouterExporter:
-    def __init__(self, router_id: str, metrics: RouterMetrics, extra: callable) -> None:  # type: ignore[valid-type]
+    def __init__(self, router_id: str, metrics: RouterMetrics, extra: callable,  # type: ignore[valid-type]
+                 predictions: PredictionTracker | None = None) -> None:
         from ray.util import metrics as m
 
         self.metrics = metrics
+        self.predictions = predictions
+        self._gaps_seen: dict[str, int] = {}  # worker -> placements already exported
         self.extra = extra  # () -> dict of counters (retries, broken_streams)
         self.tags = {"router": router_id}
         self._sent: dict[str, float] = {}
@@ -45,7 +51,26 @@ class RouterExporter:
             )
         }
 
+        by_worker = ("router", "worker")
+        self.per_worker = {
+            name: m.Counter(f"kvc_route_{name}", help_, tag_keys=by_worker)
+            for name, help_ in (
+                ("predicted_cached_tokens", "Cached prompt tokens the router predicted."),
+                ("realised_cached_tokens", "Cached prompt tokens the worker realised."),
+                ("prediction_misses", "Placements whose predicted and realised cached "
+                 "tokens differed by a block or more."),
+                ("index_resyncs", "Resyncs of a worker's index entries asked by the router."),
+            )
+        }
+        self.gap = m.Histogram(
+            "kvc_route_cache_gap_tokens",
+            "|predicted - realised| cached prompt tokens per placement.",
+            boundaries=GAP_BUCKETS_TOKENS[1:],
+            tag_keys=by_worker,
+        )
+
     def export(self) -> None:
+        self._export_predictions()
         snap = self.metrics.snapshot()
         for label, n in snap["decisions"].items():  # type: ignore[union-attr]
             self._inc(
@@ -64,6 +89,21 @@ class RouterExporter:
                 self.latency.observe(v, self.tags)
             self._latency_seen = hist.count
 
+    def _export_predictions(self) -> None:
+        if self.predictions is None:
+            return
+        for w, p in list(self.predictions.workers.items()):
+            tags = {"worker": w}
+            for name, total in (("predicted_cached_tokens", p.predicted_tokens),
+                                ("realised_cached_tokens", p.realised_tokens),
+                                ("prediction_misses", p.misses), ("index_resyncs", p.resyncs)):
+                self._inc(self.per_worker[name], f"p:{name}:{w}", total, tags)
+            new = p.placements - self._gaps_seen.get(w, 0)
+            if new > 0:  # the most recent gaps (older ones beyond the window are not seen)
+                for gap in list(p.recent)[-new:]:
+                    self.gap.observe(abs(gap), {**self.tags, **tags})
+                self._gaps_seen[w] = p.placements
+
     def _inc(self, counter, key: str, total: float, tags: dict) -> None:  # noqa: ANN001
         delta = total - self._sent.get(key, 0)
         if delta > 0:
@@ -77,7 +117,9 @@ class RouterExporter:
             await asyncio.sleep(interval_s)
 
 
-def start_exporter(router_id: str, metrics: RouterMetrics, extra) -> asyncio.Task | None:  # noqa: ANN001
+def start_exporter(router_id: str, metrics: RouterMetrics, extra,  # noqa: ANN001
+                   predictions: PredictionTracker | None = None) -> asyncio.Task | None:
     if not ray.is_initialized():
         return None
-    return asyncio.get_running_loop().create_task(RouterExporter(router_id, metrics, extra).run())
+    exporter = RouterExporter(router_id, metrics, extra, predictions)
+    return asyncio.get_running_loop().create_task(exporter.run())

@@ -18,14 +18,17 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from kvstore import WorkerLoad
-from router.adapters import resolve_adapter, serving
-from router.router import Router
-from router.types import NoWorkersError, RouteDecision, RouteRequest
-from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams
-from worker.kv import HashContext
-from worker.protocol import Admitted, WorkerRequest
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.hashing import HashContext
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.types import WorkerLoad
+from router.placement.adapters import resolve_adapter, serving
+from router.placement.prediction import PredictionTracker
+from router.placement.router import Router
+from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +91,17 @@ class ServingCore:
         limits: ModelLimits,
         *,
         max_attempts: int = 3,
+        predictions: PredictionTracker | None = None,
     ) -> None:
         self.router = router
+        # predicted vs realised cached tokens per worker; None: not compared
+        self.predictions = predictions
+        self._resyncs: set[asyncio.Task] = set()  # resync requests in flight
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
         self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
+        self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
@@ -177,7 +185,7 @@ class ServingCore:
             route_req = RouteRequest(request_id, token_ids, ctx)
             decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
             worker = decision.worker_id
-            produced = finished = False
+            produced = finished = gone = False
             try:
                 async for item in self.directory.stream(
                     worker, WorkerRequest(request_id, token_ids, params, bool(decision.keys))
@@ -189,10 +197,12 @@ class ServingCore:
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
                         self._prefilled(worker, request_id, done=False)
+                        self._compare_prediction(decision, item)
                     finished = item.finished
                     yield worker, replace(item, request_id=label)
                 return
             except WorkerGone as exc:
+                gone = True
                 self.directory.mark_dead(worker)
                 excluded.add(worker)
                 if produced:
@@ -215,12 +225,36 @@ class ServingCore:
                 self.overflows += 1
             finally:
                 self._prefilled(worker, request_id, done=True)
-                if not finished:
+                if not finished and gone:
+                    # a frozen worker would hold the retry for the abort's whole timeout; the
+                    # abort still reaches it if it thaws
+                    task = asyncio.create_task(self._abort_quietly(worker, request_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+                elif not finished:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))
         if full:
             raise self._overloaded(label, full)
         raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
+
+    def _compare_prediction(self, decision: RouteDecision, first: RequestOutput) -> None:
+        """The first output reports the prefix hit the worker realised: compare it with the
+        hit this router predicted; a worker whose predictions keep missing resyncs."""
+        if self.predictions is None or not decision.keys or decision.reason == Reason.NO_INDEX:
+            return  # nothing was predicted from the index
+        verdict = self.predictions.observe(
+            decision.worker_id, decision.cached_tokens_expected, first.usage.cached_tokens
+        )
+        if verdict is None:
+            return
+        log.warning("worker %s's index entries look wrong; asking it to resync: %s",
+                    verdict.worker_id, verdict.reason)
+        task = asyncio.get_running_loop().create_task(
+            self.directory.resync(verdict.worker_id, verdict.reason)
+        )
+        self._resyncs.add(task)
+        task.add_done_callback(self._resyncs.discard)
 
     def _overloaded(self, request_id: str, full: list[str]) -> ClusterOverloaded:
         return ClusterOverloaded(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.kv.hashing import BlockKey
+from kvstore.blocks.hashing import BlockKey
 
 DEVICE = "device"  # the paged KV cache the model computes in
 HOST = "host"  # host memory: evicted blocks kept for a later load back (see host_tier.py)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
+from kvstore.blocks.errors import InvalidRequest
 from kvstore.types import WorkerLoad
-from worker.engine import InvalidRequest
 
 
 def adapter_name(adapter_id: str) -> str:

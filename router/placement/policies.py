@@ -30,9 +30,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
-from router.policy import RoutingPolicy, load_tokens, register_policy
-from router.types import Placement, Reason, RouteRequest, WorkerView
+from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
+from router.placement.policy import RoutingPolicy, load_tokens, register_policy
+from router.placement.types import Placement, Reason, RouteRequest, WorkerView
 
 _REL_TOL = 1e-9  # costs within this relative distance count as a tie
 

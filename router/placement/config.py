@@ -84,10 +84,30 @@ class RequestLimits(_Strict):
     max_cache_salt_chars: int = Field(256, ge=1, description="cache_salt length.")
     max_prompt_chars: int = Field(1 << 20, ge=1, description="Text prompt length (characters);"
                                   " token limits come from the model's max_model_len.")
+    max_chars_per_token: int = Field(
+        16, ge=1, description="Bound on characters per token of a text that fits the model: "
+        "texts over max_model_len x this are rejected before tokenizing (Generate and "
+        "Tokenize), so an oversized input costs the router nothing.")
     max_stop_strings: int = Field(16, ge=0, le=16, description="Stop strings per request.")
     max_stop_string_chars: int = Field(256, ge=1, description="Length of one stop string.")
     max_n: int = Field(16, ge=1, le=256, description="Parallel samples or beams per request.")
     max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
+
+
+class LivenessConfig(_Strict):
+    """How a router notices a worker that stopped answering without dying (frozen, wedged,
+    partitioned): Ray reports nothing for it, so the router asks."""
+
+    stream_stall_s: float = Field(
+        5.0, gt=0, description="A stream with no output for this long makes the router probe "
+        "its worker; a worker that does not answer the probe is given up on: the request is "
+        "retried elsewhere when it has streamed nothing, else ends UNAVAILABLE.")
+    probe_timeout_s: float = Field(
+        3.0, gt=0, description="How long a worker has to answer that probe (a busy worker "
+        "answers in milliseconds: its event loop is not the engine's thread).")
+    status_timeout_s: float = Field(
+        2.0, gt=0, description="Per-worker timeout of ClusterStatus; a worker that does not "
+        "answer in time is listed as stale, not left out.")
 
 
 class RoutingConfig(_Strict):
@@ -104,6 +124,14 @@ class RoutingConfig(_Strict):
         "arriving before the worker's KV events land together. 0 disables.",
     )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
+    host_hit_weight: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A block a worker holds in its host KV tier counts as this fraction of a "
+        "device hit (it must be loaded back): routing prefers a device hit but still beats "
+        "recomputing. 0 ignores the host tier.",
+    )
     index_timeout_s: float = Field(
         0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
         "costs at most this, once per probe interval).")
@@ -122,8 +150,10 @@ class RoutingConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
-        import router.policies  # noqa: F401 - registers the built-in policies
-        from router.policy import policy_names  # late: router.policy imports this module
+        import router.placement.policies  # noqa: F401 - registers the built-in policies
+        from router.placement.policy import (
+            policy_names,  # late: router.placement.policy imports this module
+        )
 
         if value not in policy_names():
             valid = ", ".join(policy_names())

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 
 import ray
 from ray.exceptions import (
@@ -24,11 +26,14 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from kvstore import IndexUnavailable, KVIndex, WorkerLoad
-from router.breaker import CircuitBreaker, CircuitOpen
-from router.workers import WorkerDirectory, WorkerGone
-from worker.engine import EngineStopped, RequestOutput
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.index import KVIndex
+from kvstore.types import IndexUnavailable, WorkerLoad
+from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.placement.config import LivenessConfig
+from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
 WORKER_PREFIX = "worker-"
@@ -53,6 +58,7 @@ class RayWorkerDirectory(WorkerDirectory):
         dead_ttl_s: float = 10.0,
         call_timeout_s: float = 10.0,
         breaker: CircuitBreaker | None = None,
+        liveness: LivenessConfig | None = None,
     ) -> None:
         self.namespace = namespace
         self.index = index
@@ -60,13 +66,19 @@ class RayWorkerDirectory(WorkerDirectory):
         self.live_ttl_s = live_ttl_s
         self.dead_ttl_s = dead_ttl_s
         self.call_timeout_s = call_timeout_s
+        self.liveness = liveness or LivenessConfig()
+        self.stalls = 0  # streams given up because their worker stopped answering
         self.inflight: Counter[str] = Counter()  # this router's open streams per worker
         self.index_ok = index is not None
         self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
         self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
         self._handles: dict[str, ray.actor.ActorHandle] = {}
-        # passed with every request: a worker aborts the requests of a router that died
-        self.caller = _current_actor()
+        self._seen: dict[str, float] = {}  # worker -> when its heartbeat was last live
+        # passed with every request: a worker aborts the requests of a router that died (or
+        # was restarted: a new incarnation id)
+        self.incarnation = uuid.uuid4().hex
+        handle = _current_actor()
+        self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -90,6 +102,7 @@ class RayWorkerDirectory(WorkerDirectory):
         self.index_ok = True
         live = {w: (i.epoch, i.load) for w, i in infos.items()}
         self._live = (now, live)
+        self._seen.update(dict.fromkeys(live, now))
         return live
 
     def _from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
@@ -148,13 +161,29 @@ class RayWorkerDirectory(WorkerDirectory):
         self, worker_id: str, request: WorkerRequest
     ) -> AsyncIterator[Admitted | RequestOutput]:
         self.inflight[worker_id] += 1
+        nxt: asyncio.Future | None = None
         try:
             gen = (
                 self._handle(worker_id)
                 .generate.options(num_returns="streaming")
                 .remote(request, self.caller)
             )
-            async for ref in gen:
+            it = gen.__aiter__()
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                while not (await asyncio.wait({nxt}, timeout=self.liveness.stream_stall_s))[0]:
+                    if not await self._answers(worker_id):
+                        nxt.cancel()
+                        self.stalls += 1
+                        raise WorkerGone(
+                            f"worker {worker_id} stalled: no output for "
+                            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
+                            f"within {self.liveness.probe_timeout_s:g}s"
+                        )
+                try:
+                    ref = nxt.result()
+                except StopAsyncIteration:
+                    return
                 yield await ref
         except _ACTOR_ERRORS as exc:
             raise WorkerGone(str(exc).splitlines()[0]) from exc
@@ -165,7 +194,19 @@ class RayWorkerDirectory(WorkerDirectory):
                 raise exc.cause from None
             raise
         finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
             self.inflight[worker_id] -= 1
+
+    async def _answers(self, worker_id: str) -> bool:
+        """Whether the worker's actor answers a ping in time (a frozen process does not)."""
+        try:
+            await asyncio.wait_for(
+                self._handle(worker_id).__ray_ready__.remote(), self.liveness.probe_timeout_s
+            )
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            return False
+        return True
 
     async def abort(self, worker_id: str, request_id: str) -> None:
         try:
@@ -175,14 +216,36 @@ class RayWorkerDirectory(WorkerDirectory):
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
 
+    async def resync(self, worker_id: str, reason: str) -> bool:
+        try:
+            return bool(await asyncio.wait_for(
+                self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s))
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+            return False
+
     async def statuses(self) -> list[WorkerStatus]:
-        names = await asyncio.to_thread(self._from_ray)
+        """Every worker Ray knows by name, asked in parallel with a per-worker timeout: one
+        that does not answer (frozen) or has no live heartbeat is listed as stale."""
+        names = sorted(await asyncio.to_thread(self._from_ray))
+        live = await self._from_index()
+        results = await asyncio.gather(*(self._status(n) for n in names))
+        now = time.monotonic()
         out = []
-        for name in sorted(names):
-            try:
-                out.append(
-                    await asyncio.wait_for(self._handle(name).status.remote(), self.call_timeout_s)
-                )
-            except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError):
-                continue
+        for name, status in zip(names, results, strict=True):
+            seen = self._seen.get(name)
+            if status is None:
+                epoch = live.get(name, (None,))[0] if live else None
+                status = WorkerStatus(name, epoch, 0, 0, 0, 0, 0, 0.0, index_healthy=False)
+            stale = status.stale or (live is not None and name not in live)
+            out.append(replace(status, stale=stale,
+                               heartbeat_age_s=None if seen is None else now - seen))
         return out
+
+    async def _status(self, name: str) -> WorkerStatus | None:
+        try:
+            return await asyncio.wait_for(self._handle(name).status.remote(),
+                                          self.liveness.status_timeout_s)
+        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
+            log.warning("worker %s did not answer a status call: %s", name,
+                        type(exc).__name__)
+            return None

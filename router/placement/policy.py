@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 from kvstore.types import WorkerLoad
-from router.config import LoadWeights, RoutingConfig
-from router.types import Placement, RouteRequest, UnknownPolicyError, WorkerView
+from router.placement.config import LoadWeights, RoutingConfig
+from router.placement.types import Placement, RouteRequest, UnknownPolicyError, WorkerView
 
 
 class RoutingPolicy(ABC):
@@ -68,7 +68,7 @@ def policy_names() -> list[str]:
 
 def make_policy(config: RoutingConfig, rng: random.Random | None = None) -> RoutingPolicy:
     """Instantiate ``config.policy``; unknown names raise listing the valid ones."""
-    import router.policies  # noqa: F401  (registers the built-in policies)
+    import router.placement.policies  # noqa: F401  (registers the built-in policies)
 
     try:
         cls = _REGISTRY[config.policy]

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from worker.engine.errors import InvalidRequest
+from kvstore.blocks.errors import InvalidRequest
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 MAX_N = 256  # parallel samples / beams of one request

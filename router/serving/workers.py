@@ -5,9 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
 
+from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
 from kvstore.types import WorkerLoad
-from worker.engine import RequestOutput
-from worker.protocol import Admitted, WorkerRequest, WorkerStatus
 
 
 class WorkerGone(Exception):
@@ -39,6 +39,11 @@ class WorkerDirectory(ABC):
     @abstractmethod
     async def statuses(self) -> list[WorkerStatus]:
         """Every reachable worker's status."""
+
+    async def resync(self, worker_id: str, reason: str) -> bool:
+        """Ask the worker to rebuild its index entries from its pool (``reason`` is logged
+        there); False when it could not be asked. Optional: the default asks nobody."""
+        return False
 
     def mark_dead(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """Stop offering ``worker_id`` until it shows a new heartbeat."""

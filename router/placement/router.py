@@ -10,16 +10,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.types import WorkerLoad
-from router.breaker import CircuitOpen
-from router.config import RoutingConfig
-from router.metrics import RouterMetrics
-from router.parity import check_parity
-from router.pending import PendingPlacements
-from router.policy import make_policy
-from router.prefix_source import PrefixSource
-from router.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
-from worker.kv import BlockKey, block_keys
+from router.placement.breaker import CircuitOpen
+from router.placement.config import RoutingConfig
+from router.placement.metrics import RouterMetrics
+from router.placement.parity import check_parity
+from router.placement.pending import PendingPlacements
+from router.placement.policy import make_policy
+from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Router:
         index = None
         if keys and self.prefix_source is not None:
             try:
-                index = await self.prefix_source.alookup(keys)
+                index = await self.prefix_source.alookup_tiers(keys)
             except Exception as exc:  # degrade, never fail: route by load
                 self._index_error(exc)
         return self._decide(request, candidates, keys, index, start)
@@ -98,7 +98,7 @@ class Router:
         request: RouteRequest,
         candidates: Mapping[WorkerId, WorkerLoad],
         keys: tuple[BlockKey, ...],
-        index: Mapping[WorkerId, int] | None,
+        index: Mapping[WorkerId, TierCounts] | None,
         start: float,
     ) -> RouteDecision:
         ids = sorted(candidates)
@@ -129,7 +129,7 @@ class Router:
     def check_parity(
         self, request_id: str, router_keys: Sequence[BlockKey], worker_keys: Sequence[BlockKey]
     ) -> bool:
-        """See :func:`router.parity.check_parity`; counts into this router's metrics."""
+        """See :func:`router.placement.parity.check_parity`; counts into this router's metrics."""
         return check_parity(request_id, router_keys, worker_keys, self.metrics)
 
     def _cached_tokens(
@@ -137,12 +137,13 @@ class Router:
         keys: Sequence[BlockKey],
         n_tokens: int,
         ids: list[WorkerId],
-        index: Mapping[WorkerId, int] | None,
+        index: Mapping[WorkerId, TierCounts] | None,
     ) -> dict[WorkerId, int | None]:
         """Prompt tokens each worker would serve from cache; ``None`` where nothing is known.
 
         Index answer merged (max) with pending placements; capped like the engine caps a
-        hit (the last prompt token is always recomputed, whole blocks only).
+        hit (the last prompt token is always recomputed, whole blocks only). Host-tier blocks
+        count ``host_hit_weight`` of a device block (they must be loaded back).
         """
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
@@ -151,20 +152,25 @@ class Router:
         cap = (n_tokens - 1) // bs if n_tokens else 0
         out: dict[WorkerId, int | None] = {}
         assisted = False
+        weight = self.config.host_hit_weight
         for w in ids:
-            known = index.get(w, 0) if index is not None else None
+            known: float | None = None
+            if index is not None:
+                dev, host = index.get(w, (0, 0))
+                dev = min(dev, cap)
+                known = dev + weight * min(host, cap - dev)
             mine = pending.get(w, 0)
             if mine and (known is None or mine > known):
-                known, assisted = mine, True
-            out[w] = None if known is None else min(known, cap) * bs
+                known, assisted = min(mine, cap), True
+            out[w] = None if known is None else int(known * bs)
         self.metrics.pending_assists += assisted
         return out
 
-    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
         if self.prefix_source is None:
             return None
         try:
-            return self.prefix_source.lookup(keys)
+            return self.prefix_source.lookup_tiers(keys)
         except Exception as exc:  # degrade, never fail: route by load
             self._index_error(exc)
             return None

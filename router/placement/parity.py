@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from router.metrics import RouterMetrics
-from worker.kv import BlockKey
+from kvstore.blocks.hashing import BlockKey
+from router.placement.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

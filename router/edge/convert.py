@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.outputs import FinishReason, RequestOutput
+from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.config import RequestLimits
-from worker.engine import InvalidRequest, RequestOutput, SamplingParams
-from worker.engine.outputs import FinishReason
-from worker.engine.sampling_params import MAX_STOP_TOKEN_IDS
+from router.placement.config import RequestLimits
 
 if TYPE_CHECKING:
     from worker.model.tokenizer import Tokenizer
@@ -208,6 +208,7 @@ def responses_from_output(
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,
                 completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
             )
         )
     return msgs

@@ -7,11 +7,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from kvstore.aio import AsyncKVIndex
+from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.blocks.hashing import BlockKey
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
-from router.breaker import CircuitBreaker
-from router.types import WorkerId
-from worker.kv import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KVEvent
+from router.placement.breaker import CircuitBreaker
+from router.placement.types import WorkerId
+
+TierCounts = tuple[int, int]
+"""(leading blocks on the device, further leading blocks in the host tier) of one worker."""
 
 
 class PrefixSourceUnavailable(Exception):
@@ -37,12 +41,24 @@ class PrefixSource(ABC):
         """:meth:`lookup` for asyncio callers; override when the backend has async I/O."""
         return self.lookup(keys)
 
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+        """Per worker, leading blocks on its device and, after those, in its host tier.
+        Sources that know no host tier report the device count alone."""
+        counts = self.lookup(keys)
+        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+
+    async def alookup_tiers(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, TierCounts] | None:
+        counts = await self.alookup(keys)
+        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+
 
 class KVIndexSource(PrefixSource):
-    """Adapter over the Redis index (live workers only): a :class:`kvstore.KVIndex` for
-    :meth:`lookup` and/or a :class:`kvstore.AsyncKVIndex` for :meth:`alookup`. Reads go
+    """Adapter over the Redis index (live workers only): a :class:`kvstore.index.KVIndex` for
+    :meth:`lookup` and/or a :class:`kvstore.aio.AsyncKVIndex` for :meth:`alookup`. Reads go
     through ``breaker`` (shared with the router's other index reads): while it is open a
-    lookup raises :class:`~router.breaker.CircuitOpen` at once instead of waiting on Redis."""
+    lookup raises ``CircuitOpen`` at once instead of waiting on Redis."""
 
     def __init__(self, index: KVIndex | None = None, aindex: AsyncKVIndex | None = None, *,
                  breaker: CircuitBreaker | None = None) -> None:
@@ -78,12 +94,15 @@ class InMemoryPrefixIndex(PrefixSource):
     Fed exactly the events a real worker publishes (``KVCacheManager.drain_events``), so a
     simulation exercises event-driven index maintenance (including evictions and event
     delay), not an oracle view of the workers' caches. Lookup walks the chain and stops when
-    no worker holds the next key: O(matched blocks x holders).
+    no worker holds the next key: O(matched blocks x holders). Events of a host KV tier are
+    kept in a second map: :meth:`lookup` answers for the device tier, :meth:`lookup_tiers`
+    for both.
     """
 
     def __init__(self) -> None:
         self._holders: dict[BlockKey, set[WorkerId]] = {}
         self._keys_of: dict[WorkerId, set[BlockKey]] = {}
+        self._host = _HostKeys()
         self._next_seq: dict[WorkerId, int] = {}
         self.events_applied = 0  # events applied since creation
         self.gaps = 0  # event batches whose first seq skipped ahead (lost events)
@@ -97,6 +116,11 @@ class InMemoryPrefixIndex(PrefixSource):
                 self.gaps += 1
             self._next_seq[worker_id] = event.seq + 1
             self.events_applied += 1
+            if getattr(event, "tier", "device") != "device":
+                self._host.apply(worker_id, event)
+                continue
+            if isinstance(event, AllBlocksCleared):
+                self._host.remove_worker(worker_id)
             if isinstance(event, BlockStored):
                 for key in event.keys:
                     self._holders.setdefault(key, set()).add(worker_id)
@@ -115,6 +139,7 @@ class InMemoryPrefixIndex(PrefixSource):
         """Forget every key of a worker (it died, restarted, or cleared its cache)."""
         for key in self._keys_of.pop(worker_id, set()):
             self._drop(key, worker_id)
+        self._host.remove_worker(worker_id)
 
     def _drop(self, key: BlockKey, worker_id: WorkerId) -> None:
         holders = self._holders.get(key)
@@ -130,6 +155,49 @@ class InMemoryPrefixIndex(PrefixSource):
         if self.events_applied == 0:
             return None
         return leading_counts(keys, self._holders.get)
+
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+        device = self.lookup(keys)
+        if device is None or not self._host.holders:
+            return None if device is None else {w: (n, 0) for w, n in device.items()}
+        empty: set[WorkerId] = set()
+        dev, host = self._holders, self._host.holders
+
+        def either(key: BlockKey) -> set[WorkerId]:
+            return dev.get(key, empty) | host.get(key, empty)
+
+        both = leading_counts(keys, either)
+        return {w: (device.get(w, 0), n - device.get(w, 0)) for w, n in both.items()}
+
+
+class _HostKeys:
+    """Key -> workers holding it in their host KV tier (from events with ``tier="host"``)."""
+
+    def __init__(self) -> None:
+        self.holders: dict[BlockKey, set[WorkerId]] = {}
+        self._keys_of: dict[WorkerId, set[BlockKey]] = {}
+
+    def apply(self, worker_id: WorkerId, event: KVEvent) -> None:
+        mine = self._keys_of.setdefault(worker_id, set())
+        if isinstance(event, BlockStored):
+            for key in event.keys:
+                self.holders.setdefault(key, set()).add(worker_id)
+            mine.update(event.keys)
+        elif isinstance(event, BlockRemoved):
+            for key in event.keys:
+                self._drop(key, worker_id)
+            mine.difference_update(event.keys)
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        for key in self._keys_of.pop(worker_id, set()):
+            self._drop(key, worker_id)
+
+    def _drop(self, key: BlockKey, worker_id: WorkerId) -> None:
+        holders = self.holders.get(key)
+        if holders is not None:
+            holders.discard(worker_id)
+            if not holders:
+                del self.holders[key]
 
 
 def leading_counts(

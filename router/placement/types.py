@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
-from worker.kv import BlockKey, HashContext
 
 WorkerId = str
 """A worker's registry id (the same string the KV index and the heartbeats use)."""

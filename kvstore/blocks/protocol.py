@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from worker.engine import SamplingParams
-from worker.kv import BlockKey
+from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,25 @@ class WorkerStatus:
     prefix_hit_rate: float
     index_healthy: bool
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
+    host_total_blocks: int = 0  # host KV tier size (0: none)
+    host_cached_blocks: int = 0  # blocks the host tier holds now
+    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier since start
+    swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
+    recompute_preemptions: int = 0  # preemptions that dropped it
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+    # filled in by the router, not the worker:
+    stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
+    heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never
+
+
+@dataclass(frozen=True, slots=True)
+class CallerRef:
+    """Who sent a request: the router's actor and the id of its current incarnation. A
+    router that Ray restarted answers with a new id, so its predecessor's requests (whose
+    streams nobody reads any more) are known orphans."""
+
+    handle: Any  # the router's Ray actor handle
+    incarnation: str  # random per start of that router
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from router.prefix_source import leading_counts
-from router.types import WorkerId
-from worker.kv import BlockKey
+from kvstore.blocks.hashing import BlockKey
+from router.placement.prefix_source import leading_counts
+from router.placement.types import WorkerId
 
 
 class PendingPlacements:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from router.types import Reason, RouteDecision
-from worker.stats import quantile
+from kvstore.blocks.stats import quantile
+from router.placement.types import Reason, RouteDecision
 
 
 class LatencyHistogram:

@@ -1,6 +1,6 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
 
-Protobuf stops here: requests become :class:`router.convert.GenerateSpec`, the serving core
+Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
 works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
 """
 
@@ -17,10 +17,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayTaskError
 
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.outputs import GenerationResult
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.config import RequestLimits
-from router.convert import (
+from router.edge.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
     chat_token_ids,
@@ -28,9 +29,11 @@ from router.convert import (
     responses_from_output,
     spec_from_pb,
 )
-from router.serving import ClusterOverloaded, ServingCore, StreamBroken
-from router.types import NoWorkersError
-from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest
+from router.edge.tokenizing import TokenizerPool, check_text_chars
+from router.placement.config import RequestLimits
+from router.placement.prediction import WorkerPredictions
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -207,6 +210,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self.core = core
         self.limits = limits
         self.tokenizer = tokenizer
+        self.tokenize = TokenizerPool(tokenizer)
         self.policy = policy
         self.index_available = index_available
         self.auth = auth
@@ -226,9 +230,12 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
         if spec.messages is not None:
-            token_ids = await asyncio.to_thread(chat_token_ids, self.tokenizer, spec.messages)
+            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            token_ids = await self.tokenize.run(chars, chat_token_ids, self.tokenizer,
+                                                spec.messages)
         elif token_ids is None:
-            token_ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)
+            check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
+            token_ids = await self.tokenize.encode(spec.text)
         async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
             if out.error is not None:  # it failed inside the engine (the engine goes on)
                 raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
@@ -273,6 +280,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,
                 completion_tokens=u.completion_tokens,
+                host_cached_tokens=u.host_cached_tokens,
             )
             if u
             else None,
@@ -282,7 +290,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add)
+        try:
+            check_text_chars("text", request.text, self.limits, self.core.limits.max_model_len)
+            ids = await self.tokenize.encode(request.text, add)
+        except Exception as exc:
+            await self._abort(context, exc)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self.core.limits.max_model_len)
 
     async def ClusterStatus(
@@ -291,7 +303,13 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         statuses = await self.core.directory.statuses()
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
+        predicted = self.core.predictions.workers if self.core.predictions is not None else {}
+        breaker = getattr(self.core.directory, "breaker", None)
         return pb.ClusterStatusResponse(
+            index_circuit_open=breaker is not None and breaker.is_open,
+            index_reads_skipped=breaker.skipped if breaker is not None else 0,
+            prediction_misses=sum(p.misses for p in predicted.values()),
+            index_resyncs=sum(p.resyncs for p in predicted.values()),
             policy=self.policy,
             model_id=self.core.limits.model_id,
             index_available=bool(self.index_available()),
@@ -300,7 +318,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 pb.WorkerStatus(
                     worker_id=s.worker_id,
                     epoch=s.epoch or 0,
-                    alive=s.worker_id in live,
+                    alive=s.worker_id in live and not s.stale,
                     running=s.running,
                     waiting=s.waiting,
                     free_blocks=s.free_blocks,
@@ -309,8 +327,16 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     prefix_hit_rate=s.prefix_hit_rate,
                     queued_prefill_tokens=s.queued_prefill_tokens,
                     tenant_quota_evictions=s.tenant_quota_evictions,
+                    stale=s.stale,
+                    heartbeat_age_s=s.heartbeat_age_s,
+                    host_total_blocks=s.host_total_blocks,
+                    host_cached_blocks=s.host_cached_blocks,
+                    host_hit_tokens=s.host_hit_tokens,
+                    swap_preemptions=s.swap_preemptions,
+                    recompute_preemptions=s.recompute_preemptions,
                     adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
                                                loaded=a.loaded) for a in s.adapters],
+                    **_prediction_fields(predicted.get(s.worker_id)),
                 )
                 for s in statuses
             ],
@@ -322,6 +348,16 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             log.exception("internal error serving a request")
             mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         await context.abort(*mapped)
+
+
+def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
+    """WorkerStatus fields 14-19 from this router's predictions for one worker."""
+    if p is None:
+        return {}
+    return dict(predicted_cached_tokens=p.predicted_tokens,
+                realised_cached_tokens=p.realised_tokens, prediction_placements=p.placements,
+                prediction_misses=p.misses, recent_cache_gap_tokens=p.mean_abs_gap(),
+                index_resyncs=p.resyncs)
 
 
 async def start_server(

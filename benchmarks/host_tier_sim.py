@@ -1,0 +1,146 @@
+"""Host KV tier in the trace-replay simulator: hit rate and TTFT vs host-tier size.
+
+Replays the Mooncake conversation trace (``../shared/traces/conversation_trace.jsonl``)
+through the real router (prefix_affinity) against 8 simulated workers, each a real
+``KVCacheManager`` with a small device cache (``--kv-tokens``, default 1M tokens) plus a host
+tier of 0..16x that size, and an unbounded-cache run for reference. Host blocks are loaded
+back at ``TimeModel.host_load_s_per_token`` (200 GB/s per node for a 70B-class model, see
+``router/sim/config.py``); the router counts a host block as ``host_hit_weight`` of a device
+block. Targets (issue 18), host tier 8x the device: hit rate within 5 % of the unbounded
+run's, mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png``.
+
+    .venv/bin/python -m benchmarks.host_tier_sim            # full trace, several minutes
+    .venv/bin/python -m benchmarks.host_tier_sim --smoke    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from multiprocessing import Pool
+from pathlib import Path
+
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.workloads import DEFAULT_TRACE, trace_requests
+from router import RoutingConfig
+from router.sim import SimConfig, replay, summarize
+
+TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
+TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
+
+
+def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
+    device, host, unbounded, args = task
+    requests = trace_requests(Path(args.trace), limit=args.limit, seed=args.seed)
+    routing = RoutingConfig(
+        policy="prefix_affinity", seed=args.seed, host_hit_weight=args.host_weight
+    )
+    sim = SimConfig(
+        num_workers=args.workers,
+        kv_tokens_per_worker=device,
+        host_kv_tokens_per_worker=host,
+        block_size=args.block_size,
+    )
+    result = replay(requests, routing, sim)
+    s = summarize(result)
+    served = [r for r in result.records if not r.rejected]
+    prompt = sum(r.input_len for r in served)
+    host_hits = sum(r.host_cached_tokens for r in served)
+    return {
+        "device_tokens": "unbounded" if unbounded else device,
+        "host_tokens": host,
+        "host_x": round(host / device, 3),
+        "hit_rate": s.hit_rate,
+        "host_hit_rate": host_hits / prompt if prompt else 0.0,
+        "ttft_mean": s.ttft_mean_s,
+        "ttft_p50": s.ttft_p50_s,
+        "ttft_p99": s.ttft_p99_s,
+        "imbalance": s.imbalance,
+        "requests": s.requests,
+        "parity_bad": s.parity_mismatches,
+        "wall_s": s.wall_s,
+    }
+
+
+def _plot(rows: list[dict], unbounded: dict, args: argparse.Namespace) -> Path:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["host_x"] for r in rows]
+    axes[0].plot(xs, [r["hit_rate"] for r in rows], "o-", label="hit rate (both tiers)")
+    axes[0].plot(xs, [r["host_hit_rate"] for r in rows], "s--", label="of which host tier")
+    axes[0].axhline(unbounded["hit_rate"], color="gray", ls=":", label="unbounded cache")
+    axes[1].plot(xs, [r["ttft_mean"] for r in rows], "o-", label="mean TTFT")
+    axes[1].axhline(unbounded["ttft_mean"], color="gray", ls=":", label="unbounded cache")
+    for ax, title in ((axes[0], "token hit rate"), (axes[1], "mean TTFT (s)")):
+        ax.set_xlabel(f"host tier size (x device cache of {args.kv_tokens:,} tokens)")
+        ax.set_title(f"{title}, {args.workers} workers, prefix_affinity")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.legend()
+    return save_figure(fig, "host_tier_sim.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny run (seconds), for CI")
+    ap.add_argument("--trace", default=os.environ.get("KVCLUSTER_TRACE", str(DEFAULT_TRACE)))
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--kv-tokens", type=int, default=1_000_000, help="device KV per worker")
+    ap.add_argument("--host-x", default="0,1,2,4,8,16", help="host tier sizes, x device")
+    ap.add_argument("--host-weight", type=float, default=0.5, help="router host_hit_weight")
+    ap.add_argument("--block-size", type=int, default=512, help="the trace's block size")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.limit, args.kv_tokens, args.host_x, args.jobs = 600, 100_000, "0,8", 1
+    if not Path(args.trace).exists():
+        raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
+    sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
+    # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).
+    total = sum(len(r.token_ids) for r in trace_requests(Path(args.trace), limit=args.limit))
+    tasks = [(total + args.block_size, 0, True, args)]
+    tasks += [(args.kv_tokens, int(x * args.kv_tokens), False, args) for x in sizes]
+    started = time.perf_counter()
+    if args.jobs > 1:
+        with Pool(args.jobs) as pool:
+            rows = pool.map(_run, tasks, chunksize=1)
+    else:
+        rows = [_run(t) for t in tasks]
+    unbounded, rows = rows[0], rows[1:]
+    print_table([unbounded, *rows], f"host tier sim ({time.perf_counter() - started:.0f} s)")
+    by_x = {r["host_x"]: r for r in rows}
+    device_only, tier8 = by_x[0.0], by_x[8.0]
+    gap = (unbounded["hit_rate"] - tier8["hit_rate"]) / unbounded["hit_rate"]
+    ratio = tier8["ttft_mean"] / device_only["ttft_mean"]
+    checks = (gap <= TARGET_HIT_GAP, ratio <= TARGET_TTFT_RATIO)
+    ok = ["ok" if c else "MISSED" for c in checks]
+    print(
+        f"\ntargets (host tier 8x of {args.kv_tokens:,} tokens, {args.workers} workers"
+        + (f", first {args.limit} requests" if args.limit else "")
+        + f"): hit rate {tier8['hit_rate']:.4f} vs unbounded {unbounded['hit_rate']:.4f}, "
+        f"gap {gap:.2%} <= {TARGET_HIT_GAP:.0%} [{ok[0]}]; mean TTFT {tier8['ttft_mean']:.3f} s "
+        f"vs device-only {device_only['ttft_mean']:.3f} s, ratio {ratio:.3f} <= "
+        f"{TARGET_TTFT_RATIO} [{ok[1]}]"
+    )
+    print(f"plot: {_plot(rows, unbounded, args)}")
+    emit_json(
+        {
+            "benchmark": "host_tier_sim",
+            "smoke": args.smoke,
+            "device_tokens": args.kv_tokens,
+            "hit_rate_unbounded": round(unbounded["hit_rate"], 4),
+            "hit_rate_device_only": round(device_only["hit_rate"], 4),
+            "hit_rate_host8x": round(tier8["hit_rate"], 4),
+            "hit_gap_host8x": round(gap, 4),
+            "ttft_mean_device_only_s": round(device_only["ttft_mean"], 3),
+            "ttft_mean_host8x_s": round(tier8["ttft_mean"], 3),
+            "ttft_ratio_host8x": round(ratio, 3),
+            "targets_met": all(checks),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Tier-aware routing: the in-memory index keeps each worker's host-tier keys apart, a lookup
+returns (device, host) leading counts, and the router weighs a host block as a fraction of a
+device hit — above a miss, below a device hit."""
+
+from __future__ import annotations
+
+from router import InMemoryPrefixIndex, Reason, Router, RoutingConfig
+from router.placement.types import RouteRequest
+from tests.router.harness import load, tokens
+from worker.kv import HashContext, KVCacheManager, block_keys
+
+CTX = HashContext("m")
+
+
+def _evicted_to_host(prompt: list[int]) -> KVCacheManager:
+    """A worker whose device cache (8 blocks) evicted ``prompt`` into its host tier."""
+    kv = KVCacheManager(8, 16, host_num_blocks=16)
+    kv.allocate_slots("a", prompt, len(prompt), ctx=CTX)
+    kv.free("a")
+    other = tokens(99, 128)
+    kv.allocate_slots("b", other, len(other), ctx=CTX)  # 8 blocks: evicts all of prompt
+    kv.free("b")
+    return kv
+
+
+def test_index_reports_device_and_host_counts_from_events() -> None:
+    prompt = tokens(1, 96)
+    keys = block_keys(prompt, 16, CTX)
+    index = InMemoryPrefixIndex()
+    host_kv = _evicted_to_host(prompt)
+    index.apply("h", host_kv.drain_events())
+    dev_kv = KVCacheManager(8, 16)
+    dev_kv.allocate_slots("a", prompt[:48], 48, ctx=CTX)
+    index.apply("d", dev_kv.drain_events())
+    assert index.lookup(keys) == {"d": 3}  # the device tier alone, as before
+    assert index.lookup_tiers(keys) == {"d": (3, 0), "h": (0, 6)}
+    hit = host_kv.lookup_prefix(prompt + [7], CTX)  # the worker agrees: 6 blocks, all host
+    assert (hit.num_tokens, hit.num_host_tokens) == (96, 96)
+    host_kv.allocate_slots("c", prompt + [7], 1, ctx=CTX, prefix=hit)  # loads them back
+    index.apply("h", host_kv.drain_events())
+    assert index.lookup_tiers(keys) == {"d": (3, 0), "h": (6, 0)}
+
+
+def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
+    prompt = tokens(1, 96)
+    index = InMemoryPrefixIndex()
+    index.apply("host", _evicted_to_host(prompt).drain_events())
+    index.apply("idle", [])
+    candidates = {"host": load(), "idle": load()}
+    request = RouteRequest("r", prompt + tokens(2, 20), CTX)
+    for weight, expected in ((0.5, 48), (1.0, 96), (0.0, 0)):
+        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), index)
+        decision = router.route(request, candidates)
+        if weight:
+            assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
+        assert decision.cached_tokens_expected == expected
+    # A device hit of the same length beats the host copy.
+    dev = KVCacheManager(8, 16)
+    dev.allocate_slots("a", prompt, 96, ctx=CTX)
+    index.apply("dev", dev.drain_events())
+    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), index)
+    decision = router.route(request, {**candidates, "dev": load()})
+    assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)

@@ -1,0 +1,135 @@
+"""Head-of-line blocking in the router's tokenization (no Ray, no gRPC server: the servicer
+is called directly, with a tokenizer that records where it runs and can be held).
+
+Over-limit texts are rejected before the tokenizer sees them, for Tokenize as for Generate;
+tokenizing runs on the router's own threads, and a flood of huge inputs held in the tokenizer
+does not keep a short one from being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from router.edge.servicer import KVClusterServicer
+from router.edge.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
+from router.placement.config import RequestLimits
+from router.serving.core import ModelLimits
+
+MAX_MODEL_LEN = 512
+LIMITS = RequestLimits(max_chars_per_token=16)  # 8192 characters for max_model_len 512
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code, self.details = code, details
+
+
+class Context:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+class SpyTokenizer:
+    """One id per character; texts longer than ``hold_over`` block until ``release``."""
+
+    def __init__(self, hold_over: int | None = None) -> None:
+        self.calls: list[tuple[int, str]] = []  # (length, thread name)
+        self.hold_over = hold_over
+        self.release = threading.Event()
+        self.holding = threading.Semaphore(0)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls.append((len(text), threading.current_thread().name))
+        if self.hold_over is not None and len(text) > self.hold_over:
+            self.holding.release()
+            self.release.wait(30)
+        return [1] * min(len(text), 4)
+
+
+class Core:
+    """What the servicer reads of the serving core for Tokenize and a text Generate."""
+
+    limits = ModelLimits(
+        "m", vocab_size=100, max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN - 1
+    )
+
+    async def generate(self, request_id, token_ids, params):  # noqa: ANN001, ANN201
+        yield "w0", None
+
+
+def servicer(tok: SpyTokenizer) -> KVClusterServicer:
+    return KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
+
+
+def test_over_limit_text_is_rejected_before_tokenizing() -> None:
+    tok = SpyTokenizer()
+    svc = servicer(tok)
+    cap = prompt_chars_limit(LIMITS, MAX_MODEL_LEN)
+    assert cap == 8192
+
+    async def main() -> list[Aborted]:
+        errors = []
+        try:
+            await svc.Tokenize(pb.TokenizeRequest(text="x" * (cap + 1)), Context())
+        except Aborted as exc:
+            errors.append(exc)
+        try:
+            async for _ in svc._outputs(pb.GenerateRequest(text="y" * (cap + 1)), Context()):
+                pass
+        except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
+            errors.append(exc)
+        ok = await svc.Tokenize(pb.TokenizeRequest(text="z" * cap), Context())
+        assert list(ok.token_ids) == [1] * 4
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 2
+    assert errors[0].code == grpc.StatusCode.INVALID_ARGUMENT
+    for e in (errors[0].details, str(errors[1])):
+        assert "text" in e and "at most 8192 characters" in e and "max_model_len=512" in e
+        assert "max_chars_per_token=16" in e
+    assert [n for n, _ in tok.calls] == [cap]  # only the text within the limit was tokenized
+    assert all(name.startswith("tokenize-") for _, name in tok.calls)
+
+
+@pytest.mark.parametrize("huge", [8])
+def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
+    big = SMALL_TEXT_CHARS + 1
+    tok = SpyTokenizer(hold_over=SMALL_TEXT_CHARS)
+    svc = KVClusterServicer(
+        Core(),
+        tok,
+        policy="x",  # type: ignore[arg-type]
+        limits=RequestLimits(max_chars_per_token=1 << 10),
+    )
+
+    async def main() -> list[int]:
+        floods = [
+            asyncio.create_task(svc.Tokenize(pb.TokenizeRequest(text="h" * big), Context()))
+            for _ in range(huge)
+        ]
+        # the flood is inside the tokenizer, holding every thread it was given
+        await asyncio.to_thread(tok.holding.acquire, True, 10)
+        await asyncio.sleep(0.1)
+        # the loop's default executor (index lookups) is not among them
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 1), 5) == 1
+        try:
+            short = await asyncio.wait_for(
+                svc.Tokenize(pb.TokenizeRequest(text="hello"), Context()), 5
+            )
+        finally:
+            tok.release.set()
+            await asyncio.gather(*floods)
+        return list(short.token_ids)
+
+    assert asyncio.run(main()) == [1, 1, 1, 1]
+    assert {name.rsplit("_", 1)[0] for n, name in tok.calls if n == 5} == {"tokenize-short"}
