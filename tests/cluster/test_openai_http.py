@@ -94,7 +94,9 @@ def idle_and_unheld(cluster: Cluster) -> bool:
         return False
     with KVClusterClient(cluster.endpoints[0], token=TOKEN) as c:
         st = c.status()
-    return all(w.running == 0 and w.waiting == 0 for w in st.workers)
+    return all(
+        w.running == 0 and w.waiting == 0 and w.free_blocks == w.total_blocks for w in st.workers
+    )
 
 
 # -- the official client ----------------------------------------------------------------------
