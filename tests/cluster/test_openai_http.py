@@ -32,6 +32,7 @@ from worker.model.tokenizer import Tokenizer
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 TOKEN = "tok-alice-0123456789"
+BOB = "tok-bob-9876543210"
 MAX_BODY = 64 << 10
 SYSTEM = ("You are a careful assistant of the kvcluster test suite. " * 8).strip()
 
@@ -41,7 +42,7 @@ def http_cluster() -> Cluster:
     cfg = cluster_config(
         f"http-{os.getpid()}",
         workers={"num_workers": 1, "engine": {**ENGINE, "max_num_seqs": 2, "max_waiting": 2}},
-        router={"auth_tokens": {"alice": TOKEN}, "max_message_bytes": MAX_BODY},
+        router={"auth_tokens": {"alice": TOKEN, "bob": BOB}, "max_message_bytes": MAX_BODY},
     )
     with Cluster(cfg) as c:
         yield c
@@ -173,6 +174,24 @@ def test_cached_tokens_on_repeated_system_prompt(client: openai.OpenAI, model: s
         second.usage.prompt_tokens_details.cached_tokens
         > first.usage.prompt_tokens_details.cached_tokens
     )
+
+
+def test_tenants_and_cache_salt_share_no_kv(
+    base_url: str, client: openai.OpenAI, model: str
+) -> None:
+    """The bearer token's tenant and vLLM's cache_salt scope the prefix cache over HTTP as
+    over gRPC: the same prompt hits for its own tenant and salt only."""
+    bob = openai.OpenAI(base_url=base_url + "/v1", api_key=BOB, max_retries=0, timeout=60)
+    prompt = "Tenant isolation: " + "blocks are keyed by tenant salt " * 6
+
+    def cached(c: openai.OpenAI, **extra: object) -> int:
+        r = c.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached(client)
+    assert cached(client) >= 16  # alice again: her prefix is cached
+    assert cached(bob) == 0  # bob, same text: nothing of alice's
+    assert cached(client, cache_salt="other") == 0  # alice under another salt
 
 
 def test_typed_errors(client: openai.OpenAI, base_url: str, model: str) -> None:
