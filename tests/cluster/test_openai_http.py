@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import ray
 
 from benchmarks.chaos import on_workers, wait_idle
 from cluster.bench import run_bench
@@ -477,3 +478,18 @@ def test_kvcluster_bench_drives_the_http_api(
     assert figures["prefix_hit_rate"] > 0  # one shared system prompt: later requests hit
     assert json.loads(out.getvalue().splitlines()[-1])["api"] == "http"
     assert idle_and_unheld(http_cluster)
+
+
+def test_no_live_worker_is_503_zz_last(http_cluster: Cluster, base_url: str, model: str) -> None:
+    """Runs last in this module: it kills the cluster's only worker."""
+    ray.kill(http_cluster.workers["worker-0"], no_restart=True)
+    body = json.dumps({"model": model, "prompt": "anyone there?", "max_tokens": 2}).encode()
+    deadline = time.monotonic() + 30
+    while True:  # until the router sees the heartbeat lapse
+        status, _, answer = raw(base_url, "POST", "/v1/completions", body)
+        if status == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert status == 503 and "no live worker" in json.loads(answer)["error"]["message"]
+    health, _, _ = raw(base_url, "GET", "/health")
+    assert health == 503
