@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
-from router.http_api.protocol import OpenAIRequest, parse_request, to_specs
+from router.http_api.protocol import OpenAIRequest, parse_request, shown, to_specs
 from router.http_api.responses import Shaper
 from router.placement.adapters import adapter_name
 from router.placement.config import RequestLimits
@@ -248,7 +248,7 @@ class OpenAIServer:
         raise HTTPError(
             404,
             "invalid_request_error",
-            f"model {model!r} does not exist; GET /v1/models lists the served ones",
+            f"model {shown(model)!r} does not exist; GET /v1/models lists the served ones",
             param="model",
             code="model_not_found",
         )

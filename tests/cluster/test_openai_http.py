@@ -422,6 +422,14 @@ BAD: list[tuple[str, Any, int, str]] = [
         400,
         "tools",
     ),
+    # long values are quoted by their length, not echoed
+    ("/v1/completions", {"model": "m" * 5000, "prompt": "hi"}, 404, "<5000 chars>"),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "r" * 5000, "content": "x"}]},
+        400,
+        "<5000 chars>",
+    ),
     ("/v1/models", None, 405, "not allowed"),
     ("/v1/nothing", {}, 404, "no route"),
 ]
