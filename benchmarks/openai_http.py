@@ -17,8 +17,8 @@ aiperf pins its own dependencies; install it in a virtualenv of its own and poin
 
 Without aiperf (not given, not on PATH, not in $AIPERF) the two ``kvcluster bench`` runs
 still go. aiperf's Mooncake-trace replay (``--custom-dataset-type mooncake_trace``) is not
-used: offline, aiperf 0.13 fails to load a local tokenizer folder for trace synthesis
-(HFValidationError; its synthetic mode with ``--use-server-token-count`` needs none), and
+used: offline, aiperf 0.13's trace synthesis rejects the local tokenizer folder that its
+synthetic mode accepts (HFValidationError, "repo id must be ..."; not investigated), and
 the trace's ~12k-token prompts would need shrinking for the tiny model anyway; the trace
 itself is replayed by ``benchmarks/trace_replay.py``. Ends with a table, a PNG and one
 JSON line of headline figures.
