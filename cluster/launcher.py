@@ -101,8 +101,28 @@ def use_loopback_ray() -> None:
     registered its nodes at their own addresses)."""
     from ray._private import ray_constants
 
+    if not _saved_mode:
+        _saved_mode.append((os.environ.get(RAY_SINGLE_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER))
     os.environ[RAY_SINGLE_NODE_ENV] = "0"  # Ray processes started from here inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # read at import in this process
+
+
+def leave_loopback_ray() -> None:
+    """Undo :func:`use_loopback_ray` once our Ray is shut down (a process that later joins
+    another Ray, e.g. a test session, must not stay in single-node mode)."""
+    from ray._private import ray_constants
+
+    if not _saved_mode:
+        return
+    env, enabled = _saved_mode.pop()
+    if env is None:
+        os.environ.pop(RAY_SINGLE_NODE_ENV, None)
+    else:
+        os.environ[RAY_SINGLE_NODE_ENV] = env
+    ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
+_saved_mode: list[tuple[str | None, bool]] = []  # the mode before use_loopback_ray
 
 
 def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0, *,
@@ -367,6 +387,7 @@ class Cluster:
         self.workers.clear()
         if ray.is_initialized():
             ray.shutdown()
+        leave_loopback_ray()
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)
@@ -395,6 +416,7 @@ def down_detached(name: str) -> ClusterState:
             if actor["namespace"] == st.namespace:
                 ray.kill(ray.get_actor(actor["name"], namespace=st.namespace), no_restart=True)
         ray.shutdown()
+        leave_loopback_ray()
     except Exception as exc:  # Ray already gone: nothing to kill
         log.warning("could not reach Ray at %s: %s", st.ray_address, exc)
     if st.ray_pid:

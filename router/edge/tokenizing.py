@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvstore.blocks.errors import InvalidRequest
 from router.placement.config import RequestLimits
-from worker.engine import InvalidRequest
 from worker.model.tokenizer import Tokenizer
 
 T = TypeVar("T")

@@ -26,6 +26,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
 from router.http_api.protocol import OpenAIRequest, parse_request, shown, to_specs
@@ -34,7 +36,6 @@ from router.placement.adapters import adapter_name
 from router.placement.config import RequestLimits
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
-from worker.engine import EngineOverloaded, GenerationResult, InvalidRequest, RequestOutput
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

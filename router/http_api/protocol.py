@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.blocks.errors import InvalidRequest
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import GenerateSpec, spec_from_pb
 from router.placement.config import RequestLimits
-from worker.engine import InvalidRequest
 
 # Sampling fields copied to pb.SamplingParams as they are: name -> JSON type.
 _INT_PARAMS = ("top_k", "seed", "n", "min_tokens")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.protocol import OpenAIRequest
-from worker.engine import Completion, CompletionDelta, TokenLogprob, Usage
 from worker.model.tokenizer import Tokenizer
 
 
