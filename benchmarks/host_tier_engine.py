@@ -1,11 +1,16 @@
 """Host KV tier on the real CPU engine: a shared-prefix workload larger than the device cache.
 
-``--prefixes`` long prompts prefixes (``--prefix-len`` tokens each, together several times the
+``--prefixes`` long prompt prefixes (``--prefix-len`` tokens each, together several times the
 device KV cache) are each asked ``--rounds`` times, round-robin, with a short distinct tail: a
 device-only LRU cache evicts every prefix before it comes back (each request recomputes it),
 while a host tier (``--host-x`` times the device cache) keeps them and loads them back.
 Both engines run the same requests in the same process, one after the other (a warm-up run
 first); greedy outputs must be identical. Target (issue 18): >= 1.5x throughput with the tier.
+
+Measured (defaults, ~32M model, busy machine, two runs): 3.70x and 4.75x throughput (624 vs
+169, 572 vs 121 tok/s), mean TTFT 0.34x and 0.31x, hit rate 0.656 vs 0, 4,312 vs 12,504
+tokens computed, identical outputs. With long answers the step count is set by decoding and
+the gain shrinks (6 prefixes of 256 tokens, 3x a 32-block cache, 8 new tokens each: 1.11x).
 
     .venv/bin/python -m benchmarks.host_tier_engine            # ~32M-parameter model, minutes
     .venv/bin/python -m benchmarks.host_tier_engine --smoke    # seconds
@@ -76,9 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=2, help="short answers: prefill-bound")
     ap.add_argument("--max-seqs", type=int, default=4)
-    ap.add_argument("--batch-tokens", type=int, default=512)
+    ap.add_argument("--batch-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (same for both)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -9,6 +9,13 @@ back at ``TimeModel.host_load_s_per_token`` (200 GB/s per node for a 70B-class m
 block. Targets (issue 18), host tier 8x the device: hit rate within 5 % of the unbounded
 run's, mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png``.
 
+Measured (full trace, 8 workers, 1M device tokens each, seed 0, busy machine): hit rate
+device-only 0.242, host 1x/2x/4x/8x/16x 0.300/0.324/0.334/0.338/0.340, unbounded 0.342 (8x:
+gap 0.97 %, target met); mean TTFT 1.955 s device-only, 1.620 s at 8x (0.829x), unbounded
+1.635 s (0.836x). The TTFT target is not reachable here: even a cache that never evicts only
+gets 0.836x, because this trace's TTFT is mostly FCFS queueing behind a few very long prompts
+(see ``trace_replay.py``); the 8x host tier matches the unbounded cache's TTFT.
+
     .venv/bin/python -m benchmarks.host_tier_sim            # full trace, several minutes
     .venv/bin/python -m benchmarks.host_tier_sim --smoke    # seconds
 """

@@ -93,6 +93,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
+        if w.host_total_blocks:  # host-memory KV tier (engine host_kv_bytes)
+            print(f"  host tier: {w.host_cached_blocks}/{w.host_total_blocks} blocks, "
+                  f"{w.host_hit_tokens} tokens loaded back; preemptions: "
+                  f"{w.swap_preemptions} swap, {w.recompute_preemptions} recompute")
     # this router's predicted vs realised prefix hits per worker (router/placement/prediction.py)
     print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
           f"{'gap now':>9}{'resyncs':>9}")

@@ -134,6 +134,7 @@ class OpenAIServer:
         self.core = core
         self.tokenizer = tokenizer
         # the gRPC servicer's pools when given: one router, one budget of tokenizer threads
+        self._own_pools = tokenize is None  # closed by stop() only if this server made them
         self.tokenize = tokenize or TokenizerPool(tokenizer)
         self.auth = auth
         self.limits = limits
@@ -186,6 +187,8 @@ class OpenAIServer:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
+        if self._own_pools:
+            self.tokenize.close()
 
     # -- small routes -------------------------------------------------------------------
 
@@ -318,6 +321,7 @@ class OpenAIServer:
             return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
         if spec.token_ids is not None:
             return spec.token_ids
+        # refused before any work is spent on it, as on the gRPC edge
         check_text_chars("prompt", spec.text, self.limits, self.core.limits.max_model_len)
         return await self.tokenize.encode(spec.text)
 

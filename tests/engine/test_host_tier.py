@@ -198,3 +198,10 @@ def test_real_model_outputs_identical_with_tier_on_and_off(tiny_dir) -> None:
         assert tokens == base, key
     swapped = runs[(1 << 22, "swap")][1]
     assert swapped.num_preemptions > 0 and swapped.host_hit_tokens > 0, swapped
+
+
+def test_host_tier_needs_prefix_caching() -> None:
+    with pytest.raises(ValueError, match="host_kv_bytes=1024 needs enable_prefix_caching"):
+        EngineConfig(host_kv_bytes=1024, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(preemption_mode="sometimes")

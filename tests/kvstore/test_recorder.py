@@ -70,3 +70,35 @@ def test_real_kv_manager_events_are_accepted() -> None:
     log.cleared()
     ops = Recorder(1).record(log.drain())
     assert ops == [("S", tuple(keys)), ("R", (keys[1],)), ("C", ())]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_host_tier_events_are_not_recorded(k: int) -> None:
+    """The Redis index records the device tier only: host-tier events make no ops, and the
+    recorded keys follow the device's through offloads and loads."""
+    from worker.kv import HashContext, KVCacheManager
+
+    kv = KVCacheManager(4, 2, host_num_blocks=8)
+    ctx = HashContext("m")
+    kv.allocate_slots("a", [1, 2, 3, 4, 5, 6, 7, 8], 8, ctx=ctx)
+    kv.free("a")
+    kv.allocate_slots("b", [9, 10, 11, 12, 13, 14, 15, 16], 8, ctx=ctx)  # a -> host tier
+    kv.free("b")
+    hit = kv.lookup_prefix([1, 2, 3, 4, 5], ctx)
+    assert hit.num_host_tokens == 4
+    kv.allocate_slots("c", [1, 2, 3, 4, 5], 1, ctx=ctx, prefix=hit)  # loads 2 blocks back
+    events = kv.drain_events()
+    assert {e.tier for e in events if hasattr(e, "tier")} == {"device", "host"}
+    rec = Recorder(k)
+    device: set[bytes] = set()  # the device tier's keys after each event
+    recorded: set[bytes] = set()
+    for e in events:
+        if e.tier == "device":
+            stored = type(e).__name__ == "BlockStored"
+            device = device | set(e.keys) if stored else device - set(e.keys)
+        ops = rec.record([e])
+        assert not (ops and e.tier == "host"), f"host-tier event {e} reached the index"
+        for kind, keys in ops:
+            assert kind != "S" or set(keys) <= device
+            recorded = recorded | set(keys) if kind == "S" else recorded - set(keys)
+    assert recorded == set(rec.recorded(kv.cached_keys()))

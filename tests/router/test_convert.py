@@ -47,3 +47,12 @@ def test_penalties_cross_the_wire_and_are_bounded() -> None:
         with pytest.raises(InvalidRequest) as info:
             spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(**{field: value})))
         assert info.value.field == field
+
+
+def test_final_usage_carries_host_tier_cached_tokens() -> None:
+    from router.edge.convert import responses_from_output
+    from worker.engine import CompletionDelta, RequestOutput, Usage
+
+    out = RequestOutput("r", [CompletionDelta(0, "", [5])], True, Usage(40, 32, 1, 16))
+    (msg,) = responses_from_output(out, worker_id="w0", stream_text=False)
+    assert (msg.usage.cached_tokens, msg.usage.host_cached_tokens) == (32, 16)

@@ -124,6 +124,11 @@ class EngineConfig(BaseModel):
     def _consistent(self) -> EngineConfig:
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_blocks or kv_memory_bytes, not both")
+        if self.host_kv_bytes and not self.enable_prefix_caching:
+            raise ValueError(
+                f"host_kv_bytes={self.host_kv_bytes} needs enable_prefix_caching: the host tier "
+                "keeps cached blocks; turn caching on or set host_kv_bytes to 0"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
