@@ -106,7 +106,8 @@ class RouterServer:
 
             self.http = OpenAIServer(self.core, self.tokenizer, auth=auth,
                                      limits=settings.limits,
-                                     max_body_bytes=settings.max_message_bytes)
+                                     max_body_bytes=settings.max_message_bytes,
+                                     tokenize=self.servicer.tokenize)
         self.server = None
         self.port: int | None = None
         self._exporter = None
