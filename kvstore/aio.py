@@ -11,7 +11,7 @@ from typing import Any
 
 from kvstore import scripts
 from kvstore.blocks.hashing import BlockKey
-from kvstore.codec import decode_live, decode_lookup, guard_async, key_blob
+from kvstore.codec import decode_live, decode_lookup, decode_lookup_tiers, guard_async, key_blob
 from kvstore.config import IndexConfig, make_async_client
 from kvstore.events import sampled
 from kvstore.types import WorkerInfo
@@ -25,6 +25,7 @@ class AsyncKVIndex:
         self._client = make_async_client(config)
         self._reg_key = config.namespace + "reg"
         self._lookup = self._client.register_script(scripts.LOOKUP[config.lookup])
+        self._lookup_tiers = self._client.register_script(scripts.LOOKUP_TIERS[config.lookup])
         self._live = self._client.register_script(scripts.LIVE)
 
     async def aclose(self) -> None:
@@ -37,6 +38,12 @@ class AsyncKVIndex:
         """See :meth:`kvstore.index.KVIndex.lookup`."""
         k = self.config.record_every
         return decode_lookup(await self._run(self._lookup, key_blob(sampled(keys, k))), k)
+
+    async def lookup_tiers(self, keys: Sequence[BlockKey]) -> dict[str, tuple[int, int]]:
+        """See :meth:`kvstore.index.KVIndex.lookup_tiers`."""
+        k = self.config.record_every
+        reply = await self._run(self._lookup_tiers, key_blob(sampled(keys, k)))
+        return decode_lookup_tiers(reply, k)
 
     async def live_workers(self) -> dict[str, WorkerInfo]:
         """See :meth:`kvstore.index.KVIndex.live_workers`."""

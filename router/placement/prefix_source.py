@@ -87,6 +87,28 @@ class KVIndexSource(PrefixSource):
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+        if self.index is None:
+            raise TypeError("this KVIndexSource has only an AsyncKVIndex: use Router.aroute")
+        index = self.index
+        try:
+            return self.breaker.call(lambda: index.lookup_tiers(keys),
+                                     failures=(IndexUnavailable,))
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+
+    async def alookup_tiers(
+        self, keys: Sequence[BlockKey]
+    ) -> Mapping[WorkerId, TierCounts] | None:
+        if self.aindex is None:
+            return self.lookup_tiers(keys)
+        aindex = self.aindex
+        try:
+            return await self.breaker.acall(lambda: aindex.lookup_tiers(keys),
+                                            failures=(IndexUnavailable,))
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+
 
 class InMemoryPrefixIndex(PrefixSource):
     """Key -> holders map maintained from KV events, for the simulator and tests.
