@@ -169,14 +169,15 @@ def router_kill_recovery(
         t0 = time.monotonic()
         ends: dict[int, tuple] = {}
         _drain(stream, ends, 0, [t0])
-        attempts, recovery_s = 0, None
+        attempts, recovery_s, last_error = 0, None, ""
         while time.monotonic() - t0 < max_wait_s:
             attempts += 1
             try:
                 client.generate("After the router came back.", max_tokens=2, timeout=5)
                 recovery_s = time.monotonic() - t0
                 break
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
+                last_error = f"{exc.code().name}: {exc.details()}"
                 time.sleep(0.2)
     new_pid = actor_pid(cluster.routers[router])
     orphan_worker = first.worker_id
@@ -186,6 +187,7 @@ def router_kill_recovery(
         "open_stream": ends[0][:2],
         "recovery_s": recovery_s,
         "attempts": attempts,
+        "last_error": last_error,
         "restarted": new_pid != pid,
         "same_endpoint": cluster.endpoints[i] == endpoint,
         "orphans_freed": freed,

@@ -12,14 +12,15 @@ PY=${PYTHON:-python3}
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # redis-server (the KV index), openssh-server and rsync (`ray up` on these hosts, and its test),
-# gcc (the native CPU attention kernel, built on first use).
+# gcc (the native CPU attention kernel, built on first use), curl (the HTTP API's SSE test).
 ensure_system_packages() {
   command -v redis-server >/dev/null 2>&1 && [ -x /usr/sbin/sshd ] \
-    && command -v rsync >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 && return
-  echo "[dev] installing redis-server openssh-server rsync gcc (apt)"
+    && command -v rsync >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 \
+    && command -v curl >/dev/null 2>&1 && return
+  echo "[dev] installing redis-server openssh-server rsync gcc curl (apt)"
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server openssh-server \
-    rsync gcc libc6-dev >/dev/null
+    rsync gcc libc6-dev curl >/dev/null
   # The Debian packages may start system-wide servers; kvcluster never uses them.
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +106,8 @@ class RouterServer:
 
             self.http = OpenAIServer(self.core, self.tokenizer, auth=auth,
                                      limits=settings.limits,
-                                     max_body_bytes=settings.max_message_bytes)
+                                     max_body_bytes=settings.max_message_bytes,
+                                     tokenize=self.servicer.tokenize)
         self.server = None
         self.port: int | None = None
         self._exporter = None
@@ -197,15 +200,29 @@ class RouterServer:
 
 def _start_again_if_restarted() -> None:
     """A router that Ray restarted after a crash was constructed again but nobody calls its
-    ``start``: it asks itself to (queued behind ``__init__``), binding its old port, so the
-    clients' channels reconnect to it."""
+    ``start``: it asks itself to, binding its old port, so the clients' channels reconnect to
+    it. From a thread, until it serves: a call submitted while the actor is still being
+    restored can be lost, and ``start`` is idempotent."""
     try:
         ctx = ray.get_runtime_context()
-        if ctx.was_current_actor_reconstructed:
-            ctx.current_actor.start.remote()
-            log.warning("router restarted by Ray: serving again on its port")
+        if not ctx.was_current_actor_reconstructed:
+            return
+        handle = ctx.current_actor
     except RuntimeError:  # not an actor (a test constructs the class directly)
-        pass
+        return
+
+    def until_serving() -> None:
+        while True:
+            try:
+                if ray.get(handle.ready.remote(), timeout=10):
+                    log.warning("router restarted by Ray: serving again on its port")
+                    return
+                ray.get(handle.start.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - keep trying: a router must come back
+                log.warning("restarted router not serving yet: %s", exc)
+                time.sleep(1.0)
+
+    threading.Thread(target=until_serving, name="restart", daemon=True).start()
 
 
 RouterActor = ray.remote(RouterServer)

@@ -30,7 +30,8 @@ from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
-from router.http_api.protocol import OpenAIRequest, parse_request, to_specs
+from router.edge.tokenizing import TokenizerPool, check_text_chars
+from router.http_api.protocol import OpenAIRequest, parse_request, shown, to_specs
 from router.http_api.responses import Shaper
 from router.placement.adapters import adapter_name
 from router.placement.config import RequestLimits
@@ -128,9 +129,13 @@ class OpenAIServer:
         auth: TokenAuth | None,
         limits: RequestLimits,
         max_body_bytes: int,
+        tokenize: TokenizerPool | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        # the gRPC servicer's pools when given: one router, one budget of tokenizer threads
+        self._own_pools = tokenize is None  # closed by stop() only if this server made them
+        self.tokenize = tokenize or TokenizerPool(tokenizer)
         self.auth = auth
         self.limits = limits
         self.max_body_bytes = max_body_bytes
@@ -182,6 +187,8 @@ class OpenAIServer:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
+        if self._own_pools:
+            self.tokenize.close()
 
     # -- small routes -------------------------------------------------------------------
 
@@ -249,7 +256,7 @@ class OpenAIServer:
         raise HTTPError(
             404,
             "invalid_request_error",
-            f"model {model!r} does not exist; GET /v1/models lists the served ones",
+            f"model {shown(model)!r} does not exist; GET /v1/models lists the served ones",
             param="model",
             code="model_not_found",
         )
@@ -307,11 +314,16 @@ class OpenAIServer:
         return meta, specs, token_lists
 
     async def _token_ids(self, spec: GenerateSpec) -> list[int]:
+        """As the gRPC servicer does: off the event loop, long texts apart, and a text too
+        long for the model refused before it is tokenized."""
         if spec.messages is not None:
-            return await asyncio.to_thread(chat_token_ids, self.tokenizer, spec.messages)
+            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
         if spec.token_ids is not None:
             return spec.token_ids
-        return await asyncio.to_thread(self.tokenizer.encode, spec.text)
+        # refused before any work is spent on it, as on the gRPC edge
+        check_text_chars("prompt", spec.text, self.limits, self.core.limits.max_model_len)
+        return await self.tokenize.encode(spec.text)
 
     async def _one(
         self, spec: GenerateSpec, ids: list[int]

@@ -67,6 +67,13 @@ class OpenAIRequest:
     response_id: str  # "cmpl-..." / "chatcmpl-..."
 
 
+def shown(value: Any, limit: int = 64) -> Any:
+    """``value`` as an error message may quote it: long strings by their length only."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"<{len(value)} chars>"
+    return value
+
+
 def _bad_type(field: str, value: Any, kind: str) -> InvalidRequest:
     shown = value if isinstance(value, int | float | bool | None) else type(value).__name__
     return InvalidRequest(field, shown, f"must be {kind}")
@@ -161,7 +168,9 @@ def _messages(body: dict) -> pb.ChatMessages:
             raise _bad_type(field, m, "an object with role and content")
         role = m.get("role")
         if role not in _ROLES:
-            raise InvalidRequest(f"{field}.role", role, f"must be one of {', '.join(_ROLES)}")
+            raise InvalidRequest(
+                f"{field}.role", shown(role), f"must be one of {', '.join(_ROLES)}"
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             parts = []
@@ -184,7 +193,7 @@ def _messages(body: dict) -> pb.ChatMessages:
         if extra:
             raise InvalidRequest(
                 f"{field}",
-                sorted(extra)[0],
+                shown(sorted(extra)[0]),
                 "unknown message field (supported: role, content, name)",
             )
         out.messages.append(pb.ChatMessage(role=role, content=content))
@@ -227,7 +236,7 @@ def parse_request(
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise InvalidRequest(
-            unknown[0],
+            shown(unknown[0]),
             "<set>",
             f"is not a known field of this endpoint (known: {', '.join(sorted(allowed))})",
         )

@@ -67,6 +67,7 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
             sim.time,
             parity=router.check_parity,
             waiting_load=sim.waiting_load,
+            max_loras=sim.max_loras,
         )
         for i in range(sim.num_workers)
     }
@@ -109,4 +110,5 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
         router_metrics=router.metrics.snapshot(),
         wall_s=time.perf_counter() - started,
         index_gaps=index.gaps,
+        extra={"lora_loads": sum(w.lora_loads for w in workers.values())},
     )

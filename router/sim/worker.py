@@ -22,7 +22,7 @@ watermark (the cache never fills with running sequences at the benchmark's sizes
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -91,6 +91,7 @@ class SimWorker:
         *,
         parity: ParityHook | None = None,
         waiting_load: str = "uncached",
+        max_loras: int = 8,
     ) -> None:
         if waiting_load not in ("uncached", "whole"):
             raise ValueError(f"waiting_load must be 'uncached' or 'whole', got {waiting_load!r}")
@@ -113,6 +114,9 @@ class SimWorker:
         self._step_events: list[KVEvent] = []
         self._blocked = False  # head of the queue did not fit; retry after a sequence ends
         self._step_prefill = 0  # prompt tokens computed by the last simulated step
+        self.max_loras = max_loras
+        self._loras: OrderedDict[str, None] = OrderedDict()  # adapters in slots, LRU first
+        self.lora_loads = 0  # adapters loaded into a slot (reloads after eviction count)
         self._load_s = 0.0  # host-tier loads of this step's admissions (seconds)
 
     # ---- interface used by the replay loop -------------------------------------------------
@@ -157,6 +161,7 @@ class SimWorker:
             total_blocks=self.kv.num_blocks,
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
+            lora_loaded=tuple(self._loras),
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:
@@ -303,12 +308,27 @@ class SimWorker:
         active.rec.cached_tokens = alloc.num_cached_tokens
         active.rec.host_cached_tokens = alloc.num_host_tokens
         self._load_s += alloc.num_host_tokens * self.tm.host_load_s_per_token
+        self._use_lora(req.ctx.lora_id)
         self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
         events = self.kv.drain_events()
         self._step_events.extend(events)
         if self.parity is not None and active.keys:
             self._check_parity(active, hit.keys, events)
         return True
+
+    def _use_lora(self, lora_id: str | None) -> None:
+        """Put the adapter in a slot (LRU eviction; a running adapter's slot is not pinned
+        here, a simplification) and charge the load to this step."""
+        if lora_id is None:
+            return
+        if lora_id in self._loras:
+            self._loras.move_to_end(lora_id)
+            return
+        if len(self._loras) >= self.max_loras:
+            self._loras.popitem(last=False)
+        self._loras[lora_id] = None
+        self._load_s += self.tm.lora_load_s
+        self.lora_loads += 1
 
     def _check_parity(
         self, active: _Active, hit_keys: Sequence[BlockKey], events: list[KVEvent]

@@ -49,6 +49,8 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         # dashboard: false means no dashboard
         assert state["dashboard_url"] is None and "dashboard      : off" in up.stdout
         assert not dashboard_ports(pids) & {e.port for e in mine}
+        # the OpenAI HTTP API's URL is printed (and it listens on loopback, checked above)
+        assert f"OpenAI API     : {state['http_endpoints'][0]}/v1" in up.stdout, up.stdout
         # the Ray CLI works against the head as `up` says (token auth, README)
         hint = (f"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status "
                 f"--address {state['ray_address']}")

@@ -3,7 +3,9 @@ no cross-adapter KV, unknown adapter -> INVALID_ARGUMENT, adapters in ClusterSta
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -65,3 +67,17 @@ def test_adapter_requests_land_where_the_adapter_and_prefix_are(cluster, client,
         client.generate(PROMPT, max_tokens=2, lora="nope")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "nope" in err.value.details() and "unknown adapter" in err.value.details()
+
+    # the OpenAI HTTP door: adapters are models; `model` picks one
+    base_url = cluster.http_endpoints[0]
+    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=30) as resp:
+        models = {m["id"]: m for m in json.load(resp)["data"]}
+    assert {"only0", "both"} <= set(models) and models["both"]["parent"] == cluster.model_id
+    grpc_out = client.generate(PROMPT + "http", max_tokens=4, temperature=0.0, lora="only0")
+    body = {"model": "only0", "prompt": PROMPT + "http", "max_tokens": 4, "temperature": 0}
+    req = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out = json.load(resp)
+    assert out["choices"][0]["text"] == grpc_out.text
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # its KV, on w0

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+import ray
 
 from benchmarks.chaos import on_workers, wait_idle
 from cluster.bench import run_bench
@@ -32,6 +33,7 @@ from worker.model.tokenizer import Tokenizer
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 TOKEN = "tok-alice-0123456789"
+BOB = "tok-bob-9876543210"
 MAX_BODY = 64 << 10
 SYSTEM = ("You are a careful assistant of the kvcluster test suite. " * 8).strip()
 
@@ -41,7 +43,7 @@ def http_cluster() -> Cluster:
     cfg = cluster_config(
         f"http-{os.getpid()}",
         workers={"num_workers": 1, "engine": {**ENGINE, "max_num_seqs": 2, "max_waiting": 2}},
-        router={"auth_tokens": {"alice": TOKEN}, "max_message_bytes": MAX_BODY},
+        router={"auth_tokens": {"alice": TOKEN, "bob": BOB}, "max_message_bytes": MAX_BODY},
     )
     with Cluster(cfg) as c:
         yield c
@@ -94,7 +96,9 @@ def idle_and_unheld(cluster: Cluster) -> bool:
         return False
     with KVClusterClient(cluster.endpoints[0], token=TOKEN) as c:
         st = c.status()
-    return all(w.running == 0 and w.waiting == 0 for w in st.workers)
+    return all(
+        w.running == 0 and w.waiting == 0 and w.free_blocks == w.total_blocks for w in st.workers
+    )
 
 
 # -- the official client ----------------------------------------------------------------------
@@ -171,6 +175,24 @@ def test_cached_tokens_on_repeated_system_prompt(client: openai.OpenAI, model: s
         second.usage.prompt_tokens_details.cached_tokens
         > first.usage.prompt_tokens_details.cached_tokens
     )
+
+
+def test_tenants_and_cache_salt_share_no_kv(
+    base_url: str, client: openai.OpenAI, model: str
+) -> None:
+    """The bearer token's tenant and vLLM's cache_salt scope the prefix cache over HTTP as
+    over gRPC: the same prompt hits for its own tenant and salt only."""
+    bob = openai.OpenAI(base_url=base_url + "/v1", api_key=BOB, max_retries=0, timeout=60)
+    prompt = "Tenant isolation: " + "blocks are keyed by tenant salt " * 6
+
+    def cached(c: openai.OpenAI, **extra: object) -> int:
+        r = c.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached(client)
+    assert cached(client) >= 16  # alice again: her prefix is cached
+    assert cached(bob) == 0  # bob, same text: nothing of alice's
+    assert cached(client, cache_salt="other") == 0  # alice under another salt
 
 
 def test_typed_errors(client: openai.OpenAI, base_url: str, model: str) -> None:
@@ -400,6 +422,14 @@ BAD: list[tuple[str, Any, int, str]] = [
         400,
         "tools",
     ),
+    # long values are quoted by their length, not echoed
+    ("/v1/completions", {"model": "m" * 5000, "prompt": "hi"}, 404, "<5000 chars>"),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "r" * 5000, "content": "x"}]},
+        400,
+        "<5000 chars>",
+    ),
     ("/v1/models", None, 405, "not allowed"),
     ("/v1/nothing", {}, 404, "no route"),
 ]
@@ -456,3 +486,18 @@ def test_kvcluster_bench_drives_the_http_api(
     assert figures["prefix_hit_rate"] > 0  # one shared system prompt: later requests hit
     assert json.loads(out.getvalue().splitlines()[-1])["api"] == "http"
     assert idle_and_unheld(http_cluster)
+
+
+def test_no_live_worker_is_503_zz_last(http_cluster: Cluster, base_url: str, model: str) -> None:
+    """Runs last in this module: it kills the cluster's only worker."""
+    ray.kill(http_cluster.workers["worker-0"], no_restart=True)
+    body = json.dumps({"model": model, "prompt": "anyone there?", "max_tokens": 2}).encode()
+    deadline = time.monotonic() + 30
+    while True:  # until the router sees the heartbeat lapse
+        status, _, answer = raw(base_url, "POST", "/v1/completions", body)
+        if status == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert status == 503 and "no live worker" in json.loads(answer)["error"]["message"]
+    health, _, _ = raw(base_url, "GET", "/health")
+    assert health == 503

@@ -23,8 +23,7 @@ def test_engine_throughput_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp
 
 
 def test_engine_beside_a_cpu_burner_smoke(capsys: pytest.CaptureFixture) -> None:
-    head = engine_throughput.main(["--neighbour", "--smoke", "--rounds", "1", "--requests",
-                                   "2", "--max-tokens", "2"])
+    head = engine_throughput.main(["--neighbour", "--smoke", "--rounds", "1"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == head
     assert "quiet/busy" in out and "torch default" in out

@@ -139,3 +139,23 @@ def test_heartbeat_carries_adapters_and_grpc_field_maps_to_params() -> None:
     assert spec_from_pb(pb.GenerateRequest(text="hi")).params.lora is None
     with pytest.raises(InvalidRequest, match="lora"):
         spec_from_pb(pb.GenerateRequest(text="hi", lora="x" * 65))
+
+
+def test_sim_worker_charges_adapter_loads_and_reports_its_slots() -> None:
+    from router.sim import SimRequest, SimWorker, TimeModel
+    from worker.kv import KVCacheManager
+
+    tm = TimeModel(step_overhead_s=0.01, prefill_s_per_token=0.001, attn_s_per_token_pair=0.0,
+                   decode_s_per_ctx_token=0.0, max_batched_tokens=64, lora_load_s=0.5)  # fmt: skip
+    worker = SimWorker("w0", KVCacheManager(64, 16), tm, max_loras=1)
+    ctx = {a: HashContext("m", a) for a in (A1, A2)}
+    first = worker.submit(SimRequest("r1", 0.0, list(range(10, 30)), 1, ctx[A1]), 0, ())
+    worker.advance(10.0)
+    assert first.first_token_s == pytest.approx(0.01 + 0.02 + 0.5)  # step + prefill + load
+    assert worker.load(10.0).lora_loaded == (A1,)
+    again = worker.submit(SimRequest("r2", 10.0, list(range(40, 60)), 1, ctx[A1]), 0, ())
+    worker.advance(20.0)
+    assert again.first_token_s - 10.0 == pytest.approx(0.03)  # in its slot: no load
+    worker.submit(SimRequest("r3", 20.0, list(range(70, 90)), 1, ctx[A2]), 0, ())
+    worker.advance(30.0)
+    assert worker.load(30.0).lora_loaded == (A2,) and worker.lora_loads == 2

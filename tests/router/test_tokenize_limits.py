@@ -133,3 +133,29 @@ def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
 
     assert asyncio.run(main()) == [1, 1, 1, 1]
     assert {name.rsplit("_", 1)[0] for n, name in tok.calls if n == 5} == {"tokenize-short"}
+
+
+def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
+    from router.edge.convert import GenerateSpec
+    from router.http_api import OpenAIServer
+    from worker.engine import InvalidRequest, SamplingParams
+
+    tok = SpyTokenizer()
+    server = OpenAIServer(
+        Core(),
+        tok,
+        auth=None,
+        limits=LIMITS,  # type: ignore[arg-type]
+        max_body_bytes=1 << 20,
+    )
+
+    def spec(text: str) -> GenerateSpec:
+        return GenerateSpec("r", text, None, SamplingParams(max_tokens=1), "", True)
+
+    async def main() -> list[int]:
+        with pytest.raises(InvalidRequest, match="at most 8192 characters"):
+            await server._token_ids(spec("x" * 8193))
+        return await server._token_ids(spec("ok"))
+
+    assert asyncio.run(main()) == [1, 1]
+    assert [(n, name.startswith("tokenize-short")) for n, name in tok.calls] == [(2, True)]
