@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 
 import pytest
 
@@ -166,3 +167,40 @@ def test_worker_without_device_hit_but_host_hit_is_counted(redis_server: RedisSe
     assert index.lookup_tiers(keys) == {"a": (0, 10), "b": (3, 0)}
     assert index.lookup(keys) == {"a": 0, "b": 3}
     index.close()
+
+
+def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None:
+    """A worker whose snapshot names both tiers (``TierKeys``, as worker/actor.py gives it)
+    gets its host-tier entries back after Redis lost everything."""
+    from kvstore.publisher import WorkerPublisher
+    from kvstore.types import WorkerLoad
+
+    cfg = IndexConfig(url=redis_server.url, model_id="pub-host", heartbeat_ttl_s=1.0,
+                      socket_timeout_s=0.2, connect_timeout_s=0.2)  # fmt: skip
+    index = KVIndex(cfg)
+    kv = KVCacheManager(4, 2, host_num_blocks=8)
+    snapshot = lambda: TierKeys(kv.cached_keys(), kv.host_cached_keys())  # noqa: E731
+    pub = WorkerPublisher(index, "w", snapshot, max_backoff_s=0.1, purge_interval_s=None)
+    load = WorkerLoad(0, 0, 4, 4, 0)
+    pub.start()
+    try:
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+        kv.allocate_slots("a", prompt, 8, ctx=CTX)
+        kv.free("a")
+        kv.allocate_slots("b", [9, 10, 11, 12, 13, 14, 15, 16], 8, ctx=CTX)  # a -> host
+        kv.take_transfers()
+        pub.submit(kv.drain_events(), load)
+        assert pub.flush()
+        keys = block_keys(prompt, 2, CTX)
+        assert index.lookup_tiers(keys) == {"w": (0, 4)}
+        redis_server.stop()
+        redis_server.start()  # same port, empty
+        pub.request_resync()
+        deadline = time.monotonic() + 10
+        while index.lookup_tiers(keys) != {"w": (0, 4)}:
+            assert time.monotonic() < deadline, index.lookup_tiers(keys)
+            time.sleep(0.05)
+        assert index.held_keys("w", host=True) == set(kv.host_cached_keys())
+    finally:
+        pub.stop()
+        index.close()
