@@ -19,6 +19,8 @@ key                    type    content
 ``<ns>blk``            hash    field: a recorded 16-byte block key (raw bytes);
                                value: the slots holding it, 2 big-endian bytes each, sorted
 ``<ns>held:<slot>``    set     the 16-byte keys one registration holds (resync, clear, purge)
+``<ns>hblk``           hash    as ``blk``, for blocks in workers' host KV tiers
+``<ns>hheld:<slot>``   set     as ``held``, for the registration's host-tier keys
 ``<ns>reg``            hash    worker id -> ``"<slot>:<epoch>"``, its current registration
 ``<ns>slots``          hash    slot -> ``"<epoch>:<worker id>"`` for every registration not yet
                                purged (current, superseded or dead)
@@ -87,6 +89,15 @@ block j, blocks 0..j-1"). Every writer keeps it so:
   snapshots keeps that few-millisecond window, where bisect may over-count and scan
   under-count; counts are routing hints (a worker reuses only what its own prefix match
   finds), so it would cost routing quality only.
+
+Host tier. ``KVIndex.lookup_tiers`` returns per live worker (device depth d, host depth h) in
+one script call (``scripts.LOOKUP_TIERS``): the device lookup of the configured mode, then the
+same walk (bisect or scan) over values naming a key's holders in either tier, giving the depth
+u of each worker's device-or-host prefix; h = u - d. Exact under the same condition, since the
+host tier keeps each worker's union of both tiers prefix-closed (``worker/kv/host_tier.py``),
+so keys d..u-1 are all in its host tier. Without any host entry it costs one EXISTS more than
+``lookup``. A resync passes both tiers (``kvstore.events.TierKeys``); a clear and a purge empty
+both.
 
 Use ``scan`` when a publisher is not this engine, or its cache may hold a block without its
 parent (another eviction policy, hand-written events): scan is exact for any index.

@@ -47,6 +47,14 @@ def decode_lookup(reply: list, record_every: int) -> dict[str, int]:
     return {reply[i].decode(): int(reply[i + 1]) * record_every for i in range(0, len(reply), 2)}
 
 
+def decode_lookup_tiers(reply: list, record_every: int) -> dict[str, tuple[int, int]]:
+    k = record_every
+    return {
+        reply[i].decode(): (int(reply[i + 1]) * k, int(reply[i + 2]) * k)
+        for i in range(0, len(reply), 3)
+    }
+
+
 def decode_live(reply: list) -> dict[str, WorkerInfo]:
     out: dict[str, WorkerInfo] = {}
     for i in range(0, len(reply), 3):

@@ -10,6 +10,11 @@ so the recorder derives them from ``parent`` (``None`` is block 0) and remembers
 of every cached key of its worker (one dict entry per cached block). A stored key whose parent
 it never saw is not recorded (a lookup may under-count, never over-count).
 
+Host tier: events with ``tier="host"`` (see :mod:`kvstore.blocks.events`) become ops ``"s"``
+(stored in the host tier) and ``"r"`` (removed from it) on a second set of entries; a clear
+("C") drops both tiers. Positions are remembered per tier (a key moving between tiers may
+leave one after it entered the other); a host key's parent may be in either tier.
+
 Recording is idempotent: replaying events already seen yields the same ops and state, so a
 caller may retry ``apply_events`` with the same batch after an outage.
 
@@ -24,14 +29,22 @@ the blocks cached before the loss until they are stored again (``k > 1`` only).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.blocks.hashing import BlockKey
 
-OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
+OpKind = Literal["S", "R", "s", "r", "C"]  # stored, removed (device; lower case: host), cleared
 Op = tuple[OpKind, tuple[BlockKey, ...]]
-"""One recorded change: ("S", keys) stored, ("R", keys) removed, ("C", ()) all cleared."""
+"""One recorded change: ("S", keys) stored, ("R", keys) removed, ("C", ()) all cleared; "s"
+and "r" are the same for the host tier."""
+
+
+class TierKeys(NamedTuple):
+    """A worker's cached keys per tier (a resync snapshot of a worker with a host tier)."""
+
+    device: Sequence[BlockKey]
+    host: Sequence[BlockKey]
 
 _KINDS: dict[type, OpKind] = {BlockStored: "S", BlockRemoved: "R", AllBlocksCleared: "C"}
 
@@ -49,12 +62,13 @@ def event_kind(event: object) -> OpKind:
 class Recorder:
     """Per-worker conversion of KV events into ops on recorded keys. Not thread-safe."""
 
-    __slots__ = ("record_every", "_pos")
+    __slots__ = ("record_every", "_pos", "_hpos")
 
     def __init__(self, record_every: int = 1) -> None:
         assert record_every >= 1
         self.record_every = record_every
-        self._pos: dict[BlockKey, int] = {}  # position of each cached key (k > 1 only)
+        self._pos: dict[BlockKey, int] = {}  # position of each device key (k > 1 only)
+        self._hpos: dict[BlockKey, int] = {}  # position of each host-tier key (k > 1 only)
 
     def _recorded_position(self, pos: int | None) -> bool:
         return pos is not None and (pos + 1) % self.record_every == 0
@@ -64,32 +78,38 @@ class Recorder:
         k = self.record_every
         for event in events:
             kind = event_kind(event)
-            if getattr(event, "tier", "device") != "device":
-                continue  # the Redis index records the device tier only (host: router-side)
             if kind == "C":
                 self._pos.clear()
+                self._hpos.clear()
                 ops.append(("C", ()))
                 continue
+            host = getattr(event, "tier", "device") != "device"
+            pos = self._hpos if host else self._pos
             keys: Sequence[BlockKey] = event.keys  # type: ignore[attr-defined]
             if k == 1:
-                ops.append((kind, tuple(keys)))
+                out = tuple(keys)
             elif kind == "S":
-                ops.append(("S", self._stored(event.parent, keys)))  # type: ignore[attr-defined]
+                out = self._stored(event.parent, keys, pos)  # type: ignore[attr-defined]
             else:
                 # Unknown keys are sent too: they may have been recorded before a replay.
-                gone = tuple(key for key in keys if self._pos.pop(key, -1) % k == k - 1)
-                ops.append(("R", gone))
+                out = tuple(key for key in keys if pos.pop(key, -1) % k == k - 1)
+            ops.append((kind.lower() if host else kind, out))  # type: ignore[arg-type]
         return [op for op in ops if op[0] == "C" or op[1]]
 
-    def _stored(self, parent: BlockKey | None, keys: Sequence[BlockKey]) -> tuple[BlockKey, ...]:
-        pos = -1 if parent is None else self._pos.get(parent)
+    def _stored(
+        self, parent: BlockKey | None, keys: Sequence[BlockKey], into: dict[BlockKey, int]
+    ) -> tuple[BlockKey, ...]:
+        if parent is None:
+            pos: int | None = -1
+        else:
+            pos = self._pos.get(parent, self._hpos.get(parent))
         out = []
         for key in keys:
             pos = None if pos is None else pos + 1
             if pos is None:
-                pos = self._pos.get(key)  # parent unknown: keep what a replay already knew
+                pos = into.get(key)  # parent unknown: keep what a replay already knew
             else:
-                self._pos[key] = pos
+                into[key] = pos
             if self._recorded_position(pos):
                 out.append(key)
         return tuple(out)
@@ -98,12 +118,15 @@ class Recorder:
         """Forget every position: only keys stored from now on under a known parent (or as
         block 0) are recorded. For after lost events (see the module docstring)."""
         self._pos.clear()
+        self._hpos.clear()
 
-    def recorded(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
-        """The subset of a worker's cached keys that the index records."""
+    def recorded(self, keys: Iterable[BlockKey], *, host: bool = False) -> list[BlockKey]:
+        """The subset of a worker's cached keys (of the host tier if ``host``) that the index
+        records."""
         if self.record_every == 1:
             return list(keys)
-        return [key for key in keys if self._recorded_position(self._pos.get(key))]
+        pos = self._hpos if host else self._pos
+        return [key for key in keys if self._recorded_position(pos.get(key))]
 
 
 def sampled(keys: Sequence[BlockKey], record_every: int) -> Sequence[BlockKey]:

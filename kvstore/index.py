@@ -15,13 +15,14 @@ from kvstore.codec import (
     decode_apply,
     decode_live,
     decode_lookup,
+    decode_lookup_tiers,
     encode_ops,
     guard,
     heartbeat_payload,
     key_blob,
 )
 from kvstore.config import IndexConfig, make_client
-from kvstore.events import Op, Recorder, sampled
+from kvstore.events import Op, Recorder, TierKeys, sampled
 from kvstore.types import ApplyResult, IndexFull, WorkerInfo, WorkerLoad
 
 
@@ -40,6 +41,9 @@ class KVIndex:
                  "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
         self._scripts["LOOKUP"] = self._client.register_script(scripts.LOOKUP[config.lookup])
+        self._scripts["LOOKUP_TIERS"] = self._client.register_script(
+            scripts.LOOKUP_TIERS[config.lookup]
+        )
         # Resyncs and purges may legitimately run for long (a whole pool's keys): they use a
         # second client whose timeout is generous, so a slow Redis does not fail them forever.
         slow = {"socket_timeout_s": max(5.0, 10 * config.socket_timeout_s)}
@@ -118,13 +122,25 @@ class KVIndex:
         reply = self._run("APPLY", worker_id, epoch, batch_seq, *encode_ops(ops))
         return decode_apply(reply)
 
-    def resync(self, worker_id: str, epoch: int, batch_seq: int, keys: Iterable[BlockKey]) -> bool:
+    def resync(
+        self,
+        worker_id: str,
+        epoch: int,
+        batch_seq: int,
+        keys: Iterable[BlockKey] | TierKeys,
+    ) -> bool:
         """Replace the worker's whole key set atomically; later batches continue at batch_seq+1.
 
-        Returns False when ``epoch`` is stale (register again first).
+        ``keys``: its device keys, or a :class:`TierKeys` with its host-tier keys too (plain
+        keys empty its host-tier entries). Returns False when ``epoch`` is stale.
         """
-        blob = key_blob(self.recorder(worker_id).recorded(keys))
-        reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob)
+        rec = self.recorder(worker_id)
+        host: Iterable[BlockKey] = ()
+        if isinstance(keys, TierKeys):
+            keys, host = keys.device, keys.host
+        blob = key_blob(rec.recorded(keys))
+        hblob = key_blob(rec.recorded(host, host=True))
+        reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob, hblob)
         return int(reply[0]) == 0
 
     def deregister(self, worker_id: str, epoch: int) -> None:
@@ -142,6 +158,14 @@ class KVIndex:
         k = self.config.record_every
         reply = self._run("LOOKUP", key_blob(sampled(keys, k)))
         return decode_lookup(reply, k)
+
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> dict[str, tuple[int, int]]:
+        """Like :meth:`lookup`, per live worker (leading blocks on its device, further leading
+        blocks in its host tier), in one round trip. The host count continues the device
+        count: blocks ``d .. d+h-1`` of ``keys`` are in the worker's host tier."""
+        k = self.config.record_every
+        reply = self._run("LOOKUP_TIERS", key_blob(sampled(keys, k)))
+        return decode_lookup_tiers(reply, k)
 
     def live_workers(self) -> dict[str, WorkerInfo]:
         """Current registrations with a live heartbeat, with their latest load."""
@@ -164,9 +188,10 @@ class KVIndex:
             done += left == 0
         return done
 
-    def held_keys(self, worker_id: str) -> set[BlockKey]:
-        """The recorded keys the worker's current registration holds (for tests, operators)."""
-        return {BlockKey(k) for k in self._run("HELD", worker_id)}
+    def held_keys(self, worker_id: str, *, host: bool = False) -> set[BlockKey]:
+        """The recorded keys the worker's current registration holds on its device (in its
+        host tier if ``host``); for tests and operators."""
+        return {BlockKey(k) for k in self._run("HELD", worker_id, "hheld" if host else "held")}
 
     def ping(self) -> None:
         guard(self._client.ping)

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.events import Op
+from kvstore.events import Op, TierKeys
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
 
@@ -55,7 +55,7 @@ class WorkerPublisher:
         self,
         index: KVIndex,
         worker_id: str,
-        list_cached_keys: Callable[[], Sequence[BlockKey]],
+        list_cached_keys: Callable[[], Sequence[BlockKey] | TierKeys],
         *,
         address: str | None = None,
         max_buffer_events: int = 100_000,

@@ -8,7 +8,8 @@ Conventions shared by all scripts (see the schema in :mod:`kvstore`):
   values, which are kept sorted so that two blocks held by the same slots have equal values
   (Lua interns strings, so comparing them is O(1)).
 * Invariant kept by every script: key in ``held:<slot>`` iff slot in ``blk[key]``, so
-  membership is tested on ``blk`` (which the lookup reads anyway).
+  membership is tested on ``blk`` (which the lookup reads anyway). The host tier has the same
+  pair, ``hblk`` and ``hheld:<slot>``.
 * Block keys travel as one blob of concatenated 16-byte keys per argument.
 * Batches are cut into chunks of at most ``CH`` keys so ``unpack`` stays under Lua's C stack.
 """
@@ -123,7 +124,7 @@ end
 redis.call('HSET', KEYS[1], wid, slot .. ':' .. epoch)
 redis.call('HSET', ns .. 'slots', slot, epoch .. ':' .. wid)
 redis.call('HSET', ns .. 'seq', slot, 0)
-redis.call('DEL', ns .. 'held:' .. slot)
+redis.call('DEL', ns .. 'held:' .. slot, ns .. 'hheld:' .. slot)
 redis.call('SET', ns .. 'hb:' .. slot, ARGV[3], 'PX', ARGV[2])
 return {epoch, slot}
 """
@@ -145,7 +146,7 @@ redis.call('DEL', ns .. 'hb:' .. slot)
 return 1
 """
 
-# ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs with op in S/R/C
+# ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs with op in S/R/s/r/C (s, r: host)
 # -> {0, added, removed} applied | {-1} stale epoch | {-2} duplicate | {-3, last} gap
 APPLY = _COMMON + r"""
 local slot, epoch = current(ARGV[1])
@@ -155,45 +156,56 @@ local bseq = tonumber(ARGV[3])
 if bseq <= last then return {-2} end
 if bseq ~= last + 1 then return {-3, last} end
 local blk, held, s = ns .. 'blk', ns .. 'held:' .. slot, slot_bytes(slot)
+local hblk, hheld = ns .. 'hblk', ns .. 'hheld:' .. slot
 local added, removed = 0, 0
 for a = 4, #ARGV, 2 do
   local op, blob = ARGV[a], ARGV[a + 1]
   if op == 'C' then
     removed = removed + drop(blk, held, redis.call('SMEMBERS', held), s)
+    removed = removed + drop(hblk, hheld, redis.call('SMEMBERS', hheld), s)
   elseif op == 'S' then
     added = added + store(blk, held, split(blob, 0, #blob / 16), s, slot)
-  else
+  elseif op == 'R' then
     removed = removed + drop(blk, held, split(blob, 0, #blob / 16), s)
+  elseif op == 's' then
+    added = added + store(hblk, hheld, split(blob, 0, #blob / 16), s, slot)
+  else
+    removed = removed + drop(hblk, hheld, split(blob, 0, #blob / 16), s)
   end
 end
 redis.call('HSET', ns .. 'seq', slot, bseq)
 return {0, added, removed}
 """
 
-# ARGV: worker_id, epoch, batch_seq, blob of every recorded key the worker holds
-# -> {0, added, removed} | {-1} stale epoch
+# ARGV: worker_id, epoch, batch_seq, blob of every recorded key the worker holds on its
+# device, blob of those in its host tier -> {0, added, removed} | {-1} stale epoch
 RESYNC = _COMMON + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return {-1} end
-local blk, held, s = ns .. 'blk', ns .. 'held:' .. slot, slot_bytes(slot)
-local want = split(ARGV[4], 0, #ARGV[4] / 16)
-local keep = {}
-for _, k in ipairs(want) do keep[k] = true end
-local gone, ng = {}, 0
-for _, k in ipairs(redis.call('SMEMBERS', held)) do
-  if not keep[k] then ng = ng + 1; gone[ng] = k end
+local s = slot_bytes(slot)
+local added, removed = 0, 0
+local function replace(blk, held, blob)
+  local want = split(blob, 0, #blob / 16)
+  local keep = {}
+  for _, k in ipairs(want) do keep[k] = true end
+  local gone, ng = {}, 0
+  for _, k in ipairs(redis.call('SMEMBERS', held)) do
+    if not keep[k] then ng = ng + 1; gone[ng] = k end
+  end
+  removed = removed + drop(blk, held, gone, s)
+  added = added + store(blk, held, want, s, slot)
 end
-local removed = drop(blk, held, gone, s)
-local added = store(blk, held, want, s, slot)
+replace(ns .. 'blk', ns .. 'held:' .. slot, ARGV[4])
+replace(ns .. 'hblk', ns .. 'hheld:' .. slot, ARGV[5] or '')
 redis.call('HSET', ns .. 'seq', slot, ARGV[3])
 return {0, added, removed}
 """
 
-# ARGV: worker_id -> every key its current registration holds
+# ARGV: worker_id, tier ('held' or 'hheld') -> every key its current registration holds there
 HELD = _COMMON + r"""
 local slot = current(ARGV[1])
 if not slot then return {} end
-return redis.call('SMEMBERS', ns .. 'held:' .. slot)
+return redis.call('SMEMBERS', ns .. (ARGV[2] or 'held') .. ':' .. slot)
 """
 
 # Shared by both lookups: the live registrations (current and with a heartbeat).
@@ -305,6 +317,125 @@ end
 LOOKUP = {"bisect": LOOKUP_BISECT, "scan": LOOKUP_SCAN}
 """The lookup script of each ``IndexConfig.lookup`` mode."""
 
+# Tier lookups: the device lookup above (its counts are each worker's device depth d), then
+# the depth u of the union of both tiers, found the same way on values that name the holders
+# of a key in either tier (a worker holds a key in at most one tier; a seen-set guards
+# against a transient double). Exact because each worker's union is prefix-closed too
+# (worker/kv/host_tier.py), and its device set is: so keys d..u-1 are all in its host tier.
+# Returns {worker_id, d, u - d, ...}. Without any host-tier entry it costs one EXISTS more.
+_TIERS_SETUP = r"""
+for sb in pairs(active) do counts[live[sb]] = n end
+local dev = {}
+for i, c in pairs(counts) do dev[i] = c end
+local hblk = ns .. 'hblk'
+local function tiers_out()
+  local out = {}
+  for i = 1, #wids do
+    if dev[i] then
+      out[#out + 1] = wids[i]; out[#out + 1] = dev[i]
+      out[#out + 1] = math.max(0, counts[i] - dev[i])
+    end
+  end
+  return out
+end
+if n == 0 or redis.call('EXISTS', hblk) == 0 then return tiers_out() end
+local function either(a, b)
+  if a and b then return a .. b end
+  return a or b
+end
+-- candidates: live slots holding the first key in either tier
+local function kat(i) return sub(blob, i * 16 + 1, i * 16 + 16) end
+v = either(redis.call('HGET', blk, kat(0)), redis.call('HGET', hblk, kat(0)))
+active, nactive = {}, 0
+for i in pairs(counts) do counts[i] = 0 end
+if v then
+  for j = 1, #v, 2 do
+    local sb = sub(v, j, j + 1)
+    if live[sb] and not active[sb] then active[sb] = true; nactive = nactive + 1 end
+  end
+end
+"""
+
+_TIERS_SCAN = r"""
+local prev, pos, chunk = v, 1, 64
+while nactive > 0 and pos < n do
+  local to = math.min(n, pos + chunk)
+  local ks = split(blob, pos, to)
+  local dv, hv = redis.call('HMGET', blk, unpack(ks)), redis.call('HMGET', hblk, unpack(ks))
+  for i = 1, to - pos do
+    v = either(dv[i], hv[i])
+    if v ~= prev then
+      for sb in pairs(active) do
+        if not v or not find_slot(v, sb) then
+          counts[live[sb]] = pos + i - 1; active[sb] = nil; nactive = nactive - 1
+        end
+      end
+      if nactive == 0 then break end
+      prev = v
+    end
+  end
+  pos = to
+  chunk = math.min(chunk * 4, 1024)
+end
+for sb in pairs(active) do counts[live[sb]] = n end
+return tiers_out()
+"""
+
+_TIERS_BISECT = r"""
+local ulov = v
+local function uall_hold(pv)
+  if pv == ulov then return true end
+  if not pv or #pv < 2 * nactive then return false end
+  local c, seen = 0, {}
+  for j = 1, #pv, 2 do
+    local sb = sub(pv, j, j + 1)
+    if active[sb] and not seen[sb] then seen[sb] = true; c = c + 1 end
+  end
+  return c == nactive
+end
+local function uprobe(i)
+  local k = kat(i)
+  return either(redis.call('HGET', blk, k), redis.call('HGET', hblk, k))
+end
+local lo = 0
+while nactive > 0 do
+  local good, bad, badv, step = lo, nil, nil, 1
+  while good < n - 1 do
+    local p = math.min(lo + step, n - 1)
+    local pv = uprobe(p)
+    if uall_hold(pv) then good = p else bad, badv = p, pv; break end
+    step = step * 2
+  end
+  if not bad then break end
+  while bad - good > 1 do
+    local m = math.floor((good + bad) / 2)
+    local mv = uprobe(m)
+    if uall_hold(mv) then good = m else bad, badv = m, mv end
+  end
+  for sb in pairs(active) do
+    if not badv or not find_slot(badv, sb) then
+      counts[live[sb]] = bad; active[sb] = nil; nactive = nactive - 1
+    end
+  end
+  lo, ulov = bad, badv
+end
+for sb in pairs(active) do counts[live[sb]] = n end
+return tiers_out()
+"""
+
+
+def _device_body(script: str) -> str:
+    """A device lookup script without its output section (the tier scripts continue it)."""
+    assert script.endswith(_LOOKUP_OUT)
+    return script[: -len(_LOOKUP_OUT)]
+
+
+LOOKUP_TIERS = {
+    "bisect": _device_body(LOOKUP_BISECT) + _TIERS_SETUP + _TIERS_BISECT,
+    "scan": _device_body(LOOKUP_SCAN) + _TIERS_SETUP + _TIERS_SCAN,
+}
+"""Per-tier lookup script of each ``IndexConfig.lookup`` mode (one call, like ``LOOKUP``)."""
+
 # -> {worker_id, "slot:epoch", heartbeat payload, ...} for every live worker
 LIVE = _COMMON + r"""
 local regs = redis.call('HGETALL', KEYS[1])
@@ -353,9 +484,14 @@ if redis.call('HGET', ns .. 'slots', slot) ~= rec then return -1 end
 local wid = string.match(rec, '^%d+:(.*)$')
 local cur = current(wid)
 if cur and tostring(cur) == slot then return -1 end
-local held = ns .. 'held:' .. slot
-drop(ns .. 'blk', held, redis.call('SPOP', held, tonumber(ARGV[3])), slot_bytes(tonumber(slot)))
+local held, hheld = ns .. 'held:' .. slot, ns .. 'hheld:' .. slot
+local sb = slot_bytes(tonumber(slot))
+drop(ns .. 'blk', held, redis.call('SPOP', held, tonumber(ARGV[3])), sb)
 local left = redis.call('SCARD', held)
+if left == 0 then  -- then the host tier's entries, in chunks too
+  drop(ns .. 'hblk', hheld, redis.call('SPOP', hheld, tonumber(ARGV[3])), sb)
+  left = redis.call('SCARD', hheld)
+end
 if left == 0 then
   redis.call('HDEL', ns .. 'slots', slot)
   redis.call('HDEL', ns .. 'seq', slot)

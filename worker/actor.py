@@ -23,6 +23,7 @@ from ray.exceptions import ActorDiedError
 
 from kvstore.blocks.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.config import IndexConfig
+from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
 from kvstore.types import WorkerLoad
@@ -175,6 +176,8 @@ class WorkerServer:
         def snapshot(engine: Engine) -> list:
             if self.publisher is not None:
                 self.publisher.mark_snapshot()
+            if engine.kv.has_host_tier:
+                return TierKeys(engine.kv.cached_keys(), engine.kv.host_cached_keys())
             return engine.kv.cached_keys()
 
         return self.front.with_engine(snapshot)

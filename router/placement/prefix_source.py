@@ -59,6 +59,14 @@ class KVIndexSource(PrefixSource):
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+        index = self.index
+        try:
+            return self.breaker.call(lambda: index.lookup_tiers(keys),
+                                     failures=(IndexUnavailable,))
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+
 
 class InMemoryPrefixIndex(PrefixSource):
     """Key -> holders map maintained from KV events, for the simulator and tests.

@@ -75,10 +75,11 @@ def test_real_kv_manager_events_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_host_tier_events_are_not_recorded(k: int) -> None:
-    """The Redis index records the device tier only: host-tier events make no ops, and the
-    recorded keys follow the device's through offloads and loads."""
-    from worker.kv import HashContext, KVCacheManager
+def test_host_tier_events_are_recorded_per_tier(k: int) -> None:
+    """Host-tier events make host ops ("s", "r"), device events device ops ("S", "R"); the
+    recorded keys of each tier follow that tier through offloads and loads, at positions
+    k-1, 2k-1, ... of the chain (a host key's parent may be on the device)."""
+    from worker.kv import HashContext, KVCacheManager, block_keys
 
     kv = KVCacheManager(4, 2, host_num_blocks=8)
     ctx = HashContext("m")
@@ -92,15 +93,23 @@ def test_host_tier_events_are_not_recorded(k: int) -> None:
     events = kv.drain_events()
     assert {e.tier for e in events if hasattr(e, "tier")} == {"device", "host"}
     rec = Recorder(k)
-    device: set[bytes] = set()  # the device tier's keys after each event
-    recorded: set[bytes] = set()
+    tiers: dict[str, set[bytes]] = {"device": set(), "host": set()}  # keys after each event
+    recorded: dict[str, set[bytes]] = {"S": set(), "s": set()}
     for e in events:
-        if e.tier == "device":
-            stored = type(e).__name__ == "BlockStored"
-            device = device | set(e.keys) if stored else device - set(e.keys)
-        ops = rec.record([e])
-        assert not (ops and e.tier == "host"), f"host-tier event {e} reached the index"
-        for kind, keys in ops:
-            assert kind != "S" or set(keys) <= device
-            recorded = recorded | set(keys) if kind == "S" else recorded - set(keys)
-    assert recorded == set(rec.recorded(kv.cached_keys()))
+        stored = type(e).__name__ == "BlockStored"
+        held = tiers[e.tier]
+        tiers[e.tier] = held | set(e.keys) if stored else held - set(e.keys)
+        for kind, keys in rec.record([e]):
+            assert kind in ("S", "R") if e.tier == "device" else kind in ("s", "r")
+            tier = "device" if kind in "SR" else "host"
+            assert kind not in "Ss" or set(keys) <= tiers[tier]
+            key = "S" if tier == "device" else "s"
+            recorded[key] = recorded[key] | set(keys) if kind in "Ss" else recorded[key] - set(keys)
+    assert recorded["S"] == set(rec.recorded(kv.cached_keys()))
+    assert recorded["s"] == set(rec.recorded(kv.host_cached_keys(), host=True))
+    assert recorded["s"], "the workload leaves blocks in the host tier"
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, ctx)
+    b = block_keys([9, 10, 11, 12, 13, 14, 15, 16], 2, ctx)
+    sampled = set(a[k - 1 :: k]) | set(b[k - 1 :: k])
+    assert recorded["S"] | recorded["s"] <= sampled
+    assert not recorded["S"] & recorded["s"]

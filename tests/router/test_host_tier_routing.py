@@ -4,8 +4,13 @@ device hit — above a miss, below a device hit."""
 
 from __future__ import annotations
 
-from router import InMemoryPrefixIndex, Reason, Router, RoutingConfig
+import pytest
+
+from kvstore.config import IndexConfig
+from kvstore.index import KVIndex
+from router import InMemoryPrefixIndex, KVIndexSource, Reason, Router, RoutingConfig
 from router.placement.types import RouteRequest
+from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
 from worker.kv import HashContext, KVCacheManager, block_keys
 
@@ -61,3 +66,34 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), index)
     decision = router.route(request, {**candidates, "dev": load()})
     assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
+
+
+@pytest.mark.redis
+def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: RedisServer) -> None:
+    """The same weighing with the Redis index: KVIndexSource feeds
+    the router per-tier counts from one lookup, so a host-tier hit is not seen as a miss."""
+    config = IndexConfig(url=redis_server.url, cluster="t", model_id="m")
+    index = KVIndex(config)
+    prompt = tokens(1, 96)
+    epochs = {w: index.register(w, load=load()) for w in ("host", "cold")}
+    host_kv = _evicted_to_host(prompt)
+    assert index.apply_events("host", epochs["host"], 1, host_kv.drain_events()).applied
+    assert index.lookup_tiers(block_keys(prompt, 16, CTX)) == {"host": (0, 6), "cold": (0, 0)}
+    live = {w: info.load for w, info in index.live_workers().items()}
+    request = RouteRequest("r", prompt + tokens(2, 20), CTX)
+    for weight, expected in ((0.5, 48), (1.0, 96)):
+        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), KVIndexSource(index))
+        decision = router.route(request, live)
+        assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
+        assert decision.cached_tokens_expected == expected
+
+    # A worker holding the same prefix on its device beats the host copy.
+    dev = KVCacheManager(8, 16)
+    dev.allocate_slots("a", prompt, 96, ctx=CTX)
+    epoch = index.register("dev", load=load())
+    assert index.apply_events("dev", epoch, 1, dev.drain_events()).applied
+    live = {w: info.load for w, info in index.live_workers().items()}
+    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), KVIndexSource(index))
+    decision = router.route(request, live)
+    assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
+    index.close()
