@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from kvstore.blocks import sampling_params as hard
 from kvstore.blocks.strict import Strict
 from router.placement.policies import ROUTING_POLICIES
 
@@ -76,7 +77,9 @@ class PrefixAffinityConfig(LoadWeights):
 class RequestLimits(Strict):
     """Every per-request limit the router enforces at the edge, in one place (the engine
     re-checks what it must: vocabulary, max_model_len, KV size, max_num_seqs). A request over
-    a limit gets INVALID_ARGUMENT naming the field, the value and the limit."""
+    a limit gets INVALID_ARGUMENT naming the field, the value and the limit. Limits that
+    ``SamplingParams`` also enforces are capped by its hard limits (``le=hard.MAX_*``): a
+    deployment may tighten them, never loosen them past what the engine accepts."""
 
     max_request_id_chars: int = Field(128, ge=1, description="Client request id length.")
     max_tenant_chars: int = Field(64, ge=1, description="Tenant name length.")
@@ -87,10 +90,17 @@ class RequestLimits(Strict):
         16, ge=1, description="Bound on characters per token of a text that fits the model: "
         "texts over max_model_len x this are rejected before tokenizing (Generate and "
         "Tokenize), so an oversized input costs the router nothing.")
-    max_stop_strings: int = Field(16, ge=0, le=16, description="Stop strings per request.")
-    max_stop_string_chars: int = Field(256, ge=1, description="Length of one stop string.")
-    max_n: int = Field(16, ge=1, le=256, description="Parallel samples or beams per request.")
-    max_logprobs: int = Field(20, ge=0, le=20, description="Top log-probabilities per token.")
+    max_stop_strings: int = Field(
+        hard.MAX_STOP_STRINGS, ge=0, le=hard.MAX_STOP_STRINGS, description="Stop strings."
+    )
+    max_stop_string_chars: int = Field(
+        hard.MAX_STOP_STRING_CHARS, ge=1, le=hard.MAX_STOP_STRING_CHARS,
+        description="Length of one stop string.",
+    )
+    max_n: int = Field(16, ge=1, le=hard.MAX_N, description="Parallel samples or beams.")
+    max_logprobs: int = Field(
+        hard.MAX_LOGPROBS, ge=0, le=hard.MAX_LOGPROBS, description="Top logprobs per token."
+    )
 
 
 class LivenessConfig(Strict):
