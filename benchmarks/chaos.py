@@ -44,18 +44,30 @@ SYSTEMS = [
     "You translate short English sentences to French and explain one word of grammar. ",
 ]
 # request kinds and their share of the load
-MIX = {"stream": 0.40, "unary": 0.12, "cancel": 0.13, "disconnect": 0.08, "deadline": 0.10,
-       "bad": 0.17}
+MIX = {
+    "stream": 0.40,
+    "unary": 0.12,
+    "cancel": 0.13,
+    "disconnect": 0.08,
+    "deadline": 0.10,
+    "bad": 0.17,
+}
 # the codes each kind may end with on a healthy cluster
-EXPECTED = {"stream": {"OK"}, "unary": {"OK"}, "cancel": {"OK", "CANCELLED"},
-            "disconnect": {"OK", "CANCELLED"}, "deadline": {"OK", "DEADLINE_EXCEEDED"},
-            "bad": {"INVALID_ARGUMENT"}}
+EXPECTED = {
+    "stream": {"OK"},
+    "unary": {"OK"},
+    "cancel": {"OK", "CANCELLED"},
+    "disconnect": {"OK", "CANCELLED"},
+    "deadline": {"OK", "DEADLINE_EXCEEDED"},
+    "bad": {"INVALID_ARGUMENT"},
+}
 # extra codes a well-formed request may get while faults are injected: its worker died after
 # streaming began (UNAVAILABLE), or every queue was full (RESOURCE_EXHAUSTED)
 UNDER_FAULTS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
 
 
 # -- raw requests (bytes that a protobuf client library would refuse to build) ---------------
+
 
 def raw_string_field(number: int, raw: bytes) -> bytes:
     """A length-delimited field holding arbitrary bytes (e.g. non-UTF-8 in a string field)."""
@@ -71,11 +83,15 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def raw_generate(channel: grpc.Channel, data: bytes, *, metadata: Any = None,
-                 timeout: float = 60.0) -> list[pb.GenerateResponse]:
+def raw_generate(
+    channel: grpc.Channel, data: bytes, *, metadata: Any = None, timeout: float = 60.0
+) -> list[pb.GenerateResponse]:
     """Generate with ``data`` sent as the request bytes (no client-side serialization)."""
-    call = channel.unary_stream("/kvcluster.v1.KVCluster/Generate", request_serializer=None,
-                                response_deserializer=pb.GenerateResponse.FromString)
+    call = channel.unary_stream(
+        "/kvcluster.v1.KVCluster/Generate",
+        request_serializer=None,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     return list(call(data, timeout=timeout, metadata=metadata))
 
 
@@ -84,16 +100,20 @@ NON_UTF8_TEXT = raw_string_field(2, b"caf\xe9 \xff\xfe")  # GenerateRequest.text
 
 # -- probes into a live cluster (through Ray) --------------------------------------------------
 
-def on_workers(cluster: Cluster, fn: Callable[[Any], Any], timeout_s: float = 90.0
-               ) -> dict[str, Any]:
+
+def on_workers(
+    cluster: Cluster, fn: Callable[[Any], Any], timeout_s: float = 90.0
+) -> dict[str, Any]:
     """``fn(worker_server)`` on every worker actor; a restarting one is waited for."""
     deadline = time.monotonic() + timeout_s
     out: dict[str, Any] = {}
     for name in sorted(cluster.workers):
         while True:
             try:
-                out[name] = ray.get(cluster.workers[name].__ray_call__.remote(fn),
-                                    timeout=max(1.0, deadline - time.monotonic()))
+                out[name] = ray.get(
+                    cluster.workers[name].__ray_call__.remote(fn),
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
                 break
             except ActorUnavailableError:  # Ray is restarting it
                 if time.monotonic() > deadline:
@@ -113,6 +133,7 @@ def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
 
 def worker_rss(cluster: Cluster) -> dict[str, int]:
     """Resident set size of every worker process in bytes (Linux ``/proc``)."""
+
     def rss(_: Any) -> int:
         import os
 
@@ -144,8 +165,9 @@ def wait_idle(cluster: Cluster, timeout_s: float = 20.0) -> bool:
     """Wait until no worker runs, queues or holds anything for a request."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if not any(blocks_in_use(cluster).values()) and \
-                all(q == (0, 0) for q in queued(cluster).values()):
+        if not any(blocks_in_use(cluster).values()) and all(
+            q == (0, 0) for q in queued(cluster).values()
+        ):
             return True
         if time.monotonic() > deadline:
             return False
@@ -153,6 +175,7 @@ def wait_idle(cluster: Cluster, timeout_s: float = 20.0) -> bool:
 
 
 # -- the mixed load ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -174,16 +197,26 @@ class LoadResult:
     def unexpected(self, faults: bool = False) -> list[Outcome]:
         """Outcomes whose code is not one their kind may end with."""
         extra = UNDER_FAULTS if faults else set()
-        return [o for o in self.outcomes
-                if o.code not in EXPECTED[o.kind] | (extra if o.kind != "bad" else set())]
+        return [
+            o
+            for o in self.outcomes
+            if o.code not in EXPECTED[o.kind] | (extra if o.kind != "bad" else set())
+        ]
 
 
 class MixedLoad:
     """Seeded requests of every kind in MIX, spread over the routers' endpoints."""
 
-    def __init__(self, endpoints: list[str], *, seed: int = 0, max_tokens: int = 16,
-                 token: str | None = None, root_cert: bytes | None = None,
-                 deadline_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        seed: int = 0,
+        max_tokens: int = 16,
+        token: str | None = None,
+        root_cert: bytes | None = None,
+        deadline_s: float = 60.0,
+    ) -> None:
         self.endpoints = list(endpoints)
         self.seed = seed
         self.max_tokens = max_tokens
@@ -231,17 +264,22 @@ class MixedLoad:
     # each kind: send, return the status name (or raise grpc.RpcError)
 
     def _prompt(self, rng: random.Random) -> str:
-        words = " ".join(rng.choice(("cache", "route", "train", "block", "merge", "token"))
-                         for _ in range(rng.randint(2, 30)))
+        words = " ".join(
+            rng.choice(("cache", "route", "train", "block", "merge", "token"))
+            for _ in range(rng.randint(2, 30))
+        )
         return f"{rng.choice(SYSTEMS)}Question {rng.randrange(10**6)}: {words}?"
 
     def _client(self, i: int) -> KVClusterClient:
         return self.clients[i % len(self.clients)]
 
     def _params(self, rng: random.Random) -> dict:
-        return dict(max_tokens=rng.randint(1, self.max_tokens),
-                    temperature=rng.choice((0.0, 0.8)), n=rng.choice((1, 1, 1, 2)),
-                    seed=rng.randrange(1000))
+        return dict(
+            max_tokens=rng.randint(1, self.max_tokens),
+            temperature=rng.choice((0.0, 0.8)),
+            n=rng.choice((1, 1, 1, 2)),
+            seed=rng.randrange(1000),
+        )
 
     def _stream(self, rng: random.Random, i: int) -> str:
         self._client(i).generate(self._prompt(rng), timeout=self.deadline_s, **self._params(rng))
@@ -252,8 +290,10 @@ class MixedLoad:
         return "OK"
 
     def _cancel(self, rng: random.Random, i: int) -> str:
-        call = self._client(i).stream(build_request(
-            self._prompt(rng), max_tokens=200, ignore_eos=True), timeout=self.deadline_s)
+        call = self._client(i).stream(
+            build_request(self._prompt(rng), max_tokens=200, ignore_eos=True),
+            timeout=self.deadline_s,
+        )
         keep = rng.randint(0, 3)  # messages read before cancelling (0: at once)
         if keep:
             for got, _ in enumerate(call, start=1):
@@ -267,33 +307,41 @@ class MixedLoad:
     def _disconnect(self, rng: random.Random, i: int) -> str:
         client = KVClusterClient(self.endpoints[i % len(self.endpoints)], **self._auth)
         try:
-            call = client.stream(build_request(self._prompt(rng), max_tokens=200,
-                                               ignore_eos=True), timeout=self.deadline_s)
+            call = client.stream(
+                build_request(self._prompt(rng), max_tokens=200, ignore_eos=True),
+                timeout=self.deadline_s,
+            )
             next(iter(call))
         finally:
             client.close()  # the connection goes away mid-stream
         return "CANCELLED"
 
     def _deadline(self, rng: random.Random, i: int) -> str:
-        self._client(i).generate(self._prompt(rng), max_tokens=200, ignore_eos=True,
-                                 timeout=rng.uniform(0.05, 0.4))
+        self._client(i).generate(
+            self._prompt(rng), max_tokens=200, ignore_eos=True, timeout=rng.uniform(0.05, 0.4)
+        )
         return "OK"
 
     def _bad(self, rng: random.Random, i: int) -> str:
         client = self._client(i)
         case = rng.choice(("token_ids", "text", "top_p", "max_tokens", "stop", "utf8"))
         if case == "utf8":
-            raw_generate(client.channel, NON_UTF8_TEXT, metadata=client.metadata,
-                         timeout=self.deadline_s)
+            raw_generate(
+                client.channel, NON_UTF8_TEXT, metadata=client.metadata, timeout=self.deadline_s
+            )
             return "OK"
         prompt = {"token_ids": [10**6], "text": ""}.get(case, self._prompt(rng))
-        params = {"top_p": {"top_p": 1.5}, "max_tokens": {"max_tokens": 10**6},
-                  "stop": {"stop": [""]}}.get(case, {})
+        params = {
+            "top_p": {"top_p": 1.5},
+            "max_tokens": {"max_tokens": 10**6},
+            "stop": {"stop": [""]},
+        }.get(case, {})
         client.generate(prompt, timeout=self.deadline_s, **params)
         return "OK"
 
 
 # -- the chaos run -----------------------------------------------------------------------------
+
 
 @dataclass
 class ChaosReport:
@@ -312,9 +360,18 @@ class ChaosReport:
     events: list[tuple[float, str]] = field(default_factory=list)  # (s from start, fault)
 
 
-def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
-              warmup: int = 40, kill_worker: bool = True, restart_redis: bool = True,
-              redis_down_s: float = 2.0, log: Callable[[str], None] = print) -> ChaosReport:
+def run_chaos(
+    cluster: Cluster,
+    n: int,
+    *,
+    seed: int = 0,
+    concurrency: int = 8,
+    warmup: int = 40,
+    kill_worker: bool = True,
+    restart_redis: bool = True,
+    redis_down_s: float = 2.0,
+    log: Callable[[str], None] = print,
+) -> ChaosReport:
     """The mixed load on ``cluster`` with the faults; see the module docstring."""
     load = MixedLoad(cluster.endpoints, seed=seed)
     try:
@@ -330,9 +387,19 @@ def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
             events.append((time.monotonic() - t0, what))
             log(f"[chaos] {what} after {load.done} requests")
 
-        faults = threading.Thread(target=_inject, daemon=True, args=(
-            cluster, load, n, kill_worker, restart_redis and cluster.redis is not None,
-            redis_down_s, note))
+        faults = threading.Thread(
+            target=_inject,
+            daemon=True,
+            args=(
+                cluster,
+                load,
+                n,
+                kill_worker,
+                restart_redis and cluster.redis is not None,
+                redis_down_s,
+                note,
+            ),
+        )
         faults.start()
         result = load.run(n, concurrency=concurrency)
         seconds = time.monotonic() - t0
@@ -345,17 +412,31 @@ def run_chaos(cluster: Cluster, n: int, *, seed: int = 0, concurrency: int = 8,
     codes = Counter(o.code for o in result.outcomes)
     mib = 1 << 20
     return ChaosReport(
-        sent=n, completed=codes.pop("OK", 0), retried=retries(cluster) - retried0,
+        sent=n,
+        completed=codes.pop("OK", 0),
+        retried=retries(cluster) - retried0,
         failed=dict(sorted(codes.items())),
         unexpected=len(result.unexpected(faults=kill_worker or restart_redis)),
-        hung=result.hung, stuck=stuck, blocks_leaked=sum(blocks.values()),
+        hung=result.hung,
+        stuck=stuck,
+        blocks_leaked=sum(blocks.values()),
         rss_warm_mib={w: v / mib for w, v in rss_warm.items()},
-        rss_end_mib={w: v / mib for w, v in worker_rss(cluster).items()}, seconds=seconds,
-        timeline=sorted((o.ended - t0, o.code) for o in result.outcomes), events=events)
+        rss_end_mib={w: v / mib for w, v in worker_rss(cluster).items()},
+        seconds=seconds,
+        timeline=sorted((o.ended - t0, o.code) for o in result.outcomes),
+        events=events,
+    )
 
 
-def _inject(cluster: Cluster, load: MixedLoad, n: int, kill_worker: bool,
-            restart_redis: bool, redis_down_s: float, note: Callable[[str], None]) -> None:
+def _inject(
+    cluster: Cluster,
+    load: MixedLoad,
+    n: int,
+    kill_worker: bool,
+    restart_redis: bool,
+    redis_down_s: float,
+    note: Callable[[str], None],
+) -> None:
     def reach(fraction: float) -> None:
         while load.done < n * fraction:
             time.sleep(0.05)
@@ -386,8 +467,9 @@ class FrozenRedisRow:
     recovery_s: float  # thaw -> every router's index circuit closed and index available
 
 
-def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float = 3.0,
-                     timeout_s: float = 60.0) -> FrozenRedisRow:
+def frozen_redis_row(
+    cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float = 3.0, timeout_s: float = 60.0
+) -> FrozenRedisRow:
     """Freeze Redis (SIGSTOP: it keeps its connections and answers nothing) while requests
     flow through every router, thaw it, and time how long the routers take to use the index
     again."""
@@ -404,8 +486,9 @@ def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float 
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                clients[i % len(clients)].generate(f"Frozen index {i}: what now?", max_tokens=2,
-                                                   timeout=timeout_s)
+                clients[i % len(clients)].generate(
+                    f"Frozen index {i}: what now?", max_tokens=2, timeout=timeout_s
+                )
                 ok = True
             except grpc.RpcError:
                 ok = False
@@ -413,8 +496,10 @@ def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float 
             i += 1
 
     def index_back() -> bool:
-        return all(not st.get("index_circuit_open", False) and st["index_available"]
-                   for st in router_stats(cluster).values())
+        return all(
+            not st.get("index_circuit_open", False) and st["index_available"]
+            for st in router_stats(cluster).values()
+        )
 
     pid = cluster.redis.proc.pid
     loader = threading.Thread(target=load, daemon=True)
@@ -439,11 +524,15 @@ def frozen_redis_row(cluster: Cluster, frozen_s: float = 10.0, *, warm_s: float 
     before = [s for t, s, _ in results if t < frozen_at]
     during = [(s, ok) for t, s, ok in results if frozen_at <= t < thawed]
     lat = [s for s, _ in during]
-    return FrozenRedisRow(frozen_s=frozen_s, served=sum(ok for _, ok in during),
-                          failed=sum(not ok for _, ok in during),
-                          p50_before_s=quantile(before, 0.5, empty=0.0),
-                          p50_frozen_s=quantile(lat, 0.5, empty=0.0),
-                          max_frozen_s=max(lat, default=0.0), recovery_s=recovery)
+    return FrozenRedisRow(
+        frozen_s=frozen_s,
+        served=sum(ok for _, ok in during),
+        failed=sum(not ok for _, ok in during),
+        p50_before_s=quantile(before, 0.5, empty=0.0),
+        p50_frozen_s=quantile(lat, 0.5, empty=0.0),
+        max_frozen_s=max(lat, default=0.0),
+        recovery_s=recovery,
+    )
 
 
 def plot(rep: ChaosReport, path: str = "chaos_timeline.png") -> None:
@@ -453,15 +542,20 @@ def plot(rep: ChaosReport, path: str = "chaos_timeline.png") -> None:
     end = max((t for t, _ in rep.timeline), default=1.0)
     bins = [i * 0.5 for i in range(int(end / 0.5) + 2)]
     codes = sorted({c for _, c in rep.timeline})
-    ax.hist([[t for t, c in rep.timeline if c == code] for code in codes], bins=bins,
-            stacked=True, label=codes)
+    ax.hist(
+        [[t for t, c in rep.timeline if c == code] for code in codes],
+        bins=bins,
+        stacked=True,
+        label=codes,
+    )
     for t, what in rep.events:
         ax.axvline(t, color="black", linestyle="--")
         ax.annotate(what, (t, ax.get_ylim()[1] * 0.95), rotation=90, fontsize=7, va="top")
     ax.set_xlabel("seconds into the load")
     ax.set_ylabel("requests ended per 0.5 s")
-    ax.set_title(f"chaos run: {rep.sent} requests, {rep.hung} hung, "
-                 f"{rep.blocks_leaked} blocks leaked")
+    ax.set_title(
+        f"chaos run: {rep.sent} requests, {rep.hung} hung, {rep.blocks_leaked} blocks leaked"
+    )
     ax.legend(fontsize=7)
     save_figure(fig, path)
 
@@ -469,15 +563,31 @@ def plot(rep: ChaosReport, path: str = "chaos_timeline.png") -> None:
 def chaos_config(name: str):  # noqa: ANN201 - ClusterConfig
     from cluster.config import ClusterConfig
 
-    return ClusterConfig.model_validate({
-        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
-        "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": {
-            "num_blocks": 256, "block_size": 16, "max_waiting": 64, "max_num_seqs": 8,
-            "max_num_batched_tokens": 256, "max_model_len": 512}},
-        "router": {"port": 0, "num_routers": 2,
-                   "liveness": {"stream_stall_s": 2.0, "probe_timeout_s": 2.0}},
-        "redis": {"heartbeat_ttl_s": 2.0},
-    })
+    return ClusterConfig.model_validate(
+        {
+            "name": name,
+            "dashboard": False,
+            "model": {"tiny_family": "llama"},
+            "workers": {
+                "num_workers": 2,
+                "num_cpus_per_worker": 0.1,
+                "engine": {
+                    "num_blocks": 256,
+                    "block_size": 16,
+                    "max_waiting": 64,
+                    "max_num_seqs": 8,
+                    "max_num_batched_tokens": 256,
+                    "max_model_len": 512,
+                },
+            },
+            "router": {
+                "port": 0,
+                "num_routers": 2,
+                "liveness": {"stream_stall_s": 2.0, "probe_timeout_s": 2.0},
+            },
+            "redis": {"heartbeat_ttl_s": 2.0},
+        }
+    )
 
 
 def frozen_worker_row(cluster: Cluster) -> dict:
@@ -486,22 +596,29 @@ def frozen_worker_row(cluster: Cluster) -> dict:
     r = frozen_worker_recovery(cluster)
     shorts = r["short_requests"]
     worst = max((s for _, _, s in shorts), default=0.0)
-    return {"fault": "frozen worker", "recovery s": _round(r["streams_released_s"]),
-            "requests during fault": len(shorts),
-            "served": sum(code == "OK" for _, code, _ in shorts),
-            "detail": f"slowest of them {worst:.1f}s; status answered in {r['status_s']:.2f}s"
-                      f" listing it {'stale' if r['status_victim_stale'] else 'LIVE'}; live "
-                      f"again {_round(r['back_s'])}s after SIGCONT"}
+    return {
+        "fault": "frozen worker",
+        "recovery s": _round(r["streams_released_s"]),
+        "requests during fault": len(shorts),
+        "served": sum(code == "OK" for _, code, _ in shorts),
+        "detail": f"slowest of them {worst:.1f}s; status answered in {r['status_s']:.2f}s"
+        f" listing it {'stale' if r['status_victim_stale'] else 'LIVE'}; live "
+        f"again {_round(r['back_s'])}s after SIGCONT",
+    }
 
 
 def router_kill_row(cluster: Cluster) -> dict:
     """SIGKILL a router: recovery = kill until the same client's next call succeeded."""
     r = router_kill_recovery(cluster)
-    return {"fault": "router kill", "recovery s": _round(r["recovery_s"]),
-            "requests during fault": r["attempts"], "served": int(r["recovery_s"] is not None),
-            "detail": f"restarted by Ray: {r['restarted']}, same port: {r['same_endpoint']}, "
-                      f"its open stream {r['open_stream'][0]} and stopped on the worker: "
-                      f"{r['orphans_freed']}"}
+    return {
+        "fault": "router kill",
+        "recovery s": _round(r["recovery_s"]),
+        "requests during fault": r["attempts"],
+        "served": int(r["recovery_s"] is not None),
+        "detail": f"restarted by Ray: {r['restarted']}, same port: {r['same_endpoint']}, "
+        f"its open stream {r['open_stream'][0]} and stopped on the worker: "
+        f"{r['orphans_freed']}",
+    }
 
 
 def _round(x: float | None) -> float:
@@ -522,31 +639,61 @@ def main(argv: list[str] | None = None) -> dict:
         rep = run_chaos(cluster, n, seed=args.seed, concurrency=args.concurrency)
         frozen = frozen_redis_row(cluster, 3.0 if args.smoke else 10.0)
         recovery = [frozen_worker_row(cluster), router_kill_row(cluster)]
-    print_table([{"sent": rep.sent, "completed": rep.completed, "retried": rep.retried,
-                  "failed": sum(rep.failed.values()), "unexpected": rep.unexpected,
-                  "hung": rep.hung, "stuck": rep.stuck, "blocks leaked": rep.blocks_leaked,
-                  "seconds": rep.seconds}], f"chaos run: {n} requests, worker kill + Redis "
-                "restart")
-    print_table([{"code": c, "requests": k} for c, k in rep.failed.items()],
-                "failed, by gRPC code (every one a clear, expected code)")
-    print_table([{"worker": w, "rss after warm-up MiB": rep.rss_warm_mib[w],
-                  "rss at end MiB": rep.rss_end_mib[w]} for w in sorted(rep.rss_warm_mib)],
-                "worker memory (worker-0 was killed and restarted mid-run)")
-    head = {"chaos_sent": rep.sent, "chaos_completed": rep.completed,
-            "chaos_retried": rep.retried,
-            **{f"chaos_failed_{c.lower()}": k for c, k in rep.failed.items()},
-            "chaos_unexpected": rep.unexpected, "chaos_hung": rep.hung,
-            "chaos_stuck": rep.stuck, "chaos_blocks_leaked": rep.blocks_leaked,
-            "chaos_rss_growth_pct": round(100 * (max(
-                rep.rss_end_mib[w] / rep.rss_warm_mib[w] for w in rep.rss_warm_mib) - 1), 1),
-            "chaos_seconds": round(rep.seconds, 1)}
+    print_table(
+        [
+            {
+                "sent": rep.sent,
+                "completed": rep.completed,
+                "retried": rep.retried,
+                "failed": sum(rep.failed.values()),
+                "unexpected": rep.unexpected,
+                "hung": rep.hung,
+                "stuck": rep.stuck,
+                "blocks leaked": rep.blocks_leaked,
+                "seconds": rep.seconds,
+            }
+        ],
+        f"chaos run: {n} requests, worker kill + Redis restart",
+    )
+    print_table(
+        [{"code": c, "requests": k} for c, k in rep.failed.items()],
+        "failed, by gRPC code (every one a clear, expected code)",
+    )
+    print_table(
+        [
+            {
+                "worker": w,
+                "rss after warm-up MiB": rep.rss_warm_mib[w],
+                "rss at end MiB": rep.rss_end_mib[w],
+            }
+            for w in sorted(rep.rss_warm_mib)
+        ],
+        "worker memory (worker-0 was killed and restarted mid-run)",
+    )
+    head = {
+        "chaos_sent": rep.sent,
+        "chaos_completed": rep.completed,
+        "chaos_retried": rep.retried,
+        **{f"chaos_failed_{c.lower()}": k for c, k in rep.failed.items()},
+        "chaos_unexpected": rep.unexpected,
+        "chaos_hung": rep.hung,
+        "chaos_stuck": rep.stuck,
+        "chaos_blocks_leaked": rep.blocks_leaked,
+        "chaos_rss_growth_pct": round(
+            100 * (max(rep.rss_end_mib[w] / rep.rss_warm_mib[w] for w in rep.rss_warm_mib) - 1), 1
+        ),
+        "chaos_seconds": round(rep.seconds, 1),
+    }
     print_table([asdict(frozen)], "frozen Redis (SIGSTOP): served by load, then recovery")
-    head.update(chaos_frozen_redis_served=frozen.served, chaos_frozen_redis_failed=frozen.failed,
-                chaos_frozen_redis_p50_ratio=round(
-                    frozen.p50_frozen_s / max(frozen.p50_before_s, 1e-9), 2),
-                chaos_frozen_redis_recovery_s=round(frozen.recovery_s, 2))
-    print_table(recovery, "faults Ray does not report: time to recover (stall timeout 2 s + "
-                "probe 2 s)")
+    head.update(
+        chaos_frozen_redis_served=frozen.served,
+        chaos_frozen_redis_failed=frozen.failed,
+        chaos_frozen_redis_p50_ratio=round(frozen.p50_frozen_s / max(frozen.p50_before_s, 1e-9), 2),
+        chaos_frozen_redis_recovery_s=round(frozen.recovery_s, 2),
+    )
+    print_table(
+        recovery, "faults Ray does not report: time to recover (stall timeout 2 s + probe 2 s)"
+    )
     for row in recovery:
         head[f"chaos_{row['fault'].replace(' ', '_')}_recovery_s"] = row["recovery s"]
     plot(rep)

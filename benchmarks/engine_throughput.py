@@ -144,9 +144,13 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], new: int, batch:
         ids, mask = left_padded(group)
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         tokens.extend(out[:, ids.shape[1] :].tolist())
     wall = time.perf_counter() - start
     return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
@@ -188,8 +192,11 @@ def run_vllm(
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         proc = subprocess.run(
             [python, str(script), str(model_dir), str(data), str(new)],
-            capture_output=True, text=True, env=env, check=False,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         return f"failed (rc={proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
@@ -233,8 +240,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--neighbour", action="store_true",
-                        help="only workload 1, quiet vs beside a process spinning on one core")
+    parser.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="only workload 1, quiet vs beside a process spinning on one core",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--neighbour: rounds per cell")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -256,9 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.max_tokens
     params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
     prompt_tokens = sum(map(len, prompts))
-    print(f"model {model_dir.name}: {args.requests} requests, {prompt_tokens} prompt tokens, "
-          f"{n} new tokens each; KV {engine.kv.num_blocks} blocks; torch threads "
-          f"{torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"model {model_dir.name}: {args.requests} requests, {prompt_tokens} prompt tokens, "
+        f"{n} new tokens each; KV {engine.kv.num_blocks} blocks; torch threads "
+        f"{torch.get_num_threads()}"
+    )
 
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
     cb = run_engine(engine, prompts, params)
@@ -267,22 +279,42 @@ def main(argv: list[str] | None = None) -> dict:
     hf = run_transformers(model_dir, prompts, n, args.batch)
     vllm = run_vllm(args.vllm_python, model_dir, prompts, n, args.threads)
     rows = [
-        {"system": "engine (continuous)", "tok/s": cb["tok_s"], "wall s": cb["wall"],
-         "same as hf": agreement(cb["tokens"], hf["tokens"])},
-        {"system": f"engine static b={args.batch}", "tok/s": static["tok_s"],
-         "wall s": static["wall"], "same as hf": agreement(static["tokens"], hf["tokens"])},
-        {"system": f"transformers static b={args.batch}", "tok/s": hf["tok_s"],
-         "wall s": hf["wall"], "same as hf": 1.0},
-    ]  # fmt: skip
+        {
+            "system": "engine (continuous)",
+            "tok/s": cb["tok_s"],
+            "wall s": cb["wall"],
+            "same as hf": agreement(cb["tokens"], hf["tokens"]),
+        },
+        {
+            "system": f"engine static b={args.batch}",
+            "tok/s": static["tok_s"],
+            "wall s": static["wall"],
+            "same as hf": agreement(static["tokens"], hf["tokens"]),
+        },
+        {
+            "system": f"transformers static b={args.batch}",
+            "tok/s": hf["tok_s"],
+            "wall s": hf["wall"],
+            "same as hf": 1.0,
+        },
+    ]
     if isinstance(vllm, dict):
-        rows.append({"system": "vllm (cpu)", "tok/s": vllm["tok_s"], "wall s": vllm["wall"],
-                     "same as hf": agreement(vllm["tokens"], hf["tokens"])})  # fmt: skip
+        rows.append(
+            {
+                "system": "vllm (cpu)",
+                "tok/s": vllm["tok_s"],
+                "wall s": vllm["wall"],
+                "same as hf": agreement(vllm["tokens"], hf["tokens"]),
+            }
+        )
     print_table(rows, "workload 1: mixed prompts, greedy, all submitted at once")
     if not isinstance(vllm, dict):
         print(f"  vllm: {vllm}")
-    print(f"  engine: KV usage mean {cb['kv_mean']:.1%} peak {cb['kv_peak']:.1%}, "
-          f"preemptions {m.num_preemptions}, TTFT p50 {m.ttft.p50:.2f}s p90 {m.ttft.p90:.2f}s, "
-          f"ITL p50 {m.itl.p50 * 1e3:.1f}ms p90 {m.itl.p90 * 1e3:.1f}ms")  # fmt: skip
+    print(
+        f"  engine: KV usage mean {cb['kv_mean']:.1%} peak {cb['kv_peak']:.1%}, "
+        f"preemptions {m.num_preemptions}, TTFT p50 {m.ttft.p50:.2f}s p90 {m.ttft.p90:.2f}s, "
+        f"ITL p50 {m.itl.p50 * 1e3:.1f}ms p90 {m.itl.p90 * 1e3:.1f}ms"
+    )
 
     shared = shared_prefix_prompts(args.requests, args.prefix, vocab, args.seed)
     sp = SamplingParams(temperature=0, max_tokens=max(n // 2, 1), min_tokens=max(n // 2, 1))
@@ -293,13 +325,21 @@ def main(argv: list[str] | None = None) -> dict:
         res = run_engine(eng, shared, sp)
         em = eng.metrics()
         prefix[on] = (res, em)
-        prefix_rows.append({
-            "prefix cache": "on" if on else "off", "tok/s": res["tok_s"], "wall s": res["wall"],
-            "hit rate": em.prefix_hit_rate, "computed tok": em.computed_tokens,
-            "kv mean": res["kv_mean"], "kv peak": res["kv_peak"],
-            "ttft p50 s": em.ttft.p50, "ttft p90 s": em.ttft.p90,
-            "itl p50 ms": em.itl.p50 * 1e3, "itl p90 ms": em.itl.p90 * 1e3,
-        })  # fmt: skip
+        prefix_rows.append(
+            {
+                "prefix cache": "on" if on else "off",
+                "tok/s": res["tok_s"],
+                "wall s": res["wall"],
+                "hit rate": em.prefix_hit_rate,
+                "computed tok": em.computed_tokens,
+                "kv mean": res["kv_mean"],
+                "kv peak": res["kv_peak"],
+                "ttft p50 s": em.ttft.p50,
+                "ttft p90 s": em.ttft.p90,
+                "itl p50 ms": em.itl.p50 * 1e3,
+                "itl p90 ms": em.itl.p90 * 1e3,
+            }
+        )
     print_table(
         prefix_rows, f"workload 2: {args.prefix}-token shared prefix, prefix caching on/off"
     )
@@ -348,15 +388,25 @@ def neighbour_main(args: argparse.Namespace) -> dict:
     model_dir = resolve_model(args)
     vocab = Engine.from_model_dir(model_dir, EngineConfig(num_blocks=8)).executor.vocab_size
     prompts = mixed_prompts(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
-    cfg = {"kv_memory_bytes": args.kv_mb * 2**20, "max_num_seqs": args.max_num_seqs,
-           "max_num_batched_tokens": args.max_batched_tokens}
-    spec = {"model_dir": str(model_dir), "cfg": cfg, "prompts": prompts,
-            "max_tokens": args.max_tokens}
+    cfg = {
+        "kv_memory_bytes": args.kv_mb * 2**20,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_batched_tokens,
+    }
+    spec = {
+        "model_dir": str(model_dir),
+        "cfg": cfg,
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        rows, head = measure(spec, Path(tmp) / "spec.json", rounds=args.rounds,
-                             threads=args.threads)
-    print(f"model {model_dir.name}: {args.requests} requests, {sum(map(len, prompts))} prompt "
-          f"tokens, {args.max_tokens} new tokens each; busy = one process spinning on a core")
+        rows, head = measure(
+            spec, Path(tmp) / "spec.json", rounds=args.rounds, threads=args.threads
+        )
+    print(
+        f"model {model_dir.name}: {args.requests} requests, {sum(map(len, prompts))} prompt "
+        f"tokens, {args.max_tokens} new tokens each; busy = one process spinning on a core"
+    )
     print_table(rows, "engine throughput alone (quiet) and beside a CPU burner (busy)")
     emit_json(head)
     return head

@@ -110,12 +110,18 @@ def kernel_tables(
         )
         ref = F.scaled_dot_product_attention(q_dense, kd, vd, enable_gqa=True)
         err = (run(None).float() - ref.float().view(batch, HEADS, HEAD_DIM)).abs().max()
-        decode_rows.append({
-            "batch x ctx": f"{batch} x {ctx}", "paged us": t_auto * 1e6,
-            "paged GB/s": kv_bytes / t_auto / 1e9, "no split-K us": t_one * 1e6,
-            "sdpa us": t_sdpa * 1e6, "sdpa GB/s": kv_bytes / t_sdpa / 1e9,
-            "sdpa/paged": t_sdpa / t_auto, "max err": float(err),
-        })  # fmt: skip
+        decode_rows.append(
+            {
+                "batch x ctx": f"{batch} x {ctx}",
+                "paged us": t_auto * 1e6,
+                "paged GB/s": kv_bytes / t_auto / 1e9,
+                "no split-K us": t_one * 1e6,
+                "sdpa us": t_sdpa * 1e6,
+                "sdpa GB/s": kv_bytes / t_sdpa / 1e9,
+                "sdpa/paged": t_sdpa / t_auto,
+                "max err": float(err),
+            }
+        )
     prefill_rows = []
     for batch, length in prefill_shapes:
         q, kc, vc, bt, sl, qsl, kd, vd = paged_case(batch, length, length, dtype, device)
@@ -132,11 +138,16 @@ def kernel_tables(
             ),
             iters=10,
         )
-        prefill_rows.append({
-            "batch x tokens": f"{batch} x {length}", "paged ms": t_paged * 1e3,
-            "paged TFLOP/s": flops / t_paged / 1e12, "sdpa ms": t_sdpa * 1e3,
-            "sdpa TFLOP/s": flops / t_sdpa / 1e12, "sdpa/paged": t_sdpa / t_paged,
-        })  # fmt: skip
+        prefill_rows.append(
+            {
+                "batch x tokens": f"{batch} x {length}",
+                "paged ms": t_paged * 1e3,
+                "paged TFLOP/s": flops / t_paged / 1e12,
+                "sdpa ms": t_sdpa * 1e3,
+                "sdpa TFLOP/s": flops / t_sdpa / 1e12,
+                "sdpa/paged": t_sdpa / t_paged,
+            }
+        )
     return decode_rows, prefill_rows
 
 
@@ -192,9 +203,13 @@ def run_transformers(model_dir, prompts, new: int, batch: int, dtype, device) ->
         ids, mask = left_padded(group)
         with torch.inference_mode():
             out = model.generate(
-                ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         generated += out[:, ids.shape[1] :].numel()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -240,9 +255,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = build_tiny_model(None, "llama", args.size, 0)
     cfg = EngineConfig(
-        device=device, dtype=args.dtype, kv_memory_bytes=int(args.kv_gb * 2**30),
-        max_num_seqs=max(args.decode_batch, 256), max_num_batched_tokens=8192,
-    )  # fmt: skip
+        device=device,
+        dtype=args.dtype,
+        kv_memory_bytes=int(args.kv_gb * 2**30),
+        max_num_seqs=max(args.decode_batch, 256),
+        max_num_batched_tokens=8192,
+    )
     engine = Engine.from_model_dir(model_dir, cfg)
     vocab = engine.executor.vocab_size
     step = decode_step(engine, args.decode_batch, vocab)
@@ -250,19 +268,28 @@ def main(argv: list[str] | None = None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     res = run_engine(engine, prompts, params)
     rows = [{"system": "engine", "tok/s": res["tok_s"], "wall s": res["wall"]}]
-    head.update({
-        "decode_step_ms": round(step["step ms"], 2),
-        "decode_gpu_busy": None if step["gpu busy"] is None else round(step["gpu busy"], 3),
-        "engine_tok_s": round(res["tok_s"], 1),
-    })  # fmt: skip
+    head.update(
+        {
+            "decode_step_ms": round(step["step ms"], 2),
+            "decode_gpu_busy": None if step["gpu busy"] is None else round(step["gpu busy"], 3),
+            "engine_tok_s": round(res["tok_s"], 1),
+        }
+    )
     if not args.skip_transformers:
         hf = run_transformers(model_dir, prompts, args.max_tokens, args.hf_batch, dtype, device)
-        rows.append({"system": f"transformers b={args.hf_batch}", "tok/s": hf["tok_s"],
-                     "wall s": hf["wall"]})  # fmt: skip
+        rows.append(
+            {
+                "system": f"transformers b={args.hf_batch}",
+                "tok/s": hf["tok_s"],
+                "wall s": hf["wall"],
+            }
+        )
         head["transformers_tok_s"] = round(hf["tok_s"], 1)
         head["speedup_vs_transformers"] = round(res["tok_s"] / hf["tok_s"], 2)
-    print(f"decode step, {args.decode_batch} sequences: {step['step ms']:.2f} ms, GPU busy "
-          f"{step['gpu busy'] if step['gpu busy'] is not None else 'n/a'}")  # fmt: skip
+    print(
+        f"decode step, {args.decode_batch} sequences: {step['step ms']:.2f} ms, GPU busy "
+        f"{step['gpu busy'] if step['gpu busy'] is not None else 'n/a'}"
+    )
     print_table(rows, f"3. offline throughput, {args.requests} requests, {args.max_tokens} out")
     emit_json(head)
     return head

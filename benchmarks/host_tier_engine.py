@@ -90,8 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.size, args.device_blocks, args.prefixes, args.prefix_len, args.rounds = (
-            "tiny", 16, 4, 128, 2,
-        )  # fmt: skip
+            "tiny",
+            16,
+            4,
+            128,
+            2,
+        )
     torch.set_num_threads(args.threads)
     model_dir = build_tiny_model(None, "llama", args.size, args.seed)
     probe = Engine.from_model_dir(model_dir, EngineConfig(num_blocks=args.device_blocks))

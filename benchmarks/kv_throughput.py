@@ -121,10 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
     ratio = rows[-1]["µs/block"] / rows[0]["µs/block"]
     decode_us = bench_decode(2000 if args.smoke else 50_000, bs)
     print_table(
-        [{"fit µs/block": slope, "fit µs fixed": intercept, "R^2": r2, "µs/block ratio": ratio,
-          "decode µs/step": decode_us}],
+        [
+            {
+                "fit µs/block": slope,
+                "fit µs fixed": intercept,
+                "R^2": r2,
+                "µs/block ratio": ratio,
+                "decode µs/step": decode_us,
+            }
+        ],
         f"linearity ({rows[0]['tokens']}..{rows[-1]['tokens']} tokens) and decode",
-    )  # fmt: skip
+    )
     plot(rows)
     head = {
         "kv_tp_2k_ops_per_s": round(main_row["ops/s"], 1),

@@ -72,8 +72,10 @@ def populate(index: KVIndex, args: argparse.Namespace, rng: random.Random) -> di
     epochs = {w: index.register(w) for w in workers}
     n_chains = max(1, args.entries // (args.chain * args.sharing))
     chains = _chains(n_chains, args.chain, rng)
-    holders = {c: [workers[(c * args.sharing + j) % len(workers)] for j in range(args.sharing)]
-               for c in range(n_chains)}  # fmt: skip
+    holders = {
+        c: [workers[(c * args.sharing + j) % len(workers)] for j in range(args.sharing)]
+        for c in range(n_chains)
+    }
     seq = dict.fromkeys(workers, 0)
     entries = 0
     k = args.record_every
@@ -88,8 +90,14 @@ def populate(index: KVIndex, args: argparse.Namespace, rng: random.Random) -> di
                 assert result.applied, result
                 entries += result.added
     elapsed = time.perf_counter() - t0
-    return {"chains": chains, "holders": holders, "epochs": epochs, "seq": seq,
-            "entries": entries, "events_per_s": entries / elapsed}  # fmt: skip
+    return {
+        "chains": chains,
+        "holders": holders,
+        "epochs": epochs,
+        "seq": seq,
+        "entries": entries,
+        "events_per_s": entries / elapsed,
+    }
 
 
 def churn(index: KVIndex, state: dict, args: argparse.Namespace, rng: random.Random) -> float:
@@ -133,9 +141,12 @@ class ServerTimer:
 
 
 def lookups(
-    index: KVIndex, cases: list[tuple[list[BlockKey], dict[str, int]]], reps: int,
-    rng: random.Random, timer: ServerTimer,
-) -> dict:  # fmt: skip
+    index: KVIndex,
+    cases: list[tuple[list[BlockKey], dict[str, int]]],
+    reps: int,
+    rng: random.Random,
+    timer: ServerTimer,
+) -> dict:
     """Latency of ``reps`` lookups of prompts drawn from ``cases`` (prompt, expected counts of
     its holders); every answer is checked."""
     index.lookup(cases[0][0])  # warm up (script cache, connection)
@@ -148,16 +159,21 @@ def lookups(
         lat.append((time.perf_counter() - t0) * 1e3)
         assert all(got[w] == n for w, n in expect.items()), (got, expect)
     server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
-    return {"p50_ms": statistics.median(lat), "p99_ms": quantile(lat, 0.99),
-            "server_p50_ms": statistics.median(server),
-            "server_p99_ms": quantile(server, 0.99)}  # fmt: skip
+    return {
+        "p50_ms": statistics.median(lat),
+        "p99_ms": quantile(lat, 0.99),
+        "server_p50_ms": statistics.median(server),
+        "server_p99_ms": quantile(server, 0.99),
+    }
 
 
 def full_hits(state: dict, n_blocks: int, k: int) -> list[tuple[list[BlockKey], dict[str, int]]]:
     """Prompts of ``n_blocks`` blocks, each held in full by its chain's holders."""
     expect = min(n_blocks, len(state["chains"][0])) // k * k
-    return [(chain[:n_blocks], dict.fromkeys(state["holders"][c], expect))
-            for c, chain in enumerate(state["chains"])]  # fmt: skip
+    return [
+        (chain[:n_blocks], dict.fromkeys(state["holders"][c], expect))
+        for c, chain in enumerate(state["chains"])
+    ]
 
 
 def staggered(
@@ -193,8 +209,13 @@ def run(args: argparse.Namespace) -> dict:
 
             url = stack.enter_context(LocalRedis()).url
         model = f"bench-{os.getpid()}"
-        cfg = IndexConfig(url=url, model_id=model, record_every=args.record_every,
-                          socket_timeout_s=30.0, heartbeat_ttl_s=3600.0)  # workers stay live
+        cfg = IndexConfig(
+            url=url,
+            model_id=model,
+            record_every=args.record_every,
+            socket_timeout_s=30.0,
+            heartbeat_ttl_s=3600.0,
+        )  # workers stay live
         index = KVIndex(cfg)
         stack.callback(index.close)
         if args.url is not None:  # leave a shared server clean
@@ -204,8 +225,9 @@ def run(args: argparse.Namespace) -> dict:
         mem1 = index.memory_used()
         distinct = sum(len(c) for c in state["chains"])
         churn_rate = churn(index, state, args, rng)
-        cases = {n: full_hits(state, n, args.record_every)
-                 for n in (128, 2048, 8192) if n <= args.chain}  # fmt: skip
+        cases = {
+            n: full_hits(state, n, args.record_every) for n in (128, 2048, 8192) if n <= args.chain
+        }
         cases["2048 staggered"] = staggered(index, state, args, rng)
         timer = ServerTimer(index)
         lat: dict[str, dict] = {}
@@ -225,15 +247,20 @@ def run(args: argparse.Namespace) -> dict:
             index.client.ping()
             ping.append((time.perf_counter() - t0) * 1e3)
     cached = state["entries"] * args.record_every  # (block, worker) pairs the workers hold
-    return {"entries": state["entries"], "cached": cached, "distinct_blocks": distinct,
-            "workers": args.workers, "events_per_s": state["events_per_s"],
-            "churn_events_per_s": churn_rate,
-            "bytes_per_entry": (mem1 - mem0) / state["entries"],
-            "bytes_per_cached": (mem1 - mem0) / cached,
-            "bytes_per_distinct_block": (mem1 - mem0) / distinct,
-            "lookup": lat, "miss_2k_ms": miss_ms,
-            "ping": {"p50_ms": statistics.median(ping),
-                     "p99_ms": quantile(ping, 0.99)}}  # fmt: skip
+    return {
+        "entries": state["entries"],
+        "cached": cached,
+        "distinct_blocks": distinct,
+        "workers": args.workers,
+        "events_per_s": state["events_per_s"],
+        "churn_events_per_s": churn_rate,
+        "bytes_per_entry": (mem1 - mem0) / state["entries"],
+        "bytes_per_cached": (mem1 - mem0) / cached,
+        "bytes_per_distinct_block": (mem1 - mem0) / distinct,
+        "lookup": lat,
+        "miss_2k_ms": miss_ms,
+        "ping": {"p50_ms": statistics.median(ping), "p99_ms": quantile(ping, 0.99)},
+    }
 
 
 def _delete_namespace(index: KVIndex) -> None:
@@ -244,30 +271,46 @@ def _delete_namespace(index: KVIndex) -> None:
 
 def report(res: dict, args: argparse.Namespace) -> dict:
     title = f"kvstore index{' (smoke)' if args.smoke else ''}"
-    print_table([
-        {"measure": "record_every", "value": args.record_every},
-        {"measure": "(block, worker) pairs cached", "value": res["cached"]},
-        {"measure": "(block, worker) entries recorded", "value": res["entries"]},
-        {"measure": "distinct blocks", "value": res["distinct_blocks"]},
-        {"measure": "workers", "value": res["workers"]},
-        {"measure": f"apply events/s, batches of {args.batch}", "value": res["events_per_s"]},
-        {"measure": f"apply events/s, batches of {args.small_batch} (S+R)",
-         "value": res["churn_events_per_s"]},
-        {"measure": "Redis bytes per recorded entry", "value": res["bytes_per_entry"]},
-        {"measure": "Redis bytes per cached (block, worker)", "value": res["bytes_per_cached"]},
-        {"measure": "Redis bytes per distinct block", "value": res["bytes_per_distinct_block"]},
-        *({"measure": f"lookup 2048-block miss ({mode}), mean ms", "value": ms}
-          for mode, ms in res["miss_2k_ms"].items()),
-        {"measure": "PING p50 ms (round-trip floor)", "value": res["ping"]["p50_ms"]},
-        {"measure": "PING p99 ms (round-trip floor)", "value": res["ping"]["p99_ms"]},
-    ], title)  # fmt: skip
-    print_table([
-        {"mode": mode, "prompt blocks": n, "client p50 ms": v["p50_ms"],
-         "client p99 ms": v["p99_ms"], "in-Redis p50 ms": v["server_p50_ms"],
-         "in-Redis p99 ms": v["server_p99_ms"]}
-        for mode, by_n in res["lookup"].items() for n, v in by_n.items()
-    ], f"{title}: lookup latency; full hits by {args.sharing} holders each, staggered: "
-       f"{args.staggered} holders at distinct depths")  # fmt: skip
+    print_table(
+        [
+            {"measure": "record_every", "value": args.record_every},
+            {"measure": "(block, worker) pairs cached", "value": res["cached"]},
+            {"measure": "(block, worker) entries recorded", "value": res["entries"]},
+            {"measure": "distinct blocks", "value": res["distinct_blocks"]},
+            {"measure": "workers", "value": res["workers"]},
+            {"measure": f"apply events/s, batches of {args.batch}", "value": res["events_per_s"]},
+            {
+                "measure": f"apply events/s, batches of {args.small_batch} (S+R)",
+                "value": res["churn_events_per_s"],
+            },
+            {"measure": "Redis bytes per recorded entry", "value": res["bytes_per_entry"]},
+            {"measure": "Redis bytes per cached (block, worker)", "value": res["bytes_per_cached"]},
+            {"measure": "Redis bytes per distinct block", "value": res["bytes_per_distinct_block"]},
+            *(
+                {"measure": f"lookup 2048-block miss ({mode}), mean ms", "value": ms}
+                for mode, ms in res["miss_2k_ms"].items()
+            ),
+            {"measure": "PING p50 ms (round-trip floor)", "value": res["ping"]["p50_ms"]},
+            {"measure": "PING p99 ms (round-trip floor)", "value": res["ping"]["p99_ms"]},
+        ],
+        title,
+    )
+    print_table(
+        [
+            {
+                "mode": mode,
+                "prompt blocks": n,
+                "client p50 ms": v["p50_ms"],
+                "client p99 ms": v["p99_ms"],
+                "in-Redis p50 ms": v["server_p50_ms"],
+                "in-Redis p99 ms": v["server_p99_ms"],
+            }
+            for mode, by_n in res["lookup"].items()
+            for n, v in by_n.items()
+        ],
+        f"{title}: lookup latency; full hits by {args.sharing} holders each, staggered: "
+        f"{args.staggered} holders at distinct depths",
+    )
     head = {
         "kvstore_record_every": args.record_every,
         "kvstore_entries": res["entries"],
@@ -304,14 +347,28 @@ def plot(res: dict) -> None:
     for mode, color in (("bisect", "tab:blue"), ("scan", "tab:orange")):
         by_n = res["lookup"][mode]
         sizes = [n for n in by_n if isinstance(n, int)]
-        for key, label, mark in (("p50_ms", "client p50", "o-"), ("p99_ms", "client p99", "s-"),
-                                 ("server_p99_ms", "in-Redis p99", "^--")):  # fmt: skip
-            ax.plot(sizes, [by_n[n][key] for n in sizes], mark, color=color,
-                    alpha=1.0 if key == "p99_ms" else 0.5, label=f"{mode} {label}")  # fmt: skip
+        for key, label, mark in (
+            ("p50_ms", "client p50", "o-"),
+            ("p99_ms", "client p99", "s-"),
+            ("server_p99_ms", "in-Redis p99", "^--"),
+        ):
+            ax.plot(
+                sizes,
+                [by_n[n][key] for n in sizes],
+                mark,
+                color=color,
+                alpha=1.0 if key == "p99_ms" else 0.5,
+                label=f"{mode} {label}",
+            )
     ax.axhline(TARGET_LOOKUP_P99_MS, color="grey", ls=":", label="p99 target (2k blocks)")
     title = f"KV index lookup, {res['entries']:,} entries"
-    ax.set(xscale="log", yscale="log", xlabel="prompt length (blocks)",
-           ylabel="lookup latency (ms)", title=title)  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt length (blocks)",
+        ylabel="lookup latency (ms)",
+        title=title,
+    )
     ax.legend(fontsize=6)
     save_figure(fig, "kvstore_lookup.png")
 
@@ -328,8 +385,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small-batch", type=int, default=32, help="keys per churn batch")
     parser.add_argument("--reps", type=int, default=1000, help="lookups per prompt size")
     parser.add_argument("--record-every", type=int, default=1, help="index granularity k")
-    parser.add_argument("--staggered", type=int, default=16,
-                        help="holders of each staggered 2k-block chain (distinct depths)")
+    parser.add_argument(
+        "--staggered",
+        type=int,
+        default=16,
+        help="holders of each staggered 2k-block chain (distinct depths)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.entries, args.workers, args.chain, args.reps = 20_000, 8, 2048, 30

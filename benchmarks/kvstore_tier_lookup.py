@@ -57,19 +57,22 @@ def depths(layout: str, workers: int, n: int) -> list[tuple[int, int]]:
     """(device depth, union depth) of each worker."""
     if layout == "full":
         return [(n // 2, n)] * workers
-    return [((i + 1) * n // (2 * workers + 2), n - i * n // (2 * workers + 2))
-            for i in range(workers)]  # fmt: skip
+    return [
+        ((i + 1) * n // (2 * workers + 2), n - i * n // (2 * workers + 2)) for i in range(workers)
+    ]
 
 
-def populate(index: KVIndex, chain: list[BlockKey], layout: list[tuple[int, int]],
-             tiered: bool) -> None:  # fmt: skip
+def populate(
+    index: KVIndex, chain: list[BlockKey], layout: list[tuple[int, int]], tiered: bool
+) -> None:
     for i, (d, u) in enumerate(layout):
         w = f"w{i}"
         epoch = index.register(w)
         if tiered:
             events = [BlockStored(0, tuple(chain[:d]), None, (), 16)]
-            events.append(BlockStored(1, tuple(chain[d:u]), chain[d - 1] if d else None, (), 16,
-                                      "host"))  # fmt: skip
+            events.append(
+                BlockStored(1, tuple(chain[d:u]), chain[d - 1] if d else None, (), 16, "host")
+            )
         else:
             events = [BlockStored(0, tuple(chain[:u]), None, (), 16)]
         assert index.apply_events(w, epoch, 1, events).applied
@@ -85,9 +88,12 @@ def measure(call: Callable[[], dict], expect: dict, reps: int, timer: ServerTime
         lat.append((time.perf_counter() - t0) * 1e3)
         assert got == expect
     server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
-    return {"p50_ms": statistics.median(lat), "p99_ms": quantile(lat, 0.99),
-            "server_p50_ms": statistics.median(server),
-            "server_p99_ms": quantile(server, 0.99)}  # fmt: skip
+    return {
+        "p50_ms": statistics.median(lat),
+        "p99_ms": quantile(lat, 0.99),
+        "server_p50_ms": statistics.median(server),
+        "server_p99_ms": quantile(server, 0.99),
+    }
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -104,8 +110,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             for tiered in (False, True):
                 model = f"tiers-{os.getpid()}-{layout_name}-{int(tiered)}"
                 for mode in MODES:
-                    cfg = IndexConfig(url=url, model_id=model, lookup=mode, socket_timeout_s=30.0,
-                                      heartbeat_ttl_s=3600.0)  # fmt: skip
+                    cfg = IndexConfig(
+                        url=url,
+                        model_id=model,
+                        lookup=mode,
+                        socket_timeout_s=30.0,
+                        heartbeat_ttl_s=3600.0,
+                    )
                     idx[tiered, mode] = index = KVIndex(cfg)
                     stack.callback(index.close)
                 populate(idx[tiered, "bisect"], chain, layout, tiered)
@@ -127,8 +138,15 @@ def run(args: argparse.Namespace) -> list[dict]:
                     m = measure(call, expect, args.reps, timer)
                     base = base or m
                     ratio = m["server_p50_ms"] / base["server_p50_ms"]
-                    rows.append({"layout": layout_name, "mode": mode, "call": name, **m,
-                                 "server_p50_vs_lookup": ratio})  # fmt: skip
+                    rows.append(
+                        {
+                            "layout": layout_name,
+                            "mode": mode,
+                            "call": name,
+                            **m,
+                            "server_p50_vs_lookup": ratio,
+                        }
+                    )
     return rows
 
 
@@ -143,15 +161,24 @@ def main(argv: list[str] | None = None) -> None:
         args.workers, args.chain, args.reps = 4, 256, 20
     rows = run(args)
     print_table(
-        [{"layout": r["layout"], "mode": r["mode"], "call": r["call"],
-          "client p50/p99 ms": f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f}",
-          "in-Redis p50/p99 ms": f"{r['server_p50_ms']:.3f} / {r['server_p99_ms']:.3f}",
-          "in-Redis p50 vs lookup": round(r["server_p50_vs_lookup"], 2)} for r in rows],
+        [
+            {
+                "layout": r["layout"],
+                "mode": r["mode"],
+                "call": r["call"],
+                "client p50/p99 ms": f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f}",
+                "in-Redis p50/p99 ms": f"{r['server_p50_ms']:.3f} / {r['server_p99_ms']:.3f}",
+                "in-Redis p50 vs lookup": round(r["server_p50_vs_lookup"], 2),
+            }
+            for r in rows
+        ],
         f"kvstore tier lookup: {args.workers} workers, {args.chain}-block prompt"
         f"{' (smoke)' if args.smoke else ''}",
-    )  # fmt: skip
-    head: dict[str, float | int] = {"tier_lookup_workers": args.workers,
-                                    "tier_lookup_chain": args.chain}  # fmt: skip
+    )
+    head: dict[str, float | int] = {
+        "tier_lookup_workers": args.workers,
+        "tier_lookup_chain": args.chain,
+    }
     for r in rows:
         name = r["call"].split(",")[0] + ("_tiered" if "tiered" in r["call"] else "_devonly")
         key = f"tier_lookup_{r['layout']}_{r['mode']}_{name}"

@@ -57,15 +57,18 @@ def workload(adapters: int, sessions: int, seed: int) -> list[SimRequest]:
     for k, (name, w) in enumerate(zip(names, weights, strict=True)):
         n = max(4, round(sessions * w / sum(weights)))
         reqs = shared_prefix_requests(
-            seed=seed * 1000 + k, sessions=n, groups=3, session_rate_s=1.2 * w / sum(weights),
+            seed=seed * 1000 + k,
+            sessions=n,
+            groups=3,
+            session_rate_s=1.2 * w / sum(weights),
             ctx=HashContext(MODEL, name),
-        )  # fmt: skip
+        )
         tag = name.split("@")[0] if name else "base"
         streams.append(
             [
                 SimRequest(f"{tag}.{r.request_id}", r.arrival_s, r.token_ids, r.output_len, r.ctx)
                 for r in reqs
-            ]  # fmt: skip
+            ]
         )
     return list(heapq.merge(*streams, key=lambda r: r.arrival_s))
 
@@ -83,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.adapters, args.sessions, args.workers = 3, 40, 4
     requests = workload(args.adapters, args.sessions, args.seed)
-    sim = SimConfig(num_workers=args.workers, kv_tokens_per_worker=args.kv_tokens,
-                    max_loras=args.max_loras)  # fmt: skip
+    sim = SimConfig(
+        num_workers=args.workers, kv_tokens_per_worker=args.kv_tokens, max_loras=args.max_loras
+    )
     variants = {
         "aware": RoutingConfig(policy="prefix_affinity", seed=args.seed),
         "aware, no load term": RoutingConfig(
@@ -97,14 +101,23 @@ def main(argv: list[str] | None = None) -> None:
     for name, routing in variants.items():
         result = replay(iter(requests), routing, sim)
         s = summaries[name] = summarize(result)
-        rows.append({
-            "routing": name, "requests": s.requests, "hit_rate": round(s.hit_rate, 3),
-            "ttft_mean_s": round(s.ttft_mean_s, 3), "ttft_p50_s": round(s.ttft_p50_s, 3),
-            "ttft_p99_s": round(s.ttft_p99_s, 3), "imbalance": round(s.imbalance, 3),
-            "adapter_loads": result.extra["lora_loads"], "parity_mismatch": s.parity_mismatches,
-        })  # fmt: skip
-    title = (f"{args.adapters} adapters + base, {len(requests)} requests, {args.workers} "
-             f"workers with {args.max_loras} adapter slots (simulated)")  # fmt: skip
+        rows.append(
+            {
+                "routing": name,
+                "requests": s.requests,
+                "hit_rate": round(s.hit_rate, 3),
+                "ttft_mean_s": round(s.ttft_mean_s, 3),
+                "ttft_p50_s": round(s.ttft_p50_s, 3),
+                "ttft_p99_s": round(s.ttft_p99_s, 3),
+                "imbalance": round(s.imbalance, 3),
+                "adapter_loads": result.extra["lora_loads"],
+                "parity_mismatch": s.parity_mismatches,
+            }
+        )
+    title = (
+        f"{args.adapters} adapters + base, {len(requests)} requests, {args.workers} "
+        f"workers with {args.max_loras} adapter slots (simulated)"
+    )
     print_table(rows, title)
     aware, blind = summaries["aware"], summaries["blind"]
     plt = pyplot()
@@ -118,17 +131,22 @@ def main(argv: list[str] | None = None) -> None:
         fig.suptitle(f"multi-LoRA routing: {args.adapters} adapters, {args.workers} workers")
         fig.tight_layout()
         save_figure(fig, "lora_routing.png")
-    emit_json({
-        "benchmark": "lora_routing", "adapters": args.adapters, "requests": len(requests),
-        "workers": args.workers, "hit_rate_aware": round(aware.hit_rate, 4),
-        "hit_rate_blind": round(blind.hit_rate, 4),
-        "ttft_mean_aware_s": round(aware.ttft_mean_s, 4),
-        "ttft_mean_blind_s": round(blind.ttft_mean_s, 4),
-        "ttft_ratio_aware_vs_blind": round(aware.ttft_mean_s / blind.ttft_mean_s, 4),
-        "adapter_loads_aware": rows[0]["adapter_loads"],
-        "adapter_loads_no_load_term": rows[1]["adapter_loads"],
-        "adapter_loads_blind": rows[2]["adapter_loads"],
-    })  # fmt: skip
+    emit_json(
+        {
+            "benchmark": "lora_routing",
+            "adapters": args.adapters,
+            "requests": len(requests),
+            "workers": args.workers,
+            "hit_rate_aware": round(aware.hit_rate, 4),
+            "hit_rate_blind": round(blind.hit_rate, 4),
+            "ttft_mean_aware_s": round(aware.ttft_mean_s, 4),
+            "ttft_mean_blind_s": round(blind.ttft_mean_s, 4),
+            "ttft_ratio_aware_vs_blind": round(aware.ttft_mean_s / blind.ttft_mean_s, 4),
+            "adapter_loads_aware": rows[0]["adapter_loads"],
+            "adapter_loads_no_load_term": rows[1]["adapter_loads"],
+            "adapter_loads_blind": rows[2]["adapter_loads"],
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,14 @@ from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.config import ModelConfig
 from worker.model.lora_slots import slot_bytes
 
-LLAMA3_8B = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                 intermediate_size=14336, num_layers=32)  # fmt: skip
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    num_layers=32,
+)
 
 
 def _run(engine: Engine, prompts: list, params: list) -> tuple[float, int, list]:
@@ -68,28 +74,45 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.size, args.adapters, args.requests, args.prompt, args.max_tokens = (
-            "tiny", 2, 9, 24, 4)  # fmt: skip
+            "tiny",
+            2,
+            9,
+            24,
+            4,
+        )
     torch.set_num_threads(args.threads)
     model = build_tiny_model(family="llama", size=args.size, seed=0)
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     names = [f"a{k}" for k in range(args.adapters)]
-    dirs = {n: str(build_tiny_lora(tmp / n, model, rank=args.rank, seed=k + 1))
-            for k, n in enumerate(names)}  # fmt: skip
+    dirs = {
+        n: str(build_tiny_lora(tmp / n, model, rank=args.rank, seed=k + 1))
+        for k, n in enumerate(names)
+    }
     rng = random.Random(0)
     cfg = ModelConfig.from_dir(model)
-    prompts = [[rng.randrange(5, cfg.vocab_size) for _ in range(args.prompt)]
-               for _ in range(args.requests)]  # fmt: skip
+    prompts = [
+        [rng.randrange(5, cfg.vocab_size) for _ in range(args.prompt)] for _ in range(args.requests)
+    ]
     choice = [([None, *names])[i % (args.adapters + 1)] for i in range(args.requests)]
 
     def params(lora: str | None) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                              min_tokens=args.max_tokens, lora=lora)  # fmt: skip
+        return SamplingParams(
+            temperature=0, max_tokens=args.max_tokens, min_tokens=args.max_tokens, lora=lora
+        )
 
     def engine() -> Engine:
-        return Engine.from_model_dir(model, EngineConfig(
-            num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=2048,
-            max_loras=max(1, args.adapters), max_lora_rank=args.rank, lora_adapters=dirs,
-            enable_prefix_caching=False))  # fmt: skip
+        return Engine.from_model_dir(
+            model,
+            EngineConfig(
+                num_blocks=4096,
+                max_num_seqs=64,
+                max_num_batched_tokens=2048,
+                max_loras=max(1, args.adapters),
+                max_lora_rank=args.rank,
+                lora_adapters=dirs,
+                enable_prefix_caching=False,
+            ),
+        )
 
     eng = engine()
     _run(eng, prompts[:2], [params(choice[0]), params(choice[1])])  # warm-up
@@ -107,28 +130,51 @@ def main(argv: list[str] | None = None) -> None:
     slot = eng.executor.runner.lora.bytes_per_slot
     big = slot_bytes(replace(cfg, **LLAMA3_8B), args.rank, 2)
     rows = [
-        {"system": "mixed (one engine)", "tokens": mixed_tok, "wall_s": round(mixed_s, 2),
-         "tok_s": round(mixed_tok / mixed_s, 1)},
-        {"system": "one adapter at a time", "tokens": serial_tok, "wall_s": round(serial_s, 2),
-         "tok_s": round(serial_tok / serial_s, 1)},
-        {"system": "base only (no LoRA)", "tokens": base_tok, "wall_s": round(base_s, 2),
-         "tok_s": round(base_tok / base_s, 1)},
-    ]  # fmt: skip
-    print_table(rows, f"{args.size} model, {args.adapters} adapters r={args.rank} + base, "
-                      f"{args.requests} requests x {args.prompt}+{args.max_tokens} tokens, "
-                      f"{args.threads} thread(s)")  # fmt: skip
+        {
+            "system": "mixed (one engine)",
+            "tokens": mixed_tok,
+            "wall_s": round(mixed_s, 2),
+            "tok_s": round(mixed_tok / mixed_s, 1),
+        },
+        {
+            "system": "one adapter at a time",
+            "tokens": serial_tok,
+            "wall_s": round(serial_s, 2),
+            "tok_s": round(serial_tok / serial_s, 1),
+        },
+        {
+            "system": "base only (no LoRA)",
+            "tokens": base_tok,
+            "wall_s": round(base_s, 2),
+            "tok_s": round(base_tok / base_s, 1),
+        },
+    ]
+    print_table(
+        rows,
+        f"{args.size} model, {args.adapters} adapters r={args.rank} + base, "
+        f"{args.requests} requests x {args.prompt}+{args.max_tokens} tokens, "
+        f"{args.threads} thread(s)",
+    )
     print(f"same greedy tokens mixed vs one-at-a-time: {same}")
-    print(f"memory per adapter slot: {slot / 2**20:.2f} MiB ({args.size}, float32, r={args.rank});"
-          f" Llama-3-8B shape, bf16, r={args.rank}: {big / 2**20:.1f} MiB")  # fmt: skip
-    emit_json({
-        "benchmark": "lora_throughput", "size": args.size, "adapters": args.adapters,
-        "mixed_tok_s": round(mixed_tok / mixed_s, 2),
-        "one_at_a_time_tok_s": round(serial_tok / serial_s, 2),
-        "base_only_tok_s": round(base_tok / base_s, 2),
-        "mixed_vs_one_at_a_time": round(serial_s / mixed_s, 3),
-        "lora_overhead_vs_base": round(mixed_s / base_s, 3), "same_tokens": same,
-        "slot_bytes": slot, "slot_bytes_llama3_8b_bf16": big,
-    })  # fmt: skip
+    print(
+        f"memory per adapter slot: {slot / 2**20:.2f} MiB ({args.size}, float32, r={args.rank});"
+        f" Llama-3-8B shape, bf16, r={args.rank}: {big / 2**20:.1f} MiB"
+    )
+    emit_json(
+        {
+            "benchmark": "lora_throughput",
+            "size": args.size,
+            "adapters": args.adapters,
+            "mixed_tok_s": round(mixed_tok / mixed_s, 2),
+            "one_at_a_time_tok_s": round(serial_tok / serial_s, 2),
+            "base_only_tok_s": round(base_tok / base_s, 2),
+            "mixed_vs_one_at_a_time": round(serial_s / mixed_s, 3),
+            "lora_overhead_vs_base": round(mixed_s / base_s, 3),
+            "same_tokens": same,
+            "slot_bytes": slot,
+            "slot_bytes_llama3_8b_bf16": big,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -115,15 +115,17 @@ def main(argv: list[str] | None = None) -> None:
         steps = new_tokens - 1
         match = ours_tokens == hf_tokens
         all_match &= match
-        rows.append({
-            "batch": batch,
-            "ours_tok_s": batch * steps / min(ours_s),
-            "hf_tok_s": batch * steps / min(hf_s),
-            "ratio": min(hf_s) / min(ours_s),
-            "ours_ms_step": 1000 * min(ours_s) / steps,
-            "hf_ms_step": 1000 * min(hf_s) / steps,
-            "greedy_match": match,
-        })  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "ours_tok_s": batch * steps / min(ours_s),
+                "hf_tok_s": batch * steps / min(hf_s),
+                "ratio": min(hf_s) / min(ours_s),
+                "ours_ms_step": 1000 * min(ours_s) / steps,
+                "hf_ms_step": 1000 * min(hf_s) / steps,
+                "greedy_match": match,
+            }
+        )
     print_table(
         rows,
         f"decode on CPU ({torch.get_num_threads()} threads): {args.family} {size}, "

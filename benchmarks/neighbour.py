@@ -59,8 +59,12 @@ def _env(setting: str) -> dict[str, str]:
 def _run_child(spec_file: Path, setting: str, threads: int) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(spec_file), str(threads), setting],
-        capture_output=True, text=True, env=_env(setting), check=False, timeout=3600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=_env(setting),
+        check=False,
+        timeout=3600,
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"engine child failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
@@ -93,11 +97,16 @@ def measure(spec: dict, spec_file: Path, *, rounds: int, threads: int) -> tuple[
     for setting in settings:
         quiet = statistics.median(tok[(setting, False)])
         busy = statistics.median(tok[(setting, True)])
-        rows.append({
-            "setting": setting, "threads": used_threads, "quiet tok/s": quiet,
-            "busy tok/s": busy, "quiet/busy": quiet / busy,
-            "busy runs": " ".join(f"{x:.0f}" for x in tok[(setting, True)]),
-        })  # fmt: skip
+        rows.append(
+            {
+                "setting": setting,
+                "threads": used_threads,
+                "quiet tok/s": quiet,
+                "busy tok/s": busy,
+                "quiet/busy": quiet / busy,
+                "busy runs": " ".join(f"{x:.0f}" for x in tok[(setting, True)]),
+            }
+        )
         key = "worker" if setting == "worker" else "torch_default"
         head[f"neighbour_{key}_quiet_tok_s"] = round(quiet, 1)
         head[f"neighbour_{key}_busy_tok_s"] = round(busy, 1)

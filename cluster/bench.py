@@ -188,8 +188,12 @@ def run_bench(
         client_cm = KVClusterClient(target)
     with client_cm as client:
         samples, wall = send_all(
-            client, prompts, concurrency=concurrency, max_tokens=max_tokens,
-            progress=sys.stderr, one=one,
+            client,
+            prompts,
+            concurrency=concurrency,
+            max_tokens=max_tokens,
+            progress=sys.stderr,
+            one=one,
         )
     ok = [s for s in samples if s.ok]
     f = summarize(samples, wall)

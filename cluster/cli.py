@@ -60,8 +60,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
-    print("try: kvcluster generate --chat 'What is the capital of France?'   |   "
-          "kvcluster status   |   kvcluster down")
+    print(
+        "try: kvcluster generate --chat 'What is the capital of France?'   |   "
+        "kvcluster status   |   kvcluster down"
+    )
     return 0
 
 
@@ -94,16 +96,22 @@ def cmd_status(args: argparse.Namespace) -> int:
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
         if w.host_total_blocks:  # host-memory KV tier (engine host_kv_bytes)
-            print(f"  host tier: {w.host_cached_blocks}/{w.host_total_blocks} blocks, "
-                  f"{w.host_hit_tokens} tokens loaded back; preemptions: "
-                  f"{w.swap_preemptions} swap, {w.recompute_preemptions} recompute")
+            print(
+                f"  host tier: {w.host_cached_blocks}/{w.host_total_blocks} blocks, "
+                f"{w.host_hit_tokens} tokens loaded back; preemptions: "
+                f"{w.swap_preemptions} swap, {w.recompute_preemptions} recompute"
+            )
     # this router's predicted vs realised prefix hits per worker (router/placement/prediction.py)
-    print(f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
-          f"{'gap now':>9}{'resyncs':>9}")
+    print(
+        f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
+        f"{'gap now':>9}{'resyncs':>9}"
+    )
     for w in st.workers:
-        print(f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
-              f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
-              f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}")
+        print(
+            f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
+            f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
+            f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}"
+        )
     if st.index_circuit_open:
         print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")
     if st.decisions:
@@ -194,8 +202,12 @@ def _bench_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--concurrency", type=int, help="requests in flight")
     sp.add_argument("--groups", type=int, help="distinct shared system prompts")
     sp.add_argument("--max-tokens", type=int, help="tokens generated per request")
-    sp.add_argument("--api", choices=("grpc", "http"), default="grpc",
-                    help="drive the gRPC API or the OpenAI HTTP API (--target: its URL)")
+    sp.add_argument(
+        "--api",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="drive the gRPC API or the OpenAI HTTP API (--target: its URL)",
+    )
     cmp = sp.add_argument_group(
         "--compare-policies",
         "a fresh local cluster per routing policy, same seeded workload: "
@@ -256,8 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--target", help="router host:port (default: from the state file)")
         if name == "generate":
             sp.add_argument("prompt")
-            sp.add_argument("--chat", action="store_true",
-                            help="send the prompt as a user message (the model's chat template)")
+            sp.add_argument(
+                "--chat",
+                action="store_true",
+                help="send the prompt as a user message (the model's chat template)",
+            )
             sp.add_argument("--system", help="with --chat: a system message before it")
             sp.add_argument("--max-tokens", type=int, default=32)
             sp.add_argument("--temperature", type=float, default=0.0)

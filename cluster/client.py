@@ -10,8 +10,12 @@ import grpc
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_UNSPECIFIED: None}
+FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_UNSPECIFIED: None,
+}
 
 
 @dataclass
@@ -42,15 +46,28 @@ def chat(user: str, system: str | None = None) -> list[dict[str, str]]:
     return [*head, {"role": "user", "content": user}]
 
 
-def build_request(prompt: Prompt, *, request_id: str = "", cache_salt: str = "",
-                  tenant: str = "", priority: int = 0, lora: str = "",
-                  **params: object) -> pb.GenerateRequest:
+def build_request(
+    prompt: Prompt,
+    *,
+    request_id: str = "",
+    cache_salt: str = "",
+    tenant: str = "",
+    priority: int = 0,
+    lora: str = "",
+    **params: object,
+) -> pb.GenerateRequest:
     """``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered
     by the router with the model's chat template). ``params`` are SamplingParams fields
     (max_tokens=..., temperature=..., stop=[...]); ``lora``: a LoRA adapter's name (empty:
     the base model)."""
-    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt, tenant=tenant,
-                             priority=priority, lora=lora, params=pb.SamplingParams(**params))
+    req = pb.GenerateRequest(
+        request_id=request_id,
+        cache_salt=cache_salt,
+        tenant=tenant,
+        priority=priority,
+        lora=lora,
+        params=pb.SamplingParams(**params),
+    )
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
@@ -62,13 +79,22 @@ def build_request(prompt: Prompt, *, request_id: str = "", cache_salt: str = "",
 
 
 class KVClusterClient:
-    def __init__(self, target: str, *, token: str | None = None,
-                 root_cert: bytes | None = None, max_message_bytes: int = 4 << 20) -> None:
-        opts = [("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes)]
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        root_cert: bytes | None = None,
+        max_message_bytes: int = 4 << 20,
+    ) -> None:
+        opts = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
         if root_cert is not None:
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_cert),
-                                               options=opts)
+            self.channel = grpc.secure_channel(
+                target, grpc.ssl_channel_credentials(root_cert), options=opts
+            )
         else:
             self.channel = grpc.insecure_channel(target, options=opts)
         self.stub = pb_grpc.KVClusterStub(self.channel)
@@ -83,29 +109,37 @@ class KVClusterClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = None
-               ) -> Iterator[pb.GenerateResponse]:
+    def stream(
+        self, request: pb.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = 120.0,
-                 **kwargs: object) -> Completion:
+    def generate(
+        self, prompt: Prompt, *, timeout: float | None = 120.0, **kwargs: object
+    ) -> Completion:
         out = Completion()
         for msg in self.stream(build_request(prompt, **kwargs), timeout=timeout):
             accumulate(out, msg)
         return out
 
-    def unary(self, prompt: Prompt, *, timeout: float | None = 120.0,
-              **kwargs: object) -> pb.GenerateResult:
-        return self.stub.GenerateUnary(build_request(prompt, **kwargs), timeout=timeout,
-                                       metadata=self.metadata)
+    def unary(
+        self, prompt: Prompt, *, timeout: float | None = 120.0, **kwargs: object
+    ) -> pb.GenerateResult:
+        return self.stub.GenerateUnary(
+            build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata
+        )
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=self.metadata,
-                                       timeout=30).token_ids)
+        return list(
+            self.stub.Tokenize(
+                pb.TokenizeRequest(text=text), metadata=self.metadata, timeout=30
+            ).token_ids
+        )
 
     def status(self) -> pb.ClusterStatusResponse:
-        return self.stub.ClusterStatus(pb.ClusterStatusRequest(), metadata=self.metadata,
-                                       timeout=30)
+        return self.stub.ClusterStatus(
+            pb.ClusterStatusRequest(), metadata=self.metadata, timeout=30
+        )
 
 
 def accumulate(out: Completion, msg: pb.GenerateResponse) -> None:

@@ -59,33 +59,48 @@ class WorkersConfig(Strict):
 class RouterConfig(Strict):
     num_routers: int = Field(1, ge=1, le=64, description="Router actors (gRPC servers).")
     host: str = Field("127.0.0.1", description="gRPC bind address.")
-    port: int = Field(50051, ge=0, le=65535, description="First router's port (0: free port); "
-                      "router i listens on port + i.")
-    max_message_bytes: int = Field(4 << 20, ge=1024, description="gRPC message size limit "
-                                   "(also the OpenAI HTTP API's request body limit).")
+    port: int = Field(
+        50051,
+        ge=0,
+        le=65535,
+        description="First router's port (0: free port); router i listens on port + i.",
+    )
+    max_message_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="gRPC message size limit (also the OpenAI HTTP API's request body limit).",
+    )
     http_port: int | None = Field(
-        8000, ge=0, le=65535, description="First router's OpenAI-compatible HTTP port (0: "
+        8000,
+        ge=0,
+        le=65535,
+        description="First router's OpenAI-compatible HTTP port (0: "
         "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
-        "tokens and TLS files as gRPC.")
+        "tokens and TLS files as gRPC.",
+    )
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
     )
     tls_cert: str | None = Field(None, description="PEM server certificate file (enables TLS).")
     tls_key: str | None = Field(None, description="PEM private key file for tls_cert.")
     limits: RequestLimits = Field(
-        RequestLimits(), description="Per-request limits enforced by the routers (lengths, "
-        "stop strings, n/beam width, logprobs), all in one place."
+        RequestLimits(),
+        description="Per-request limits enforced by the routers (lengths, "
+        "stop strings, n/beam width, logprobs), all in one place.",
     )
     routing: RoutingConfig = Field(
-        RoutingConfig(), description="Placement policy and weights; block_size is taken from "
-        "workers.engine.block_size."
+        RoutingConfig(),
+        description="Placement policy and weights; block_size is taken from "
+        "workers.engine.block_size.",
     )
     liveness: LivenessConfig = Field(
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
     )
     max_restarts: int = Field(
-        -1, ge=-1, description="Ray restarts of a router that died (-1: always). A restarted "
-        "router binds the same port again; clients' gRPC channels reconnect to it."
+        -1,
+        ge=-1,
+        description="Ray restarts of a router that died (-1: always). A restarted "
+        "router binds the same port again; clients' gRPC channels reconnect to it.",
     )
 
 

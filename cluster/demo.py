@@ -23,10 +23,16 @@ SYSTEM_PROMPTS = [
     "You are a friendly science teacher. Explain ideas simply, in one or two short sentences, "
     "with an everyday example where one helps, and never invent facts.",
 ]
-QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
-             "What is the capital of Italy?", "What is gravity?",
-             "Which river flows through London?", "Why do leaves change colour?",
-             "What is the largest ocean?", "What is a cell?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "What is the capital of Italy?",
+    "What is gravity?",
+    "Which river flows through London?",
+    "Why do leaves change colour?",
+    "What is the largest ocean?",
+    "What is a cell?",
+]
 
 
 def demo_messages(i: int) -> list[dict[str, str]]:
@@ -37,15 +43,19 @@ def demo_messages(i: int) -> list[dict[str, str]]:
 def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) -> int:
     t0 = time.monotonic()
     with Cluster(cfg) as cluster:
-        print(f"cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.workers)} workers, "
-              f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}, "
-              f"model {cluster.model_id}")
+        print(
+            f"cluster up in {time.monotonic() - t0:.1f}s: {len(cluster.workers)} workers, "
+            f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}, "
+            f"model {cluster.model_id}"
+        )
         print(f"dashboard: {cluster.dashboard_url()} (token in ~/.ray/auth_token)\n")
         rows = []
         with KVClusterClient(cluster.endpoints[0]) as client:
+
             def send(i: int) -> None:
-                out = client.generate(demo_messages(i), max_tokens=max_tokens, temperature=0.0,
-                                      request_id=f"demo-{i}")
+                out = client.generate(
+                    demo_messages(i), max_tokens=max_tokens, temperature=0.0, request_id=f"demo-{i}"
+                )
                 rows.append((i, out))
 
             with ThreadPoolExecutor(2) as pool:  # cold: one per system prompt, together
@@ -57,8 +67,10 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) ->
         rows.sort()
         print(f"{'request':<9}{'system':>7}{'worker':>11}{'prompt':>8}{'cached':>8}  question")
         for i, out in rows:
-            print(f"demo-{i:<4}{i % 2:>7}{out.worker_id:>11}{out.prompt_tokens:>8}"
-                  f"{out.cached_tokens:>8}  {QUESTIONS[i % len(QUESTIONS)]}")
+            print(
+                f"demo-{i:<4}{i % 2:>7}{out.worker_id:>11}{out.prompt_tokens:>8}"
+                f"{out.cached_tokens:>8}  {QUESTIONS[i % len(QUESTIONS)]}"
+            )
             answer = " ".join(out.text.split())
             answer = answer if len(answer) <= 100 else answer[:97] + "..."
             print(f"{'':<43}-> {answer}")
@@ -68,7 +80,16 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) ->
         warm = [out for i, out in rows if i >= 2]
         hit = sum(o.cached_tokens for o in warm) / max(1, sum(o.prompt_tokens for o in warm))
         same = sum(o.worker_id == rows[i % 2][1].worker_id for i, o in rows if i >= 2)
-        print(json.dumps({"demo": {"requests": len(rows), "warm_prefix_hit_rate": round(hit, 3),
-                                   "warm_routed_with_their_prefix": same,
-                                   "decisions": dict(status.decisions)}}))
+        print(
+            json.dumps(
+                {
+                    "demo": {
+                        "requests": len(rows),
+                        "warm_prefix_hit_rate": round(hit, 3),
+                        "warm_routed_with_their_prefix": same,
+                        "decisions": dict(status.decisions),
+                    }
+                }
+            )
+        )
     return 0

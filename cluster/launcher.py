@@ -78,8 +78,9 @@ class ClusterState:
     def load(cls, name: str) -> ClusterState:
         path = STATE_DIR / f"{name}.json"
         if not path.exists():
-            raise FileNotFoundError(f"no running cluster {name!r} ({path} missing): "
-                                    "start one with `kvcluster up`")
+            raise FileNotFoundError(
+                f"no running cluster {name!r} ({path} missing): start one with `kvcluster up`"
+            )
         return cls(**json.loads(path.read_text()))
 
 
@@ -125,30 +126,41 @@ def leave_loopback_ray() -> None:
 _saved_mode: list[tuple[str | None, bool]] = []  # the mode before use_loopback_ray
 
 
-def start_ray_head(num_cpus: int | None = None, timeout_s: float = 60.0, *,
-                   dashboard: bool = True) -> tuple[str, int, str | None]:
+def start_ray_head(
+    num_cpus: int | None = None, timeout_s: float = 60.0, *, dashboard: bool = True
+) -> tuple[str, int, str | None]:
     """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
     ``down`` stops exactly it, never another Ray on the machine), every port on 127.0.0.1.
 
     Returns (GCS address, pid of the head's process group, dashboard URL or None).
     """
     port, dash = free_port(), free_port()
-    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-           f"--port={port}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dash}", f"--include-dashboard={str(dashboard).lower()}",
-           "--disable-usage-stats"]
+    cmd = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        f"--port={port}",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        f"--include-dashboard={str(dashboard).lower()}",
+        "--disable-usage-stats",
+    ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={num_cpus}")
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, RAY_SINGLE_NODE_ENV: "0"}
     with open(STATE_DIR / f"ray-head-{port}.log", "ab") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}; see "
-                               f"{STATE_DIR / f'ray-head-{port}.log'}")
+            raise RuntimeError(
+                f"ray start exited with {proc.returncode}; see {STATE_DIR / f'ray-head-{port}.log'}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 url = f"http://127.0.0.1:{dash}" if dashboard else None
@@ -235,14 +247,18 @@ class Cluster:
             use_loopback_ray()
         if self.ray_address is None and self.detached:
             self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
-                dashboard=self.cfg.dashboard)
-        kwargs = dict(namespace=self.namespace, log_to_driver=False,
-                      logging_level=logging.WARNING)
+                dashboard=self.cfg.dashboard
+            )
+        kwargs = dict(namespace=self.namespace, log_to_driver=False, logging_level=logging.WARNING)
         if self.ray_address is None:
             # address="local": a Ray of our own, never a `ray start` head found on the machine
-            ray.init(address="local", _node_ip_address="127.0.0.1",
-                     include_dashboard=self.cfg.dashboard,
-                     dashboard_host="127.0.0.1", **kwargs)
+            ray.init(
+                address="local",
+                _node_ip_address="127.0.0.1",
+                include_dashboard=self.cfg.dashboard,
+                dashboard_host="127.0.0.1",
+                **kwargs,
+            )
         else:
             use_token_auth_if_configured()
             ray.init(address=self.ray_address, **kwargs)
@@ -251,8 +267,11 @@ class Cluster:
     def index_config(self) -> IndexConfig | None:
         if self.redis_url is None:
             return None
-        return IndexConfig(**{**self.cfg.redis.model_dump(), "url": self.redis_url},
-                           cluster=self.cfg.name, model_id=self.model_id)
+        return IndexConfig(
+            **{**self.cfg.redis.model_dump(), "url": self.redis_url},
+            cluster=self.cfg.name,
+            model_id=self.model_id,
+        )
 
     def engine_config(self):  # noqa: ANN201
         return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
@@ -275,14 +294,24 @@ class Cluster:
     def start_worker(self, i: int) -> ray.actor.ActorHandle:
         w = self.cfg.workers
         name = f"worker-{i}"
-        opts = dict(name=name, namespace=self.namespace, max_restarts=w.max_restarts,
-                    max_task_retries=0, num_cpus=w.num_cpus_per_worker,
-                    num_gpus=1 if w.use_gpu else 0, max_concurrency=1000)
+        opts = dict(
+            name=name,
+            namespace=self.namespace,
+            max_restarts=w.max_restarts,
+            max_task_retries=0,
+            num_cpus=w.num_cpus_per_worker,
+            num_gpus=1 if w.use_gpu else 0,
+            max_concurrency=1000,
+        )
         if self.detached:
             opts["lifetime"] = "detached"
-        settings = WorkerSettings(worker_id=name, model_dir=self.model_path,
-                                  engine=self.engine_config(), index=self.index_config(),
-                                  default_family=self.cfg.model.tiny_family)
+        settings = WorkerSettings(
+            worker_id=name,
+            model_dir=self.model_path,
+            engine=self.engine_config(),
+            index=self.index_config(),
+            default_family=self.cfg.model.tiny_family,
+        )
         handle = WorkerActor.options(**opts).remote(settings)
         self.workers[name] = handle
         return handle
@@ -292,15 +321,29 @@ class Cluster:
         name = f"router-{i}"
         routing = r.routing.model_copy(update={"block_size": self.cfg.workers.engine.block_size})
         settings = RouterSettings(
-            router_id=name, namespace=self.namespace, model_dir=self.model_path,
+            router_id=name,
+            namespace=self.namespace,
+            model_dir=self.model_path,
             default_family=self.cfg.model.tiny_family,
-            model_id=self.model_id, max_model_len=self.max_model_len(), routing=routing,
+            model_id=self.model_id,
+            max_model_len=self.max_model_len(),
+            routing=routing,
             # a fixed port even when none is configured: a router Ray restarts binds it again
-            index=self.index_config(), host=r.host, port=r.port + i if r.port else free_port(),
-            max_message_bytes=r.max_message_bytes, auth_tokens=dict(r.auth_tokens),
-            limits=r.limits, tls_cert=r.tls_cert, tls_key=r.tls_key, liveness=r.liveness,
-            http_port=None if r.http_port is None else r.http_port + i if r.http_port
-            else free_port())
+            index=self.index_config(),
+            host=r.host,
+            port=r.port + i if r.port else free_port(),
+            max_message_bytes=r.max_message_bytes,
+            auth_tokens=dict(r.auth_tokens),
+            limits=r.limits,
+            tls_cert=r.tls_cert,
+            tls_key=r.tls_key,
+            liveness=r.liveness,
+            http_port=None
+            if r.http_port is None
+            else r.http_port + i
+            if r.http_port
+            else free_port(),
+        )
         opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
         if self.detached:
             opts["lifetime"] = "detached"
@@ -346,10 +389,12 @@ class Cluster:
         self._wait_workers(timeout_s)
         for i in range(self.cfg.router.num_routers):
             self.start_router(i)
-        self.endpoints = ray.get([h.start.remote() for h in self.routers.values()],
-                                 timeout=timeout_s)
-        self.http_endpoints = [u for u in ray.get(
-            [h.http_endpoint.remote() for h in self.routers.values()]) if u]
+        self.endpoints = ray.get(
+            [h.start.remote() for h in self.routers.values()], timeout=timeout_s
+        )
+        self.http_endpoints = [
+            u for u in ray.get([h.http_endpoint.remote() for h in self.routers.values()]) if u
+        ]
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
         return self
 
@@ -366,12 +411,19 @@ class Cluster:
         return f"http://{url}" if url and not url.startswith("http") else url
 
     def state(self) -> ClusterState:
-        return ClusterState(name=self.cfg.name, namespace=self.namespace,
-                            ray_address=self.ray_address or "", ray_pid=self.ray_pid,
-                            redis_url=self.redis_url, redis_pid=self.redis_pid,
-                            endpoints=self.endpoints, dashboard_url=self.dashboard_url(),
-                            model_dir=self.model_path, workers=sorted(self.workers),
-                            http_endpoints=self.http_endpoints)
+        return ClusterState(
+            name=self.cfg.name,
+            namespace=self.namespace,
+            ray_address=self.ray_address or "",
+            ray_pid=self.ray_pid,
+            redis_url=self.redis_url,
+            redis_pid=self.redis_pid,
+            endpoints=self.endpoints,
+            dashboard_url=self.dashboard_url(),
+            model_dir=self.model_path,
+            workers=sorted(self.workers),
+            http_endpoints=self.http_endpoints,
+        )
 
     def down(self) -> None:
         for h in self.routers.values():
@@ -408,8 +460,12 @@ def down_detached(name: str) -> ClusterState:
         if st.ray_pid is not None:  # the head `up` started runs in single-node mode
             use_loopback_ray()
         use_token_auth_if_configured()
-        ray.init(address=st.ray_address, namespace=st.namespace, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        ray.init(
+            address=st.ray_address,
+            namespace=st.namespace,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if actor["namespace"] == st.namespace:
                 ray.kill(ray.get_actor(actor["name"], namespace=st.namespace), no_restart=True)

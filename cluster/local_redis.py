@@ -40,8 +40,14 @@ class TlsFiles:
 class LocalRedis:
     """Owns one ``redis-server`` process; ``stop()``/``start()`` keep the same port."""
 
-    def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
-                 password: str | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisNotInstalled(
@@ -67,16 +73,41 @@ class LocalRedis:
         return redis.Redis.from_url(self.url, socket_timeout=2.0)
 
     def _args(self) -> list[str]:
-        args = [self.binary, "--bind", self.host, "--dir", str(self.workdir), "--save", "",
-                "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
-                "--protected-mode", "yes"]
+        args = [
+            self.binary,
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--protected-mode",
+            "yes",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls:
             t = self.tls
-            args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(t.cert),
-                     "--tls-key-file", str(t.key), "--tls-ca-cert-file", str(t.ca),
-                     "--tls-auth-clients", "no"]
+            args += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(t.cert),
+                "--tls-key-file",
+                str(t.key),
+                "--tls-ca-cert-file",
+                str(t.ca),
+                "--tls-auth-clients",
+                "no",
+            ]
         else:
             args += ["--port", str(self.port)]
         return args
@@ -86,8 +117,9 @@ class LocalRedis:
         if self.alive():
             return self
         with open(self.workdir / "redis.log", "ab") as log:
-            self.proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=detach)
+            self.proc = subprocess.Popen(
+                self._args(), stdout=log, stderr=subprocess.STDOUT, start_new_session=detach
+            )
         deadline = time.monotonic() + timeout_s
         client = self.client()
         try:

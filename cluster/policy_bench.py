@@ -190,8 +190,16 @@ def run_policy(
     return out
 
 
-_FIGURES = ("ok", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "req_s", "out_tok_s", "hit_rate",
-            "prompt_tokens_mean")  # fmt: skip
+_FIGURES = (
+    "ok",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "req_s",
+    "out_tok_s",
+    "hit_rate",
+    "prompt_tokens_mean",
+)
 
 
 def figures(r: PolicyResult) -> dict[str, float]:

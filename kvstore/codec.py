@@ -103,8 +103,7 @@ def guard(call: Callable[[], T]) -> T:
 def translate(exc: Exception) -> Exception:
     """:class:`IndexUnavailable` for outages, timeouts and "try later" replies; else ``exc``."""
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError | OSError) or (
-        isinstance(exc, redis.ResponseError)
-        and str(exc).split(" ", 1)[0] in _UNAVAILABLE_REPLIES
+        isinstance(exc, redis.ResponseError) and str(exc).split(" ", 1)[0] in _UNAVAILABLE_REPLIES
     ):
         return IndexUnavailable(f"Redis index unavailable: {exc}")
     return exc

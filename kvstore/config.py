@@ -22,8 +22,9 @@ class IndexSettings(Strict):
     take precedence over the timeouts below.
     """
 
-    url: str | None = Field(None, description="redis://, rediss:// or unix:// URL; None starts "
-                            "a local redis-server")
+    url: str | None = Field(
+        None, description="redis://, rediss:// or unix:// URL; None starts a local redis-server"
+    )
     record_every: int = Field(
         1, ge=1, description="record every k-th block key; lookups are exact at that granularity"
     )
@@ -87,4 +88,3 @@ def make_client(config: IndexConfig) -> redis.Redis:
     """
     retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
     return redis.Redis.from_url(config.url, **_client_kwargs(config, retry))
-

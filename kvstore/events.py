@@ -46,6 +46,7 @@ class TierKeys(NamedTuple):
     device: Sequence[BlockKey]
     host: Sequence[BlockKey]
 
+
 _KINDS: dict[type, OpKind] = {BlockStored: "S", BlockRemoved: "R", AllBlocksCleared: "C"}
 
 

@@ -37,8 +37,17 @@ class KVIndex:
         self.config = config
         self._client = make_client(config)
         self._reg_key = config.namespace + "reg"
-        names = ("REGISTER", "HEARTBEAT", "DEREGISTER", "APPLY", "RESYNC", "HELD", "LIVE",
-                 "PURGE_SCAN", "PURGE_SLOT")  # fmt: skip
+        names = (
+            "REGISTER",
+            "HEARTBEAT",
+            "DEREGISTER",
+            "APPLY",
+            "RESYNC",
+            "HELD",
+            "LIVE",
+            "PURGE_SCAN",
+            "PURGE_SLOT",
+        )
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
         self._scripts["LOOKUP"] = self._client.register_script(scripts.LOOKUP[config.lookup])
         self._scripts["LOOKUP_TIERS"] = self._client.register_script(

@@ -101,7 +101,9 @@ end
 """
 
 # ARGV: worker_id, ttl_ms, heartbeat payload -> {epoch (text), slot} or error KVC_FULL
-REGISTER = _COMMON + r"""
+REGISTER = (
+    _COMMON
+    + r"""
 local wid = ARGV[1]
 -- epochs grow even across a Redis that lost its data: max(last + 1, server time in ms)
 local t = redis.call('TIME')
@@ -128,27 +130,36 @@ redis.call('DEL', ns .. 'held:' .. slot, ns .. 'hheld:' .. slot)
 redis.call('SET', ns .. 'hb:' .. slot, ARGV[3], 'PX', ARGV[2])
 return {epoch, slot}
 """
+)
 
 # ARGV: worker_id, epoch, ttl_ms, payload -> 1 accepted, 0 stale
-HEARTBEAT = _COMMON + r"""
+HEARTBEAT = (
+    _COMMON
+    + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return 0 end
 redis.call('SET', ns .. 'hb:' .. slot, ARGV[4], 'PX', ARGV[3])
 return 1
 """
+)
 
 # ARGV: worker_id, epoch -> 1 deregistered, 0 stale. Entries are purged by purge_dead.
-DEREGISTER = _COMMON + r"""
+DEREGISTER = (
+    _COMMON
+    + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('DEL', ns .. 'hb:' .. slot)
 return 1
 """
+)
 
 # ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs with op in S/R/s/r/C (s, r: host)
 # -> {0, added, removed} applied | {-1} stale epoch | {-2} duplicate | {-3, last} gap
-APPLY = _COMMON + r"""
+APPLY = (
+    _COMMON
+    + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return {-1} end
 local last = tonumber(redis.call('HGET', ns .. 'seq', slot) or '0')
@@ -176,10 +187,13 @@ end
 redis.call('HSET', ns .. 'seq', slot, bseq)
 return {0, added, removed}
 """
+)
 
 # ARGV: worker_id, epoch, batch_seq, blob of every recorded key the worker holds on its
 # device, blob of those in its host tier -> {0, added, removed} | {-1} stale epoch
-RESYNC = _COMMON + r"""
+RESYNC = (
+    _COMMON
+    + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return {-1} end
 local s = slot_bytes(slot)
@@ -200,13 +214,17 @@ replace(ns .. 'hblk', ns .. 'hheld:' .. slot, ARGV[5] or '')
 redis.call('HSET', ns .. 'seq', slot, ARGV[3])
 return {0, added, removed}
 """
+)
 
 # ARGV: worker_id, tier ('held' or 'hheld') -> every key its current registration holds there
-HELD = _COMMON + r"""
+HELD = (
+    _COMMON
+    + r"""
 local slot = current(ARGV[1])
 if not slot then return {} end
 return redis.call('SMEMBERS', ns .. (ARGV[2] or 'held') .. ':' .. slot)
 """
+)
 
 # Shared by both lookups: the live registrations (current and with a heartbeat).
 # wids[i]: worker id; live: slot bytes -> i; counts[i]: leading blocks (0 until found).
@@ -252,7 +270,10 @@ return out
 # -> {worker_id, leading blocks held, ...} for every live worker
 # Scan: HMGET every key in growing chunks (1, 64, 256, 1024, 1024, ...) until no candidate is
 # left; a candidate's count is the index of the first key it lacks. Exact for any index.
-LOOKUP_SCAN = _COMMON + _LOOKUP_LIVE + r"""
+LOOKUP_SCAN = (
+    _COMMON
+    + _LOOKUP_LIVE
+    + r"""
 local prev, pos, chunk = v, 1, 64
 while nactive > 0 and pos < n do
   local to = math.min(n, pos + chunk)
@@ -272,14 +293,19 @@ while nactive > 0 and pos < n do
   pos = to
   chunk = math.min(chunk * 4, 1024)
 end
-""" + _LOOKUP_OUT
+"""
+    + _LOOKUP_OUT
+)
 
 # Bisect: exact when every live slot's key set is prefix-closed (see kvstore's docstring), so
 # that along the prompt the candidates holding key i only shrink. From an index lo that every
 # candidate holds, gallop (lo+1, lo+2, lo+4, ..., n-1) to the first probe some candidate lacks,
 # binary-search the gap for the first such index b, give the candidates missing at b the count
 # b, continue from b with the rest. O(breakpoints x log n) HGETs instead of n keys.
-LOOKUP_BISECT = _COMMON + _LOOKUP_LIVE + r"""
+LOOKUP_BISECT = (
+    _COMMON
+    + _LOOKUP_LIVE
+    + r"""
 -- does value pv name every candidate? (pv == lov, the value at lo, is the O(1) common case)
 local lov = v
 local function all_hold(pv)
@@ -312,7 +338,9 @@ while nactive > 0 do
   end
   lo, lov = bad, badv
 end
-""" + _LOOKUP_OUT
+"""
+    + _LOOKUP_OUT
+)
 
 LOOKUP = {"bisect": LOOKUP_BISECT, "scan": LOOKUP_SCAN}
 """The lookup script of each ``IndexConfig.lookup`` mode."""
@@ -437,7 +465,9 @@ LOOKUP_TIERS = {
 """Per-tier lookup script of each ``IndexConfig.lookup`` mode (one call, like ``LOOKUP``)."""
 
 # -> {worker_id, "slot:epoch", heartbeat payload, ...} for every live worker
-LIVE = _COMMON + r"""
+LIVE = (
+    _COMMON
+    + r"""
 local regs = redis.call('HGETALL', KEYS[1])
 if #regs == 0 then return {} end
 local hbkeys = {}
@@ -453,10 +483,13 @@ for i = 1, #hbkeys do
 end
 return out
 """
+)
 
 # ARGV: max registrations -> {slot, record, ...} of dead ones (superseded, deregistered, or
 # without heartbeat; the latter are unregistered here so their worker must register again)
-PURGE_SCAN = _COMMON + r"""
+PURGE_SCAN = (
+    _COMMON
+    + r"""
 local regs = redis.call('HGETALL', KEYS[1])
 local cur = {}
 for i = 1, #regs, 2 do cur[regs[i]] = string.match(regs[i + 1], '^(%d+):') end
@@ -475,10 +508,13 @@ for i = 1, #recs, 2 do
 end
 return out
 """
+)
 
 # ARGV: slot, record (as PURGE_SCAN returned it), chunk
 # -> remaining keys (0: slot freed) | -1 the slot was freed or reused meanwhile
-PURGE_SLOT = _COMMON + r"""
+PURGE_SLOT = (
+    _COMMON
+    + r"""
 local slot, rec = ARGV[1], ARGV[2]
 if redis.call('HGET', ns .. 'slots', slot) ~= rec then return -1 end
 local wid = string.match(rec, '^%d+:(.*)$')
@@ -500,3 +536,4 @@ if left == 0 then
 end
 return left
 """
+)

@@ -35,10 +35,13 @@ class WorkerLoad:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerLoad:
-        return cls(**{
-            name: tuple(map(str, data[name])) if name in _TUPLE_FIELDS else int(data[name])
-            for name in _LOAD_FIELDS if name in data
-        })  # fmt: skip
+        return cls(
+            **{
+                name: tuple(map(str, data[name])) if name in _TUPLE_FIELDS else int(data[name])
+                for name in _LOAD_FIELDS
+                if name in data
+            }
+        )
 
 
 _LOAD_FIELDS = tuple(WorkerLoad.__dataclass_fields__)

@@ -25,8 +25,14 @@ def build(force: bool = False) -> list[Path]:
         if not force and not stale(proto):
             continue
         rel = proto.relative_to(ROOT)
-        args = ["protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--pyi_out={ROOT}",
-                f"--grpc_python_out={ROOT}", str(rel)]
+        args = [
+            "protoc",
+            f"-I{ROOT}",
+            f"--python_out={ROOT}",
+            f"--pyi_out={ROOT}",
+            f"--grpc_python_out={ROOT}",
+            str(rel),
+        ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed for {rel}")
         built.append(rel)

@@ -62,25 +62,30 @@ class RouterSettings:
 class RouterServer:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        model_dir = (Path(settings.model_dir) if settings.model_dir is not None
-                     else resolve_default_model(settings.default_family))
+        model_dir = (
+            Path(settings.model_dir)
+            if settings.model_dir is not None
+            else resolve_default_model(settings.default_family)
+        )
         self.tokenizer = Tokenizer.from_dir(model_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
         max_model_len = settings.max_model_len or model_cfg.max_position_embeddings
         self.index = None
         if settings.index is not None:  # reads on the request path: short timeouts
             timeout = settings.routing.index_timeout_s
-            self.index = KVIndex(settings.index.model_copy(
-                update={"socket_timeout_s": timeout, "connect_timeout_s": timeout}))
+            self.index = KVIndex(
+                settings.index.model_copy(
+                    update={"socket_timeout_s": timeout, "connect_timeout_s": timeout}
+                )
+            )
         self.metrics = RouterMetrics()
         # one breaker for every index read: a frozen Redis costs one timeout per probe
         self.breaker = CircuitBreaker(settings.routing.index_probe_interval_s)
-        source = (KVIndexSource(self.index, breaker=self.breaker)
-                  if self.index is not None else None)
+        source = KVIndexSource(self.index, breaker=self.breaker) if self.index is not None else None
         self.router = Router(settings.routing, source, metrics=self.metrics)
-        self.directory = RayWorkerDirectory(settings.namespace, self.index,
-                                            breaker=self.breaker,
-                                            liveness=settings.liveness)
+        self.directory = RayWorkerDirectory(
+            settings.namespace, self.index, breaker=self.breaker, liveness=settings.liveness
+        )
         limits = ModelLimits(
             model_id=settings.model_id,
             vocab_size=model_cfg.vocab_size,
@@ -104,10 +109,14 @@ class RouterServer:
         if settings.http_port is not None:
             from router.http_api import OpenAIServer  # HTTP stack only where it serves
 
-            self.http = OpenAIServer(self.core, self.tokenizer, auth=auth,
-                                     limits=settings.limits,
-                                     max_body_bytes=settings.max_message_bytes,
-                                     tokenize=self.servicer.tokenize)
+            self.http = OpenAIServer(
+                self.core,
+                self.tokenizer,
+                auth=auth,
+                limits=settings.limits,
+                max_body_bytes=settings.max_message_bytes,
+                tokenize=self.servicer.tokenize,
+            )
         self.server = None
         self.port: int | None = None
         self._exporter = None
@@ -145,8 +154,12 @@ class RouterServer:
             except RuntimeError as exc:  # grpc: "Failed to bind to address"
                 if attempt == 49 or not self.settings.port:
                     raise
-                log.warning("router %s: port %d busy (%s), retrying", self.settings.router_id,
-                            self.settings.port, exc)
+                log.warning(
+                    "router %s: port %d busy (%s), retrying",
+                    self.settings.router_id,
+                    self.settings.port,
+                    exc,
+                )
                 await asyncio.sleep(0.2)
         self._exporter = start_exporter(
             self.settings.router_id,
@@ -155,8 +168,12 @@ class RouterServer:
             self.predictions,
         )
         if self.http is not None:
-            await self.http.start(self.settings.host, self.settings.http_port or 0,
-                                  tls_cert=self.settings.tls_cert, tls_key=self.settings.tls_key)
+            await self.http.start(
+                self.settings.host,
+                self.settings.http_port or 0,
+                tls_cert=self.settings.tls_cert,
+                tls_key=self.settings.tls_key,
+            )
         log.info(
             "router %s serving gRPC on %s:%d",
             self.settings.router_id,

@@ -51,10 +51,15 @@ def engine_load(engine: Engine) -> WorkerLoad:
     """The load a router weighs: queued prefill work and running decodes (engine thread)."""
     sched = engine.scheduler
     decoding = sum(1 for r in sched.running for s in r.seqs if s.num_remaining <= 1)
-    return WorkerLoad(running=len(sched.running), waiting=len(sched.waiting),
-                      free_blocks=engine.kv.num_free_blocks(), total_blocks=engine.kv.num_blocks,
-                      queued_prefill_tokens=sched.pending_prefill_tokens(),
-                      decode_tokens=decoding, **lora_load(engine))
+    return WorkerLoad(
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        free_blocks=engine.kv.num_free_blocks(),
+        total_blocks=engine.kv.num_blocks,
+        queued_prefill_tokens=sched.pending_prefill_tokens(),
+        decode_tokens=decoding,
+        **lora_load(engine),
+    )
 
 
 def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
@@ -62,8 +67,10 @@ def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
     if not engine.loras:
         return {}
     loaded = engine.executor.loaded_loras()
-    return {"lora_ids": tuple(sorted(engine.loras.values())),
-            "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras))}
+    return {
+        "lora_ids": tuple(sorted(engine.loras.values())),
+        "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras)),
+    }
 
 
 class CallerWatch:
@@ -77,8 +84,13 @@ class CallerWatch:
     Runs on the actor's event loop; ``watch``/``forget`` are called from ``generate``.
     """
 
-    def __init__(self, abort: Callable[[str], object], *, interval_s: float = 1.0,
-                 ping_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        abort: Callable[[str], object],
+        *,
+        interval_s: float = 1.0,
+        ping_timeout_s: float = 10.0,
+    ) -> None:
         self._abort = abort
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
@@ -116,8 +128,9 @@ class CallerWatch:
         (a router Ray restarted has a new one and no reader for its predecessor's streams)."""
         try:
             if isinstance(caller, CallerRef):
-                now = await asyncio.wait_for(caller.handle.incarnation.remote(),
-                                             self.ping_timeout_s)
+                now = await asyncio.wait_for(
+                    caller.handle.incarnation.remote(), self.ping_timeout_s
+                )
                 return now == caller.incarnation
             await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
         except ActorDiedError:
@@ -138,11 +151,13 @@ class WorkerServer:
         if settings.index is not None:
             index = KVIndex(settings.index)
             self.publisher = WorkerPublisher(
-                index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}")
+                index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}"
+            )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
-        self.front = StreamingEngine(self.engine, on_step=self._after_step,
-                                     on_death=self._engine_died)
+        self.front = StreamingEngine(
+            self.engine, on_step=self._after_step, on_death=self._engine_died
+        )
         self.front.start()
         self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
@@ -161,8 +176,7 @@ class WorkerServer:
         """The loop died (the engine could not contain an error): this worker is useless.
         Stop the heartbeat and deregister (routers drop it at once), then end the process so
         that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
-        log.critical("worker %s: engine loop died (%r); leaving for a restart",
-                     self.worker_id, exc)
+        log.critical("worker %s: engine loop died (%r); leaving for a restart", self.worker_id, exc)
         self.telemetry.stop_heartbeat()
         if self.publisher is not None:
             self.publisher.stop()
@@ -187,8 +201,9 @@ class WorkerServer:
     def ready(self) -> str:
         return self.worker_id
 
-    async def generate(self, request: WorkerRequest, caller: Any = None
-                       ) -> AsyncIterator[Admitted | RequestOutput]:
+    async def generate(
+        self, request: WorkerRequest, caller: Any = None
+    ) -> AsyncIterator[Admitted | RequestOutput]:
         """Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
 
         ``caller``: the calling router's actor handle; if it dies, the request is aborted.
@@ -196,11 +211,14 @@ class WorkerServer:
         self.telemetry.arrived(request.request_id)
         # Hashed once, here and not under the engine lock: the scheduler's queue claims and
         # the router's parity check use the same keys.
-        keys = block_keys(request.token_ids, self.engine.config.block_size,
-                          self.engine.hash_context(request.params))
-        stream = await self.front.add_request_async(request.token_ids, request.params,
-                                                    request_id=request.request_id,
-                                                    prompt_keys=keys)
+        keys = block_keys(
+            request.token_ids,
+            self.engine.config.block_size,
+            self.engine.hash_context(request.params),
+        )
+        stream = await self.front.add_request_async(
+            request.token_ids, request.params, request_id=request.request_id, prompt_keys=keys
+        )
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:
@@ -227,20 +245,28 @@ class WorkerServer:
         return WorkerStatus(
             worker_id=self.worker_id,
             epoch=self.publisher.epoch if self.publisher is not None else None,
-            running=m.num_running, waiting=m.num_waiting, free_blocks=load.free_blocks,
-            total_blocks=m.kv_total_blocks, queued_prefill_tokens=load.queued_prefill_tokens,
+            running=m.num_running,
+            waiting=m.num_waiting,
+            free_blocks=load.free_blocks,
+            total_blocks=m.kv_total_blocks,
+            queued_prefill_tokens=load.queued_prefill_tokens,
             prefix_hit_rate=m.prefix_hit_rate,
             index_healthy=self.publisher.healthy if self.publisher is not None else False,
             tenant_quota_evictions=m.tenant_quota_evictions,
-            host_total_blocks=m.host_total_blocks, host_cached_blocks=m.host_cached_blocks,
-            host_hit_tokens=m.host_hit_tokens, swap_preemptions=m.num_swap_preemptions,
+            host_total_blocks=m.host_total_blocks,
+            host_cached_blocks=m.host_cached_blocks,
+            host_hit_tokens=m.host_hit_tokens,
+            swap_preemptions=m.num_swap_preemptions,
             recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
-            adapters=tuple(AdapterInfo(i.split("@")[0], i, i in load.lora_loaded)
-                           for i in load.lora_ids))
+            adapters=tuple(
+                AdapterInfo(i.split("@")[0], i, i in load.lora_loaded) for i in load.lora_ids
+            ),
+        )
 
     def add_lora(self, name: str, path: str) -> str:
         """Register a LoRA adapter folder at run time; returns its stable id. The next
         heartbeat tells the routers."""
+
         def add(engine: Engine) -> str:
             adapter_id = engine.add_lora(name, path)
             if self.publisher is not None:  # an idle worker publishes no step: tell now

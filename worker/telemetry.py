@@ -55,19 +55,27 @@ class WorkerTelemetry:
         if metrics_api is not None:
             m = metrics_api
             keys = ("worker",)
-            self.ttft = m.Histogram("kvc_ttft_seconds", "Time to first token at the worker.",
-                                    boundaries=LATENCY_BUCKETS_S, tag_keys=keys)
-            self.itl = m.Histogram("kvc_inter_token_seconds", "Time between tokens.",
-                                   boundaries=LATENCY_BUCKETS_S, tag_keys=keys)
-            self.kv_usage = m.Gauge("kvc_kv_usage", "Fraction of KV blocks in use.",
-                                    tag_keys=keys)
+            self.ttft = m.Histogram(
+                "kvc_ttft_seconds",
+                "Time to first token at the worker.",
+                boundaries=LATENCY_BUCKETS_S,
+                tag_keys=keys,
+            )
+            self.itl = m.Histogram(
+                "kvc_inter_token_seconds",
+                "Time between tokens.",
+                boundaries=LATENCY_BUCKETS_S,
+                tag_keys=keys,
+            )
+            self.kv_usage = m.Gauge("kvc_kv_usage", "Fraction of KV blocks in use.", tag_keys=keys)
             self.running = m.Gauge("kvc_running", "Running requests.", tag_keys=keys)
             self.waiting = m.Gauge("kvc_waiting", "Waiting requests.", tag_keys=keys)
-            self.hit_rate = m.Gauge("kvc_prefix_hit_rate",
-                                    "Prompt tokens served from the prefix cache / admitted.",
-                                    tag_keys=keys)
-            self.preemptions = m.Counter("kvc_preemptions", "Requests preempted.",
-                                         tag_keys=keys)
+            self.hit_rate = m.Gauge(
+                "kvc_prefix_hit_rate",
+                "Prompt tokens served from the prefix cache / admitted.",
+                tag_keys=keys,
+            )
+            self.preemptions = m.Counter("kvc_preemptions", "Requests preempted.", tag_keys=keys)
             self.quota_evictions = m.Gauge(
                 "kvc_tenant_quota_evictions",
                 "Idle cached blocks evicted because their tenant was over its cache quota.",
@@ -97,9 +105,13 @@ class WorkerTelemetry:
                 self._arrival.pop(rid, None)
                 self._last.pop(rid, None)
         sched, kv = engine.scheduler, engine.kv.stats()
-        self.gauges = GaugeValues(kv_usage=kv.usage, running=len(sched.running),
-                                  waiting=len(sched.waiting), prefix_hit_rate=kv.prefix_hit_rate,
-                                  tenant_quota_evictions=kv.tenant_quota_evictions)
+        self.gauges = GaugeValues(
+            kv_usage=kv.usage,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            prefix_hit_rate=kv.prefix_hit_rate,
+            tenant_quota_evictions=kv.tenant_quota_evictions,
+        )
         preempted = engine.stats.num_preemptions - self._preemptions_sent
         if preempted > 0:
             self._preemptions_sent += preempted

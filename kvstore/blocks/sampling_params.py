@@ -108,13 +108,16 @@ class SamplingParams:
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_N:
             raise bad("beam_width", f"must be an integer in [1, {MAX_N}] (1 = no beam search)")
         if not _is_num(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
-            raise bad("length_penalty", f"must be a finite number in [-{MAX_LENGTH_PENALTY:g}, "
-                      f"{MAX_LENGTH_PENALTY:g}]")
+            raise bad(
+                "length_penalty",
+                f"must be a finite number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
+            )
         if self.early_stopping not in (True, False, "never") or _is_int(self.early_stopping):
             raise bad("early_stopping", "must be True, False or 'never'")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"<{len(self.stop)} strings>",
-                                 f"must be at most {MAX_STOP_STRINGS} strings")
+            raise InvalidRequest(
+                "stop", f"<{len(self.stop)} strings>", f"must be at most {MAX_STOP_STRINGS} strings"
+            )
         limit = f"each must be a non-empty string of at most {MAX_STOP_STRING_CHARS} characters"
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -122,8 +125,11 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequest("stop", f"<{len(s)} chars>", limit)
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest("stop_token_ids", f"<{len(self.stop_token_ids)} ids>",
-                                 f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+            raise InvalidRequest(
+                "stop_token_ids",
+                f"<{len(self.stop_token_ids)} ids>",
+                f"must hold at most {MAX_STOP_TOKEN_IDS} token ids",
+            )
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None and (

@@ -73,7 +73,10 @@ def _check_str(field: str, value: str, limit: int) -> None:
 
 
 def params_from_pb(
-    msg: pb.SamplingParams, *, priority: int, cache_salt: str | None,
+    msg: pb.SamplingParams,
+    *,
+    priority: int,
+    cache_salt: str | None,
     limits: RequestLimits = DEFAULT_LIMITS,
 ) -> SamplingParams:
     values: dict[str, object] = {}
@@ -90,17 +93,24 @@ def params_from_pb(
     for name, key in (("n", "max_n"), ("beam_width", "max_n"), ("logprobs", "max_logprobs")):
         limit = getattr(limits, key)
         if values.get(name, 0) > limit:  # type: ignore[operator]
-            raise InvalidRequest(name, values[name],
-                                 f"must be at most {limit} (router.limits.{key})")
+            raise InvalidRequest(
+                name, values[name], f"must be at most {limit} (router.limits.{key})"
+            )
     if len(msg.stop) > limits.max_stop_strings:
-        raise InvalidRequest("stop", f"<{len(msg.stop)} strings>",
-                             f"must be at most {limits.max_stop_strings} strings")
+        raise InvalidRequest(
+            "stop",
+            f"<{len(msg.stop)} strings>",
+            f"must be at most {limits.max_stop_strings} strings",
+        )
     for s in msg.stop:
         _check_str("stop", s, limits.max_stop_string_chars)
     values["stop"] = tuple(msg.stop)
     if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before copying them
-        raise InvalidRequest("stop_token_ids", f"<{len(msg.stop_token_ids)} ids>",
-                             f"must hold at most {MAX_STOP_TOKEN_IDS} token ids")
+        raise InvalidRequest(
+            "stop_token_ids",
+            f"<{len(msg.stop_token_ids)} ids>",
+            f"must hold at most {MAX_STOP_TOKEN_IDS} token ids",
+        )
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["priority"] = priority
     values["cache_salt"] = cache_salt
@@ -124,8 +134,9 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
     return f"tenant:{tenant}#{digest}"
 
 
-def spec_from_pb(req: pb.GenerateRequest, *, tenant: str | None = None,
-                 limits: RequestLimits = DEFAULT_LIMITS) -> GenerateSpec:
+def spec_from_pb(
+    req: pb.GenerateRequest, *, tenant: str | None = None, limits: RequestLimits = DEFAULT_LIMITS
+) -> GenerateSpec:
     """Validate and convert a GenerateRequest (model limits are checked later, by the caller).
 
     ``tenant``: the authenticated tenant (or the request's own, without auth); it scopes the
@@ -174,8 +185,11 @@ def messages_from_pb(
         raise InvalidRequest("messages", [], "must hold at least one message")
     total = sum(len(m.content) for m in msg.messages)
     if total > limits.max_prompt_chars:
-        raise InvalidRequest("messages", f"<{total} chars>",
-                             f"must be at most {limits.max_prompt_chars} characters in all")
+        raise InvalidRequest(
+            "messages",
+            f"<{total} chars>",
+            f"must be at most {limits.max_prompt_chars} characters in all",
+        )
     return tuple({"role": m.role, "content": m.content} for m in msg.messages)
 
 

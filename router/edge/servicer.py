@@ -231,8 +231,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         token_ids = spec.token_ids
         if spec.messages is not None:
             chars = sum(len(m.get("content", "")) for m in spec.messages)
-            token_ids = await self.tokenize.run(chars, chat_token_ids, self.tokenizer,
-                                                spec.messages)
+            token_ids = await self.tokenize.run(
+                chars, chat_token_ids, self.tokenizer, spec.messages
+            )
         elif token_ids is None:
             check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
             token_ids = await self.tokenize.encode(spec.text)
@@ -334,8 +335,10 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     host_hit_tokens=s.host_hit_tokens,
                     swap_preemptions=s.swap_preemptions,
                     recompute_preemptions=s.recompute_preemptions,
-                    adapters=[pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id,
-                                               loaded=a.loaded) for a in s.adapters],
+                    adapters=[
+                        pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
+                        for a in s.adapters
+                    ],
                     **_prediction_fields(predicted.get(s.worker_id)),
                 )
                 for s in statuses
@@ -354,10 +357,14 @@ def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
     """WorkerStatus fields 14-19 from this router's predictions for one worker."""
     if p is None:
         return {}
-    return dict(predicted_cached_tokens=p.predicted_tokens,
-                realised_cached_tokens=p.realised_tokens, prediction_placements=p.placements,
-                prediction_misses=p.misses, recent_cache_gap_tokens=p.mean_abs_gap(),
-                index_resyncs=p.resyncs)
+    return dict(
+        predicted_cached_tokens=p.predicted_tokens,
+        realised_cached_tokens=p.realised_tokens,
+        prediction_placements=p.placements,
+        prediction_misses=p.misses,
+        recent_cache_gap_tokens=p.mean_abs_gap(),
+        index_resyncs=p.resyncs,
+    )
 
 
 async def start_server(

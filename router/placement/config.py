@@ -84,17 +84,26 @@ class RequestLimits(Strict):
     max_request_id_chars: int = Field(128, ge=1, description="Client request id length.")
     max_tenant_chars: int = Field(64, ge=1, description="Tenant name length.")
     max_cache_salt_chars: int = Field(256, ge=1, description="cache_salt length.")
-    max_prompt_chars: int = Field(1 << 20, ge=1, description="Text prompt length (characters);"
-                                  " token limits come from the model's max_model_len.")
+    max_prompt_chars: int = Field(
+        1 << 20,
+        ge=1,
+        description="Text prompt length (characters);"
+        " token limits come from the model's max_model_len.",
+    )
     max_chars_per_token: int = Field(
-        16, ge=1, description="Bound on characters per token of a text that fits the model: "
+        16,
+        ge=1,
+        description="Bound on characters per token of a text that fits the model: "
         "texts over max_model_len x this are rejected before tokenizing (Generate and "
-        "Tokenize), so an oversized input costs the router nothing.")
+        "Tokenize), so an oversized input costs the router nothing.",
+    )
     max_stop_strings: int = Field(
         hard.MAX_STOP_STRINGS, ge=0, le=hard.MAX_STOP_STRINGS, description="Stop strings."
     )
     max_stop_string_chars: int = Field(
-        hard.MAX_STOP_STRING_CHARS, ge=1, le=hard.MAX_STOP_STRING_CHARS,
+        hard.MAX_STOP_STRING_CHARS,
+        ge=1,
+        le=hard.MAX_STOP_STRING_CHARS,
         description="Length of one stop string.",
     )
     max_n: int = Field(16, ge=1, le=hard.MAX_N, description="Parallel samples or beams.")
@@ -108,15 +117,24 @@ class LivenessConfig(Strict):
     partitioned): Ray reports nothing for it, so the router asks."""
 
     stream_stall_s: float = Field(
-        5.0, gt=0, description="A stream with no output for this long makes the router probe "
+        5.0,
+        gt=0,
+        description="A stream with no output for this long makes the router probe "
         "its worker; a worker that does not answer the probe is given up on: the request is "
-        "retried elsewhere when it has streamed nothing, else ends UNAVAILABLE.")
+        "retried elsewhere when it has streamed nothing, else ends UNAVAILABLE.",
+    )
     probe_timeout_s: float = Field(
-        3.0, gt=0, description="How long a worker has to answer that probe (a busy worker "
-        "answers in milliseconds: its event loop is not the engine's thread).")
+        3.0,
+        gt=0,
+        description="How long a worker has to answer that probe (a busy worker "
+        "answers in milliseconds: its event loop is not the engine's thread).",
+    )
     status_timeout_s: float = Field(
-        2.0, gt=0, description="Per-worker timeout of ClusterStatus; a worker that does not "
-        "answer in time is listed as stale, not left out.")
+        2.0,
+        gt=0,
+        description="Per-worker timeout of ClusterStatus; a worker that does not "
+        "answer in time is listed as stale, not left out.",
+    )
 
 
 class RoutingConfig(Strict):
@@ -142,11 +160,17 @@ class RoutingConfig(Strict):
         "recomputing. 0 ignores the host tier.",
     )
     index_timeout_s: float = Field(
-        0.2, gt=0, description="Socket timeout of the router's index reads (a frozen Redis "
-        "costs at most this, once per probe interval).")
+        0.2,
+        gt=0,
+        description="Socket timeout of the router's index reads (a frozen Redis "
+        "costs at most this, once per probe interval).",
+    )
     index_probe_interval_s: float = Field(
-        1.0, gt=0, description="After an index read fails, reads are skipped (routing by load) "
-        "and one probe per interval checks whether the index is back.")
+        1.0,
+        gt=0,
+        description="After an index read fails, reads are skipped (routing by load) "
+        "and one probe per interval checks whether the index is back.",
+    )
     adapter_aware: bool = Field(
         True,
         description="Hash LoRA requests' prompts with their adapter id and weigh where adapters "

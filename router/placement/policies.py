@@ -107,10 +107,11 @@ class PrefixAffinity(RoutingPolicy):
         cached = [min(v.cached_tokens or 0, n_tokens) for v in views]
         loads = [load_tokens(v.load, cfg) for v in views]
         costs = [
-            cfg.prefill_weight * (n_tokens - c) + ld
+            cfg.prefill_weight * (n_tokens - c)
+            + ld
             + (0.0 if v.adapter_loaded else cfg.adapter_load_tokens)
             for c, ld, v in zip(cached, loads, views, strict=True)
-        ]  # fmt: skip
+        ]
         eligible = _within_bound(loads, cfg.balance_slack, cfg.balance_abs_tokens)
         if cfg.balance_abs_requests is not None:
             reqs = [v.load.running + v.load.waiting for v in views]

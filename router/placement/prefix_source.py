@@ -62,8 +62,7 @@ class KVIndexSource(PrefixSource):
     def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
         index = self.index
         try:
-            return self.breaker.call(lambda: index.lookup_tiers(keys),
-                                     failures=(IndexUnavailable,))
+            return self.breaker.call(lambda: index.lookup_tiers(keys), failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 

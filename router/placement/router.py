@@ -94,10 +94,11 @@ class Router:
             cached = dict.fromkeys(ids)
         lora_id = request.hash_ctx.lora_id if self.config.adapter_aware else None
         views = [
-            WorkerView(w, candidates[w], cached[w],
-                       lora_id is None or lora_id in candidates[w].lora_loaded)
+            WorkerView(
+                w, candidates[w], cached[w], lora_id is None or lora_id in candidates[w].lora_loaded
+            )
             for w in ids
-        ]  # fmt: skip
+        ]
         placement = self.policy.choose(request, views)
         if keys:
             self.pending.record(placement.worker_id, keys, self._clock())

@@ -53,9 +53,14 @@ class ModelLimits:
 
 
 def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
-    check_model_limits(token_ids, params, vocab_size=limits.vocab_size,
-                       max_model_len=limits.max_model_len,
-                       max_prompt_tokens=limits.max_prompt_tokens, ids_field="token_ids")
+    check_model_limits(
+        token_ids,
+        params,
+        vocab_size=limits.vocab_size,
+        max_model_len=limits.max_model_len,
+        max_prompt_tokens=limits.max_prompt_tokens,
+        ids_field="token_ids",
+    )
     if params.max_tokens > limits.max_model_len - 1:
         raise InvalidRequest(
             "max_tokens",
@@ -97,9 +102,7 @@ class ServingCore:
         self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
         self._open: Counter[str] = Counter()
 
-    def _place(
-        self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]
-    ) -> RouteDecision:
+    def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
         """Route ``request`` and count it as this router's own work on the chosen worker, in
         one step (decide thread). Reading the loads and recording the placement together is
         what spreads a burst: requests that arrive together are decided one after another,
@@ -131,8 +134,11 @@ class ServingCore:
         out = {}
         for w, load in loads.items():
             mine = sum(self._unprefilled[w].values()) if w in self._unprefilled else 0
-            out[w] = replace(load, queued_prefill_tokens=max(load.queued_prefill_tokens, mine),
-                             running=max(load.running, self._open[w]))
+            out[w] = replace(
+                load,
+                queued_prefill_tokens=max(load.queued_prefill_tokens, mine),
+                running=max(load.running, self._open[w]),
+            )
         return out
 
     def close(self) -> None:
@@ -233,8 +239,11 @@ class ServingCore:
         )
         if verdict is None:
             return
-        log.warning("worker %s's index entries look wrong; asking it to resync: %s",
-                    verdict.worker_id, verdict.reason)
+        log.warning(
+            "worker %s's index entries look wrong; asking it to resync: %s",
+            verdict.worker_id,
+            verdict.reason,
+        )
         task = asyncio.get_running_loop().create_task(
             self.directory.resync(verdict.worker_id, verdict.reason)
         )

@@ -88,7 +88,8 @@ class RayWorkerDirectory(WorkerDirectory):
             return self._live[1]
         try:
             infos = await asyncio.to_thread(
-                self.breaker.call, self.index.live_workers, failures=(IndexUnavailable,))
+                self.breaker.call, self.index.live_workers, failures=(IndexUnavailable,)
+            )
         except CircuitOpen:
             self.index_ok = False
             return None
@@ -214,8 +215,11 @@ class RayWorkerDirectory(WorkerDirectory):
 
     async def resync(self, worker_id: str, reason: str) -> bool:
         try:
-            return bool(await asyncio.wait_for(
-                self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s))
+            return bool(
+                await asyncio.wait_for(
+                    self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s
+                )
+            )
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
             return False
 
@@ -233,15 +237,16 @@ class RayWorkerDirectory(WorkerDirectory):
                 epoch = live.get(name, (None,))[0] if live else None
                 status = WorkerStatus(name, epoch, 0, 0, 0, 0, 0, 0.0, index_healthy=False)
             stale = status.stale or (live is not None and name not in live)
-            out.append(replace(status, stale=stale,
-                               heartbeat_age_s=None if seen is None else now - seen))
+            out.append(
+                replace(status, stale=stale, heartbeat_age_s=None if seen is None else now - seen)
+            )
         return out
 
     async def _status(self, name: str) -> WorkerStatus | None:
         try:
-            return await asyncio.wait_for(self._handle(name).status.remote(),
-                                          self.liveness.status_timeout_s)
+            return await asyncio.wait_for(
+                self._handle(name).status.remote(), self.liveness.status_timeout_s
+            )
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
-            log.warning("worker %s did not answer a status call: %s", name,
-                        type(exc).__name__)
+            log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)
             return None

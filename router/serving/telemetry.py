@@ -19,8 +19,13 @@ from router.placement.prediction import GAP_BUCKETS_TOKENS, PredictionTracker
 
 
 class RouterExporter:
-    def __init__(self, router_id: str, metrics: RouterMetrics, extra: callable,  # type: ignore[valid-type]
-                 predictions: PredictionTracker | None = None) -> None:
+    def __init__(
+        self,
+        router_id: str,
+        metrics: RouterMetrics,
+        extra: callable,  # type: ignore[valid-type]
+        predictions: PredictionTracker | None = None,
+    ) -> None:
         from ray.util import metrics as m
 
         self.metrics = metrics
@@ -57,8 +62,11 @@ class RouterExporter:
             for name, help_ in (
                 ("predicted_cached_tokens", "Cached prompt tokens the router predicted."),
                 ("realised_cached_tokens", "Cached prompt tokens the worker realised."),
-                ("prediction_misses", "Placements whose predicted and realised cached "
-                 "tokens differed by a block or more."),
+                (
+                    "prediction_misses",
+                    "Placements whose predicted and realised cached "
+                    "tokens differed by a block or more.",
+                ),
                 ("index_resyncs", "Resyncs of a worker's index entries asked by the router."),
             )
         }
@@ -94,9 +102,12 @@ class RouterExporter:
             return
         for w, p in list(self.predictions.workers.items()):
             tags = {"worker": w}
-            for name, total in (("predicted_cached_tokens", p.predicted_tokens),
-                                ("realised_cached_tokens", p.realised_tokens),
-                                ("prediction_misses", p.misses), ("index_resyncs", p.resyncs)):
+            for name, total in (
+                ("predicted_cached_tokens", p.predicted_tokens),
+                ("realised_cached_tokens", p.realised_tokens),
+                ("prediction_misses", p.misses),
+                ("index_resyncs", p.resyncs),
+            ):
                 self._inc(self.per_worker[name], f"p:{name}:{w}", total, tags)
             new = p.placements - self._gaps_seen.get(w, 0)
             if new > 0:  # the most recent gaps (older ones beyond the window are not seen)
@@ -117,8 +128,12 @@ class RouterExporter:
             await asyncio.sleep(interval_s)
 
 
-def start_exporter(router_id: str, metrics: RouterMetrics, extra,  # noqa: ANN001
-                   predictions: PredictionTracker | None = None) -> asyncio.Task | None:
+def start_exporter(
+    router_id: str,
+    metrics: RouterMetrics,
+    extra,  # noqa: ANN001
+    predictions: PredictionTracker | None = None,
+) -> asyncio.Task | None:
     if not ray.is_initialized():
         return None
     exporter = RouterExporter(router_id, metrics, extra, predictions)

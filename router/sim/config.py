@@ -40,8 +40,10 @@ class TimeModel(Strict):
         1.6e-6, ge=0, description="Loading one token's KV back from the host tier (bandwidth)."
     )
     lora_load_s: float = Field(
-        0.02, ge=0, description="Loading a LoRA adapter into a device slot (r=16 on all seven "
-        "projections of a 70B model is ~0.4 GB from host memory)."
+        0.02,
+        ge=0,
+        description="Loading a LoRA adapter into a device slot (r=16 on all seven "
+        "projections of a 70B model is ~0.4 GB from host memory).",
     )
     max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_running: int = Field(128, ge=1, description="Sequences in the running batch at most.")
@@ -79,7 +81,9 @@ class SimConfig(Strict):
         "prefix_affinity avoid its holders.",
     )
     max_loras: int = Field(
-        8, ge=1, description="LoRA adapter slots per worker (LRU); a request whose adapter is "
-        "not in one pays time.lora_load_s at admission."
+        8,
+        ge=1,
+        description="LoRA adapter slots per worker (LRU); a request whose adapter is "
+        "not in one pays time.lora_load_s at admission.",
     )
     time: TimeModel = TimeModel()

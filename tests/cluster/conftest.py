@@ -10,14 +10,22 @@ from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 
-ENGINE = {"num_blocks": 128, "block_size": 16, "max_waiting": 32, "max_num_seqs": 16,
-          "max_num_batched_tokens": 256, "max_model_len": 512}
+ENGINE = {
+    "num_blocks": 128,
+    "block_size": 16,
+    "max_waiting": 32,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 256,
+    "max_model_len": 512,
+}
 
 
 def cluster_config(name: str, **overrides: object) -> ClusterConfig:
     """A small test cluster: 2 workers, 1 router on a free port, no dashboard."""
     raw: dict = {
-        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
+        "name": name,
+        "dashboard": False,
+        "model": {"tiny_family": "llama"},
         "workers": {"num_workers": 2, "num_cpus_per_worker": 0.1, "engine": dict(ENGINE)},
         "router": {"port": 0, "http_port": 0},
         "redis": {"heartbeat_ttl_s": 2.0},

@@ -18,13 +18,17 @@ from worker.model.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
-SHARED = ("You are a careful assistant that answers questions about distributed systems, "
-          "paged attention, prefix caching, routing and Ray actors in great detail. ") * 2
+SHARED = (
+    "You are a careful assistant that answers questions about distributed systems, "
+    "paged attention, prefix caching, routing and Ray actors in great detail. "
+) * 2
 
 
 def blocks_in_use(cluster) -> dict[str, int]:  # noqa: ANN001
-    return {name: ray.get(h.kv_blocks_in_use.remote(), timeout=30)
-            for name, h in cluster.workers.items()}
+    return {
+        name: ray.get(h.kv_blocks_in_use.remote(), timeout=30)
+        for name, h in cluster.workers.items()
+    }
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
@@ -40,8 +44,9 @@ def test_stream_matches_offline_engine_token_for_token(cluster, client) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
     out = client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
     engine = Engine.from_model_dir(cluster.model_dir, cluster.engine_config())
-    [ref] = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0,
-                                                     ignore_eos=True))
+    [ref] = engine.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
     assert out.token_ids[0] == ref.completions[0].token_ids
     assert out.text == ref.completions[0].text
     assert out.finish_reasons[0] == "length"
@@ -54,8 +59,9 @@ def test_stream_matches_offline_engine_token_for_token(cluster, client) -> None:
 def test_shared_prefix_lands_on_the_worker_that_holds_it(cluster, client) -> None:
     first = client.generate(SHARED + "First question?", max_tokens=2, temperature=0.0)
     time.sleep(0.5)  # the worker's KV events reach the index
-    later = [client.generate(SHARED + f"Question {i}?", max_tokens=2, temperature=0.0)
-             for i in range(3)]
+    later = [
+        client.generate(SHARED + f"Question {i}?", max_tokens=2, temperature=0.0) for i in range(3)
+    ]
     assert {o.worker_id for o in later} == {first.worker_id}
     for o in later:
         assert o.cached_tokens >= 64, o  # at least the shared full blocks came from cache
@@ -80,12 +86,14 @@ def test_unary_equals_stream(client) -> None:
 
 
 def test_parallel_samples_stream_by_index(client) -> None:
-    out = client.generate("Sample me three ways", max_tokens=6, temperature=1.0, n=3, seed=7,
-                          ignore_eos=True)
+    out = client.generate(
+        "Sample me three ways", max_tokens=6, temperature=1.0, n=3, seed=7, ignore_eos=True
+    )
     assert sorted(out.token_ids) == [0, 1, 2]
     assert all(len(t) == 6 for t in out.token_ids.values())
-    again = client.generate("Sample me three ways", max_tokens=6, temperature=1.0, n=3, seed=7,
-                            ignore_eos=True)
+    again = client.generate(
+        "Sample me three ways", max_tokens=6, temperature=1.0, n=3, seed=7, ignore_eos=True
+    )
     assert again.token_ids == out.token_ids  # same seed, same output
 
 
@@ -107,8 +115,12 @@ def test_cluster_status_lists_live_workers_with_epochs(cluster, client) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"top_p": 1.5}, "top_p"), ({"temperature": -1.0}, "temperature"),
-     ({"max_tokens": 0}, "max_tokens"), ({"n": 100}, "n")],
+    [
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 100}, "n"),
+    ],
 )
 def test_invalid_argument_names_field(client, kwargs, field) -> None:
     with pytest.raises(grpc.RpcError) as info:
@@ -125,8 +137,12 @@ def test_prompt_over_max_model_len_is_invalid_argument(client) -> None:
 
 
 def test_client_cancel_frees_every_block(cluster, client) -> None:
-    stream = client.stream(build_request("Cancel me after two messages. " * 4, max_tokens=400,
-                                         temperature=0.0, ignore_eos=True), timeout=60)
+    stream = client.stream(
+        build_request(
+            "Cancel me after two messages. " * 4, max_tokens=400, temperature=0.0, ignore_eos=True
+        ),
+        timeout=60,
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             break
@@ -136,8 +152,13 @@ def test_client_cancel_frees_every_block(cluster, client) -> None:
 
 def test_deadline_is_honoured_and_frees_blocks(cluster, client) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        client.generate("Too slow for this deadline. " * 4, max_tokens=400, temperature=0.0,
-                        ignore_eos=True, timeout=0.5)
+        client.generate(
+            "Too slow for this deadline. " * 4,
+            max_tokens=400,
+            temperature=0.0,
+            ignore_eos=True,
+            timeout=0.5,
+        )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0), blocks_in_use(cluster)
 
@@ -149,15 +170,21 @@ def test_health_and_reflection(cluster) -> None:
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-        [reply] = list(refl.ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        [reply] = list(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+        )
         names = {s.name for s in reply.list_services_response.service}
         assert {"kvcluster.v1.KVCluster", "grpc.health.v1.Health"} <= names
 
 
 def test_actors_are_named_in_the_cluster_namespace(cluster) -> None:
-    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == cluster.namespace}
+    named = {
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == cluster.namespace
+    }
     assert named == {"worker-0", "worker-1", "router-0"}
 
 
@@ -166,13 +193,30 @@ def test_cli_generate_and_status(cluster) -> None:
     import sys
 
     target = cluster.endpoints[0]
-    gen = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--target", target,
-                          "--max-tokens", "4", "Hello from the CLI"],
-                         capture_output=True, text=True, timeout=120)
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "generate",
+            "--target",
+            target,
+            "--max-tokens",
+            "4",
+            "Hello from the CLI",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert gen.returncode == 0, gen.stderr
     assert "[worker worker-" in gen.stdout and "4 generated" in gen.stdout
-    st = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--target", target],
-                        capture_output=True, text=True, timeout=120)
+    st = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--target", target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert st.returncode == 0, st.stderr
     assert "worker-0" in st.stdout and "worker-1" in st.stdout and "quota evict" in st.stdout
 
@@ -185,8 +229,15 @@ def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch)
 
     buf = io.StringIO()
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
-    figures = run_bench(cluster.endpoints[0], num_requests=12, concurrency=4, num_groups=2,
-                        prefix_words=60, max_tokens=4, out=buf)
+    figures = run_bench(
+        cluster.endpoints[0],
+        num_requests=12,
+        concurrency=4,
+        num_groups=2,
+        prefix_words=60,
+        max_tokens=4,
+        out=buf,
+    )
     assert figures["ok"] == 12
     assert figures["prefix_hit_rate"] > 0.3  # two shared system prompts, 12 requests
     last = json.loads(buf.getvalue().strip().splitlines()[-1])
@@ -199,9 +250,15 @@ def test_metrics_reach_rays_prometheus_export(cluster, client) -> None:
     endpoint, tagged by worker / policy and reason (Ray flushes them every few seconds)."""
     client.generate("Count me in the metrics.", max_tokens=3, temperature=0.0)
     port = ray.nodes()[0]["MetricsExportPort"]
-    want = {"ray_kvc_ttft_seconds_count", "ray_kvc_inter_token_seconds_count",
-            "ray_kvc_kv_usage", "ray_kvc_prefix_hit_rate", "ray_kvc_waiting",
-            "ray_kvc_tenant_quota_evictions", "ray_kvc_routed_requests_total"}
+    want = {
+        "ray_kvc_ttft_seconds_count",
+        "ray_kvc_inter_token_seconds_count",
+        "ray_kvc_kv_usage",
+        "ray_kvc_prefix_hit_rate",
+        "ray_kvc_waiting",
+        "ray_kvc_tenant_quota_evictions",
+        "ray_kvc_routed_requests_total",
+    }
     seen: dict[str, str] = {}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not want <= set(seen):

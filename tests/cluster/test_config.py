@@ -31,11 +31,13 @@ def test_gpu_example_yaml_loads() -> None:
 
 @pytest.mark.parametrize(
     ("yaml_text", "needle"),
-    [("workerz: {}", "workerz"),
-     ("workers: {engine: {block_sise: 8}}", "workers.engine.block_sise"),
-     ("redis: {url: 'http://x'}", "redis.url"),
-     ("router: {routing: {policy: best}}", "best"),
-     ("workers: {num_workers: 0}", "workers.num_workers")],
+    [
+        ("workerz: {}", "workerz"),
+        ("workers: {engine: {block_sise: 8}}", "workers.engine.block_sise"),
+        ("redis: {url: 'http://x'}", "redis.url"),
+        ("router: {routing: {policy: best}}", "best"),
+        ("workers: {num_workers: 0}", "workers.num_workers"),
+    ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, yaml_text: str, needle: str) -> None:
     path = tmp_path / "c.yaml"

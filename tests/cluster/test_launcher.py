@@ -21,14 +21,23 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 def test_up_generate_status_down(tmp_path: Path) -> None:
     name = f"updown-{os.getpid()}"
-    cfg = {"name": name, "dashboard": False, "model": {"tiny_family": "llama"},
-           "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
-           "router": {"port": 0, "http_port": 0}}
+    cfg = {
+        "name": name,
+        "dashboard": False,
+        "model": {"tiny_family": "llama"},
+        "workers": {"num_workers": 1, "num_cpus_per_worker": 0.1, "engine": ENGINE},
+        "router": {"port": 0, "http_port": 0},
+    }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "KVCLUSTER_STATE_DIR": str(tmp_path)}
     cli = [sys.executable, "-m", "cluster.cli"]
-    up = subprocess.run([*cli, "up", "--config", str(tmp_path / "c.yaml")], env=env,
-                        capture_output=True, text=True, timeout=300)
+    up = subprocess.run(
+        [*cli, "up", "--config", str(tmp_path / "c.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     state_file = tmp_path / f"{name}.json"
     try:
         assert up.returncode == 0, up.stderr[-3000:]
@@ -38,8 +47,9 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         with KVClusterClient(state["endpoints"][0]) as client:
             out = client.generate("detached clusters outlive the CLI", max_tokens=3)
         assert out.completion_tokens == 3 and out.worker_id == "worker-0"
-        st = subprocess.run([*cli, "status", "--name", name], env=env, capture_output=True,
-                            text=True, timeout=120)
+        st = subprocess.run(
+            [*cli, "status", "--name", name], env=env, capture_output=True, text=True, timeout=120
+        )
         assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
         # every port of the head, its workers and routers and Redis is on loopback
         pids = process_group(state["ray_pid"]) | descendants(state["redis_pid"])
@@ -52,24 +62,46 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         # the OpenAI HTTP API's URL is printed (and it listens on loopback, checked above)
         assert f"OpenAI API     : {state['http_endpoints'][0]}/v1" in up.stdout, up.stdout
         # the Ray CLI works against the head as `up` says (token auth, README)
-        hint = (f"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status "
-                f"--address {state['ray_address']}")
+        hint = (
+            f"RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray status "
+            f"--address {state['ray_address']}"
+        )
         assert hint in up.stdout
         ray_cli = str(Path(sys.executable).with_name("ray"))
         ray_status = subprocess.run(
             [ray_cli, "status", "--address", state["ray_address"]],
             env={**env, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
-            capture_output=True, text=True, timeout=120)
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert ray_status.returncode == 0 and "Resources" in ray_status.stdout, (
-            ray_status.stdout[-2000:] + ray_status.stderr[-2000:])
-        gen = subprocess.run([*cli, "generate", "--name", name, "--chat", "Hi!", "--system",
-                              "Be brief.", "--max-tokens", "3"], env=env, capture_output=True,
-                             text=True, timeout=120)
+            ray_status.stdout[-2000:] + ray_status.stderr[-2000:]
+        )
+        gen = subprocess.run(
+            [
+                *cli,
+                "generate",
+                "--name",
+                name,
+                "--chat",
+                "Hi!",
+                "--system",
+                "Be brief.",
+                "--max-tokens",
+                "3",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         # rendered with the tiny model's ChatML template (Tokenizer.encode_chat: 32 tokens)
         assert gen.returncode == 0 and "prompt 32 tokens" in gen.stdout, gen.stderr[-3000:]
     finally:
-        down = subprocess.run([*cli, "down", "--name", name], env=env, capture_output=True,
-                              text=True, timeout=120)
+        down = subprocess.run(
+            [*cli, "down", "--name", name], env=env, capture_output=True, text=True, timeout=120
+        )
     assert down.returncode == 0, down.stderr[-3000:]
     assert not state_file.exists()
     # exactly our Ray head and redis-server are gone (down waits for them)

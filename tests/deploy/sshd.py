@@ -48,26 +48,45 @@ class LoopbackSSHD:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         host_key = self.root / "host_ed25519"
         for path in (self.key, host_key):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)],
-                           check=True)
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True
+            )
         authorized = self.root / "authorized_keys"
         authorized.write_text(self.key.with_suffix(".pub").read_text())
         authorized.chmod(0o600)
         config = self.root / "sshd_config"
-        config.write_text("\n".join([
-            f"Port {self.port}", "ListenAddress 127.0.0.1", f"HostKey {host_key}",
-            f"PidFile {self.root / 'sshd.pid'}", f"AuthorizedKeysFile {authorized}",
-            "PermitRootLogin yes", "PubkeyAuthentication yes", "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no",
-            "MaxSessions 64", "MaxStartups 64", ""]))
-        self.proxy.write_text("#!/bin/bash\n"
-                              f"exec 3<>/dev/tcp/127.0.0.1/{self.port}\n"
-                              "cat <&3 &\ncat >&3\n")
+        config.write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {host_key}",
+                    f"PidFile {self.root / 'sshd.pid'}",
+                    f"AuthorizedKeysFile {authorized}",
+                    "PermitRootLogin yes",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "MaxSessions 64",
+                    "MaxStartups 64",
+                    "",
+                ]
+            )
+        )
+        self.proxy.write_text(
+            f"#!/bin/bash\nexec 3<>/dev/tcp/127.0.0.1/{self.port}\ncat <&3 &\ncat >&3\n"
+        )
         self.proxy.chmod(0o700)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
         log = open(self.root / "sshd.log", "ab")
-        self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout_s
         while not listening(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -79,11 +98,25 @@ class LoopbackSSHD:
     def ssh(self, command: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
         """Run ``command`` as Ray's SSH runner would (login shell) on this sshd."""
         return subprocess.run(
-            ["ssh", "-i", str(self.key), "-o", "IdentitiesOnly=yes",
-             "-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={os.devnull}",
-             "-o", f"ProxyCommand={self.proxy}", "root@127.0.0.1",
-             f"bash --login -c -i 'source ~/.bashrc; {command}'"],
-            capture_output=True, text=True, timeout=timeout_s)
+            [
+                "ssh",
+                "-i",
+                str(self.key),
+                "-o",
+                "IdentitiesOnly=yes",
+                "-o",
+                "StrictHostKeyChecking=no",
+                "-o",
+                f"UserKnownHostsFile={os.devnull}",
+                "-o",
+                f"ProxyCommand={self.proxy}",
+                "root@127.0.0.1",
+                f"bash --login -c -i 'source ~/.bashrc; {command}'",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

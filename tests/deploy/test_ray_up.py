@@ -32,8 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.redis]
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RAY = VENV_BIN / "ray"
-BOOTSTRAP_FILES = [Path.home() / "ray_bootstrap_config.yaml",
-                   Path.home() / "ray_bootstrap_key.pem"]
+BOOTSTRAP_FILES = [Path.home() / "ray_bootstrap_config.yaml", Path.home() / "ray_bootstrap_key.pem"]
 
 
 def require_harness() -> None:
@@ -42,8 +41,9 @@ def require_harness() -> None:
         pytest.skip("ray up test needs root (sshd with PermitRootLogin on loopback)")
     missing = missing_tools()
     if missing:
-        pytest.skip(f"missing {missing}: run `bash deploy/dev.sh install` (apt openssh-server "
-                    "rsync)")
+        pytest.skip(
+            f"missing {missing}: run `bash deploy/dev.sh install` (apt openssh-server rsync)"
+        )
 
 
 def marked_processes(marker: str) -> list[int]:
@@ -73,27 +73,44 @@ def stop_marked(marker: str, grace_s: float = 10.0) -> None:
             time.sleep(0.2)
 
 
-def adapted_yaml(tmp: Path, sshd: LoopbackSSHD, name: str, marker: str, gcs_port: int,
-              dash_port: int, kv_config: Path) -> Path:
+def adapted_yaml(
+    tmp: Path,
+    sshd: LoopbackSSHD,
+    name: str,
+    marker: str,
+    gcs_port: int,
+    dash_port: int,
+    kv_config: Path,
+) -> Path:
     """deploy/local.yaml, adapted to this machine as the module docstring says."""
     cfg = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
     node_dir = tmp / "node" / "kvcluster"
     cfg["cluster_name"] = name
     cfg["provider"].update(head_ip="127.0.0.1", worker_ips=[])
-    cfg["auth"] = {"ssh_user": "root", "ssh_private_key": str(sshd.key),
-                   "ssh_proxy_command": str(sshd.proxy)}
+    cfg["auth"] = {
+        "ssh_user": "root",
+        "ssh_private_key": str(sshd.key),
+        "ssh_proxy_command": str(sshd.proxy),
+    }
     cfg["min_workers"] = cfg["max_workers"] = 0
     cfg["file_mounts"] = {str(node_dir): str(REPO)}
-    cfg["setup_commands"] = [f"ln -sfn {VENV_BIN.parent} {node_dir}/.venv",
-                             f"cd {node_dir} && .venv/bin/python -m protos.build"]
+    cfg["setup_commands"] = [
+        f"ln -sfn {VENV_BIN.parent} {node_dir}/.venv",
+        f"cd {node_dir} && .venv/bin/python -m protos.build",
+    ]
 
     def adapt(cmd: str) -> str:
-        cmd = (cmd.replace("~/kvcluster", str(node_dir))
-               .replace("deploy/kvcluster.yaml", str(kv_config))
-               .replace("--port=6380", f"--port={gcs_port} --node-ip-address=127.0.0.1 "
-                        f"--dashboard-port={dash_port} --num-cpus=2")
-               .replace("--dashboard-host=0.0.0.0", "--dashboard-host=127.0.0.1")
-               .replace("--ray-address auto", f"--ray-address 127.0.0.1:{gcs_port}"))
+        cmd = (
+            cmd.replace("~/kvcluster", str(node_dir))
+            .replace("deploy/kvcluster.yaml", str(kv_config))
+            .replace(
+                "--port=6380",
+                f"--port={gcs_port} --node-ip-address=127.0.0.1 "
+                f"--dashboard-port={dash_port} --num-cpus=2",
+            )
+            .replace("--dashboard-host=0.0.0.0", "--dashboard-host=127.0.0.1")
+            .replace("--ray-address auto", f"--ray-address 127.0.0.1:{gcs_port}")
+        )
         return f"export {marker}; {cmd}"
 
     starts = [c for c in cfg["head_start_ray_commands"] if not c.endswith("ray stop")]
@@ -112,8 +129,9 @@ def ssh_control_dir(cluster_name: str) -> Path:
 
 def ray_cli(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    return subprocess.run([str(RAY), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout_s, cwd=REPO)
+    return subprocess.run(
+        [str(RAY), *args], capture_output=True, text=True, env=env, timeout=timeout_s, cwd=REPO
+    )
 
 
 def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
@@ -123,11 +141,21 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
     marker = f"KVCLUSTER_STATE_DIR={tmp / 'state'}"
     gcs_port, dash_port, grpc_port = free_port(), free_port(), free_port()
     kv_config = tmp / "kvcluster.yaml"
-    kv_config.write_text(yaml.safe_dump({
-        "name": name, "dashboard": False, "model": {"tiny_family": "llama"},
-        "workers": {"num_workers": 1, "num_cpus_per_worker": 0.5,
-                    "engine": {"num_blocks": 64, "max_num_seqs": 4}},
-        "router": {"num_routers": 1, "host": "127.0.0.1", "port": grpc_port}}))
+    kv_config.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "dashboard": False,
+                "model": {"tiny_family": "llama"},
+                "workers": {
+                    "num_workers": 1,
+                    "num_cpus_per_worker": 0.5,
+                    "engine": {"num_blocks": 64, "max_num_seqs": 4},
+                },
+                "router": {"num_routers": 1, "host": "127.0.0.1", "port": grpc_port},
+            }
+        )
+    )
     saved = {p: p.read_bytes() for p in BOOTSTRAP_FILES if p.exists()}
     sshd = LoopbackSSHD(tmp / "ssh").start()
     ray_yaml = adapted_yaml(tmp, sshd, name, marker, gcs_port, dash_port, kv_config)
@@ -139,8 +167,10 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
         probe = sshd.ssh("command -v ray || echo none")
         assert probe.returncode == 0, probe.stderr
         if probe.stdout.strip().splitlines()[-1] != "none":
-            pytest.skip(f"`ray` is on root's login PATH ({probe.stdout.strip()}): `ray down` "
-                        "would stop every Ray on this machine")
+            pytest.skip(
+                f"`ray` is on root's login PATH ({probe.stdout.strip()}): `ray down` "
+                "would stop every Ray on this machine"
+            )
         t0 = time.monotonic()
         up = ray_cli("up", str(ray_yaml), "-y", "--no-config-cache", timeout_s=300)
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
@@ -151,13 +181,16 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
         assert listening(redis_port)
 
         with KVClusterClient(state["endpoints"][0]) as client:
-            out = client.generate("Hello from ray up", max_tokens=4, temperature=0.0,
-                                  timeout=120)
+            out = client.generate("Hello from ray up", max_tokens=4, temperature=0.0, timeout=120)
         assert out.completion_tokens == 4 and len(out.token_ids[0]) == 4
         assert out.worker_id in state["workers"]
 
-        down = ray_cli("exec", str(ray_yaml),
-                       f"{marker} {VENV_BIN}/kvcluster down --name {name}", timeout_s=120)
+        down = ray_cli(
+            "exec",
+            str(ray_yaml),
+            f"{marker} {VENV_BIN}/kvcluster down --name {name}",
+            timeout_s=120,
+        )
         assert down.returncode == 0, down.stdout[-4000:] + down.stderr[-4000:]
         assert not state_file.exists()
         assert not listening(grpc_port) and not listening(redis_port)
@@ -166,11 +199,15 @@ def test_ray_up_serves_grpc_then_ray_down(tmp_path: Path) -> None:
         print(f"ray up -> generate -> down in {time.monotonic() - t0:.1f}s")
     finally:
         if state_file.exists():  # a failure before `kvcluster down`
-            subprocess.run([str(VENV_BIN / "kvcluster"), "down", "--name", name], timeout=60,
-                           env=dict(os.environ, KVCLUSTER_STATE_DIR=str(tmp / "state")),
-                           capture_output=True)
-        subprocess.run([str(RAY), "down", str(ray_yaml), "-y"], capture_output=True,
-                       timeout=120, cwd=REPO)
+            subprocess.run(
+                [str(VENV_BIN / "kvcluster"), "down", "--name", name],
+                timeout=60,
+                env=dict(os.environ, KVCLUSTER_STATE_DIR=str(tmp / "state")),
+                capture_output=True,
+            )
+        subprocess.run(
+            [str(RAY), "down", str(ray_yaml), "-y"], capture_output=True, timeout=120, cwd=REPO
+        )
         # `ray down`'s bare `ray stop` found no Ray here (see the probe): stop exactly the
         # processes our commands started (they carry the marker), then our sshd.
         stop_marked(marker)

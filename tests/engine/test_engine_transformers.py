@@ -23,10 +23,14 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int = MAX_NEW, min_new: int 
     if key not in _cache:
         with torch.no_grad():
             out = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False,
-                eos_token_id=list(EOS), pad_token_id=0,
-            )  # fmt: skip
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new,
+                min_new_tokens=min_new,
+                do_sample=False,
+                eos_token_id=list(EOS),
+                pad_token_id=0,
+            )
         gen = out[0, len(prompt) :].tolist()
         stop = next((i for i, t in enumerate(gen) if t in EOS), None)
         _cache[key] = gen if stop is None else gen[: stop + 1]
@@ -53,9 +57,12 @@ def test_greedy_batch_equals_transformers(tiny_dir, hf_model, tokenizer) -> None
 
 def test_tiny_kv_pool_preempts_and_chunks_with_identical_outputs(tiny_dir, hf_model) -> None:
     engine = engine_for(
-        tiny_dir, num_blocks=10, max_num_seqs=6, max_num_batched_tokens=32,
+        tiny_dir,
+        num_blocks=10,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
         long_prefill_token_threshold=16,
-    )  # fmt: skip
+    )
     # min_tokens = max_tokens keeps EOS out, so every request grows to its full length
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
     results = engine.generate(PROMPTS, params)
@@ -103,9 +110,14 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(tiny_dir) -> N
     samples = [tuple(c.token_ids) for c in alone.completions]
     assert len(set(samples)) == 4  # temperature 1.0: the samples differ
     # Same seed inside a different batch (other requests, other sizes): same samples.
-    crowd = engine.generate([PROMPTS[1], prompt, PROMPTS[5]], [
-        SamplingParams(temperature=1.0, max_tokens=20), params, GREEDY,
-    ])  # fmt: skip
+    crowd = engine.generate(
+        [PROMPTS[1], prompt, PROMPTS[5]],
+        [
+            SamplingParams(temperature=1.0, max_tokens=20),
+            params,
+            GREEDY,
+        ],
+    )
     assert [tuple(c.token_ids) for c in crowd[1].completions] == samples
     other = engine.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=8, max_tokens=12))
     assert [tuple(c.token_ids) for c in other[0].completions] != samples
@@ -115,16 +127,29 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(tiny_dir) -> N
 def hf_beams(hf_model, prompt, max_new, lp, es, eos, min_new=0):
     with torch.no_grad():
         out = hf_model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            num_beams=4, num_return_sequences=4, do_sample=False, max_new_tokens=max_new,
-            length_penalty=lp, early_stopping=es, eos_token_id=list(eos), pad_token_id=0,
-            min_new_tokens=min_new, return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=4,
+            num_return_sequences=4,
+            do_sample=False,
+            max_new_tokens=max_new,
+            length_penalty=lp,
+            early_stopping=es,
+            eos_token_id=list(eos),
+            pad_token_id=0,
+            min_new_tokens=min_new,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     beams = []
     for i in range(4):
         n = int((out.beam_indices[i] >= 0).sum())
-        beams.append((out.sequences[i, len(prompt) : len(prompt) + n].tolist(),
-                      float(out.sequences_scores[i])))  # fmt: skip
+        beams.append(
+            (
+                out.sequences[i, len(prompt) : len(prompt) + n].tolist(),
+                float(out.sequences_scores[i]),
+            )
+        )
     return beams
 
 
@@ -149,9 +174,14 @@ def test_beam_search_equals_transformers(
     expected = hf_beams(hf_model, prompt, max_new, lp, es, EOS + stops, min_new)
     engine = engine_for(tiny_dir)
     params = SamplingParams(
-        beam_width=4, n=4, max_tokens=max_new, length_penalty=lp, early_stopping=es,
-        stop_token_ids=stops, min_tokens=min_new,
-    )  # fmt: skip
+        beam_width=4,
+        n=4,
+        max_tokens=max_new,
+        length_penalty=lp,
+        early_stopping=es,
+        stop_token_ids=stops,
+        min_tokens=min_new,
+    )
     result = engine.generate([prompt], params)[0]
     got = [(c.token_ids, c.cumulative_logprob) for c in result.completions]
     assert [t for t, _ in got] == [t for t, _ in expected]

@@ -95,9 +95,13 @@ def test_host_tier_keeps_tenants_apart() -> None:
 
 def _pressure(mode: str, seed: int) -> tuple[Engine, dict, list[list[int]]]:
     engine, _ = make(
-        28, 128, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+        28,
+        128,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
         preemption_mode=mode,
-    )  # fmt: skip
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     rng = random.Random(seed)
     ps = [[rng.randrange(2, 64) for _ in range(rng.randint(20, 36))] for _ in range(6)]
@@ -127,9 +131,13 @@ def test_auto_mode_swaps_when_loading_is_cheaper() -> None:
 
 def test_preempted_request_is_not_preempted_again_before_progress() -> None:
     engine, _ = make(
-        20, 128, max_num_seqs=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+        20,
+        128,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
         preemption_mode="swap",
-    )  # fmt: skip
+    )
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     rng = random.Random(5)
     for i in range(6):
@@ -176,9 +184,13 @@ def test_swaps_run_even_in_a_step_without_model_work() -> None:
 
 def _real(tiny_dir, host_kv_bytes: int, mode: str) -> Engine:
     cfg = EngineConfig(
-        num_blocks=12, max_num_seqs=4, max_num_batched_tokens=32, long_prefill_token_threshold=16,
-        host_kv_bytes=host_kv_bytes, preemption_mode=mode,
-    )  # fmt: skip
+        num_blocks=12,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        host_kv_bytes=host_kv_bytes,
+        preemption_mode=mode,
+    )
     return Engine.from_model_dir(tiny_dir, cfg)
 
 

@@ -51,8 +51,13 @@ def reference(tiny_dir: Path, lora_dirs: dict[str, str]):
     def greedy(prompt: list[int], adapter: str | None) -> list[int]:
         key = (tuple(prompt), adapter)
         if key not in cache:
-            kw = dict(max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                      eos_token_id=list(EOS), pad_token_id=0)  # fmt: skip
+            kw = dict(
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=list(EOS),
+                pad_token_id=0,
+            )
             with torch.no_grad():
                 if adapter is None:
                     with model.disable_adapter():
@@ -97,9 +102,14 @@ def test_chunked_prefill_preemption_and_slot_shortage_keep_outputs(
     # a small pool (preemption), small steps (chunked prefill) and two slots for three
     # adapters: the third adapter's requests wait for a slot and reload into an evicted one
     engine = lora_engine(
-        tiny_dir, lora_dirs, num_blocks=14, max_num_seqs=6, max_num_batched_tokens=32,
-        long_prefill_token_threshold=16, max_loras=2,
-    )  # fmt: skip
+        tiny_dir,
+        lora_dirs,
+        num_blocks=14,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        max_loras=2,
+    )
     reqs = [(p, a) for a in MIX for p in PROMPTS[:2]]
     results = engine.generate([p for p, _ in reqs], [params(a) for _, a in reqs])
     for (p, a), res in zip(reqs, results, strict=True):

@@ -65,8 +65,10 @@ def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.zeros(2, 8)
     logits[:, 3] = 10.0
     g = torch.Generator().manual_seed(0)
-    specs = [SampleSpec(SamplingParams(temperature=0), None, (3,)),
-             SampleSpec(SamplingParams(temperature=1.0), g, (3, 4))]  # fmt: skip
+    specs = [
+        SampleSpec(SamplingParams(temperature=0), None, (3,)),
+        SampleSpec(SamplingParams(temperature=1.0), g, (3, 4)),
+    ]
     for _ in range(50):
         toks, _ = sample(logits, specs, g)
         assert toks[0] != 3 and toks[1] not in (3, 4)
@@ -99,9 +101,13 @@ def test_penalties_reach_the_sampler_through_the_engine() -> None:
     """Greedy with penalties equals stepping the fake model's logits with the penalty rules."""
     engine = make()
     params = SamplingParams(
-        temperature=0.0, max_tokens=12, ignore_eos=True,
-        presence_penalty=0.5, frequency_penalty=1.5, repetition_penalty=1.3,
-    )  # fmt: skip
+        temperature=0.0,
+        max_tokens=12,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=1.5,
+        repetition_penalty=1.3,
+    )
     got = tokens(engine, params)
     ctx, out = list(PROMPT), []
     for _ in range(12):

@@ -85,7 +85,10 @@ def test_errors_survive_pickling() -> None:
 
     err = pickle.loads(pickle.dumps(InvalidRequest("top_p", 2.0, "must be in (0, 1]", "fix it")))
     assert (err.field, err.value, err.limit, str(err)) == (
-        "top_p", 2.0, "must be in (0, 1]", "invalid top_p=2.0: must be in (0, 1]; fix it"
-    )  # fmt: skip
+        "top_p",
+        2.0,
+        "must be in (0, 1]",
+        "invalid top_p=2.0: must be in (0, 1]; fix it",
+    )
     over = pickle.loads(pickle.dumps(EngineOverloaded(5, 5)))
     assert (over.num_waiting, over.max_waiting) == (5, 5) and "max_waiting=5" in str(over)

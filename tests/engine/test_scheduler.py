@@ -292,13 +292,16 @@ def test_tenant_cache_fraction_keeps_one_tenant_from_flushing_anothers_prefix() 
 
     def a_hit_after_b_flood(fraction: float) -> tuple[int, int]:
         engine, _ = make(num_blocks=32, tenant_cache_fraction=fraction)
-        engine.generate([system + [30]], SamplingParams(temperature=0, max_tokens=2,
-                                                        cache_salt="a"))
+        engine.generate(
+            [system + [30]], SamplingParams(temperature=0, max_tokens=2, cache_salt="a")
+        )
         for i in range(12):  # 12 x 5 idle blocks of b, more than the pool
-            engine.generate([[40 + i] * 21], SamplingParams(temperature=0, max_tokens=1,
-                                                            cache_salt="b"))
-        out = engine.generate([system + [31]], SamplingParams(temperature=0, max_tokens=2,
-                                                              cache_salt="a"))
+            engine.generate(
+                [[40 + i] * 21], SamplingParams(temperature=0, max_tokens=1, cache_salt="b")
+            )
+        out = engine.generate(
+            [system + [31]], SamplingParams(temperature=0, max_tokens=2, cache_salt="a")
+        )
         assert_no_blocks_in_use(engine)
         return out[0].usage.cached_tokens, engine.kv.stats().tenant_quota_evictions
 

@@ -101,8 +101,13 @@ def test_stop_string_spanning_tokens(tokenizer, prompt, free_run, include) -> No
     full = tokenizer.decode(free_run)
     at = full.find(stop)
     engine = make(tokenizer, eos=unused_token(free_run))
-    comp = gen(engine, prompt, max_tokens=40, stop=[stop, "never-there"],
-               include_stop_str_in_output=include)  # fmt: skip
+    comp = gen(
+        engine,
+        prompt,
+        max_tokens=40,
+        stop=[stop, "never-there"],
+        include_stop_str_in_output=include,
+    )
     assert (comp.finish_reason, comp.stop_reason) == (FinishReason.STOP, stop)
     assert comp.token_ids == free_run[:done]
     assert comp.text == full[: at + len(stop) if include else at]

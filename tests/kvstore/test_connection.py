@@ -28,7 +28,9 @@ def test_url_with_password_and_db_is_parsed() -> None:
 
 
 def test_rediss_url_builds_tls_options() -> None:
-    url = "rediss://user:pw@redis.example.com:6390/2?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
+    url = (
+        "rediss://user:pw@redis.example.com:6390/2?ssl_ca_certs=/etc/ca.pem&ssl_cert_reqs=required"
+    )
     client = make_client(IndexConfig(url=url, model_id="m", socket_timeout_s=0.25))
     pool = client.connection_pool
     kw = pool.connection_kwargs
@@ -118,5 +120,3 @@ def test_unresponsive_server_raises_within_the_timeout() -> None:
         # a timeout is not retried: about one socket timeout, never the 5 s default
         assert 0.15 < _elapsed(lambda: index.lookup(chain(2))) < 1.5
         index.close()
-
-

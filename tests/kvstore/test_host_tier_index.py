@@ -83,9 +83,13 @@ def test_tier_lookup_equals_each_workers_tiers(
 ) -> None:
     rng = random.Random(seed)
     make = lambda mode: KVIndex(  # noqa: E731
-        IndexConfig(url=redis_server.url, model_id=f"h{seed}{record_every}",
-                    record_every=record_every, lookup=mode)
-    )  # fmt: skip
+        IndexConfig(
+            url=redis_server.url,
+            model_id=f"h{seed}{record_every}",
+            record_every=record_every,
+            lookup=mode,
+        )
+    )
     scan, bisect = make("scan"), make("bisect")
     workers = [
         _TierWorker(f"w{i}", rng.randrange(16, 40), rng.randrange(16, 64), scan) for i in range(4)
@@ -175,8 +179,13 @@ def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None
     from kvstore.publisher import WorkerPublisher
     from kvstore.types import WorkerLoad
 
-    cfg = IndexConfig(url=redis_server.url, model_id="pub-host", heartbeat_ttl_s=1.0,
-                      socket_timeout_s=0.2, connect_timeout_s=0.2)  # fmt: skip
+    cfg = IndexConfig(
+        url=redis_server.url,
+        model_id="pub-host",
+        heartbeat_ttl_s=1.0,
+        socket_timeout_s=0.2,
+        connect_timeout_s=0.2,
+    )
     index = KVIndex(cfg)
     kv = KVCacheManager(4, 2, host_num_blocks=8)
     snapshot = lambda: TierKeys(kv.cached_keys(), kv.host_cached_keys())  # noqa: E731

@@ -33,8 +33,15 @@ def held(index: KVIndex, worker_id: str) -> set[bytes]:
 
 @pytest.fixture
 def index(redis_server: RedisServer) -> Iterator[KVIndex]:
-    idx = KVIndex(IndexConfig(url=redis_server.url, model_id="m", heartbeat_ttl_s=1.0,
-                              socket_timeout_s=0.2, connect_timeout_s=0.2))  # fmt: skip
+    idx = KVIndex(
+        IndexConfig(
+            url=redis_server.url,
+            model_id="m",
+            heartbeat_ttl_s=1.0,
+            socket_timeout_s=0.2,
+            connect_timeout_s=0.2,
+        )
+    )
     yield idx
     idx.close()
 
@@ -46,8 +53,14 @@ def pool() -> Pool:
 
 @pytest.fixture
 def publisher(index: KVIndex, pool: Pool) -> Iterator[WorkerPublisher]:
-    pub = WorkerPublisher(index, "w", pool.list_cached_keys, address="host:1",
-                          max_backoff_s=0.1, purge_interval_s=None)  # fmt: skip
+    pub = WorkerPublisher(
+        index,
+        "w",
+        pool.list_cached_keys,
+        address="host:1",
+        max_backoff_s=0.1,
+        purge_interval_s=None,
+    )
     pub.start()
     yield pub
     pub.stop()
@@ -101,10 +114,18 @@ def test_redis_restart_mid_run_is_recovered_by_resync(
 
 
 def test_restart_with_record_every_keeps_positions(redis_server: RedisServer, pool: Pool) -> None:
-    index = KVIndex(IndexConfig(url=redis_server.url, model_id="m", record_every=2,
-                                heartbeat_ttl_s=1.0, socket_timeout_s=0.2))  # fmt: skip
-    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_backoff_s=0.1,
-                          purge_interval_s=None)  # fmt: skip
+    index = KVIndex(
+        IndexConfig(
+            url=redis_server.url,
+            model_id="m",
+            record_every=2,
+            heartbeat_ttl_s=1.0,
+            socket_timeout_s=0.2,
+        )
+    )
+    pub = WorkerPublisher(
+        index, "w", pool.list_cached_keys, max_backoff_s=0.1, purge_interval_s=None
+    )
     pub.start()
     keys = chain(9)
     pub.submit(pool.store(keys[:5]) + pool.store(keys[5:], keys[4]), LOAD)
@@ -122,8 +143,14 @@ def test_restart_with_record_every_keeps_positions(redis_server: RedisServer, po
 def test_buffer_overflow_drops_events_then_resyncs(
     redis_server: RedisServer, index: KVIndex, pool: Pool
 ) -> None:
-    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_buffer_events=4,
-                          max_backoff_s=0.1, purge_interval_s=None)  # fmt: skip
+    pub = WorkerPublisher(
+        index,
+        "w",
+        pool.list_cached_keys,
+        max_buffer_events=4,
+        max_backoff_s=0.1,
+        purge_interval_s=None,
+    )
     pub.start()
     keys = chain(20)
     pub.submit(pool.store(keys[:2]), LOAD)
@@ -186,8 +213,9 @@ def test_lost_events_make_the_recorder_start_afresh(redis_server: RedisServer, p
     first.stop(deregister=False)
     # A second publisher of the same worker shares its recorder (and its positions); its
     # thread is not running yet, so its one-event inbox overflows.
-    pub = WorkerPublisher(index, "w", pool.list_cached_keys, max_buffer_events=1,
-                          purge_interval_s=None)  # fmt: skip
+    pub = WorkerPublisher(
+        index, "w", pool.list_cached_keys, max_buffer_events=1, purge_interval_s=None
+    )
     pub.submit(pool.evict(*reversed(keys[4:])), LOAD)
     pub.submit(pool.store(keys[4:], keys[3]), LOAD)  # lost
     assert pub.stats.events_dropped == 1

@@ -34,8 +34,12 @@ def test_replaying_a_batch_gives_the_same_ops() -> None:
     batch = [stored(keys[:5]), removed(keys[1]), stored(keys[5:], keys[4]), removed(keys[3])]
     first = rec.record(batch)
     assert rec.record(batch) == first
-    assert first == [("S", (keys[1], keys[3])), ("R", (keys[1],)), ("S", (keys[5], keys[7])),
-                     ("R", (keys[3],))]  # fmt: skip
+    assert first == [
+        ("S", (keys[1], keys[3])),
+        ("R", (keys[1],)),
+        ("S", (keys[5], keys[7])),
+        ("R", (keys[3],)),
+    ]
 
 
 def test_clear_forgets_positions() -> None:

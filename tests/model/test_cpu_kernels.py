@@ -51,9 +51,14 @@ def test_kernel_matches_torch_reference(heads, kv_heads, head_dim, window):
     outs = {}
     for name in ("torch", "cpu"):
         backend = create_backend(
-            name, device="cpu", block_size=block_size, num_heads=heads,
-            num_kv_heads=kv_heads, head_dim=head_dim, scale=head_dim**-0.5,
-        )  # fmt: skip
+            name,
+            device="cpu",
+            block_size=block_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+        )
         kc, vc = cache[0].clone(), cache[1].clone()
         outs[name] = backend.forward(
             q, k, v, kc, vc, backend.prepare(batch.attention_metadata()), window

@@ -27,9 +27,14 @@ def test_static_padded_path_equals_eager(model_dirs):
     pad = runner.num_blocks - 1  # never handed out below
     blocks = BlockHandout(pad)
     graphs = DecodeGraphs(
-        runner._logits_of_all_rows, device=runner.device, block_size=4,
-        max_blocks_per_seq=16, pad_block=pad, buckets=(1, 4, 8), capture=False,
-    )  # fmt: skip
+        runner._logits_of_all_rows,
+        device=runner.device,
+        block_size=4,
+        max_blocks_per_seq=16,
+        pad_block=pad,
+        buckets=(1, 4, 8),
+        capture=False,
+    )
     for lengths in ([5], [3, 9, 17], [1, 2, 3, 4, 5, 6]):
         chunks = decode_batches(runner, lengths, blocks)
         batch = runner.build_input(chunks)
@@ -59,9 +64,14 @@ def test_captured_graphs_equal_eager_on_cuda(model_dirs, dtype):
     results = {}
     for graphs_on in (False, True):
         runner = ModelRunner(
-            model_dirs["llama"], device="cuda", dtype=dtype, block_size=16, num_blocks=64,
-            attn_backend="triton", cuda_graph_max_batch=32 if graphs_on else 0,
-        )  # fmt: skip
+            model_dirs["llama"],
+            device="cuda",
+            dtype=dtype,
+            block_size=16,
+            num_blocks=64,
+            attn_backend="triton",
+            cuda_graph_max_batch=32 if graphs_on else 0,
+        )
         assert (runner.graphs is not None) == graphs_on
         blocks = BlockHandout(runner.num_blocks)
         outs = []

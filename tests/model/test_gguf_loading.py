@@ -46,9 +46,18 @@ def test_f32_gguf_equals_the_folder(model_dirs, tmp_path, family, arch):
     hf_dir = model_dirs[family]
     gguf_f32 = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch=arch)
     cfg, ref = ModelConfig.from_dir(gguf_f32), ModelConfig.from_dir(hf_dir)
-    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                  "head_dim", "rope", "tie_word_embeddings", "qkv_bias",
-                  "qk_norm"):  # fmt: skip
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope",
+        "tie_word_embeddings",
+        "qkv_bias",
+        "qk_norm",
+    ):
         assert getattr(cfg, field) == getattr(ref, field), field
     assert cfg.rms_norm_eps == pytest.approx(ref.rms_norm_eps)  # stored as float32
     assert cfg.architecture == {"llama": "LlamaForCausalLM"}.get(arch, ref.architecture)
@@ -144,9 +153,14 @@ def _sentencepiece_gguf(path):
     learned = [t for t, _ in sorted(sp.get_vocab().items(), key=lambda kv: kv[1])]
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *learned]
     w = GGUFWriter(str(path), "llama")
-    for add, value in ((w.add_block_count, 1), (w.add_context_length, 64),
-                       (w.add_embedding_length, 8), (w.add_feed_forward_length, 16),
-                       (w.add_head_count, 2), (w.add_vocab_size, len(tokens))):  # fmt: skip
+    for add, value in (
+        (w.add_block_count, 1),
+        (w.add_context_length, 64),
+        (w.add_embedding_length, 8),
+        (w.add_feed_forward_length, 16),
+        (w.add_head_count, 2),
+        (w.add_vocab_size, len(tokens)),
+    ):
         add(value)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
@@ -167,8 +181,12 @@ def test_sentencepiece_gguf_tokenizer_equals_transformers(tmp_path):
     path = _sentencepiece_gguf(tmp_path / "sp.gguf")
     ours = Tokenizer.from_dir(path)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    texts = ["The cache of keys and values.", "  two leading spaces\n\nand lines",
-             "ünïcode 🙂 falls back to bytes", "</s> is special"]  # fmt: skip
+    texts = [
+        "The cache of keys and values.",
+        "  two leading spaces\n\nand lines",
+        "ünïcode 🙂 falls back to bytes",
+        "</s> is special",
+    ]
     for text in texts:
         ids = ours.encode(text)
         assert ids == theirs(text)["input_ids"], text

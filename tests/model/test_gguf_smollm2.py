@@ -101,9 +101,13 @@ def test_prefill_logits_match_transformers(gguf_path, chats, hf):
 def _hf_greedy(model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=2, pad_token_id=2,
-        )  # fmt: skip
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
     return out[0, len(prompt) :].tolist()
 
 

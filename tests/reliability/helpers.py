@@ -29,8 +29,9 @@ from cluster.client import KVClusterClient
 CALL_TIMEOUT_S = 60.0  # deadline of every gRPC call of the suite
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1
-             ) -> bool:
+def wait_for(
+    predicate: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1
+) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -53,6 +54,7 @@ def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def generate_code(client: KVClusterClient, prompt: Any, **kwargs: Any
-                  ) -> tuple[grpc.StatusCode, str]:
+def generate_code(
+    client: KVClusterClient, prompt: Any, **kwargs: Any
+) -> tuple[grpc.StatusCode, str]:
     return code_of(lambda: client.generate(prompt, timeout=CALL_TIMEOUT_S, **kwargs))

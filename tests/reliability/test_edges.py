@@ -44,12 +44,14 @@ async def _calls(payloads: list[tuple[str, bytes]]) -> list[tuple[str, str]]:
                 try:
                     if method == "Generate":
                         call = ch.unary_stream(f"/kvcluster.v1.KVCluster/{method}")
-                        msgs = [pb.GenerateResponse.FromString(m)
-                                async for m in call(data, timeout=10)]
+                        msgs = [
+                            pb.GenerateResponse.FromString(m) async for m in call(data, timeout=10)
+                        ]
                         out.append(("OK", msgs[0].text))
                     else:
                         reply = await ch.unary_unary(f"/kvcluster.v1.KVCluster/{method}")(
-                            data, timeout=10)
+                            data, timeout=10
+                        )
                         out.append(("OK", str(pb.TokenizeResponse.FromString(reply).token_ids)))
                 except grpc.aio.AioRpcError as exc:
                     out.append((exc.code().name, exc.details()))
@@ -59,13 +61,17 @@ async def _calls(payloads: list[tuple[str, bytes]]) -> list[tuple[str, str]]:
 
 
 def test_decode_guard_turns_parse_failures_into_invalid_argument() -> None:
-    results = asyncio.run(_calls([
-        ("Generate", pb.GenerateRequest(text="fine").SerializeToString()),
-        ("Generate", raw_string_field(2, b"\xff\xfe")),
-        ("Generate", b"\x0a\x05ab"),  # request_id claims 5 bytes, 2 follow
-        ("Tokenize", raw_string_field(1, b"\xc0\xaf")),
-        ("Tokenize", pb.TokenizeRequest(text="four").SerializeToString()),
-    ]))
+    results = asyncio.run(
+        _calls(
+            [
+                ("Generate", pb.GenerateRequest(text="fine").SerializeToString()),
+                ("Generate", raw_string_field(2, b"\xff\xfe")),
+                ("Generate", b"\x0a\x05ab"),  # request_id claims 5 bytes, 2 follow
+                ("Tokenize", raw_string_field(1, b"\xc0\xaf")),
+                ("Tokenize", pb.TokenizeRequest(text="four").SerializeToString()),
+            ]
+        )
+    )
     assert results[0] == ("OK", "fine")
     assert results[1][0] == "INVALID_ARGUMENT" and "invalid text: not valid UTF-8" in results[1][1]
     assert results[2][0] == "INVALID_ARGUMENT"
@@ -78,7 +84,8 @@ def test_malformed_reason_names_nested_string_fields() -> None:
     params = raw_string_field(11, b"ok") + raw_string_field(11, b"\xe2\x82")
     data = pb.GenerateRequest(text="x").SerializeToString() + raw_string_field(4, params)
     assert malformed_reason(pb.GenerateRequest.DESCRIPTOR, data, ValueError("bad")).startswith(
-        "invalid params.stop: not valid UTF-8")
+        "invalid params.stop: not valid UTF-8"
+    )
     corrupt = malformed_reason(pb.GenerateRequest.DESCRIPTOR, b"\xff", ValueError("corrupt"))
     assert corrupt == "request is not a valid kvcluster.v1.GenerateRequest (1 bytes): corrupt"
 
@@ -102,8 +109,11 @@ def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
 
 def test_max_tokens_over_max_model_len_is_rejected_before_routing() -> None:
     check_limits([1, 2], SamplingParams(max_tokens=63), LIMITS)
-    with pytest.raises(InvalidRequest, match=r"max_tokens=64: must be at most 63 "
-                                             r"\(max_model_len=64"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"max_tokens=64: must be at most 63 "
+        r"\(max_model_len=64",
+    ):
         check_limits([1, 2], SamplingParams(max_tokens=64), LIMITS)
 
 
@@ -159,8 +169,9 @@ def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeyp
     monkeypatch.setattr(launcher, "STATE_DIR", tmp_path / "state")
     model_dir = tmp_path / "empty-model"
     model_dir.mkdir()
-    cluster = launcher.Cluster(cluster_config("rel-broken-detached",
-                                              model={"path": str(model_dir)}), detached=True)
+    cluster = launcher.Cluster(
+        cluster_config("rel-broken-detached", model={"path": str(model_dir)}), detached=True
+    )
     started: list[int] = []
     real_head, real_redis = launcher.start_ray_head, launcher.start_detached
 

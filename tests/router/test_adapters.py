@@ -81,8 +81,9 @@ class Workers(WorkerDirectory):
     async def candidates(self) -> Mapping[str, WorkerLoad]:
         return LOADS
 
-    async def stream(self, worker_id: str, request: WorkerRequest
-                     ) -> AsyncIterator[Admitted | RequestOutput]:  # fmt: skip
+    async def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
         self.requests.append((worker_id, request))
         yield Admitted(worker_id, 1, None)
         delta = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
@@ -97,8 +98,11 @@ class Workers(WorkerDirectory):
 
 def test_serving_core_routes_by_adapter_and_rejects_unknown_ones() -> None:
     async def main(directory: Workers) -> None:
-        core = ServingCore(Router(RoutingConfig(block_size=16, pending_ttl_s=0)), directory,
-                           ModelLimits("m", 1000, 4096, 4095))  # fmt: skip
+        core = ServingCore(
+            Router(RoutingConfig(block_size=16, pending_ttl_s=0)),
+            directory,
+            ModelLimits("m", 1000, 4096, 4095),
+        )
         for i, name in enumerate(["a2", "a1", "a2"]):
             async for _ in core.generate(f"r{i}", PROMPT, SamplingParams(lora=name)):
                 pass
@@ -110,8 +114,10 @@ def test_serving_core_routes_by_adapter_and_rejects_unknown_ones() -> None:
     directory = Workers()
     asyncio.run(main(directory))
     assert [(w, r.params.lora) for w, r in directory.requests] == [
-        ("w1", "a2"), ("w0", "a1"), ("w1", "a2"),
-    ]  # fmt: skip
+        ("w1", "a2"),
+        ("w0", "a1"),
+        ("w1", "a2"),
+    ]
 
 
 def test_heartbeat_carries_adapters_and_grpc_field_maps_to_params() -> None:
@@ -145,8 +151,14 @@ def test_sim_worker_charges_adapter_loads_and_reports_its_slots() -> None:
     from router.sim import SimRequest, SimWorker, TimeModel
     from worker.kv import KVCacheManager
 
-    tm = TimeModel(step_overhead_s=0.01, prefill_s_per_token=0.001, attn_s_per_token_pair=0.0,
-                   decode_s_per_ctx_token=0.0, max_batched_tokens=64, lora_load_s=0.5)  # fmt: skip
+    tm = TimeModel(
+        step_overhead_s=0.01,
+        prefill_s_per_token=0.001,
+        attn_s_per_token_pair=0.0,
+        decode_s_per_ctx_token=0.0,
+        max_batched_tokens=64,
+        lora_load_s=0.5,
+    )
     worker = SimWorker("w0", KVCacheManager(64, 16), tm, max_loras=1)
     ctx = {a: HashContext("m", a) for a in (A1, A2)}
     first = worker.submit(SimRequest("r1", 0.0, list(range(10, 30)), 1, ctx[A1]), 0, ())

@@ -14,14 +14,25 @@ LIMITS = RequestLimits(max_n=4, max_stop_strings=2, max_request_id_chars=8, max_
 
 @pytest.mark.parametrize(
     ("req", "field", "limit"),
-    [(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=5)), "n", "at most 4"),
-     (pb.GenerateRequest(text="x", params=pb.SamplingParams(beam_width=5)), "beam_width",
-      "at most 4"),
-     (pb.GenerateRequest(text="x", params=pb.SamplingParams(logprobs=4)), "logprobs",
-      "at most 3"),
-     (pb.GenerateRequest(text="x", params=pb.SamplingParams(stop=["a", "b", "c"])), "stop",
-      "at most 2 strings"),
-     (pb.GenerateRequest(text="x", request_id="123456789"), "request_id", "at most 8")],
+    [
+        (pb.GenerateRequest(text="x", params=pb.SamplingParams(n=5)), "n", "at most 4"),
+        (
+            pb.GenerateRequest(text="x", params=pb.SamplingParams(beam_width=5)),
+            "beam_width",
+            "at most 4",
+        ),
+        (
+            pb.GenerateRequest(text="x", params=pb.SamplingParams(logprobs=4)),
+            "logprobs",
+            "at most 3",
+        ),
+        (
+            pb.GenerateRequest(text="x", params=pb.SamplingParams(stop=["a", "b", "c"])),
+            "stop",
+            "at most 2 strings",
+        ),
+        (pb.GenerateRequest(text="x", request_id="123456789"), "request_id", "at most 8"),
+    ],
 )
 def test_configured_limits_are_enforced(req, field: str, limit: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -30,8 +41,9 @@ def test_configured_limits_are_enforced(req, field: str, limit: str) -> None:
 
 
 def test_within_limits_passes_and_defaults_are_wider() -> None:
-    req = pb.GenerateRequest(text="x", request_id="r1",
-                             params=pb.SamplingParams(n=4, stop=["a", "b"], logprobs=3))
+    req = pb.GenerateRequest(
+        text="x", request_id="r1", params=pb.SamplingParams(n=4, stop=["a", "b"], logprobs=3)
+    )
     spec = spec_from_pb(req, limits=LIMITS)
     assert spec.params.n == 4 and spec.params.stop == ("a", "b") and spec.request_id == "r1"
     spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(n=16)))  # default max_n
@@ -42,8 +54,11 @@ def test_penalties_cross_the_wire_and_are_bounded() -> None:
     spec = spec_from_pb(pb.GenerateRequest(text="x", params=params))
     assert spec.params.presence_penalty == 0.5 and spec.params.frequency_penalty == -1.0
     assert spec.params.repetition_penalty == pytest.approx(1.2)
-    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-                         ("repetition_penalty", 0.0)):  # fmt: skip
+    for field, value in (
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+    ):
         with pytest.raises(InvalidRequest) as info:
             spec_from_pb(pb.GenerateRequest(text="x", params=pb.SamplingParams(**{field: value})))
         assert info.value.field == field

@@ -34,8 +34,10 @@ def test_prefix_affinity_over_redis_index_and_outage(redis_server: RedisServer) 
     follow_up = prompt + tokens(2, 50)
     decision = router.route(RouteRequest("second", follow_up, ctx), live)
     assert (decision.worker_id, decision.reason, decision.cached_tokens_expected) == (
-        "w1", Reason.PREFIX, 192,
-    )  # fmt: skip
+        "w1",
+        Reason.PREFIX,
+        192,
+    )
     # Parity: the worker's block chain for the request equals the router's keys.
     hit = kv.lookup_prefix(follow_up, ctx)
     kv.allocate_slots("second", follow_up, len(follow_up) - hit.num_tokens, ctx=ctx, prefix=hit)
@@ -50,5 +52,3 @@ def test_prefix_affinity_over_redis_index_and_outage(redis_server: RedisServer) 
     assert (outage.worker_id, outage.reason) in {("w0", Reason.NO_INDEX), ("w2", Reason.NO_INDEX)}
     assert router.metrics.index_errors == 1
     assert router.metrics.count(Reason.NO_INDEX) == 1
-
-

@@ -14,8 +14,7 @@ from router.serving.core import ModelLimits, ServingCore
 from router.serving.workers import WorkerDirectory
 from worker.engine import RequestOutput, SamplingParams, Usage
 
-IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100,
-                  queued_prefill_tokens=0)
+IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100, queued_prefill_tokens=0)
 
 
 class HeldWorkers(WorkerDirectory):
@@ -29,15 +28,20 @@ class HeldWorkers(WorkerDirectory):
     async def candidates(self) -> Mapping[str, WorkerLoad]:
         return {"w0": IDLE, "w1": IDLE}
 
-    async def stream(self, worker_id: str, request: WorkerRequest
-                     ) -> AsyncIterator[Admitted | RequestOutput]:
+    async def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
         self.placed.append(worker_id)
         self.requests.append(request)
         yield Admitted(worker_id, 1, None)
         await self.release.wait()
         usage = Usage(len(request.token_ids), 0, 1)
-        yield RequestOutput(request.request_id, [CompletionDelta(0, "x", [7],
-                            finish_reason=FinishReason.LENGTH)], True, usage)
+        yield RequestOutput(
+            request.request_id,
+            [CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)],
+            True,
+            usage,
+        )
 
     async def abort(self, worker_id: str, request_id: str) -> None:
         return None

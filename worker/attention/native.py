@@ -37,9 +37,17 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 # load time (crtfastmath), silently changing every float op of torch and Python. The few
 # relaxations the reductions need to vectorise are asked for one by one instead.
 CFLAGS = (
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-    "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
-)  # fmt: skip
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-ffp-contract=fast",
+    "-fPIC",
+    "-shared",
+    "-std=c11",
+)
 _reason: str | None = None
 PIECES_PER_THREAD = 2  # work ranges per pool thread (finer balances better, each costs a call)
 
@@ -90,9 +98,27 @@ class NativeKernels:
         fn = lib.kvc_paged_decode_f32
         i64, f32p = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [
-            f32p, i64, i64, f32p, i64, i64, f32p, f32p, f32p, f32p, i64, f32p, i64, i64,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
-        ]  # fmt: skip
+            f32p,
+            i64,
+            i64,
+            f32p,
+            i64,
+            i64,
+            f32p,
+            f32p,
+            f32p,
+            f32p,
+            i64,
+            f32p,
+            i64,
+            i64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_int
         self._decode = fn
         self.threads = max(1, threads)
@@ -122,10 +148,19 @@ class NativeKernels:
         assert v_cache.is_contiguous() and block_tables.stride(1) == 1
         assert block_tables.dtype == seq_lens.dtype == torch.int32 and rows.dtype == torch.int64
         fixed = (
-            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-            rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(),
-        )  # fmt: skip
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            rows.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+        )
         tail = (heads, kv_heads, head_dim, k_cache.shape[1], scale, window or 0)
         if self._pool is None or len(spans) == 1:
             results = [self._decode(*fixed, lo, hi, *tail) for lo, hi in spans]

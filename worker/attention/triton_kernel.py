@@ -27,17 +27,33 @@ TARGET_PROGRAMS = 4 * 132  # a few waves of an H100/H200-class GPU's SMs
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_lse_ptr,
-    scale, window,
-    stride_q_tok, stride_q_head,
-    stride_k_block, stride_k_slot, stride_k_head,
-    stride_v_block, stride_v_slot, stride_v_head,
-    stride_o_tok, stride_o_head,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
     stride_bt_seq,
-    stride_po_split, stride_po_tok, stride_po_head,
-    stride_pl_split, stride_pl_tok,
+    stride_po_split,
+    stride_po_tok,
+    stride_po_head,
+    stride_pl_split,
+    stride_pl_tok,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -45,7 +61,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     PAGE: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2) // NUM_SPLITS
@@ -136,15 +152,21 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_po_split, stride_po_tok, stride_po_head,
-    stride_pl_split, stride_pl_tok,
-    stride_o_tok, stride_o_head,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_po_split,
+    stride_po_tok,
+    stride_po_head,
+    stride_pl_split,
+    stride_pl_tok,
+    stride_o_tok,
+    stride_o_head,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P2)
@@ -231,17 +253,33 @@ def paged_attention(
         part_out, part_lse = out, out
     grid = (num_seqs, num_kv_heads, tiles * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        block_tables, seq_lens, query_start_loc,
-        part_out, part_lse,
-        scale, sliding_window or NO_WINDOW,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        part_out,
+        part_lse,
+        scale,
+        sliding_window or NO_WINDOW,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
         NUM_SPLITS=num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -249,16 +287,22 @@ def paged_attention(
         BLOCK_M=block_m,
         PAGE=page,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    )
     if num_splits > 1:
         _merge_splits_kernel[(tokens, num_heads)](
-            part_out, part_lse, out,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
+            part_out,
+            part_lse,
+            out,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
             NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-        )  # fmt: skip
+        )
     return out

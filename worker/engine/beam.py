@@ -169,8 +169,9 @@ class BeamSearch:
             if toks is None or not bool(self.finished_flags[i]):
                 continue
             hit = bool(toks) and toks[-1] in self.stop_ids
-            score = beam_score(float(self.finished_sums[i]), self.finished_lens[i],
-                               self.length_penalty)
+            score = beam_score(
+                float(self.finished_sums[i]), self.finished_lens[i], self.length_penalty
+            )
             out.append(BeamHypothesis(toks, score, hit))
         return out
 
@@ -182,7 +183,8 @@ class BeamSearch:
                 self.finished_tokens[i] = list(toks)
                 self.finished_sums[i] = self.running_scores[i]
                 self.finished_lens[i] = n
-                self.finished_keys[i] = rank_key(self.running_scores[i : i + 1], n,
-                                                 self.length_penalty)[0]
+                self.finished_keys[i] = rank_key(
+                    self.running_scores[i : i + 1], n, self.length_penalty
+                )[0]
                 self.finished_flags[i] = True
         self.done = True

@@ -58,11 +58,12 @@ class Engine:
         self.eos_ids = frozenset(executor.eos_token_ids)
         quota = config.tenant_cache_fraction
         self.kv = KVCacheManager(
-            executor.num_blocks, config.block_size,
+            executor.num_blocks,
+            config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             tenant_quota_blocks=int(quota * executor.num_blocks) if quota < 1.0 else None,
             host_num_blocks=executor.num_host_blocks,
-        )  # fmt: skip
+        )
         self.scheduler = Scheduler(config, self.kv, get_policy(config.policy))
         self.requests: dict[str, Request] = {}  # live requests by id
         self.stats = MetricsRecorder()
@@ -72,9 +73,14 @@ class Engine:
         for name, path in config.lora_adapters.items():
             self.add_lora(name, path)
         self.processor = OutputProcessor(
-            kv=self.kv, scheduler=self.scheduler, tokenizer=self.tokenizer, eos_ids=self.eos_ids,
-            stats=self.stats, requests=self.requests, seed=config.seed,
-        )  # fmt: skip
+            kv=self.kv,
+            scheduler=self.scheduler,
+            tokenizer=self.tokenizer,
+            eos_ids=self.eos_ids,
+            stats=self.stats,
+            requests=self.requests,
+            seed=config.seed,
+        )
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -135,10 +141,15 @@ class Engine:
             raise InvalidRequest("request_id", rid, "must be unique among live requests")
         prompt_ids = self._tokenize(prompt)
         validate_request(
-            prompt_ids, params, config=self.config, vocab_size=self.executor.vocab_size,
-            max_model_len=self.max_model_len, num_blocks=self.kv.num_blocks,
-            has_tokenizer=self.tokenizer is not None, eos_ids=self.eos_ids,
-        )  # fmt: skip
+            prompt_ids,
+            params,
+            config=self.config,
+            vocab_size=self.executor.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=self.kv.num_blocks,
+            has_tokenizer=self.tokenizer is not None,
+            eos_ids=self.eos_ids,
+        )
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))

@@ -119,8 +119,9 @@ class RunnerExecutor(ModelExecutor):
             cuda_graph_max_batch=cuda_graph_max_batch,
             host_kv_bytes=host_kv_bytes,
         )
-        return cls(runner, Tokenizer.from_dir(model_dir), max_loras=max_loras,
-                   max_lora_rank=max_lora_rank)  # fmt: skip
+        return cls(
+            runner, Tokenizer.from_dir(model_dir), max_loras=max_loras, max_lora_rank=max_lora_rank
+        )
 
     def add_lora(self, name: str, path: str) -> str:
         from worker.model.lora import LoraError, load_adapter
@@ -128,8 +129,10 @@ class RunnerExecutor(ModelExecutor):
         adapter = load_adapter(name, path, self.runner.config, self.max_lora_rank)
         old = self._loras.get(name)
         if old is not None and old.adapter_id != adapter.adapter_id:
-            raise LoraError(f"adapter {name!r} is registered with other weights "
-                            f"({old.adapter_id}); register the new ones under a new name")
+            raise LoraError(
+                f"adapter {name!r} is registered with other weights "
+                f"({old.adapter_id}); register the new ones under a new name"
+            )
         self.runner.enable_lora(self.max_loras, self.max_lora_rank)
         self._loras[name] = adapter
         return adapter.adapter_id
@@ -154,7 +157,10 @@ class RunnerExecutor(ModelExecutor):
             )
             for c in chunks
         ]
-        adapters = [self._loras[c.req.params.lora] if c.req.params.lora else None
-                    for c in chunks] if self._loras else None  # fmt: skip
+        adapters = (
+            [self._loras[c.req.params.lora] if c.req.params.lora else None for c in chunks]
+            if self._loras
+            else None
+        )
         # Logits stay on the runner's device: the sampler works there and sends back only ids.
         return self.runner.execute(self.runner.build_input(seqs), adapters).float()

@@ -15,6 +15,7 @@ from kvstore.blocks.registry import Registry
 if TYPE_CHECKING:
     from worker.engine.request import Request
 
+
 class SchedulingPolicy(ABC):
     """Orders requests. Obligation: ``key`` depends only on fields fixed at arrival."""
 

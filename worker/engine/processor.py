@@ -61,8 +61,11 @@ class OutputProcessor:
 
     def fail(self, req: Request, exc: BaseException) -> None:
         """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
-        log.exception("request %s failed inside the engine; it is aborted, the engine goes on",
-                      req.request_id, exc_info=exc)
+        log.exception(
+            "request %s failed inside the engine; it is aborted, the engine goes on",
+            req.request_id,
+            exc_info=exc,
+        )
         if not req.finished:
             req.final_deltas.clear()
             self.abort(req, f"internal error processing the request: {type(exc).__name__}: {exc}")
@@ -109,9 +112,11 @@ class OutputProcessor:
         return changed
 
     def _sample(
-        self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor,
+        self,
+        jobs: list[tuple[Request, Sequence, int]],
+        logits: torch.Tensor,
         changed: dict[str, Request],
-    ) -> None:  # fmt: skip
+    ) -> None:
         targets: list[tuple[Request, Sequence]] = []
         rows: list[int] = []
         specs: list[SampleSpec] = []
@@ -142,9 +147,12 @@ class OutputProcessor:
                 self.guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
 
     def _sample_each(
-        self, targets: list[tuple[Request, Sequence]], rows: list[int], specs: list[SampleSpec],
+        self,
+        targets: list[tuple[Request, Sequence]],
+        rows: list[int],
+        specs: list[SampleSpec],
         logits: torch.Tensor,
-    ) -> list[tuple[tuple[Request, Sequence], int, TokenLogprob | None]]:  # fmt: skip
+    ) -> list[tuple[tuple[Request, Sequence], int, TokenLogprob | None]]:
         """The batch failed: sample each request alone; the ones that still fail are failed."""
         by_req: dict[str, list[int]] = defaultdict(list)
         for i, (req, _) in enumerate(targets):
@@ -153,8 +161,9 @@ class OutputProcessor:
         for idx in by_req.values():
             req = targets[idx[0]][0]
             try:
-                toks, lps = sample(logits[[rows[i] for i in idx]], [specs[i] for i in idx],
-                                   self._rng)
+                toks, lps = sample(
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng
+                )
             except Exception as exc:  # noqa: BLE001
                 self.fail(req, exc)
                 continue

@@ -41,10 +41,24 @@ class Sequence:
     """One token stream of a request: a parallel sample or a beam, with its own block table."""
 
     __slots__ = (
-        "seq_id", "index", "token_ids", "prompt_len", "num_computed", "allocated",
-        "finish_reason", "stop_reason", "text", "generator", "cumulative_logprob",
-        "new_tokens", "new_logprobs", "pending_logits", "finish_sent", "cached_hint", "claim",
-    )  # fmt: skip
+        "seq_id",
+        "index",
+        "token_ids",
+        "prompt_len",
+        "num_computed",
+        "allocated",
+        "finish_reason",
+        "stop_reason",
+        "text",
+        "generator",
+        "cumulative_logprob",
+        "new_tokens",
+        "new_logprobs",
+        "pending_logits",
+        "finish_sent",
+        "cached_hint",
+        "claim",
+    )
 
     def __init__(
         self,

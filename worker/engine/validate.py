@@ -50,8 +50,10 @@ def validate_request(
         banned = params.stop_token_set | (set() if params.ignore_eos else set(eos_ids))
         if len(banned) >= vocab_size:
             raise InvalidRequest(
-                "stop_token_ids", f"<{len(params.stop_token_ids)} ids>",
+                "stop_token_ids",
+                f"<{len(params.stop_token_ids)} ids>",
                 f"with min_tokens={params.min_tokens} they and EOS ban every token of the "
-                f"vocabulary (vocab_size={vocab_size}): nothing could be generated")
+                f"vocabulary (vocab_size={vocab_size}): nothing could be generated",
+            )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop", list(params.stop), "stop strings need a tokenizer")

@@ -57,8 +57,16 @@ class KVBlock:
     """One physical block: its id, ref count, cache key and free-queue links."""
 
     __slots__ = (
-        "block_id", "ref_cnt", "key", "twin_of", "token_ids", "tenant", "parent", "prev", "next"
-    )  # fmt: skip
+        "block_id",
+        "ref_cnt",
+        "key",
+        "twin_of",
+        "token_ids",
+        "tenant",
+        "parent",
+        "prev",
+        "next",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id  # index into the model runner's KV tensors; never changes

@@ -279,9 +279,7 @@ class KVCacheManager:
         n_keys = len(keys) + len(loads)
         if self.enable_prefix_caching and total // bs > n_keys:
             parent = new_keys[-1] if new_keys else keys[-1] if keys else None
-            more_keys, more_toks = hash_full_blocks(
-                token_ids, bs, n_keys, total // bs, parent, ctx
-            )
+            more_keys, more_toks = hash_full_blocks(token_ids, bs, n_keys, total // bs, parent, ctx)
             new_keys += more_keys
             new_toks += more_toks
 

@@ -47,10 +47,20 @@ def build_tiny_lora(
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets),
-        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+    }
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out

@@ -134,13 +134,19 @@ def tokenizer_backend_from_gguf(path: str | Path) -> tuple[HFTokenizer, dict[str
     vocab = backend.get_vocab()
     pairs = list(zip(tokens, types, strict=False))
     backend.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t, k in pairs
-         if k == _CONTROL and t in addable]
-    )  # fmt: skip
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, k in pairs
+            if k == _CONTROL and t in addable
+        ]
+    )
     backend.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for t, k in pairs
-         if k == _USER_DEFINED and t in vocab]
-    )  # fmt: skip
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in pairs
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
 
     def token(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}")

@@ -42,9 +42,11 @@ class FusedLinear:
     def __init__(self, parts: list[nn.Linear]) -> None:
         sizes = [p.out_features for p in parts]
         weight = torch.empty(
-            sum(sizes), parts[0].in_features, dtype=parts[0].weight.dtype,
+            sum(sizes),
+            parts[0].in_features,
+            dtype=parts[0].weight.dtype,
             device=parts[0].weight.device,
-        )  # fmt: skip
+        )
         bias = None if parts[0].bias is None else weight.new_empty(sum(sizes))
         start = 0
         for part, size in zip(parts, sizes, strict=True):

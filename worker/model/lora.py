@@ -68,9 +68,14 @@ def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     i = cfg.intermediate_size
     return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }  # fmt: skip
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
@@ -82,8 +87,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     for p in (cfg_path, w_path):
         if not p.is_file():
-            raise LoraError(f"adapter {name!r}: {p} not found (a PEFT adapter folder needs "
-                            f"{CONFIG_FILE} and {WEIGHTS_FILE})")  # fmt: skip
+            raise LoraError(
+                f"adapter {name!r}: {p} not found (a PEFT adapter folder needs "
+                f"{CONFIG_FILE} and {WEIGHTS_FILE})"
+            )
     raw_cfg = cfg_path.read_bytes()
     try:
         acfg = json.loads(raw_cfg)
@@ -91,8 +98,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         raise LoraError(f"adapter {name!r}: {cfg_path} is not JSON: {exc}") from None
     rank, alpha = acfg.get("r"), acfg.get("lora_alpha", acfg.get("r"))
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise LoraError(f"adapter {name!r}: r={rank!r} must be an integer in [1, "
-                        f"max_lora_rank={max_rank}] (raise max_lora_rank)")  # fmt: skip
+        raise LoraError(
+            f"adapter {name!r}: r={rank!r} must be an integer in [1, "
+            f"max_lora_rank={max_rank}] (raise max_lora_rank)"
+        )
     unsupported = {
         "use_dora": bool(acfg.get("use_dora")),
         "bias": acfg.get("bias", "none") != "none",
@@ -108,20 +117,23 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     if isinstance(targets, list):
         other = sorted(set(targets) - set(MODULES))
         if other:
-            raise LoraError(f"adapter {name!r}: target_modules {other} not supported; "
-                            f"valid: {list(MODULES)}")  # fmt: skip
+            raise LoraError(
+                f"adapter {name!r}: target_modules {other} not supported; valid: {list(MODULES)}"
+            )
     tensors = load_file(str(w_path))
     dims = _module_dims(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in dims:
-            raise LoraError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight of "
-                            f"{list(MODULES)}")  # fmt: skip
+            raise LoraError(
+                f"adapter {name!r}: tensor {key!r} is not a LoRA weight of {list(MODULES)}"
+            )
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
-            raise LoraError(f"adapter {name!r}: {key!r} names layer {layer}; the model has "
-                            f"{cfg.num_layers}")  # fmt: skip
+            raise LoraError(
+                f"adapter {name!r}: {key!r} names layer {layer}; the model has {cfg.num_layers}"
+            )
         parts.setdefault((layer, m.group(2)), {})[m.group(3)] = t
     weights = {}
     for (layer, mod), ab in sorted(parts.items()):

@@ -56,8 +56,15 @@ class LoraSlots:
         dev, dtype = weight.device, weight.dtype
         h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
         kv, inter = cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        out = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": inter,
-               "up_proj": inter, "down_proj": h}  # fmt: skip
+        out = {
+            "q_proj": q,
+            "k_proj": kv,
+            "v_proj": kv,
+            "o_proj": h,
+            "gate_proj": inter,
+            "up_proj": inter,
+            "down_proj": h,
+        }
         fan_in = {"qkv": h, "o": q, "gate_up": h, "down": inter}
         # [layer][group] -> (A, [B per slice])
         self.weights: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
@@ -65,8 +72,9 @@ class LoraSlots:
             layer = {}
             for g, mods in GROUPS.items():
                 a = torch.zeros(max_loras, fan_in[g], len(mods) * max_rank, dtype=dtype, device=dev)
-                bs = [torch.zeros(max_loras, max_rank, out[m], dtype=dtype, device=dev)
-                      for m in mods]  # fmt: skip
+                bs = [
+                    torch.zeros(max_loras, max_rank, out[m], dtype=dtype, device=dev) for m in mods
+                ]
                 layer[g] = (a, bs)
             self.weights.append(layer)
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # loaded adapter -> slot, LRU first

@@ -236,8 +236,9 @@ class ModelRunner:
             return self.graphs.run(batch)  # graphs hold the base model only: LoRA runs eagerly
         prepared = self.backend.prepare(batch.attention_metadata())
         if self.lora is not None:
-            self.lora.set_batch(adapters or [None] * len(batch.query_lens_host),
-                                batch.query_lens_host)  # fmt: skip
+            self.lora.set_batch(
+                adapters or [None] * len(batch.query_lens_host), batch.query_lens_host
+            )
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, prepared)
         finally:

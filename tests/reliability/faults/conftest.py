@@ -22,9 +22,11 @@ LIVENESS = {"stream_stall_s": 2.0, "probe_timeout_s": 2.0, "status_timeout_s": 1
 
 @pytest.fixture(scope="package")
 def cluster() -> Cluster:
-    cfg = cluster_config(f"rel-faults-{os.getpid()}", router={"num_routers": 2,
-                                                               "liveness": LIVENESS},
-                         workers={"engine": FAULTS_ENGINE})
+    cfg = cluster_config(
+        f"rel-faults-{os.getpid()}",
+        router={"num_routers": 2, "liveness": LIVENESS},
+        workers={"engine": FAULTS_ENGINE},
+    )
     with Cluster(cfg) as c:
         yield c
 

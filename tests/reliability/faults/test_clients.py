@@ -26,8 +26,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
 def _long(i: int, max_tokens: int = 300) -> object:
-    return build_request(f"Long story number {i}, told slowly. " * 3, max_tokens=max_tokens,
-                         temperature=0.0, ignore_eos=True)
+    return build_request(
+        f"Long story number {i}, told slowly. " * 3,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    )
 
 
 def test_disconnect_mid_stream_aborts_on_the_worker(cluster) -> None:

@@ -20,15 +20,24 @@ from worker.kv import HashContext, block_keys
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
-PREFIXES = [f"System prompt {i}: you are assistant number {i} of a cluster that caches "
-            f"attention keys and values; answer in the voice of a {kind}. "
-            for i, kind in enumerate(("pirate", "lawyer", "poet", "robot"))]
+PREFIXES = [
+    f"System prompt {i}: you are assistant number {i} of a cluster that caches "
+    f"attention keys and values; answer in the voice of a {kind}. "
+    for i, kind in enumerate(("pirate", "lawyer", "poet", "robot"))
+]
 
 
 def _round(client: KVClusterClient, tag: str, n: int = 8) -> tuple[float, list]:
     """n requests over the prefixes; their prefix hit rate (cached / prompt tokens)."""
-    outs = [client.generate(PREFIXES[i % len(PREFIXES)] + f"{tag} question {i}?", max_tokens=2,
-                            temperature=0.0, timeout=CALL_TIMEOUT_S) for i in range(n)]
+    outs = [
+        client.generate(
+            PREFIXES[i % len(PREFIXES)] + f"{tag} question {i}?",
+            max_tokens=2,
+            temperature=0.0,
+            timeout=CALL_TIMEOUT_S,
+        )
+        for i in range(n)
+    ]
     return sum(o.cached_tokens for o in outs) / sum(o.prompt_tokens for o in outs), outs
 
 
@@ -62,8 +71,9 @@ def test_redis_outage_serves_everything_then_prefix_routing_recovers(cluster, cl
     served_before_stop = len(codes)
     time.sleep(1.0)
     assert not client.status().index_available
-    outage = [generate_code(client, PREFIXES[i % 4] + f"outage {i}", max_tokens=2)
-              for i in range(8)]
+    outage = [
+        generate_code(client, PREFIXES[i % 4] + f"outage {i}", max_tokens=2) for i in range(8)
+    ]
     time.sleep(1.0)
     cluster.redis.start()
     # workers register again (new epochs) and resync what they hold

@@ -32,12 +32,22 @@ MAX_TOKENS = 480  # would take many seconds to finish; must be stopped, not wait
 def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
     target = "ipv4:" + ",".join(cluster.endpoints)  # router-0 first (pick_first)
     with KVClusterClient(target) as client:
-        assert client.generate("Which router?", max_tokens=2, timeout=CALL_TIMEOUT_S).text \
-            is not None
+        assert (
+            client.generate("Which router?", max_tokens=2, timeout=CALL_TIMEOUT_S).text is not None
+        )
         tokens0 = generated_tokens(cluster)
-        calls = [client.stream(build_request(f"Orphan stream {i}. " * 3, max_tokens=MAX_TOKENS,
-                                             temperature=0.0, ignore_eos=True),
-                               timeout=CALL_TIMEOUT_S) for i in range(STREAMS)]
+        calls = [
+            client.stream(
+                build_request(
+                    f"Orphan stream {i}. " * 3,
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+            for i in range(STREAMS)
+        ]
         streams = [iter(c) for c in calls]
         for s in streams:
             next(s)  # every stream is running on a worker
@@ -57,8 +67,9 @@ def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
         assert after.completion_tokens == 2
 
         # the orphaned requests are stopped, not run to max_tokens
-        assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 10, 0.2), \
-            blocks_in_use(cluster)
+        assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 10, 0.2), blocks_in_use(
+            cluster
+        )
         assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 0.9
     assert wait_idle(cluster)
 

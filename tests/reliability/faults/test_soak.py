@@ -21,8 +21,10 @@ from tests.reliability.helpers import MixedLoad, wait_idle, worker_rss
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 RSS_MARGIN = (1.10, 32 << 20)  # end RSS <= warm-up RSS * 1.10 + 32 MiB, per worker
-FULL = pytest.mark.skipif(not os.environ.get("KVCLUSTER_SOAK_FULL"),
-                          reason="several thousand requests: set KVCLUSTER_SOAK_FULL=1")
+FULL = pytest.mark.skipif(
+    not os.environ.get("KVCLUSTER_SOAK_FULL"),
+    reason="several thousand requests: set KVCLUSTER_SOAK_FULL=1",
+)
 
 
 @pytest.mark.parametrize("requests", [200, pytest.param(3000, marks=FULL)])
@@ -39,8 +41,9 @@ def test_soak_leaves_no_block_no_request_no_memory_growth(cluster, requests) -> 
     assert result.hung == 0
     assert len(result.outcomes) == requests
     assert not result.unexpected(), result.unexpected()[:5]
-    assert all(kinds[k] > 0 for k in ("stream", "unary", "cancel", "disconnect", "deadline",
-                                      "bad")), kinds
+    assert all(
+        kinds[k] > 0 for k in ("stream", "unary", "cancel", "disconnect", "deadline", "bad")
+    ), kinds
     assert wait_idle(cluster), "a block or a request was left on a worker"
     end = worker_rss(cluster)
     factor, extra = RSS_MARGIN

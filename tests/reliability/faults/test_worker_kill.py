@@ -43,9 +43,13 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
 
     def send(i: int) -> None:
         try:
-            out = client.generate(f"Incident {i}: the cache node {i} stopped answering. Why?",
-                                  max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                  timeout=CALL_TIMEOUT_S)
+            out = client.generate(
+                f"Incident {i}: the cache node {i} stopped answering. Why?",
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=CALL_TIMEOUT_S,
+            )
             outcomes[i] = ("OK", out.worker_id, out.completion_tokens)
         except grpc.RpcError as exc:
             outcomes[i] = (exc.code(), exc.details())
@@ -68,8 +72,10 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
 
     # routers stop sending to the dead worker at once: right after the first broken stream
     assert first_failure.wait(30)
-    right_after = [client.generate(f"Right after the kill {i}.", max_tokens=2,
-                                   timeout=CALL_TIMEOUT_S) for i in range(3)]
+    right_after = [
+        client.generate(f"Right after the kill {i}.", max_tokens=2, timeout=CALL_TIMEOUT_S)
+        for i in range(3)
+    ]
     # (Ray may restart the victim within a second: a request it serves then must come from
     # the new incarnation, registered with a newer epoch)
     on_victim = [o for o in right_after if o.worker_id == victim]

@@ -66,20 +66,34 @@ def redis_server(tls) -> LocalRedis:  # noqa: ANN001
 @pytest.fixture(scope="package")
 def secure(log_records, tls, redis_server) -> Cluster:  # noqa: ANN001
     cfg = cluster_config(
-        f"rel-guard-{os.getpid()}", workers={"engine": GUARD_ENGINE},
-        router={"auth_tokens": TOKENS, "tls_cert": str(tls.cert), "tls_key": str(tls.key),
-                "max_message_bytes": MAX_MESSAGE_BYTES},
-        redis={"url": redis_server.url})
+        f"rel-guard-{os.getpid()}",
+        workers={"engine": GUARD_ENGINE},
+        router={
+            "auth_tokens": TOKENS,
+            "tls_cert": str(tls.cert),
+            "tls_key": str(tls.key),
+            "max_message_bytes": MAX_MESSAGE_BYTES,
+        },
+        redis={"url": redis_server.url},
+    )
     with Cluster(cfg) as c:
         yield c
 
 
-def connect(cluster: Cluster, tls, tenant: str | None = "alice", *,  # noqa: ANN001
-            token: str | None = None) -> KVClusterClient:
+def connect(
+    cluster: Cluster,
+    tls,
+    tenant: str | None = "alice",
+    *,  # noqa: ANN001
+    token: str | None = None,
+) -> KVClusterClient:
     """A TLS client of router 0 with ``tenant``'s token (or ``token`` as given)."""
-    return KVClusterClient(cluster.endpoints[0], root_cert=tls.ca.read_bytes(),
-                           token=token if token is not None else TOKENS.get(tenant or ""),
-                           max_message_bytes=4 * MAX_MESSAGE_BYTES)
+    return KVClusterClient(
+        cluster.endpoints[0],
+        root_cert=tls.ca.read_bytes(),
+        token=token if token is not None else TOKENS.get(tenant or ""),
+        max_message_bytes=4 * MAX_MESSAGE_BYTES,
+    )
 
 
 @pytest.fixture

@@ -25,11 +25,18 @@ CAPACITY = 2 * (2 + 2)  # workers x (running + waiting)
 def test_full_queues_answer_resource_exhausted(secure, tls) -> None:
     results: list = []
     with connect(secure, tls, "alice") as client:
+
         def send(i: int) -> None:
             t0 = time.monotonic()
-            code, details = code_of(lambda: client.generate(
-                f"Burst request {i}", max_tokens=150, temperature=0.0, ignore_eos=True,
-                timeout=CALL_TIMEOUT_S))
+            code, details = code_of(
+                lambda: client.generate(
+                    f"Burst request {i}",
+                    max_tokens=150,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    timeout=CALL_TIMEOUT_S,
+                )
+            )
             results.append((code, details, time.monotonic() - t0))
 
         threads = [threading.Thread(target=send, args=(i,)) for i in range(BURST)]
@@ -52,6 +59,10 @@ def test_full_queues_answer_resource_exhausted(secure, tls) -> None:
         fast = [s for code, _, s in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         slow = [s for code, _, s in results if code == grpc.StatusCode.OK]
         assert max(fast) < max(slow)
-        assert client.generate("After the burst.", max_tokens=2,
-                               timeout=CALL_TIMEOUT_S).completion_tokens == 2
+        assert (
+            client.generate(
+                "After the burst.", max_tokens=2, timeout=CALL_TIMEOUT_S
+            ).completion_tokens
+            == 2
+        )
     assert wait_idle(secure)

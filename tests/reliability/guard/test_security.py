@@ -25,8 +25,10 @@ from worker.kv import HashContext, block_keys
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
-SHARED = ("Confidential: the merger of Acme and Globex closes on Friday; the price is 42 per "
-          "share and the board meets at nine. Summarise the risks. ")
+SHARED = (
+    "Confidential: the merger of Acme and Globex closes on Friday; the price is 42 per "
+    "share and the board meets at nine. Summarise the risks. "
+)
 
 
 def _keys(cluster, client: KVClusterClient, prompt: str, tenant: str) -> list:  # noqa: ANN001
@@ -35,8 +37,7 @@ def _keys(cluster, client: KVClusterClient, prompt: str, tenant: str) -> list:  
 
 
 def _ask(client: KVClusterClient, prompt: str, **kwargs: object):  # noqa: ANN202
-    return client.generate(prompt, max_tokens=2, temperature=0.0, timeout=CALL_TIMEOUT_S,
-                           **kwargs)
+    return client.generate(prompt, max_tokens=2, temperature=0.0, timeout=CALL_TIMEOUT_S, **kwargs)
 
 
 @pytest.mark.parametrize(("first", "second"), [("alice", "bob"), ("bob", "alice")])
@@ -77,10 +78,12 @@ def test_one_tenant_cannot_flush_anothers_cached_prefix(secure, tls) -> None:
 
 
 def test_tls_and_bearer_tokens(secure, tls) -> None:
-    for token, expected in [(None, grpc.StatusCode.UNAUTHENTICATED),
-                            ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
-                            (TOKENS["bob"][:-1], grpc.StatusCode.UNAUTHENTICATED),
-                            (TOKENS["alice"], grpc.StatusCode.OK)]:
+    for token, expected in [
+        (None, grpc.StatusCode.UNAUTHENTICATED),
+        ("not-a-token", grpc.StatusCode.UNAUTHENTICATED),
+        (TOKENS["bob"][:-1], grpc.StatusCode.UNAUTHENTICATED),
+        (TOKENS["alice"], grpc.StatusCode.OK),
+    ]:
         with connect(secure, tls, None, token=token or "") as c:
             code, details = code_of(lambda c=c: _ask(c, "Who am I?"))
             assert code == expected, (token, code, details)
@@ -93,7 +96,8 @@ def test_tls_and_bearer_tokens(secure, tls) -> None:
     # health probes carry no token and still answer
     with connect(secure, tls, None, token="") as anon:
         reply = health_pb2_grpc.HealthStub(anon.channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S)
+            health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
