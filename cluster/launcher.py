@@ -228,6 +228,11 @@ class Cluster:
         self.http_endpoints: list[str] = []  # OpenAI API base URLs (none when http_port None)
         self.model_path: str | None = None  # what workers get (None: they resolve the default)
         self.model_id = ""
+        # Whether this object connected Ray (and set loopback mode): only then does ``down``
+        # disconnect. A cluster started in a process already connected to Ray (another
+        # in-process cluster, a test session) shares that connection and must leave it up.
+        self._owns_ray = False
+        self._set_loopback = False
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -243,8 +248,10 @@ class Cluster:
     def _start_ray(self) -> None:
         if ray.is_initialized():
             return
+        self._owns_ray = True
         if self.ray_address is None:  # a Ray of our own: loopback only
             use_loopback_ray()
+            self._set_loopback = True
         if self.ray_address is None and self.detached:
             self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
                 dashboard=self.cfg.dashboard
@@ -435,9 +442,11 @@ class Cluster:
             ray.kill(h, no_restart=True)
         self.routers.clear()
         self.workers.clear()
-        if ray.is_initialized():
+        if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-        leave_loopback_ray()
+        if self._set_loopback:
+            leave_loopback_ray()
+        self._owns_ray = self._set_loopback = False
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)
