@@ -433,6 +433,9 @@ class Cluster:
         )
 
     def down(self) -> None:
+        if not ray.is_initialized():  # Ray already gone: its actors went with it
+            self.routers.clear()
+            self.workers.clear()
         for h in self.routers.values():
             try:
                 ray.get(h.stop.remote(), timeout=10)
