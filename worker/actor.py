@@ -88,7 +88,7 @@ class CallerWatch:
         self,
         abort: Callable[[str], object],
         *,
-        interval_s: float = 1.0,
+        interval_s: float = 0.25,  # one ping per distinct caller: cheap, and orphans stop fast
         ping_timeout_s: float = 10.0,
     ) -> None:
         self._abort = abort

@@ -30,53 +30,58 @@ MAX_TOKENS = 480  # would take many seconds to finish; must be stopped, not wait
 
 
 def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
-    target = "ipv4:" + ",".join(cluster.endpoints)  # router-0 first (pick_first)
-    with KVClusterClient(target) as client:
-        assert (
-            client.generate("Which router?", max_tokens=2, timeout=CALL_TIMEOUT_S).text is not None
-        )
-        tokens0 = generated_tokens(cluster)
-        calls = [
-            client.stream(
-                build_request(
-                    f"Orphan stream {i}. " * 3,
-                    max_tokens=MAX_TOKENS,
-                    temperature=0.0,
-                    ignore_eos=True,
-                ),
-                timeout=CALL_TIMEOUT_S,
+    killed = False
+    try:
+        target = "ipv4:" + ",".join(cluster.endpoints)  # router-0 first (pick_first)
+        with KVClusterClient(target) as client:
+            assert (
+                client.generate("Which router?", max_tokens=2, timeout=CALL_TIMEOUT_S).text
+                is not None
             )
-            for i in range(STREAMS)
-        ]
-        streams = [iter(c) for c in calls]
-        for s in streams:
-            next(s)  # every stream is running on a worker
-        assert sum(blocks_in_use(cluster).values()) > 0
+            tokens0 = generated_tokens(cluster)
+            calls = [
+                client.stream(
+                    build_request(
+                        f"Orphan stream {i}. " * 3,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        ignore_eos=True,
+                    ),
+                    timeout=CALL_TIMEOUT_S,
+                )
+                for i in range(STREAMS)
+            ]
+            streams = [iter(c) for c in calls]
+            for s in streams:
+                next(s)  # every stream is running on a worker
+            assert sum(blocks_in_use(cluster).values()) > 0
 
-        ray.kill(cluster.routers["router-0"], no_restart=True)
-        for s in streams:
-            try:
-                for _ in s:
-                    pass
-                raise AssertionError("a stream of the dead router ended normally")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            ray.kill(cluster.routers["router-0"], no_restart=True)
+            killed = True
+            for s in streams:
+                try:
+                    for _ in s:
+                        pass
+                    raise AssertionError("a stream of the dead router ended normally")
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
 
-        # the same client reaches the surviving router on its next call
-        after = client.generate("Still there?", max_tokens=2, timeout=CALL_TIMEOUT_S)
-        assert after.completion_tokens == 2
+            # the same client reaches the surviving router on its next call
+            after = client.generate("Still there?", max_tokens=2, timeout=CALL_TIMEOUT_S)
+            assert after.completion_tokens == 2
 
-        # the orphaned requests are stopped, not run to max_tokens
-        assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 10, 0.2), blocks_in_use(
-            cluster
-        )
-        assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 0.9
-    assert wait_idle(cluster)
-
-    # heal: a new router-0 for the other tests of this package
-    del cluster.routers["router-0"]
-    handle = wait_for_name_free(cluster)
-    cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=60)
+            # the orphaned requests are stopped, not run to max_tokens
+            assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 10, 0.2), (
+                blocks_in_use(cluster)
+            )
+            assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 0.9
+        assert wait_idle(cluster)
+    finally:
+        # heal, pass or fail: a new router-0 for the other tests of this package
+        if killed:
+            del cluster.routers["router-0"]
+            handle = wait_for_name_free(cluster)
+            cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=60)
 
 
 def wait_for_name_free(cluster):  # noqa: ANN001, ANN201
