@@ -27,7 +27,8 @@ def test_frozen_worker_streams_end_and_new_requests_go_elsewhere(cluster) -> Non
     assert row["short_requests"] and all(
         code == "OK" and worker != victim for worker, code, _ in row["short_requests"]
     ), row
-    assert row["status_listed_victim"] and row["status_victim_stale"], row
-    assert not row["status_victim_alive"], row
+    # listed, and not alive: stale (its status call timed out), or already marked dead by the
+    # router whose streams on it stalled (which of the two comes first is a race)
+    assert row["status_listed_victim"] and not row["status_victim_alive"], row
     assert row["back_s"] is not None, "the thawed worker did not become live again"
     assert wait_idle(cluster, 30), "a request or KV block was left on a worker"
