@@ -50,6 +50,12 @@ class FakeExecutor(ModelExecutor):
         self.batches: list[list[tuple[int, int, bool]]] = []  # (start, num_tokens, logits)
         self.fail_next = False
 
+    def swap(self, transfers) -> None:  # noqa: ANN001 - no host tier (HostFakeExecutor has one)
+        assert not transfers, "transfers without a host tier"
+
+    def add_lora(self, name: str, path: str) -> str:
+        raise AssertionError("the engine asks only executors with max_loras > 0")
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         bs = self.block_size
         snapshot = [

@@ -105,6 +105,13 @@ class Engine:
         """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
         its stable id, the ``lora_id`` of its requests' block keys. Raises ``LoraError``
         (a ``ValueError``) for a folder this model cannot serve."""
+        if self.executor.max_loras < 1:
+            from worker.model.lora import LoraError
+
+            raise LoraError(
+                f"adapter {name!r}: this engine's executor ({type(self.executor).__name__}) "
+                "has no LoRA slots"
+            )
         adapter_id = self.executor.add_lora(name, str(path))
         self.loras[name] = adapter_id
         return adapter_id

@@ -34,12 +34,14 @@ class ModelExecutor(ABC):
     max_model_len: int  # longest context the model supports
     eos_token_ids: tuple[int, ...]
     tokenizer: TokenizerLike | None
-    num_host_blocks: int = 0  # host KV tier blocks (0: no host tier)
+    num_host_blocks: int = 0  # host KV tier blocks (0: no host tier, so no transfers)
+    max_loras: int = 0  # LoRA adapter slots (0: serves the base model only)
 
+    @abstractmethod
     def swap(self, transfers: TierTransfers) -> None:
         """Run the host tier's copies: ``to_host`` (device -> host) first, then ``to_device``
-        (host -> device), each as one batched copy. Only called with ``num_host_blocks``."""
-        raise NotImplementedError(f"{type(self).__name__} has no host KV tier")
+        (host -> device), each as one batched copy. The KV manager produces transfers only
+        when ``num_host_blocks`` > 0."""
 
     @abstractmethod
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -50,10 +52,11 @@ class ModelExecutor(ABC):
         """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
         model's device (the sampler runs there)."""
 
+    @abstractmethod
     def add_lora(self, name: str, path: str) -> str:
         """Register a PEFT adapter folder under ``name``; return its stable adapter id.
-        A chunk whose request names the adapter (``params.lora``) runs with it."""
-        raise NotImplementedError(f"{type(self).__name__} cannot serve LoRA adapters")
+        A chunk whose request names the adapter (``params.lora``) runs with it. The engine
+        calls it only when ``max_loras`` > 0."""
 
     def loaded_loras(self) -> list[str]:
         """Names of the adapters in device slots now (engine thread)."""
