@@ -128,15 +128,25 @@ def run_engine_static(
     return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
 
 
-def run_transformers(model_dir: Path, prompts: list[list[int]], new: int, batch: int) -> dict:
+def run_transformers(
+    model_dir: Path,
+    prompts: list[list[int]],
+    new: int,
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> dict:
+    """``generate`` in static, left-padded batches of ``batch``; greedy, exactly ``new``
+    tokens each."""
     from transformers import AutoModelForCausalLM
 
-    if model_dir.suffix == ".gguf":  # transformers' own GGUF loader (dequantized, float32)
+    if model_dir.suffix == ".gguf":  # transformers' own GGUF loader (dequantized)
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir.parent, gguf_file=model_dir.name, dtype=torch.float32
-        ).eval()
+            model_dir.parent, gguf_file=model_dir.name, dtype=dtype
+        )
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
     tokens: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -144,14 +154,14 @@ def run_transformers(model_dir: Path, prompts: list[list[int]], new: int, batch:
         ids, mask = left_padded(group)
         with torch.inference_mode():
             out = model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
             )
-        tokens.extend(out[:, ids.shape[1] :].tolist())
+        tokens.extend(out[:, ids.shape[1] :].tolist())  # .tolist() waits for the device
     wall = time.perf_counter() - start
     return {"wall": wall, "tok_s": sum(map(len, tokens)) / wall, "tokens": tokens}
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from benchmarks.engine_throughput import left_padded, mixed_prompts, run_engine
+from benchmarks.engine_throughput import mixed_prompts, run_engine, run_transformers
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
@@ -190,32 +190,6 @@ def decode_step(engine: Engine, batch: int, vocab: int, steps: int = 10) -> dict
         "step ms": statistics.median(walls) * 1e3,
         "gpu busy": busy / total if cuda else None,
     }
-
-
-def run_transformers(model_dir, prompts, new: int, batch: int, dtype, device) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    generated = 0
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        group = prompts[i : i + batch]
-        ids, mask = left_padded(group)
-        with torch.inference_mode():
-            out = model.generate(
-                ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        generated += out[:, ids.shape[1] :].numel()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    del model
-    return {"tok_s": generated / wall, "wall": wall}
 
 
 def main(argv: list[str] | None = None) -> dict:
