@@ -140,6 +140,17 @@ class ServerTimer:
         return [e["duration"] for e in log if e["command"].split(b" ")[0].upper() == b"EVALSHA"]
 
 
+def latency_summary(lat_ms: list[float], timer: ServerTimer) -> dict:
+    """p50/p99 of client-side latencies (ms) and of the scripts' time inside Redis."""
+    server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
+    return {
+        "p50_ms": statistics.median(lat_ms),
+        "p99_ms": quantile(lat_ms, 0.99),
+        "server_p50_ms": statistics.median(server),
+        "server_p99_ms": quantile(server, 0.99),
+    }
+
+
 def lookups(
     index: KVIndex,
     cases: list[tuple[list[BlockKey], dict[str, int]]],
@@ -158,13 +169,7 @@ def lookups(
         got = index.lookup(prompt)
         lat.append((time.perf_counter() - t0) * 1e3)
         assert all(got[w] == n for w, n in expect.items()), (got, expect)
-    server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
-    return {
-        "p50_ms": statistics.median(lat),
-        "p99_ms": quantile(lat, 0.99),
-        "server_p50_ms": statistics.median(server),
-        "server_p99_ms": quantile(server, 0.99),
-    }
+    return latency_summary(lat, timer)
 
 
 def full_hits(state: dict, n_blocks: int, k: int) -> list[tuple[list[BlockKey], dict[str, int]]]:

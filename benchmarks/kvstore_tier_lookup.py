@@ -36,16 +36,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
 from benchmarks.common import emit_json, print_table
-from benchmarks.kvstore_index import ServerTimer
+from benchmarks.kvstore_index import ServerTimer, latency_summary
 from kvstore.blocks.events import BlockStored
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.stats import quantile
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 
@@ -87,13 +85,7 @@ def measure(call: Callable[[], dict], expect: dict, reps: int, timer: ServerTime
         got = call()
         lat.append((time.perf_counter() - t0) * 1e3)
         assert got == expect
-    server = [us / 1e3 for us in timer.evalsha_us()] or [float("nan")]
-    return {
-        "p50_ms": statistics.median(lat),
-        "p99_ms": quantile(lat, 0.99),
-        "server_p50_ms": statistics.median(server),
-        "server_p99_ms": quantile(server, 0.99),
-    }
+    return latency_summary(lat, timer)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
