@@ -235,7 +235,9 @@ class RayWorkerDirectory(WorkerDirectory):
             seen = self._seen.get(name)
             if status is None:
                 epoch = live.get(name, (None,))[0] if live else None
-                status = WorkerStatus(name, epoch, 0, 0, 0, 0, 0, 0.0, index_healthy=False)
+                status = WorkerStatus(
+                    name, epoch, 0, 0, 0, 0, 0, 0.0, index_healthy=False, stale=True
+                )
             stale = status.stale or (live is not None and name not in live)
             out.append(
                 replace(status, stale=stale, heartbeat_age_s=None if seen is None else now - seen)
