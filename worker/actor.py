@@ -58,6 +58,7 @@ def engine_load(engine: Engine) -> WorkerLoad:
         total_blocks=engine.kv.num_blocks,
         queued_prefill_tokens=sched.pending_prefill_tokens(),
         decode_tokens=decoding,
+        host_blocks=engine.kv.host_num_blocks,
         **lora_load(engine),
     )
 

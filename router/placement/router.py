@@ -56,7 +56,7 @@ class Router:
         Raises :class:`NoWorkersError` when ``candidates`` is empty.
         """
         start, keys = self._begin(request, candidates)
-        index = self._lookup(keys) if keys else None
+        index = self._lookup(keys, candidates) if keys else None
         return self._decide(request, candidates, keys, index, start)
 
     def _begin(
@@ -153,14 +153,25 @@ class Router:
         self.metrics.pending_assists += assisted
         return out
 
-    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
-        if self.prefix_source is None:
+    def _lookup(
+        self, keys: Sequence[BlockKey], candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> Mapping[WorkerId, TierCounts] | None:
+        """Per-tier counts; from the cheaper device-only lookup when no candidate has a host
+        tier (its load says so: ``host_blocks``) or host blocks weigh nothing: the host
+        counts are all 0 or unused then, so the decision is the same."""
+        source = self.prefix_source
+        if source is None:
             return None
         try:
-            return self.prefix_source.lookup_tiers(keys)
+            if self.config.host_hit_weight > 0 and any(
+                load.host_blocks for load in candidates.values()
+            ):
+                return source.lookup_tiers(keys)
+            counts = source.lookup(keys)
         except Exception as exc:  # degrade, never fail: route by load
             self._index_error(exc)
             return None
+        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
 
     def _index_error(self, exc: Exception) -> None:
         if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago

@@ -12,7 +12,10 @@ from worker.kv import HashContext, KVCacheManager, KVEvent
 NO_CTX = HashContext()
 
 
-def load(queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0) -> WorkerLoad:
+def load(
+    queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0, host: int = 0
+) -> WorkerLoad:
+    """A worker's heartbeat load; ``host``: its host KV tier's size in blocks."""
     return WorkerLoad(
         running=running,
         waiting=0,
@@ -20,6 +23,7 @@ def load(queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0) -
         total_blocks=1000,
         queued_prefill_tokens=queued,
         decode_tokens=decode,
+        host_blocks=host,
     )
 
 

@@ -51,7 +51,7 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     index = InMemoryPrefixIndex()
     index.apply("host", _evicted_to_host(prompt).drain_events())
     index.apply("idle", [])
-    candidates = {"host": load(), "idle": load()}
+    candidates = {"host": load(host=16), "idle": load()}
     request = RouteRequest("r", prompt + tokens(2, 20), CTX)
     for weight, expected in ((0.5, 48), (1.0, 96), (0.0, 0)):
         router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), index)
@@ -75,7 +75,9 @@ def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: Red
     config = IndexConfig(url=redis_server.url, cluster="t", model_id="m")
     index = KVIndex(config)
     prompt = tokens(1, 96)
-    epochs = {w: index.register(w, load=load()) for w in ("host", "cold")}
+    epochs = {
+        w: index.register(w, load=load(host=16 if w == "host" else 0)) for w in ("host", "cold")
+    }
     host_kv = _evicted_to_host(prompt)
     assert index.apply_events("host", epochs["host"], 1, host_kv.drain_events()).applied
     assert index.lookup_tiers(block_keys(prompt, 16, CTX)) == {"host": (0, 6), "cold": (0, 0)}
