@@ -19,10 +19,12 @@ from collections.abc import Callable
 import torch
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.metrics import MetricsRecorder
+from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
-from worker.engine.sampler import SampleSpec, sample
+from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.kv import KVCacheManager
@@ -51,6 +53,7 @@ class OutputProcessor:
         self.stats = stats
         self.requests = requests  # the engine's live requests (finished ones are removed)
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -120,6 +123,7 @@ class OutputProcessor:
         targets: list[tuple[Request, Sequence]] = []
         rows: list[int] = []
         specs: list[SampleSpec] = []
+        penalized: list[tuple[Sequence, SamplingParams]] = []
         for req, seq, row in jobs:
             group = [seq]
             if not req.forked:  # n > 1: the prompt is computed once, then forked
@@ -131,14 +135,15 @@ class OutputProcessor:
             for s in group:
                 targets.append((req, s))
                 rows.append(row)
-                spec = SampleSpec(req.params, s.generator, self._banned(req, s))
+                specs.append(SampleSpec(req.params, s.generator, self._banned(req, s)))
                 if req.params.has_penalties:
-                    spec.prompt_ids, spec.output_ids = s.token_ids[: s.prompt_len], s.output_ids
-                specs.append(spec)
+                    penalized.append((s, req.params))
         if not targets:
             return
         try:
-            sampled = list(zip(targets, *sample(logits[rows], specs, self._rng), strict=True))
+            counts = self._counts(penalized, logits)
+            tokens = sample(logits[rows], specs, self._rng, counts)
+            sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
         for (req, seq), tok, lp in sampled:
@@ -160,15 +165,24 @@ class OutputProcessor:
         out = []
         for idx in by_req.values():
             req = targets[idx[0]][0]
+            mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
+                counts = self._counts(mine, logits)
                 toks, lps = sample(
-                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts
                 )
             except Exception as exc:  # noqa: BLE001
                 self.fail(req, exc)
                 continue
             out += [(targets[i], t, p) for i, t, p in zip(idx, toks, lps, strict=True)]
         return out
+
+    def _counts(
+        self, penalized: list[tuple[Sequence, SamplingParams]], logits: torch.Tensor
+    ) -> PenaltyRows | None:
+        if not penalized:
+            return None
+        return self.penalties.rows(penalized, logits.shape[-1], logits.device)
 
     def _fork_samples(self, req: Request, seq: Sequence) -> list[Sequence]:
         kids = []
@@ -219,6 +233,7 @@ class OutputProcessor:
         if seq.text is not None:
             seq.text.finish(flush=not isinstance(stop_reason, str))
         self.scheduler.free_seq(seq)
+        self.penalties.release(seq.seq_id)
         req.seqs.remove(seq)
         req.done_seqs.append(seq)
         if not req.seqs:
@@ -226,6 +241,9 @@ class OutputProcessor:
 
     def finish_request(self, req: Request) -> None:
         self.scheduler.remove(req)
+        if req.params.has_penalties:
+            for seq in (*req.seqs, *req.done_seqs):
+                self.penalties.release(seq.seq_id)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         self.stats.num_finished += 1
