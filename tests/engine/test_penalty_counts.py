@@ -83,6 +83,23 @@ def test_rows_grow_past_the_initial_table_and_keep_their_counts() -> None:
         assert_rows_equal(counts.rows(batch, VOCAB, CPU), batch)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rows_on_cuda_equal_a_recount() -> None:
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    counts = PenaltyCounts()
+    p = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3)
+    rng = random.Random(5)
+    seqs = [(Sequence(0, [rng.randrange(VOCAB) for _ in range(50)], 50, None, None), p)]
+    seqs.append((seqs[0][0].fork(1, None, None), p))
+    for _ in range(20):
+        for seq, _ in seqs:
+            seq.token_ids.append(rng.randrange(VOCAB))
+        rows = counts.rows(seqs, VOCAB, cuda)
+        assert rows.output.device == cuda
+        assert_rows_equal(rows, seqs)
+
+
 def test_an_id_outside_the_vocabulary_raises_and_changes_nothing() -> None:
     counts = PenaltyCounts()
     p = SamplingParams(repetition_penalty=1.2)
