@@ -32,7 +32,7 @@ from pathlib import Path
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.local_redis import LocalRedis, free_port, start_detached
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
@@ -83,6 +83,14 @@ class ClusterState:
                 f"no running cluster {name!r} ({path} missing): start one with `kvcluster up`"
             )
         return cls(**json.loads(path.read_text()))
+
+    def endpoint(self, api: str = "grpc") -> str:
+        """The first router's gRPC host:port, or with ``api="http"`` its OpenAI API URL."""
+        if api == "http":
+            if not self.http_endpoints:
+                raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
+            return self.http_endpoints[0]
+        return self.endpoints[0]
 
 
 def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:

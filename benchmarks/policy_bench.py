@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from cluster.bench import Sample, make_prompts, send_all, summarize
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.loadgen import Sample, make_prompts, send_all, summarize
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig, ConfigError
-from cluster.report import emit_json, print_table, pyplot, save_figure
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
 BASELINE = "round_robin"  # the ratios' denominator
