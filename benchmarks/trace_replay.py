@@ -140,7 +140,7 @@ def _seed_targets(
     workers: int,
     headline: dict[str, float | int | str | bool],
 ) -> None:
-    """The issue's targets over several seeds. least_loaded samples two workers at random, so
+    """The targets over several seeds. least_loaded samples two workers at random, so
     its mean TTFT alone moves by a few percent from seed to seed (more than the margin at
     stake): the TTFT target is judged on the ratio of the policies' mean TTFTs over the seeds,
     with every per-seed ratio printed next to it; hit rate and imbalance must hold at every
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=("uncached", "whole"),
         default="uncached",
         help="heartbeat's queued prefill of a waiting request: its uncached tail, or its whole "
-        "prompt (the engine's earlier rule); see router/sim/config.py",
+        "prompt (the naive rule); see router/sim/config.py",
     )
     ap.add_argument("--sessions", type=int, default=600, help="generated workload sessions")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))

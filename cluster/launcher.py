@@ -72,7 +72,7 @@ class ClusterState:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(asdict(self), indent=2))
-        path.chmod(0o600)  # a file left by an older version keeps its mode otherwise
+        path.chmod(0o600)  # os.open's mode applies only when it creates the file
         return path
 
     @classmethod
