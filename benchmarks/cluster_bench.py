@@ -19,8 +19,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-import grpc
-
+from cluster.cli import exit_code
 from cluster.config import ConfigError, load_config
 
 _COMPARE_ONLY = ("workers", "model_size", "config", "policies", "seeds")
@@ -34,7 +33,7 @@ def endpoint(args: argparse.Namespace) -> str:
     return ClusterState.load(args.name).endpoint(args.api)
 
 
-def load_test(args: argparse.Namespace) -> None:
+def load_test(args: argparse.Namespace) -> int:
     given = [f"--{k.replace('_', '-')}" for k in _COMPARE_ONLY if getattr(args, k) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)}: only with --compare-policies")
@@ -47,9 +46,10 @@ def load_test(args: argparse.Namespace) -> None:
         "max_tokens": args.max_tokens,
     }
     run_bench(endpoint(args), api=args.api, **{k: v for k, v in sizes.items() if v is not None})
+    return 0
 
 
-def compare_policies(args: argparse.Namespace) -> None:
+def compare_policies(args: argparse.Namespace) -> int:
     """A fresh in-process cluster per policy; defaults are the benchmark's FULL workload."""
     from benchmarks.policy_bench import FULL, POLICIES, compare, parse_seeds
 
@@ -69,6 +69,7 @@ def compare_policies(args: argparse.Namespace) -> None:
     )
     policies = args.policies.split(",") if args.policies else list(POLICIES)
     compare(w, policies, base)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,15 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        (compare_policies if args.compare_policies else load_test)(args)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"kvcluster bench: {exc}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as exc:
-        print(f"kvcluster bench: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    return 0
+    run = compare_policies if args.compare_policies else load_test
+    return exit_code("kvcluster bench", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Kept small and stable on purpose — every benchmark and ``kvcluster bench`` report this way.
 Imports nothing heavy: matplotlib is loaded only when a plot is made.
 
+    run_all(fn, tasks, jobs)     # [fn(t) for t in tasks], on a process pool when jobs > 1
     print_table(rows, "title")   # rows: list of dicts with the same keys (the columns)
     emit_json({"name": value})   # the one JSON line of headline figures a benchmark ends with
     results_dir()                # where PNGs go ($KVCLUSTER_RESULTS_DIR or benchmarks/results/)
@@ -14,10 +15,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
+from multiprocessing import Pool
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_all(fn: Callable[[Any], Any], tasks: Sequence[Any], jobs: int) -> list[Any]:
+    """``[fn(t) for t in tasks]``, in order; on ``jobs`` processes when ``jobs`` > 1 (``fn``
+    and the tasks must pickle)."""
+    if jobs <= 1:
+        return [fn(t) for t in tasks]
+    with Pool(jobs) as pool:
+        return pool.map(fn, tasks, chunksize=1)
 
 
 def _fmt(value: object) -> str:

@@ -40,10 +40,9 @@ import argparse
 import math
 import os
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
-from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
 from benchmarks.workloads import DEFAULT_TRACE, shared_prefix_requests, trace_requests
 from router import RoutingConfig
 from router.sim import SimConfig, Summary, replay, summarize
@@ -216,11 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.workload in ("shared_prefix", "both"):
         tasks += [("shared_prefix", p, args.workers, args.seed, args) for p in POLICIES]
     started = time.perf_counter()
-    if args.jobs > 1:
-        with Pool(args.jobs) as pool:
-            summaries = pool.map(_run, tasks, chunksize=1)
-    else:
-        summaries = [_run(t) for t in tasks]
+    summaries = run_all(_run, tasks, args.jobs)
     by_seed = {(t[0], t[1], t[2], t[3]): s for t, s in zip(tasks, summaries, strict=True)}
     results = {(w, p, n): s for (w, p, n, seed), s in by_seed.items() if seed == args.seed}
 

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -220,13 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    return exit_code("kvcluster", lambda: args.fn(args))
+
+
+def exit_code(prog: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit code; a user's error is one line on stderr instead of a traceback:
+    2 for a bad config or a missing state file, 1 for an RPC the cluster refused."""
     try:
-        return args.fn(args)
+        return run()
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"kvcluster: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"kvcluster: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"{prog}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
 
 
