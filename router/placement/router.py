@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class Router:
     """Places requests on workers. Not thread-safe: one per event loop / actor.
 
-    ``prefix_source`` may be ``None`` (no index configured); ``clock`` gives seconds for the
-    pending-placement TTL (the simulator passes its simulated clock).
+    ``prefix_source`` may be ``None`` (no index configured); ``block_size`` is the workers'
+    KV block size (the router hashes prompts into the same blocks); ``clock`` gives seconds
+    for the pending-placement TTL (the simulator passes its simulated clock).
     """
 
     def __init__(
@@ -36,11 +37,15 @@ class Router:
         config: RoutingConfig,
         prefix_source: PrefixSource | None = None,
         *,
+        block_size: int,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.config = config
+        self.block_size = block_size
         self.policy = make_policy(config, rng)
         self.prefix_source = prefix_source
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -76,7 +81,7 @@ class Router:
             ctx = request.hash_ctx
             if not self.config.adapter_aware:  # the baseline: hash as if there were no adapter
                 ctx = replace(ctx, lora_id=None)
-            keys = tuple(block_keys(request.token_ids, self.config.block_size, ctx))
+            keys = tuple(block_keys(request.token_ids, self.block_size, ctx))
         return start, keys
 
     def _decide(
@@ -135,7 +140,7 @@ class Router:
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
         pending = self.pending.lookup(keys, self._clock())
-        bs = self.config.block_size
+        bs = self.block_size
         cap = (n_tokens - 1) // bs if n_tokens else 0
         out: dict[WorkerId, int | None] = {}
         assisted = False

@@ -43,12 +43,13 @@ class MiniCluster:
         *,
         deliver_events: bool = True,
         num_blocks: int = 4096,
+        block_size: int = 16,
     ) -> None:
-        self.kv = {f"w{i}": KVCacheManager(num_blocks, routing.block_size) for i in range(n)}
+        self.kv = {f"w{i}": KVCacheManager(num_blocks, block_size) for i in range(n)}
         self.queue = dict.fromkeys(self.kv, 0)
         self.index = InMemoryPrefixIndex()
         self.now = 0.0
-        self.router = Router(routing, self.index, clock=lambda: self.now)
+        self.router = Router(routing, self.index, block_size=block_size, clock=lambda: self.now)
         self.deliver_events = deliver_events
         self.held: list[tuple[str, list[KVEvent]]] = []
 

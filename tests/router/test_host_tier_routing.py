@@ -54,7 +54,7 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     candidates = {"host": load(host=16), "idle": load()}
     request = RouteRequest("r", prompt + tokens(2, 20), CTX)
     for weight, expected in ((0.5, 48), (1.0, 96), (0.0, 0)):
-        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), index)
+        router = Router(RoutingConfig(host_hit_weight=weight), index, block_size=16)
         decision = router.route(request, candidates)
         if weight:
             assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
@@ -63,7 +63,7 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     dev = KVCacheManager(8, 16)
     dev.allocate_slots("a", prompt, 96, ctx=CTX)
     index.apply("dev", dev.drain_events())
-    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), index)
+    router = Router(RoutingConfig(host_hit_weight=0.5), index, block_size=16)
     decision = router.route(request, {**candidates, "dev": load()})
     assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
 
@@ -84,7 +84,7 @@ def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: Red
     live = {w: info.load for w, info in index.live_workers().items()}
     request = RouteRequest("r", prompt + tokens(2, 20), CTX)
     for weight, expected in ((0.5, 48), (1.0, 96)):
-        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), KVIndexSource(index))
+        router = Router(RoutingConfig(host_hit_weight=weight), KVIndexSource(index), block_size=16)
         decision = router.route(request, live)
         assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
         assert decision.cached_tokens_expected == expected
@@ -95,7 +95,7 @@ def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: Red
     epoch = index.register("dev", load=load())
     assert index.apply_events("dev", epoch, 1, dev.drain_events()).applied
     live = {w: info.load for w, info in index.live_workers().items()}
-    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), KVIndexSource(index))
+    router = Router(RoutingConfig(host_hit_weight=0.5), KVIndexSource(index), block_size=16)
     decision = router.route(request, live)
     assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
     index.close()
