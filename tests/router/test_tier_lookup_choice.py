@@ -61,7 +61,7 @@ def _route_all(
     index: PrefixSource, prompts: list[list[int]], loads: dict[str, WorkerLoad], weight: float
 ) -> tuple[list[tuple], Counter[str]]:
     spy = Spy(index)
-    router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), spy)
+    router = Router(RoutingConfig(host_hit_weight=weight), spy, block_size=16)
     out = []
     for i, p in enumerate(prompts):
         d = router.route(RouteRequest(f"r{i}", p + [i], CTX), loads)
@@ -128,7 +128,7 @@ def test_over_redis_the_heartbeat_decides_which_script_runs(redis_server: RedisS
 
     def route():  # noqa: ANN202 - a fresh router: no pending placement of the last call
         live = {w: info.load for w, info in index.live_workers().items()}
-        return live, Router(RoutingConfig(host_hit_weight=0.5, block_size=16), source).route(
+        return live, Router(RoutingConfig(host_hit_weight=0.5), source, block_size=16).route(
             request, live
         )
 
