@@ -11,6 +11,7 @@ front (``front.py``) runs it in a thread, and the worker actor wraps that.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,7 +26,12 @@ from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.beam import BeamSearch
 from worker.engine.config import EngineConfig
 from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.metrics import EngineMetrics, LatencySummary, MetricsRecorder
+from worker.engine.metrics import (
+    EngineMetrics,
+    EngineSnapshot,
+    LatencySummary,
+    MetricsRecorder,
+)
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence, sample_generator
@@ -262,15 +268,21 @@ class Engine:
 
     # ---- outputs and metrics -------------------------------------------------------------
 
-    def metrics(self) -> EngineMetrics:
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's figures at this moment (call between steps, in the engine's thread or
+        under the front's lock): the one source of the worker's load, status and gauges."""
         kv = self.kv.stats()
         s = self.stats
-        return EngineMetrics(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            pending_prefill_tokens=self.scheduler.pending_prefill_tokens(),
+        sched = self.scheduler
+        loaded = set(self.executor.loaded_loras()) if self.loras else set()
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            pending_prefill_tokens=sched.pending_prefill_tokens(),
+            decoding_seqs=sched.num_decoding_seqs(),
             kv_usage=kv.usage,
             kv_used_blocks=kv.used_blocks,
+            kv_free_blocks=kv.free_blocks,
             kv_total_blocks=kv.num_blocks,
             prefix_hit_rate=kv.prefix_hit_rate,
             tenant_quota_evictions=kv.tenant_quota_evictions,
@@ -288,9 +300,16 @@ class Engine:
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             num_finished=s.num_finished,
-            ttft=LatencySummary.of(s.ttft),
-            itl=LatencySummary.of(s.itl),
+            lora_ids=tuple(sorted(self.loras.values())),
+            lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
         )
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot plus TTFT / inter-token latency percentiles."""
+        snap = self.snapshot()
+        fields = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap)}
+        s = self.stats
+        return EngineMetrics(**fields, ttft=LatencySummary.of(s.ttft), itl=LatencySummary.of(s.itl))
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV block events since the last call (for the worker to publish to the index)."""

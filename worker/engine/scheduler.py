@@ -132,6 +132,10 @@ class Scheduler:
         running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
         return waiting + running
 
+    def num_decoding_seqs(self) -> int:
+        """Running sequences with one token left to compute: the next step's decodes."""
+        return sum(1 for r in self.running for s in r.seqs if s.num_remaining <= 1)
+
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seq_slots for r in self.running)
