@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -32,9 +33,11 @@ from worker.engine.metrics import (
     LatencySummary,
     MetricsRecorder,
 )
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence, sample_generator
+from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
@@ -79,13 +82,7 @@ class Engine:
         for name, path in config.lora_adapters.items():
             self.add_lora(name, path)
         self.processor = OutputProcessor(
-            kv=self.kv,
-            scheduler=self.scheduler,
-            tokenizer=self.tokenizer,
-            eos_ids=self.eos_ids,
-            stats=self.stats,
-            requests=self.requests,
-            seed=config.seed,
+            tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
         )
 
     @classmethod
@@ -194,7 +191,8 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self.processor.abort(req, None)
+        self.scheduler.abort(req, None)
+        self._reap()
         self._pending.append(self.processor.output(req))
         return True
 
@@ -239,29 +237,88 @@ class Engine:
             if logits is not None:
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
-                changed = self.processor.process(sched, logits)
+                forks = self._fork_samples(sched, changed)
+                for out in self.processor.process(sched, logits, forks):
+                    changed[out.req.request_id] = out.req
+                    self._apply(out)
         for req in sched.doomed:
             if not req.finished:
                 changed[req.request_id] = req
-                self.processor.guarded(req, lambda r=req: self.processor.finish_capacity(r))
+                self._guarded(req, lambda r=req: self._apply(self.processor.capacity(r)))
+        self._reap()
         now = time.monotonic()
         for req in changed.values():
             outputs.append(self._output(req, now))
         return outputs
 
+    def _fork_samples(
+        self, sched: SchedulerOutput, changed: dict[str, Request]
+    ) -> dict[int, list[Sequence]]:
+        """n > 1: a prompt's first logits fork its other samples (parent seq_id -> them)."""
+        forks: dict[int, list[Sequence]] = {}
+        for chunk in sched.chunks:
+            req = chunk.req
+            if not chunk.wants_logits or req.forked or req.doomed or req.finished:
+                continue
+            changed[req.request_id] = req
+            texts = [self.processor.new_text(req) for _ in range(1, req.params.n)]
+
+            def fork(r: Request = req, seq: Sequence = chunk.seq, t: list = texts) -> None:
+                forks[seq.seq_id] = self.scheduler.fork_samples(r, seq, t)
+
+            self._guarded(req, fork)
+        return forks
+
+    def _apply(self, out: RequestOutcome) -> None:
+        """Hand one request's outcome to the scheduler (or fail the request it broke)."""
+        if out.error is not None:
+            self._fail(out.req, out.error)
+        elif self._guarded(out.req, lambda: self.scheduler.update_from_output(out)):
+            self.stats.generation_tokens += out.num_tokens
+
+    def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:
+        """Run one request's piece of work; False (and the request failed) if it raised."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+            self._fail(req, exc)
+            return False
+        return True
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
+        log.exception(
+            "request %s failed inside the engine; it is aborted, the engine goes on",
+            req.request_id,
+            exc_info=exc,
+        )
+        if not req.finished:
+            req.final_deltas.clear()
+            error = f"internal error processing the request: {type(exc).__name__}: {exc}"
+            self.scheduler.abort(req, error)
+            self._reap()
+
+    def _reap(self) -> None:
+        """Forget the requests the scheduler finished; count them."""
+        for req in self.scheduler.take_finished():
+            self.requests.pop(req.request_id, None)
+            self.stats.num_finished += 1
+            self.stats.prompt_tokens += req.prompt_len
+
     def _output(self, req: Request, now: float) -> RequestOutput:
         try:
             return self.processor.output(req, now)
         except Exception as exc:  # noqa: BLE001 - fail this request, not the step
-            self.processor.fail(req, exc)
+            self._fail(req, exc)
             error = req.error or f"{type(exc).__name__}: {exc}"
             return RequestOutput(req.request_id, [], True, req.usage(), error)
 
     def _fail_running(self, error: str) -> list[RequestOutput]:
         failed = []
         for req in list(self.scheduler.running):
-            self.processor.abort(req, error)
+            self.scheduler.abort(req, error)
             failed.append(self.processor.output(req))
+        self._reap()
         # Blocks of the failed step were registered in the prefix cache but never written.
         self.kv.reset_prefix_cache()
         return failed

@@ -35,13 +35,16 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence as Seq
 from typing import Literal
 
+from kvstore.blocks.outputs import FinishReason
 from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import OutputText
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
-from worker.engine.request import Request, RequestStatus, Sequence
+from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
@@ -66,6 +69,7 @@ class Scheduler:
         self._touched: set[str] = set()  # requests that got blocks in this step
         self._writing: set[int] = set()  # blocks whose KV is written in this step
         self._out = SchedulerOutput.make_empty()
+        self._finished: list[Request] = []  # finished or aborted, not yet taken by the engine
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -139,6 +143,96 @@ class Scheduler:
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seq_slots for r in self.running)
+
+    # ---- after the model: applying the processor's outcomes ------------------------------
+
+    def fork_samples(
+        self, req: Request, parent: Sequence, texts: Seq[OutputText | None]
+    ) -> list[Sequence]:
+        """n > 1: the prompt was computed once, for ``parent``; fork the other samples off it,
+        sharing its blocks (copy-on-write), before they sample from its logits. ``texts``:
+        each new sample's detokenizer (or ``None``)."""
+        req.forked = True
+        kids = []
+        for i, text in enumerate(texts, start=1):
+            child = parent.fork(i, sample_generator(req.params.seed, i), text)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)  # at once: an abort frees every forked sequence
+            kids.append(child)
+        return kids
+
+    def update_from_output(self, out: RequestOutcome) -> None:
+        """Apply one request's outcome: append its tokens, advance its beams (forking and
+        freeing their blocks), give back the blocks of sequences that finished, and finish
+        the request when none is left (:meth:`take_finished`)."""
+        req = out.req
+        if out.beams is not None or any(o.token is not None for o in out.seqs):
+            req.protected = False
+            req.progressed = True
+        for o in out.seqs:
+            seq = o.seq
+            if o.token is not None:
+                seq.token_ids.append(o.token)
+                seq.new_tokens.append(o.token)
+                if o.logprob is not None:
+                    seq.new_logprobs.append(o.logprob)
+                    seq.cumulative_logprob += o.logprob.logprob
+            if o.finish is not None:
+                seq.finish_reason, seq.stop_reason = o.finish, o.stop_reason
+                self.free_seq(seq)  # blocks back at once, not when the request ends
+                req.seqs.remove(seq)
+                req.done_seqs.append(seq)
+        if out.beam_done:
+            for seq in req.seqs:
+                self.free_seq(seq)
+            req.seqs = []
+        elif out.beams is not None:
+            self._advance_beams(req, out.beams)
+        if not req.seqs:
+            self.finish(req)
+
+    def _advance_beams(self, req: Request, nxt: list[tuple[int, int]]) -> None:
+        """The new beams, by rank, as (parent beam, token): a parent with no child is pruned
+        (blocks back at once), one with several is forked (shared blocks, copy-on-write)."""
+        children: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for rank, (parent, tok) in enumerate(nxt):
+            children[parent].append((rank, tok))
+        new: list[Sequence | None] = [None] * len(nxt)
+        for parent, seq in enumerate(req.seqs):
+            mine = children.get(parent)
+            if not mine:
+                self.free_seq(seq)
+                continue
+            for rank, tok in mine[1:]:  # fork before the parent appends its own token
+                child = seq.fork(rank, None, None)
+                self.kv.fork(seq.seq_id, child.seq_id)
+                child.token_ids.append(tok)
+                new[rank] = child
+            rank, tok = mine[0]
+            seq.token_ids.append(tok)
+            seq.index = rank
+            new[rank] = seq
+        req.seqs = [s for s in new if s is not None]
+
+    def abort(self, req: Request, error: str | None) -> None:
+        """End ``req`` now, every sequence ``abort`` (``error``: why, if it failed)."""
+        req.error = error
+        for seq in req.seqs:
+            seq.finish_reason = FinishReason.ABORT
+        req.done_seqs.extend(req.seqs)
+        req.seqs = []
+        self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        """Out of the queues, every block freed; the engine collects it (take_finished)."""
+        self.remove(req)
+        req.status = RequestStatus.FINISHED
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call."""
+        done, self._finished = self._finished, []
+        return done
 
     # ---- the step ------------------------------------------------------------------------
 
