@@ -169,6 +169,7 @@ class WorkerServer:
             )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
+        self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
         self.front = StreamingEngine(
             self.engine, on_step=self._after_step, on_death=self._engine_died
         )
@@ -192,10 +193,15 @@ class WorkerServer:
         Stop the heartbeat and deregister (routers drop it at once), then end the process so
         that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
         log.critical("worker %s: engine loop died (%r); leaving for a restart", self.worker_id, exc)
-        self.telemetry.stop_heartbeat()
-        if self.publisher is not None:
-            self.publisher.stop()
-        exit_process_soon()
+        # the exit is armed first: a clean-up step that raises or blocks (Redis unreachable)
+        # must not leave the process up with a dead loop
+        exit_process_soon(self._in_actor)
+        try:
+            self.telemetry.stop_heartbeat()
+            if self.publisher is not None:
+                self.publisher.stop(timeout_s=0.5)
+        except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
+            log.exception("worker %s: clean-up before the restart failed", self.worker_id)
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
@@ -288,11 +294,16 @@ class WorkerServer:
             self.publisher.stop()
 
 
-def exit_process_soon(grace_s: float = 1.0) -> None:
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's (asked once, from the actor's own thread)."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def exit_process_soon(in_actor: bool, grace_s: float = 1.0) -> None:
     """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
     callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
     Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    if not in_actor:
         return
 
     def leave() -> None:
