@@ -33,9 +33,8 @@ it is allocated, before the forward pass writes its KV:
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence as Seq
 from typing import Literal
 
@@ -46,6 +45,7 @@ from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
@@ -58,10 +58,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy
-        self.waiting: list[Request] = []  # sorted by policy key
-        # full-block keys of waiting sequences' prompts -> how many claim them: a sibling
-        # queued behind a claim will find that block cached when its turn comes
-        self._claims: Counter[BlockKey] = Counter()
+        self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
         self.running: list[Request] = []
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
         # per-step state
@@ -74,47 +71,16 @@ class Scheduler:
     # ---- queues --------------------------------------------------------------------------
 
     def add(self, req: Request, prompt_keys: Seq[BlockKey] | None = None) -> None:
-        """Queue ``req`` (new or preempted) and claim its prompt's blocks (see
-        :meth:`pending_prefill_tokens`). ``prompt_keys``: a new request's block keys if the
-        caller hashed them already (outside the engine lock)."""
-        order = [self.policy.key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect(order, self.policy.key(req)), req)
-        for seq in req.seqs:
-            if not seq.allocated:
-                seq.cached_hint, seq.claim = self.kv.expected_prefix(
-                    seq.token_ids, req.ctx, self._claims, prompt_keys
-                )
-                self._claims.update(seq.claim)
+        """Queue ``req`` (new or preempted); see :meth:`WaitingQueue.add`."""
+        self.waiting.add(req, prompt_keys)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and free all its blocks (abort / finish)."""
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting and self._unqueue(req):
-            self._reclaim()  # siblings counted on it to compute their shared prefix
+        else:
+            self.waiting.discard(req)
         self.free_blocks(req)
-
-    def _unqueue(self, req: Request) -> bool:
-        """Out of the waiting queue; its claims go (admitted: its blocks are cached now).
-        True if another waiting sequence claims one of its blocks too (shares a prefix)."""
-        self.waiting.remove(req)
-        shared = False
-        for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
-            shared |= self.kv.release_claims(self._claims, seq.claim)
-            seq.claim = []
-        return shared
-
-    def _reclaim(self) -> None:
-        """Recount every waiting sequence's claims and hint in queue order (after an abort of
-        a request that shared blocks with others; O(waiting prompt blocks), no hashing)."""
-        self._claims.clear()
-        for req in self.waiting:
-            for seq in req.seqs:
-                if seq.claim:
-                    seq.cached_hint, _ = self.kv.expected_prefix(
-                        seq.token_ids, req.ctx, self._claims, seq.claim
-                    )
-                    self._claims.update(seq.claim)
 
     def free_blocks(self, req: Request) -> None:
         for seq in (*req.seqs, *req.done_seqs):
@@ -129,10 +95,8 @@ class Scheduler:
         """Tokens still to prefill, what a router compares against a recompute elsewhere:
         the unfinished prefills (chunked or recomputed) of running requests, and each waiting
         sequence less its leading blocks that are cached or claimed by a sequence queued
-        ahead of it (a burst of prompts sharing a system prompt counts that prompt once; the
-        engine computes it once). Hints are set on queueing and refreshed at each admission
-        attempt; an abort of a waiting request recounts them."""
-        waiting = sum(len(s.token_ids) - s.cached_hint for r in self.waiting for s in r.seqs)
+        ahead of it (:meth:`WaitingQueue.pending_tokens`)."""
+        waiting = self.waiting.pending_tokens()
         running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
         return waiting + running
 
@@ -280,7 +244,7 @@ class Scheduler:
                 if outcome == "defer":
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
-            self._unqueue(req)
+            self.waiting.admit(req)
             if lora is not None:
                 adapters.add(lora)
             self.running.append(req)
