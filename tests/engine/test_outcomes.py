@@ -3,10 +3,13 @@ the scheduler applies its outcomes: appends tokens, forks and frees blocks, fini
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.fakes import FakeExecutor, reference_generate
 from tests.engine.helpers import assert_no_blocks_in_use, run_all
 from worker.engine import Engine, EngineConfig, FinishReason, SamplingParams
 from worker.engine.outcome import RequestOutcome
+from worker.engine.scheduler import Scheduler
 
 
 def make(num_blocks: int = 64) -> Engine:
@@ -102,3 +105,28 @@ def test_capacity_outcome_ends_every_sample_with_length() -> None:
     engine.scheduler.update_from_output(out)
     assert req.finished and {s.finish_reason for s in req.done_seqs} == {FinishReason.LENGTH}
     assert engine.kv.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("where", ["fork_samples", "update_from_output"])
+def test_a_request_failing_in_the_scheduler_update_ends_alone(monkeypatch, where) -> None:
+    engine = make()
+    params = SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
+    ok = engine.add_request([5, 6, 7, 8, 9], params)
+    bad = engine.add_request([9, 8, 7, 6, 5], params)
+    original = getattr(Scheduler, where)
+
+    def broken(self, *args):  # noqa: ANN001, ANN202
+        req = args[0].req if where == "update_from_output" else args[0]
+        if req.request_id == bad:
+            raise ZeroDivisionError(f"injected in {where}")
+        return original(self, *args)
+
+    monkeypatch.setattr(Scheduler, where, broken)
+    res = run_all(engine)
+    assert res[bad].error is not None and f"injected in {where}" in res[bad].error
+    assert all(c.finish_reason is FinishReason.ABORT for c in res[bad].completions)
+    assert res[ok].error is None and len(res[ok].completions) == 2
+    want = reference_generate([5, 6, 7, 8, 9], 4, ignore_eos=True)
+    assert all(c.token_ids == want for c in res[ok].completions)
+    assert not engine.requests and engine.snapshot().num_finished == 2
+    assert_no_blocks_in_use(engine)

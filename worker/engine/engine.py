@@ -2,8 +2,10 @@
 
 A step: the scheduler picks chunks (decodes, prefill chunks, admissions) under the token
 budget and the KV manager's blocks; the executor runs copy-on-write copies and the model;
-the sampler turns logits into tokens; stop rules and the detokenizer turn tokens into
-streamed deltas; finished sequences give their blocks back at once.
+the output processor turns logits into tokens and stop decisions (sampler, stop rules,
+detokenizer, beam search) and the scheduler applies them (``update_from_output``): appends
+the tokens, forks and frees blocks, finishes requests; finished sequences give their blocks
+back at once.
 
 The engine is single-threaded and knows nothing about Ray, Redis or gRPC; the streaming
 front (``front.py``) runs it in a thread, and the worker actor wraps that.
@@ -261,10 +263,10 @@ class Engine:
             if not chunk.wants_logits or req.forked or req.doomed or req.finished:
                 continue
             changed[req.request_id] = req
-            texts = [self.processor.new_text(req) for _ in range(1, req.params.n)]
 
-            def fork(r: Request = req, seq: Sequence = chunk.seq, t: list = texts) -> None:
-                forks[seq.seq_id] = self.scheduler.fork_samples(r, seq, t)
+            def fork(r: Request = req, seq: Sequence = chunk.seq) -> None:
+                texts = [self.processor.new_text(r) for _ in range(1, r.params.n)]
+                forks[seq.seq_id] = self.scheduler.fork_samples(r, seq, texts)
 
             self._guarded(req, fork)
         return forks
