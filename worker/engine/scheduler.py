@@ -29,6 +29,12 @@ it is allocated, before the forward pass writes its KV:
 * a sequence whose prefix hit includes a block being written in this step waits for the next
   step (then the whole hit is usable): a burst of requests sharing a system prompt computes it
   once, one step later, instead of once per request.
+
+After the model, the scheduler applies what the output processor decided
+(:meth:`Scheduler.update_from_output`): it appends the tokens, forks and prunes beams (and
+forks the parallel samples of a prompt, :meth:`Scheduler.fork_samples`) with copy-on-write
+blocks, gives back the blocks of every finished sequence at once, and finishes requests; the
+engine collects them with :meth:`Scheduler.take_finished`.
 """
 
 from __future__ import annotations
