@@ -275,7 +275,7 @@ class Engine:
         """Hand one request's outcome to the scheduler (or fail the request it broke)."""
         if out.error is not None:
             self._fail(out.req, out.error)
-        elif self._guarded(out.req, lambda: self.scheduler.update_from_output(out)):
+        elif not out.req.finished and self._guarded(out.req, lambda: self.scheduler.update_from_output(out)):
             self.stats.generation_tokens += out.num_tokens
 
     def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:

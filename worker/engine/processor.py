@@ -79,6 +79,7 @@ class OutputProcessor:
         ``seq_id`` -> the samples forked from it in this step (n > 1), which sample from the
         parent's row. Returns one outcome per request with news."""
         forks = forks or {}
+        self._outcomes = {}  # nothing left from a step that raised
         jobs: list[tuple[Request, Sequence, int]] = []
         beams: dict[str, Request] = {}
         rows = itertools.count()
