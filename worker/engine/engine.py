@@ -273,10 +273,12 @@ class Engine:
 
     def _apply(self, out: RequestOutcome) -> None:
         """Hand one request's outcome to the scheduler (or fail the request it broke)."""
+        req = out.req
         if out.error is not None:
-            self._fail(out.req, out.error)
-        elif not out.req.finished and self._guarded(out.req, lambda: self.scheduler.update_from_output(out)):
-            self.stats.generation_tokens += out.num_tokens
+            self._fail(req, out.error)
+        elif not req.finished:  # (one that failed earlier in this step has nothing to apply)
+            if self._guarded(req, lambda: self.scheduler.update_from_output(out)):
+                self.stats.generation_tokens += out.num_tokens
 
     def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:
         """Run one request's piece of work; False (and the request failed) if it raised."""
