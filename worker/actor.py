@@ -56,6 +56,7 @@ def worker_load(snap: EngineSnapshot) -> WorkerLoad:
         total_blocks=snap.kv_total_blocks,
         queued_prefill_tokens=snap.pending_prefill_tokens,
         decode_tokens=snap.decoding_seqs,
+        host_blocks=snap.host_total_blocks,
         lora_ids=snap.lora_ids,
         lora_loaded=snap.lora_loaded,
     )

@@ -162,6 +162,7 @@ class SimWorker:
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
             lora_loaded=tuple(self._loras),
+            host_blocks=self.kv.host_num_blocks,
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:

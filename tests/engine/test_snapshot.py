@@ -55,6 +55,7 @@ def assert_derived_agree(snap: EngineSnapshot, tel: WorkerTelemetry) -> None:
     assert load.queued_prefill_tokens == status.queued_prefill_tokens
     assert load.queued_prefill_tokens == snap.pending_prefill_tokens
     assert load.decode_tokens == snap.decoding_seqs
+    assert load.host_blocks == status.host_total_blocks == snap.host_total_blocks
     assert status.prefix_hit_rate == g.prefix_hit_rate == snap.prefix_hit_rate
     assert g.kv_usage == snap.kv_usage
     assert status.recompute_preemptions + status.swap_preemptions == snap.num_preemptions

@@ -305,6 +305,7 @@ class Engine:
     def _reap(self) -> None:
         """Forget the requests the scheduler finished; count them."""
         for req in self.scheduler.take_finished():
+            self.processor.release(req)
             self.requests.pop(req.request_id, None)
             self.stats.num_finished += 1
             self.stats.prompt_tokens += req.prompt_len

@@ -20,11 +20,13 @@ from collections.abc import Callable
 import torch
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
+from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
-from worker.engine.sampler import SampleSpec, sample
+from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
 
 
@@ -44,6 +46,7 @@ class OutputProcessor:
         self.stats = stats  # TTFT / inter-token samples, recorded as outputs are built
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
+        self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -107,17 +110,19 @@ class OutputProcessor:
         targets: list[tuple[Request, Sequence]] = []
         rows: list[int] = []
         specs: list[SampleSpec] = []
+        penalized: list[tuple[Sequence, SamplingParams]] = []
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
-            spec = SampleSpec(req.params, seq.generator, self._banned(req, seq))
+            specs.append(SampleSpec(req.params, seq.generator, self._banned(req, seq)))
             if req.params.has_penalties:
-                spec.prompt_ids, spec.output_ids = seq.token_ids[: seq.prompt_len], seq.output_ids
-            specs.append(spec)
+                penalized.append((seq, req.params))
         if not targets:
             return
         try:
-            sampled = list(zip(targets, *sample(logits[rows], specs, self._rng), strict=True))
+            counts = self._counts(penalized, logits)
+            tokens = sample(logits[rows], specs, self._rng, counts)
+            sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
         for (req, seq), tok, lp in sampled:
@@ -139,15 +144,30 @@ class OutputProcessor:
         out = []
         for idx in by_req.values():
             req = targets[idx[0]][0]
+            mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
+                counts = self._counts(mine, logits)
                 toks, lps = sample(
-                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts
                 )
             except Exception as exc:  # noqa: BLE001
                 self._outcome(req).error = exc
                 continue
             out += [(targets[i], t, p) for i, t, p in zip(idx, toks, lps, strict=True)]
         return out
+
+    def _counts(
+        self, penalized: list[tuple[Sequence, SamplingParams]], logits: torch.Tensor
+    ) -> PenaltyRows | None:
+        if not penalized:
+            return None
+        return self.penalties.rows(penalized, logits.shape[-1], logits.device)
+
+    def release(self, req: Request) -> None:
+        """``req`` finished: its sequences' penalty rows are free."""
+        if req.params.has_penalties:
+            for seq in (*req.seqs, *req.done_seqs):
+                self.penalties.release(seq.seq_id)
 
     def _banned(self, req: Request, seq: Sequence) -> tuple[int, ...]:
         p = req.params
@@ -174,8 +194,10 @@ class OutputProcessor:
                 reason, stop_reason = FinishReason.STOP, matched
         if reason is None and num_output >= req.max_new_tokens:
             reason = FinishReason.LENGTH
-        if reason is not None and seq.text is not None:
-            seq.text.finish(flush=not isinstance(stop_reason, str))
+        if reason is not None:
+            if seq.text is not None:
+                seq.text.finish(flush=not isinstance(stop_reason, str))
+            self.penalties.release(seq.seq_id)  # it samples no more
         self._outcome(req).seqs.append(SeqOutcome(seq, tok, lp, reason, stop_reason))
 
     def capacity(self, req: Request) -> RequestOutcome:

@@ -351,6 +351,11 @@ class KVCacheManager:
     def has_host_tier(self) -> bool:
         return self._host is not None
 
+    @property
+    def host_num_blocks(self) -> int:
+        """Size of the host tier in blocks (0: none, and no host-tier events)."""
+        return self._host.num_blocks if self._host is not None else 0
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""
         copies, self._copies = self._copies, []
