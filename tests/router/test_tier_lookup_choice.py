@@ -20,7 +20,7 @@ from router.placement.prefix_source import PrefixSource, TierCounts
 from router.placement.types import RouteRequest, WorkerId
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
-from worker.actor import engine_load
+from worker.actor import worker_load
 from worker.engine import Engine, EngineConfig
 from worker.kv import HashContext, KVCacheManager
 
@@ -109,8 +109,9 @@ def test_engine_load_reports_the_host_tier_size() -> None:
     from tests.engine.test_host_tier import HostFakeExecutor
 
     with_host = Engine(HostFakeExecutor(16, 4, 24), EngineConfig(block_size=4))
-    assert engine_load(with_host).host_blocks == with_host.kv.host_num_blocks == 24
-    assert engine_load(Engine(FakeExecutor(16, 4), EngineConfig(block_size=4))).host_blocks == 0
+    assert worker_load(with_host.snapshot()).host_blocks == with_host.kv.host_num_blocks == 24
+    no_host = Engine(FakeExecutor(16, 4), EngineConfig(block_size=4))
+    assert worker_load(no_host.snapshot()).host_blocks == 0
 
 
 @pytest.mark.redis
