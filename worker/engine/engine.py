@@ -52,7 +52,11 @@ Prompt = str | list[int]
 class Engine:
     """Continuous-batching engine over one model executor and one KV block pool."""
 
-    def __init__(self, executor: ModelExecutor, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, executor: ModelExecutor, config: EngineConfig | None = None, *, model_id: str = ""
+    ) -> None:
+        """``model_id``: the served model's id, folded into block 0's key (the cluster config's
+        ``model.model_id``; routers and the index use the same)."""
         config = config or EngineConfig()
         if executor.block_size != config.block_size:
             raise ValueError(
@@ -63,6 +67,7 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
         self.config = config
+        self.model_id = model_id
         self.executor = executor
         self.tokenizer = executor.tokenizer
         self.max_model_len = config.max_model_len or limit
@@ -88,7 +93,9 @@ class Engine:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+    def from_model_dir(
+        cls, model_dir: str | Path, config: EngineConfig | None = None, *, model_id: str = ""
+    ) -> Engine:
         """Load a Hugging Face model folder (or a .gguf file) and build an engine on it."""
         config = config or EngineConfig()
         executor = RunnerExecutor.from_model_dir(
@@ -104,7 +111,7 @@ class Engine:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
         )
-        return cls(executor, config)
+        return cls(executor, config, model_id=model_id)
 
     def add_lora(self, name: str, path: str) -> str:
         """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
@@ -124,15 +131,15 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def hash_context(self, params: SamplingParams) -> HashContext:
-        """What a request's block keys are salted with (model id, LoRA id, tenant salt); a pure
-        function of config and params, so callers may use it without the engine's lock."""
+        """What a request's block keys are salted with (model id, LoRA id, tenant salt); reads
+        no scheduling state, so callers may use it without the engine's lock."""
         lora_id = None
         if params.lora is not None:
             lora_id = self.loras.get(params.lora)
             if lora_id is None:
                 served = ", ".join(sorted(self.loras)) or "none"
                 raise InvalidRequest("lora", params.lora, f"unknown adapter; served: {served}")
-        return HashContext(self.config.model_id, lora_id, params.cache_salt)
+        return HashContext(self.model_id, lora_id, params.cache_salt)
 
     def add_request(
         self,
