@@ -26,9 +26,9 @@ from pathlib import Path
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.engine.beam import BeamSearch
 from worker.engine.config import EngineConfig
 from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.intake import Prompt, new_request, prompt_token_ids
 from worker.engine.metrics import (
     EngineMetrics,
     EngineSnapshot,
@@ -38,15 +38,13 @@ from worker.engine.metrics import (
 from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
-from worker.engine.request import Request, Sequence, sample_generator
+from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
 log = logging.getLogger(__name__)
-
-Prompt = str | list[int]
 
 
 class Engine:
@@ -158,7 +156,7 @@ class Engine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest("request_id", rid, "must be unique among live requests")
-        prompt_ids = self._tokenize(prompt)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer)
         validate_request(
             prompt_ids,
             params,
@@ -171,29 +169,19 @@ class Engine:
         )
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
-        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        ctx = self.hash_context(params)
-        req = Request(rid, prompt_ids, params, next(self._arrivals), ctx, max_new)
-        if params.use_beam_search:
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-            req.beam = BeamSearch(
-                params.beam_width, params.length_penalty, params.early_stopping, max_new, stop_ids
-            )
-        seq = Sequence(0, list(prompt_ids), len(prompt_ids), self.processor.new_text(req), None)
-        seq.generator = sample_generator(params.seed, 0)
-        req.seqs.append(seq)
+        req = new_request(
+            rid,
+            prompt_ids,
+            params,
+            arrival=next(self._arrivals),
+            ctx=self.hash_context(params),
+            max_model_len=self.max_model_len,
+            eos_ids=self.eos_ids,
+            new_text=self.processor.new_text,
+        )
         self.requests[rid] = req
         self.scheduler.add(req, prompt_keys)
         return rid
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("prompt", prompt[:32], "text prompts need a tokenizer")
-            return list(self.tokenizer.encode(prompt))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequest("prompt", type(prompt).__name__, "must be text or token ids")
-        return list(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any time; its final output comes with the next ``step``."""
