@@ -30,6 +30,8 @@ to 0.338, i.e. cuts the uncached prompt tokens by 13 %: own prefill 1.412 -> 1.2
 unbounded 0.868x), and the prefill load 0.595 -> 0.519, which cuts the waiting by 28 % (0.542
 -> 0.389 s; rho/(1-rho) falls by 27 %). 0.7x (1.369 s) would need the waiting at 8x to be
 0.138 s, a 75 % cut from a 13 % cut in work — a hit rate far above the trace's unbounded 0.342.
+A scheduler that waits less (e.g. letting short prompts pass long ones) moves the ratio
+towards the no-waiting 0.872x, not below it, unless it cuts the waiting far more with the tier.
 A host load-back costs 1.8 ms per request on average, 0.1 % of its TTFT.
 
     .venv/bin/python -m benchmarks.host_tier_sim            # full trace, several minutes
