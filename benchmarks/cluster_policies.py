@@ -22,7 +22,7 @@ throughput >= 1.3 x.
 Each worker's torch uses one thread (``OMP_NUM_THREADS=1``, inherited by the local Ray's
 worker processes), so two workers share this machine's cores without oversubscription.
 
-The code is :mod:`cluster.policy_bench` (workloads ``FULL`` and ``SMOKE`` included), also run
+The code is :mod:`benchmarks.policy_bench` (workloads ``FULL`` and ``SMOKE`` included), also run
 by ``kvcluster bench --compare-policies``, whose defaults are ``FULL``; this module keeps the
 benchmark's name, flags and JSON keys.
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from cluster.policy_bench import FULL, POLICIES, SMOKE, compare, parse_seeds
+from benchmarks.policy_bench import FULL, POLICIES, SMOKE, compare, parse_seeds
 
 __all__ = ["FULL", "SMOKE", "main"]
 

@@ -190,7 +190,7 @@ def run_vllm(
     """vLLM's CPU build from its own venv; a note (str) when it cannot run. ``threads`` > 0
     binds its OpenMP threads to that many cores (as ``--threads`` limits torch's here)."""
     if not Path(python).exists():
-        return f"skipped: no vLLM venv at {python} (see the issue for the install recipe)"
+        return f"skipped: no vLLM venv at {python} (--vllm-python or $VLLM_PYTHON)"
     if model_dir.suffix == ".gguf":
         return "skipped: the vLLM comparison runs on Hugging Face folders only"
     with tempfile.TemporaryDirectory() as tmp:

@@ -43,10 +43,9 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
-from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
 from benchmarks.workloads import DEFAULT_TRACE, trace_requests
 from router import RoutingConfig
 from router.sim import SimConfig, replay, summarize
@@ -142,11 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     tasks = [(total + args.block_size, 0, True, args)]
     tasks += [(args.kv_tokens, int(x * args.kv_tokens), False, args) for x in sizes]
     started = time.perf_counter()
-    if args.jobs > 1:
-        with Pool(args.jobs) as pool:
-            rows = pool.map(_run, tasks, chunksize=1)
-    else:
-        rows = [_run(t) for t in tasks]
+    rows = run_all(_run, tasks, args.jobs)
     unbounded, rows = rows[0], rows[1:]
     print_table([unbounded, *rows], f"host tier sim ({time.perf_counter() - started:.0f} s)")
     by_x = {r["host_x"]: r for r in rows}

@@ -11,8 +11,8 @@ union depths, all on the device: what an index without host tiers holds). Measur
 mode (bisect, scan), client end to end and inside Redis (SLOWLOG), every answer checked:
 
 * ``lookup`` on device-only: today's cost (the baseline of the ratios);
-* ``lookup_tiers`` on device-only: what a router pays when no worker has a host tier (one
-  EXISTS more);
+* ``lookup_tiers`` on device-only: what a router would pay when no worker has a host tier
+  (one EXISTS more; the router asks ``lookup`` then, as no candidate's load reports one);
 * ``lookup_tiers`` on tiered: the union walk reads both hashes per probe.
 
     .venv/bin/python -m benchmarks.kvstore_tier_lookup            # 16 workers, 2k blocks

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from cluster.bench import run_bench
+from benchmarks.loadgen import run_bench
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from worker.model.default_model import resolve_default_model

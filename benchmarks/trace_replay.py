@@ -40,10 +40,9 @@ import argparse
 import math
 import os
 import time
-from multiprocessing import Pool
 from pathlib import Path
 
-from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
 from benchmarks.workloads import DEFAULT_TRACE, shared_prefix_requests, trace_requests
 from router import RoutingConfig
 from router.sim import SimConfig, Summary, replay, summarize
@@ -140,7 +139,7 @@ def _seed_targets(
     workers: int,
     headline: dict[str, float | int | str | bool],
 ) -> None:
-    """The issue's targets over several seeds. least_loaded samples two workers at random, so
+    """The targets over several seeds. least_loaded samples two workers at random, so
     its mean TTFT alone moves by a few percent from seed to seed (more than the margin at
     stake): the TTFT target is judged on the ratio of the policies' mean TTFTs over the seeds,
     with every per-seed ratio printed next to it; hit rate and imbalance must hold at every
@@ -184,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=("uncached", "whole"),
         default="uncached",
         help="heartbeat's queued prefill of a waiting request: its uncached tail, or its whole "
-        "prompt (the engine's earlier rule); see router/sim/config.py",
+        "prompt (the naive rule); see router/sim/config.py",
     )
     ap.add_argument("--sessions", type=int, default=600, help="generated workload sessions")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
@@ -216,11 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.workload in ("shared_prefix", "both"):
         tasks += [("shared_prefix", p, args.workers, args.seed, args) for p in POLICIES]
     started = time.perf_counter()
-    if args.jobs > 1:
-        with Pool(args.jobs) as pool:
-            summaries = pool.map(_run, tasks, chunksize=1)
-    else:
-        summaries = [_run(t) for t in tasks]
+    summaries = run_all(_run, tasks, args.jobs)
     by_seed = {(t[0], t[1], t[2], t[3]): s for t, s in zip(tasks, summaries, strict=True)}
     results = {(w, p, n): s for (w, p, n, seed), s in by_seed.items() if seed == args.seed}
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -17,12 +21,7 @@ def _endpoint(args: argparse.Namespace) -> str:
         return args.target
     from cluster.launcher import ClusterState
 
-    st = ClusterState.load(args.name)
-    if getattr(args, "api", "grpc") == "http":
-        if not st.http_endpoints:
-            raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
-        return st.http_endpoints[0]
-    return st.endpoints[0]
+    return ClusterState.load(args.name).endpoint()
 
 
 def ray_cli_hint(ray_address: str, *, embedded: bool) -> str:
@@ -143,105 +142,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMPARE_ONLY = ("workers", "model_size", "config", "policies", "seeds")
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.compare_policies:
-        return _compare_policies(args)
-    given = [f"--{k.replace('_', '-')}" for k in _COMPARE_ONLY if getattr(args, k) is not None]
-    if given:
-        raise ConfigError(f"{', '.join(given)}: only with --compare-policies")
-    from cluster.bench import run_bench
-
-    sizes = {
-        "num_requests": args.requests,
-        "concurrency": args.concurrency,
-        "num_groups": args.groups,
-        "max_tokens": args.max_tokens,
-    }
-    run_bench(_endpoint(args), api=args.api, **{k: v for k, v in sizes.items() if v is not None})
-    return 0
-
-
-def _compare_policies(args: argparse.Namespace) -> int:
-    """A fresh in-process cluster per policy; defaults are the benchmark's FULL workload."""
-    from dataclasses import replace
-
-    from cluster.policy_bench import FULL, POLICIES, compare, parse_seeds
-
-    if args.target:
-        raise ConfigError("--compare-policies starts its own clusters; drop --target")
-    base = load_config(args.config) if args.config else None
-    default_size = None if base else FULL.model_size  # a --config brings its own model
-    w = replace(
-        FULL,
-        model_size=args.model_size or default_size,
-        num_workers=args.workers or (base.workers.num_workers if base else 2),
-        num_requests=args.requests or FULL.num_requests,
-        concurrency=args.concurrency or FULL.concurrency,
-        num_groups=args.groups or FULL.num_groups,
-        max_tokens=args.max_tokens or FULL.max_tokens,
-        seeds=parse_seeds(args.seeds) if args.seeds else FULL.seeds,
-    )
-    policies = args.policies.split(",") if args.policies else list(POLICIES)
-    compare(w, policies, base)
-    return 0
+    """Run ``python -m benchmarks.cluster_bench`` with the remaining arguments: the load
+    generator lives with the benchmarks (a layer above this package, never imported here)."""
+    if not (CHECKOUT / "benchmarks" / "cluster_bench.py").is_file():
+        raise ConfigError(
+            f"kvcluster bench runs benchmarks/cluster_bench.py of a source checkout, and "
+            f"{CHECKOUT} has none: install kvcluster from a checkout (pip install -e)"
+        )
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "benchmarks.cluster_bench", *args.rest]
+    return subprocess.call(cmd, env={**os.environ, "PYTHONPATH": path})
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from cluster.demo import run_demo
 
     return run_demo(load_config(args.config), num_requests=args.requests)
-
-
-def _bench_args(sp: argparse.ArgumentParser) -> None:
-    """Flags of ``bench``; the sizes default per mode (load test: 64/8/4/16 tokens;
-    --compare-policies: the benchmark's FULL workload, 64/8/4/8 tokens on the 100m model)."""
-    sp.add_argument("--requests", type=int, help="requests (per policy with --compare-policies)")
-    sp.add_argument("--concurrency", type=int, help="requests in flight")
-    sp.add_argument("--groups", type=int, help="distinct shared system prompts")
-    sp.add_argument("--max-tokens", type=int, help="tokens generated per request")
-    sp.add_argument(
-        "--api",
-        choices=("grpc", "http"),
-        default="grpc",
-        help="drive the gRPC API or the OpenAI HTTP API (--target: its URL)",
-    )
-    cmp = sp.add_argument_group(
-        "--compare-policies",
-        "a fresh local cluster per routing policy, same seeded workload: "
-        "TTFT, throughput and hit rate with ratios vs round_robin, PNG, JSON line",
-    )
-    cmp.add_argument(
-        "--compare-policies",
-        action="store_true",
-        help="start a cluster per policy in this process instead of using --target",
-    )
-    cmp.add_argument(
-        "--workers",
-        type=int,
-        choices=(2, 3, 4),
-        help="CPU workers per cluster (default 2, or the --config's count)",
-    )
-    cmp.add_argument(
-        "--model-size",
-        choices=("tiny", "32m", "100m"),
-        help="offline model (default 100m; with --config, the config's model)",
-    )
-    cmp.add_argument(
-        "--config",
-        help="base cluster YAML; per run its policy, name and router port are overridden "
-        "and the dashboard is off (default: embedded defaults)",
-    )
-    cmp.add_argument(
-        "--policies", help="comma-separated (default round_robin,least_loaded,prefix_affinity)"
-    )
-    cmp.add_argument(
-        "--seeds",
-        help="comma-separated prompt seeds, run in turn on each policy's cluster; figures and "
-        "targets are over all of them (default 0,1,2)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,10 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--config", help="cluster YAML (see deploy/kvcluster.yaml)")
     sp.add_argument("--ray-address", help="join this Ray cluster (e.g. 'auto' after ray up)")
     add("down", cmd_down, "stop the cluster started by `up`")
+    # every argument after `bench` (--help included) goes to benchmarks/cluster_bench.py
+    bench = sub.add_parser(
+        "bench",
+        help="load generator: table, plot, JSON line (kvcluster bench --help)",
+        add_help=False,
+    )
+    bench.set_defaults(fn=cmd_bench)
     for name, fn, help_ in (
         ("status", cmd_status, "workers, load, KV usage, hit rates"),
         ("generate", cmd_generate, "stream a completion"),
-        ("bench", cmd_bench, "load generator: table, plot, JSON line"),
     ):
         sp = add(name, fn, help_)
         sp.add_argument("--target", help="router host:port (default: from the state file)")
@@ -279,8 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--cache-salt", default="")
             sp.add_argument("--lora", default="", help="LoRA adapter name (default: base model)")
             sp.add_argument("--timeout", type=float, default=120.0)
-        if name == "bench":
-            _bench_args(sp)
     sp = add("demo", cmd_demo, "start a cluster in-process, send prefix-sharing requests, stop")
     sp.add_argument("--config", help="cluster YAML")
     sp.add_argument("--requests", type=int, default=8)
@@ -288,18 +212,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    return exit_code("kvcluster", lambda: args.fn(args))
+
+
+def exit_code(prog: str, run: Callable[[], int]) -> int:
+    """``run()``'s exit code; a user's error is one line on stderr instead of a traceback:
+    2 for a bad config or a missing state file, 1 for an RPC the cluster refused."""
     try:
-        return args.fn(args)
+        return run()
     except (ConfigError, FileNotFoundError) as exc:
-        print(f"kvcluster: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:
-        print(f"kvcluster: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"{prog}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
@@ -52,8 +52,20 @@ class WorkersConfig(Strict):
     engine: EngineConfig = Field(
         EngineConfig(num_blocks=512, max_waiting=256),
         description="Each worker's engine: block size, KV size, batch limits, policy, dtype. "
-        "model_id is filled in from model.model_id.",
+        "Its block_size and max_model_len are the cluster's: the routers and the index take "
+        "them from here. Its model_id is model.model_id (stated there, not here).",
     )
+
+    @field_validator("engine")
+    @classmethod
+    def _model_id_stated_once(cls, engine: EngineConfig) -> EngineConfig:
+        # The launcher fills it in from model.model_id; a second statement could disagree.
+        if engine.model_id:
+            raise ValueError(
+                f"model_id={engine.model_id!r}: the model id is stated once, as model.model_id "
+                "(engines, routers and the index take it from there); move it there"
+            )
+        return engine
 
 
 class RouterConfig(Strict):
@@ -90,7 +102,7 @@ class RouterConfig(Strict):
     )
     routing: RoutingConfig = Field(
         RoutingConfig(),
-        description="Placement policy and weights; block_size is taken from "
+        description="Placement policy and weights; the routers hash prompts with "
         "workers.engine.block_size.",
     )
     liveness: LivenessConfig = Field(

@@ -32,11 +32,12 @@ from pathlib import Path
 
 import ray
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, ConfigError
 from cluster.local_redis import LocalRedis, free_port, start_detached
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
+from worker.engine.config import EngineConfig
 from worker.model.config import ModelConfig
 from worker.model.default_model import default_model_id, resolve_default_model
 
@@ -71,7 +72,7 @@ class ClusterState:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(asdict(self), indent=2))
-        path.chmod(0o600)  # a file left by an older version keeps its mode otherwise
+        path.chmod(0o600)  # os.open's mode applies only when it creates the file
         return path
 
     @classmethod
@@ -82,6 +83,14 @@ class ClusterState:
                 f"no running cluster {name!r} ({path} missing): start one with `kvcluster up`"
             )
         return cls(**json.loads(path.read_text()))
+
+    def endpoint(self, api: str = "grpc") -> str:
+        """The first router's gRPC host:port, or with ``api="http"`` its OpenAI API URL."""
+        if api == "http":
+            if not self.http_endpoints:
+                raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
+            return self.http_endpoints[0]
+        return self.endpoints[0]
 
 
 def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
@@ -226,8 +235,8 @@ class Cluster:
         self.routers: dict[str, ray.actor.ActorHandle] = {}
         self.endpoints: list[str] = []
         self.http_endpoints: list[str] = []  # OpenAI API base URLs (none when http_port None)
-        self.model_path: str | None = None  # what workers get (None: they resolve the default)
-        self.model_id = ""
+        # what workers get (None: they resolve the default), and the id every component uses
+        self.model_path, self.model_id = resolve_model(cfg)
         # Whether this object connected Ray (and set loopback mode): only then does ``down``
         # disconnect. A cluster started in a process already connected to Ray (another
         # in-process cluster, a test session) shares that connection and must leave it up.
@@ -280,7 +289,7 @@ class Cluster:
             model_id=self.model_id,
         )
 
-    def engine_config(self):  # noqa: ANN201
+    def engine_config(self) -> EngineConfig:
         return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
 
     @property
@@ -298,43 +307,29 @@ class Cluster:
             return engine.max_model_len
         return ModelConfig.from_dir(self.model_path).max_position_embeddings
 
-    def start_worker(self, i: int) -> ray.actor.ActorHandle:
-        w = self.cfg.workers
-        name = f"worker-{i}"
-        opts = dict(
-            name=name,
-            namespace=self.namespace,
-            max_restarts=w.max_restarts,
-            max_task_retries=0,
-            num_cpus=w.num_cpus_per_worker,
-            num_gpus=1 if w.use_gpu else 0,
-            max_concurrency=1000,
-        )
-        if self.detached:
-            opts["lifetime"] = "detached"
-        settings = WorkerSettings(
+    # The components' settings are derived from the one cluster config: each fact (model id,
+    # block size, max_model_len) is stated once there and copied into every component here.
+
+    def worker_settings(self, name: str) -> WorkerSettings:
+        return WorkerSettings(
             worker_id=name,
             model_dir=self.model_path,
             engine=self.engine_config(),
             index=self.index_config(),
             default_family=self.cfg.model.tiny_family,
         )
-        handle = WorkerActor.options(**opts).remote(settings)
-        self.workers[name] = handle
-        return handle
 
-    def start_router(self, i: int) -> ray.actor.ActorHandle:
+    def router_settings(self, i: int) -> RouterSettings:
         r = self.cfg.router
-        name = f"router-{i}"
-        routing = r.routing.model_copy(update={"block_size": self.cfg.workers.engine.block_size})
-        settings = RouterSettings(
-            router_id=name,
+        return RouterSettings(
+            router_id=f"router-{i}",
             namespace=self.namespace,
             model_dir=self.model_path,
             default_family=self.cfg.model.tiny_family,
             model_id=self.model_id,
             max_model_len=self.max_model_len(),
-            routing=routing,
+            block_size=self.cfg.workers.engine.block_size,
+            routing=r.routing,
             # a fixed port even when none is configured: a router Ray restarts binds it again
             index=self.index_config(),
             host=r.host,
@@ -351,6 +346,29 @@ class Cluster:
             if r.http_port
             else free_port(),
         )
+
+    def start_worker(self, i: int) -> ray.actor.ActorHandle:
+        w = self.cfg.workers
+        name = f"worker-{i}"
+        opts = dict(
+            name=name,
+            namespace=self.namespace,
+            max_restarts=w.max_restarts,
+            max_task_retries=0,
+            num_cpus=w.num_cpus_per_worker,
+            num_gpus=1 if w.use_gpu else 0,
+            max_concurrency=1000,
+        )
+        if self.detached:
+            opts["lifetime"] = "detached"
+        handle = WorkerActor.options(**opts).remote(self.worker_settings(name))
+        self.workers[name] = handle
+        return handle
+
+    def start_router(self, i: int) -> ray.actor.ActorHandle:
+        r = self.cfg.router
+        settings = self.router_settings(i)
+        name = settings.router_id
         opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
         if self.detached:
             opts["lifetime"] = "detached"
@@ -388,7 +406,6 @@ class Cluster:
 
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
-        self.model_path, self.model_id = resolve_model(self.cfg)
         self._start_redis()
         self._start_ray()
         for i in range(self.cfg.workers.num_workers):

@@ -29,6 +29,9 @@ class WorkerLoad:
     decode_tokens: int = 0  # tokens decoded per step by the running batch
     lora_ids: tuple[str, ...] = ()  # stable ids (``name@digest``) of the LoRA adapters served
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now
+    # size of its host KV tier (0: none, so the index holds no host-tier entry of it; a
+    # router then asks the index for device counts only)
+    host_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

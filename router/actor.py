@@ -45,7 +45,8 @@ class RouterSettings:
     # default model, resolved on this router's node
     model_id: str  # folded into block keys; must equal the workers'
     max_model_len: int | None  # the workers' max_model_len (None: the model's own limit)
-    routing: RoutingConfig  # policy and weights (block_size = workers')
+    block_size: int  # the workers' KV block size (the router hashes prompts into the same)
+    routing: RoutingConfig  # policy and weights
     index: IndexConfig | None  # None: no Redis, route by load
     host: str  # gRPC bind address
     port: int  # gRPC port (0: any free port)
@@ -82,7 +83,9 @@ class RouterServer:
         # one breaker for every index read: a frozen Redis costs one timeout per probe
         self.breaker = CircuitBreaker(settings.routing.index_probe_interval_s)
         source = KVIndexSource(self.index, breaker=self.breaker) if self.index is not None else None
-        self.router = Router(settings.routing, source, metrics=self.metrics)
+        self.router = Router(
+            settings.routing, source, block_size=settings.block_size, metrics=self.metrics
+        )
         self.directory = RayWorkerDirectory(
             settings.namespace, self.index, breaker=self.breaker, liveness=settings.liveness
         )
@@ -94,7 +97,7 @@ class RouterServer:
         )
         # a miss is a gap of one block at the index's granularity
         record_every = settings.index.record_every if settings.index is not None else 1
-        self.predictions = PredictionTracker(settings.routing.block_size * record_every)
+        self.predictions = PredictionTracker(settings.block_size * record_every)
         self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         self.servicer = KVClusterServicer(

@@ -27,7 +27,7 @@ from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
 from kvstore.types import WorkerLoad
-from worker.engine import Engine, EngineConfig, RequestOutput
+from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
@@ -47,30 +47,45 @@ class WorkerSettings:
     default_family: str = "llama"  # family of the default model (model_dir None)
 
 
-def engine_load(engine: Engine) -> WorkerLoad:
-    """The load a router weighs: queued prefill work and running decodes (engine thread)."""
-    sched = engine.scheduler
-    decoding = sum(1 for r in sched.running for s in r.seqs if s.num_remaining <= 1)
+def worker_load(snap: EngineSnapshot) -> WorkerLoad:
+    """The load a router weighs: queued prefill work and running decodes."""
     return WorkerLoad(
-        running=len(sched.running),
-        waiting=len(sched.waiting),
-        free_blocks=engine.kv.num_free_blocks(),
-        total_blocks=engine.kv.num_blocks,
-        queued_prefill_tokens=sched.pending_prefill_tokens(),
-        decode_tokens=decoding,
-        **lora_load(engine),
+        running=snap.num_running,
+        waiting=snap.num_waiting,
+        free_blocks=snap.kv_free_blocks,
+        total_blocks=snap.kv_total_blocks,
+        queued_prefill_tokens=snap.pending_prefill_tokens,
+        decode_tokens=snap.decoding_seqs,
+        host_blocks=snap.host_total_blocks,
+        lora_ids=snap.lora_ids,
+        lora_loaded=snap.lora_loaded,
     )
 
 
-def lora_load(engine: Engine) -> dict[str, tuple[str, ...]]:
-    """The adapters a router routes by: served and in a slot (engine thread)."""
-    if not engine.loras:
-        return {}
-    loaded = engine.executor.loaded_loras()
-    return {
-        "lora_ids": tuple(sorted(engine.loras.values())),
-        "lora_loaded": tuple(sorted(engine.loras[n] for n in loaded if n in engine.loras)),
-    }
+def worker_status(
+    worker_id: str, snap: EngineSnapshot, *, epoch: int | None, index_healthy: bool
+) -> WorkerStatus:
+    """A worker's answer to a status call, from one snapshot of its engine."""
+    return WorkerStatus(
+        worker_id=worker_id,
+        epoch=epoch,
+        running=snap.num_running,
+        waiting=snap.num_waiting,
+        free_blocks=snap.kv_free_blocks,
+        total_blocks=snap.kv_total_blocks,
+        queued_prefill_tokens=snap.pending_prefill_tokens,
+        prefix_hit_rate=snap.prefix_hit_rate,
+        index_healthy=index_healthy,
+        tenant_quota_evictions=snap.tenant_quota_evictions,
+        host_total_blocks=snap.host_total_blocks,
+        host_cached_blocks=snap.host_cached_blocks,
+        host_hit_tokens=snap.host_hit_tokens,
+        swap_preemptions=snap.num_swap_preemptions,
+        recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
+        adapters=tuple(
+            AdapterInfo(i.split("@")[0], i, i in snap.lora_loaded) for i in snap.lora_ids
+        ),
+    )
 
 
 class CallerWatch:
@@ -155,32 +170,39 @@ class WorkerServer:
             )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
+        self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
         self.front = StreamingEngine(
             self.engine, on_step=self._after_step, on_death=self._engine_died
         )
         self.front.start()
         self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
-            self.publisher.submit([], engine_load(self.engine))
+            self.publisher.submit([], worker_load(self.engine.snapshot()))
             self.publisher.start()
 
     # -- engine thread hooks ---------------------------------------------------------------
 
     def _after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         events = engine.drain_kv_events()
+        snap = engine.snapshot()  # one snapshot: the load published and the gauges agree
         if self.publisher is not None:
-            self.publisher.submit(events, engine_load(engine))
-        self.telemetry.after_step(engine, outputs)
+            self.publisher.submit(events, worker_load(snap))
+        self.telemetry.after_step(snap, outputs)
 
     def _engine_died(self, exc: BaseException) -> None:
         """The loop died (the engine could not contain an error): this worker is useless.
         Stop the heartbeat and deregister (routers drop it at once), then end the process so
         that Ray restarts the actor (``max_restarts``) with a fresh engine and a new epoch."""
         log.critical("worker %s: engine loop died (%r); leaving for a restart", self.worker_id, exc)
-        self.telemetry.stop_heartbeat()
-        if self.publisher is not None:
-            self.publisher.stop()
-        exit_process_soon()
+        # the exit is armed first: a clean-up step that raises or blocks (Redis unreachable)
+        # must not leave the process up with a dead loop
+        exit_process_soon(self._in_actor)
+        try:
+            self.telemetry.stop_heartbeat()
+            if self.publisher is not None:
+                self.publisher.stop(timeout_s=0.5)
+        except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
+            log.exception("worker %s: clean-up before the restart failed", self.worker_id)
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
@@ -241,26 +263,13 @@ class WorkerServer:
         return True
 
     def status(self) -> WorkerStatus:
-        m, load = self.front.with_engine(lambda e: (e.metrics(), engine_load(e)))  # one lock
-        return WorkerStatus(
-            worker_id=self.worker_id,
-            epoch=self.publisher.epoch if self.publisher is not None else None,
-            running=m.num_running,
-            waiting=m.num_waiting,
-            free_blocks=load.free_blocks,
-            total_blocks=m.kv_total_blocks,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            prefix_hit_rate=m.prefix_hit_rate,
-            index_healthy=self.publisher.healthy if self.publisher is not None else False,
-            tenant_quota_evictions=m.tenant_quota_evictions,
-            host_total_blocks=m.host_total_blocks,
-            host_cached_blocks=m.host_cached_blocks,
-            host_hit_tokens=m.host_hit_tokens,
-            swap_preemptions=m.num_swap_preemptions,
-            recompute_preemptions=m.num_preemptions - m.num_swap_preemptions,
-            adapters=tuple(
-                AdapterInfo(i.split("@")[0], i, i in load.lora_loaded) for i in load.lora_ids
-            ),
+        snap = self.front.with_engine(Engine.snapshot)
+        publisher = self.publisher
+        return worker_status(
+            self.worker_id,
+            snap,
+            epoch=publisher.epoch if publisher is not None else None,
+            index_healthy=publisher.healthy if publisher is not None else False,
         )
 
     def add_lora(self, name: str, path: str) -> str:
@@ -270,14 +279,14 @@ class WorkerServer:
         def add(engine: Engine) -> str:
             adapter_id = engine.add_lora(name, path)
             if self.publisher is not None:  # an idle worker publishes no step: tell now
-                self.publisher.submit([], engine_load(engine))
+                self.publisher.submit([], worker_load(engine.snapshot()))
             return adapter_id
 
         return self.front.with_engine(add)
 
     def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
-        return self.front.with_engine(lambda e: e.kv.stats().used_blocks)
+        return self.front.with_engine(Engine.snapshot).kv_used_blocks
 
     def shutdown(self) -> None:
         self.telemetry.stop_heartbeat()
@@ -286,11 +295,16 @@ class WorkerServer:
             self.publisher.stop()
 
 
-def exit_process_soon(grace_s: float = 1.0) -> None:
+def in_ray_actor() -> bool:
+    """Whether this process is a Ray actor's (asked once, from the actor's own thread)."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def exit_process_soon(in_actor: bool, grace_s: float = 1.0) -> None:
     """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
     callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
     Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    if not in_actor:
         return
 
     def leave() -> None:

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import ray
 
-from worker.engine import Engine, RequestOutput
+from worker.engine import EngineSnapshot, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 GAUGE_REFRESH_S = 5.0  # well inside Ray's expiry of metrics not set for ~30 s
@@ -85,8 +85,8 @@ class WorkerTelemetry:
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
 
-    def after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
-        """Engine thread, after each step (engine lock held)."""
+    def after_step(self, snap: EngineSnapshot, outputs: list[RequestOutput]) -> None:
+        """Engine thread, after each step: its outputs and the engine's snapshot after it."""
         now = time.monotonic()
         for out in outputs:
             rid = out.request_id
@@ -104,15 +104,14 @@ class WorkerTelemetry:
             if out.finished:
                 self._arrival.pop(rid, None)
                 self._last.pop(rid, None)
-        sched, kv = engine.scheduler, engine.kv.stats()
         self.gauges = GaugeValues(
-            kv_usage=kv.usage,
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            prefix_hit_rate=kv.prefix_hit_rate,
-            tenant_quota_evictions=kv.tenant_quota_evictions,
+            kv_usage=snap.kv_usage,
+            running=snap.num_running,
+            waiting=snap.num_waiting,
+            prefix_hit_rate=snap.prefix_hit_rate,
+            tenant_quota_evictions=snap.tenant_quota_evictions,
         )
-        preempted = engine.stats.num_preemptions - self._preemptions_sent
+        preempted = snap.num_preemptions - self._preemptions_sent
         if preempted > 0:
             self._preemptions_sent += preempted
             if self._exported:

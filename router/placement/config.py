@@ -138,12 +138,10 @@ class LivenessConfig(Strict):
 
 
 class RoutingConfig(Strict):
-    """The router's placement settings."""
+    """The router's placement settings. The block size is not one of them: it is the
+    workers' (``Router(..., block_size=)``), so the two can never disagree."""
 
     policy: str = Field("prefix_affinity", description="Registered policy name.")
-    block_size: int = Field(
-        16, ge=1, description="Tokens per KV block; must equal the workers' block size."
-    )
     pending_ttl_s: float = Field(
         10.0,
         ge=0,

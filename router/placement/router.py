@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 class Router:
     """Places requests on workers. Not thread-safe: one per event loop / actor.
 
-    ``prefix_source`` may be ``None`` (no index configured); ``clock`` gives seconds for the
-    pending-placement TTL (the simulator passes its simulated clock).
+    ``prefix_source`` may be ``None`` (no index configured); ``block_size`` is the workers'
+    KV block size (the router hashes prompts into the same blocks); ``clock`` gives seconds
+    for the pending-placement TTL (the simulator passes its simulated clock).
     """
 
     def __init__(
@@ -36,11 +37,15 @@ class Router:
         config: RoutingConfig,
         prefix_source: PrefixSource | None = None,
         *,
+        block_size: int,
         metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.config = config
+        self.block_size = block_size
         self.policy = make_policy(config, rng)
         self.prefix_source = prefix_source
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -56,7 +61,7 @@ class Router:
         Raises :class:`NoWorkersError` when ``candidates`` is empty.
         """
         start, keys = self._begin(request, candidates)
-        index = self._lookup(keys) if keys else None
+        index = self._lookup(keys, candidates) if keys else None
         return self._decide(request, candidates, keys, index, start)
 
     def _begin(
@@ -76,7 +81,7 @@ class Router:
             ctx = request.hash_ctx
             if not self.config.adapter_aware:  # the baseline: hash as if there were no adapter
                 ctx = replace(ctx, lora_id=None)
-            keys = tuple(block_keys(request.token_ids, self.config.block_size, ctx))
+            keys = tuple(block_keys(request.token_ids, self.block_size, ctx))
         return start, keys
 
     def _decide(
@@ -135,7 +140,7 @@ class Router:
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
         pending = self.pending.lookup(keys, self._clock())
-        bs = self.config.block_size
+        bs = self.block_size
         cap = (n_tokens - 1) // bs if n_tokens else 0
         out: dict[WorkerId, int | None] = {}
         assisted = False
@@ -153,14 +158,25 @@ class Router:
         self.metrics.pending_assists += assisted
         return out
 
-    def _lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
-        if self.prefix_source is None:
+    def _lookup(
+        self, keys: Sequence[BlockKey], candidates: Mapping[WorkerId, WorkerLoad]
+    ) -> Mapping[WorkerId, TierCounts] | None:
+        """Per-tier counts; from the cheaper device-only lookup when no candidate has a host
+        tier (its load says so: ``host_blocks``) or host blocks weigh nothing: the host
+        counts are all 0 or unused then, so the decision is the same."""
+        source = self.prefix_source
+        if source is None:
             return None
         try:
-            return self.prefix_source.lookup_tiers(keys)
+            if self.config.host_hit_weight > 0 and any(
+                load.host_blocks for load in candidates.values()
+            ):
+                return source.lookup_tiers(keys)
+            counts = source.lookup(keys)
         except Exception as exc:  # degrade, never fail: route by load
             self._index_error(exc)
             return None
+        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
 
     def _index_error(self, exc: Exception) -> None:
         if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago

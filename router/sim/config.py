@@ -90,7 +90,7 @@ class SimConfig(Strict):
         description="What a worker's heartbeat counts as queued prefill for a request still "
         "waiting for admission. 'uncached': its prompt minus the prefix the worker already "
         "caches (what it will compute), as the engine's Scheduler.pending_prefill_tokens "
-        "reports it. 'whole': its whole prompt (the engine's earlier rule); it overstates the "
+        "reports it. 'whole': its whole prompt (the naive rule, for comparison); it overstates the "
         "queue of a worker that holds the waiting prompts' prefixes, which makes "
         "prefix_affinity avoid its holders.",
     )

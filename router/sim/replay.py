@@ -51,10 +51,9 @@ class _Clock:
 def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfig) -> ReplayResult:
     """Route every request (in arrival order) and simulate the workers until all finish."""
     started = time.perf_counter()
-    routing = routing.model_copy(update={"block_size": sim.block_size})
     index = InMemoryPrefixIndex()
     clock = _Clock()
-    router = Router(routing, index, clock=clock)
+    router = Router(routing, index, block_size=sim.block_size, clock=clock)
     num_blocks = sim.kv_tokens_per_worker // sim.block_size
     workers = {
         f"w{i:02d}": SimWorker(

@@ -22,7 +22,7 @@ watermark (the cache never fills with running sequences at the benchmark's sizes
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from kvstore.blocks.events import BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
-from worker.kv import KVCacheManager, KVCapacityError
+from worker.kv import BlockClaims, KVCacheManager, KVCapacityError
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class SimWorker:
         self.decoding: list[_Active] = []
         self.queued_prefill = 0  # uncached prompt tokens still to compute (waiting + admitted)
         self.waiting_cached = 0  # prompt tokens of waiting requests their prefix hit will skip
-        self._claims: Counter[BlockKey] = Counter()  # waiting prompts' block keys (as the engine)
+        self._claims = BlockClaims()  # waiting prompts' block keys (as the engine)
         self.decode_ctx = 0  # sum of KV lengths of decoding sequences
         self.computed_prefill_tokens = 0  # prompt tokens this worker actually computed
         self.busy_s = 0.0  # time spent in steps
@@ -138,7 +138,7 @@ class SimWorker:
         # As the engine's scheduler does: what its KV manager would hit now, or a request
         # queued ahead of it will have cached by its turn (a pure query).
         hint, active.claim = self.kv.expected_prefix(req.token_ids, req.ctx, self._claims)
-        self._claims.update(active.claim)
+        self._claims.claim(active.claim)
         active.est_new = len(req.token_ids) - hint
         self.queued_prefill += active.est_new
         self.waiting_cached += len(req.token_ids) - active.est_new
@@ -162,6 +162,7 @@ class SimWorker:
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
             lora_loaded=tuple(self._loras),
+            host_blocks=self.kv.host_num_blocks,
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:
@@ -277,7 +278,7 @@ class SimWorker:
     def _pop_waiting(self) -> _Active:
         active = self.waiting.popleft()
         self.waiting_cached -= len(active.req.token_ids) - active.est_new
-        self.kv.release_claims(self._claims, active.claim)
+        self._claims.release(active.claim)
         active.claim = []
         return active
 

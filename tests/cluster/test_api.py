@@ -225,7 +225,7 @@ def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch)
     import io
     import json
 
-    from cluster.bench import run_bench
+    from benchmarks.loadgen import run_bench
 
     buf = io.StringIO()
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))

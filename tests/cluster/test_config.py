@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from cluster.launcher import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +53,60 @@ def test_config_is_frozen() -> None:
     cfg = ClusterConfig()
     with pytest.raises(Exception, match="frozen"):
         cfg.name = "other"  # type: ignore[misc]
+
+
+# Each fact (model id, block size, max_model_len) is stated once in the cluster config; the
+# components' settings are derived from it, so two disagreeing statements cannot be written.
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"router": {"routing": {"block_size": 32}}}, "router.routing.block_size"),
+        ({"workers": {"engine": {"model_id": "other"}}}, "model_id='other'"),
+    ],
+)
+def test_a_fact_has_one_place_in_the_config(raw: dict, needle: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"model_id": "m"}, **raw}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert needle in str(info.value)
+    if "model_id" in needle:
+        assert "model.model_id" in str(info.value)  # says where it belongs
+
+
+def test_dump_and_load_round_trip(tmp_path: Path) -> None:
+    """A config shipped as a dump (to Ray actors, to a YAML file) loads back equal."""
+    cfg = ClusterConfig.model_validate(
+        {
+            "model": {"model_id": "m", "tiny_family": "qwen3"},
+            "workers": {"engine": {"block_size": 32, "max_model_len": 256, "num_blocks": 64}},
+            "router": {"routing": {"policy": "least_loaded"}, "limits": {"max_n": 4}},
+            "redis": {"record_every": 4},
+        }
+    )
+    assert ClusterConfig.model_validate(cfg.model_dump()) == cfg
+    path = tmp_path / "dumped.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert load_config(path) == cfg
+
+
+def test_components_derive_the_facts_from_the_cluster_config() -> None:
+    """Workers, routers and the index get the model id, block size and max_model_len from
+    the one place each is stated (no cluster is started)."""
+    cfg = ClusterConfig.model_validate(
+        {
+            "redis": {"url": "redis://127.0.0.1:1/0"},
+            "model": {"model_id": "m", "tiny_family": "llama"},
+            "workers": {"engine": {"block_size": 32, "max_model_len": 256}},
+            "router": {"port": 6000, "http_port": None},
+        }
+    )
+    cluster = Cluster(cfg)
+    worker = cluster.worker_settings("worker-0")
+    router = cluster.router_settings(1)
+    assert worker.engine.model_id == router.model_id == worker.index.model_id == "m"
+    assert router.index == worker.index
+    assert worker.engine.block_size == router.block_size == 32
+    assert worker.engine.max_model_len == router.max_model_len == 256
+    assert router.port == 6001 and router.http_port is None
+    assert cfg.workers.engine.model_id == ""  # the config itself keeps one statement

@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from benchmarks.chaos import on_workers, wait_idle
-from cluster.bench import run_bench
+from benchmarks.loadgen import run_bench
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.bench import Sample
-from cluster.config import ClusterConfig, ConfigError
-from cluster.policy_bench import (
+from benchmarks.loadgen import Sample
+from benchmarks.policy_bench import (
     SMOKE,
     PolicyResult,
     check_policies,
@@ -24,6 +23,7 @@ from cluster.policy_bench import (
     parse_seeds,
     table_rows,
 )
+from cluster.config import ClusterConfig, ConfigError
 from tests.cluster.conftest import ENGINE
 
 

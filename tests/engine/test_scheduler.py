@@ -94,11 +94,11 @@ def test_queued_prefill_counts_a_shared_prefix_once_per_burst() -> None:
     assert engine.metrics().pending_prefill_tokens == 26 + (27 - 24) + (13 - 8)
     engine.abort(first)  # the second now computes the prefix, the third still shares 2
     assert engine.metrics().pending_prefill_tokens == 27 + (13 - 8)
-    assert sum(engine.scheduler._claims.values()) == 6 + 3  # the aborted one's claims went
+    assert sum(engine.scheduler.waiting.claims.values()) == 6 + 3  # the aborted one's claims went
     results = run_all(engine)
     assert all(r.completions[0].token_ids for rid, r in results.items() if rid != first)
     assert engine.metrics().pending_prefill_tokens == 0
-    assert not engine.scheduler._claims  # every claim went with its request
+    assert not engine.scheduler.waiting.claims  # every claim went with its request
     assert_no_blocks_in_use(engine)
 
 
@@ -325,7 +325,9 @@ def test_prompt_keys_hashed_by_the_caller_claim_the_same_blocks() -> None:
         for p in prompts:
             keys = block_keys(p, 4, engine.hash_context(GREEDY)) if hashed else None
             engine.add_request(p, GREEDY, prompt_keys=keys)
-        counts.append((engine.metrics().pending_prefill_tokens, dict(engine.scheduler._claims)))
+        counts.append(
+            (engine.metrics().pending_prefill_tokens, dict(engine.scheduler.waiting.claims))
+        )
         run_all(engine)
         assert_no_blocks_in_use(engine)
     assert counts[0] == counts[1] and counts[0][0] == 26 + 3 + 5

@@ -60,7 +60,8 @@ def test_gauges_refresh_without_steps_and_preemptions_count() -> None:
     for p in prompts(8, 6, 30, seed=1):
         tel.arrived(engine.add_request(p, params))
     while engine.has_unfinished_requests():
-        tel.after_step(engine, engine.step())
+        outs = engine.step()
+        tel.after_step(engine.snapshot(), outs)
     preempted = engine.metrics().num_preemptions
     assert preempted > 0
     assert isinstance(tel.preemptions, Counter)

@@ -6,6 +6,7 @@ import pytest
 
 from worker.kv import (
     AllBlocksCleared,
+    BlockClaims,
     BlockRemoved,
     BlockStored,
     HashContext,
@@ -414,6 +415,17 @@ def test_expected_prefix_counts_cached_then_queued_blocks_and_its_keys_skip_reha
         0,
         keys,
     )
+
+
+def test_block_claims_count_queued_sequences_and_say_when_a_prefix_is_shared() -> None:
+    keys = _keys(A + [1, 2, 3])[:3]
+    claims = BlockClaims()
+    claims.claim(keys)
+    claims.claim(keys[:1])  # a sibling sharing the first block
+    assert dict(claims) == {keys[0]: 2, keys[1]: 1, keys[2]: 1}
+    assert claims.release(keys) is True  # the sibling still claims block 0
+    assert dict(claims) == {keys[0]: 1}
+    assert claims.release(keys[:1]) is False and not claims
 
 
 def test_tenant_quota_evicts_the_tenants_own_lru_blocks_and_keeps_prefixes() -> None:

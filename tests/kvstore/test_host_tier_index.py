@@ -173,6 +173,24 @@ def test_worker_without_device_hit_but_host_hit_is_counted(redis_server: RedisSe
     index.close()
 
 
+@pytest.mark.parametrize("mode", ["bisect", "scan"])
+def test_key_in_both_tiers_names_its_worker_once(redis_server: RedisServer, mode: str) -> None:
+    """A transient double (a key in both tiers of one worker) must not make that worker count
+    as a second candidate: "b" stops at block 5 although "a" holds 5..9 twice."""
+    index = KVIndex(IndexConfig(url=redis_server.url, model_id=f"double-{mode}", lookup=mode))
+    keys = block_keys(list(range(30)), 2, CTX)  # 15 blocks
+    ea, eb = index.register("a"), index.register("b")
+    events = [
+        BlockStored(0, tuple(keys[:10]), None, (), 2),
+        BlockStored(1, tuple(keys[5:]), keys[4], (), 2, "host"),
+    ]
+    assert index.apply_events("a", ea, 1, events).applied
+    assert index.apply_events("b", eb, 1, [BlockStored(0, tuple(keys[:5]), None, (), 2)]).applied
+    assert index.lookup_tiers(keys) == {"a": (10, 5), "b": (5, 0)}
+    assert index.lookup(keys) == {"a": 10, "b": 5}
+    index.close()
+
+
 def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None:
     """A worker whose snapshot names both tiers (``TierKeys``, as worker/actor.py gives it)
     gets its host-tier entries back after Redis lost everything."""

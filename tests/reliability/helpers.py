@@ -58,3 +58,44 @@ def generate_code(
     client: KVClusterClient, prompt: Any, **kwargs: Any
 ) -> tuple[grpc.StatusCode, str]:
     return code_of(lambda: client.generate(prompt, timeout=CALL_TIMEOUT_S, **kwargs))
+
+
+def health_report(cluster: Any) -> dict[str, Any]:
+    """What a failing fault test prints: each router's view of the workers and Ray's view of
+    the worker actors (state, restarts, death cause)."""
+    report: dict[str, Any] = {}
+    for i, endpoint in enumerate(cluster.endpoints):
+        try:
+            with KVClusterClient(endpoint) as client:
+                report[f"router-{i}"] = [
+                    (w.worker_id, w.epoch, w.alive, w.stale, round(w.heartbeat_age_s, 1))
+                    for w in client.status().workers
+                ]
+        except grpc.RpcError as exc:
+            report[f"router-{i}"] = f"{exc.code().name}: {exc.details()}"
+    try:
+        from ray.util.state import list_actors
+
+        report["actors"] = [
+            (a.name, a.state, a.num_restarts, (a.death_cause or {}) and str(a.death_cause)[:300])
+            for a in list_actors(detail=True, timeout=10)
+            if a.name
+        ]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic; the state API needs the dashboard
+        report["actors"] = f"unavailable: {exc!r}"[:300]
+    return report
+
+
+def wait_workers_alive(cluster: Any, timeout_s: float = 120.0) -> None:
+    """Every configured worker is live for every router, or fail with the health report."""
+
+    def all_alive() -> bool:
+        for endpoint in cluster.endpoints:
+            with KVClusterClient(endpoint) as client:
+                alive = {w.worker_id for w in client.status().workers if w.alive}
+            if not set(cluster.workers) <= alive:
+                return False
+        return True
+
+    if not wait_for(all_alive, timeout_s, 0.5):
+        raise AssertionError(f"workers not all live: {health_report(cluster)}")

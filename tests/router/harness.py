@@ -12,7 +12,10 @@ from worker.kv import HashContext, KVCacheManager, KVEvent
 NO_CTX = HashContext()
 
 
-def load(queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0) -> WorkerLoad:
+def load(
+    queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0, host: int = 0
+) -> WorkerLoad:
+    """A worker's heartbeat load; ``host``: its host KV tier's size in blocks."""
     return WorkerLoad(
         running=running,
         waiting=0,
@@ -20,6 +23,7 @@ def load(queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0) -
         total_blocks=1000,
         queued_prefill_tokens=queued,
         decode_tokens=decode,
+        host_blocks=host,
     )
 
 
@@ -39,12 +43,13 @@ class MiniCluster:
         *,
         deliver_events: bool = True,
         num_blocks: int = 4096,
+        block_size: int = 16,
     ) -> None:
-        self.kv = {f"w{i}": KVCacheManager(num_blocks, routing.block_size) for i in range(n)}
+        self.kv = {f"w{i}": KVCacheManager(num_blocks, block_size) for i in range(n)}
         self.queue = dict.fromkeys(self.kv, 0)
         self.index = InMemoryPrefixIndex()
         self.now = 0.0
-        self.router = Router(routing, self.index, clock=lambda: self.now)
+        self.router = Router(routing, self.index, block_size=block_size, clock=lambda: self.now)
         self.deliver_events = deliver_events
         self.held: list[tuple[str, list[KVEvent]]] = []
 

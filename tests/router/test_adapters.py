@@ -53,7 +53,7 @@ def route(router: Router, adapter_id: str | None, loads=LOADS, rid: str = "r") -
 
 
 def test_the_worker_holding_the_adapter_wins_at_equal_load() -> None:
-    router = Router(RoutingConfig(block_size=16, pending_ttl_s=0))
+    router = Router(RoutingConfig(pending_ttl_s=0), block_size=16)
     assert route(router, A1) == "w0"
     assert route(router, A2) == "w1"
     # the load term outweighs the adapter-load term: a hot adapter spreads
@@ -62,8 +62,8 @@ def test_the_worker_holding_the_adapter_wins_at_equal_load() -> None:
 
 
 def test_router_keys_carry_the_adapter_and_blind_routing_drops_it() -> None:
-    aware = Router(RoutingConfig(block_size=16))
-    blind = Router(RoutingConfig(block_size=16, adapter_aware=False))
+    aware = Router(RoutingConfig(), block_size=16)
+    blind = Router(RoutingConfig(adapter_aware=False), block_size=16)
     req = RouteRequest("r", PROMPT, HashContext("m", A1))
     keys = aware.route(req, LOADS).keys
     assert keys == tuple(block_keys(PROMPT, 16, HashContext("m", A1)))
@@ -99,7 +99,7 @@ class Workers(WorkerDirectory):
 def test_serving_core_routes_by_adapter_and_rejects_unknown_ones() -> None:
     async def main(directory: Workers) -> None:
         core = ServingCore(
-            Router(RoutingConfig(block_size=16, pending_ttl_s=0)),
+            Router(RoutingConfig(pending_ttl_s=0), block_size=16),
             directory,
             ModelLimits("m", 1000, 4096, 4095),
         )

@@ -51,10 +51,10 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     index = InMemoryPrefixIndex()
     index.apply("host", _evicted_to_host(prompt).drain_events())
     index.apply("idle", [])
-    candidates = {"host": load(), "idle": load()}
+    candidates = {"host": load(host=16), "idle": load()}
     request = RouteRequest("r", prompt + tokens(2, 20), CTX)
     for weight, expected in ((0.5, 48), (1.0, 96), (0.0, 0)):
-        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), index)
+        router = Router(RoutingConfig(host_hit_weight=weight), index, block_size=16)
         decision = router.route(request, candidates)
         if weight:
             assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
@@ -63,7 +63,7 @@ def test_router_weighs_a_host_block_between_a_miss_and_a_device_hit() -> None:
     dev = KVCacheManager(8, 16)
     dev.allocate_slots("a", prompt, 96, ctx=CTX)
     index.apply("dev", dev.drain_events())
-    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), index)
+    router = Router(RoutingConfig(host_hit_weight=0.5), index, block_size=16)
     decision = router.route(request, {**candidates, "dev": load()})
     assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
 
@@ -75,14 +75,16 @@ def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: Red
     config = IndexConfig(url=redis_server.url, cluster="t", model_id="m")
     index = KVIndex(config)
     prompt = tokens(1, 96)
-    epochs = {w: index.register(w, load=load()) for w in ("host", "cold")}
+    epochs = {
+        w: index.register(w, load=load(host=16 if w == "host" else 0)) for w in ("host", "cold")
+    }
     host_kv = _evicted_to_host(prompt)
     assert index.apply_events("host", epochs["host"], 1, host_kv.drain_events()).applied
     assert index.lookup_tiers(block_keys(prompt, 16, CTX)) == {"host": (0, 6), "cold": (0, 0)}
     live = {w: info.load for w, info in index.live_workers().items()}
     request = RouteRequest("r", prompt + tokens(2, 20), CTX)
     for weight, expected in ((0.5, 48), (1.0, 96)):
-        router = Router(RoutingConfig(host_hit_weight=weight, block_size=16), KVIndexSource(index))
+        router = Router(RoutingConfig(host_hit_weight=weight), KVIndexSource(index), block_size=16)
         decision = router.route(request, live)
         assert (decision.worker_id, decision.reason) == ("host", Reason.PREFIX)
         assert decision.cached_tokens_expected == expected
@@ -93,7 +95,7 @@ def test_router_over_redis_prefers_a_host_hit_to_a_cold_worker(redis_server: Red
     epoch = index.register("dev", load=load())
     assert index.apply_events("dev", epoch, 1, dev.drain_events()).applied
     live = {w: info.load for w, info in index.live_workers().items()}
-    router = Router(RoutingConfig(host_hit_weight=0.5, block_size=16), KVIndexSource(index))
+    router = Router(RoutingConfig(host_hit_weight=0.5), KVIndexSource(index), block_size=16)
     decision = router.route(request, live)
     assert (decision.worker_id, decision.cached_tokens_expected) == ("dev", 96)
     index.close()

@@ -28,7 +28,7 @@ def test_prefix_affinity_over_redis_index_and_outage(redis_server: RedisServer) 
     for w in kvs:
         assert index.heartbeat(w, epochs[w], load(queued=100 if w == "w1" else 0))
 
-    router = Router(RoutingConfig(block_size=16), KVIndexSource(index))
+    router = Router(RoutingConfig(), KVIndexSource(index), block_size=16)
     live = {w: info.load for w, info in index.live_workers().items()}
     assert sorted(live) == ["w0", "w1", "w2"]
     follow_up = prompt + tokens(2, 50)

@@ -78,7 +78,9 @@ async def _collect(core: ServingCore, rid: str, salt: str) -> list[RequestOutput
 def test_reused_request_id_of_another_tenant_never_touches_the_original() -> None:
     async def main() -> tuple[list, list | BaseException, OneEngine]:
         directory = OneEngine()
-        core = ServingCore(Router(RoutingConfig(policy="least_loaded")), directory, LIMITS)
+        core = ServingCore(
+            Router(RoutingConfig(policy="least_loaded"), block_size=16), directory, LIMITS
+        )
         a = asyncio.create_task(_collect(core, "shared-id", "tenant:A"))
         while not directory.live:
             await asyncio.sleep(0.001)

@@ -20,7 +20,7 @@ from router import (
 from tests.router.harness import MiniCluster, load, tokens
 from worker.kv import HashContext, block_keys
 
-AFFINITY = RoutingConfig(policy="prefix_affinity", block_size=16, seed=3)
+AFFINITY = RoutingConfig(policy="prefix_affinity", seed=3)
 
 
 class Down(PrefixSource):
@@ -51,7 +51,7 @@ def test_router_hashes_with_the_engines_function_and_reads_the_index() -> None:
 
 @pytest.mark.parametrize("source", [None, Down()], ids=["no-index", "index-down"])
 def test_without_index_routes_by_load_and_counts_it(source: PrefixSource | None) -> None:
-    router = Router(AFFINITY, source)
+    router = Router(AFFINITY, source, block_size=16)
     loads = {"w0": load(900), "w1": load(100), "w2": load(500)}
     decision = router.route(RouteRequest("r", tokens(1, 100)), loads)
     assert (decision.worker_id, decision.reason) == ("w1", Reason.NO_INDEX)
@@ -112,9 +112,7 @@ def test_shared_system_prompt_does_not_herd() -> None:
 def test_hot_prefix_is_replicated_while_load_stays_bounded() -> None:
     # A hot 20000-token prefix: serving it from its holder costs 16 tokens per request, but
     # the holder's queue grows; past the load bound the next request goes elsewhere.
-    cfg = RoutingConfig(
-        policy="prefix_affinity", block_size=16, prefix_affinity={"balance_abs_tokens": 4096}
-    )
+    cfg = RoutingConfig(policy="prefix_affinity", prefix_affinity={"balance_abs_tokens": 4096})
     cluster = MiniCluster(4, cfg, num_blocks=16384)
     hot = tokens(5, 20_000)
     holders, peak = set(), 0
@@ -127,7 +125,7 @@ def test_hot_prefix_is_replicated_while_load_stays_bounded() -> None:
 
 
 def test_parity_mismatch_is_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    router = Router(AFFINITY)
+    router = Router(AFFINITY, block_size=16)
     prompt = tokens(3, 100)
     good = block_keys(prompt, 16, HashContext("m"))
     assert router.check_parity("ok", good, good[-1])
@@ -140,7 +138,7 @@ def test_parity_mismatch_is_counted_and_logged(caplog: pytest.LogCaptureFixture)
 
 
 def test_metrics_snapshot_and_errors() -> None:
-    router = Router(RoutingConfig(policy="round_robin"))
+    router = Router(RoutingConfig(policy="round_robin"), block_size=16)
     with pytest.raises(NoWorkersError, match="no live worker"):
         router.route(RouteRequest("r", [1, 2, 3]), {})
     for i in range(3):
@@ -151,7 +149,7 @@ def test_metrics_snapshot_and_errors() -> None:
 
 
 def test_prompt_shorter_than_a_block_needs_no_index() -> None:
-    router = Router(AFFINITY, Down())
+    router = Router(AFFINITY, Down(), block_size=16)
     decision = router.route(RouteRequest("r", [1, 2, 3]), {"w0": load(5), "w1": load(1)})
     assert (decision.worker_id, decision.reason, decision.keys) == ("w1", Reason.LOAD, ())
     assert router.metrics.index_errors == 0

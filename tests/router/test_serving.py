@@ -54,7 +54,7 @@ LIMITS = ModelLimits("m", vocab_size=1000, max_model_len=4096, max_prompt_tokens
 
 
 def serving(directory: WorkerDirectory, policy: str = "prefix_affinity") -> ServingCore:
-    return ServingCore(Router(RoutingConfig(policy=policy, block_size=16)), directory, LIMITS)
+    return ServingCore(Router(RoutingConfig(policy=policy), block_size=16), directory, LIMITS)
 
 
 async def send(core: ServingCore, request_id: str, token_ids: list[int]) -> None:

@@ -23,7 +23,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.executor import ModelExecutor, RunnerExecutor
 from worker.engine.front import RequestStream, StreamingEngine
-from worker.engine.metrics import EngineMetrics, LatencySummary
+from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary
 from worker.engine.policy import SchedulingPolicy, get_policy, policy_names, register_policy
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineMetrics",
+    "EngineSnapshot",
     "EngineOverloaded",
     "EngineStopped",
     "FinishReason",

@@ -2,8 +2,10 @@
 
 A step: the scheduler picks chunks (decodes, prefill chunks, admissions) under the token
 budget and the KV manager's blocks; the executor runs copy-on-write copies and the model;
-the sampler turns logits into tokens; stop rules and the detokenizer turn tokens into
-streamed deltas; finished sequences give their blocks back at once.
+the output processor turns logits into tokens and stop decisions (sampler, stop rules,
+detokenizer, beam search) and the scheduler applies them (``update_from_output``): appends
+the tokens, forks and frees blocks, finishes requests; finished sequences give their blocks
+back at once.
 
 The engine is single-threaded and knows nothing about Ray, Redis or gRPC; the streaming
 front (``front.py``) runs it in a thread, and the worker actor wraps that.
@@ -11,11 +13,13 @@ front (``front.py``) runs it in a thread, and the worker actor wraps that.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -25,10 +29,17 @@ from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.beam import BeamSearch
 from worker.engine.config import EngineConfig
 from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.metrics import EngineMetrics, LatencySummary, MetricsRecorder
+from worker.engine.metrics import (
+    EngineMetrics,
+    EngineSnapshot,
+    LatencySummary,
+    MetricsRecorder,
+)
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence, sample_generator
+from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
@@ -73,13 +84,7 @@ class Engine:
         for name, path in config.lora_adapters.items():
             self.add_lora(name, path)
         self.processor = OutputProcessor(
-            kv=self.kv,
-            scheduler=self.scheduler,
-            tokenizer=self.tokenizer,
-            eos_ids=self.eos_ids,
-            stats=self.stats,
-            requests=self.requests,
-            seed=config.seed,
+            tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
         )
 
     @classmethod
@@ -188,7 +193,8 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self.processor.abort(req, None)
+        self.scheduler.abort(req, None)
+        self._reap()
         self._pending.append(self.processor.output(req))
         return True
 
@@ -233,44 +239,112 @@ class Engine:
             if logits is not None:
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
-                changed = self.processor.process(sched, logits)
+                forks = self._fork_samples(sched, changed)
+                for out in self.processor.process(sched, logits, forks):
+                    changed[out.req.request_id] = out.req
+                    self._apply(out)
         for req in sched.doomed:
             if not req.finished:
                 changed[req.request_id] = req
-                self.processor.guarded(req, lambda r=req: self.processor.finish_capacity(r))
+                self._guarded(req, lambda r=req: self._apply(self.processor.capacity(r)))
+        self._reap()
         now = time.monotonic()
         for req in changed.values():
             outputs.append(self._output(req, now))
         return outputs
 
+    def _fork_samples(
+        self, sched: SchedulerOutput, changed: dict[str, Request]
+    ) -> dict[int, list[Sequence]]:
+        """n > 1: a prompt's first logits fork its other samples (parent seq_id -> them)."""
+        forks: dict[int, list[Sequence]] = {}
+        for chunk in sched.chunks:
+            req = chunk.req
+            if not chunk.wants_logits or req.forked or req.doomed or req.finished:
+                continue
+            changed[req.request_id] = req
+
+            def fork(r: Request = req, seq: Sequence = chunk.seq) -> None:
+                texts = [self.processor.new_text(r) for _ in range(1, r.params.n)]
+                forks[seq.seq_id] = self.scheduler.fork_samples(r, seq, texts)
+
+            self._guarded(req, fork)
+        return forks
+
+    def _apply(self, out: RequestOutcome) -> None:
+        """Hand one request's outcome to the scheduler (or fail the request it broke)."""
+        req = out.req
+        if out.error is not None:
+            self._fail(req, out.error)
+        elif not req.finished:  # (one that failed earlier in this step has nothing to apply)
+            if self._guarded(req, lambda: self.scheduler.update_from_output(out)):
+                self.stats.generation_tokens += out.num_tokens
+
+    def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:
+        """Run one request's piece of work; False (and the request failed) if it raised."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+            self._fail(req, exc)
+            return False
+        return True
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
+        log.exception(
+            "request %s failed inside the engine; it is aborted, the engine goes on",
+            req.request_id,
+            exc_info=exc,
+        )
+        if not req.finished:
+            req.final_deltas.clear()
+            error = f"internal error processing the request: {type(exc).__name__}: {exc}"
+            self.scheduler.abort(req, error)
+            self._reap()
+
+    def _reap(self) -> None:
+        """Forget the requests the scheduler finished; count them."""
+        for req in self.scheduler.take_finished():
+            self.processor.release(req)
+            self.requests.pop(req.request_id, None)
+            self.stats.num_finished += 1
+            self.stats.prompt_tokens += req.prompt_len
+
     def _output(self, req: Request, now: float) -> RequestOutput:
         try:
             return self.processor.output(req, now)
         except Exception as exc:  # noqa: BLE001 - fail this request, not the step
-            self.processor.fail(req, exc)
+            self._fail(req, exc)
             error = req.error or f"{type(exc).__name__}: {exc}"
             return RequestOutput(req.request_id, [], True, req.usage(), error)
 
     def _fail_running(self, error: str) -> list[RequestOutput]:
         failed = []
         for req in list(self.scheduler.running):
-            self.processor.abort(req, error)
+            self.scheduler.abort(req, error)
             failed.append(self.processor.output(req))
+        self._reap()
         # Blocks of the failed step were registered in the prefix cache but never written.
         self.kv.reset_prefix_cache()
         return failed
 
     # ---- outputs and metrics -------------------------------------------------------------
 
-    def metrics(self) -> EngineMetrics:
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's figures at this moment (call between steps, in the engine's thread or
+        under the front's lock): the one source of the worker's load, status and gauges."""
         kv = self.kv.stats()
         s = self.stats
-        return EngineMetrics(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            pending_prefill_tokens=self.scheduler.pending_prefill_tokens(),
+        sched = self.scheduler
+        loaded = set(self.executor.loaded_loras()) if self.loras else set()
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            pending_prefill_tokens=sched.pending_prefill_tokens(),
+            decoding_seqs=sched.num_decoding_seqs(),
             kv_usage=kv.usage,
             kv_used_blocks=kv.used_blocks,
+            kv_free_blocks=kv.free_blocks,
             kv_total_blocks=kv.num_blocks,
             prefix_hit_rate=kv.prefix_hit_rate,
             tenant_quota_evictions=kv.tenant_quota_evictions,
@@ -288,9 +362,16 @@ class Engine:
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             num_finished=s.num_finished,
-            ttft=LatencySummary.of(s.ttft),
-            itl=LatencySummary.of(s.itl),
+            lora_ids=tuple(sorted(self.loras.values())),
+            lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
         )
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot plus TTFT / inter-token latency percentiles."""
+        snap = self.snapshot()
+        fields = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap)}
+        s = self.stats
+        return EngineMetrics(**fields, ttft=LatencySummary.of(s.ttft), itl=LatencySummary.of(s.itl))
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV block events since the last call (for the worker to publish to the index)."""

@@ -1,4 +1,4 @@
-"""Engine metrics: counters, latency samples and a snapshot type."""
+"""Engine metrics: counters, latency samples, and the snapshot the worker reports from."""
 
 from __future__ import annotations
 
@@ -31,15 +31,18 @@ class LatencySummary:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineMetrics:
-    """A snapshot of one engine (what the worker reports as its load)."""
+class EngineSnapshot:
+    """One engine's state between two steps, taken at once (``Engine.snapshot``): what the
+    worker derives its load report, its status answer and its gauges from."""
 
     num_running: int  # requests holding or acquiring KV blocks
     num_waiting: int  # requests queued (new or preempted)
     pending_prefill_tokens: int  # prompt tokens still to compute: waiting + unfinished prefills
     # (a waiting prompt less its cached or already-queued prefix) - the router's "work queued here"
+    decoding_seqs: int  # running sequences with one token to compute (decodes of the next step)
     kv_usage: float  # used blocks / all blocks
     kv_used_blocks: int  # blocks with a reference
+    kv_free_blocks: int  # blocks allocatable now: free plus evictable cached ones
     kv_total_blocks: int  # pool size
     prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted
     tenant_quota_evictions: int  # idle cached blocks evicted over their tenant's cache quota
@@ -50,8 +53,6 @@ class EngineMetrics:
     prompt_tokens: int  # prompt tokens of finished requests
     generation_tokens: int  # tokens sampled
     num_finished: int  # requests finished (any reason)
-    ttft: LatencySummary  # arrival -> first token
-    itl: LatencySummary  # between consecutive tokens of a request
     num_swap_preemptions: int = 0  # of num_preemptions, those that kept the KV (swap)
     recomputed_tokens: int = 0  # tokens resumed requests computed again (found in no tier)
     host_total_blocks: int = 0  # host KV tier size (0: none)
@@ -59,6 +60,19 @@ class EngineMetrics:
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier
     host_loaded_blocks: int = 0  # blocks copied host -> device
     host_stored_blocks: int = 0  # blocks copied device -> host (evictions, swap-outs)
+    lora_ids: tuple[str, ...] = ()  # stable ids of the registered LoRA adapters, sorted
+    lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
+
+
+_EMPTY = LatencySummary(0, 0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics(EngineSnapshot):
+    """A snapshot plus latency percentiles (sorting the samples is too slow for every step)."""
+
+    ttft: LatencySummary = _EMPTY  # arrival -> first token
+    itl: LatencySummary = _EMPTY  # between consecutive tokens of a request
 
 
 class MetricsRecorder:

@@ -1,56 +1,52 @@
-"""After the model: logits -> tokens -> stops, forks, beams, finished requests, outputs.
+"""After the model: logits -> tokens -> stop decisions, per request.
 
-Everything here runs in the engine's thread between two forward passes. Sequences give their
-KV blocks back the moment they finish (a pruned beam, a stopped sample), not when their
-request ends.
+Runs in the engine's thread between two forward passes. The processor samples, advances beam
+searches and applies stop rules and the detokenizer, and returns what it decided as one
+:class:`RequestOutcome` per request; it holds no KV blocks and no queue. The scheduler applies
+the outcomes (:meth:`Scheduler.update_from_output`): it appends the tokens, forks or frees
+blocks, and finishes sequences and requests.
 
 One request's failure is its own: an exception while sampling, stopping, detokenizing or
-advancing the beams of one request ends that request with an error (the gRPC edge answers
-INTERNAL with the message) and the others go on (:meth:`OutputProcessor.fail`).
+advancing the beams of one request is recorded in that request's outcome (``error``), the
+engine fails that request alone and the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.metrics import MetricsRecorder
-from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
-from worker.engine.sampler import SampleSpec, sample
+from worker.engine.outcome import RequestOutcome, SeqOutcome
+from worker.engine.penalties import PenaltyCounts
+from worker.engine.request import Request, Sequence
+from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
-from worker.engine.scheduler import Scheduler
-from worker.kv import KVCacheManager
-
-log = logging.getLogger(__name__)
 
 
 class OutputProcessor:
-    """Applies one step's logits to the requests that asked for them."""
+    """Turns one step's logits into tokens and stop decisions for the requests that asked."""
 
     def __init__(
         self,
         *,
-        kv: KVCacheManager,
-        scheduler: Scheduler,
         tokenizer: TokenizerLike | None,
         eos_ids: frozenset[int],
         stats: MetricsRecorder,
-        requests: dict[str, Request],
         seed: int,
     ) -> None:
-        self.kv = kv
-        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.stats = stats
-        self.requests = requests  # the engine's live requests (finished ones are removed)
+        self.stats = stats  # TTFT / inter-token samples, recorded as outputs are built
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
+        self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -59,37 +55,34 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.skip_special_tokens)
         return OutputText(detok, p.stop, p.include_stop_str_in_output)
 
-    def fail(self, req: Request, exc: BaseException) -> None:
-        """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
-        log.exception(
-            "request %s failed inside the engine; it is aborted, the engine goes on",
-            req.request_id,
-            exc_info=exc,
-        )
-        if not req.finished:
-            req.final_deltas.clear()
-            self.abort(req, f"internal error processing the request: {type(exc).__name__}: {exc}")
+    def _outcome(self, req: Request) -> RequestOutcome:
+        out = self._outcomes.get(req.request_id)
+        if out is None:
+            out = self._outcomes[req.request_id] = RequestOutcome(req)
+        return out
 
-    def guarded(self, req: Request, fn: Callable[[], object]) -> bool:
-        """Run one request's piece of work; False (and the request failed) if it raised."""
+    def _guarded(self, req: Request, fn: Callable[[], object]) -> None:
+        """Run one request's piece of work; an exception goes into its outcome."""
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
-            self.fail(req, exc)
-            return False
-        return True
+            self._outcome(req).error = exc
 
-    def abort(self, req: Request, error: str | None) -> None:
-        req.error = error
-        for seq in req.seqs:
-            seq.finish_reason = FinishReason.ABORT
-        req.done_seqs.extend(req.seqs)
-        req.seqs = []
-        self.finish_request(req)
+    def _failed(self, req: Request) -> bool:
+        out = self._outcomes.get(req.request_id)
+        return out is not None and out.error is not None
 
-    def process(self, sched: SchedulerOutput, logits: torch.Tensor) -> dict[str, Request]:
-        """Sample / advance beams for every chunk that wanted logits; the requests changed."""
-        changed: dict[str, Request] = {}
+    def process(
+        self,
+        sched: SchedulerOutput,
+        logits: torch.Tensor,
+        forks: dict[int, list[Sequence]] | None = None,
+    ) -> list[RequestOutcome]:
+        """Sample / advance beams for every chunk that wanted logits. ``forks``: parent
+        ``seq_id`` -> the samples forked from it in this step (n > 1), which sample from the
+        parent's row. Returns one outcome per request with news."""
+        forks = forks or {}
+        self._outcomes = {}  # nothing left from a step that raised
         jobs: list[tuple[Request, Sequence, int]] = []
         beams: dict[str, Request] = {}
         rows = itertools.count()
@@ -104,47 +97,38 @@ class OutputProcessor:
                 beams[req.request_id] = req
             else:
                 jobs.append((req, chunk.seq, row))
-        self._sample(jobs, logits, changed)
+                jobs += [(req, kid, row) for kid in forks.get(chunk.seq.seq_id, ())]
+        self._sample(jobs, logits)
         for req in beams.values():
             if all(s.pending_logits is not None for s in req.seqs):
-                changed[req.request_id] = req
-                self.guarded(req, lambda r=req: self._beam_step(r))
-        return changed
+                self._outcome(req)
+                self._guarded(req, lambda r=req: self._beam_step(r))
+        outcomes, self._outcomes = list(self._outcomes.values()), {}
+        return outcomes
 
-    def _sample(
-        self,
-        jobs: list[tuple[Request, Sequence, int]],
-        logits: torch.Tensor,
-        changed: dict[str, Request],
-    ) -> None:
+    def _sample(self, jobs: list[tuple[Request, Sequence, int]], logits: torch.Tensor) -> None:
         targets: list[tuple[Request, Sequence]] = []
         rows: list[int] = []
         specs: list[SampleSpec] = []
+        penalized: list[tuple[Sequence, SamplingParams]] = []
         for req, seq, row in jobs:
-            group = [seq]
-            if not req.forked:  # n > 1: the prompt is computed once, then forked
-                req.forked = True
-                changed[req.request_id] = req
-                fork = lambda r=req, s=seq, g=group: g.extend(self._fork_samples(r, s))  # noqa: E731
-                if not self.guarded(req, fork):
-                    continue
-            for s in group:
-                targets.append((req, s))
-                rows.append(row)
-                spec = SampleSpec(req.params, s.generator, self._banned(req, s))
-                if req.params.has_penalties:
-                    spec.prompt_ids, spec.output_ids = s.token_ids[: s.prompt_len], s.output_ids
-                specs.append(spec)
+            targets.append((req, seq))
+            rows.append(row)
+            specs.append(SampleSpec(req.params, seq.generator, self._banned(req, seq)))
+            if req.params.has_penalties:
+                penalized.append((seq, req.params))
         if not targets:
             return
         try:
-            sampled = list(zip(targets, *sample(logits[rows], specs, self._rng), strict=True))
+            counts = self._counts(penalized, logits)
+            tokens = sample(logits[rows], specs, self._rng, counts)
+            sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
         for (req, seq), tok, lp in sampled:
-            changed[req.request_id] = req
-            if not req.finished:
-                self.guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
+            self._outcome(req)
+            if not self._failed(req):
+                self._guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
 
     def _sample_each(
         self,
@@ -160,24 +144,30 @@ class OutputProcessor:
         out = []
         for idx in by_req.values():
             req = targets[idx[0]][0]
+            mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
+                counts = self._counts(mine, logits)
                 toks, lps = sample(
-                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts
                 )
             except Exception as exc:  # noqa: BLE001
-                self.fail(req, exc)
+                self._outcome(req).error = exc
                 continue
             out += [(targets[i], t, p) for i, t, p in zip(idx, toks, lps, strict=True)]
         return out
 
-    def _fork_samples(self, req: Request, seq: Sequence) -> list[Sequence]:
-        kids = []
-        for i in range(1, req.params.n):
-            child = seq.fork(i, sample_generator(req.params.seed, i), self.new_text(req))
-            self.kv.fork(seq.seq_id, child.seq_id)
-            kids.append(child)
-        req.seqs.extend(kids)
-        return kids
+    def _counts(
+        self, penalized: list[tuple[Sequence, SamplingParams]], logits: torch.Tensor
+    ) -> PenaltyRows | None:
+        if not penalized:
+            return None
+        return self.penalties.rows(penalized, logits.shape[-1], logits.device)
+
+    def release(self, req: Request) -> None:
+        """``req`` finished: its sequences' penalty rows are free."""
+        if req.params.has_penalties:
+            for seq in (*req.seqs, *req.done_seqs):
+                self.penalties.release(seq.seq_id)
 
     def _banned(self, req: Request, seq: Sequence) -> tuple[int, ...]:
         p = req.params
@@ -187,16 +177,11 @@ class OutputProcessor:
         return (*eos, *p.stop_token_ids)
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
+        """Decide what ``tok`` does to ``seq`` (stop token, EOS, stop string, length) and
+        record it; the scheduler appends it."""
         p = req.params
-        seq.token_ids.append(tok)
-        seq.new_tokens.append(tok)
-        if lp is not None:
-            seq.new_logprobs.append(lp)
-            seq.cumulative_logprob += lp.logprob
-        self.stats.generation_tokens += 1
-        req.protected = False
-        req.progressed = True
-        check = seq.num_output >= p.min_tokens
+        num_output = seq.num_output + 1  # with tok
+        check = num_output >= p.min_tokens
         reason: FinishReason | None = None
         stop_reason: str | int | None = None
         if check and tok in p.stop_token_set:
@@ -207,29 +192,28 @@ class OutputProcessor:
             matched = seq.text.add(tok, check_stops=check, show=reason is None)
             if matched is not None and reason is None:
                 reason, stop_reason = FinishReason.STOP, matched
-        if reason is None and seq.num_output >= req.max_new_tokens:
+        if reason is None and num_output >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self._finish_seq(req, seq, reason, stop_reason)
+            if seq.text is not None:
+                seq.text.finish(flush=not isinstance(stop_reason, str))
+            self.penalties.release(seq.seq_id)  # it samples no more
+        self._outcome(req).seqs.append(SeqOutcome(seq, tok, lp, reason, stop_reason))
 
-    def _finish_seq(
-        self, req: Request, seq: Sequence, reason: FinishReason, stop_reason: str | int | None
-    ) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if seq.text is not None:
-            seq.text.finish(flush=not isinstance(stop_reason, str))
-        self.scheduler.free_seq(seq)
-        req.seqs.remove(seq)
-        req.done_seqs.append(seq)
-        if not req.seqs:
-            self.finish_request(req)
-
-    def finish_request(self, req: Request) -> None:
-        self.scheduler.remove(req)
-        req.status = RequestStatus.FINISHED
-        self.requests.pop(req.request_id, None)
-        self.stats.num_finished += 1
-        self.stats.prompt_tokens += req.prompt_len
+    def capacity(self, req: Request) -> RequestOutcome:
+        """The request cannot fit the KV cache even alone: every sequence ends ``length``
+        (beam search: with the best hypotheses so far)."""
+        out = RequestOutcome(req)
+        if req.beam is not None:
+            req.beam.give_up([s.output_ids for s in req.seqs])
+            self._beam_results(req)
+            out.beam_done = True
+            return out
+        for seq in req.seqs:
+            if seq.text is not None:
+                seq.text.finish(flush=True)
+            out.seqs.append(SeqOutcome(seq, None, None, FinishReason.LENGTH, "kv_capacity"))
+        return out
 
     # ---- beam search ---------------------------------------------------------------------
 
@@ -242,34 +226,14 @@ class OutputProcessor:
             banned = self._banned(req, s)
             if banned:
                 logprobs[i, list(banned)] = float("-inf")
-        nxt = req.beam.step(logprobs, [s.output_ids for s in seqs])
-        self.stats.generation_tokens += len(nxt)
-        req.protected = False
-        req.progressed = True
+        out = self._outcome(req)
+        out.beams = req.beam.step(logprobs, [s.output_ids for s in seqs])
         if req.beam.done:
-            self._finish_beam(req)
-            return
-        children: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for rank, (parent, tok) in enumerate(nxt):
-            children[parent].append((rank, tok))
-        new: list[Sequence | None] = [None] * len(nxt)
-        for parent, seq in enumerate(seqs):
-            mine = children.get(parent)
-            if not mine:
-                self.scheduler.free_seq(seq)  # pruned beam: blocks back at once
-                continue
-            for rank, tok in mine[1:]:  # fork before the parent appends its own token
-                child = seq.fork(rank, None, None)
-                self.kv.fork(seq.seq_id, child.seq_id)
-                child.token_ids.append(tok)
-                new[rank] = child
-            rank, tok = mine[0]
-            seq.token_ids.append(tok)
-            seq.index = rank
-            new[rank] = seq
-        req.seqs = [s for s in new if s is not None]
+            self._beam_results(req)
+            out.beam_done = True
 
-    def _finish_beam(self, req: Request) -> None:
+    def _beam_results(self, req: Request) -> None:
+        """The search ended: its best ``n`` hypotheses, decoded, as the final deltas."""
         assert req.beam is not None
         hyps = req.beam.results(req.params.n)
         if not hyps:  # nothing finished (e.g. every candidate impossible): the live beams
@@ -288,21 +252,6 @@ class OutputProcessor:
             req.final_deltas.append(
                 CompletionDelta(rank, text, list(toks), None, reason, stop, hyp.score)
             )
-        for seq in list(req.seqs):
-            self.scheduler.free_seq(seq)
-        req.seqs.clear()
-        self.finish_request(req)
-
-    def finish_capacity(self, req: Request) -> None:
-        """The request cannot fit the KV cache even alone: end it with ``length``."""
-        if req.beam is not None:
-            req.beam.give_up([s.output_ids for s in req.seqs])
-            self._finish_beam(req)
-            return
-        for seq in list(req.seqs):
-            self._finish_seq(req, seq, FinishReason.LENGTH, "kv_capacity")
-        if not req.finished:
-            self.finish_request(req)
 
     def output(self, req: Request, now: float | None = None) -> RequestOutput:
         seqs = sorted((*req.seqs, *req.done_seqs), key=lambda s: s.index)

@@ -5,7 +5,8 @@ then draw with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)``
 from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``: the
 tokens of a seeded request therefore do not depend on what else is in the batch.
 Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions) adjust the
-logits first, for every row that sets them, greedy rows included.
+logits first, for every row that sets them, greedy rows included; the engine passes their
+token counts from device tables it updates incrementally (``penalties.py``).
 Logprobs are those of the raw model distribution (before penalties, temperature and filters).
 
 Every step's work is batched tensor ops on the device that produced the logits (a GPU in
@@ -31,11 +32,22 @@ class SampleSpec:
     params: SamplingParams  # the request's parameters
     generator: torch.Generator | None  # private RNG (seeded requests), else the engine's
     banned: tuple[int, ...] = ()  # token ids masked out (EOS / stop ids before min_tokens)
-    prompt_ids: Sequence[int] = ()  # read only when the request sets penalties
+    # read only when the request sets penalties and ``sample`` is given no PenaltyRows
+    prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+@dataclass(slots=True)
+class PenaltyRows:
+    """Token counts of a batch's rows that set penalties, in row order, on the logits'
+    device (the engine keeps them across steps: ``worker.engine.penalties``)."""
+
+    output: torch.Tensor  # [rows, vocab] float32: occurrences of each token in the output
+    prompt_seen: torch.Tensor  # [rows, vocab] bool: the token is in the prompt (read only
+    # for rows with a repetition penalty)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on ``device`` in one (non-blocking, pinned on CUDA) copy."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
@@ -59,29 +71,39 @@ def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """``[len(rows), vocab]`` occurrence counts of each row's ids (one padded copy over)."""
     width = max((len(r) for r in rows), default=0)
-    ids = _to_device([list(r) + [vocab] * (width - len(r)) for r in rows], torch.long, device)
+    ids = to_device([list(r) + [vocab] * (width - len(r)) for r in rows], torch.long, device)
     counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
     if width:
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]  # the last column took the padding
 
 
-def _apply_penalties(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+def _apply_penalties(
+    logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
+) -> torch.Tensor:
     rows = [i for i, s in enumerate(specs) if s.params.has_penalties]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[-1]
     chosen = [specs[i] for i in rows]
-    idx = _to_device(rows, torch.long, device)
+    idx = to_device(rows, torch.long, device)
     sub = logits.index_select(0, idx)
-    out_counts = _token_counts([s.output_ids for s in chosen], vocab, device)
+    if counts is not None:
+        assert counts.output.shape == sub.shape, (counts.output.shape, sub.shape)
+        out_counts = counts.output
+    else:
+        out_counts = _token_counts([s.output_ids for s in chosen], vocab, device)
     if any(s.params.repetition_penalty != 1.0 for s in chosen):
-        seen = (out_counts > 0) | (_token_counts([s.prompt_ids for s in chosen], vocab, device) > 0)
-        rep = _to_device([s.params.repetition_penalty for s in chosen], sub.dtype, device)
+        if counts is not None:
+            in_prompt = counts.prompt_seen
+        else:
+            in_prompt = _token_counts([s.prompt_ids for s in chosen], vocab, device) > 0
+        seen = (out_counts > 0) | in_prompt
+        rep = to_device([s.params.repetition_penalty for s in chosen], sub.dtype, device)
         rep = rep.unsqueeze(1)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = _to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
-    pres = _to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
+    freq = to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
+    pres = to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
     sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(sub.dtype)
     return logits.index_copy(0, idx, sub)
 
@@ -93,10 +115,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> tor
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = _to_device(ks, torch.long, logits.device)
+    k = to_device(ks, torch.long, logits.device)
     kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    p = _to_device(ps, logits.dtype, logits.device)
+    p = to_device(ps, logits.dtype, logits.device)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1 - p).unsqueeze(1)
     drop[:, -1] = False  # always keep the most likely token
@@ -125,7 +147,7 @@ def _race(
     if shared:
         seed = int(torch.randint(2**62, (), generator=default))
         local = torch.Generator(device=device).manual_seed(seed)
-        idx = _to_device(shared, torch.long, device)
+        idx = to_device(shared, torch.long, device)
         draw = torch.empty((len(shared), probs.shape[-1]), dtype=probs.dtype, device=device)
         race.index_copy_(0, idx, draw.exponential_(generator=local))
     return race
@@ -134,30 +156,34 @@ def _race(
 def _sample_random(
     logits: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
 ) -> torch.Tensor:
-    temps = _to_device([s.params.temperature for s in specs], logits.dtype, logits.device)
+    temps = to_device([s.params.temperature for s in specs], logits.dtype, logits.device)
     logits = _apply_top_k_top_p(logits / temps.unsqueeze(1), specs)
     probs = logits.softmax(dim=-1)
     if any(s.params.min_p > 0 for s in specs):
-        min_p = _to_device([s.params.min_p for s in specs], probs.dtype, probs.device)
+        min_p = to_device([s.params.min_p for s in specs], probs.dtype, probs.device)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < cutoff, 0.0)
     return (probs / _race(probs, specs, default)).argmax(dim=-1)
 
 
 def sample(
-    logits: torch.Tensor, specs: Sequence[SampleSpec], default: torch.Generator
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    default: torch.Generator,
+    counts: PenaltyRows | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [rows, vocab] (float32, on any device); returns tokens
-    and logprobs on the host."""
+    and logprobs on the host. ``counts``: the token counts of the rows that set penalties;
+    without them they are counted here from each spec's ``prompt_ids`` and ``output_ids``."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     device = logits.device
     raw = logits
-    logits = _apply_penalties(logits, specs)
+    logits = _apply_penalties(logits, specs, counts)
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
         logits = logits.index_put(
-            tuple(_to_device(cells, torch.long, device)),
+            tuple(to_device(cells, torch.long, device)),
             torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
         )
     greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
@@ -168,8 +194,8 @@ def sample(
         tokens = _sample_random(logits, specs, default)
     else:
         tokens = torch.empty(len(specs), dtype=torch.long, device=device)
-        g_idx = _to_device(greedy, torch.long, device)
-        r_idx = _to_device(rand, torch.long, device)
+        g_idx = to_device(greedy, torch.long, device)
+        r_idx = to_device(rand, torch.long, device)
         tokens.index_copy_(0, g_idx, logits.index_select(0, g_idx).argmax(dim=-1))
         picked = _sample_random(logits.index_select(0, r_idx), [specs[i] for i in rand], default)
         tokens.index_copy_(0, r_idx, picked)
@@ -177,7 +203,7 @@ def sample(
     if not want:
         (host_tokens,) = _to_host(tokens)
         return host_tokens.tolist(), [None] * len(specs)
-    w_idx = _to_device(want, torch.long, device)
+    w_idx = to_device(want, torch.long, device)
     lp = raw.index_select(0, w_idx).log_softmax(dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1)
     top_v, top_i = lp.topk(max(specs[i].params.logprobs for i in want))

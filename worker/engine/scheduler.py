@@ -29,20 +29,29 @@ it is allocated, before the forward pass writes its KV:
 * a sequence whose prefix hit includes a block being written in this step waits for the next
   step (then the whole hit is usable): a burst of requests sharing a system prompt computes it
   once, one step later, instead of once per request.
+
+After the model, the scheduler applies what the output processor decided
+(:meth:`Scheduler.update_from_output`): it appends the tokens, forks and prunes beams (and
+forks the parallel samples of a prompt, :meth:`Scheduler.fork_samples`) with copy-on-write
+blocks, gives back the blocks of every finished sequence at once, and finishes requests; the
+engine collects them with :meth:`Scheduler.take_finished`.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Sequence as Seq
 from typing import Literal
 
+from kvstore.blocks.outputs import FinishReason
 from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import OutputText
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
-from worker.engine.request import Request, RequestStatus, Sequence
+from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
@@ -55,10 +64,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.policy = policy
-        self.waiting: list[Request] = []  # sorted by policy key
-        # full-block keys of waiting sequences' prompts -> how many claim them: a sibling
-        # queued behind a claim will find that block cached when its turn comes
-        self._claims: Counter[BlockKey] = Counter()
+        self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
         self.running: list[Request] = []
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
         # per-step state
@@ -66,51 +72,21 @@ class Scheduler:
         self._touched: set[str] = set()  # requests that got blocks in this step
         self._writing: set[int] = set()  # blocks whose KV is written in this step
         self._out = SchedulerOutput.make_empty()
+        self._finished: list[Request] = []  # finished or aborted, not yet taken by the engine
 
     # ---- queues --------------------------------------------------------------------------
 
     def add(self, req: Request, prompt_keys: Seq[BlockKey] | None = None) -> None:
-        """Queue ``req`` (new or preempted) and claim its prompt's blocks (see
-        :meth:`pending_prefill_tokens`). ``prompt_keys``: a new request's block keys if the
-        caller hashed them already (outside the engine lock)."""
-        order = [self.policy.key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect(order, self.policy.key(req)), req)
-        for seq in req.seqs:
-            if not seq.allocated:
-                seq.cached_hint, seq.claim = self.kv.expected_prefix(
-                    seq.token_ids, req.ctx, self._claims, prompt_keys
-                )
-                self._claims.update(seq.claim)
+        """Queue ``req`` (new or preempted); see :meth:`WaitingQueue.add`."""
+        self.waiting.add(req, prompt_keys)
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and free all its blocks (abort / finish)."""
         if req in self.running:
             self.running.remove(req)
-        elif req in self.waiting and self._unqueue(req):
-            self._reclaim()  # siblings counted on it to compute their shared prefix
+        else:
+            self.waiting.discard(req)
         self.free_blocks(req)
-
-    def _unqueue(self, req: Request) -> bool:
-        """Out of the waiting queue; its claims go (admitted: its blocks are cached now).
-        True if another waiting sequence claims one of its blocks too (shares a prefix)."""
-        self.waiting.remove(req)
-        shared = False
-        for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
-            shared |= self.kv.release_claims(self._claims, seq.claim)
-            seq.claim = []
-        return shared
-
-    def _reclaim(self) -> None:
-        """Recount every waiting sequence's claims and hint in queue order (after an abort of
-        a request that shared blocks with others; O(waiting prompt blocks), no hashing)."""
-        self._claims.clear()
-        for req in self.waiting:
-            for seq in req.seqs:
-                if seq.claim:
-                    seq.cached_hint, _ = self.kv.expected_prefix(
-                        seq.token_ids, req.ctx, self._claims, seq.claim
-                    )
-                    self._claims.update(seq.claim)
 
     def free_blocks(self, req: Request) -> None:
         for seq in (*req.seqs, *req.done_seqs):
@@ -125,16 +101,108 @@ class Scheduler:
         """Tokens still to prefill, what a router compares against a recompute elsewhere:
         the unfinished prefills (chunked or recomputed) of running requests, and each waiting
         sequence less its leading blocks that are cached or claimed by a sequence queued
-        ahead of it (a burst of prompts sharing a system prompt counts that prompt once; the
-        engine computes it once). Hints are set on queueing and refreshed at each admission
-        attempt; an abort of a waiting request recounts them."""
-        waiting = sum(len(s.token_ids) - s.cached_hint for r in self.waiting for s in r.seqs)
+        ahead of it (:meth:`WaitingQueue.pending_tokens`)."""
+        waiting = self.waiting.pending_tokens()
         running = sum(s.num_remaining for r in self.running for s in r.seqs if s.num_remaining > 1)
         return waiting + running
+
+    def num_decoding_seqs(self) -> int:
+        """Running sequences with one token left to compute: the next step's decodes."""
+        return sum(1 for r in self.running for s in r.seqs if s.num_remaining <= 1)
 
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seq_slots for r in self.running)
+
+    # ---- after the model: applying the processor's outcomes ------------------------------
+
+    def fork_samples(
+        self, req: Request, parent: Sequence, texts: Seq[OutputText | None]
+    ) -> list[Sequence]:
+        """n > 1: the prompt was computed once, for ``parent``; fork the other samples off it,
+        sharing its blocks (copy-on-write), before they sample from its logits. ``texts``:
+        each new sample's detokenizer (or ``None``)."""
+        req.forked = True
+        kids = []
+        for i, text in enumerate(texts, start=1):
+            child = parent.fork(i, sample_generator(req.params.seed, i), text)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)  # at once: an abort frees every forked sequence
+            kids.append(child)
+        return kids
+
+    def update_from_output(self, out: RequestOutcome) -> None:
+        """Apply one request's outcome: append its tokens, advance its beams (forking and
+        freeing their blocks), give back the blocks of sequences that finished, and finish
+        the request when none is left (:meth:`take_finished`)."""
+        req = out.req
+        if out.beams is not None or any(o.token is not None for o in out.seqs):
+            req.protected = False
+            req.progressed = True
+        for o in out.seqs:
+            seq = o.seq
+            if o.token is not None:
+                seq.token_ids.append(o.token)
+                seq.new_tokens.append(o.token)
+                if o.logprob is not None:
+                    seq.new_logprobs.append(o.logprob)
+                    seq.cumulative_logprob += o.logprob.logprob
+            if o.finish is not None:
+                seq.finish_reason, seq.stop_reason = o.finish, o.stop_reason
+                self.free_seq(seq)  # blocks back at once, not when the request ends
+                req.seqs.remove(seq)
+                req.done_seqs.append(seq)
+        if out.beam_done:
+            for seq in req.seqs:
+                self.free_seq(seq)
+            req.seqs = []
+        elif out.beams is not None:
+            self._advance_beams(req, out.beams)
+        if not req.seqs:
+            self.finish(req)
+
+    def _advance_beams(self, req: Request, nxt: list[tuple[int, int]]) -> None:
+        """The new beams, by rank, as (parent beam, token): a parent with no child is pruned
+        (blocks back at once), one with several is forked (shared blocks, copy-on-write)."""
+        children: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for rank, (parent, tok) in enumerate(nxt):
+            children[parent].append((rank, tok))
+        new: list[Sequence | None] = [None] * len(nxt)
+        for parent, seq in enumerate(req.seqs):
+            mine = children.get(parent)
+            if not mine:
+                self.free_seq(seq)
+                continue
+            for rank, tok in mine[1:]:  # fork before the parent appends its own token
+                child = seq.fork(rank, None, None)
+                self.kv.fork(seq.seq_id, child.seq_id)
+                child.token_ids.append(tok)
+                new[rank] = child
+            rank, tok = mine[0]
+            seq.token_ids.append(tok)
+            seq.index = rank
+            new[rank] = seq
+        req.seqs = [s for s in new if s is not None]
+
+    def abort(self, req: Request, error: str | None) -> None:
+        """End ``req`` now, every sequence ``abort`` (``error``: why, if it failed)."""
+        req.error = error
+        for seq in req.seqs:
+            seq.finish_reason = FinishReason.ABORT
+        req.done_seqs.extend(req.seqs)
+        req.seqs = []
+        self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        """Out of the queues, every block freed; the engine collects it (take_finished)."""
+        self.remove(req)
+        req.status = RequestStatus.FINISHED
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call."""
+        done, self._finished = self._finished, []
+        return done
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -182,7 +250,7 @@ class Scheduler:
                 if outcome == "defer":
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
-            self._unqueue(req)
+            self.waiting.admit(req)
             if lora is not None:
                 adapters.add(lora)
             self.running.append(req)

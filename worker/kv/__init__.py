@@ -2,6 +2,7 @@
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block
+from worker.kv.claims import BlockClaims
 from worker.kv.manager import KVCacheManager
 from worker.kv.types import (
     KVAllocation,
@@ -14,6 +15,7 @@ from worker.kv.types import (
 
 __all__ = [
     "AllBlocksCleared",
+    "BlockClaims",
     "BlockKey",
     "BlockRemoved",
     "BlockStored",

@@ -26,8 +26,7 @@ write blocks the step will read).
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Sequence
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
@@ -150,10 +149,11 @@ class KVCacheManager:
         keys: Sequence[BlockKey] | None = None,
     ) -> tuple[int, list[BlockKey]]:
         """Leading prompt tokens a queued sequence should not have to compute: full blocks
-        cached here or ``queued`` (claimed by a sequence ahead of it, which will compute them
-        first), capped like :meth:`lookup_prefix`. Returns the count and the keys of every
-        capped full block, which a caller may keep and pass back as ``keys`` to skip hashing
-        (``keys`` may run past the cap, e.g. ``block_keys`` of the whole prompt).
+        cached here or in ``queued`` (keys a sequence ahead of it will compute first: the
+        caller's claims, see ``worker/kv/claims.py``), capped like :meth:`lookup_prefix`.
+        Returns the count and the keys of every capped full block, which a caller may keep
+        and pass back as ``keys`` to skip hashing (``keys`` may run past the cap, e.g.
+        ``block_keys`` of the whole prompt).
         A pure query (no refs taken); an estimate for load reports, never for adoption.
         """
         bs = self.block_size
@@ -172,20 +172,6 @@ class KVCacheManager:
                     break
             hit += 1
         return hit * bs, list(keys)
-
-    @staticmethod
-    def release_claims(claims: Counter[BlockKey], keys: Iterable[BlockKey]) -> bool:
-        """Drop one claim on each of ``keys`` (from :meth:`expected_prefix`) from ``claims``;
-        True if another queued sequence still claims one of them (they share a prefix)."""
-        shared = False
-        for key in keys:
-            left = claims[key] - 1
-            if left:
-                claims[key] = left
-                shared = True
-            else:
-                del claims[key]
-        return shared
 
     def block_table(self, seq_id: SeqId) -> list[int]:
         return [b.block_id for b in self._seq(seq_id).blocks]
@@ -364,6 +350,11 @@ class KVCacheManager:
     @property
     def has_host_tier(self) -> bool:
         return self._host is not None
+
+    @property
+    def host_num_blocks(self) -> int:
+        """Size of the host tier in blocks (0: none, and no host-tier events)."""
+        return self._host.num_blocks if self._host is not None else 0
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""

@@ -13,6 +13,7 @@ import pytest
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.reliability.helpers import wait_workers_alive
 
 # 4 running sequences per worker: a burst queues requests that have produced no token yet
 FAULTS_ENGINE = {**ENGINE, "max_num_seqs": 4, "max_waiting": 64}
@@ -35,3 +36,10 @@ def cluster() -> Cluster:
 def client(cluster: Cluster) -> KVClusterClient:
     with KVClusterClient(cluster.endpoints[0]) as c:
         yield c
+
+
+@pytest.fixture(autouse=True)
+def _workers_live_first(cluster: Cluster) -> None:
+    """Each test starts with every worker live (a restart from the test before may still be
+    under way): a test's failure is then its own, not its predecessor's."""
+    wait_workers_alive(cluster)

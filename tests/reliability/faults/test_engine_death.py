@@ -13,7 +13,13 @@ import threading
 import grpc
 import pytest
 
-from tests.reliability.helpers import CALL_TIMEOUT_S, on_workers, wait_for, wait_idle
+from tests.reliability.helpers import (
+    CALL_TIMEOUT_S,
+    health_report,
+    on_workers,
+    wait_for,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 VICTIM = "worker-0"
@@ -59,9 +65,9 @@ def test_a_dead_engine_loop_restarts_the_worker(cluster, client) -> None:
     # none had produced a token on the victim: each was retried on the other worker
     assert all(o[0] == "OK" for o in outcomes.values()), outcomes
     # the victim left and came back under a new epoch (before: it stayed up, loop dead)
-    import time as _t; _s=_t.monotonic()
-    assert wait_for(lambda: _epochs(client).get(VICTIM, 0) > epoch0, 90, 0.5)
-    print("RESTART_S", _t.monotonic()-_s)
+    assert wait_for(lambda: _epochs(client).get(VICTIM, 0) > epoch0, 120, 0.5), health_report(
+        cluster
+    )
     served = [
         client.generate(f"After the restart {i}.", max_tokens=2, timeout=CALL_TIMEOUT_S)
         for i in range(6)

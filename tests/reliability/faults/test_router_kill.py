@@ -4,6 +4,9 @@ The client is given both routers' addresses (a standard gRPC multi-address targe
 its open streams end with UNAVAILABLE, the next call goes to the surviving router. The dead
 router's requests have no consumer any more: the workers stop them and free their KV blocks
 long before they could have finished on their own.
+
+Every wait polls for its condition (generous deadlines: the machine may be busy); none
+depends on how soon the workers' CallerWatch (a ping every 0.25 s) notices the death.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tests.reliability.helpers import (
     CALL_TIMEOUT_S,
     blocks_in_use,
     generated_tokens,
+    on_workers,
     wait_for,
     wait_idle,
 )
@@ -27,6 +31,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 STREAMS = 3
 MAX_TOKENS = 480  # would take many seconds to finish; must be stopped, not waited out
+WAIT_S = 60.0  # deadline of every condition this test waits for
+
+
+def orphans_aborted(cluster) -> int:  # noqa: ANN001
+    """Requests the workers aborted because their caller died (``CallerWatch.aborted``)."""
+    return sum(on_workers(cluster, lambda w: w.callers.aborted).values())
 
 
 def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
@@ -38,7 +48,7 @@ def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
                 client.generate("Which router?", max_tokens=2, timeout=CALL_TIMEOUT_S).text
                 is not None
             )
-            tokens0 = generated_tokens(cluster)
+            tokens0, aborted0 = generated_tokens(cluster), orphans_aborted(cluster)
             calls = [
                 client.stream(
                     build_request(
@@ -70,23 +80,27 @@ def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
             after = client.generate("Still there?", max_tokens=2, timeout=CALL_TIMEOUT_S)
             assert after.completion_tokens == 2
 
-            # the orphaned requests are stopped, not run to max_tokens
-            assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 10, 0.2), (
+            # the orphaned requests are stopped (aborted by the workers: a request that ran to
+            # max_tokens is never aborted), not run to max_tokens, and their blocks are freed
+            stopped = lambda: orphans_aborted(cluster) - aborted0  # noqa: E731
+            assert wait_for(lambda: stopped() >= STREAMS, WAIT_S, 0.2), stopped()
+            assert stopped() == STREAMS
+            assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, WAIT_S, 0.2), (
                 blocks_in_use(cluster)
             )
             assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 0.9
-        assert wait_idle(cluster)
+        assert wait_idle(cluster, WAIT_S)
     finally:
         # heal, pass or fail: a new router-0 for the other tests of this package
         if killed:
             del cluster.routers["router-0"]
             handle = wait_for_name_free(cluster)
-            cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=60)
+            cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=WAIT_S)
 
 
 def wait_for_name_free(cluster):  # noqa: ANN001, ANN201
     """Start router-0 again once Ray has released the dead actor's name."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + WAIT_S
     while True:
         try:
             return cluster.start_router(0)

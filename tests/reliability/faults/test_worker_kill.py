@@ -100,11 +100,11 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
 
     # its index entries stop counting within seconds (heartbeat TTL 2 s or re-registration)
     # (the restarted victim may already be live again under a new epoch: it must hold none)
-    assert wait_for(lambda: not any(index.lookup([k]).get(victim, 0) for k in held), 10)
+    assert wait_for(lambda: not any(index.lookup([k]).get(victim, 0) for k in held), 30)
     assert time.monotonic() - t_kill < 15
 
     # Ray restarts it with a new epoch; it serves again and nothing leaked anywhere
-    assert wait_for(lambda: _epochs(client).get(victim, 0) > epochs0[victim], 90, 0.5)
+    assert wait_for(lambda: _epochs(client).get(victim, 0) > epochs0[victim], 120, 0.5)
     assert index.live_workers()[victim].epoch > epochs0[victim]
     assert wait_idle(cluster), "blocks or requests left on a worker"
     index.close()

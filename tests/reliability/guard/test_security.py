@@ -46,7 +46,7 @@ def test_tenants_share_no_cache_and_no_routing_signal(secure, tls, first, second
     index = KVIndex(secure.index_config())
     with connect(secure, tls, first) as a, connect(secure, tls, second) as b:
         warm = _ask(a, prompt)
-        assert wait_for(lambda: any(index.lookup(_keys(secure, a, prompt, first)).values()), 10)
+        assert wait_for(lambda: any(index.lookup(_keys(secure, a, prompt, first)).values()), 30)
         again = _ask(a, prompt)
         assert again.cached_tokens > 0  # the owner hits its own cache
         # the other tenant's keys for the very same tokens: nobody holds them

@@ -1,4 +1,4 @@
-"""``kvcluster bench``: a gRPC load generator against a running cluster.
+"""The load generator behind ``kvcluster bench``: gRPC or OpenAI HTTP against a running cluster.
 
 Sends groups of prompts that share a long prefix (a system prompt per group plus a
 distinct question), ``concurrency`` at a time, and reports latency, TTFT, throughput and
@@ -7,7 +7,7 @@ where the requests were routed, with cached prompt tokens. A table on stdout, a 
 
 The pieces (prompts, one timed streaming request, percentiles, sending a list of prompts at a
 fixed concurrency) are shared with ``kvcluster bench --compare-policies``
-(:mod:`cluster.policy_bench`), which runs one fresh cluster per routing policy.
+(:mod:`benchmarks.policy_bench`), which runs one fresh cluster per routing policy.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 import grpc
 
+from benchmarks.common import pyplot, save_figure
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
-from cluster.report import pyplot, save_figure
 from kvstore.blocks.stats import quantile
 
 
@@ -180,7 +180,7 @@ def run_bench(
     prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
     one: Callable[[Any, str, int], Sample] = one_request
     if api == "http":
-        from cluster.http_bench import OpenAIBenchClient, one_http_request
+        from benchmarks.loadgen_http import OpenAIBenchClient, one_http_request
 
         client_cm: Any = OpenAIBenchClient(target)
         one = one_http_request

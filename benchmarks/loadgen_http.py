@@ -1,6 +1,6 @@
 """``kvcluster bench --api http``: the bench's timed request over the OpenAI HTTP API.
 
-The same workload and the same :class:`cluster.bench.Sample` as over gRPC: a greedy
+The same workload and the same :class:`benchmarks.loadgen.Sample` as over gRPC: a greedy
 streamed ``/v1/completions`` request (SSE with ``include_usage``), TTFT at the first chunk
 that carries a choice, the worker from the ``x-kvcluster-worker`` header.
 """
@@ -14,7 +14,7 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
-from cluster.bench import Sample
+from benchmarks.loadgen import Sample
 
 
 class OpenAIBenchClient:

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from cluster.bench import Sample, make_prompts, send_all, summarize
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.loadgen import Sample, make_prompts, send_all, summarize
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig, ConfigError
-from cluster.report import emit_json, print_table, pyplot, save_figure
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
 BASELINE = "round_robin"  # the ratios' denominator
@@ -225,10 +225,10 @@ def table_rows(results: list[PolicyResult]) -> list[dict]:
 
 def headline(results: list[PolicyResult]) -> dict[str, float | bool | list[float]]:
     """The JSON line: per policy mean TTFT, req/s and hit rate (seeds pooled);
-    prefix_affinity's ratios vs round_robin and whether the issue's targets (TTFT <= 0.5x,
+    prefix_affinity's ratios vs round_robin and whether the targets (TTFT <= 0.5x,
     throughput >= 1.3x) are met, judged on the pooled figures (the ratio of seed means), and
-    with several seeds the per-seed TTFT ratios too. The pooled keys are those the benchmark
-    has always printed, so runs stay comparable."""
+    with several seeds the per-seed TTFT ratios too. The pooled keys are a single-seed run's
+    keys, so runs of one seed and of several compare."""
     figs = {r.policy: figures(r) for r in pooled(results)}
     out: dict[str, float | bool | list[float]] = {}
     for name, f in figs.items():

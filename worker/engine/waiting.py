@@ -1,0 +1,89 @@
+"""The scheduler's waiting queue: requests not running (new or preempted) in policy order,
+and their sequences' claims on the full blocks of their prompts (``worker/kv/claims.py``).
+
+Each waiting sequence keeps a hint: its leading prompt tokens that are cached, or claimed by
+a sequence queued ahead of it (which will compute them first). The load report counts only
+the rest (:meth:`WaitingQueue.pending_tokens`), so a burst of prompts sharing a system prompt
+counts that prompt once, as the engine computes it once. Hints are set on queueing and
+refreshed at each admission attempt; an abort of a request sharing blocks with others
+recounts them.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+
+from worker.engine.policy import SchedulingPolicy
+from worker.engine.request import Request
+from worker.kv import BlockClaims, BlockKey, KVCacheManager
+
+
+class WaitingQueue:
+    """Requests waiting for admission, sorted by policy key, with their block claims."""
+
+    def __init__(self, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
+        self._kv = kv
+        self._policy = policy
+        self._reqs: list[Request] = []  # sorted by policy key
+        self.claims = BlockClaims()  # full-block keys of waiting sequences' prompts
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._reqs)
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._reqs
+
+    def add(self, req: Request, prompt_keys: Seq[BlockKey] | None = None) -> None:
+        """Queue ``req`` and claim its unallocated sequences' prompt blocks. ``prompt_keys``:
+        a new request's block keys if the caller hashed them already (outside the engine
+        lock)."""
+        key = self._policy.key
+        order = [key(r) for r in self._reqs]
+        self._reqs.insert(bisect.bisect(order, key(req)), req)
+        for seq in req.seqs:
+            if not seq.allocated:
+                seq.cached_hint, seq.claim = self._kv.expected_prefix(
+                    seq.token_ids, req.ctx, self.claims, prompt_keys
+                )
+                self.claims.claim(seq.claim)
+
+    def admit(self, req: Request) -> None:
+        """``req`` leaves for the running batch; its claims go (its blocks are cached now)."""
+        self._unqueue(req)
+
+    def discard(self, req: Request) -> None:
+        """``req`` leaves without running (abort / finish); if it shared claimed blocks with
+        others, their hints are recounted (they counted on it to compute the shared prefix)."""
+        if req in self._reqs and self._unqueue(req):
+            self._reclaim()
+
+    def _unqueue(self, req: Request) -> bool:
+        """Out of the queue, its claims released; True if another waiting sequence claims one
+        of its blocks too (shares a prefix)."""
+        self._reqs.remove(req)
+        shared = False
+        for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
+            shared |= self.claims.release(seq.claim)
+            seq.claim = []
+        return shared
+
+    def _reclaim(self) -> None:
+        """Recount every waiting sequence's claims and hint in queue order
+        (O(waiting prompt blocks), no hashing)."""
+        self.claims.clear()
+        for req in self._reqs:
+            for seq in req.seqs:
+                if seq.claim:
+                    seq.cached_hint, _ = self._kv.expected_prefix(
+                        seq.token_ids, req.ctx, self.claims, seq.claim
+                    )
+                    self.claims.claim(seq.claim)
+
+    def pending_tokens(self) -> int:
+        """Prompt tokens the waiting sequences still have to compute, less their hints."""
+        return sum(len(s.token_ids) - s.cached_hint for r in self._reqs for s in r.seqs)
