@@ -3,8 +3,9 @@
 On the CPU (and any device but CUDA) every copy is a plain synchronous gather/scatter.
 
 On CUDA the host tier is pinned, and the copies overlap other work instead of serialising
-with it; every ordering below is made by a stream or an event, never by a host sync on the
-engine's path:
+with it; every ordering below is made by a stream or an event. The CPU waits only when a load
+reads a host block whose offload is still in flight (it lands that offload first). The
+forward waits for a step's whole load (not layer by layer):
 
 - **Load** (host -> device, ``load``): per layer, the CPU gathers the host blocks into a
   pinned staging buffer and issues its DMA to a device buffer on a side stream (the CPU's
