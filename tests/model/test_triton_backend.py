@@ -126,3 +126,31 @@ def test_split_count_follows_the_grid_and_the_context():
     # A short context is not split below MIN_PAGES_PER_SPLIT pages per part.
     assert choose_num_splits(1, 8, 1, 64, 16) == 1
     assert 1 < choose_num_splits(8, 8, 1, 4096, 16) <= MAX_SPLITS
+
+
+def run_in_interpreter(check: str, model_dir: Path) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.model.triton_cpu_driver", check, str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_runner_with_triton_in_cpu_interpreter(family, model_dirs):
+    """Prefill, a mixed step and decodes across block boundaries, with split-K, GQA and (for
+    mistral) a sliding window: the runner driving the kernel gives the torch backend's
+    logits. See ``tests/model/triton_cpu_driver.py``."""
+    run_in_interpreter("runner", model_dirs[family])
+
+
+def test_decode_graph_path_with_triton_in_cpu_interpreter(model_dirs):
+    """Decode batches padded to a bucket through the runner's graphs (static buffers, pad
+    block past ``num_blocks``, split-K fixed at capture): torch logits, real blocks intact."""
+    run_in_interpreter("graphs", model_dirs["llama"])
