@@ -56,6 +56,28 @@ def test_static_padded_path_equals_eager(model_dirs):
     assert graphs.replays == 3
 
 
+def test_capture_warm_up_writes_only_the_pad_block(model_dirs):
+    """Capture warms each bucket up by running the static buffers as they are before any
+    batch: every row must be a padding row then, or the warm-up writes K/V into block 0."""
+    runner = ModelRunner(model_dirs["llama"], block_size=4, num_blocks=8, attn_backend="torch")
+    pad = runner.num_blocks - 1
+    graphs = DecodeGraphs(
+        runner._logits_of_all_rows,
+        device=runner.device,
+        block_size=4,
+        max_blocks_per_seq=4,
+        pad_block=pad,
+        buckets=(1, 4),
+        capture=False,
+    )
+    with torch.inference_mode():
+        for size in (4, 1):
+            graphs.step_on_static(size)
+    for k, v in runner.kv_caches:
+        assert not k[:pad].any() and not v[:pad].any()  # real blocks still zero
+        assert k[pad].any() and v[pad].any()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

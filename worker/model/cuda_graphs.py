@@ -66,10 +66,14 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(set(buckets)))
         self.capture = capture
         top = self.buckets[-1]
+        # Every row starts as a padding row: capture_all's warm-up runs these buffers for
+        # real, so its K/V writes must go to the pad block, not to slot 0 of real block 0.
         self._static = _Static(
             input_ids=torch.zeros(top, dtype=torch.long, device=device),
             positions=torch.zeros(top, dtype=torch.long, device=device),
-            slot_mapping=torch.zeros(top, dtype=torch.long, device=device),
+            slot_mapping=torch.full(
+                (top,), pad_block * block_size, dtype=torch.long, device=device
+            ),
             query_start_loc=torch.arange(top + 1, dtype=torch.int32, device=device),
             seq_lens=torch.ones(top, dtype=torch.int32, device=device),
             block_tables=torch.full(
@@ -113,21 +117,26 @@ class DecodeGraphs:
             seq_lens_host=host_lens,
         )
 
+    def step_on_static(self, size: int) -> torch.Tensor:
+        """One step of bucket ``size`` on the static buffers as they stand: what capture
+        warms up with (for real, writing K/V) and records."""
+        s = self._static
+        meta = self._metadata(size, (1,) * size)
+        return self._forward(s.input_ids[:size], s.positions[:size], meta)
+
     def capture_all(self) -> None:
         """Capture every bucket, largest first (later captures reuse its memory pool)."""
-        s = self._static
         pool = None
         side = torch.cuda.Stream(self.device)
         for size in reversed(self.buckets):
-            meta = self._metadata(size, (1,) * size)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles, allocator settles
                 for _ in range(2):
-                    self._forward(s.input_ids[:size], s.positions[:size], meta)
+                    self.step_on_static(size)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(s.input_ids[:size], s.positions[:size], meta)
+                logits = self.step_on_static(size)
             pool = graph.pool()
             self._graphs[size] = (graph, logits)
         torch.cuda.synchronize(self.device)
