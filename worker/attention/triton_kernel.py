@@ -233,6 +233,7 @@ def paged_attention(
     num_blocks, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(1) == 1  # the kernel steps through a table row by 1
     out = torch.empty_like(q)
     block_m = 16 if max_query_len * group <= 16 else 64
     num_seqs = seq_lens.shape[0]
