@@ -96,7 +96,7 @@ def check_runner(model_dir: str) -> None:
     nxt = {"a": logits[0], "c": logits[20], "b": logits[21], "d": logits[22]}
     nxt = {s: t.argmax().item() for s, t in nxt.items()}
     lens = {"a": 6, "c": 40, "b": 31, "d": 141}
-    for i in range(decodes - 1):  # b crosses 32, c 48 only if longer; a stays in block 0
+    for i in range(decodes - 1):  # b moves into its third block (position 32)
         order = ("d", "a", "c", "b")
         chunks = [SeqChunk([nxt[s]], lens[s], tables[s]) for s in order]
         logits = step(ref, tri, chunks, f"decode {i}")
