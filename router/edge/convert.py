@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.outputs import FinishReason, RequestOutput
 from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
@@ -131,7 +132,7 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
         return f"salt:{digest}" if cache_salt else None
     if not cache_salt:
         return f"tenant:{tenant}"
-    return f"tenant:{tenant}#{digest}"
+    return f"tenant:{tenant}{SALT_SCOPE_SEP}{digest}"
 
 
 def spec_from_pb(
