@@ -30,8 +30,15 @@ from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
-from router.edge.tokenizing import TokenizerPool, check_text_chars
-from router.http_api.protocol import OpenAIRequest, parse_request, shown, to_specs
+from router.edge.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
+from router.http_api.protocol import (
+    SURROGATE_ESCAPE,
+    OpenAIRequest,
+    parse_request,
+    shown,
+    surrogate_path,
+    to_specs,
+)
 from router.http_api.responses import Shaper
 from router.placement.adapters import adapter_name
 from router.placement.config import RequestLimits
@@ -289,12 +296,21 @@ class OpenAIServer:
                     f"request body is over the limit of {limit} bytes (router.max_message_bytes)",
                 )
             chunks.append(chunk)
+        data = b"".join(chunks)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(data)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             raise HTTPError(
                 400, "invalid_request_error", f"request body is not valid JSON: {exc}"
             ) from None
+        bad = surrogate_path(body) if SURROGATE_ESCAPE.search(data) else None
+        if bad is not None:  # a pair of escapes is one valid character: not an error
+            raise InvalidRequest(
+                shown(bad.removeprefix("body.")),
+                "<text>",
+                "is not valid Unicode (it holds a lone surrogate such as \\ud800)",
+            )
+        return body
 
     async def _prepare(
         self, request: Request, chat: bool
@@ -317,7 +333,7 @@ class OpenAIServer:
         """As the gRPC servicer does: off the event loop, long texts apart, and a text too
         long for the model refused before it is tokenized."""
         if spec.messages is not None:
-            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
             return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
         if spec.token_ids is not None:
             return spec.token_ids

@@ -10,6 +10,7 @@ the API's versioned request schema here, not a transport: nothing leaves this mo
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ _COMMON = frozenset(
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 _ROLES = ("system", "user", "assistant", "developer", "tool")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,40 @@ def _unsupported(body: dict, chat: bool) -> None:
         raise InvalidRequest("best_of", best_of, f"must be null or equal n={n}")
 
 
+def surrogate_path(body: Any) -> str | None:
+    """Where ``body`` holds a string with a lone surrogate (JSON's ``"\\ud800"`` decodes to
+    one): such text has no UTF-8 form, so protobuf, the tokenizer and the response would
+    fail on it. None when every string is valid text. Only for a body whose bytes hold such
+    an escape (:data:`SURROGATE_ESCAPE`): the walk is linear in the body's items."""
+    stack: list[tuple[Any, Any]] = [("body", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode()
+                except UnicodeEncodeError:  # (a key's path may hold it too: escaped)
+                    return path.encode("utf-8", "backslashreplace").decode()
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}", k) for k in v)
+            stack.extend((f"{path}.{k}", x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend(
+                (f"{path}[{i}]", x) for i, x in enumerate(v) if isinstance(x, str | list | dict)
+            )
+    return None
+
+
+def _request_id(body: dict) -> str | None:
+    """The client's id is echoed in the ``x-request-id`` header: printable ASCII only."""
+    rid = _str(body, "request_id")
+    if rid and not all(" " <= ch <= "~" for ch in rid):
+        raise InvalidRequest(
+            "request_id", shown(rid.encode("unicode_escape").decode()), "must be printable ASCII"
+        )
+    return rid
+
+
 def parse_request(
     body: Any, *, chat: bool, tenant: str | None, limits: RequestLimits, now: int
 ) -> tuple[OpenAIRequest, list[pb.GenerateRequest]]:
@@ -293,7 +329,7 @@ def parse_request(
         tenant=tenant or "",
         priority=priority,
     )
-    rid = _str(body, "request_id") or uuid.uuid4().hex
+    rid = _request_id(body) or uuid.uuid4().hex
     response_id = ("chatcmpl-" if chat else "cmpl-") + rid
     reqs = []
     if chat:
