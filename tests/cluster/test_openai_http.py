@@ -430,6 +430,26 @@ BAD: list[tuple[str, Any, int, str]] = [
         400,
         "<5000 chars>",
     ),
+    # text with no UTF-8 form (a lone surrogate escape) is a 400 naming where, not a 500
+    ("/v1/completions", {"model": M, "prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "stop": ["a", "\udfff"]}, 400, "stop[1]"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "cache_salt": "\ud800"}, 400, "surrogate"),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "\ud83d"}]},
+        400,
+        "messages[0].content",
+    ),
+    # request_id is echoed in the x-request-id header: a 400, not a 500 or a dropped connection
+    ("/v1/completions", {"model": M, "prompt": "hi", "request_id": "\u20acuro"}, 400, "ASCII"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "request_id": "a\r\nX: y"}, 400, "ASCII"),
+    # a conversation over the prompt character cap is refused before it is rendered
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "word " * 2000}]},
+        400,
+        "<10000 chars>",
+    ),
     ("/v1/models", None, 405, "not allowed"),
     ("/v1/nothing", {}, 404, "no route"),
 ]
@@ -464,6 +484,10 @@ def test_bad_inputs_get_4xx_naming_the_problem(
         json.dumps({"model": model, "prompt": "still", "max_tokens": 2}).encode(),
     )
     assert ok == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
+    # an escaped surrogate pair is one valid character; a printable request_id is echoed
+    body = {"model": model, "prompt": "smile \U0001f600", "max_tokens": 2, "request_id": "r-1"}
+    ok, headers, answer = raw(base_url, "POST", "/v1/completions", json.dumps(body).encode())
+    assert ok == 200 and headers["x-request-id"] == "cmpl-r-1", answer
 
 
 def test_kvcluster_bench_drives_the_http_api(
