@@ -191,6 +191,8 @@ def _messages(body: dict) -> pb.ChatMessages:
             content = "".join(parts)
         if not isinstance(content, str):
             raise _bad_type(f"{field}.content", content, "a string or a list of text parts")
+        if not isinstance(m.get("name", ""), str):
+            raise _bad_type(f"{field}.name", m["name"], "a string")
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise InvalidRequest(
@@ -281,9 +283,10 @@ def parse_request(
         raise InvalidRequest("model", model, "is required (see GET /v1/models)")
     _unsupported(body, chat)
     params = pb.SamplingParams()
+    legacy = _int(body, "max_tokens")  # checked even when max_completion_tokens wins
     max_tokens = _int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
+        max_tokens = legacy
     if max_tokens is not None:
         params.max_tokens = _uint("max_tokens", max_tokens)
     for name in _INT_PARAMS:

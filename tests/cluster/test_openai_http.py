@@ -395,6 +395,23 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", {"model": M, "messages": [{"role": "user"}]}, 400, "content"),
     (
         "/v1/chat/completions",
+        {
+            "model": M,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 2,
+            "max_tokens": "x",
+        },
+        400,
+        "max_tokens='str'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "x", "name": {"a": 1}}]},
+        400,
+        "messages[0].name",
+    ),
+    (
+        "/v1/chat/completions",
         {"model": M, "messages": [{"role": "user", "content": "x", "mood": "sad"}]},
         400,
         "mood",
