@@ -53,6 +53,20 @@ class TimeModel(Strict):
         pairs = n * start + n * (n - 1) // 2
         return n * self.prefill_s_per_token + pairs * self.attn_s_per_token_pair
 
+    def idle_ttft_s(self, prompt: int, cached: int, host_cached: int = 0) -> float:
+        """TTFT of a prompt alone on an idle worker: its prefill steps (chunks of the token
+        budget after the ``cached`` prefix, each paying the step overhead; one step if all of
+        it is cached) plus loading ``host_cached`` tokens back. No scheduler beats it."""
+        steps, pos, busy = 0, cached, 0.0
+        while pos < prompt:
+            n = min(self.max_batched_tokens, prompt - pos)
+            busy += self.prefill_s(pos, n)
+            pos += n
+            steps += 1
+        return (
+            max(steps, 1) * self.step_overhead_s + busy + host_cached * self.host_load_s_per_token
+        )
+
 
 class SimConfig(Strict):
     """The simulated cluster."""

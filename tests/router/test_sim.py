@@ -47,6 +47,27 @@ def test_sim_worker_exact_steps_and_prefix_hit() -> None:
     assert worker.idle() and worker.computed_prefill_tokens == 124
 
 
+def test_idle_ttft_is_a_lone_requests_simulated_ttft() -> None:
+    # The zero-queueing bound the host-tier benchmark reports: exact for a request alone,
+    # with the default (attention-aware) time model, cold, from a device hit, from a host hit.
+    assert TM.idle_ttft_s(100, 0) == pytest.approx(0.12)  # the hand-counted steps above
+    assert TM.idle_ttft_s(96, 96) == pytest.approx(0.01)  # all cached: one step
+    tm = TimeModel()
+    kv = KVCacheManager(16, 512, host_num_blocks=32)
+    worker = SimWorker("w0", kv, tm)
+    runs = [("a", tokens(1, 5000)), ("b", tokens(1, 5000) + tokens(2, 700))]
+    runs += [(f"x{i}", tokens(10 + i, 2600)) for i in range(3)]  # push a's blocks to host
+    runs += [("c", tokens(1, 5000) + tokens(3, 300))]
+    for i, (rid, prompt) in enumerate(runs):
+        rec = worker.submit(SimRequest(rid, 100.0 * i, prompt, output_len=1), 0, ())
+        worker.advance(100.0 * i + 50)
+        ttft = rec.first_token_s - rec.arrival_s
+        assert ttft == pytest.approx(
+            tm.idle_ttft_s(len(prompt), rec.cached_tokens, rec.host_cached_tokens)
+        )
+    assert (rec.cached_tokens, rec.host_cached_tokens) == (4608, 4608)
+
+
 def test_sim_worker_waiting_load_counts_cached_prefix_only_when_asked() -> None:
     # The engine's pending_prefill_tokens counts a waiting prompt whole; "uncached" counts
     # what the worker will compute. Once admitted both count the uncached tail only.

@@ -18,6 +18,7 @@ from worker.attention import create_backend
 from worker.attention.base import AttentionMetadata
 from worker.model.config import ModelConfig
 from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from worker.model.host_kv import HostKVCache
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
 from worker.model.lora import LoraAdapter
@@ -91,17 +92,14 @@ class ModelRunner:
         ]
         if host_kv_bytes < 0:
             raise KVCacheSizeError(f"host_kv_bytes={host_kv_bytes} must be >= 0")
-        self.num_host_blocks = host_kv_bytes // self.bytes_per_block
-        # Host tier: same layout in host memory, pinned on CUDA so copies are DMA transfers.
-        pin = self.device.type == "cuda"
-        host_shape = (self.num_host_blocks, *shape[1:])
-        self.host_kv_caches = [
-            (
-                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-                torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin),
-            )
-            for _ in range(cfg.num_layers if self.num_host_blocks else 0)
-        ]
+        # Host tier: same block layout in host memory (pinned on CUDA, copies overlapped).
+        self.host_kv = HostKVCache(
+            host_kv_bytes // self.bytes_per_block,
+            shape[1:],
+            cfg.num_layers,
+            dtype=self.dtype,
+            device=self.device,
+        )
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = self._capture_graphs(cuda_graph_max_batch)
@@ -182,24 +180,32 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host KV tier (0: no tier)."""
+        return self.host_kv.num_blocks
+
+    @property
+    def host_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the host tier's K and V, with every offload in flight landed."""
+        self.host_kv.flush()
+        return self.host_kv.caches
+
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks, ``(device, host)`` pairs, one gather per layer."""
+        """Copy device blocks to host blocks, ``(device, host)`` pairs (offloads). The device
+        blocks may be reused by the next operation (see ``worker/model/host_kv.py``)."""
         if not pairs:
             return
         dev, host = self._pair_index(pairs, "swap_out", self._num_blocks, self.num_host_blocks)
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
-            hk.index_copy_(0, host, k.index_select(0, dev.to(k.device)).to("cpu"))
-            hv.index_copy_(0, host, v.index_select(0, dev.to(v.device)).to("cpu"))
+        self.host_kv.offload(self.kv_caches, dev, host)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy host blocks back into device blocks, ``(host, device)`` pairs (loads)."""
+        """Copy host blocks back into device blocks, ``(host, device)`` pairs (loads); later
+        work on the current stream sees them (see ``worker/model/host_kv.py``)."""
         if not pairs:
             return
         host, dev = self._pair_index(pairs, "swap_in", self.num_host_blocks, self._num_blocks)
-        dev = dev.to(self.device)
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
-            k.index_copy_(0, dev, hk.index_select(0, host).to(self.device, non_blocking=True))
-            v.index_copy_(0, dev, hv.index_select(0, host).to(self.device, non_blocking=True))
+        self.host_kv.load(self.kv_caches, host, dev)
 
     @staticmethod
     def _pair_index(
@@ -209,6 +215,8 @@ class ModelRunner:
         dst = [d for _, d in pairs]
         if min(src) < 0 or max(src) >= n_src or min(dst) < 0 or max(dst) >= n_dst:
             raise ValueError(f"{what}: block ids out of range ({n_src} -> {n_dst}): {pairs}")
+        if len(set(dst)) != len(dst):
+            raise ValueError(f"{what}: a destination block appears twice: {pairs}")
         return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
 
     def build_input(self, seqs: Sequence[SeqChunk]) -> ModelInput:
