@@ -145,6 +145,8 @@ def spec_from_pb(
     """
     _check_str("request_id", req.request_id, limits.max_request_id_chars)
     _check_str("tenant", req.tenant, limits.max_tenant_chars)
+    if SALT_SCOPE_SEP in req.tenant:  # it separates a tenant's name from its salts
+        raise InvalidRequest("tenant", req.tenant, f"must not contain {SALT_SCOPE_SEP!r}")
     _check_str("cache_salt", req.cache_salt, limits.max_cache_salt_chars)
     which = req.WhichOneof("prompt")
     if which is None:
