@@ -349,6 +349,14 @@ def parse_request(
                 f"<{len(prompts)} prompts>",
                 f"must hold at most {limits.max_n} prompts (router.limits.max_n)",
             )
+        n = params.n if params.HasField("n") else 1
+        if len(prompts) > 1 and len(prompts) * n > limits.max_n:  # one answer holds them all
+            raise InvalidRequest(
+                "n",
+                n,
+                f"times {len(prompts)} prompts must be at most {limits.max_n} choices "
+                "(router.limits.max_n)",
+            )
         for i, p in enumerate(prompts):
             req = pb.GenerateRequest()
             req.CopyFrom(base)

@@ -355,6 +355,8 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", {"model": M, "prompt": "hi", "temperature": True}, 400, "temperature"),
     ("/v1/completions", {"model": M, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": M, "prompt": "hi", "n": 1000}, 400, "max_n"),
+    # prompts x n choices are bounded as one request's n is (one answer holds them all)
+    ("/v1/completions", {"model": M, "prompt": ["a"] * 4, "n": 5}, 400, "times 4 prompts"),
     ("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": ["a"] * 40}, 400, "stop"),
