@@ -34,6 +34,11 @@ A scheduler that waits less (e.g. letting short prompts pass long ones) moves th
 towards the no-waiting 0.872x, not below it, unless it cuts the waiting far more with the tier.
 A host load-back costs 1.8 ms per request on average, 0.1 % of its TTFT.
 
+The two targets pull against each other through the device size: a smaller device cache
+leaves more for the tier to win back in TTFT but a larger hit-rate gap at 8x. Sweep at 8x
+(``--kv-tokens N --host-x 8``): 250k tokens: gap 12.6 %, TTFT 0.577x; 375k: 7.0 %, 0.694x;
+500k: 4.6 %, 0.757x; 1M: 0.97 %, 0.829x. No device size meets both at 8x on this trace.
+
     .venv/bin/python -m benchmarks.host_tier_sim            # full trace, several minutes
     .venv/bin/python -m benchmarks.host_tier_sim --smoke    # seconds
 """

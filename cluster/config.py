@@ -12,7 +12,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.strict import Strict
@@ -54,19 +54,8 @@ class WorkersConfig(Strict):
         EngineConfig(num_blocks=512, max_waiting=256),
         description="Each worker's engine: block size, KV size, batch limits, policy, dtype. "
         "Its block_size and max_model_len are the cluster's: the routers and the index take "
-        "them from here. Its model_id is model.model_id (stated there, not here).",
+        "them from here; the model id is model.model_id.",
     )
-
-    @field_validator("engine")
-    @classmethod
-    def _model_id_stated_once(cls, engine: EngineConfig) -> EngineConfig:
-        # The launcher fills it in from model.model_id; a second statement could disagree.
-        if engine.model_id:
-            raise ValueError(
-                f"model_id={engine.model_id!r}: the model id is stated once, as model.model_id "
-                "(engines, routers and the index take it from there); move it there"
-            )
-        return engine
 
 
 class RouterConfig(Strict):

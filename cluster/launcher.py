@@ -37,7 +37,6 @@ from cluster.local_redis import LocalRedis, free_port, start_detached
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
-from worker.engine.config import EngineConfig
 from worker.model.config import ModelConfig
 from worker.model.default_model import default_model_id, resolve_default_model
 
@@ -289,9 +288,6 @@ class Cluster:
             model_id=self.model_id,
         )
 
-    def engine_config(self) -> EngineConfig:
-        return self.cfg.workers.engine.model_copy(update={"model_id": self.model_id})
-
     @property
     def model_dir(self) -> str:
         """This machine's copy of the served model (for tools and tests on the head; the
@@ -314,7 +310,8 @@ class Cluster:
         return WorkerSettings(
             worker_id=name,
             model_dir=self.model_path,
-            engine=self.engine_config(),
+            model_id=self.model_id,
+            engine=self.cfg.workers.engine,
             index=self.index_config(),
             default_family=self.cfg.model.tiny_family,
         )

@@ -42,7 +42,8 @@ class WorkerSettings:
 
     worker_id: str  # registry id and Ray actor name, e.g. "worker-0"
     model_dir: str | None  # Hugging Face folder; None: the default model, resolved here
-    engine: EngineConfig  # block size, KV size, limits, policy (model_id filled in)
+    model_id: str  # folded into block keys; the routers' and the index's too
+    engine: EngineConfig  # block size, KV size, limits, policy
     index: IndexConfig | None  # None: do not publish (no Redis)
     default_family: str = "llama"  # family of the default model (model_dir None)
 
@@ -161,7 +162,9 @@ class WorkerServer:
         self.worker_id = settings.worker_id
         # the default model is resolved on this worker's node, never sent as a head's path
         self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
-        self.engine = Engine.from_model_dir(self.model_dir, settings.engine)
+        self.engine = Engine.from_model_dir(
+            self.model_dir, settings.engine, model_id=settings.model_id
+        )
         self.publisher: WorkerPublisher | None = None
         if settings.index is not None:
             index = KVIndex(settings.index)

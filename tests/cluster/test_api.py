@@ -43,7 +43,9 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
 def test_stream_matches_offline_engine_token_for_token(cluster, client) -> None:
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
     out = client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
-    engine = Engine.from_model_dir(cluster.model_dir, cluster.engine_config())
+    engine = Engine.from_model_dir(
+        cluster.model_dir, cluster.cfg.workers.engine, model_id=cluster.model_id
+    )
     [ref] = engine.generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     )

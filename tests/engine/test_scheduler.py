@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,8 @@ from worker.engine import (
     InvalidRequest,
     SamplingParams,
 )
+from worker.engine.preemption import pick_victim, should_swap
+from worker.engine.request import Request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -156,14 +159,35 @@ def test_resumed_request_is_protected_from_preemption() -> None:
     sched.schedule()  # admit all three
     a, b, c = (engine.requests[n] for n in "abc")
     sched._touched.clear()
-    assert sched._pick_victim(a) is c  # latest arrival, not protected
+
+    def victim(req: Request) -> Request | None:
+        return pick_victim(req, sched.running, sched._touched, sched.policy.key)
+
+    assert victim(a) is c  # latest arrival, not protected
     c.protected = True  # c was just resumed
-    assert sched._pick_victim(a) is b
+    assert victim(a) is b
     b.protected = True
-    assert sched._pick_victim(a) is a  # everyone worse is protected: a itself waits
+    assert victim(a) is a  # everyone worse is protected: a itself waits
     c.protected = b.protected = False
     a.protected = True  # a protected request takes from the worst unprotected one
-    assert sched._pick_victim(a) is c
+    assert victim(a) is c
+
+
+def test_swap_or_recompute_estimate() -> None:
+    def req(*computed: int) -> SimpleNamespace:  # sequences with that many tokens computed
+        return SimpleNamespace(
+            seqs=[SimpleNamespace(num_computed=n, allocated=True) for n in computed]
+        )
+
+    def swap(r: SimpleNamespace, mode: str = "auto", host: bool = True, cost: float = 1.0) -> bool:
+        return should_swap(r, mode=mode, has_host_tier=host, block_size=16, block_cost=cost)
+
+    assert not swap(req(40), "swap", host=False)  # without a host tier: always recompute
+    assert not swap(req(40), "recompute") and swap(req(0), "swap")
+    assert swap(req(40), cost=19.0)  # 2 full blocks x 19 = 38 < 40 tokens
+    assert not swap(req(40), cost=20.0)  # 40 is not cheaper than 40
+    assert swap(req(24, 16), cost=19.0) and not swap(req(24, 16), cost=20.0)  # 40 tokens in all
+    assert not swap(req(0))  # nothing computed: nothing to keep
 
 
 def test_prefix_hit_computes_fewer_tokens_same_output() -> None:

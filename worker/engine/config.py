@@ -13,7 +13,6 @@ from worker.engine.policy import SCHEDULING_POLICIES, policy_names
 class EngineConfig(Strict):
     """Knobs of one worker's engine: batch limits, KV pool size, scheduling policy."""
 
-    model_id: str = Field("", description="Model id folded into block keys (HashContext).")
     max_num_seqs: int = Field(64, ge=1, description="Running sequences per step (decode batch).")
     max_num_batched_tokens: int = Field(
         1024, ge=1, description="Token budget of one step (decodes + prefill chunks)."

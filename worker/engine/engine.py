@@ -26,9 +26,9 @@ from pathlib import Path
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.engine.beam import BeamSearch
 from worker.engine.config import EngineConfig
 from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.intake import Prompt, new_request, prompt_token_ids
 from worker.engine.metrics import (
     EngineMetrics,
     EngineSnapshot,
@@ -38,7 +38,7 @@ from worker.engine.metrics import (
 from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
-from worker.engine.request import Request, Sequence, sample_generator
+from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.validate import validate_request
@@ -46,13 +46,15 @@ from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
 
 class Engine:
     """Continuous-batching engine over one model executor and one KV block pool."""
 
-    def __init__(self, executor: ModelExecutor, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, executor: ModelExecutor, config: EngineConfig | None = None, *, model_id: str = ""
+    ) -> None:
+        """``model_id``: the served model's id, folded into block 0's key (the cluster config's
+        ``model.model_id``; routers and the index use the same)."""
         config = config or EngineConfig()
         if executor.block_size != config.block_size:
             raise ValueError(
@@ -63,6 +65,7 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
         self.config = config
+        self.model_id = model_id
         self.executor = executor
         self.tokenizer = executor.tokenizer
         self.max_model_len = config.max_model_len or limit
@@ -88,7 +91,9 @@ class Engine:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+    def from_model_dir(
+        cls, model_dir: str | Path, config: EngineConfig | None = None, *, model_id: str = ""
+    ) -> Engine:
         """Load a Hugging Face model folder (or a .gguf file) and build an engine on it."""
         config = config or EngineConfig()
         executor = RunnerExecutor.from_model_dir(
@@ -104,7 +109,7 @@ class Engine:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
         )
-        return cls(executor, config)
+        return cls(executor, config, model_id=model_id)
 
     def add_lora(self, name: str, path: str) -> str:
         """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
@@ -124,15 +129,15 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------
 
     def hash_context(self, params: SamplingParams) -> HashContext:
-        """What a request's block keys are salted with (model id, LoRA id, tenant salt); a pure
-        function of config and params, so callers may use it without the engine's lock."""
+        """What a request's block keys are salted with (model id, LoRA id, tenant salt); reads
+        no scheduling state, so callers may use it without the engine's lock."""
         lora_id = None
         if params.lora is not None:
             lora_id = self.loras.get(params.lora)
             if lora_id is None:
                 served = ", ".join(sorted(self.loras)) or "none"
                 raise InvalidRequest("lora", params.lora, f"unknown adapter; served: {served}")
-        return HashContext(self.config.model_id, lora_id, params.cache_salt)
+        return HashContext(self.model_id, lora_id, params.cache_salt)
 
     def add_request(
         self,
@@ -151,7 +156,7 @@ class Engine:
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if rid in self.requests:
             raise InvalidRequest("request_id", rid, "must be unique among live requests")
-        prompt_ids = self._tokenize(prompt)
+        prompt_ids = prompt_token_ids(prompt, self.tokenizer)
         validate_request(
             prompt_ids,
             params,
@@ -164,29 +169,19 @@ class Engine:
         )
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
-        max_new = min(params.max_tokens, self.max_model_len - len(prompt_ids))
-        ctx = self.hash_context(params)
-        req = Request(rid, prompt_ids, params, next(self._arrivals), ctx, max_new)
-        if params.use_beam_search:
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-            req.beam = BeamSearch(
-                params.beam_width, params.length_penalty, params.early_stopping, max_new, stop_ids
-            )
-        seq = Sequence(0, list(prompt_ids), len(prompt_ids), self.processor.new_text(req), None)
-        seq.generator = sample_generator(params.seed, 0)
-        req.seqs.append(seq)
+        req = new_request(
+            rid,
+            prompt_ids,
+            params,
+            arrival=next(self._arrivals),
+            ctx=self.hash_context(params),
+            max_model_len=self.max_model_len,
+            eos_ids=self.eos_ids,
+            new_text=self.processor.new_text,
+        )
         self.requests[rid] = req
         self.scheduler.add(req, prompt_keys)
         return rid
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("prompt", prompt[:32], "text prompts need a tokenizer")
-            return list(self.tokenizer.encode(prompt))
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequest("prompt", type(prompt).__name__, "must be text or token ids")
-        return list(prompt)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any time; its final output comes with the next ``step``."""

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.engine.engine import Engine, Prompt
+from worker.engine.engine import Engine
+from worker.engine.intake import Prompt
 from worker.engine.metrics import EngineMetrics
 from worker.kv import BlockKey
 

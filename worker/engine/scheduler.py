@@ -40,16 +40,17 @@ engine collects them with :meth:`Scheduler.take_finished`.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence as Seq
 from typing import Literal
 
 from kvstore.blocks.outputs import FinishReason
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import OutputText
+from worker.engine.forking import advance_beams, fork_samples
 from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
-from worker.engine.request import Request, RequestStatus, Sequence, sample_generator
+from worker.engine.preemption import pick_victim, should_swap
+from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
 from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
@@ -119,17 +120,9 @@ class Scheduler:
     def fork_samples(
         self, req: Request, parent: Sequence, texts: Seq[OutputText | None]
     ) -> list[Sequence]:
-        """n > 1: the prompt was computed once, for ``parent``; fork the other samples off it,
-        sharing its blocks (copy-on-write), before they sample from its logits. ``texts``:
-        each new sample's detokenizer (or ``None``)."""
-        req.forked = True
-        kids = []
-        for i, text in enumerate(texts, start=1):
-            child = parent.fork(i, sample_generator(req.params.seed, i), text)
-            self.kv.fork(parent.seq_id, child.seq_id)
-            req.seqs.append(child)  # at once: an abort frees every forked sequence
-            kids.append(child)
-        return kids
+        """n > 1: fork the other samples off ``parent``, whose prompt was computed once
+        (:func:`worker.engine.forking.fork_samples`)."""
+        return fork_samples(self.kv, req, parent, texts)
 
     def update_from_output(self, out: RequestOutcome) -> None:
         """Apply one request's outcome: append its tokens, advance its beams (forking and
@@ -157,32 +150,9 @@ class Scheduler:
                 self.free_seq(seq)
             req.seqs = []
         elif out.beams is not None:
-            self._advance_beams(req, out.beams)
+            advance_beams(self.kv, req, out.beams, self.free_seq)
         if not req.seqs:
             self.finish(req)
-
-    def _advance_beams(self, req: Request, nxt: list[tuple[int, int]]) -> None:
-        """The new beams, by rank, as (parent beam, token): a parent with no child is pruned
-        (blocks back at once), one with several is forked (shared blocks, copy-on-write)."""
-        children: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for rank, (parent, tok) in enumerate(nxt):
-            children[parent].append((rank, tok))
-        new: list[Sequence | None] = [None] * len(nxt)
-        for parent, seq in enumerate(req.seqs):
-            mine = children.get(parent)
-            if not mine:
-                self.free_seq(seq)
-                continue
-            for rank, tok in mine[1:]:  # fork before the parent appends its own token
-                child = seq.fork(rank, None, None)
-                self.kv.fork(seq.seq_id, child.seq_id)
-                child.token_ids.append(tok)
-                new[rank] = child
-            rank, tok = mine[0]
-            seq.token_ids.append(tok)
-            seq.index = rank
-            new[rank] = seq
-        req.seqs = [s for s in new if s is not None]
 
     def abort(self, req: Request, error: str | None) -> None:
         """End ``req`` now, every sequence ``abort`` (``error``: why, if it failed)."""
@@ -335,7 +305,7 @@ class Scheduler:
 
     def _make_room(self, req: Request) -> bool:
         """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
-        victim = self._pick_victim(req)
+        victim = pick_victim(req, self.running, self._touched, self.policy.key)
         if victim is None:
             return False
         if victim is req and len(self.running) == 1:
@@ -344,30 +314,17 @@ class Scheduler:
         self._preempt(victim)
         return victim is not req
 
-    def _pick_victim(self, req: Request) -> Request | None:
-        key = self.policy.key
-        others = [
-            r
-            for r in self.running
-            if r is not req and r.request_id not in self._touched and not r.doomed
-        ]
-        worse = [r for r in others if not r.protected and key(r) > key(req)]
-        if worse:
-            return max(worse, key=key)
-        if req.protected:  # a resumed request progresses before anyone else is spared
-            unprotected = [r for r in others if not r.protected]
-            if unprotected:
-                return max(unprotected, key=key)
-        if req.request_id in self._touched:
-            return None  # it already got blocks this step: freeing them now is unsafe
-        if req.protected:
-            return max([*others, req], key=key)
-        return req
-
     def _preempt(self, req: Request) -> None:
         assert req.request_id not in self._touched, "preempting a request scheduled this step"
         self.running.remove(req)
-        swap = self._should_swap(req)
+        cfg = self.config
+        swap = should_swap(
+            req,
+            mode=cfg.preemption_mode,
+            has_host_tier=self.kv.has_host_tier,
+            block_size=self.kv.block_size,
+            block_cost=cfg.host_load_block_cost,
+        )
         for seq in req.seqs:
             self.free_seq(seq, offload=swap)
         if swap:
@@ -377,18 +334,6 @@ class Scheduler:
         req.num_preemptions += 1
         self.add(req)
         self._out.preempted.append(req.request_id)
-
-    def _should_swap(self, req: Request) -> bool:
-        """Swap (keep the KV in the host tier) when loading its full blocks back is estimated
-        cheaper than recomputing its tokens."""
-        mode = self.config.preemption_mode
-        if not self.kv.has_host_tier or mode == "recompute":
-            return False
-        if mode == "swap":
-            return True
-        bs = self.kv.block_size
-        tokens = sum(s.num_computed for s in req.seqs if s.allocated)
-        return (tokens // bs) * self.config.host_load_block_cost < tokens
 
     def _doom(self, req: Request) -> None:
         if not req.doomed:

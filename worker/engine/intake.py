@@ -1,0 +1,54 @@
+"""A new request on its way in: its prompt as token ids, then the :class:`Request` the
+scheduler queues, with its first sequence (and its beam search). The checks against the
+engine's limits between the two are :func:`worker.engine.validate.validate_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine.beam import BeamSearch
+from worker.engine.detokenizer import OutputText, TokenizerLike
+from worker.engine.request import Request, Sequence, sample_generator
+from worker.kv import HashContext
+
+Prompt = str | list[int]
+
+
+def prompt_token_ids(prompt: Prompt, tokenizer: TokenizerLike | None) -> list[int]:
+    """``prompt`` as token ids (a text prompt needs a tokenizer); raises InvalidRequest."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("prompt", prompt[:32], "text prompts need a tokenizer")
+        return list(tokenizer.encode(prompt))
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise InvalidRequest("prompt", type(prompt).__name__, "must be text or token ids")
+    return list(prompt)
+
+
+def new_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    *,
+    arrival: int,
+    ctx: HashContext,
+    max_model_len: int,
+    eos_ids: Collection[int],
+    new_text: Callable[[Request], OutputText | None],
+) -> Request:
+    """A checked request, ready to queue: at most ``max_model_len`` tokens in all, one
+    sequence holding the prompt (the others are forked off it after its prefill)."""
+    max_new = min(params.max_tokens, max_model_len - len(prompt_ids))
+    req = Request(request_id, prompt_ids, params, arrival, ctx, max_new)
+    if params.use_beam_search:
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        req.beam = BeamSearch(
+            params.beam_width, params.length_penalty, params.early_stopping, max_new, stop_ids
+        )
+    seq = Sequence(0, list(prompt_ids), len(prompt_ids), new_text(req), None)
+    seq.generator = sample_generator(params.seed, 0)
+    req.seqs.append(seq)
+    return req
