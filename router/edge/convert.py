@@ -144,6 +144,9 @@ def spec_from_pb(
     cache salt (see :func:`tenant_salt`).
     """
     _check_str("request_id", req.request_id, limits.max_request_id_chars)
+    if not req.request_id.isprintable():  # it is logged: no forged lines, no escapes
+        shown = req.request_id.encode("unicode_escape").decode()
+        raise InvalidRequest("request_id", shown, "must not contain control characters")
     _check_str("tenant", req.tenant, limits.max_tenant_chars)
     if SALT_SCOPE_SEP in req.tenant:  # it separates a tenant's name from its salts
         raise InvalidRequest("tenant", req.tenant, f"must not contain {SALT_SCOPE_SEP!r}")
