@@ -322,6 +322,10 @@ def parse_request(
         if not stream:
             raise InvalidRequest("stream_options", "<object>", "is only allowed with stream=true")
         include_usage = bool(_bool(opts, "include_usage"))
+        if _bool(opts, "continuous_usage_stats"):  # vLLM's usage on every chunk: not served
+            raise InvalidRequest(
+                "stream_options.continuous_usage_stats", True, "is not supported (must be false)"
+            )
     _str(body, "user")  # accepted for compatibility; not used
     priority = _int(body, "priority") or 0
     if not -(1 << 31) <= priority < 1 << 31:

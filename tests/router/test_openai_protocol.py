@@ -106,6 +106,15 @@ def test_prompt_forms_and_tenant_salt() -> None:
         ({"model": "m", "prompt": "x", "stop_token_ids": "1"}, "stop_token_ids"),
         ({"model": "m", "prompt": "x", "request_id": "a\r\nX: y"}, "request_id"),
         ({"model": "m", "prompt": "x", "request_id": "\u20ac"}, "request_id"),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(body: object, field: str) -> None:
