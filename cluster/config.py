@@ -12,8 +12,9 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
+from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
@@ -103,6 +104,35 @@ class RouterConfig(Strict):
         description="Ray restarts of a router that died (-1: always). A restarted "
         "router binds the same port again; clients' gRPC channels reconnect to it.",
     )
+
+    @model_validator(mode="after")
+    def _tokens_name_one_tenant_each(self) -> RouterConfig:
+        # An empty token would admit every caller without one as that tenant, a shared
+        # token would serve one tenant as another, and "#" separates a tenant's salts.
+        seen: dict[str, str] = {}
+        for tenant, token in self.auth_tokens.items():
+            if not tenant or SALT_SCOPE_SEP in tenant:
+                raise ValueError(
+                    f"auth_tokens: tenant {tenant!r} must be a non-empty name without "
+                    f"{SALT_SCOPE_SEP!r}"
+                )
+            if len(tenant) > self.limits.max_tenant_chars:
+                raise ValueError(
+                    f"auth_tokens: tenant {tenant[:16]!r}... is {len(tenant)} characters, over "
+                    f"limits.max_tenant_chars={self.limits.max_tenant_chars}"
+                )
+            if not token.strip() or token != token.strip():
+                raise ValueError(
+                    f"auth_tokens: tenant {tenant!r} has an empty token or one with "
+                    "surrounding whitespace"
+                )
+            if token in seen:
+                raise ValueError(
+                    f"auth_tokens: tenants {seen[token]!r} and {tenant!r} have the same token; "
+                    "each tenant needs its own"
+                )
+            seen[token] = tenant
+        return self
 
 
 class ClusterConfig(Strict):

@@ -52,6 +52,17 @@ class HashContext:
         return _first_block_extra(self)
 
 
+SALT_SCOPE_SEP = "#"  # "<owner>#<digest of a client's cache_salt>" (router.edge.convert)
+
+
+def salt_owner(cache_salt: str | None) -> str | None:
+    """Whose cache quota a salted block counts against: the salt up to its client-chosen
+    part, so a tenant that sends many ``cache_salt`` values still has one quota."""
+    if cache_salt is None:
+        return None
+    return cache_salt.split(SALT_SCOPE_SEP, 1)[0]
+
+
 @lru_cache(maxsize=1024)
 def _first_block_extra(ctx: HashContext) -> bytes:
     return (

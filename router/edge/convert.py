@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.outputs import FinishReason, RequestOutput
 from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
@@ -131,7 +132,7 @@ def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
         return f"salt:{digest}" if cache_salt else None
     if not cache_salt:
         return f"tenant:{tenant}"
-    return f"tenant:{tenant}#{digest}"
+    return f"tenant:{tenant}{SALT_SCOPE_SEP}{digest}"
 
 
 def spec_from_pb(
@@ -143,7 +144,12 @@ def spec_from_pb(
     cache salt (see :func:`tenant_salt`).
     """
     _check_str("request_id", req.request_id, limits.max_request_id_chars)
+    if not req.request_id.isprintable():  # it is logged: no forged lines, no escapes
+        shown = req.request_id.encode("unicode_escape").decode()
+        raise InvalidRequest("request_id", shown, "must not contain control characters")
     _check_str("tenant", req.tenant, limits.max_tenant_chars)
+    if SALT_SCOPE_SEP in req.tenant:  # it separates a tenant's name from its salts
+        raise InvalidRequest("tenant", req.tenant, f"must not contain {SALT_SCOPE_SEP!r}")
     _check_str("cache_salt", req.cache_salt, limits.max_cache_salt_chars)
     which = req.WhichOneof("prompt")
     if which is None:

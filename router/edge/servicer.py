@@ -29,7 +29,7 @@ from router.edge.convert import (
     responses_from_output,
     spec_from_pb,
 )
-from router.edge.tokenizing import TokenizerPool, check_text_chars
+from router.edge.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
 from router.placement.config import RequestLimits
 from router.placement.prediction import WorkerPredictions
 from router.placement.types import NoWorkersError
@@ -230,7 +230,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
         token_ids = spec.token_ids
         if spec.messages is not None:
-            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
             token_ids = await self.tokenize.run(
                 chars, chat_token_ids, self.tokenizer, spec.messages
             )

@@ -11,7 +11,7 @@ inputs queues only behind itself.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -42,6 +42,25 @@ def check_text_chars(field: str, text: str, limits: RequestLimits, max_model_len
             f"{limits.max_chars_per_token} and router.limits.max_prompt_chars="
             f"{limits.max_prompt_chars})",
         )
+
+
+def check_chat_chars(
+    messages: Sequence[Mapping[str, str]], limits: RequestLimits, max_model_len: int
+) -> int:
+    """:func:`check_text_chars` for a conversation (its contents' total, before the template
+    is rendered: the template only adds to it); returns that total."""
+    chars = sum(len(m.get("content", "")) for m in messages)
+    cap = prompt_chars_limit(limits, max_model_len)
+    if chars > cap:
+        raise InvalidRequest(
+            "messages",
+            f"<{chars} chars>",
+            f"a conversation must be at most {cap} characters of content (the lower of "
+            f"max_model_len={max_model_len} x router.limits.max_chars_per_token="
+            f"{limits.max_chars_per_token} and router.limits.max_prompt_chars="
+            f"{limits.max_prompt_chars})",
+        )
+    return chars
 
 
 class TokenizerPool:

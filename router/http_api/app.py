@@ -25,13 +25,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from router.edge.convert import GenerateSpec, chat_token_ids
 from router.edge.servicer import RequestFailed, TokenAuth
-from router.edge.tokenizing import TokenizerPool, check_text_chars
-from router.http_api.protocol import OpenAIRequest, parse_request, shown, to_specs
+from router.edge.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
+from router.http_api.protocol import (
+    SURROGATE_ESCAPE,
+    OpenAIRequest,
+    parse_request,
+    shown,
+    surrogate_path,
+    to_specs,
+)
 from router.http_api.responses import Shaper
 from router.placement.adapters import adapter_name
 from router.placement.config import RequestLimits
@@ -41,6 +49,42 @@ from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 WORKER_HEADER = "x-kvcluster-worker"
+# A client has this long for a request's head (from connecting, or from its last answer)
+# and then for its body: uvicorn waits forever on either, so idle or trickling sockets
+# could pile up until the router's process runs out of file descriptors, gRPC included.
+HEAD_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
+
+class _DeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has no request under way
+    :data:`HEAD_TIMEOUT_S` after it connected or after its last response (a request whose
+    head has arrived is past this; its body has :data:`BODY_TIMEOUT_S`)."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def _head_late(self) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and not self.transport.is_closing():
+            self.transport.close()
 
 
 class HTTPError(Exception):
@@ -168,6 +212,7 @@ class OpenAIServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=_DeadlineH11,
             timeout_graceful_shutdown=2,
             ssl_certfile=tls_cert if tls else None,
             ssl_keyfile=tls_key if tls else None,
@@ -280,21 +325,39 @@ class OpenAIServer:
                 "bytes (router.max_message_bytes)",
             )
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(
-                    413,
-                    "invalid_request_error",
-                    f"request body is over the limit of {limit} bytes (router.max_message_bytes)",
-                )
-            chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HTTPError(
+                            413,
+                            "invalid_request_error",
+                            f"request body is over the limit of {limit} bytes "
+                            "(router.max_message_bytes)",
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HTTPError(
+                408,
+                "invalid_request_error",
+                f"request body not received within {BODY_TIMEOUT_S:g} s ({size} bytes came)",
+            ) from None
+        data = b"".join(chunks)
+        try:
+            body = json.loads(data)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             raise HTTPError(
                 400, "invalid_request_error", f"request body is not valid JSON: {exc}"
             ) from None
+        bad = surrogate_path(body) if SURROGATE_ESCAPE.search(data) else None
+        if bad is not None:  # a pair of escapes is one valid character: not an error
+            raise InvalidRequest(
+                shown(bad.removeprefix("body.")),
+                "<text>",
+                "is not valid Unicode (it holds a lone surrogate such as \\ud800)",
+            )
+        return body
 
     async def _prepare(
         self, request: Request, chat: bool
@@ -317,7 +380,7 @@ class OpenAIServer:
         """As the gRPC servicer does: off the event loop, long texts apart, and a text too
         long for the model refused before it is tokenized."""
         if spec.messages is not None:
-            chars = sum(len(m.get("content", "")) for m in spec.messages)
+            chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
             return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
         if spec.token_ids is not None:
             return spec.token_ids

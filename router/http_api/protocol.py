@@ -10,6 +10,7 @@ the API's versioned request schema here, not a transport: nothing leaves this mo
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ _COMMON = frozenset(
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 _ROLES = ("system", "user", "assistant", "developer", "tool")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +191,8 @@ def _messages(body: dict) -> pb.ChatMessages:
             content = "".join(parts)
         if not isinstance(content, str):
             raise _bad_type(f"{field}.content", content, "a string or a list of text parts")
+        if not isinstance(m.get("name", ""), str):
+            raise _bad_type(f"{field}.name", m["name"], "a string")
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise InvalidRequest(
@@ -225,6 +229,40 @@ def _unsupported(body: dict, chat: bool) -> None:
         raise InvalidRequest("best_of", best_of, f"must be null or equal n={n}")
 
 
+def surrogate_path(body: Any) -> str | None:
+    """Where ``body`` holds a string with a lone surrogate (JSON's ``"\\ud800"`` decodes to
+    one): such text has no UTF-8 form, so protobuf, the tokenizer and the response would
+    fail on it. None when every string is valid text. Only for a body whose bytes hold such
+    an escape (:data:`SURROGATE_ESCAPE`): the walk is linear in the body's items."""
+    stack: list[tuple[Any, Any]] = [("body", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode()
+                except UnicodeEncodeError:  # (a key's path may hold it too: escaped)
+                    return path.encode("utf-8", "backslashreplace").decode()
+        elif isinstance(v, dict):
+            stack.extend((f"{path}.{k}", k) for k in v)
+            stack.extend((f"{path}.{k}", x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend(
+                (f"{path}[{i}]", x) for i, x in enumerate(v) if isinstance(x, str | list | dict)
+            )
+    return None
+
+
+def _request_id(body: dict) -> str | None:
+    """The client's id is echoed in the ``x-request-id`` header: printable ASCII only."""
+    rid = _str(body, "request_id")
+    if rid and not all(" " <= ch <= "~" for ch in rid):
+        raise InvalidRequest(
+            "request_id", shown(rid.encode("unicode_escape").decode()), "must be printable ASCII"
+        )
+    return rid
+
+
 def parse_request(
     body: Any, *, chat: bool, tenant: str | None, limits: RequestLimits, now: int
 ) -> tuple[OpenAIRequest, list[pb.GenerateRequest]]:
@@ -245,9 +283,10 @@ def parse_request(
         raise InvalidRequest("model", model, "is required (see GET /v1/models)")
     _unsupported(body, chat)
     params = pb.SamplingParams()
+    legacy = _int(body, "max_tokens")  # checked even when max_completion_tokens wins
     max_tokens = _int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
+        max_tokens = legacy
     if max_tokens is not None:
         params.max_tokens = _uint("max_tokens", max_tokens)
     for name in _INT_PARAMS:
@@ -283,6 +322,10 @@ def parse_request(
         if not stream:
             raise InvalidRequest("stream_options", "<object>", "is only allowed with stream=true")
         include_usage = bool(_bool(opts, "include_usage"))
+        if _bool(opts, "continuous_usage_stats"):  # vLLM's usage on every chunk: not served
+            raise InvalidRequest(
+                "stream_options.continuous_usage_stats", True, "is not supported (must be false)"
+            )
     _str(body, "user")  # accepted for compatibility; not used
     priority = _int(body, "priority") or 0
     if not -(1 << 31) <= priority < 1 << 31:
@@ -293,7 +336,7 @@ def parse_request(
         tenant=tenant or "",
         priority=priority,
     )
-    rid = _str(body, "request_id") or uuid.uuid4().hex
+    rid = _request_id(body) or uuid.uuid4().hex
     response_id = ("chatcmpl-" if chat else "cmpl-") + rid
     reqs = []
     if chat:
@@ -309,6 +352,14 @@ def parse_request(
                 "prompt",
                 f"<{len(prompts)} prompts>",
                 f"must hold at most {limits.max_n} prompts (router.limits.max_n)",
+            )
+        n = params.n if params.HasField("n") else 1
+        if len(prompts) > 1 and len(prompts) * n > limits.max_n:  # one answer holds them all
+            raise InvalidRequest(
+                "n",
+                n,
+                f"times {len(prompts)} prompts must be at most {limits.max_n} choices "
+                "(router.limits.max_n)",
             )
         for i, p in enumerate(prompts):
             req = pb.GenerateRequest()

@@ -39,6 +39,10 @@ def test_gpu_example_yaml_loads() -> None:
         ("redis: {url: 'http://x'}", "redis.url"),
         ("router: {routing: {policy: best}}", "best"),
         ("workers: {num_workers: 0}", "workers.num_workers"),
+        # an empty token would let every caller without one in as that tenant
+        ("router: {auth_tokens: {anon: ''}}", "'anon' has an empty token"),
+        ("router: {auth_tokens: {a: tok-1, b: tok-1}}", "'a' and 'b' have the same token"),
+        ("router: {auth_tokens: {'a#b': tok-1}}", "without '#'"),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, yaml_text: str, needle: str) -> None:
@@ -47,6 +51,7 @@ def test_bad_config_names_the_key(tmp_path: Path, yaml_text: str, needle: str) -
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert needle in str(info.value)
+    assert "tok-1" not in str(info.value)  # tokens are never echoed
 
 
 def test_config_is_frozen() -> None:

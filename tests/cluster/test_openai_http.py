@@ -355,6 +355,8 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", {"model": M, "prompt": "hi", "temperature": True}, 400, "temperature"),
     ("/v1/completions", {"model": M, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": M, "prompt": "hi", "n": 1000}, 400, "max_n"),
+    # prompts x n choices are bounded as one request's n is (one answer holds them all)
+    ("/v1/completions", {"model": M, "prompt": ["a"] * 4, "n": 5}, 400, "times 4 prompts"),
     ("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": ["a"] * 40}, 400, "stop"),
@@ -395,6 +397,23 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/chat/completions", {"model": M, "messages": [{"role": "user"}]}, 400, "content"),
     (
         "/v1/chat/completions",
+        {
+            "model": M,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 2,
+            "max_tokens": "x",
+        },
+        400,
+        "max_tokens='str'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "x", "name": {"a": 1}}]},
+        400,
+        "messages[0].name",
+    ),
+    (
+        "/v1/chat/completions",
         {"model": M, "messages": [{"role": "user", "content": "x", "mood": "sad"}]},
         400,
         "mood",
@@ -430,6 +449,26 @@ BAD: list[tuple[str, Any, int, str]] = [
         400,
         "<5000 chars>",
     ),
+    # text with no UTF-8 form (a lone surrogate escape) is a 400 naming where, not a 500
+    ("/v1/completions", {"model": M, "prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "stop": ["a", "\udfff"]}, 400, "stop[1]"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "cache_salt": "\ud800"}, 400, "surrogate"),
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "\ud83d"}]},
+        400,
+        "messages[0].content",
+    ),
+    # request_id is echoed in the x-request-id header: a 400, not a 500 or a dropped connection
+    ("/v1/completions", {"model": M, "prompt": "hi", "request_id": "\u20acuro"}, 400, "ASCII"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "request_id": "a\r\nX: y"}, 400, "ASCII"),
+    # a conversation over the prompt character cap is refused before it is rendered
+    (
+        "/v1/chat/completions",
+        {"model": M, "messages": [{"role": "user", "content": "word " * 2000}]},
+        400,
+        "<10000 chars>",
+    ),
     ("/v1/models", None, 405, "not allowed"),
     ("/v1/nothing", {}, 404, "no route"),
 ]
@@ -464,6 +503,10 @@ def test_bad_inputs_get_4xx_naming_the_problem(
         json.dumps({"model": model, "prompt": "still", "max_tokens": 2}).encode(),
     )
     assert ok == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
+    # an escaped surrogate pair is one valid character; a printable request_id is echoed
+    body = {"model": model, "prompt": "smile \U0001f600", "max_tokens": 2, "request_id": "r-1"}
+    ok, headers, answer = raw(base_url, "POST", "/v1/completions", json.dumps(body).encode())
+    assert ok == 200 and headers["x-request-id"] == "cmpl-r-1", answer
 
 
 def test_kvcluster_bench_drives_the_http_api(

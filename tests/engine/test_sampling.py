@@ -120,3 +120,21 @@ def test_penalties_reach_the_sampler_through_the_engine() -> None:
         ctx.append(out[-1])
     assert got == out
     assert got != tokens(make(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+
+
+def test_extreme_repetition_penalty_keeps_the_logits_finite() -> None:
+    """repetition_penalty at its smallest (1e-45, a float32 denormal: allowed, (0, 10])
+    divides a seen token's positive logit into inf; softmax of two infs is NaN, and the
+    sample was then an arbitrary token. Clamped, the seen tokens win, as the penalty asks."""
+    logits = torch.full((1, 64), -1.0)
+    logits[0, 7] = logits[0, 9] = 2.0  # seen (in the prompt), positive
+    logits[0, 30] = 5.0  # unseen, the best without the penalty
+    g = torch.Generator().manual_seed(0)
+    for temperature in (0.0, 1.0, 1e-4):
+        spec = SampleSpec(
+            SamplingParams(temperature=temperature, repetition_penalty=1e-45),
+            g,
+            prompt_ids=(7, 9),
+        )
+        picked = {sample(logits, [spec], g)[0][0] for _ in range(40)}
+        assert picked <= {7, 9}, (temperature, picked)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.edge.convert import tenant_salt
 from worker.kv import (
     AllBlocksCleared,
     BlockClaims,
@@ -449,4 +450,22 @@ def test_tenant_quota_evicts_the_tenants_own_lru_blocks_and_keeps_prefixes() -> 
     assert kv.lookup_prefix(long, a).num_tokens == 4  # still a prefix: block 0 kept
     assert kv.lookup_prefix(long, b).num_tokens == 8  # b untouched
     assert kv.stats().tenant_quota_evictions == 3  # b's third block, then two of a's
+    kv.check_invariants()
+
+
+def test_tenant_quota_counts_all_of_a_tenants_cache_salts_as_one() -> None:
+    """A tenant that sends a new cache_salt with every request (each its own salt, so its own
+    keys) still has one quota: its idle blocks past the quota are its own, never the other
+    tenant's, however many salts it uses."""
+    kv = KVCacheManager(8, BS, tenant_quota_blocks=2)
+    bob = HashContext("m", cache_salt=tenant_salt("bob", ""))
+    long = list(range(200, 209))  # 2 full blocks + 1 token
+    _prefill(kv, "b", long, bob)
+    kv.free("b")
+    for i in range(6):  # alice: 6 salts x 2 blocks, far past her quota of 2
+        ctx = HashContext("m", cache_salt=tenant_salt("alice", f"salt-{i}"))
+        _prefill(kv, f"a{i}", list(range(300 + 10 * i, 309 + 10 * i)), ctx)
+        kv.free(f"a{i}")
+    assert kv.lookup_prefix(long, bob).num_tokens == 8  # bob's prefix untouched
+    assert kv.stats().evictable_cached_blocks == 4  # alice's 2 + bob's 2
     kv.check_invariants()

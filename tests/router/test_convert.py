@@ -32,6 +32,9 @@ LIMITS = RequestLimits(max_n=4, max_stop_strings=2, max_request_id_chars=8, max_
             "at most 2 strings",
         ),
         (pb.GenerateRequest(text="x", request_id="123456789"), "request_id", "at most 8"),
+        # "#" separates a tenant from its salts: "a#<digest>" would be tenant a's salted KV
+        (pb.GenerateRequest(text="x", tenant="a#0f"), "tenant", "must not contain '#'"),
+        (pb.GenerateRequest(text="x", request_id="a\nb"), "request_id", "control characters"),
     ],
 )
 def test_configured_limits_are_enforced(req, field: str, limit: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.http_api import error_status
-from router.http_api.protocol import parse_request, to_specs
+from router.http_api.protocol import parse_request, surrogate_path, to_specs
 from router.placement.config import RequestLimits
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, StreamBroken
@@ -104,6 +104,17 @@ def test_prompt_forms_and_tenant_salt() -> None:
         ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
         ({"model": "m", "prompt": "x", "priority": 2**40}, "priority"),
         ({"model": "m", "prompt": "x", "stop_token_ids": "1"}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "request_id": "a\r\nX: y"}, "request_id"),
+        ({"model": "m", "prompt": "x", "request_id": "\u20ac"}, "request_id"),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
     ],
 )
 def test_bad_bodies_name_the_field(body: object, field: str) -> None:
@@ -119,3 +130,18 @@ def test_errors_map_to_statuses() -> None:
     assert error_status(NoWorkersError("none")).status == 503
     assert error_status(StreamBroken("died")).status == 503
     assert error_status(RuntimeError("bug")).status == 500
+
+
+def test_chat_extras_are_type_checked_and_surrogates_are_found() -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    for extra, field in (
+        ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name"),
+        ({"messages": msgs, "max_completion_tokens": 2, "max_tokens": "x"}, "max_tokens"),
+    ):
+        with pytest.raises(InvalidRequest) as exc:
+            specs({"model": "m", "messages": msgs, **extra}, chat=True)
+        assert exc.value.field == field
+    body = {"model": "m", "stop": ["ok", "\ud800"], "messages": [{"content": "\U0001f600"}]}
+    assert surrogate_path(body) == "body.stop[1]"
+    assert surrogate_path({"\udfff": 1}) == "body.\\udfff"  # escaped: printable
+    assert surrogate_path({"messages": [{"content": "\U0001f600"}], "n": [1, 2]}) is None

@@ -159,3 +159,72 @@ def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
 
     assert asyncio.run(main()) == [1, 1]
     assert [(n, name.startswith("tokenize-short")) for n, name in tok.calls] == [(2, True)]
+
+
+class ChatSpyTokenizer(SpyTokenizer):
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:  # noqa: ANN001
+        return self.encode("".join(m["content"] for m in messages))
+
+
+def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() -> None:
+    """Chat messages get the text prompts' character cap (before the template is rendered
+    and tokenized), over gRPC and HTTP: a megabyte of chat costs the router nothing."""
+    from router.edge.convert import GenerateSpec
+    from router.http_api import OpenAIServer
+    from worker.engine import SamplingParams
+
+    tok = ChatSpyTokenizer()
+    svc = KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
+    server = OpenAIServer(
+        Core(),
+        tok,
+        auth=None,
+        limits=LIMITS,  # type: ignore[arg-type]
+        max_body_bytes=1 << 20,
+    )
+    half = "w" * 4097  # two of these: 8194 characters of content, over 8192
+
+    def chat(*contents: str) -> pb.GenerateRequest:
+        msgs = [pb.ChatMessage(role="user", content=c) for c in contents]
+        return pb.GenerateRequest(messages=pb.ChatMessages(messages=msgs))
+
+    async def main() -> list[str]:
+        errors = []
+        try:
+            async for _ in svc._outputs(chat(half, half), Context()):
+                pass
+        except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
+            errors.append(str(exc))
+        spec = GenerateSpec(
+            "r",
+            None,
+            None,
+            SamplingParams(max_tokens=1),
+            "",
+            True,
+            messages=(
+                {"role": "user", "content": half},
+                {"role": "user", "content": half},
+            ),
+        )
+        try:
+            await server._token_ids(spec)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(str(exc))
+        fits = GenerateSpec(
+            "r",
+            None,
+            None,
+            SamplingParams(max_tokens=1),
+            "",
+            True,
+            messages=({"role": "user", "content": "fits"},),
+        )
+        assert await server._token_ids(fits) == [1] * 4
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 2
+    for e in errors:
+        assert "messages" in e and "<8194 chars>" in e and "at most 8192 characters" in e
+    assert [n for n, _ in tok.calls] == [4]  # only the conversation within the limit

@@ -52,7 +52,8 @@ class EngineConfig(Strict):
         gt=0.0,
         le=1.0,
         description="Per-tenant quota of the prefix cache: the share of KV blocks one tenant "
-        "(cache_salt; no salt is one tenant too) may keep cached and idle. Beyond it that "
+        "(the owner of a cache_salt: a tenant's salts count together; no salt is one tenant "
+        "too) may keep cached and idle. Beyond it that "
         "tenant's own least recently used blocks are evicted, so one tenant cannot flush the "
         "others' prefixes. 1.0 = no quota.",
     )

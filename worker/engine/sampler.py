@@ -24,6 +24,9 @@ import torch
 from kvstore.blocks.outputs import TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
 
+# finite logits after penalties, even divided by GREEDY_EPS (float32 max is ~3.4e38)
+_LOGIT_BOUND = 1e30
+
 
 @dataclass(slots=True)
 class SampleSpec:
@@ -105,6 +108,9 @@ def _apply_penalties(
     freq = to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
     pres = to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
     sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(sub.dtype)
+    # a tiny repetition penalty divides a logit into inf (softmax of infs is NaN, and the
+    # sample an arbitrary token): clamp so that even / temperature stays finite
+    sub = sub.clamp(-_LOGIT_BOUND, _LOGIT_BOUND)
     return logits.index_copy(0, idx, sub)
 
 

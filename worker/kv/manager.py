@@ -29,7 +29,14 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 
 from kvstore.blocks.events import KVEvent
-from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block, hash_full_blocks
+from kvstore.blocks.hashing import (
+    BlockKey,
+    HashContext,
+    block_keys,
+    hash_block,
+    hash_full_blocks,
+    salt_owner,
+)
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.invariants import check_host_tier, check_invariants
@@ -298,7 +305,9 @@ class KVCacheManager:
             start = len(seq.keys)
             parent = seq.keys[-1] if seq.keys else None
             stored = seq.blocks[start : start + len(new_keys)]
-            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent, seq.ctx.cache_salt)
+            # quota by the salt's owner: a tenant's many cache_salts share its one quota
+            owner = salt_owner(seq.ctx.cache_salt)
+            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent, owner)
             seq.keys.extend(new_keys)
             if self._host is not None:
                 self._host.discard(new_keys)  # recomputed here: drop a stale host copy

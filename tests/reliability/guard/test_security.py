@@ -62,14 +62,16 @@ def test_tenants_share_no_cache_and_no_routing_signal(secure, tls, first, second
 def test_one_tenant_cannot_flush_anothers_cached_prefix(secure, tls) -> None:
     """Bob streams distinct prompts worth more KV blocks than both workers hold; with the
     per-tenant quota (a quarter of each cache) only his own idle blocks are evicted, so
-    Alice's system prompt is still cached afterwards and the workers report the evictions."""
+    Alice's system prompt is still cached afterwards and the workers report the evictions.
+    Half of Bob's requests carry a cache_salt of their own: all his salts share his quota."""
     prompt = "Alice's standing instructions: " + "answer briefly and cite the ledger. " * 6
     with connect(secure, tls, "alice") as a, connect(secure, tls, "bob") as b:
         first = _ask(a, prompt + "Q1?")
         pool = secure.cfg.workers.engine.num_blocks * len(secure.workers)
         n = 0
         while n * 6 < 1.5 * pool:  # ~6 full blocks of 16 tokens each
-            _ask(b, f"Bob's unrelated request {n}: " + f"token{n} " * 40)
+            salt = f"bob-{n}" if n % 2 else ""
+            _ask(b, f"Bob's unrelated request {n}: " + f"token{n} " * 40, cache_salt=salt)
             n += 1
         again = _ask(a, prompt + "Q2?")
         assert again.worker_id == first.worker_id and again.cached_tokens >= 96, again
