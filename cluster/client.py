@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -16,6 +17,28 @@ FINISH_NAMES = {
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_UNSPECIFIED: None,
 }
+
+
+def retry_service_config(retries: int) -> str:
+    """gRPC service config retrying every kvcluster.v1 call that failed ``UNAVAILABLE`` before
+    the server answered anything, up to ``retries`` more times with exponential back-off.
+
+    Such a call did nothing: it was written to a connection that had just died (a killed
+    router, before the channel noticed), or the router had no live worker. gRPC never retries
+    a call once a response arrived, so a stream that delivered tokens is not replayed."""
+    if not 0 <= retries <= 4:  # gRPC caps maxAttempts at 5
+        raise ValueError(f"retries must be in [0, 4], got {retries}")
+    if retries == 0:
+        return json.dumps({"methodConfig": []})
+    policy = {
+        "maxAttempts": retries + 1,
+        "initialBackoff": "0.1s",
+        "maxBackoff": "1s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    }
+    service = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
+    return json.dumps({"methodConfig": [{"name": [{"service": service}], "retryPolicy": policy}]})
 
 
 @dataclass
@@ -86,10 +109,15 @@ class KVClusterClient:
         token: str | None = None,
         root_cert: bytes | None = None,
         max_message_bytes: int = 4 << 20,
+        retries: int = 3,
     ) -> None:
+        """``target``: one address or a gRPC multi-address target (``ipv4:a:p1,b:p2``, tried
+        in order); ``retries``: see :func:`retry_service_config`."""
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", retry_service_config(retries)),
         ]
         if root_cert is not None:
             self.channel = grpc.secure_channel(
