@@ -32,16 +32,7 @@ def prompt_chars_limit(limits: RequestLimits, max_model_len: int) -> int:
 def check_text_chars(field: str, text: str, limits: RequestLimits, max_model_len: int) -> None:
     """Raises :class:`InvalidRequest` (naming ``field``, the length and the limit) for a text
     too long to tokenize; checked before tokenizing."""
-    cap = prompt_chars_limit(limits, max_model_len)
-    if len(text) > cap:
-        raise InvalidRequest(
-            field,
-            f"<{len(text)} chars>",
-            f"a prompt must be at most {cap} characters (the lower of max_model_len="
-            f"{max_model_len} x router.limits.max_chars_per_token="
-            f"{limits.max_chars_per_token} and router.limits.max_prompt_chars="
-            f"{limits.max_prompt_chars})",
-        )
+    _check_chars(field, len(text), "a prompt", "", limits, max_model_len)
 
 
 def check_chat_chars(
@@ -50,17 +41,23 @@ def check_chat_chars(
     """:func:`check_text_chars` for a conversation (its contents' total, before the template
     is rendered: the template only adds to it); returns that total."""
     chars = sum(len(m.get("content", "")) for m in messages)
+    _check_chars("messages", chars, "a conversation", " of content", limits, max_model_len)
+    return chars
+
+
+def _check_chars(
+    field: str, chars: int, what: str, of: str, limits: RequestLimits, max_model_len: int
+) -> None:
     cap = prompt_chars_limit(limits, max_model_len)
     if chars > cap:
         raise InvalidRequest(
-            "messages",
+            field,
             f"<{chars} chars>",
-            f"a conversation must be at most {cap} characters of content (the lower of "
-            f"max_model_len={max_model_len} x router.limits.max_chars_per_token="
+            f"{what} must be at most {cap} characters{of} (the lower of max_model_len="
+            f"{max_model_len} x router.limits.max_chars_per_token="
             f"{limits.max_chars_per_token} and router.limits.max_prompt_chars="
             f"{limits.max_prompt_chars})",
         )
-    return chars
 
 
 class TokenizerPool:

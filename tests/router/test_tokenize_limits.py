@@ -188,6 +188,10 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
         msgs = [pb.ChatMessage(role="user", content=c) for c in contents]
         return pb.GenerateRequest(messages=pb.ChatMessages(messages=msgs))
 
+    def chat_spec(*contents: str) -> GenerateSpec:
+        msgs = tuple({"role": "user", "content": c} for c in contents)
+        return GenerateSpec("r", None, None, SamplingParams(max_tokens=1), "", True, messages=msgs)
+
     async def main() -> list[str]:
         errors = []
         try:
@@ -195,32 +199,11 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
                 pass
         except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
             errors.append(str(exc))
-        spec = GenerateSpec(
-            "r",
-            None,
-            None,
-            SamplingParams(max_tokens=1),
-            "",
-            True,
-            messages=(
-                {"role": "user", "content": half},
-                {"role": "user", "content": half},
-            ),
-        )
         try:
-            await server._token_ids(spec)
+            await server._token_ids(chat_spec(half, half))
         except Exception as exc:  # noqa: BLE001
             errors.append(str(exc))
-        fits = GenerateSpec(
-            "r",
-            None,
-            None,
-            SamplingParams(max_tokens=1),
-            "",
-            True,
-            messages=({"role": "user", "content": "fits"},),
-        )
-        assert await server._token_ids(fits) == [1] * 4
+        assert await server._token_ids(chat_spec("fits")) == [1] * 4
         return errors
 
     errors = asyncio.run(main())
