@@ -54,3 +54,23 @@ def test_render_chat_without_template(model_dirs):
     plain.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         plain.render_chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("template", "error"),
+    [
+        # a model's template is untrusted code: no reach into Python objects...
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "chat template failed: .*unsafe"),
+        ("{{ messages.__class__.__init__.__globals__ }}", "chat template failed: .*unsafe"),
+        # ...no changing the request's messages...
+        ("{% set _ = messages.append(1) %}{{ messages }}", "chat template failed: .*unsafe"),
+        # ...and the template's own refusals read as such
+        ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+        ("{% for %}", "chat template does not compile"),
+    ],
+)
+def test_render_chat_runs_the_template_in_a_sandbox(model_dirs, template, error):
+    hostile = Tokenizer.from_dir(model_dirs["llama"])
+    hostile.chat_template = template
+    with pytest.raises(ValueError, match=error):
+        hostile.render_chat([{"role": "user", "content": "hi"}])
