@@ -51,6 +51,14 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
             [*cli, "status", "--name", name], env=env, capture_output=True, text=True, timeout=120
         )
         assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
+        # the router's predicted vs realised cache hits: the request above was placed once
+        lines = st.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if "predicted" in line)
+        assert lines[header].split() == [
+            "worker", "predicted", "realised", "placed", "misses", "gap", "now", "resyncs"
+        ]  # fmt: skip
+        row = next(line.split() for line in lines[header:] if line.startswith("worker-0"))
+        assert int(row[3]) >= 1, st.stdout
         # every port of the head, its workers and routers and Redis is on loopback
         pids = process_group(state["ray_pid"]) | descendants(state["redis_pid"])
         mine = listeners(pids)
