@@ -26,12 +26,16 @@ VICTIM = "worker-0"
 
 
 def _break_engine(server) -> int:  # noqa: ANN001 - runs inside the worker actor
-    """Make the worker's next engine step raise outside any request (state beyond repair)."""
+    """Make the worker's next engine step raise outside any request (state beyond repair),
+    and give the loop a request of its own so that the step happens: the router may well
+    send none of the test's requests to this worker (an idle loop never steps)."""
+    from worker.engine import SamplingParams
 
     def step() -> list:
         raise RuntimeError("injected: engine state beyond repair")
 
     server.engine.step = step
+    server.front.add_request([1, 2, 3, 4], SamplingParams(max_tokens=1))
     return server.publisher.epoch
 
 
