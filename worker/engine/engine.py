@@ -154,8 +154,12 @@ class Engine:
         router's parity check)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self.requests:
-            raise InvalidRequest("request_id", rid, "must be unique among live requests")
+        return self.add_checked(rid, self.check_request(prompt, params), params, prompt_keys)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the engine's fixed facts (model limits,
+        KV size, config); raises InvalidRequest. Reads no scheduling state, so any thread
+        may call it while a step runs (the streaming front checks before it queues)."""
         prompt_ids = prompt_token_ids(prompt, self.tokenizer)
         validate_request(
             prompt_ids,
@@ -167,6 +171,20 @@ class Engine:
             has_tokenizer=self.tokenizer is not None,
             eos_ids=self.eos_ids,
         )
+        self.hash_context(params)  # an unknown adapter is the caller's error, found here
+        return prompt_ids
+
+    def add_checked(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_keys: Seq[BlockKey] | None = None,
+    ) -> str:
+        """Queue a request that passed :meth:`check_request` (between steps); raises
+        InvalidRequest for a duplicate id, EngineOverloaded for a full waiting queue."""
+        if rid in self.requests:
+            raise InvalidRequest("request_id", rid, "must be unique among live requests")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
         req = new_request(
