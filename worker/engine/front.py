@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -82,6 +83,7 @@ class StreamingEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the loop, if anything
         self.steps = 0  # steps run by the loop (with or without model work)
+        self.busy_s = 0.0  # time the loop spent on commands, steps and the step hook
 
     def start(self) -> StreamingEngine:
         if self._thread is None:
@@ -261,6 +263,7 @@ class StreamingEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
+                t0 = time.perf_counter()
                 with self._lock:
                     self._drain()
                     busy = self.engine.has_unfinished_requests()
@@ -270,6 +273,7 @@ class StreamingEngine:
                         if self._on_step is not None:
                             self._hook(outputs)
                 self._dispatch(outputs)
+                self.busy_s += time.perf_counter() - t0
                 if not busy and not self._inbox:
                     self._wake.wait(self._idle_wait)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
