@@ -151,62 +151,73 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     }
 
 
+def match_niceness(cluster: Cluster) -> int:
+    """Run this process at the worker actors' niceness (Ray starts them niced): on a shared
+    machine the offline engine and the clients then compete for the CPU as the served
+    worker does."""
+    h = next(iter(cluster.workers.values()))
+    theirs = ray.get(h.__ray_call__.remote(lambda w: os.nice(0)))
+    mine = os.nice(0)
+    if theirs > mine:
+        os.nice(theirs - mine)
+    return theirs
+
+
+def best(runs: list[dict]) -> dict:
+    """The run of the highest tok/s (noise on a shared machine only ever slows a run)."""
+    return max(runs, key=lambda r: r["tok_s"])
+
+
 def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: dict) -> None:
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst)
-    engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
-    vocab = engine.executor.vocab_size
-    offline(engine, make_prompts(min(8, top), args.prompt, vocab, 99), 4)  # warm-up
-    base: dict[int, dict] = {}
-    for n in args.streams:
-        base[n] = offline(engine, make_prompts(n, args.prompt, vocab, n), args.max_tokens)
-        rows.append(
-            {
-                "model": size,
-                "streams": n,
-                "system": "offline",
-                "tok/s": base[n]["tok_s"],
-                "served/offline": 1.0,
-            }
-        )
-    extra[f"{size}_stages"] = {k: round(v, 3) for k, v in base[top]["stages"].items()}
-    extra[f"{size}_step_ms"] = round(base[top]["step_ms"], 2)
-    del engine
-    vllm = run_vllm(
-        args.vllm_python, model_dir, make_prompts(top, args.prompt, vocab, top), args.max_tokens, 0
-    )
-    if isinstance(vllm, dict):
-        rows.append(
-            {
-                "model": size,
-                "streams": top,
-                "system": "vllm offline",
-                "tok/s": vllm["tok_s"],
-                "served/offline": None,
-            }
-        )
-    else:
-        extra["vllm"] = vllm
     cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg)
     with Cluster(cfg) as cluster:
-        served(cluster, "grpc", make_prompts(min(8, top), args.prompt, vocab, 98), 4)  # warm-up
+        if not args.smoke:  # (a test's process keeps its own priority)
+            extra["niceness"] = match_niceness(cluster)
+        engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
+        vocab = engine.executor.vocab_size
+        offline(engine, make_prompts(min(8, top), args.prompt, vocab, 99), 4)  # warm-up
+        served(cluster, "grpc", make_prompts(min(8, top), args.prompt, vocab, 98), 4)
         for n in args.streams:
+            runs: dict[str, list[dict]] = {"offline": [], "http": [], "grpc": []}
+            for rep in range(args.repeat):  # interleaved: a load spike hits every system
+                prompts = make_prompts(n, args.prompt, vocab, 1000 * rep + n)
+                runs["offline"].append(offline(engine, prompts, args.max_tokens))
+                for api in ("http", "grpc"):
+                    runs[api].append(served(cluster, api, prompts, args.max_tokens))
+            base = best(runs["offline"])
+            rows.append(
+                {"model": size, "streams": n, "system": "offline", **base, "served/offline": 1.0}
+            )
             for api in ("http", "grpc"):
-                prompts = make_prompts(n, args.prompt, vocab, n)
-                r = served(cluster, api, prompts, args.max_tokens)
+                r = best(runs[api])
                 rows.append(
                     {
                         "model": size,
                         "streams": n,
                         "system": api,
                         **r,
-                        "served/offline": r["tok_s"] / base[n]["tok_s"],
+                        "served/offline": r["tok_s"] / base["tok_s"],
                     }
                 )
+            if n == top:
+                extra[f"{size}_stages"] = {k: round(v, 3) for k, v in base["stages"].items()}
+                extra[f"{size}_step_ms"] = round(base["step_ms"], 2)
+        del engine
         extra[f"{size}_burst"] = burst_admission(
             cluster, args.burst, vocab, args.prompt, busy_streams=min(64, top)
         )
+    vllm = run_vllm(
+        args.vllm_python, model_dir, make_prompts(top, args.prompt, vocab, top), args.max_tokens, 0
+    )
+    if isinstance(vllm, dict):
+        rows.append(
+            {"model": size, "streams": top, "system": "vllm offline", "tok_s": vllm["tok_s"]}
+        )
+    else:
+        extra["vllm"] = vllm
 
 
 def fanout(args: argparse.Namespace) -> dict:
@@ -262,19 +273,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--burst", type=int, default=128)
     parser.add_argument("--fanout-workers", type=int, default=4)
     parser.add_argument("--fanout-streams", type=int, default=64, help="streams per worker")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per system (best kept)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.streams, args.prompt, args.max_tokens = ["tiny"], [8], 32, 8
-        args.burst, args.fanout_workers, args.fanout_streams = 16, 2, 4
+        args.burst, args.fanout_workers, args.fanout_streams, args.repeat = 16, 2, 4, 1
     rows: list[dict] = []
     extra: dict = {}
     for size in args.models:
         bench_model(size, args, rows, extra)
     if args.fanout_workers:
         extra["fanout"] = fanout(args)
-    cols = ["model", "streams", "system", "tok/s", "served/offline", "msgs/stream"]
+    cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
     cols += ["worker lag ms", "router lag ms", "engine busy"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
     print_table(rows, "served vs offline (same engine config; tok/s over all streams)")

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from kvstore.blocks.looplag import LoopLagProbe
+from kvstore.blocks.outputs import PackedOutput
 from kvstore.blocks.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
@@ -30,7 +31,7 @@ from worker.callers import CallerWatch
 from worker.channels import Channels
 from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
 from worker.engine.front import StreamingEngine
-from worker.engine.streams import StreamItem
+from worker.engine.streams import StreamEnd
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
 from worker.telemetry import WorkerTelemetry
@@ -186,10 +187,11 @@ class WorkerServer:
             raise
         return self._admitted(request, keys)
 
-    async def outputs(self, channel_id: str) -> AsyncIterator[list[StreamItem]]:
+    async def outputs(self, channel_id: str) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
         """The channel's outputs, one list per message: every output of each request sent
-        with this ``channel_id``, in order; a :class:`StreamEnd` ends a request whose engine
-        stopped. Ends when the caller stops reading (its open requests are aborted)."""
+        with this ``channel_id``, in order (packed: ``unpack_output``); a
+        :class:`StreamEnd` ends a request whose engine stopped. Ends when the caller stops
+        reading (its open requests are aborted)."""
         async for items in self.channels.serve(channel_id):
             yield items
 

@@ -16,8 +16,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvstore.blocks.outputs import RequestOutput
-from worker.engine.streams import OutputSink, StreamItem
+from kvstore.blocks.outputs import PackedOutput, RequestOutput, pack_output
+from worker.engine.streams import OutputSink, StreamEnd, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +49,15 @@ class Channel(OutputSink):
                 self._on_end(item.request_id)
         self._ready.set()
 
-    async def batches(self) -> AsyncIterator[list[StreamItem]]:
-        """Everything delivered since the previous batch, in order (never empty)."""
+    async def batches(self) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
+        """Everything delivered since the previous batch, in order (never empty); outputs
+        packed (:func:`pack_output`)."""
         while not self.closed:
             await self._ready.wait()
             self._ready.clear()
             if self._pending:
                 items, self._pending = self._pending, []
-                yield items
+                yield [pack_output(i) if isinstance(i, RequestOutput) else i for i in items]
 
     def close(self) -> None:
         self.closed = True
@@ -80,7 +81,7 @@ class Channels:
             )
         return ch
 
-    async def serve(self, channel_id: str) -> AsyncIterator[list[StreamItem]]:
+    async def serve(self, channel_id: str) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
         """The reader's side: batches until the router closes the channel. A router that
         stops reading (it closed the channel or died) gets its open requests aborted."""
         ch = self.get(channel_id)

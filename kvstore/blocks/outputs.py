@@ -140,3 +140,35 @@ def coalesce(outs: list[RequestOutput]) -> RequestOutput:
     last = outs[-1]
     error = next((o.error for o in reversed(outs) if o.error is not None), None)
     return RequestOutput(last.request_id, list(merged.values()), last.finished, last.usage, error)
+
+
+PackedOutput = tuple  # what pack_output makes: plain tuples pickle ~6x faster than dataclasses
+
+
+def pack_output(o: RequestOutput) -> PackedOutput:
+    """``o`` as plain tuples, for a wire that pickles (a batch of a step's outputs)."""
+    u = o.usage
+    return (
+        o.request_id,
+        [
+            (
+                d.index,
+                d.text,
+                d.token_ids,
+                d.logprobs,
+                d.finish_reason,
+                d.stop_reason,
+                d.cumulative_logprob,
+            )
+            for d in o.outputs
+        ],
+        o.finished,
+        (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.host_cached_tokens),
+        o.error,
+    )
+
+
+def unpack_output(p: PackedOutput) -> RequestOutput:
+    """The :class:`RequestOutput` that :func:`pack_output` packed."""
+    rid, deltas, finished, usage, error = p
+    return RequestOutput(rid, [CompletionDelta(*d) for d in deltas], finished, Usage(*usage), error)

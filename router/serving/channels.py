@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.blocks.outputs import RequestOutput, coalesce
+from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ class Inbox:
     __slots__ = ("items", "_waiter")
 
     def __init__(self) -> None:
-        self.items: list[Any] = []  # RequestOutput | StreamEnd | WorkerGone, in order
+        self.items: list[Any] = []  # packed outputs (tuples), StreamEnd, WorkerGone, in order
         self._waiter: asyncio.Future | None = None
 
     def put(self, item: Any) -> None:
@@ -57,14 +57,14 @@ class Inbox:
         (:func:`coalesce`); a non-output (an error, a stream end) alone when it is first."""
         items = self.items
         head = 0
-        while head < len(items) and isinstance(items[head], RequestOutput):
+        while head < len(items) and isinstance(items[head], tuple):
             head += 1
-            if items[head - 1].finished:
+            if items[head - 1][2]:  # finished
                 break
         if head == 0:
             return items.pop(0)
         taken, self.items = items[:head], items[head:]
-        return coalesce(taken)
+        return coalesce([unpack_output(p) for p in taken])
 
 
 def _expire(w: asyncio.Future) -> None:
@@ -107,7 +107,8 @@ class WorkerChannel:
                 self.messages += 1
                 inboxes = self.inboxes
                 for item in items:
-                    inbox = inboxes.get(item.request_id)
+                    rid = item[0] if isinstance(item, tuple) else item.request_id
+                    inbox = inboxes.get(rid)
                     if inbox is not None:  # None: its reader left (client gone, aborted)
                         inbox.put(item)
             error = WorkerGone(f"worker {self.worker_id} ended its output channel")

@@ -1,0 +1,27 @@
+"""benchmarks.serving_path runs at smoke size and ends with one parseable JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import serving_path
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
+
+
+def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = serving_path.main(["--smoke", "--vllm-python", str(tmp_path / "no-vllm")])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert "vllm: skipped" in out
+    for api in ("http", "grpc"):
+        assert head[f"tiny_{api}_8_ratio"] > 0  # every token arrived (the run asserts it)
+    assert head["max_worker_lag_ms"] >= 0 and head["max_router_lag_ms"] >= 0
+    burst = head["tiny_burst"]
+    assert burst["requests"] == 16 and burst["steps"] >= 0 and burst["ms"] > 0
+    fan = head["fanout"]
+    assert fan["workers"] == 2 and fan["served_tok_s"] > 0 and fan["router_cpu_share"] > 0
+    assert (tmp_path / "serving_path.png").stat().st_size > 0

@@ -1,0 +1,137 @@
+"""Outputs between workers and routers: one channel per (router, worker) carrying each step's
+outputs for all of the router's requests, split into per-request streams at the router; a
+reader that lags gets what gathered meanwhile as one output, with every token in order."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import grpc
+import pytest
+
+from cluster.client import build_request
+from kvstore.blocks.outputs import GenerationResult
+from kvstore.blocks.protocol import Admitted, WorkerRequest
+from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+from router.serving.ray_workers import RayWorkerDirectory
+from worker.engine import SamplingParams
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+PROMPT = [11, 42, 7, 99, 23, 5, 61, 17, 88, 3, 14, 15, 92, 65, 35, 89, 79, 32]
+
+
+async def read(directory: RayWorkerDirectory, worker: str, params: SamplingParams, *, lag_s: float):
+    """One request straight through the directory; after the first output the reader
+    pauses ``lag_s`` (the engine runs on). Returns the outputs read after Admitted."""
+    request = WorkerRequest(uuid.uuid4().hex, PROMPT, params, False)
+    outs = []
+    async for item in directory.stream(worker, request):
+        if isinstance(item, Admitted):
+            continue
+        outs.append(item)
+        if len(outs) == 1 and lag_s:
+            await asyncio.sleep(lag_s)
+    return outs
+
+
+def result_of(outs) -> GenerationResult:  # noqa: ANN001
+    res = GenerationResult("", [])
+    for out in outs:
+        res.add(out)
+    return res
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, beam_width=3, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[7]),
+    ],
+    ids=["n3-logprobs", "beams", "stop"],
+)
+def test_a_lagging_reader_gets_every_token_coalesced(cluster, params) -> None:
+    worker = sorted(cluster.workers)[0]
+
+    async def main():
+        directory = RayWorkerDirectory(cluster.namespace, None)
+        try:
+            fast = await read(directory, worker, params, lag_s=0)
+            slow = await read(directory, worker, params, lag_s=3.0)
+            return fast, slow, directory.channels.get(worker).messages
+        finally:
+            directory.channels.close()
+
+    fast, slow, messages = asyncio.run(main())
+    want, got = result_of(fast), result_of(slow)
+    # the same tokens, text and endings in the same order (logprobs to float noise: the
+    # second run's prompt comes from the prefix cache, in another batch)
+    assert [
+        (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in got.completions
+    ] == [(c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in want.completions]
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for c in got.completions)
+    for g, w in zip(got.completions, want.completions, strict=True):
+        if w.logprobs is not None:
+            assert [lp.token_id for lp in g.logprobs] == g.token_ids
+            assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+                [lp.logprob for lp in w.logprobs], abs=1e-4
+            )
+            assert [len(lp.top) for lp in g.logprobs] == [2] * len(g.token_ids)
+    assert slow[-1].finished and not any(o.finished for o in slow[:-1])
+    if params.use_beam_search:
+        return  # beams report once, at the end: nothing to coalesce
+    # what the engine made during the pause came as one output
+    assert len(slow) <= 3 < len(fast)
+    assert messages >= 2
+
+
+def test_one_channel_carries_every_request_of_a_step(cluster) -> None:
+    worker = sorted(cluster.workers)[1]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        directory = RayWorkerDirectory(cluster.namespace, None)
+        try:
+            runs = await asyncio.gather(
+                *(read(directory, worker, params, lag_s=0) for _ in range(8))
+            )
+            return runs, directory.channels.get(worker).messages
+        finally:
+            directory.channels.close()
+
+    runs, messages = asyncio.run(main())
+    outputs = sum(len(r) for r in runs)
+    assert all(sum(len(d.token_ids) for o in r for d in o.outputs) == 24 for r in runs)
+    assert messages < outputs / 2  # batched per step, not one message per request output
+
+
+def test_a_client_that_stops_reading_holds_up_nobody(cluster, client) -> None:
+    """A gRPC stream left unread while others run: they finish, and it still gets all of
+    its tokens once read."""
+    with grpc.insecure_channel(cluster.endpoints[0]) as channel:
+        stub = pb_grpc.KVClusterStub(channel)
+        stalled = stub.Generate(
+            build_request(PROMPT, max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=5),
+            timeout=120,
+        )
+        first = next(stalled)
+        done = threading.Event()
+
+        def others() -> None:
+            for i in range(4):
+                out = client.generate([3 + i, *PROMPT], max_tokens=16, ignore_eos=True, timeout=60)
+                assert out.completion_tokens == 16
+            done.set()
+
+        t = threading.Thread(target=others)
+        t.start()
+        t.join(120)
+        assert done.is_set()
+        rest = list(stalled)
+    tokens = list(first.token_ids) + [t for m in rest for t in m.token_ids]
+    assert len(tokens) == 200
+    assert sum(len(m.logprobs) for m in [first, *rest]) == 200
+    assert rest[-1].usage.completion_tokens == 200

@@ -1,0 +1,145 @@
+"""Coalescing a lagging reader's outputs, and the per-request inbox of a router's channel."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.blocks.outputs import (
+    CompletionDelta,
+    FinishReason,
+    GenerationResult,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+    coalesce,
+    pack_output,
+    unpack_output,
+)
+from router.serving.channels import Inbox
+from router.serving.workers import WorkerGone
+
+
+def lp(t: int) -> TokenLogprob:
+    return TokenLogprob(t, -0.5 * t, ((t, -0.5 * t), (t + 1, -9.0)))
+
+
+def outputs() -> list[RequestOutput]:
+    """Two samples streaming at different paces; sample 1 stops on a string, 0 on length."""
+    return [
+        RequestOutput(
+            "r",
+            [CompletionDelta(0, "a", [1], [lp(1)], cumulative_logprob=-0.5)],
+            False,
+            Usage(9, 4, 1),
+        ),
+        RequestOutput(
+            "r",
+            [
+                CompletionDelta(0, "b", [2], [lp(2)], cumulative_logprob=-1.5),
+                CompletionDelta(1, "x", [7], [lp(7)], cumulative_logprob=-3.5),
+            ],
+            False,
+            Usage(9, 4, 3),
+        ),
+        RequestOutput("r", [], False, Usage(9, 4, 3)),  # a step with no news for it
+        RequestOutput(
+            "r",
+            [
+                CompletionDelta(
+                    1, "y", [8], [lp(8)], FinishReason.STOP, "yz", cumulative_logprob=-7.5
+                )
+            ],
+            False,
+            Usage(9, 4, 4),
+        ),
+        RequestOutput(
+            "r",
+            [
+                CompletionDelta(
+                    0, "c", [3], [lp(3)], FinishReason.LENGTH, None, cumulative_logprob=-3.0
+                )
+            ],
+            True,
+            Usage(9, 4, 5),
+        ),
+    ]
+
+
+def folded(outs: list[RequestOutput]) -> GenerationResult:
+    res = GenerationResult("r", [])
+    for out in outs:
+        res.add(out)
+    return res
+
+
+def test_coalescing_keeps_every_token_in_order_with_its_ending() -> None:
+    outs = outputs()
+    merged = coalesce([unpack_output(pack_output(o)) for o in outs])
+    assert merged.finished and merged.usage == Usage(9, 4, 5) and merged.error is None
+    assert [d.index for d in merged.outputs] == [0, 1]
+    zero, one = merged.outputs
+    assert (zero.text, zero.token_ids, zero.finish_reason, zero.stop_reason) == (
+        "abc",
+        [1, 2, 3],
+        FinishReason.LENGTH,
+        None,
+    )
+    assert (one.text, one.token_ids, one.finish_reason, one.stop_reason) == (
+        "xy",
+        [7, 8],
+        FinishReason.STOP,
+        "yz",
+    )
+    assert [x.token_id for x in zero.logprobs] == [1, 2, 3] and zero.cumulative_logprob == -3.0
+    assert one.cumulative_logprob == -7.5
+    # folding the one merged output equals folding the five
+    assert folded([merged]) == folded(outputs())
+    # every split of the stream into consecutive runs folds to the same result
+    for cut in range(1, len(outs)):
+        assert folded([coalesce(outputs()[:cut]), coalesce(outputs()[cut:])]) == folded(outputs())
+
+
+def test_coalescing_leaves_its_inputs_alone_and_keeps_the_last_error() -> None:
+    outs = outputs()[:2]
+    failed = RequestOutput("r", [], True, Usage(9, 4, 3), "internal error processing the request")
+    merged = coalesce([*outs, failed])
+    assert merged.error == failed.error and merged.finished
+    assert outs[0].outputs[0].token_ids == [1]  # the first output's delta was copied, not grown
+
+
+def test_an_inbox_hands_over_what_gathered_as_one_output_then_the_error() -> None:
+    async def main() -> list:
+        inbox = Inbox()
+        assert not await inbox.wait(0.01)  # nothing: the stall timeout passes
+        for out in outputs()[:3]:
+            inbox.put(pack_output(out))
+        gone = WorkerGone("worker died")
+        inbox.put(gone)
+        assert await inbox.wait(0.01)
+        first = inbox.take()
+        return [first, inbox.take(), inbox.items]
+
+    first, second, rest = asyncio.run(main())
+    assert isinstance(first, RequestOutput) and first.outputs[0].token_ids == [1, 2]
+    assert first.outputs[1].token_ids == [7] and not first.finished
+    assert isinstance(second, WorkerGone) and rest == []
+
+
+def test_an_inbox_stops_at_the_finished_output() -> None:
+    inbox = Inbox()
+    for out in outputs():
+        inbox.put(pack_output(out))
+    inbox.put(pack_output(RequestOutput("r", [], True, Usage(9, 4, 5))))  # never read
+    merged = inbox.take()
+    assert merged.finished and merged.outputs[0].token_ids == [1, 2, 3]
+    assert len(inbox.items) == 1
+
+
+def test_a_waiting_reader_wakes_on_the_first_item() -> None:
+    async def main() -> bool:
+        inbox = Inbox()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.01, inbox.put, pack_output(outputs()[0]))
+        return await inbox.wait(5.0)
+
+    assert asyncio.run(main())
