@@ -38,7 +38,13 @@ import ray
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.engine_throughput import DEFAULT_VLLM_PYTHON, run_vllm
-from benchmarks.serving_probes import burst_admission, engine_busy, loop_lags, router_cpu
+from benchmarks.serving_probes import (
+    burst_admission,
+    cpu_times,
+    engine_busy,
+    loop_lags,
+    router_cpu,
+)
 from benchmarks.stream_clients import run_grpc, run_http
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
@@ -91,6 +97,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
             engine.add_request(p, params)
         tokens = steps = 0
         step_s = 0.0
+        cpu0 = time.process_time()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -99,6 +106,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
             steps += 1
             tokens += sum(len(d.token_ids) for o in outs for d in o.outputs)
         wall = time.perf_counter() - start
+        cpu = time.process_time() - cpu0
     finally:
         for stage, (obj, name) in timed.items():
             setattr(obj, name, originals[stage])
@@ -106,6 +114,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     stages["rest"] = 1.0 - sum(stages.values())
     return {
         "tok_s": tokens / wall,
+        "engine cpu ms/tok": 1e3 * cpu / tokens,
         "tokens": tokens,
         "steps": steps,
         "step_ms": 1e3 * step_s / steps,
@@ -129,6 +138,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     """One served run: tok/s, messages, the loops' largest stalls, the engine's busy share."""
     loop_lags(cluster, reset=True)
     busy0 = engine_busy(cluster)
+    cpu0 = cpu_times(cluster)
     t0 = time.perf_counter()
     if api == "http":
         model = ray.get(
@@ -140,6 +150,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     wall = time.perf_counter() - t0
     lags = loop_lags(cluster, reset=False)
     busy1 = engine_busy(cluster)
+    cpu1 = cpu_times(cluster)
     expected = len(prompts) * max_tokens
     assert run.tokens == expected, f"{api}: {run.tokens} tokens, expected {expected}"
     return {
@@ -148,6 +159,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
         "worker lag ms": lags["worker"],
         "router lag ms": lags["router"],
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
+        **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in cpu0},
     }
 
 
@@ -288,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
         extra["fanout"] = fanout(args)
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
     cols += ["worker lag ms", "router lag ms", "engine busy"]
+    cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
     print_table(rows, "served vs offline (same engine config; tok/s over all streams)")
     for key, value in extra.items():

@@ -45,6 +45,20 @@ def engine_steps(cluster: Cluster) -> int:
     return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "steps", 0)))
 
 
+def cpu_times(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds so far of the (first) worker's process, of its engine thread, and of the
+    (first) router's process: what a run costs whatever else shares the machine."""
+
+    def times(server: object) -> tuple[float, float]:  # runs in the worker
+        thread = server.front._thread  # type: ignore[attr-defined]
+        clock = time.pthread_getcpuclockid(thread.ident) if thread is not None else None
+        return time.process_time(), time.clock_gettime(clock) if clock is not None else 0.0
+
+    w = next(iter(cluster.workers.values()))
+    worker, engine = ray.get(w.__ray_call__.remote(times))
+    return {"worker": worker, "engine": engine, "router": router_cpu(cluster)}
+
+
 def router_cpu(cluster: Cluster) -> float:
     """CPU seconds the router's process used so far (every thread: the loop, Ray's, gRPC's)."""
     h = next(iter(cluster.routers.values()))

@@ -2,7 +2,9 @@
 events and load to the Redis index after every step.
 
 ``WorkerServer`` is a plain class (tested without Ray); ``WorkerActor`` wraps it in one line.
-No scheduling logic lives here: requests go to :class:`StreamingEngine`, KV events and load
+No scheduling logic lives here: requests go to :class:`StreamingEngine` (whose queue the
+engine thread drains between steps: no method here waits for a step on the actor's loop),
+outputs leave through one channel per calling router (``channels.py``), KV events and load
 go to :class:`WorkerPublisher`, whose thread is the only one that talks to Redis — the step
 loop never waits on it.
 """
