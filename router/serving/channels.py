@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
@@ -82,6 +84,7 @@ class WorkerChannel:
         self.error: WorkerGone | None = None  # set once the stream ended
         self.last_message = time.monotonic()  # when the worker last sent anything
         self.messages = 0
+        self._gen: Any = None  # the Ray stream, once opened
         self._task = asyncio.get_running_loop().create_task(self._pump(handle))
 
     @property
@@ -100,7 +103,9 @@ class WorkerChannel:
     async def _pump(self, handle: Any) -> None:
         error = WorkerGone(f"the output channel from {self.worker_id} failed")
         try:
-            gen = handle.outputs.options(num_returns="streaming").remote(self.channel_id)
+            gen = self._gen = handle.outputs.options(num_returns="streaming").remote(
+                self.channel_id
+            )
             async for ref in gen:
                 items = await ref
                 self.last_message = time.monotonic()
@@ -123,7 +128,13 @@ class WorkerChannel:
                 inbox.put(error)
 
     def stop(self) -> None:
+        """Stop reading; the worker's side ends too (and aborts what still runs there)."""
         self._task.cancel()
+        if self._gen is not None:
+            try:
+                ray.cancel(self._gen)
+            except Exception as exc:  # noqa: BLE001 - the worker may be gone already
+                log.debug("cancelling the channel from %s: %s", self.worker_id, exc)
 
 
 def _first_line(exc: BaseException) -> str:

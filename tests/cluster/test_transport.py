@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 
 import grpc
 import pytest
+import ray
 
 from cluster.client import build_request
 from kvstore.blocks.outputs import GenerationResult
@@ -135,3 +137,38 @@ def test_a_client_that_stops_reading_holds_up_nobody(cluster, client) -> None:
     assert len(tokens) == 200
     assert sum(len(m.logprobs) for m in [first, *rest]) == 200
     assert rest[-1].usage.completion_tokens == 200
+
+
+def test_closing_a_channel_ends_it_on_the_worker(cluster) -> None:
+    """A router that stops (its channels closed) leaves no channel and no request running
+    on the worker."""
+    worker = sorted(cluster.workers)[0]
+    handle = cluster.workers[worker]
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    def channels_there(channel_id: str) -> bool:
+        return ray.get(
+            handle.__ray_call__.remote(lambda w: channel_id in w.channels._by_id), timeout=30
+        )
+
+    async def main() -> tuple[str, str]:
+        directory = RayWorkerDirectory(cluster.namespace, None)
+        request = WorkerRequest(uuid.uuid4().hex, PROMPT, params, False)
+        stream = directory.stream(worker, request)
+        async for item in stream:
+            if not isinstance(item, Admitted):
+                break
+        channel_id = directory.channels.get(worker).channel_id
+        assert channels_there(channel_id)
+        directory.channels.close()  # no abort sent: the worker's side must notice
+        await stream.aclose()
+        return channel_id, request.request_id
+
+    channel_id, rid = asyncio.run(main())
+    for _ in range(100):
+        if not channels_there(channel_id):
+            break
+        time.sleep(0.1)
+    assert not channels_there(channel_id)
+    live = ray.get(handle.__ray_call__.remote(lambda w: rid in w.engine.requests), timeout=30)
+    assert not live
