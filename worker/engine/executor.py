@@ -112,6 +112,7 @@ class RunnerExecutor(ModelExecutor):
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> RunnerExecutor:
+        from worker.model.heap import freeze_long_lived
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
 
@@ -126,9 +127,10 @@ class RunnerExecutor(ModelExecutor):
             cuda_graph_max_batch=cuda_graph_max_batch,
             host_kv_bytes=host_kv_bytes,
         )
-        return cls(
-            runner, Tokenizer.from_dir(model_dir), max_loras=max_loras, max_lora_rank=max_lora_rank
-        )
+        tokenizer = Tokenizer.from_dir(model_dir)
+        # The model and its libraries live as long as the engine: no full-heap GC scans of them
+        freeze_long_lived()
+        return cls(runner, tokenizer, max_loras=max_loras, max_lora_rank=max_lora_rank)
 
     def add_lora(self, name: str, path: str) -> str:
         from worker.model.lora import LoraError, load_adapter

@@ -123,7 +123,9 @@ class OutputProcessor:
         t0 = time.perf_counter()
         try:
             counts = self._counts(penalized, logits)
-            tokens = sample(logits[rows], specs, self._rng, counts)
+            # every row once, in order (the usual step): no copy of the logits
+            batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            tokens = sample(batch, specs, self._rng, counts)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
