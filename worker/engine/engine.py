@@ -231,13 +231,19 @@ class Engine:
             return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        timer = self.stats.stages
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_swap_preemptions += len(sched.swapped)
         self.stats.recomputed_tokens += sched.recomputed_tokens
         self.stats.num_partial_prefills += sched.num_partial_prefills
         changed: dict[str, Request] = {}
+        t1 = time.perf_counter()
+        timer.schedule += t1 - t0
+        sampled_before = timer.sample
         if sched.chunks or sched.transfers:
+            prepared_before = self.executor.prepare_seconds
             try:
                 if sched.transfers:  # even without chunks: a host block is promised its data
                     self.executor.swap(sched.transfers)
@@ -249,7 +255,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
                 log.exception("model step failed; aborting running requests")
                 return outputs + self._fail_running(f"model step failed: {exc!r}")
+            prepared = self.executor.prepare_seconds - prepared_before
+            t2 = time.perf_counter()
+            timer.prepare += prepared
+            timer.forward += t2 - t1 - prepared
+            t1 = t2
             if logits is not None:
+                timer.steps += 1
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
                 forks = self._fork_samples(sched, changed)
@@ -261,9 +273,12 @@ class Engine:
                 changed[req.request_id] = req
                 self._guarded(req, lambda r=req: self._apply(self.processor.capacity(r)))
         self._reap()
+        t2 = time.perf_counter()
+        timer.process += t2 - t1 - (timer.sample - sampled_before)
         now = time.monotonic()
         for req in changed.values():
             outputs.append(self._output(req, now))
+        timer.output += time.perf_counter() - t2
         return outputs
 
     def _fork_samples(
@@ -377,6 +392,7 @@ class Engine:
             num_finished=s.num_finished,
             lora_ids=tuple(sorted(self.loras.values())),
             lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
+            stage_seconds=s.stages.snapshot(),
         )
 
     def metrics(self) -> EngineMetrics:
@@ -388,7 +404,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV block events since the last call (for the worker to publish to the index)."""
-        return self.kv.drain_events()
+        t0 = time.perf_counter()
+        events = self.kv.drain_events()
+        self.stats.stages.kv_events += time.perf_counter() - t0
+        return events
 
     # ---- offline use ---------------------------------------------------------------------
 
