@@ -19,7 +19,7 @@ Reported per run: tok/s, served / offline, messages per stream (fewer than token
 coalesced), the largest event-loop stall of the worker and of the router during the run
 (their loop-lag probes), and the engine thread's busy share. Then: a burst of
 ``--burst`` requests arriving at a busy worker (time and engine steps until all were taken
-in), the offline step split by stage (schedule, model, sampling/outputs, the rest), and a
+in), the offline step split by stage (the engine's own stage timers), offline and served, and a
 ``--fanout-workers`` run on the tiny model: can one router forward that many workers'
 output (its CPU share while doing it, and the rate one core would carry). Prefix caching is
 off, so repeated prompts across runs never hit. Table, PNG, one JSON line.
@@ -32,7 +32,6 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -44,6 +43,7 @@ from benchmarks.serving_probes import (
     engine_busy,
     loop_lags,
     router_cpu,
+    stage_seconds,
 )
 from benchmarks.stream_clients import run_grpc, run_http
 from cluster.config import ClusterConfig
@@ -72,53 +72,27 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts added, stepped to the end; tok/s and each stage's share of the steps."""
+    """All prompts added, stepped to the end; tok/s, CPU per token and the engine's own
+    per-stage step times (ms per step)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    spent = {"schedule": 0.0, "model": 0.0, "sample+outputs": 0.0}
-    timed = {
-        "schedule": (engine.scheduler, "schedule"),
-        "model": (engine.executor, "execute"),
-        "sample+outputs": (engine.processor, "process"),
-    }
-    originals = {}
-    for stage, (obj, name) in timed.items():
-        fn = originals[stage] = getattr(obj, name)
-
-        def wrapped(*a: Any, _fn: Any = fn, _stage: str = stage, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                spent[_stage] += time.perf_counter() - t0
-
-        setattr(obj, name, wrapped)
-    try:
-        for p in prompts:
-            engine.add_request(p, params)
-        tokens = steps = 0
-        step_s = 0.0
-        cpu0 = time.process_time()
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            outs = engine.step()
-            step_s += time.perf_counter() - t0
-            steps += 1
-            tokens += sum(len(d.token_ids) for o in outs for d in o.outputs)
-        wall = time.perf_counter() - start
-        cpu = time.process_time() - cpu0
-    finally:
-        for stage, (obj, name) in timed.items():
-            setattr(obj, name, originals[stage])
-    stages = {k: v / step_s for k, v in spent.items()}
-    stages["rest"] = 1.0 - sum(stages.values())
+    for p in prompts:
+        engine.add_request(p, params)
+    tokens = 0
+    stages0 = engine.snapshot().stage_seconds
+    cpu0 = time.process_time()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        engine.drain_kv_events()  # as the worker does after every step
+        tokens += sum(len(d.token_ids) for o in outs for d in o.outputs)
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu0
+    stages = engine.snapshot().stage_seconds.minus(stages0)
     return {
         "tok_s": tokens / wall,
         "engine cpu ms/tok": 1e3 * cpu / tokens,
         "tokens": tokens,
-        "steps": steps,
-        "step_ms": 1e3 * step_s / steps,
-        "stages": stages,
+        "stages": {k: round(v, 2) for k, v in stages.per_step_ms().items()},
     }
 
 
@@ -139,6 +113,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     loop_lags(cluster, reset=True)
     busy0 = engine_busy(cluster)
     cpu0 = cpu_times(cluster)
+    stages0 = stage_seconds(cluster)
     t0 = time.perf_counter()
     if api == "http":
         model = ray.get(
@@ -151,6 +126,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     lags = loop_lags(cluster, reset=False)
     busy1 = engine_busy(cluster)
     cpu1 = cpu_times(cluster)
+    stages = stage_seconds(cluster)
     expected = len(prompts) * max_tokens
     assert run.tokens == expected, f"{api}: {run.tokens} tokens, expected {expected}"
     return {
@@ -160,6 +136,9 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
         "router lag ms": lags["router"],
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
         **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in cpu0},
+        "stages": None
+        if stages is None or stages0 is None
+        else {k: round(v, 2) for k, v in stages.minus(stages0).per_step_ms().items()},
     }
 
 
@@ -214,9 +193,9 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
                         "served/offline": r["tok_s"] / base["tok_s"],
                     }
                 )
-            if n == top:
-                extra[f"{size}_stages"] = {k: round(v, 3) for k, v in base["stages"].items()}
-                extra[f"{size}_step_ms"] = round(base["step_ms"], 2)
+            if n == top:  # the engine's step, offline and served (ms per step by stage)
+                extra[f"{size}_stages_offline"] = base["stages"]
+                extra[f"{size}_stages_served"] = best(runs["grpc"])["stages"]
         del engine
         extra[f"{size}_burst"] = burst_admission(
             cluster, args.burst, vocab, args.prompt, busy_streams=min(64, top)

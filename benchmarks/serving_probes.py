@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import Any
 
 import ray
 
@@ -38,6 +39,17 @@ def engine_busy(cluster: Cluster) -> float | None:
     """Seconds the engine thread of the (first) worker spent on commands and steps."""
     h = next(iter(cluster.workers.values()))
     return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "busy_s", None)))
+
+
+def stage_seconds(cluster: Cluster) -> Any:
+    """The (first) worker's engine stage timers so far (None: a build without them)."""
+    h = next(iter(cluster.workers.values()))
+
+    def read(w: Any) -> Any:
+        stages = getattr(w.engine.stats, "stages", None)
+        return stages.snapshot() if stages is not None else None
+
+    return ray.get(h.__ray_call__.remote(read))
 
 
 def engine_steps(cluster: Cluster) -> int:
