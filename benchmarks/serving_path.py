@@ -191,6 +191,9 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
                         "system": api,
                         **r,
                         "served/offline": r["tok_s"] / base["tok_s"],
+                        # the offline engine's CPU per token over the served worker's: what
+                        # the ratio would be with a core for each process
+                        "cpu ratio": base["engine cpu ms/tok"] / r["worker cpu ms/tok"],
                     }
                 )
             if n == top:  # the engine's step, offline and served (ms per step by stage)
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         extra["fanout"] = fanout(args)
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
     cols += ["worker lag ms", "router lag ms", "engine busy"]
-    cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok"]
+    cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "cpu ratio"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
     print_table(rows, "served vs offline (same engine config; tok/s over all streams)")
     for key, value in extra.items():
@@ -289,9 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
     headline: dict = {}
     for r in rows:
         if r["system"] in ("http", "grpc"):
-            headline[f"{r['model']}_{r['system']}_{r['streams']}_ratio"] = round(
-                r["served/offline"], 3
-            )
+            key = f"{r['model']}_{r['system']}_{r['streams']}"
+            headline[f"{key}_ratio"] = round(r["served/offline"], 3)
+            headline[f"{key}_cpu_ratio"] = round(r["cpu ratio"], 3)
+            headline[f"{key}_router_cpu_ms_tok"] = round(r["router cpu ms/tok"], 3)
     served_rows = [r for r in rows if r["system"] in ("http", "grpc")]
     for side in ("worker", "router"):
         lags = [r[f"{side} lag ms"] for r in served_rows if r[f"{side} lag ms"] != ""]
