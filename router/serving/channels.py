@@ -17,11 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
+ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the actor is gone
 _ids = itertools.count()
 
 
@@ -161,3 +164,19 @@ class Channels:
         for ch in self._by_worker.values():
             ch.stop()
         self._by_worker.clear()
+
+
+async def call_result(ref: Any) -> Any:
+    """A Ray call's result with the worker's own errors as themselves (InvalidRequest,
+    EngineOverloaded raised there); an engine that stopped or an actor that died is
+    :class:`WorkerGone`."""
+    try:
+        return await ref
+    except ACTOR_ERRORS as exc:
+        raise WorkerGone(str(exc).splitlines()[0]) from exc
+    except RayTaskError as exc:
+        if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+            raise WorkerGone(str(exc.cause)) from exc
+        if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
+            raise exc.cause from None
+        raise

@@ -19,14 +19,9 @@ from typing import Any
 
 import ray
 from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
     GetTimeoutError,
-    RayActorError,
-    RayTaskError,
 )
 
-from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
@@ -34,12 +29,11 @@ from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, WorkerLoad
 from router.placement.breaker import CircuitBreaker, CircuitOpen
 from router.placement.config import LivenessConfig
-from router.serving.channels import Channels, WorkerChannel
+from router.serving.channels import ACTOR_ERRORS, Channels, WorkerChannel, call_result
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
 WORKER_PREFIX = "worker-"
-_ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 def _current_actor() -> ray.actor.ActorHandle | None:
@@ -177,7 +171,7 @@ class RayWorkerDirectory(WorkerDirectory):
         inbox = ch.open(request.request_id)
         try:
             submit = self._handle(worker_id).submit.remote(request, self.caller, ch.channel_id)
-            yield await self._live_result(worker_id, submit)
+            yield await self._livecall_result(worker_id, submit)
             while True:
                 while not await inbox.wait(self.liveness.stream_stall_s):
                     await self._check_alive(worker_id, ch)
@@ -193,9 +187,9 @@ class RayWorkerDirectory(WorkerDirectory):
         finally:
             ch.close(request.request_id)
 
-    async def _live_result(self, worker_id: str, ref: Any) -> Any:
+    async def _livecall_result(self, worker_id: str, ref: Any) -> Any:
         """A call's result, given up (WorkerGone) if the worker stops answering meanwhile."""
-        fut = asyncio.ensure_future(_result(ref))
+        fut = asyncio.ensure_future(call_result(ref))
         try:
             while not (await asyncio.wait({fut}, timeout=self.liveness.stream_stall_s))[0]:
                 await self._check_alive(worker_id, None)
@@ -246,7 +240,7 @@ class RayWorkerDirectory(WorkerDirectory):
                     ref = nxt.result()
                 except StopAsyncIteration:
                     return
-                yield await _result(ref)
+                yield await call_result(ref)
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()
@@ -264,7 +258,7 @@ class RayWorkerDirectory(WorkerDirectory):
             await asyncio.wait_for(
                 self._handle(worker_id).__ray_ready__.remote(), self.liveness.probe_timeout_s
             )
-        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+        except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
         return True
 
@@ -273,7 +267,7 @@ class RayWorkerDirectory(WorkerDirectory):
             await asyncio.wait_for(
                 self._handle(worker_id).abort.remote(request_id), self.call_timeout_s
             )
-        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+        except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
 
     async def resync(self, worker_id: str, reason: str) -> bool:
@@ -283,7 +277,7 @@ class RayWorkerDirectory(WorkerDirectory):
                     self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s
                 )
             )
-        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone):
+        except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
 
     async def statuses(self) -> list[WorkerStatus]:
@@ -312,22 +306,6 @@ class RayWorkerDirectory(WorkerDirectory):
             return await asyncio.wait_for(
                 self._handle(name).status.remote(), self.liveness.status_timeout_s
             )
-        except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
+        except (TimeoutError, *ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
             log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)
             return None
-
-
-async def _result(ref: Any) -> Any:
-    """A Ray call's result with the worker's own errors as themselves (InvalidRequest,
-    EngineOverloaded raised there); an engine that stopped or an actor that died is
-    :class:`WorkerGone`."""
-    try:
-        return await ref
-    except _ACTOR_ERRORS as exc:
-        raise WorkerGone(str(exc).splitlines()[0]) from exc
-    except RayTaskError as exc:
-        if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
-            raise WorkerGone(str(exc.cause)) from exc
-        if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
-            raise exc.cause from None
-        raise

@@ -38,7 +38,7 @@ from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.intake import Prompt
 from worker.engine.metrics import EngineMetrics
-from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, deliver_all
+from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
 from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)
@@ -315,28 +315,8 @@ class StreamingEngine:
 
     def _dispatch(self, items: Sequence[StreamItem]) -> None:
         """Hand this step's items to their sinks: one call per event loop."""
-        if not items:
-            return
-        by_loop: dict[asyncio.AbstractEventLoop | None, dict[OutputSink, list[StreamItem]]] = {}
-        for item in items:
-            sink = self._sinks.get(item.request_id)
-            if sink is None:
-                continue
-            if isinstance(item, StreamEnd) or item.finished:
-                del self._sinks[item.request_id]
-            by_loop.setdefault(sink.loop, {}).setdefault(sink, []).append(item)
-        for loop, batches in by_loop.items():
-            if loop is None:
-                for sink, sink_items in batches.items():
-                    sink.deliver(sink_items)
-                continue
-            try:
-                loop.call_soon_threadsafe(deliver_all, list(batches.items()))
-            except RuntimeError:  # the consumers' loop is closed: nobody reads them
-                for sink_items in batches.values():
-                    for item in sink_items:
-                        if self._sinks.pop(item.request_id, None) is not None:
-                            self.abort(item.request_id)
+        for rid in dispatch(self._sinks, items):  # their loop is closed: nobody reads them
+            self.abort(rid)
 
     def _end_all(self, exc: BaseException) -> None:
         """End every open stream with ``exc`` (the engine stopped or died)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
@@ -49,6 +49,33 @@ def deliver_all(batches: list[tuple[OutputSink, list[StreamItem]]]) -> None:
     """One step's items for every sink of one event loop (runs on that loop)."""
     for sink, items in batches:
         sink.deliver(items)
+
+
+def dispatch(sinks: dict[str, OutputSink], items: Sequence[StreamItem]) -> list[str]:
+    """Hand ``items`` to their requests' sinks (``sinks``: request id -> sink; a request's
+    entry goes with its last item): in this thread for sinks without a loop, one
+    ``call_soon_threadsafe`` per event loop for the others. Returns the ids of the unfinished
+    requests whose loop was closed (dropped from ``sinks``: the caller aborts them)."""
+    by_loop: dict[asyncio.AbstractEventLoop | None, dict[OutputSink, list[StreamItem]]] = {}
+    for item in items:
+        sink = sinks.get(item.request_id)
+        if sink is None:
+            continue
+        if isinstance(item, StreamEnd) or item.finished:
+            del sinks[item.request_id]
+        by_loop.setdefault(sink.loop, {}).setdefault(sink, []).append(item)
+    orphans: list[str] = []
+    for loop, batches in by_loop.items():
+        if loop is None:
+            for sink, sink_items in batches.items():
+                sink.deliver(sink_items)
+            continue
+        try:
+            loop.call_soon_threadsafe(deliver_all, list(batches.items()))
+        except RuntimeError:  # the loop is closed
+            for sink_items in batches.values():
+                orphans += [i.request_id for i in sink_items if sinks.pop(i.request_id, None)]
+    return orphans
 
 
 class RequestStream(OutputSink):
