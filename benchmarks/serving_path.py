@@ -249,9 +249,12 @@ def plot(rows: list[dict]) -> Path:
     served_rows = [r for r in rows if r["system"] in ("http", "grpc")]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     labels = [f"{r['model']}\n{r['streams']} {r['system']}" for r in served_rows]
-    ax.bar(range(len(labels)), [r["served/offline"] for r in served_rows], color="tab:blue")
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], [r["served/offline"] for r in served_rows], 0.4, label="tok/s")
+    cpu = [r["cpu ratio"] for r in served_rows]
+    ax.bar([i + 0.2 for i in x], cpu, 0.4, label="CPU per token", color="tab:green")
     ax.axhline(0.85, color="tab:red", linestyle="--", linewidth=1, label="0.85 target")
-    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("served / offline tok/s")
     ax.legend()
     fig.tight_layout()
