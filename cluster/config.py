@@ -80,6 +80,11 @@ class RouterConfig(Strict):
         "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
         "tokens and TLS files as gRPC.",
     )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins browsers may call the HTTP API from (CORS), e.g. "
+        "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
+    )
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
     )

@@ -185,6 +185,14 @@ def sample(
     device = logits.device
     raw = logits
     logits = _apply_penalties(logits, specs, counts)
+    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
+    if biased:  # OpenAI's logit_bias: added to the logits (logprobs stay the model's own)
+        rows, cols, bias = zip(*biased, strict=True)
+        logits = logits.index_put(
+            tuple(to_device([list(rows), list(cols)], torch.long, device)),
+            to_device(list(bias), logits.dtype, device),
+            accumulate=True,
+        )
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
