@@ -204,13 +204,13 @@ class OpenAIServer:
         """The body, bounded before parsing; ``parse(body)`` runs where the JSON was parsed
         (a thread of its own for a large body) and its result is returned instead."""
         limits = self.body_limits()
-        data = await read_body(request, limits)
+        chunks = await read_body(request, limits)
 
         def work() -> Any:
-            body = parse_json(data, limits)
+            body = parse_json(b"".join(chunks), limits)
             return parse(body) if parse is not None else body
 
-        if len(data) <= limits.inline_bytes:
+        if sum(map(len, chunks)) <= limits.inline_bytes:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._parse, work)
 

@@ -10,6 +10,7 @@ where Python-level validation yields the GIL every few milliseconds.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 from array import array
@@ -25,6 +26,7 @@ from router.serving.errors import BadBody, BodyTimeout, BodyTooLarge
 _STRUCTURE = b',[]{}"'
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
 _STEP = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
+SLICE_BYTES = 64 << 10
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
 
 
@@ -37,7 +39,9 @@ class BodyLimits:
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
 
 
-async def read_body(request: Request, limits: BodyLimits) -> bytes:
+async def read_body(request: Request, limits: BodyLimits) -> list[bytes]:
+    """The body's chunks as they came (joined by the parser: for a large body, in its
+    thread; a 4 MB copy is not free on a busy machine)."""
     limit = limits.max_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -60,49 +64,68 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
         raise BodyTimeout(
             f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
         ) from None
-    return b"".join(chunks)
+    return chunks
 
 
 def check_structure(data: bytes, limits: BodyLimits) -> None:
     """Refuse a body with more JSON values or deeper nesting than ``limits`` allow, from its
-    bytes alone (strings' contents do not count: a prompt full of commas is one value)."""
-    bare = data.replace(b"\\\\", b"").replace(b'\\"', b"")  # now every '"' opens or closes
-    strings = bare.count(b'"') // 2
-    if strings > limits.max_items:
-        raise _too_many(f"over {limits.max_items} strings", limits)
-    parts = bare.translate(None, _NOT_STRUCTURE).split(b'"')
-    outside = b"".join(parts[0::2])  # the structure: commas and brackets between strings
-    items = strings + len(outside)
-    if items > limits.max_items:
-        raise _too_many(f"about {items} values", limits)
-    brackets = len(outside) - outside.count(b",")
-    if brackets > limits.max_depth:  # deep enough to matter: find the deepest point
-        depth = max(accumulate(array("b", outside.translate(_STEP))), default=0)
-        if depth > limits.max_depth:
+    bytes alone (strings' contents do not count: a prompt full of commas is one value).
+
+    Bytes operations run in C holding the GIL, so the body is scanned in slices of
+    :data:`SLICE_BYTES`: in a thread, this lets the event loop run between slices."""
+    values = depth = deepest = 0
+    inside = False  # in a string at the slice's start
+    carry = b""  # a run of backslashes at a slice's end: escapes pair them left to right
+    for at in range(0, len(data), SLICE_BYTES):
+        piece = carry + data[at : at + SLICE_BYTES]
+        cut = len(piece.rstrip(b"\\"))
+        piece, carry = piece[:cut], piece[cut:]
+        # drop escaped backslashes, then escaped quotes: every '"' left opens or closes
+        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        parts = piece.translate(None, _NOT_STRUCTURE).split(b'"')
+        quotes = len(parts) - 1
+        values += (quotes + (0 if inside else 1)) // 2  # strings opened in this slice
+        outside = b"".join(parts[1 if inside else 0 :: 2])  # structure between strings
+        inside ^= quotes % 2 == 1
+        values += len(outside)  # commas and brackets: about one per value
+        if values > limits.max_items:
             raise BodyTooLarge(
-                f"request body nests {depth} levels deep, over the limit of {limits.max_depth}"
+                f"request body holds over {limits.max_items} JSON values (the limit)"
             )
+        if len(outside) != outside.count(b","):
+            run = list(accumulate(array("b", outside.translate(_STEP)), initial=depth))
+            deepest, depth = max(deepest, max(run)), run[-1]
+            if deepest > limits.max_depth:
+                raise BodyTooLarge(
+                    f"request body nests over {limits.max_depth} levels deep (the limit)"
+                )
 
 
-def _too_many(what: str, limits: BodyLimits) -> BodyTooLarge:
-    return BodyTooLarge(
-        f"request body holds {what}, over the limit of {limits.max_items} JSON values"
-    )
+def decode_utf8(data: bytes) -> str:
+    """Strict UTF-8 (a raw surrogate such as ED A0 80 is not UTF-8), in slices as above."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    try:
+        parts = [dec.decode(data[at : at + SLICE_BYTES]) for at in range(0, len(data), SLICE_BYTES)]
+        parts.append(dec.decode(b"", final=True))
+    except UnicodeDecodeError:
+        raise BadBody("request body is not valid JSON: not UTF-8") from None
+    return "".join(parts)
 
 
 def parse_json(data: bytes, limits: BodyLimits) -> Any:
     """The body as JSON, or :class:`BadBody` / :class:`BodyTooLarge` / InvalidRequest (a
     string that is not valid Unicode, naming where)."""
-    try:
-        text = data.decode("utf-8")  # strict: a raw surrogate (ED A0 80) is not UTF-8
-    except UnicodeDecodeError as exc:
-        raise BadBody(f"request body is not valid JSON: not UTF-8 at byte {exc.start}") from None
+    text = decode_utf8(data)
     check_structure(data, limits)
     try:
         body = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise BadBody(f"request body is not valid JSON: {exc}") from None
-    if SURROGATE_ESCAPE.search(data):  # "\ud800" decodes to a string with no UTF-8 form
+    escaped = any(  # in slices, as above (a match may straddle two: they overlap)
+        SURROGATE_ESCAPE.search(data, at, at + SLICE_BYTES + 8)
+        for at in range(0, len(data), SLICE_BYTES)
+    )
+    if escaped:  # "\ud800" decodes to a string with no UTF-8 form
         bad = surrogate_path(body)
         if bad is not None:  # a pair of escapes is one valid character: not an error
             raise InvalidRequest(
