@@ -105,6 +105,25 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*ids, *extra_eos_ids]))
         self._template: jinja2.Template | None = None
 
+    def save(self, out_dir: str | Path) -> Path:
+        """Write this tokenizer as a Hugging Face folder (``tokenizer.json`` and
+        ``tokenizer_config.json`` with its special tokens and chat template), which
+        ``transformers.AutoTokenizer`` and clients such as ``vllm bench serve`` load, whatever
+        the model was loaded from (a folder or a GGUF file)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+        }
+        text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
+        (out / "tokenizer_config.json").write_text(text)
+        return out
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """From a Hugging Face folder, or from a ``.gguf`` file."""
