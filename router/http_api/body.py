@@ -33,7 +33,9 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON 
 @dataclass(frozen=True, slots=True)
 class BodyLimits:
     max_bytes: int  # router.max_message_bytes
-    max_items: int = 1 << 17  # JSON values (strings, numbers, lists, objects, members)
+    # JSON values, counted from the bytes as strings + commas + brackets (a container
+    # counts twice): an upper estimate of what json.loads would build
+    max_items: int = 1 << 17
     max_depth: int = 32  # nested lists / objects
     timeout_s: float = 30.0  # for the whole body, once the head has arrived
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop

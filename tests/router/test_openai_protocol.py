@@ -168,9 +168,9 @@ LIM = BodyLimits(1 << 22, max_items=1000, max_depth=8)
         (b'{"\xed\xa0\x80": 1}', BadBody, "not UTF-8"),
         (b'{"prompt": "\\ud800"}', InvalidRequest, "prompt"),
         (b'{"a": [' + b",".join([b"[]"] * 2000) + b"]}", BodyTooLarge, "JSON values"),
-        (b'{"a": ' + b"[" * 9 + b"]" * 9 + b"}", BodyTooLarge, "nests 10 levels"),
+        (b'{"a": ' + b"[" * 9 + b"]" * 9 + b"}", BodyTooLarge, "nests over 8 levels"),
         (b"[" * 100000 + b"]" * 100000, BodyTooLarge, "JSON values"),
-        (b'["' + b'","' * 2000 + b'"]', BodyTooLarge, "strings"),
+        (b'["' + b'","' * 2000 + b'"]', BodyTooLarge, "JSON values"),  # 2001 strings
     ],
 )
 def test_bodies_are_bounded_before_parsing(data: bytes, error: type, needle: str) -> None:
@@ -240,3 +240,24 @@ def test_request_id_from_the_header() -> None:
     with pytest.raises(InvalidRequest) as exc:
         specs({"prompt": "x"}, header_request_id="h" * 500)
     assert exc.value.field == "x-request-id"
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 2, 3, 7, 64])
+def test_structure_scan_is_exact_across_slices(
+    slice_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slice boundaries may cut an escape or a run of backslashes anywhere: the count of
+    values and the depth come out as for the whole body."""
+    import json
+
+    import router.http_api.body as body_mod
+
+    monkeypatch.setattr(body_mod, "SLICE_BYTES", slice_bytes)
+    lim = BodyLimits(1 << 20, max_items=24, max_depth=3)  # fits: 19 by this count
+    text = 'a\\\\"[[[[ \\\\\\\\ " ,,,, {{{{ \\\\'
+    fits = {"p": text, "q": [[1, 2], {"k": text}], "r": "]]]]"}  # 3 levels, few values
+    assert body_mod.parse_json(json.dumps(fits).encode(), lim) == fits
+    with pytest.raises(BodyTooLarge, match="nests over 3"):
+        body_mod.parse_json(json.dumps({"p": text, "q": [[[text]]]}).encode(), lim)
+    with pytest.raises(BodyTooLarge, match="JSON values"):
+        body_mod.parse_json(json.dumps({"p": [text] * 13}).encode(), lim)
