@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from kvstore.blocks.errors import InvalidRequest
-from router.http_api.protocol import _bool, _chat_options, _messages, _str, _token_ids
+from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.placement.types import NoWorkersError
 from router.serving.errors import ModelNotFound
 from router.serving.metrics import CONTENT_TYPE
@@ -109,14 +109,14 @@ class _Handlers:
             body = await self.s.json_body(request)
             if not isinstance(body, dict):
                 raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(_str(body, "model") or None)
+            await self.intake.lora_of(get_str(body, "model") or None)
             self._note(body)
             chat = body.get("messages") is not None
-            add_special = _bool(body, "add_special_tokens")
+            add_special = get_bool(body, "add_special_tokens")
             if chat:
-                opts = _chat_options(body)
+                opts = chat_options(body)
                 spec = make_spec(
-                    messages=_messages(body),
+                    messages=messages(body),
                     chat=opts,
                     request_id="",
                     tenant=tenant,
@@ -127,14 +127,14 @@ class _Handlers:
                 if add_special:  # the template emits the special tokens; as vLLM does
                     ids = self.s.tokenizer.encode("", True)[:1] + ids
             else:
-                text = _str(body, "prompt")
+                text = get_str(body, "prompt")
                 if text is None:
                     raise InvalidRequest("prompt", None, "is required (or messages)")
                 limits, mml = self.s.limits, self.intake.max_model_len
                 check_text_chars("prompt", text, limits, mml)
                 ids = await self.intake.tokenize.encode(text, add_special is not False)
             strs = None
-            if _bool(body, "return_token_strs"):
+            if get_bool(body, "return_token_strs"):
                 strs = [self.s.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
             return JSONResponse(
                 {
@@ -154,11 +154,11 @@ class _Handlers:
             body = await self.s.json_body(request)
             if not isinstance(body, dict):
                 raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(_str(body, "model") or None)
+            await self.intake.lora_of(get_str(body, "model") or None)
             tokens = body.get("tokens")
             if not isinstance(tokens, list):
                 raise InvalidRequest("tokens", "<missing>", "must be a list of token ids")
-            ids = _token_ids("tokens", tokens)
+            ids = token_ids("tokens", tokens)
             if len(ids) > self.intake.max_model_len:
                 raise InvalidRequest(
                     "tokens", len(ids), f"must be at most {self.intake.max_model_len} ids"
