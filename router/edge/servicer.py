@@ -296,7 +296,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         )
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        await context.abort(*_status_of(exc))
+        mapped = classify(exc)
+        self.intake.metrics.failures.labels(str(mapped.http_status)).inc()
+        await context.abort(mapped.grpc_code, mapped.message)
 
 
 def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:

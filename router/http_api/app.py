@@ -187,8 +187,7 @@ class OpenAIServer:
     # -- shared by the routes -------------------------------------------------------------
 
     def error(self, exc: BaseException, names: Any = None) -> JSONResponse:
-        status, body = error_body(exc, names)
-        self.intake.metrics.failures.labels(str(status)).inc()
+        status, body = error_body(exc, names, self.intake)
         return JSONResponse(body, status_code=status)
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:

@@ -25,8 +25,13 @@ from router.serving.request import GenerateSpec
 WORKER_HEADER = "x-kvcluster-worker"
 
 
-def error_body(exc: BaseException, names: Any = None) -> tuple[int, dict[str, Any]]:
+def error_body(
+    exc: BaseException, names: Any = None, intake: Intake | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The answer's status and OpenAI error body (counted in the intake's metrics)."""
     err = classify(exc, names)
+    if intake is not None:
+        intake.metrics.failures.labels(str(err.http_status)).inc()
     body = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
     return err.http_status, {"error": body}
 
@@ -121,7 +126,7 @@ class Generation:
             first = None
         except Exception as exc:
             await outputs.aclose()
-            status, body = error_body(exc, names)
+            status, body = error_body(exc, names, self.intake)
             return JSONResponse(body, status_code=status, headers=headers)
         if first is None:  # client gone (or nothing produced): nothing to answer
             await outputs.aclose()
@@ -134,7 +139,7 @@ class Generation:
         try:
             result = await unless_gone(request, self._collect(first, outputs))
         except Exception as exc:
-            status, body = error_body(exc, names)
+            status, body = error_body(exc, names, self.intake)
             return JSONResponse(body, status_code=status, headers=headers)
         finally:
             await outputs.aclose()
@@ -180,7 +185,7 @@ class Generation:
             if shaper.req.include_usage:
                 yield _sse(shaper.usage_chunk(list(usages.values())))
         except Exception as exc:  # headers are sent: the error goes in the stream
-            yield _sse(error_body(exc, self.specs[0].names)[1])
+            yield _sse(error_body(exc, self.specs[0].names, self.intake)[1])
         finally:
             await rest.aclose()  # aborts what is still running (client gone)
         yield _sse("[DONE]")

@@ -122,7 +122,8 @@ class ServingMetrics:
         )
         self.failures = Counter(
             "kvc_request_errors",
-            "Requests answered with an error, by HTTP status (both edges).",
+            "Requests answered with an error, by the HTTP status of the error table "
+            "(both edges: a gRPC error counts under its HTTP equivalent).",
             ("status",),
             registry=r,
         )

@@ -226,3 +226,4 @@ def test_request_id_header_model_optional_unknown_fields_and_metrics(base_url: s
     for hist in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
         assert total(f"vllm:{hist}_seconds", "_count") >= 2, hist
     assert total("kvc_http_unknown_fields", field="frobnicate") == 2
+    assert total("kvc_request_errors", status="404") >= 1  # /v1/models/gpt-9 above
