@@ -60,6 +60,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # None = no logprobs; k >= 0: sampled token + top-k alternatives
+    # None = none; k >= 0: each prompt token's logprob and its top-k alternatives (the
+    # prompt is then computed whole: a prefix cache hit would skip positions)
+    prompt_logprobs: int | None = None
     priority: int = 0  # smaller = more important (priority policy); ties go by arrival
     cache_salt: str | None = None  # tenant salt: requests with different salts share no KV
     skip_special_tokens: bool = True  # drop special tokens from the text
@@ -158,6 +161,10 @@ class SamplingParams:
                 raise InvalidRequest(
                     "logit_bias", entry, "entries must be (token id >= 0, bias in [-100, 100])"
                 )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
         if self.cache_salt is not None and (
@@ -178,6 +185,8 @@ class SamplingParams:
                 raise bad("stop", "stop strings are not supported with beam search")
             if self.logprobs is not None:
                 raise bad("logprobs", "logprobs are not supported with beam search")
+            if self.prompt_logprobs is not None:
+                raise bad("prompt_logprobs", "prompt logprobs are not supported with beam search")
             for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
                 if getattr(self, name) != SamplingParams.__dataclass_fields__[name].default:
                     raise bad(name, "penalties are not supported with beam search")

@@ -270,7 +270,7 @@ class OpenAIServer:
                 s.text if s.text is not None else self.tokenizer.decode(ids)
                 for s, ids in zip(specs, token_lists, strict=True)
             ]
-        shaper = Shaper(meta, specs[0].params.n, self.tokenizer, echoes)
+        shaper = Shaper(meta, specs[0].params.n, self.tokenizer, echoes, token_lists)
         # the client's X-Request-Id comes back as it was sent; else the answer's id
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
         return await Generation(self.intake, shaper, specs, token_lists).answer(request, headers)

@@ -151,10 +151,6 @@ def unserved(body: dict, chat: bool) -> None:
     never silently ignored, unless they hold the value that means "off"."""
     if body.get("suffix") is not None:
         raise InvalidRequest("suffix", "<str>", "is not supported (must be null)")
-    if body.get("prompt_logprobs") not in (None, 0, False):
-        raise InvalidRequest(
-            "prompt_logprobs", shown(body["prompt_logprobs"]), "is not supported (must be null)"
-        )
     best_of, n = body.get("best_of"), body.get("n") or 1
     if best_of is not None and best_of != n:
         raise InvalidRequest("best_of", best_of, f"must be null or equal n={n}")
@@ -170,10 +166,6 @@ def unserved(body: dict, chat: bool) -> None:
         raise InvalidRequest("tool_choice", "<set>", "is not supported (must be null or 'none')")
     if chat and body.get("echo"):
         raise InvalidRequest("echo", True, "is not supported on chat completions")
-    if body.get("echo") and body.get("logprobs") is not None:
-        raise InvalidRequest(
-            "echo", True, "with logprobs needs prompt logprobs, which this server does not return"
-        )
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

@@ -159,20 +159,26 @@ class Generation:
             add(item)
         completions = [(i, c) for i, r in sorted(results.items()) for c in r.completions]
         usages = [r.usage for _, r in sorted(results.items()) if r.usage is not None]
-        return self.shaper.whole(completions, usages)
+        prompts = {i: r.prompt_logprobs for i, r in results.items()}
+        return self.shaper.whole(completions, usages, prompts)
 
     async def _events(self, first: Item, rest: AsyncIterator[Item]) -> AsyncIterator[bytes]:
         shaper = self.shaper
         usages: dict[int, Usage] = {}
+        prompts: dict[int, Any] = {}  # prompt index -> its prompt logprobs (first output)
         started: set[int] = set()
 
         def chunks(item: Item) -> list[bytes]:
             i, _, out = item
             usages[i] = out.usage
+            if out.prompt_logprobs is not None:
+                prompts[i] = out.prompt_logprobs
             out_chunks = []
             for d in out.outputs:
                 key = i * shaper.n + d.index
-                out_chunks.append(_sse(shaper.chunk(i, d, key not in started, out.usage)))
+                first = key not in started
+                event = shaper.chunk(i, d, first, out.usage, prompts.get(i))
+                out_chunks.append(_sse(event))
                 started.add(key)
             return out_chunks
 

@@ -84,7 +84,9 @@ class OpenAIRequest:
     top_logprobs: int | None  # alternatives per token to return; None: no logprobs
     created: int  # unix time of arrival
     response_id: str  # "cmpl-..." / "chatcmpl-..."
-    echo: bool = False  # completions: the prompt before its completion
+    echo: bool = False  # completions: the prompt before its completion (with logprobs:
+    # its tokens' logprobs before the completion's, as lm-eval's log-likelihoods read them)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
     max_tokens_set: bool = True  # chat without max_tokens: as long as the context allows
 
@@ -139,6 +141,13 @@ def parse_request(
     if stop_ids is not None and not isinstance(stop_ids, list):
         raise F.bad_type("stop_token_ids", stop_ids, "a list of token ids")
     top_logprobs = _logprobs(body, chat, values, names)
+    echo = bool(F.get_bool(body, "echo")) and not chat
+    prompt_logprobs = F.get_int(body, "prompt_logprobs")
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        raise InvalidRequest("prompt_logprobs", prompt_logprobs, "must be >= 0")
+    wanted = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
+    if wanted:  # the engine computes the prompt whole, with the most alternatives asked
+        values["prompt_logprobs"] = max(wanted)
     stream = bool(F.get_bool(body, "stream"))
     opts = body.get("stream_options")
     include_usage = continuous = False
@@ -212,7 +221,8 @@ def parse_request(
         top_logprobs=top_logprobs,
         created=now,
         response_id=response_id,
-        echo=bool(F.get_bool(body, "echo")) and not chat,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
         token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
         max_tokens_set="max_tokens" in values,
     )

@@ -98,7 +98,12 @@ def sampling_params(
             raise InvalidRequest(name, v, "must be a finite number")
     if values.get("top_k") in (0, -1):
         values["top_k"] = None
-    for name, key in (("n", "max_n"), ("beam_width", "max_n"), ("logprobs", "max_logprobs")):
+    for name, key in (
+        ("n", "max_n"),
+        ("beam_width", "max_n"),
+        ("logprobs", "max_logprobs"),
+        ("prompt_logprobs", "max_logprobs"),
+    ):
         limit = getattr(limits, key)
         if (values.get(name) or 0) > limit:
             raise InvalidRequest(

@@ -110,6 +110,44 @@ def test_completion_logprobs_hold_the_sampled_token(oai: openai.OpenAI, cluster:
     assert steps == [len(p) for p in text.logprobs.tokens[:-1]]
 
 
+@needs_curl
+def test_echo_logprobs_score_the_prompt_as_lm_eval_does(
+    oai: openai.OpenAI, base_url: str, cluster: Cluster, tok: Tokenizer
+) -> None:
+    """lm-eval's log-likelihood request (echo, logprobs, max_tokens=1) over prompt +
+    continuation gives the continuation's tokens the logprobs they had when generated."""
+    m, prompt = cluster.model_id, "Routers place requests where"
+    ids = tok.encode(prompt)
+    gen = oai.completions.create(
+        model=m,
+        prompt=ids,
+        max_tokens=6,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    cont = [int(t.removeprefix("token_id:")) for t in gen.logprobs.tokens]
+    scored = oai.completions.create(
+        model=m, prompt=ids + cont, max_tokens=1, temperature=0, echo=True, logprobs=1
+    ).choices[0]
+    lp = scored.logprobs
+    n = len(ids) + len(cont)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None  # prompt, then 1 token
+    assert lp.top_logprobs[0] is None and all(t is not None for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert scored.text.startswith(tok.decode(ids + cont))
+    # the continuation scored as it was generated (prefill and decode agree to float noise)
+    assert lp.token_logprobs[len(ids) : n] == pytest.approx(gen.logprobs.token_logprobs, abs=2e-3)
+    # vLLM's prompt_logprobs: per prompt token, id -> {logprob, rank, decoded_token}
+    body = {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    _, raw = curl(base_url + "/v1/completions", body)
+    plp = raw["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i, entry in enumerate(plp[1:], start=1):
+        assert entry[str(ids[i])]["logprob"] <= 0 and 2 <= len(entry) <= 3
+        assert {e["rank"] for e in entry.values()} >= {1, 2}
+
+
 def test_generation_fields(oai: openai.OpenAI, cluster: Cluster, tok: Tokenizer) -> None:
     m, prompt = cluster.model_id, "Routers place requests where"
     plain = oai.completions.create(model=m, prompt=prompt, max_tokens=8, temperature=0)

@@ -368,7 +368,7 @@ BAD: list[tuple[str, Any, int, str]] = [
         400,
         "presence_penalty",
     ),
-    ("/v1/completions", {"model": M, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "prompt_logprobs": 99}, 400, "max_logprobs"),
     # raw surrogate bytes (not UTF-8), in a value or a key: a 400, not a 500
     ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, "not UTF-8"),
     ("/v1/completions", b'{"prompt": "x", "\xed\xa0\x80": 1}', 400, "not UTF-8"),

@@ -241,3 +241,19 @@ def sample(
         top = tuple(zip(top_il[row][:k], top_vl[row][:k], strict=True)) if k else ()
         logprobs[i] = TokenLogprob(token_list[i], chosen_l[row], top)
     return token_list, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its target token and its k most likely alternatives
+    (prompt logprobs: row i holds the logits that predict ``targets[i]``)."""
+    assert logits.shape[0] == len(targets), (logits.shape, len(targets))
+    lp = logits.log_softmax(dim=-1)
+    idx = to_device(list(targets), torch.long, logits.device)
+    chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1)
+    top_v, top_i = lp.topk(k) if k else (chosen[:0], idx[:0])
+    chosen_h, top_vh, top_ih = _to_host(chosen, top_v, top_i)
+    values, alt_v, alt_i = chosen_h.tolist(), top_vh.tolist(), top_ih.tolist()
+    return [
+        TokenLogprob(t, v, tuple(zip(alt_i[i], alt_v[i], strict=True)) if k else ())
+        for i, (t, v) in enumerate(zip(targets, values, strict=True))
+    ]
