@@ -1,7 +1,8 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
 
 Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
-works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
+works on dataclasses, and errors map to status codes through the one error table
+(:func:`router.serving.errors.classify`).
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
-
-
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The error table's gRPC answer (:func:`router.serving.errors.classify`)."""
-    mapped = classify(exc)
-    return mapped.grpc_code, mapped.message
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
