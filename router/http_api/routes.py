@@ -176,8 +176,11 @@ class _Handlers:
             self.intake.metrics.unknown_field(name.encode("unicode_escape").decode()[:64])
 
     async def metrics(self, request: Request) -> Response:
-        statuses = await self.s.core.directory.statuses()
-        return Response(self.intake.metrics.render(statuses), media_type=CONTENT_TYPE)
+        core = self.s.core
+        statuses = await core.directory.statuses()
+        routing = {**core.router.metrics.snapshot(), "retries": core.retries}
+        routing["broken_streams"] = core.broken
+        return Response(self.intake.metrics.render(statuses, routing), media_type=CONTENT_TYPE)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})

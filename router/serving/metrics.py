@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.blocks.outputs import RequestOutput
@@ -66,6 +66,32 @@ class _Statuses(Collector):
         yield from fams.values()
 
 
+class _Routing(Collector):
+    """The router's own counters (placement decisions, retries), read at scrape time: the
+    names Ray's exporter gives them (``router/serving/telemetry.py``)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        snap = self.snapshot
+        routed = CounterMetricFamily(
+            "kvc_routed_requests",
+            "Requests routed, by policy and reason.",
+            labels=["policy", "reason"],
+        )
+        for label, n in (snap.get("decisions") or {}).items():
+            routed.add_metric(label.split("/", 1), float(n))
+        yield routed
+        for name, help_ in (
+            ("index_errors", "Index lookups that failed (routed by load)."),
+            ("parity_mismatches", "Router/worker block key mismatches."),
+            ("retries", "Requests retried after a worker died."),
+            ("broken_streams", "Streams ended by a worker death."),
+        ):
+            yield CounterMetricFamily(f"kvc_router_{name}", help_, value=float(snap.get(name, 0)))
+
+
 class ServingMetrics:
     """What one router served; :meth:`render` is the ``/metrics`` body."""
 
@@ -75,6 +101,8 @@ class ServingMetrics:
         r, by_worker = self.registry, ("model_name", "worker")
         self._statuses = _Statuses(model)
         r.register(self._statuses)
+        self._routing = _Routing()
+        r.register(self._routing)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token, from the request's arrival at the router.",
@@ -149,8 +177,11 @@ class ServingMetrics:
     def tracker(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, statuses: Sequence[WorkerStatus]) -> bytes:
+    def render(self, statuses: Sequence[WorkerStatus], routing: dict | None = None) -> bytes:
+        """``routing``: the router's counters (RouterMetrics.snapshot plus retries and
+        broken_streams)."""
         self._statuses.statuses = statuses
+        self._routing.snapshot = routing or {}
         return generate_latest(self.registry)
 
 

@@ -265,3 +265,4 @@ def test_request_id_header_model_optional_unknown_fields_and_metrics(base_url: s
         assert total(f"vllm:{hist}_seconds", "_count") >= 2, hist
     assert total("kvc_http_unknown_fields", field="frobnicate") == 2
     assert total("kvc_request_errors", status="404") >= 1  # /v1/models/gpt-9 above
+    assert total("kvc_routed_requests") >= 2 and "kvc_router_retries" in fams

@@ -10,10 +10,12 @@ import json
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from router.http_api import OpenAIServer
 from router.placement.config import RequestLimits
+from router.placement.metrics import RouterMetrics
 from router.serving.core import ModelLimits
 
 MAX_BODY = 4 << 20
@@ -32,6 +34,8 @@ class Core:
 
     limits = ModelLimits("m", vocab_size=100, max_model_len=512, max_prompt_tokens=511)
     directory = Directory()
+    router = SimpleNamespace(metrics=RouterMetrics())  # what /metrics reads of it
+    retries = broken = 0
 
     async def generate(self, request_id, token_ids, params):  # noqa: ANN001, ANN201
         d = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
