@@ -30,6 +30,18 @@ from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN or infinity: it is failed, never sampled."""
+
+
+def _non_finite(req: Request) -> str:
+    lora = f" with adapter {req.params.lora!r}" if req.params.lora else ""
+    return (
+        f"the model produced non-finite logits (NaN or infinity) for this request{lora}; "
+        "it is stopped rather than sampled from them"
+    )
+
+
 class OutputProcessor:
     """Turns one step's logits into tokens and stop decisions for the requests that asked."""
 
@@ -127,7 +139,9 @@ class OutputProcessor:
             sampled = self._sample_each(targets, rows, specs, logits)
         for (req, seq), tok, lp in sampled:
             self._outcome(req)
-            if not self._failed(req):
+            if tok is None and not self._failed(req):
+                self._outcome(req).error = NonFiniteLogits(_non_finite(req))
+            elif not self._failed(req):
                 self._guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
 
     def _sample_each(
@@ -220,7 +234,10 @@ class OutputProcessor:
     def _beam_step(self, req: Request) -> None:
         assert req.beam is not None
         seqs = req.seqs
-        logprobs = torch.stack([s.pending_logits for s in seqs]).log_softmax(dim=-1)
+        logits = torch.stack([s.pending_logits for s in seqs])
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(_non_finite(req))
+        logprobs = logits.log_softmax(dim=-1)
         for i, s in enumerate(seqs):
             s.pending_logits = None
             banned = self._banned(req, s)
