@@ -174,6 +174,7 @@ REFUSED = {  # config change -> what the error must say
         r"layers_to_transform / layers_pattern cannot be used",
     ),
     "nothing": (dict(target_modules=["nope_proj"]), r"selects no projection"),
+    "pattern_alone": (dict(layers_pattern="layers"), r"layers_pattern='layers' needs layers_to"),
 }
 
 

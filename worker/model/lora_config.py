@@ -84,6 +84,11 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
     # True / False / "gaussian" only initialise A and B (loading overwrites them); the others
     # (pissa, olora, corda, loftq, eva ...) also rewrite the base weights when loading
     "init_lora_weights": lambda v: v is True or v is False or v == "gaussian",
+    # settings of those other inits, which peft ignores under the plain ones
+    "loftq_config": _any,
+    "eva_config": _any,
+    "corda_config": _any,
+    "lora_ga_config": _any,
     # features that are not implemented: accepted only when off
     "bias": lambda v: v in (None, "none"),
     "lora_bias": _is_false,
@@ -94,10 +99,6 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
     "alpha_pattern": _is_empty,
     "megatron_config": _is_null,
     "trainable_token_indices": _is_empty,
-    "loftq_config": _is_empty,
-    "eva_config": _is_null,
-    "corda_config": _is_null,
-    "lora_ga_config": _is_null,
     "velora_config": _is_null,
     "alora_invocation_tokens": _is_null,
     "monteclora_config": _is_null,
@@ -202,6 +203,10 @@ class _Matcher:
             raise AdapterConfigError(
                 "layers_to_transform / layers_pattern cannot be used when target_modules is a "
                 f"string ({targets!r}), as in peft"
+            )
+        if pattern and layers is None:
+            raise AdapterConfigError(
+                f"layers_pattern={pattern!r} needs layers_to_transform, as in peft"
             )
         self.layers = None if layers in (None, []) else layers
         self.patterns = [pattern] if isinstance(pattern, str) else (pattern or [])
