@@ -45,3 +45,22 @@ def test_non_finite_logits_fail_their_request_alone(tiny_dir, tmp_path) -> None:
     beam = engine.generate([PROMPT], SamplingParams(beam_width=2, max_tokens=3, lora="x"))[0]
     assert beam.error is not None and "non-finite logits" in beam.error
     assert_no_blocks_in_use(engine)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_sampler_samples_nothing_from_a_non_finite_row(bad) -> None:
+    import torch
+
+    from worker.engine.sampler import SampleSpec, sample
+
+    logits = torch.randn(3, 50)
+    logits[1, 7] = bad
+    specs = [
+        SampleSpec(SamplingParams(temperature=0, logprobs=2), None),
+        SampleSpec(SamplingParams(temperature=0, logprobs=2), None),
+        SampleSpec(SamplingParams(temperature=0.7, seed=3), torch.Generator().manual_seed(3)),
+    ]
+    tokens, logprobs = sample(logits, specs, torch.Generator().manual_seed(0))
+    assert tokens[1] is None and logprobs[1] is None
+    assert tokens[0] == int(logits[0].argmax()) and logprobs[0].token_id == tokens[0]
+    assert math.isfinite(logprobs[0].logprob) and tokens[2] is not None

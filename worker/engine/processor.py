@@ -27,7 +27,7 @@ from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
-from worker.engine.sampler import PenaltyRows, SampleSpec, sample
+from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
 
 
@@ -240,7 +240,7 @@ class OutputProcessor:
         assert req.beam is not None
         seqs = req.seqs
         logits = torch.stack([s.pending_logits for s in seqs])
-        if not bool(torch.isfinite(logits).all()):
+        if not bool(finite_rows(logits).all()):
             raise NonFiniteLogits(_non_finite(req))
         logprobs = logits.log_softmax(dim=-1)
         for i, s in enumerate(seqs):

@@ -84,6 +84,13 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
     return counts[:, :vocab]  # the last column took the padding
 
 
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` [rows, n]: whether it is all finite. A row's sum is NaN or infinite
+    when one value is (a sum is one pass, 30x cheaper on the CPU than ``isfinite().all()``);
+    finite logits large enough for their sum to overflow (~1e34) count as broken too."""
+    return x.sum(dim=-1).isfinite()
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)``; on the CPU through the native kernel (torch's walks a row one
     element at a time: ~0.9 ms for a greedy step of 128 rows over an 8k vocabulary)."""
@@ -220,7 +227,7 @@ def sample(
         picked = _sample_random(logits.index_select(0, r_idx), [specs[i] for i in rand], default)
         tokens.index_copy_(0, r_idx, picked)
     # -1 marks a row with non-finite logits (read back with the tokens: no extra sync)
-    tokens = torch.where(torch.isfinite(raw).all(dim=-1), tokens, -1)
+    tokens = torch.where(finite_rows(raw), tokens, -1)
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
     if not want:
         (host_tokens,) = _to_host(tokens)
