@@ -206,6 +206,17 @@ def test_peft_defaults_of_every_key_are_accepted(tiny_dir, tmp_path) -> None:
     assert engine.add_lora("ok", str(a)).startswith("ok@")
 
 
+def test_an_early_peft_config_is_served(tiny_dir, tmp_path) -> None:
+    # the keys of peft 0.2 (enable_lora, merge_weights), which today's peft drops
+    a = build_tiny_lora(tmp_path / "a", tiny_dir, rank=4, targets=("q_proj", "v_proj"))
+    edit_config(a, enable_lora=None, merge_weights=False)
+    assert_serves_as_peft(tiny_dir, a)
+    edit_config(a, enable_lora=[True, False, True])
+    engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=32))
+    with pytest.raises(LoraError, match=r"enable_lora=\[True, False, True\] is not supported"):
+        engine.add_lora("old", str(a))
+
+
 def test_config_that_is_not_an_object_names_adapter_and_file(tiny_dir, tmp_path) -> None:
     a = build_tiny_lora(tmp_path / "a", tiny_dir, rank=4)
     (a / "adapter_config.json").write_text("[1, 2]")

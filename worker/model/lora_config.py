@@ -107,6 +107,9 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
     "use_bdlora": _is_false,
     "arrow_config": _is_null,
     "kasa_config": _is_null,
+    # written by early peft releases (alpaca-lora era adapters); current peft drops them
+    "enable_lora": _is_null,  # per-slice LoRA of a fused qkv module
+    "merge_weights": _any,  # merge into the base weights for eval: the same outputs
 }
 _HONOURED = (
     "peft_type",
