@@ -247,6 +247,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatusResponse:
         statuses = await self.core.directory.statuses()
+        # a tenant sees only the adapters it may use (no auth: those registered for all)
+        tenant = self.auth.tenant_of(context.invocation_metadata()) if self.auth else None
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
         predicted = self.core.predictions.workers if self.core.predictions is not None else {}
@@ -283,6 +285,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     adapters=[
                         pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
                         for a in s.adapters
+                        if not a.tenants or tenant in a.tenants
                     ],
                     **_prediction_fields(predicted.get(s.worker_id)),
                 )

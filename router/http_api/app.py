@@ -249,7 +249,7 @@ class OpenAIServer:
 
         body, meta, specs = await self.json_body(request, parse)
         self.note_unknown(body, chat)
-        lora = await self.intake.lora_of(meta.model or None)
+        lora = await self.intake.lora_of(meta.model or None, tenant)
         if not meta.model:
             meta = replace(meta, model=self.intake.model_id)
         if lora is not None:

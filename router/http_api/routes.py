@@ -64,8 +64,9 @@ class _Handlers:
         self.s = server
         self.intake = server.intake
 
-    async def _cards(self) -> list[dict[str, Any]]:
-        """vLLM's model cards: the base model, then every adapter a live worker serves."""
+    async def _cards(self, tenant: str | None) -> list[dict[str, Any]]:
+        """vLLM's model cards: the base model, then every adapter a live worker serves to
+        ``tenant``."""
         base, created = self.intake.model_id, self.intake.started
         card = {"object": "model", "created": created, "owned_by": "kvcluster"}
         cards = [
@@ -78,22 +79,22 @@ class _Handlers:
             }
         ]
         cards += [
-            {"id": a, **card, "root": a, "parent": base} for a in await self.intake.adapters()
+            {"id": a, **card, "root": a, "parent": base} for a in await self.intake.adapters(tenant)
         ]
         return cards
 
     async def models(self, request: Request) -> Response:
         try:
-            self.s.tenant(request)
-            return JSONResponse({"object": "list", "data": await self._cards()})
+            cards = await self._cards(self.s.tenant(request))
+            return JSONResponse({"object": "list", "data": cards})
         except Exception as exc:
             return self.s.error(exc)
 
     async def model(self, request: Request) -> Response:
         try:
-            self.s.tenant(request)
+            tenant = self.s.tenant(request)
             wanted = request.path_params["model_id"]
-            for card in await self._cards():
+            for card in await self._cards(tenant):
                 if card["id"] == wanted:
                     return JSONResponse(card)
             shown = wanted if len(wanted) <= 64 else f"<{len(wanted)} chars>"
@@ -109,7 +110,7 @@ class _Handlers:
             body = await self.s.json_body(request)
             if not isinstance(body, dict):
                 raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(get_str(body, "model") or None)
+            await self.intake.lora_of(get_str(body, "model") or None, tenant)
             self._note(body)
             chat = body.get("messages") is not None
             add_special = get_bool(body, "add_special_tokens")
@@ -150,11 +151,11 @@ class _Handlers:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: ``tokens`` -> ``{prompt}``."""
         try:
-            self.s.tenant(request)
+            tenant = self.s.tenant(request)
             body = await self.s.json_body(request)
             if not isinstance(body, dict):
                 raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(get_str(body, "model") or None)
+            await self.intake.lora_of(get_str(body, "model") or None, tenant)
             tokens = body.get("tokens")
             if not isinstance(tokens, list):
                 raise InvalidRequest("tokens", "<missing>", "must be a list of token ids")

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import RequestOutput
-from router.placement.adapters import adapter_name
+from router.placement.adapters import adapter_name, for_tenant
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
 from router.serving.core import ServingCore
@@ -91,21 +91,22 @@ class Intake:
             raise InvalidRequest("tenant", claimed, "must match the bearer token's tenant")
         return tenant
 
-    async def adapters(self) -> list[str]:
-        """Adapters some live worker serves."""
-        loads = await self.core.directory.candidates()
+    async def adapters(self, tenant: str | None) -> list[str]:
+        """The adapters live workers serve that ``tenant`` may see (another tenant's are
+        neither listed nor served to it)."""
+        loads = for_tenant(await self.core.directory.candidates(), tenant)
         return sorted({adapter_name(i) for ld in loads.values() for i in ld.lora_ids})
 
-    async def lora_of(self, model: str | None) -> str | None:
-        """``model`` is the base model (None) or an adapter a live worker serves; no model
-        is the base model when it is the only one served."""
+    async def lora_of(self, model: str | None, tenant: str | None) -> str | None:
+        """``model`` is the base model (None) or an adapter a live worker serves to
+        ``tenant``; no model is the base model when it is the only one served."""
         if model is None or model == self.model_id:
-            if model is None and await self.adapters():
+            if model is None and await self.adapters(tenant):
                 raise InvalidRequest(
                     "model", None, "is required: this server serves adapters too (GET /v1/models)"
                 )
             return None
-        if model in await self.adapters():
+        if model in await self.adapters(tenant):
             return model
         shown = model if len(model) <= 64 else f"<{len(model)} chars>"
         raise ModelNotFound(f"model {shown!r} does not exist; GET /v1/models lists the served ones")
@@ -152,7 +153,8 @@ class Intake:
         with its field named as the client's API spells it."""
         timer = self.metrics.tracker()
         try:
-            async for worker, out in self.core.generate(spec.request_id, ids, spec.params):
+            gen = self.core.generate(spec.request_id, ids, spec.params, tenant=spec.tenant or None)
+            async for worker, out in gen:
                 if out.error is not None:  # it failed inside the engine (the engine goes on)
                     raise RequestFailed(
                         f"request {out.request_id!r} failed on {worker}: {out.error}"

@@ -41,7 +41,8 @@ class GenerateSpec:
     text: str | None  # the prompt text (None when token ids or messages were sent)
     token_ids: list[int] | None  # the prompt's token ids (None until tokenized, for text)
     params: SamplingParams  # validated sampling parameters (cache_salt, priority folded in)
-    tenant: str  # tenant name ("" = anonymous)
+    tenant: str  # the tenant it runs for: the bearer token's, or the client's claim without
+    # auth ("" = anonymous); it scopes the cache salt and which adapters it may use
     stream_text: bool = True  # send text deltas (else token ids only)
     # chat messages as ({"role", "content"}, ...) when the prompt is a conversation; the
     # intake renders them with the model's chat template
@@ -244,7 +245,7 @@ def _make_spec(  # noqa: PLR0913 - the fields of one request
         text=text,
         token_ids=list(token_ids) if token_ids is not None else None,
         params=params,
-        tenant=claimed,
+        tenant=tenant or "",
         stream_text=stream_text,
         messages=msgs,
         chat=chat,
