@@ -37,7 +37,7 @@ class Core:
     router = SimpleNamespace(metrics=RouterMetrics())  # what /metrics reads of it
     retries = broken = 0
 
-    async def generate(self, request_id, token_ids, params):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
         d = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
         yield "w0", RequestOutput(request_id, [d], True, Usage(len(token_ids), 0, 1))
 
