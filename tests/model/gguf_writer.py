@@ -5,11 +5,12 @@ the GGUF loader is tested on small files, including broken and unsupported ones.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
@@ -48,6 +49,40 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+def llama3_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """The per-dimension frequency divisors llama.cpp's converter writes as
+    ``rope_freqs.weight`` for Llama-3.1 rope scaling."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _add_rope_scaling(w: GGUFWriter, scaling: dict, head_dim: int, theta: float) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":  # no metadata: a tensor of divisors
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, head_dim, theta))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    elif kind == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    else:
+        assert kind in (None, "default"), kind
+
+
 def write_gguf(
     hf_dir: Path,
     out: Path,
@@ -73,6 +108,7 @@ def write_gguf(
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(cfg["rope_theta"])
+    _add_rope_scaling(w, cfg.get("rope_scaling") or {}, head_dim, cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     vocab = tok["model"]["vocab"]

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, parse_rope
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeConfig"]
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,20 +24,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED = object()  # marks a config key without a default
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary position embedding parameters."""
-
-    theta: float  # base wavelength (``rope_theta``)
-    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
-    factor: float = 1.0  # linear / llama3: context extension factor
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: pre-training context
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,34 +133,10 @@ def _architecture(raw: Mapping[str, Any], source: str) -> str:
 
 def _rope(raw: Mapping[str, Any], get: _Getter, source: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"{source}: partial_rotary_factor != 1 is not supported")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    factor = float(params.get("factor", 1.0))
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
-    if missing:
-        raise ModelLoadError(f"{source}: llama3 rope scaling lacks {', '.join(missing)}")
-    return RopeConfig(
-        theta=theta,
-        rope_type="llama3",
-        factor=factor,
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings")
-            or get.integer("max_position_embeddings", default=8192)
-        ),
-    )
+    max_positions = get.integer("max_position_embeddings", default=2048)
+    return parse_rope(params, float(raw.get("rope_theta", 10000.0)), max_positions, source)
 
 
 def _sliding_windows(

@@ -44,6 +44,8 @@ _LAYER = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Tensors read into the config rather than the model (the rope frequency divisors).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -92,6 +94,8 @@ def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> N
     found: dict[str, ReaderTensor] = {}
     unused = []
     for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
         name = hf_name(tensor.name)
         if name is None or name not in expected:
             unused.append(tensor.name)
