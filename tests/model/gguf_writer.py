@@ -29,7 +29,15 @@ _NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+_GEMMA3_NAMES = {
+    **_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -39,7 +47,8 @@ def gguf_name(hf_name: str) -> str:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+    names = _GEMMA3_NAMES if arch == "gemma3" else _NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -111,6 +120,8 @@ def write_gguf(
     _add_rope_scaling(w, cfg.get("rope_scaling") or {}, head_dim, cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    if arch == "gemma3":  # llama.cpp reads only the window; the rest are its Gemma 3 defaults
+        w.add_sliding_window(cfg["sliding_window"])
     vocab = tok["model"]["vocab"]
     tokens = [None] * cfg["vocab_size"]
     for text, idx in vocab.items():
@@ -137,7 +148,9 @@ def write_gguf(
             data = permute(data, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             data = permute(data, cfg["num_key_value_heads"])
-        target = gguf_name(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # the converter stores Gemma's 1 + weight
+        target = gguf_name(name, arch)
         forced = (tensor_types or {}).get(target)
         if forced is not None:
             from gguf.constants import GGML_QUANT_SIZES

@@ -3,7 +3,7 @@
 Torch-free (the router reads the config and tokenizer too); the tokenizer is rebuilt by
 ``gguf_tokenizer``, the weights are loaded by ``gguf_weights``. Built on the ``gguf``
 package's reader. Supported: the ``llama`` architecture (Llama, Mistral, SmolLM, ... as
-llama.cpp writes them), ``qwen2`` and ``qwen3``. Anything else is refused with an error
+llama.cpp writes them), ``qwen2``, ``qwen3`` and ``gemma3``. Anything else is refused with an error
 naming what the file says.
 """
 
@@ -25,6 +25,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -127,15 +128,16 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         )
     if heads % kv_heads:
         raise ModelLoadError(f"{source}: head_count={heads} is not a multiple of {kv_heads=}")
-    tokens = meta.get("tokenizer.ggml.tokens") or ()
-    vocab = meta.positive_int(key("vocab_size"), len(tokens) or None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")  # counted, not decoded (262k in Gemma)
+    vocab = meta.positive_int(key("vocab_size"), len(tokens.data) if tokens else None)
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    num_layers = meta.positive_int(key("block_count"))
+    fields: dict[str, Any] = dict(
         architecture=SUPPORTED_GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.positive_int(key("feed_forward_length")),
-        num_layers=meta.positive_int(key("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -147,10 +149,39 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        sliding_windows=(None,) * meta.positive_int(key("block_count")),
+        sliding_windows=(None,) * num_layers,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
         torch_dtype=None,
+    )
+    if arch == "gemma3":
+        fields.update(_gemma3(meta, key, num_layers, hidden // heads, head_dim))
+    return ModelConfig(**fields)
+
+
+def _gemma3(meta: Meta, key: Any, num_layers: int, width: int, head_dim: int) -> dict:
+    """Gemma 3 as llama.cpp reads it: five sliding-window layers to a global one (unless the
+    file gives a pattern), local rope base 10000 (unless ``rope.freq_base_swa``), unscaled;
+    queries scaled by head_dim, hidden / heads for the 27B model (62 layers)."""
+    window = meta.get(key("attention.sliding_window"))
+    pattern = meta.get(key("attention.sliding_window_pattern"), 6)
+    if isinstance(pattern, list):  # per layer: True = sliding window
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(num_layers)]
+    if len(sliding) != num_layers:
+        raise ModelLoadError(
+            f"{meta.source}: {key('attention.sliding_window_pattern')} has {len(sliding)} "
+            f"entries, block_count={num_layers}"
+        )
+    local_theta = float(meta.get(key("rope.freq_base_swa"), 10000.0))
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        rms_norm_eps=float(meta.get(key("attention.layer_norm_rms_epsilon"), 1e-6)),
+        sliding_windows=tuple(window if s and window else None for s in sliding),
+        local_rope=RopeConfig(theta=local_theta),
+        query_pre_attn_scalar=float(width if num_layers == 62 else head_dim),
+        qk_norm=True,
     )
 
 

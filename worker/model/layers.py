@@ -63,10 +63,13 @@ class FusedLinear:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (``fuse``, by the loader)."""
+    """down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU (Gemma's GeGLU); gate
+    and up run as one GEMM (``fuse``, by the loader)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
+        assert act in ("silu", "gelu_pytorch_tanh"), act  # validated in config parsing
+        self.act = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -78,7 +81,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up is not None, "call fuse() once the weights are allocated"
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gated = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gated.mul_(up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
