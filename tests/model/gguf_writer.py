@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +100,11 @@ def write_gguf(
     *,
     arch: str = "llama",
     tensor_types: dict[str, QType] | None = None,
+    encode: Callable[[str, np.ndarray], tuple[np.ndarray, QType] | None] | None = None,
 ) -> Path:
     """``tensor_types``: per GGUF tensor name, a type to store instead of ``qtype`` (as raw,
-    zero bytes: for types the loader must refuse)."""
+    zero bytes: for types the loader must refuse). ``encode(gguf_name, data)``: raw bytes
+    ``[rows, row_bytes]`` and their type to store instead (None: the default)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
@@ -152,7 +155,10 @@ def write_gguf(
             data = data + 1  # the converter stores Gemma's 1 + weight
         target = gguf_name(name, arch)
         forced = (tensor_types or {}).get(target)
-        if forced is not None:
+        raw_given = encode(target, data) if encode is not None else None
+        if raw_given is not None:
+            w.add_tensor(target, raw_given[0], raw_dtype=raw_given[1])
+        elif forced is not None:
             from gguf.constants import GGML_QUANT_SIZES
 
             block, size = GGML_QUANT_SIZES[forced]
