@@ -163,6 +163,9 @@ def _gemma3(meta: Meta, key: Any, num_layers: int, width: int, head_dim: int) ->
     """Gemma 3 as llama.cpp reads it: five sliding-window layers to a global one (unless the
     file gives a pattern), local rope base 10000 (unless ``rope.freq_base_swa``), unscaled;
     queries scaled by head_dim, hidden / heads for the 27B model (62 layers)."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if meta.get(key(name)) is not None:
+            raise UnsupportedModelError(f"{meta.source}: {key(name)} is not supported")
     window = meta.get(key("attention.sliding_window"))
     pattern = meta.get(key("attention.sliding_window_pattern"), 6)
     if isinstance(pattern, list):  # per layer: True = sliding window
