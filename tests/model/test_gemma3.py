@@ -156,3 +156,23 @@ def test_lora_on_gemma3_equals_peft(folder, tmp_path):
     with model.disable_adapter():
         base = hf_logits(model, prompt)
     assert (ours - base).abs().max() > 0.1  # the adapter changes the logits
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ({"layer_types": ["full_attention"]}, "must give 7 entries"),
+        ({"sliding_window": 0}, "sliding_window=0 must be a positive integer"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+    ],
+)
+def test_what_gemma3_parsing_refuses(folder, changes, pattern):
+    from worker.model.errors import ModelLoadError
+
+    raw = {**json.loads((folder / "config.json").read_text()), **changes}
+    with pytest.raises(ModelLoadError, match=pattern):  # UnsupportedModelError included
+        ModelConfig.from_dict(raw)
