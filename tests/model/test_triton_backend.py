@@ -143,7 +143,13 @@ def run_in_interpreter(check: str, model_dir: Path, dtype: str = "float32") -> N
 
 
 @pytest.mark.parametrize(
-    "family, dtype", [("llama", "float32"), ("mistral", "float16"), ("gemma3", "float32")]
+    "family, dtype",
+    [
+        ("llama", "float32"),
+        ("mistral", "float16"),
+        # 7 layers in the interpreter: minutes, so with the slow tests
+        pytest.param("gemma3", "float32", marks=pytest.mark.slow),
+    ],
 )
 def test_runner_with_triton_in_cpu_interpreter(family, dtype, model_dirs):
     """Prefill, a mixed step and decodes across block boundaries, with split-K, GQA, (for
