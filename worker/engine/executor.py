@@ -135,7 +135,8 @@ class RunnerExecutor(ModelExecutor):
     def add_lora(self, name: str, path: str) -> str:
         from worker.model.lora import LoraError, load_adapter
 
-        adapter = load_adapter(name, path, self.runner.config, self.max_lora_rank)
+        runner = self.runner
+        adapter = load_adapter(name, path, runner.config, self.max_lora_rank, runner.dtype)
         old = self._loras.get(name)
         if old is not None and old.adapter_id != adapter.adapter_id:
             raise LoraError(
