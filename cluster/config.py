@@ -31,7 +31,7 @@ class ServedModelConfig(Strict):
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."
     )
-    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"] | None = Field(
         None,
         description="With path None: build a random-weight offline model of this family "
         "instead of the default model (tests and benchmarks).",
