@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool  # True on the request's last output
     usage: Usage  # cumulative token counts
     error: str | None = None  # set when the request failed inside the engine
+    # with SamplingParams.prompt_logprobs, once (on the first output): per prompt position,
+    # that token's logprob and alternatives (position 0 has nothing before it: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class GenerationResult:
     completions: list[Completion]  # by index (beam search: best first)
     usage: Usage | None = None  # final usage
     error: str | None = None  # set if the request failed
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # if requested
 
     @property
     def finished(self) -> bool:
@@ -104,6 +108,8 @@ class GenerationResult:
         self.usage = out.usage
         if out.error is not None:
             self.error = out.error
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 def coalesce(outs: list[RequestOutput]) -> RequestOutput:
@@ -139,7 +145,10 @@ def coalesce(outs: list[RequestOutput]) -> RequestOutput:
                 m.cumulative_logprob = d.cumulative_logprob
     last = outs[-1]
     error = next((o.error for o in reversed(outs) if o.error is not None), None)
-    return RequestOutput(last.request_id, list(merged.values()), last.finished, last.usage, error)
+    prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(
+        last.request_id, list(merged.values()), last.finished, last.usage, error, prompt
+    )
 
 
 PackedOutput = tuple  # what pack_output makes: plain tuples pickle ~6x faster than dataclasses
@@ -165,10 +174,12 @@ def pack_output(o: RequestOutput) -> PackedOutput:
         o.finished,
         (u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.host_cached_tokens),
         o.error,
+        o.prompt_logprobs,
     )
 
 
 def unpack_output(p: PackedOutput) -> RequestOutput:
     """The :class:`RequestOutput` that :func:`pack_output` packed."""
-    rid, deltas, finished, usage, error = p
-    return RequestOutput(rid, [CompletionDelta(*d) for d in deltas], finished, Usage(*usage), error)
+    rid, deltas, finished, usage, error, prompt = p
+    deltas = [CompletionDelta(*d) for d in deltas]
+    return RequestOutput(rid, deltas, finished, Usage(*usage), error, prompt)

@@ -143,3 +143,12 @@ def test_a_waiting_reader_wakes_on_the_first_item() -> None:
         return await inbox.wait(5.0)
 
     assert asyncio.run(main())
+
+
+def test_packing_keeps_the_prompt_logprobs() -> None:
+    out = RequestOutput("r", [CompletionDelta(0, "a", [1], [lp(1)])], False, Usage(3, 0, 1))
+    out.prompt_logprobs = [None, lp(4), lp(5)]
+    back = unpack_output(pack_output(out))
+    assert back == out
+    later = RequestOutput("r", [CompletionDelta(0, "b", [2])], True, Usage(3, 0, 2))
+    assert coalesce([back, later]).prompt_logprobs == [None, lp(4), lp(5)]
