@@ -31,6 +31,7 @@ from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
+from worker.pull.peer import PeerPulls
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class CallerWatch:
         return True
 
 
-class WorkerServer:
+class WorkerServer(PeerPulls):
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
@@ -178,6 +179,7 @@ class WorkerServer:
             self.engine, on_step=self._after_step, on_death=self._engine_died
         )
         self.front.start()
+        self._init_pulls()
         self.callers = CallerWatch(self.front.abort)
         if self.publisher is not None:
             self.publisher.submit([], worker_load(self.engine.snapshot()))
@@ -241,13 +243,15 @@ class WorkerServer:
             self.engine.config.block_size,
             self.engine.hash_context(request.params),
         )
+        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         stream = await self.front.add_request_async(
             request.token_ids, request.params, request_id=request.request_id, prompt_keys=keys
         )
         epoch = self.publisher.epoch if self.publisher is not None else None
         self.callers.watch(request.request_id, caller)
         try:
-            yield Admitted(self.worker_id, epoch, keys[-1] if request.want_keys and keys else None)
+            last = keys[-1] if request.want_keys and keys else None
+            yield Admitted(self.worker_id, epoch, last, pulled)
             async for out in stream:
                 yield out
         finally:

@@ -1,0 +1,152 @@
+"""The worker actor's side of peer pulls: export to a peer, pull from a peer, warm start.
+
+:class:`PeerPulls` is mixed into the worker actor. Every engine access goes through the
+front (``with_engine`` in a thread of its own), so the actor's event loop never waits for a
+step; the bytes move through a :class:`~worker.pull.transport.KVTransport`.
+
+A pull is advice, never a dependency: whatever goes wrong — the source holds nothing any
+more, it died or restarted, the object is lost, corrupt or of another model, tenant or
+adapter, or the whole pull outlasts its soft deadline — the request is queued as it is and
+recomputes its prefix. Nothing is left behind: the source's pins last only for its copy,
+the payload is freed when the importer drops its handle, and an import is either written
+and cached whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import ray
+
+from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
+from worker.engine import Engine
+from worker.engine.kv_pull import export_run, import_run
+from worker.kv.transfer import ImportRefused
+from worker.pull.transport import KVTransport, PullFailed, RayObjectStoreTransport, RunHandle
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PeerPulls:
+    """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``
+    and ``self.worker_id``; call :meth:`_init_pulls` once the front runs."""
+
+    front: Any
+    engine: Engine
+    worker_id: str
+
+    def _init_pulls(self, transport: KVTransport | None = None) -> None:
+        self.transport = transport or RayObjectStoreTransport()
+        self.pull_outcomes: Counter[str] = Counter()  # outcome -> pulls
+        self.pulled_tokens = 0  # tokens imported by pulls
+        self.exported_runs = 0  # runs this worker handed out
+        self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
+        self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+
+    async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
+        """``fn(engine)`` between steps, awaited without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_calls, self.front.with_engine, fn)
+
+    # -- source ------------------------------------------------------------------------------
+
+    async def export_kv(
+        self, keys: Sequence[BlockKey], ctx: HashContext, start: int = 0
+    ) -> RunHandle | None:
+        """Publish the leading run of ``keys`` (blocks ``start..`` of a prompt under
+        ``ctx``) this worker holds; None when it holds none. Called by a pulling peer."""
+        run = await self._on_engine(lambda e: export_run(e, list(keys), ctx, start))
+        if run is None:
+            return None
+        self.exported_runs += 1
+        return self.transport.publish(run)
+
+    # -- importer ----------------------------------------------------------------------------
+
+    async def _pull_for(
+        self, request: WorkerRequest, keys: Sequence[BlockKey]
+    ) -> PullReport | None:
+        """Run the request's pull, if it has one; never raises (see the module docstring)."""
+        hint = request.pull
+        if hint is None:
+            return None
+        ctx = self.engine.hash_context(request.params)
+        started = time.monotonic()
+        outcome, blocks, tokens, nbytes = await self._pull(hint, request.token_ids, keys, ctx)
+        seconds = time.monotonic() - started
+        self.pull_outcomes[outcome] += 1
+        if outcome != "ok":
+            log.info(
+                "request %s: pull from %s %s after %.3fs; recomputing",
+                request.request_id,
+                hint.source_id,
+                outcome,
+                seconds,
+            )
+        return PullReport(hint.source_id, outcome, blocks, tokens, seconds, nbytes)
+
+    async def _pull(
+        self,
+        hint: PullHint,
+        token_ids: Sequence[int],
+        keys: Sequence[BlockKey],
+        ctx: HashContext,
+    ) -> tuple[str, int, int, int]:
+        deadline = time.monotonic() + hint.deadline_s
+        want = list(keys[hint.start_block : hint.start_block + hint.num_blocks])
+        if not want or hint.source_id == self.worker_id:
+            return "missing", 0, 0, 0
+        try:
+            source = await self._peer(hint.source_id)
+            call = source.export_kv.remote(want, ctx, hint.start_block)
+            handle = await asyncio.wait_for(_await(call), max(deadline - time.monotonic(), 0))
+            if handle is None:
+                return "missing", 0, 0, 0
+            run = await self.transport.fetch(handle, deadline - time.monotonic())
+        except PullFailed as exc:
+            return exc.outcome, 0, 0, 0
+        except TimeoutError:
+            return "timeout", 0, 0, 0
+        except Exception as exc:  # noqa: BLE001 - a dead, restarting or unknown source
+            self._peers.pop(hint.source_id, None)
+            log.debug("pull from %s failed: %r", hint.source_id, exc)
+            return "source-gone", 0, 0, 0
+        try:
+            res = await self._on_engine(lambda e: import_run(e, run, token_ids, ctx, keys))
+        except ImportRefused as exc:
+            log.warning("run from %s refused: %s", hint.source_id, exc.reason)
+            return "refused", 0, 0, handle.nbytes
+        finally:
+            self.transport.release(handle)
+        bs = self.engine.config.block_size
+        self.pulled_tokens += res.blocks * bs
+        return "ok", res.blocks, res.blocks * bs, handle.nbytes
+
+    async def _peer(self, worker_id: str) -> Any:
+        """The peer's actor handle (named actors of this namespace; looked up off the loop)."""
+        handle = self._peers.get(worker_id)
+        if handle is None:
+            loop = asyncio.get_running_loop()
+            handle = await loop.run_in_executor(self._engine_calls, ray.get_actor, worker_id)
+            self._peers[worker_id] = handle
+        return handle
+
+    def pull_stats(self) -> dict[str, Any]:
+        """Pulls by outcome, tokens imported, runs exported (for status and tests)."""
+        return {
+            "outcomes": dict(self.pull_outcomes),
+            "pulled_tokens": self.pulled_tokens,
+            "exported_runs": self.exported_runs,
+        }
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
