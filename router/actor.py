@@ -204,6 +204,7 @@ class RouterServer:
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
             **self.predictions.totals(),
+            **self.predictions.pull_totals(),
         )
         return snap
 

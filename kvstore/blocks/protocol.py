@@ -43,6 +43,8 @@ class PullReport:
     tokens: int  # their tokens
     seconds: float  # wall time of the pull, export to import
     nbytes: int = 0  # payload bytes moved
+    node: str = ""  # the importer's node id (the router's transfer model is per node pair)
+    source_node: str = ""  # the source's node id ("" when not reached)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
 from router.placement.policy import make_policy
 from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.pull import PullPlanner, TransferModel
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,21 @@ class Router:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.pending = PendingPlacements(config.pending_ttl_s)
         self._clock = clock
+        self.planner: PullPlanner | None = None  # peer pulls priced per request
+        self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
+        pc = config.pull
+        if pc.enabled:
+            transfers = TransferModel(
+                pc.fixed_s, pc.per_token_s, cross_node_factor=pc.cross_node_factor, alpha=pc.alpha
+            )
+            self.planner = PullPlanner(
+                transfers,
+                prefill_tokens_per_s=pc.prefill_tokens_per_s,
+                min_pull_tokens=pc.min_pull_tokens,
+                min_deadline_s=pc.min_deadline_s,
+                block_size=block_size,
+                node_of=lambda w: self.nodes.get(w, ""),
+            )
 
     def route(
         self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
@@ -74,7 +90,7 @@ class Router:
                 f"no live worker to route request {request.request_id!r} to; start workers or "
                 "check that their heartbeats reach Redis"
             )
-        if not self.policy.uses_prefix:
+        if not self.policy.uses_prefix and self.planner is None:
             return start, ()
         keys = request.keys
         if keys is None:
@@ -93,7 +109,7 @@ class Router:
         start: float,
     ) -> RouteDecision:
         ids = sorted(candidates)
-        if self.policy.uses_prefix:
+        if self.policy.uses_prefix or keys:
             cached = self._cached_tokens(keys, len(request.token_ids), ids, index)
         else:
             cached = dict.fromkeys(ids)
@@ -105,6 +121,11 @@ class Router:
             for w in ids
         ]
         placement = self.policy.choose(request, views)
+        pull = None
+        if self.planner is not None and keys and index is not None:
+            placement, pull, _ = self.planner.plan(
+                len(request.token_ids), views, placement, holder_eligible=self.policy.uses_prefix
+            )
         if keys:
             self.pending.record(placement.worker_id, keys, self._clock())
         decision = RouteDecision(
@@ -114,6 +135,7 @@ class Router:
             cached_tokens_expected=placement.cached_tokens_expected,
             decision_latency_s=time.perf_counter() - start,
             keys=keys,
+            pull=pull,
         )
         self.metrics.observe(decision)
         return decision

@@ -29,7 +29,13 @@ from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
 from worker.engine import Engine
 from worker.engine.kv_pull import export_run, import_run
 from worker.kv.transfer import ImportRefused
-from worker.pull.transport import KVTransport, PullFailed, RayObjectStoreTransport, RunHandle
+from worker.pull.transport import (
+    KVTransport,
+    PullFailed,
+    RayObjectStoreTransport,
+    RunHandle,
+    current_node_id,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +56,7 @@ class PeerPulls:
         self.exported_runs = 0  # runs this worker handed out
         self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
         self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        self.node_id = current_node_id()
 
     async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
         """``fn(engine)`` between steps, awaited without blocking the event loop."""
@@ -80,7 +87,7 @@ class PeerPulls:
             return None
         ctx = self.engine.hash_context(request.params)
         started = time.monotonic()
-        outcome, blocks, tokens, nbytes = await self._pull(hint, request.token_ids, keys, ctx)
+        outcome, blocks, nbytes, node = await self._pull(hint, request.token_ids, keys, ctx)
         seconds = time.monotonic() - started
         self.pull_outcomes[outcome] += 1
         if outcome != "ok":
@@ -91,7 +98,10 @@ class PeerPulls:
                 outcome,
                 seconds,
             )
-        return PullReport(hint.source_id, outcome, blocks, tokens, seconds, nbytes)
+        bs = self.engine.config.block_size
+        return PullReport(
+            hint.source_id, outcome, blocks, blocks * bs, seconds, nbytes, self.node_id, node
+        )
 
     async def _pull(
         self,
@@ -99,36 +109,36 @@ class PeerPulls:
         token_ids: Sequence[int],
         keys: Sequence[BlockKey],
         ctx: HashContext,
-    ) -> tuple[str, int, int, int]:
+    ) -> tuple[str, int, int, str]:
+        """(outcome, blocks imported, payload bytes, the source's node id)."""
         deadline = time.monotonic() + hint.deadline_s
         want = list(keys[hint.start_block : hint.start_block + hint.num_blocks])
         if not want or hint.source_id == self.worker_id:
-            return "missing", 0, 0, 0
+            return "missing", 0, 0, ""
         try:
             source = await self._peer(hint.source_id)
             call = source.export_kv.remote(want, ctx, hint.start_block)
             handle = await asyncio.wait_for(_await(call), max(deadline - time.monotonic(), 0))
             if handle is None:
-                return "missing", 0, 0, 0
+                return "missing", 0, 0, ""
             run = await self.transport.fetch(handle, deadline - time.monotonic())
         except PullFailed as exc:
-            return exc.outcome, 0, 0, 0
+            return exc.outcome, 0, 0, ""
         except TimeoutError:
-            return "timeout", 0, 0, 0
+            return "timeout", 0, 0, ""
         except Exception as exc:  # noqa: BLE001 - a dead, restarting or unknown source
             self._peers.pop(hint.source_id, None)
             log.debug("pull from %s failed: %r", hint.source_id, exc)
-            return "source-gone", 0, 0, 0
+            return "source-gone", 0, 0, ""
         try:
             res = await self._on_engine(lambda e: import_run(e, run, token_ids, ctx, keys))
         except ImportRefused as exc:
             log.warning("run from %s refused: %s", hint.source_id, exc.reason)
-            return "refused", 0, 0, handle.nbytes
+            return "refused", 0, handle.nbytes, handle.node
         finally:
             self.transport.release(handle)
-        bs = self.engine.config.block_size
-        self.pulled_tokens += res.blocks * bs
-        return "ok", res.blocks, res.blocks * bs, handle.nbytes
+        self.pulled_tokens += res.blocks * self.engine.config.block_size
+        return "ok", res.blocks, handle.nbytes, handle.node
 
     async def _peer(self, worker_id: str) -> Any:
         """The peer's actor handle (named actors of this namespace; looked up off the loop)."""

@@ -39,6 +39,7 @@ class RunHandle:
     ref: Any  # the transport's reference to the payload (an ObjectRef for Ray)
     blocks: int  # blocks in the run
     nbytes: int  # payload bytes
+    node: str = ""  # the source's node id
 
 
 class KVTransport(ABC):
@@ -81,7 +82,7 @@ class RayObjectStoreTransport(KVTransport):
 
     def publish(self, run: BlockRun) -> RunHandle:
         nbytes = int(getattr(getattr(run.payload, "data", None), "nbytes", 0))
-        return RunHandle(ray.put(run), len(run.header), nbytes)
+        return RunHandle(ray.put(run), len(run.header), nbytes, current_node_id())
 
     async def fetch(self, handle: RunHandle, timeout_s: float) -> BlockRun:
         try:
@@ -103,3 +104,8 @@ class RayObjectStoreTransport(KVTransport):
 
 async def _await_ref(ref: Any) -> Any:
     return await ref
+
+
+def current_node_id() -> str:
+    """This process's Ray node id ("" outside Ray)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
