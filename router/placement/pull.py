@@ -21,7 +21,7 @@ recomputing the pulled tokens would take, the worker recomputes instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.protocol import PullHint
@@ -154,34 +154,40 @@ class PullPlanner:
         n_tokens: int,
         views: Sequence[WorkerView],
         placement: Placement,
+        held: Mapping[str, tuple[int, int]],
         *,
         holder_eligible: bool,
     ) -> tuple[Placement, PullHint | None, Priced | None]:
-        """``holder_eligible``: whether the policy could have chosen the holder (a prefix
-        policy did; a load-only policy never holds)."""
+        """``held``: per worker, (leading blocks on its device, leading blocks in either
+        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts at
+        the destination's device blocks (what it holds in its host tier is pulled over, as
+        an import lands on the device). ``holder_eligible``: whether the policy could have
+        chosen the holder (a prefix policy did; a load-only policy never holds)."""
         if len(views) < 2:
             return placement, None, None
+        bs = self.block_size
         cached = {v.worker_id: min(v.cached_tokens or 0, n_tokens) for v in views}
         by_id = {v.worker_id: v for v in views}
-        holder = max(views, key=lambda v: (cached[v.worker_id], -self._wait(v))).worker_id
-        c_h = cached[holder]
+        holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id
         chosen = placement.worker_id
         if chosen == holder and holder_eligible:
             others = [v for v in views if v.worker_id != holder and v.adapter_loaded]
             if not others:
                 return placement, None, None
             elsewhere = min(others, key=lambda v: (self._wait(v), -cached[v.worker_id])).worker_id
-            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(n_tokens - c_h)
+            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(
+                n_tokens - cached[holder]
+            )
         else:
             elsewhere, hold_s = chosen, None
-        c_e = cached[elsewhere]
         ev = by_id[elsewhere]
-        recompute_s = self._wait(ev) + self._prefill(n_tokens - c_e)
-        gain = c_h - c_e
-        pull_s = None
-        if gain >= max(self.min_pull_tokens, self.block_size) and elsewhere != holder:
-            xfer = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
-            pull_s = xfer + self._wait(ev) + self._prefill(n_tokens - c_h)
+        recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
+        start, total = held[elsewhere][0], held[holder][1]
+        gain = (total - start) * bs
+        pull_s = xfer_s = None
+        if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
+            xfer_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
+            pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
         priced = Priced(hold_s, pull_s, recompute_s, choice)
@@ -190,17 +196,13 @@ class PullPlanner:
         if choice == "recompute":
             if elsewhere == chosen:
                 return placement, None, priced
-            return Placement(elsewhere, Reason.LOAD, c_e), None, priced
-        assert pull_s is not None
-        bs = self.block_size
-        start = c_e // bs
-        n_blocks = c_h // bs - start
-        xfer_s = pull_s - self._wait(ev) - self._prefill(n_tokens - c_h)
+            return Placement(elsewhere, Reason.LOAD, cached[elsewhere]), None, priced
+        assert xfer_s is not None
         hint = PullHint(
             source_id=holder,
             start_block=start,
-            num_blocks=n_blocks,
+            num_blocks=total - start,
             deadline_s=max(self._prefill(gain), self.min_deadline_s),
             priced_s=xfer_s,
         )
-        return Placement(elsewhere, Reason.PULL, c_h), hint, priced
+        return Placement(elsewhere, Reason.PULL, total * bs), hint, priced

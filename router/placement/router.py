@@ -123,8 +123,13 @@ class Router:
         placement = self.policy.choose(request, views)
         pull = None
         if self.planner is not None and keys and index is not None:
+            held = self._held_blocks(keys, len(request.token_ids), ids, index)
             placement, pull, _ = self.planner.plan(
-                len(request.token_ids), views, placement, holder_eligible=self.policy.uses_prefix
+                len(request.token_ids),
+                views,
+                placement,
+                held,
+                holder_eligible=self.policy.uses_prefix,
             )
         if keys:
             self.pending.record(placement.worker_id, keys, self._clock())
@@ -178,6 +183,25 @@ class Router:
                 known, assisted = min(mine, cap), True
             out[w] = None if known is None else int(known * bs)
         self.metrics.pending_assists += assisted
+        return out
+
+    def _held_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        n_tokens: int,
+        ids: list[WorkerId],
+        index: Mapping[WorkerId, TierCounts],
+    ) -> dict[WorkerId, tuple[int, int]]:
+        """Per worker, (leading blocks on its device, leading blocks in either tier), capped
+        like a hit, unweighted: what a pull can take from it, and from where it needs one.
+        The router's pending placements count as device blocks (being computed there)."""
+        cap = (n_tokens - 1) // self.block_size if n_tokens else 0
+        pending = self.pending.lookup(keys, self._clock())
+        out = {}
+        for w in ids:
+            dev, host = index.get(w, (0, 0))
+            dev = max(min(dev, cap), min(pending.get(w, 0), cap))
+            out[w] = (dev, max(dev, min(dev + host, cap)))
         return out
 
     def _lookup(
