@@ -183,7 +183,7 @@ class PullPlanner:
         ev = by_id[elsewhere]
         recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
         start, total = held[elsewhere][0], held[holder][1]
-        gain = (total - start) * bs
+        gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
             xfer_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)

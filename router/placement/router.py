@@ -192,16 +192,17 @@ class Router:
         ids: list[WorkerId],
         index: Mapping[WorkerId, TierCounts],
     ) -> dict[WorkerId, tuple[int, int]]:
-        """Per worker, (leading blocks on its device, leading blocks in either tier), capped
-        like a hit, unweighted: what a pull can take from it, and from where it needs one.
-        The router's pending placements count as device blocks (being computed there)."""
+        """Per worker, (leading blocks it will have on its device, leading blocks it holds in
+        either tier), capped like a hit, unweighted: from where a pull to it starts, and
+        what a pull can take from it. The router's pending placements count toward the first
+        (being computed or pulled there), never the second: a pull needs blocks that exist."""
         cap = (n_tokens - 1) // self.block_size if n_tokens else 0
         pending = self.pending.lookup(keys, self._clock())
         out = {}
         for w in ids:
             dev, host = index.get(w, (0, 0))
-            dev = max(min(dev, cap), min(pending.get(w, 0), cap))
-            out[w] = (dev, max(dev, min(dev + host, cap)))
+            dev = min(dev, cap)
+            out[w] = (max(dev, min(pending.get(w, 0), cap)), min(dev + host, cap))
         return out
 
     def _lookup(

@@ -125,6 +125,7 @@ class SimWorker:
         # real worker holds them before queueing; their uncached tokens count as queued
         self.pulling: list[tuple[float, int, _Active, RunHeader | None]] = []
         self._pull_order = 0
+        self._landing: dict[BlockKey, float] = {}  # last key of a pulled run -> when it lands
 
     # ---- interface used by the replay loop -------------------------------------------------
 
@@ -147,7 +148,16 @@ class SimWorker:
             expected_cached,
         )
         active = _Active(req, rec, keys)
+        if pull is None and self._landing:
+            # a pull in flight brings this prompt's prefix: queue behind it, as the worker
+            # does, rather than compute the prefix alongside the import
+            ready = max((self._landing.get(k, -math.inf) for k in keys), default=-math.inf)
+            if ready > self.clock:
+                pull = (ready, None)
         if pull is not None:
+            if pull[1] is not None and pull[1].keys:
+                last = pull[1].keys[-1]
+                self._landing[last] = max(self._landing.get(last, -math.inf), pull[0])
             active.est_new = len(req.token_ids) - expected_cached
             self.queued_prefill += active.est_new
             heapq.heappush(self.pulling, (pull[0], self._pull_order, active, pull[1]))
@@ -176,6 +186,8 @@ class SimWorker:
             self.queued_prefill -= active.est_new
             req = active.req
             if header is not None:
+                if self._landing.get(header.keys[-1], math.inf) <= now:
+                    del self._landing[header.keys[-1]]
                 plan = self.kv.plan_import(req.token_ids, req.ctx, header)
                 self.kv.commit_import(plan)
                 n = len(plan) * self.kv.block_size

@@ -57,6 +57,10 @@ class PeerPulls:
         self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
         self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
         self.node_id = current_node_id()
+        # last key of each pull in flight -> its end: a request of the same prefix that
+        # arrives meanwhile waits for it instead of computing the prefix beside the import
+        self._landing: dict[BlockKey, asyncio.Future[None]] = {}
+        self.coalesced = 0  # requests that waited for another request's pull
 
     async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
         """``fn(engine)`` between steps, awaited without blocking the event loop."""
@@ -84,10 +88,21 @@ class PeerPulls:
         """Run the request's pull, if it has one; never raises (see the module docstring)."""
         hint = request.pull
         if hint is None:
+            await self._await_landing(keys)
             return None
         ctx = self.engine.hash_context(request.params)
         started = time.monotonic()
-        outcome, blocks, nbytes, node = await self._pull(hint, request.token_ids, keys, ctx)
+        end = hint.start_block + hint.num_blocks
+        last = keys[end - 1] if 0 < end <= len(keys) else None
+        landing = asyncio.get_running_loop().create_future()
+        if last is not None:
+            self._landing.setdefault(last, landing)
+        try:
+            outcome, blocks, nbytes, node = await self._pull(hint, request.token_ids, keys, ctx)
+        finally:
+            landing.set_result(None)
+            if last is not None and self._landing.get(last) is landing:
+                del self._landing[last]
         seconds = time.monotonic() - started
         self.pull_outcomes[outcome] += 1
         if outcome != "ok":
@@ -102,6 +117,18 @@ class PeerPulls:
         return PullReport(
             hint.source_id, outcome, blocks, blocks * bs, seconds, nbytes, self.node_id, node
         )
+
+    async def _await_landing(self, keys: Sequence[BlockKey]) -> None:
+        """Wait for a pull in flight that brings a prefix of ``keys`` (it ends by its own
+        deadline, so this never waits longer than that)."""
+        if not self._landing:
+            return
+        for key in reversed(keys):
+            landing = self._landing.get(key)
+            if landing is not None:
+                self.coalesced += 1
+                await asyncio.shield(landing)
+                return
 
     async def _pull(
         self,
@@ -155,6 +182,7 @@ class PeerPulls:
             "outcomes": dict(self.pull_outcomes),
             "pulled_tokens": self.pulled_tokens,
             "exported_runs": self.exported_runs,
+            "coalesced": self.coalesced,
         }
 
 
