@@ -112,3 +112,18 @@ def write_run(
     for layer, (k, v) in enumerate(caches):
         k.index_copy_(0, dst, src[:, layer, 0].to(device, non_blocking=False))
         v.index_copy_(0, dst, src[:, layer, 1].to(device, non_blocking=False))
+
+
+def run_block_bytes(layout: KVLayout) -> int:
+    """Bytes of one block of a run: every layer's K and V."""
+    elem = torch.empty((), dtype=_dtype(layout)).element_size()
+    return 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * elem
+
+
+def zero_payload(layout: KVLayout, n_blocks: int) -> KVPayload:
+    """A payload of ``n_blocks`` zero blocks of ``layout``: what a transfer probe moves (the
+    bytes of a real run of that length, none of its meaning)."""
+    elem = torch.empty((), dtype=_dtype(layout)).element_size()
+    block_bytes = layout.block_size * layout.num_kv_heads * layout.head_dim * elem
+    data = np.zeros((n_blocks, layout.num_layers, 2, block_bytes), dtype=np.uint8)
+    return KVPayload(data, zlib.crc32(data))

@@ -28,7 +28,7 @@ from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
 from worker.engine import Engine
 from worker.engine.kv_pull import export_run, import_run
-from worker.kv.transfer import ImportRefused
+from worker.kv.transfer import BlockRun, ImportRefused, RunHeader
 from worker.pull.transport import (
     KVTransport,
     PullFailed,
@@ -79,6 +79,41 @@ class PeerPulls:
             return None
         self.exported_runs += 1
         return self.transport.publish(run)
+
+    async def probe_export(self, n_tokens: int, max_bytes: int = 64 << 20) -> RunHandle | None:
+        """Publish a zero run of ``n_tokens`` (whole blocks, at most ``max_bytes``) in this
+        worker's KV layout: the bytes a real pull of that length moves (the router's
+        transfer calibration)."""
+        from worker.model.kv_run import run_block_bytes, zero_payload
+
+        layout = self.engine.executor.kv_layout
+        if layout is None:
+            return None
+        per_block = run_block_bytes(layout)
+        n_blocks = max(1, min(n_tokens // layout.block_size, max_bytes // per_block))
+        header = RunHeader(layout, HashContext(), 0, (), ())
+        return self.transport.publish(BlockRun(header, zero_payload(layout, n_blocks)))
+
+    async def probe_pull(self, source_id: str, sizes: Sequence[int]) -> dict[str, Any]:
+        """Time pulls of zero runs of ``sizes`` tokens from ``source_id`` (call, publish,
+        fetch and a copy of the bytes, as an import copies them): the router fits its
+        transfer cost for this pair of nodes to the samples."""
+        source = await self._peer(source_id)
+        samples: list[tuple[int, float]] = []
+        source_node = ""
+        for n in sizes:
+            started = time.monotonic()
+            handle = await asyncio.wait_for(_await(source.probe_export.remote(n)), 30.0)
+            if handle is None:
+                break
+            run = await self.transport.fetch(handle, 30.0)
+            run.payload.data.copy()  # the import's copy into the cache
+            samples.append(
+                (len(run.payload) * self.engine.config.block_size, time.monotonic() - started)
+            )
+            self.transport.release(handle)
+            source_node = handle.node
+        return {"source_node": source_node, "node": self.node_id, "samples": samples}
 
     # -- importer ----------------------------------------------------------------------------
 
