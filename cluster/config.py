@@ -144,6 +144,25 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     redis: IndexSettings = IndexSettings()
 
+    @model_validator(mode="after")
+    def _adapter_owners_are_tenants(self) -> ClusterConfig:
+        # without auth a tenant is whatever a client says it is: an owner would protect nothing
+        owned = self.workers.engine.lora_tenants
+        tenants = self.router.auth_tokens
+        if owned and not tenants:
+            raise ValueError(
+                f"workers.engine.lora_tenants ({', '.join(sorted(owned))}) needs "
+                "router.auth_tokens: without authentication any client can name any tenant"
+            )
+        for name, owners in owned.items():
+            unknown = sorted(set(owners) - set(tenants))
+            if unknown:
+                raise ValueError(
+                    f"workers.engine.lora_tenants[{name!r}] names {unknown}, not tenants of "
+                    f"router.auth_tokens ({', '.join(sorted(tenants))})"
+                )
+        return self
+
 
 def redact_url(url: str | None) -> str | None:
     """``url`` with its password replaced by ``***`` (for printing and logging)."""

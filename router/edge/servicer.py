@@ -227,7 +227,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[str, Any, bool]]:
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
-        spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
+        tenant = self._tenant(request, context)
+        spec = spec_from_pb(request, tenant=tenant, limits=self.limits)
         token_ids = spec.token_ids
         if spec.messages is not None:
             chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
@@ -237,7 +238,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         elif token_ids is None:
             check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
             token_ids = await self.tokenize.encode(spec.text)
-        async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
+        gen = self.core.generate(spec.request_id, token_ids, spec.params, tenant=tenant)
+        async for worker, out in gen:
             if out.error is not None:  # it failed inside the engine (the engine goes on)
                 raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
             yield worker, out, spec.stream_text
@@ -302,6 +304,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatusResponse:
         statuses = await self.core.directory.statuses()
+        # a tenant sees only the adapters it may use (no auth: those registered for all)
+        tenant = self.auth.tenant_of(context.invocation_metadata()) if self.auth else None
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
         predicted = self.core.predictions.workers if self.core.predictions is not None else {}
@@ -338,6 +342,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     adapters=[
                         pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
                         for a in s.adapters
+                        if not a.tenants or tenant in a.tenants
                     ],
                     **_prediction_fields(predicted.get(s.worker_id)),
                 )

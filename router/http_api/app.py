@@ -41,7 +41,7 @@ from router.http_api.protocol import (
     to_specs,
 )
 from router.http_api.responses import Shaper
-from router.placement.adapters import adapter_name
+from router.placement.adapters import adapter_name, for_tenant
 from router.placement.config import RequestLimits
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
@@ -266,14 +266,14 @@ class OpenAIServer:
             )
         return tenant
 
-    async def _adapters(self) -> list[str]:
-        loads = await self.core.directory.candidates()
+    async def _adapters(self, tenant: str | None) -> list[str]:
+        """The adapters ``tenant`` may see (the others' are not listed nor served to it)."""
+        loads = for_tenant(await self.core.directory.candidates(), tenant)
         return sorted({adapter_name(i) for ld in loads.values() for i in ld.lora_ids})
 
     async def _models(self, request: Request) -> Response:
         try:
-            self._tenant(request)
-            adapters = await self._adapters()
+            adapters = await self._adapters(self._tenant(request))
         except Exception as exc:
             return _error_response(exc)
         base = self.core.limits.model_id
@@ -292,11 +292,12 @@ class OpenAIServer:
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    async def _lora_of(self, model: str) -> str | None:
-        """``model`` is the base model (None) or an adapter a live worker serves."""
+    async def _lora_of(self, model: str, tenant: str | None) -> str | None:
+        """``model`` is the base model (None) or an adapter a live worker serves to
+        ``tenant`` (another tenant's adapter does not exist for it)."""
         if model == self.core.limits.model_id:
             return None
-        if model in await self._adapters():
+        if model in await self._adapters(tenant):
             return model
         raise HTTPError(
             404,
@@ -367,7 +368,7 @@ class OpenAIServer:
         meta, reqs = parse_request(
             body, chat=chat, tenant=tenant, limits=self.limits, now=int(time.time())
         )
-        lora = await self._lora_of(meta.model)
+        lora = await self._lora_of(meta.model, tenant)
         specs = to_specs(reqs, tenant=tenant, lora=lora, limits=self.limits)
         token_lists = [await self._token_ids(s) for s in specs]
         if chat and not reqs[0].params.HasField("max_tokens"):
@@ -391,7 +392,8 @@ class OpenAIServer:
     async def _one(
         self, spec: GenerateSpec, ids: list[int]
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
-        async for worker, out in self.core.generate(spec.request_id, ids, spec.params):
+        gen = self.core.generate(spec.request_id, ids, spec.params, tenant=spec.tenant or None)
+        async for worker, out in gen:
             if out.error is not None:  # it failed inside the engine (the engine goes on)
                 raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
             yield worker, out

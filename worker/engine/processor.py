@@ -14,6 +14,7 @@ engine fails that request alone and the others go on.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -26,8 +27,20 @@ from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
-from worker.engine.sampler import PenaltyRows, SampleSpec, sample
+from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN or infinity: it is failed, never sampled."""
+
+
+def _non_finite(req: Request) -> str:
+    lora = f" with adapter {req.params.lora!r}" if req.params.lora else ""
+    return (
+        f"the model produced non-finite logits (NaN or infinity) for this request{lora}; "
+        "it is stopped rather than sampled from them"
+    )
 
 
 class OutputProcessor:
@@ -119,15 +132,21 @@ class OutputProcessor:
                 penalized.append((seq, req.params))
         if not targets:
             return
+        t0 = time.perf_counter()
         try:
             counts = self._counts(penalized, logits)
-            tokens = sample(logits[rows], specs, self._rng, counts)
+            # every row once, in order (the usual step): no copy of the logits
+            batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            tokens = sample(batch, specs, self._rng, counts)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
+        self.stats.stages.sample += time.perf_counter() - t0
         for (req, seq), tok, lp in sampled:
             self._outcome(req)
-            if not self._failed(req):
+            if tok is None and not self._failed(req):
+                self._outcome(req).error = NonFiniteLogits(_non_finite(req))
+            elif not self._failed(req):
                 self._guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
 
     def _sample_each(
@@ -220,7 +239,10 @@ class OutputProcessor:
     def _beam_step(self, req: Request) -> None:
         assert req.beam is not None
         seqs = req.seqs
-        logprobs = torch.stack([s.pending_logits for s in seqs]).log_softmax(dim=-1)
+        logits = torch.stack([s.pending_logits for s in seqs])
+        if not bool(finite_rows(logits).all()):
+            raise NonFiniteLogits(_non_finite(req))
+        logprobs = logits.log_softmax(dim=-1)
         for i, s in enumerate(seqs):
             s.pending_logits = None
             banned = self._banned(req, s)

@@ -1,8 +1,9 @@
-"""The worker actor's side of peer pulls: export to a peer, pull from a peer, warm start.
+"""The worker actor's side of peer pulls: export to a peer, pull from a peer, probe.
 
 :class:`PeerPulls` is mixed into the worker actor. Every engine access goes through the
-front (``with_engine`` in a thread of its own), so the actor's event loop never waits for a
-step; the bytes move through a :class:`~worker.pull.transport.KVTransport`.
+front (``with_engine_async``: run on the engine thread between steps), so the actor's event
+loop never waits for a step; the bytes move through a
+:class:`~worker.pull.transport.KVTransport`.
 
 A pull is advice, never a dependency: whatever goes wrong — the source holds nothing any
 more, it died or restarted, the object is lost, corrupt or of another model, tenant or
@@ -55,7 +56,7 @@ class PeerPulls:
         self.pulled_tokens = 0  # tokens imported by pulls
         self.exported_runs = 0  # runs this worker handed out
         self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
-        self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")  # actor lookups
         self.node_id = current_node_id()
         # last key of each pull in flight -> its end: a request of the same prefix that
         # arrives meanwhile waits for it instead of computing the prefix beside the import
@@ -63,9 +64,9 @@ class PeerPulls:
         self.coalesced = 0  # requests that waited for another request's pull
 
     async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
-        """``fn(engine)`` between steps, awaited without blocking the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._engine_calls, self.front.with_engine, fn)
+        """``fn(engine)`` on the engine thread between steps, awaited without blocking the
+        event loop."""
+        return await self.front.with_engine_async(fn)
 
     # -- source ------------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ class PeerPulls:
         handle = self._peers.get(worker_id)
         if handle is None:
             loop = asyncio.get_running_loop()
-            handle = await loop.run_in_executor(self._engine_calls, ray.get_actor, worker_id)
+            handle = await loop.run_in_executor(self._lookups, ray.get_actor, worker_id)
             self._peers[worker_id] = handle
         return handle
 
