@@ -46,6 +46,7 @@ def _run(task: tuple[str, bool, argparse.Namespace]) -> dict:
         "prefill_tokens_per_s": 1.0 / tm.prefill_s_per_token,
         "fixed_s": tm.pull_fixed_s,
         "per_token_s": tm.pull_s_per_token + 2 * tm.pull_copy_s_per_token,
+        "source_step_tokens": tm.max_batched_tokens,
         "min_pull_tokens": args.block_size,
     }
     routing = RoutingConfig(policy=policy, seed=args.seed, pull=pull)

@@ -108,6 +108,13 @@ class PullConfig(Strict):
         gt=0,
         description="Floor of a pull's soft deadline (its break-even against recomputing).",
     )
+    source_step_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Prefill tokens of one full engine step (the workers' "
+        "max_num_batched_tokens): a pull waits for the holder's step in flight, up to this "
+        "much of its queued prefill, before the export starts.",
+    )
     slow_factor: float = Field(
         2.0,
         ge=1,

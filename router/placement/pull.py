@@ -12,11 +12,13 @@ Per request, once the policy has chosen, the planner compares (in seconds):
 
 ``e`` is the policy's choice when that is not the holder, else the least loaded other
 worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
-is fixed + per token, per pair of nodes (:class:`TransferModel`), calibrated at start-up and
-refined from every observed pull. Ties go to hold, then recompute: affinity stays primary
-and a pull must pay for itself. A pull of fewer than ``min_pull_tokens`` is never priced
-(tiny prefixes recompute). The pull's soft deadline is its break-even: past the time that
-recomputing the pulled tokens would take, the worker recomputes instead.
+is the holder's step in flight (its queued prefill up to one step's tokens: the export runs
+between steps) plus fixed + per token, per pair of nodes (:class:`TransferModel`),
+calibrated at start-up and refined from every observed pull. Ties go to hold, then
+recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
+``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
+its break-even, the time recomputing the pulled tokens would take (or the priced transfer
+if longer): past it the worker recomputes instead.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class PullPlanner:
         min_pull_tokens: int,
         min_deadline_s: float,
         block_size: int,
+        source_step_tokens: int = 0,
         node_of: Callable[[str], NodeId] = lambda _w: "",
     ) -> None:
         self.transfers = transfers
@@ -134,6 +137,7 @@ class PullPlanner:
         self.min_pull_tokens = min_pull_tokens
         self.min_deadline_s = min_deadline_s
         self.block_size = block_size
+        self.source_step_tokens = source_step_tokens
         self.node_of = node_of
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
@@ -186,7 +190,11 @@ class PullPlanner:
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            xfer_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
+            # the export waits for the holder's step in flight (its load), then moves
+            step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
+            xfer_s = self._prefill(step) + self.transfers.seconds(
+                self.node_of(holder), self.node_of(elsewhere), gain
+            )
             pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
@@ -202,7 +210,7 @@ class PullPlanner:
             source_id=holder,
             start_block=start,
             num_blocks=total - start,
-            deadline_s=max(self._prefill(gain), self.min_deadline_s),
+            deadline_s=max(self._prefill(gain), xfer_s, self.min_deadline_s),
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced

@@ -65,6 +65,7 @@ class Router:
                 min_pull_tokens=pc.min_pull_tokens,
                 min_deadline_s=pc.min_deadline_s,
                 block_size=block_size,
+                source_step_tokens=pc.source_step_tokens,
                 node_of=lambda w: self.nodes.get(w, ""),
             )
 

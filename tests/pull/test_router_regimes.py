@@ -28,7 +28,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 # a slow prefill estimate: the pull's soft deadline (its break-even) is then seconds, so a
 # busy test machine cannot make the pulled regime recompute
-PULL = {"enabled": True, "prefill_tokens_per_s": 100.0, "min_pull_tokens": 64}
+PULL = {
+    "enabled": True,
+    "prefill_tokens_per_s": 100.0,
+    "min_pull_tokens": 64,
+    "source_step_tokens": 256,  # the workers' max_num_batched_tokens
+}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ RATE = 1000.0  # prefill tokens per second
 
 
 def routing(policy: str = "prefix_affinity", **pull) -> RoutingConfig:
-    pull = {"enabled": True, "prefill_tokens_per_s": RATE, "fixed_s": 0.01, **pull}
+    pull = {
+        "enabled": True,
+        "prefill_tokens_per_s": RATE,
+        "fixed_s": 0.01,
+        "source_step_tokens": 256,  # the holder's step in flight: 0.256 s
+        **pull,
+    }
     return RoutingConfig(policy=policy, seed=1, pull=pull, pending_ttl_s=0)
 
 
@@ -44,10 +50,22 @@ def test_saturated_holder_makes_the_router_pull_to_another_worker() -> None:
     assert d.pull is not None and d.pull.source_id == holder
     assert (d.pull.start_block, d.pull.num_blocks) == (0, 125)  # 2000 cached tokens
     assert d.cached_tokens_expected == 2000
-    # priced: fixed 10 ms + 2000 x 2 us; its soft deadline is the break-even (recomputing)
-    assert d.pull.priced_s == pytest.approx(0.01 + 2000 * 2e-6)
+    # priced: the holder's step in flight, fixed 10 ms, 2000 x 2 us; its soft deadline is
+    # the break-even (recomputing the pulled tokens)
+    assert d.pull.priced_s == pytest.approx(0.256 + 0.01 + 2000 * 2e-6)
     assert d.pull.deadline_s == pytest.approx(2000 / RATE)
     assert cluster.router.metrics.count(Reason.PULL) == 1
+
+
+def test_a_holder_busy_with_long_steps_is_not_pulled_from() -> None:
+    """The export waits for the holder's step in flight: 2048-token steps at 1000 tokens/s
+    cost 2 s, as much as recomputing: recompute elsewhere instead."""
+    cluster = MiniCluster(3, routing(source_step_tokens=2048))
+    prompt = tokens(1, 2000)
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 5000
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 50)), cluster.loads())
+    assert d.pull is None and d.worker_id != holder and d.cached_tokens_expected == 0
 
 
 def test_slow_transfers_make_recompute_or_hold_win() -> None:
@@ -74,7 +92,7 @@ def test_a_tiny_prefix_is_recomputed_never_pulled() -> None:
 
 
 def test_least_loaded_pulls_to_the_worker_it_chose() -> None:
-    cluster = MiniCluster(2, routing("least_loaded", fixed_s=0.0))
+    cluster = MiniCluster(2, routing("least_loaded", fixed_s=0.0, source_step_tokens=0))
     prompt = tokens(1, 1000)
     holder = warm(cluster, prompt)
     other = next(w for w in cluster.kv if w != holder)
