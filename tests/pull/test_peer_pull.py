@@ -185,3 +185,26 @@ def test_forged_run_from_a_peer_is_refused(ray_ns) -> None:
 
 def _reset(engine) -> bool:
     return engine.kv.reset_prefix_cache()
+
+
+def test_warm_start_pulls_a_peers_hottest_prefixes(ray_ns) -> None:
+    """A new worker pulls the prefixes its peer served most; its first requests for them
+    are prefix hits with the tokens the peer computed."""
+    a, b = start(ray_ns, "worker-w0"), start(ray_ns, "worker-w1")
+    hot, cold = [prompt(20 + i) for i in range(3)], prompt(30)
+    want = {}
+    for i, p in enumerate(hot):
+        for j in range(2):  # served twice: hotter than the cold one
+            _, toks, _ = run(a, WorkerRequest(f"h{i}-{j}", p + [j + 3], GREEDY))
+            want.setdefault(i, toks)  # the outputs of p + [3]
+    run(a, WorkerRequest("c", cold, GREEDY))
+    done = ray.get(b.warm_start.remote(["worker-w0", "worker-nobody"], 3), timeout=120)
+    assert done == {"runs": 3, "blocks": 15, "skipped": 1}, done
+    for i, p in enumerate(hot):
+        _, got, cached = run(b, WorkerRequest(f"b{i}", p + [3], GREEDY))
+        assert cached == 80 and got == want[i], (i, cached)
+    _, _, cached = run(b, WorkerRequest("bc", cold, GREEDY))
+    assert cached == 0  # not among the 3 hottest
+    assert ray.get(b.kv_blocks_in_use.remote()) == 0
+    for w in (a, b):
+        ray.kill(w)

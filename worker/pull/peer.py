@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -62,6 +62,11 @@ class PeerPulls:
         # arrives meanwhile waits for it instead of computing the prefix beside the import
         self._landing: dict[BlockKey, asyncio.Future[None]] = {}
         self.coalesced = 0  # requests that waited for another request's pull
+        # prompts served, by the key of their last full block: (context, keys, requests):
+        # what a new worker warms up from (hot_prefixes); bounded, least recent dropped
+        self._served: OrderedDict[BlockKey, list] = OrderedDict()
+        self.max_served = 4096
+        self.warmed_blocks = 0  # blocks imported by warm_start
 
     async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
         """``fn(engine)`` on the engine thread between steps, awaited without blocking the
@@ -122,6 +127,7 @@ class PeerPulls:
         self, request: WorkerRequest, keys: Sequence[BlockKey]
     ) -> PullReport | None:
         """Run the request's pull, if it has one; never raises (see the module docstring)."""
+        self._note_served(request, keys)
         hint = request.pull
         if hint is None:
             await self._await_landing(keys)
@@ -153,6 +159,66 @@ class PeerPulls:
         return PullReport(
             hint.source_id, outcome, blocks, blocks * bs, seconds, nbytes, self.node_id, node
         )
+
+    def _note_served(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> None:
+        usable = (len(request.token_ids) - 1) // self.engine.config.block_size
+        if usable <= 0:
+            return
+        last = keys[usable - 1]
+        entry = self._served.pop(last, None)
+        if entry is None:
+            entry = [self.engine.hash_context(request.params), tuple(keys[:usable]), 0]
+        entry[2] += 1
+        self._served[last] = entry
+        while len(self._served) > self.max_served:
+            self._served.popitem(last=False)
+
+    def hot_prefixes(self, n: int) -> list[tuple[HashContext, tuple[BlockKey, ...]]]:
+        """The ``n`` prompt prefixes this worker served most often (recent ones first among
+        equals): their contexts and chained keys, for a peer's warm start."""
+        ranked = sorted(enumerate(self._served.values()), key=lambda e: (-e[1][2], -e[0]))
+        return [(ctx, keys) for _, (ctx, keys, _n) in ranked[:n]]
+
+    async def warm_start(self, peer_ids: Sequence[str], n: int = 16) -> dict[str, int]:
+        """Pull the hottest prefixes of ``peer_ids`` (each peer's ``n`` most served) while
+        this worker takes load. Every run is checked like a request's pull: its keys must
+        hash from its own tokens under a context of this model; nothing here can fail a
+        request (a failed pull is skipped)."""
+        done = {"runs": 0, "blocks": 0, "skipped": 0}
+        bs = self.engine.config.block_size
+        for peer_id in peer_ids:
+            if peer_id == self.worker_id:
+                continue
+            try:
+                peer = await self._peer(peer_id)
+                hot = await asyncio.wait_for(_await(peer.hot_prefixes.remote(n)), 30.0)
+            except Exception:  # noqa: BLE001 - a peer that does not answer warms nothing
+                done["skipped"] += 1
+                continue
+            for ctx, keys in hot:
+                if ctx.model_id != self.engine.model_id:
+                    done["skipped"] += 1
+                    continue
+                try:
+                    handle = await asyncio.wait_for(_await(peer.export_kv.remote(keys, ctx)), 30.0)
+                    if handle is None:
+                        done["skipped"] += 1
+                        continue
+                    run = await self.transport.fetch(handle, 30.0)
+                    # the run's own tokens (and one more: a hit never covers the last token)
+                    prompt = [t for block in run.header.token_ids for t in block] + [0]
+                    res = await self._on_engine(
+                        lambda e, r=run, p=prompt, c=ctx: import_run(e, r, p, c)
+                    )
+                    self.transport.release(handle)
+                except (PullFailed, ImportRefused, TimeoutError):
+                    done["skipped"] += 1
+                    continue
+                done["runs"] += 1
+                done["blocks"] += res.blocks
+        self.warmed_blocks += done["blocks"]
+        log.info("worker %s warm start: %s (%d tokens)", self.worker_id, done, done["blocks"] * bs)
+        return done
 
     async def _await_landing(self, keys: Sequence[BlockKey]) -> None:
         """Wait for a pull in flight that brings a prefix of ``keys`` (it ends by its own
