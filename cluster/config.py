@@ -31,7 +31,7 @@ class ServedModelConfig(Strict):
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."
     )
-    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"] | None = Field(
         None,
         description="With path None: build a random-weight offline model of this family "
         "instead of the default model (tests and benchmarks).",
@@ -79,6 +79,11 @@ class RouterConfig(Strict):
         description="First router's OpenAI-compatible HTTP port (0: "
         "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
         "tokens and TLS files as gRPC.",
+    )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins browsers may call the HTTP API from (CORS), e.g. "
+        "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
     )
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."

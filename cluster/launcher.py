@@ -347,6 +347,7 @@ class Cluster:
             tls_cert=r.tls_cert,
             tls_key=r.tls_key,
             liveness=r.liveness,
+            cors_allowed_origins=tuple(r.cors_allowed_origins),
             http_port=None
             if r.http_port is None
             else r.http_port + i

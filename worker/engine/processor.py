@@ -289,4 +289,7 @@ class OutputProcessor:
             else:
                 self.stats.itl.append(now - (req.last_token_time or now))
             req.last_token_time = now
-        return RequestOutput(req.request_id, deltas, req.finished, req.usage(), req.error)
+        prompt = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and deltas:
+            prompt, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        return RequestOutput(req.request_id, deltas, req.finished, req.usage(), req.error, prompt)

@@ -206,6 +206,14 @@ def sample(
     device = logits.device
     raw = logits
     logits = _apply_penalties(logits, specs, counts)
+    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
+    if biased:  # OpenAI's logit_bias: added to the logits (logprobs stay the model's own)
+        rows, cols, bias = zip(*biased, strict=True)
+        logits = logits.index_put(
+            tuple(to_device([list(rows), list(cols)], torch.long, device)),
+            to_device(list(bias), logits.dtype, device),
+            accumulate=True,
+        )
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
@@ -248,3 +256,19 @@ def sample(
         top = tuple(zip(top_il[row][:k], top_vl[row][:k], strict=True)) if k else ()
         logprobs[i] = TokenLogprob(tok, chosen_l[row], top)
     return token_list, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its target token and its k most likely alternatives
+    (prompt logprobs: row i holds the logits that predict ``targets[i]``)."""
+    assert logits.shape[0] == len(targets), (logits.shape, len(targets))
+    lp = logits.log_softmax(dim=-1)
+    idx = to_device(list(targets), torch.long, logits.device)
+    chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1)
+    top_v, top_i = lp.topk(k) if k else (chosen[:0], idx[:0])
+    chosen_h, top_vh, top_ih = _to_host(chosen, top_v, top_i)
+    values, alt_v, alt_i = chosen_h.tolist(), top_vh.tolist(), top_ih.tolist()
+    return [
+        TokenLogprob(t, v, tuple(zip(alt_i[i], alt_v[i], strict=True)) if k else ())
+        for i, (t, v) in enumerate(zip(targets, values, strict=True))
+    ]
