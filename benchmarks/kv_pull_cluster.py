@@ -76,6 +76,7 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     "ttft_p50_s": s["ttft_p50_s"],
                     "ttft_p99_s": s["ttft_p99_s"],
                     "hit_rate": s["hit_rate"],
+                    "errors": ",".join(sorted({x.code for x in samples if not x.ok})) or "-",
                 }
             )
     return rows
