@@ -19,6 +19,7 @@ from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.outputs import FinishReason, RequestOutput
 from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from kvstore.blocks.structured import StructuredOutputs
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
 
@@ -115,7 +116,28 @@ def params_from_pb(
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["priority"] = priority
     values["cache_salt"] = cache_salt
+    if msg.HasField("structured"):
+        values["structured"] = structured_from_pb(msg.structured)
     return SamplingParams(**values)
+
+
+def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The constraint, checked by the grammar library (a grammar it cannot compile is
+    INVALID_ARGUMENT naming the field, before the request is routed)."""
+    which = msg.WhichOneof("kind")
+    field = f"params.structured.{which}"
+    if which is None:
+        raise InvalidRequest("params.structured", None, "set one of its kinds")
+    if which == "json_schema":
+        spec = StructuredOutputs.json_schema(msg.json_schema, field)
+    elif which == "choice":
+        spec = StructuredOutputs.choice(list(msg.choice.choices), field)
+    elif which == "json_object":
+        spec = StructuredOutputs("json_object", "", field)
+    else:
+        spec = StructuredOutputs(which, getattr(msg, which), field)
+    spec.check()
+    return spec
 
 
 def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:

@@ -41,6 +41,7 @@ from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
+from worker.engine.structured import GrammarCompiler, compile_error
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
@@ -89,6 +90,15 @@ class Engine:
         self.processor = OutputProcessor(
             tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
         )
+        # structured outputs: grammars compile off this thread; None without a real tokenizer
+        self.grammars: GrammarCompiler | None = None
+        if hasattr(self.tokenizer, "backend_json"):
+            self.grammars = GrammarCompiler(
+                self.tokenizer.backend_json(),
+                vocab_size=executor.vocab_size,
+                eos_ids=sorted(self.eos_ids),
+            )
+        self._compiling: list[Request] = []  # requests whose grammar is being compiled
 
     @classmethod
     def from_model_dir(
@@ -169,6 +179,12 @@ class Engine:
         )
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
+        if params.structured is not None and self.grammars is None:
+            raise InvalidRequest(
+                params.structured.field,
+                params.structured.kind,
+                "structured outputs need the model's tokenizer; this engine has none",
+            )
         req = new_request(
             rid,
             prompt_ids,
@@ -179,6 +195,11 @@ class Engine:
             eos_ids=self.eos_ids,
             new_text=self.processor.new_text,
         )
+        if params.structured is not None:
+            assert self.grammars is not None
+            req.grammar = self.grammars.submit(params.structured)
+            req.awaiting_grammar = True
+            self._compiling.append(req)
         self.requests[rid] = req
         self.scheduler.add(req, prompt_keys)
         return rid
@@ -212,7 +233,42 @@ class Engine:
             log.exception("engine step failed; aborting the running requests")
             return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
 
+    def _install_grammars(self) -> None:
+        """Compiles that ended: their requests get their matchers (and may be admitted), or
+        fail with the compiler's message."""
+        still = []
+        for req in self._compiling:
+            fut = req.grammar
+            assert fut is not None
+            if req.finished:
+                continue
+            if not fut.done():
+                still.append(req)
+            elif fut.exception() is not None:
+                self.scheduler.abort(req, compile_error(fut))
+                self._pending.append(self.processor.output(req))
+            else:
+                template = fut.result()
+                for seq in req.seqs:
+                    seq.matcher = template.deep_copy()
+                req.awaiting_grammar = False
+        self._compiling = still
+        self._reap()
+
+    def idle_on_grammars(self) -> bool:
+        """Nothing can run until a grammar compile ends (the front sleeps until one does)."""
+        return (
+            bool(self._compiling)
+            and not self._pending
+            and not self.scheduler.running
+            and all(r.awaiting_grammar for r in self.scheduler.waiting)
+        )
+
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self._compiling:
+            self._install_grammars()
+            outputs += self._pending
+            self._pending = []
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_swap_preemptions += len(sched.swapped)
@@ -396,7 +452,11 @@ class Engine:
                 order.append(rid)
                 results[rid] = GenerationResult(rid, [])
                 open_ids.add(rid)
-            for out in self.step():
+            news = self.step()
+            if not news and self.idle_on_grammars():
+                assert self.grammars is not None
+                self.grammars.wait_any([r.grammar for r in self._compiling], 0.1)  # type: ignore[misc]
+            for out in news:
                 if out.request_id in results:
                     results[out.request_id].add(out)
                     if out.finished:

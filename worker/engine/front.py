@@ -130,6 +130,8 @@ class StreamingEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the loop, if anything
+        if engine.grammars is not None:  # a finished grammar compile wakes the loop
+            engine.grammars.on_ready = self._wake.set
 
     def start(self) -> StreamingEngine:
         if self._thread is None:
@@ -224,8 +226,9 @@ class StreamingEngine:
                     outputs = self.engine.step() if busy else []
                     if busy and self._on_step is not None:
                         self._hook(outputs)
+                    compiling = busy and not outputs and self.engine.idle_on_grammars()
                 self._dispatch(outputs)
-                if not busy:
+                if not busy or compiling:
                     self._wake.wait(self._idle_wait)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
             log.exception("engine loop died")

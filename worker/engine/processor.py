@@ -28,6 +28,7 @@ from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
 from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
+from worker.engine.structured import grammar_rows, token_mask
 
 
 class OutputProcessor:
@@ -47,6 +48,7 @@ class OutputProcessor:
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
+        self._grammar_exec = None  # llguidance's parallel mask filler, made on first use
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -111,6 +113,7 @@ class OutputProcessor:
         rows: list[int] = []
         specs: list[SampleSpec] = []
         penalized: list[tuple[Sequence, SamplingParams]] = []
+        jobs = grammar_rows(jobs, self._guarded)  # (a matcher in error fails its request)
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
@@ -121,7 +124,8 @@ class OutputProcessor:
             return
         try:
             counts = self._counts(penalized, logits)
-            tokens = sample(logits[rows], specs, self._rng, counts)
+            mask = self._mask([seq for _, seq in targets], logits)
+            tokens = sample(logits[rows], specs, self._rng, counts, mask)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
@@ -147,8 +151,9 @@ class OutputProcessor:
             mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
                 counts = self._counts(mine, logits)
+                mask = self._mask([targets[i][1] for i in idx], logits)
                 toks, lps = sample(
-                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts, mask
                 )
             except Exception as exc:  # noqa: BLE001
                 self._outcome(req).error = exc
@@ -163,6 +168,17 @@ class OutputProcessor:
             return None
         return self.penalties.rows(penalized, logits.shape[-1], logits.device)
 
+    def _mask(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
+        """The grammar masks of the constrained rows (None when no row is)."""
+        matchers = [s.matcher for s in seqs]
+        if all(m is None for m in matchers):
+            return None
+        if self._grammar_exec is None:
+            import llguidance
+
+            self._grammar_exec = llguidance.LLExecutor()
+        return token_mask(matchers, self._grammar_exec, logits.shape[-1], logits.device)
+
     def release(self, req: Request) -> None:
         """``req`` finished: its sequences' penalty rows are free."""
         if req.params.has_penalties:
@@ -173,7 +189,8 @@ class OutputProcessor:
         p = req.params
         if seq.num_output >= p.min_tokens:
             return ()
-        eos = () if p.ignore_eos else tuple(self.eos_ids)
+        # a grammar decides where the output may end: EOS stays allowed where it allows it
+        eos = () if p.ignore_eos or seq.matcher is not None else tuple(self.eos_ids)
         return (*eos, *p.stop_token_ids)
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
@@ -192,6 +209,11 @@ class OutputProcessor:
             matched = seq.text.add(tok, check_stops=check, show=reason is None)
             if matched is not None and reason is None:
                 reason, stop_reason = FinishReason.STOP, matched
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(tok):
+                raise RuntimeError(f"the grammar refused token {tok}: {seq.matcher.get_error()}")
+            if reason is None and seq.matcher.is_stopped():
+                reason = FinishReason.STOP  # the grammar is complete: nothing may follow
         if reason is None and num_output >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:

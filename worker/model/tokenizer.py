@@ -162,6 +162,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` model as JSON (what grammar libraries read the vocabulary from)."""
+        return self._tok.to_str()
+
     def render_chat(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:

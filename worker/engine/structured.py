@@ -1,0 +1,205 @@
+"""Grammar-constrained decoding: compile a request's constraint, mask its tokens, follow it.
+
+A request with ``SamplingParams.structured`` gets its grammar compiled against the model's
+tokenizer by :class:`GrammarCompiler`, on a thread of its own (llguidance releases the GIL
+while it builds the lexer), cached by constraint: the engine thread never compiles. Until the
+compile is done the request waits (``Request.awaiting_grammar``); the scheduler admits the
+others past it. A compile that fails fails that request alone.
+
+Each sequence of the request then carries its own matcher (``Sequence.matcher``), a copy of
+the compiled template: forked samples copy their parent's, preempted sequences keep theirs
+(their output tokens are kept, so the matcher stays in step with them whether their KV was
+swapped or is recomputed), and only sampled tokens advance it. Per step,
+:func:`token_mask` fills the constrained rows' bitmasks in one parallel call and ships them
+to the logits' device, where the sampler masks them in one batched op.
+
+Why llguidance rather than xgrammar (measured on SmolLM2's 49k-token byte-level BPE and
+the tiny models' tokenizers, 8 JSON schemas, 2-core CPU): it imports without torch or
+transformers (the router validates grammars and must not load torch; xgrammar's import pulls
+both, 2.2 s), it reads our ``tokenizers`` JSON as is (xgrammar needs the vocabulary decoded
+and its type detected), and it compiles a schema in 0.2-0.7 ms (xgrammar 0.6-4.7 ms). A
+batch-32 mask costs 0.6 ms with llguidance and 0.1 ms with xgrammar, both under 1 % of a
+batch-32 decode step of the 135M model here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import torch
+
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.structured import StructuredOutputs, parser_limits
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarStats:
+    """The compiler's figures since the engine started."""
+
+    requests: int  # constraints asked for
+    cache_hits: int  # of those, found compiled (or compiling) in the cache
+    compiles: int  # compiles run (misses)
+    compile_s: float  # seconds spent compiling, all compiles together
+    failures: int  # compiles that failed (the request failed with the library's message)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cache_hits / self.requests if self.requests else 0.0
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer, off the engine thread, cached by constraint.
+
+    Callers' obligations: ``submit`` is called from one thread at a time (the engine's, or
+    under the streaming front's lock); the returned future's matcher is a template, never
+    advanced: a request copies it (``deep_copy``) for each of its sequences."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        *,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        cache_size: int = 256,
+        threads: int = 1,
+    ) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_ids = list(eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built on first compile
+        self._tok_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[StructuredOutputs, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache_size = cache_size
+        self._requests = self._hits = self._compiles = self._failures = 0
+        self._compile_s = 0.0
+        self.on_ready: Callable[[], None] | None = None  # called when any compile ends
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer (about 0.2 s to build for a 49k vocabulary)."""
+        with self._tok_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos_ids
+                )
+            return self._tokenizer
+
+    def submit(self, spec: StructuredOutputs) -> Future[llguidance.LLMatcher]:
+        self._requests += 1
+        fut = self._cache.get(spec)
+        if fut is not None:
+            self._hits += 1
+            self._cache.move_to_end(spec)
+            return fut
+        fut = self._pool.submit(self._compile, spec)
+        fut.add_done_callback(self._ready)
+        self._cache[spec] = fut
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        start = time.perf_counter()
+        try:
+            grammar = spec.grammar()
+            matcher = llguidance.LLMatcher(
+                self.tokenizer(), grammar, log_level=0, limits=parser_limits()
+            )
+            if matcher.is_error():
+                raise InvalidRequest(
+                    spec.field, spec.kind, f"does not compile: {matcher.get_error()}"
+                )
+            return matcher
+        except Exception:
+            self._failures += 1
+            raise
+        finally:
+            self._compiles += 1
+            self._compile_s += time.perf_counter() - start
+
+    def _ready(self, _fut: Future) -> None:
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def wait_any(self, futures: Sequence[Future], timeout: float) -> None:
+        """Block until one of ``futures`` is done (offline loops: no busy waiting)."""
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def stats(self) -> GrammarStats:
+        return GrammarStats(
+            self._requests, self._hits, self._compiles, self._compile_s, self._failures
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_error(fut: Future) -> str:
+    """Why a finished compile failed, as the request's error."""
+    exc = fut.exception()
+    assert exc is not None
+    if isinstance(exc, InvalidRequest):
+        return str(exc)
+    return f"structured outputs: the grammar failed to compile: {type(exc).__name__}: {exc}"
+
+
+@dataclass(slots=True)
+class TokenMask:
+    """Grammar constraints of some rows of a batch: only ``allowed`` tokens may be sampled
+    there (the sampler sets the others' logits to -inf)."""
+
+    rows: torch.Tensor  # [k] long, on the logits' device: the constrained rows
+    allowed: torch.Tensor  # [k, vocab] bool, on the logits' device
+
+
+def token_mask(
+    matchers: Sequence[Any | None],
+    executor: llguidance.LLExecutor,
+    vocab: int,
+    device: torch.device,
+) -> TokenMask | None:
+    """The masks of the rows whose matcher is set (None when no row is constrained): one
+    parallel bitmask fill on the host, one copy over, unpacked on ``device``."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return None
+    words = (vocab + 31) // 32
+    bits = torch.full((len(rows), words), -1, dtype=torch.int32)
+    if device.type == "cuda":
+        bits = bits.pin_memory()
+    executor.unsafe_compute_mask_ptr(
+        [(matchers[r], k) for k, r in enumerate(rows)], bits.data_ptr(), words * 4, len(rows)
+    )
+    idx = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cpu":
+        bits = bits.to(device, non_blocking=True)
+        idx = idx.to(device, non_blocking=True)
+    shifts = _SHIFTS.to(device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
+    return TokenMask(idx, allowed.bool())
+
+
+def grammar_rows(jobs: list, guarded: Callable[[Any, Callable[[], object]], None]) -> list:
+    """``jobs`` ((request, sequence, row) to sample) less those whose matcher is in an error
+    state: ``guarded`` fails each of their requests with the matcher's message."""
+    ok = []
+    for job in jobs:
+        req, seq, _ = job
+        if seq.matcher is not None and seq.matcher.is_error():
+
+            def fail(m: Any = seq.matcher) -> None:
+                raise RuntimeError(f"structured outputs: the grammar failed: {m.get_error()}")
+
+            guarded(req, fail)
+        else:
+            ok.append(job)
+    return ok
