@@ -46,8 +46,8 @@ class StructuredOutputs:
     key is ``(kind, value)``)."""
 
     kind: Kind
-    # json_schema: the schema as JSON text (canonical: keys sorted, no spaces); regex and
-    # grammar: their text; choice: a JSON list of the strings; json_object: "".
+    # json_schema: the schema as compact JSON text (key order kept: it orders the output);
+    # regex and grammar: their text; choice: a JSON list of the strings; json_object: "".
     value: str = ""
     # how the client's API names the field (errors quote it); not part of the key
     field: str = dc_field(default="structured_outputs", compare=False)
@@ -95,7 +95,7 @@ class StructuredOutputs:
                 raise InvalidRequest(field, _shown(schema), f"not JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise InvalidRequest(field, type(schema).__name__, "a JSON schema must be an object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)
 
     @classmethod
     def choice(cls, options: Any, field: str = "structured_outputs") -> StructuredOutputs:

@@ -7,11 +7,12 @@ Nothing past the servicer sees a protobuf message. Every rule broken raises the 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
@@ -66,7 +67,9 @@ class GenerateSpec:
     stream_text: bool  # send text deltas (else token ids only)
     # chat messages as ({"role", "content"}, ...) when the prompt is a conversation; the
     # serving edge renders them with the model's chat template into ``text``'s place
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    # the tools a chat may call (OpenAI tool objects), for the chat template
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 def _check_str(field: str, value: str, limit: int) -> None:
@@ -176,9 +179,10 @@ def spec_from_pb(
     which = req.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("prompt", None, "set exactly one of text, token_ids or messages")
-    text = token_ids = messages = None
+    text = token_ids = messages = tools = None
     if which == "messages":
         messages = messages_from_pb(req.messages, limits)
+        tools = tools_from_pb(req.messages)
     elif which == "text":
         if not req.text:
             raise InvalidRequest("text", "", "must be a non-empty string")
@@ -201,6 +205,7 @@ def spec_from_pb(
         tenant=req.tenant,
         stream_text=req.stream_text if req.HasField("stream_text") else True,
         messages=messages,
+        tools=tools,
     )
 
 
@@ -218,7 +223,37 @@ def messages_from_pb(
             f"<{total} chars>",
             f"must be at most {limits.max_prompt_chars} characters in all",
         )
-    return tuple({"role": m.role, "content": m.content} for m in msg.messages)
+    return tuple(_message(i, m) for i, m in enumerate(msg.messages))
+
+
+def _json_field(field: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(field, f"<{len(text)} chars>", f"is not JSON: {exc}") from None
+
+
+def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = _json_field(f"messages[{i}].tool_calls", m.tool_calls)
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls", "<value>", "must be a JSON list")
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
+
+
+def tools_from_pb(msg: pb.ChatMessages) -> tuple[dict[str, Any], ...] | None:
+    if not msg.tools:
+        return None
+    tools = _json_field("messages.tools", msg.tools)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequest("messages.tools", "<value>", "must be a JSON list of tool objects")
+    return tuple(tools)
 
 
 def responses_from_output(
@@ -317,11 +352,17 @@ def _bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> st
     return None
 
 
-def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+def chat_token_ids(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
     """Render a conversation with the model's chat template (plus the assistant's turn
     prefix) and tokenize it; a bad message or a model without a template is the client's
     error (INVALID_ARGUMENT naming the message)."""
     try:
+        if tools:
+            return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
         return tokenizer.encode_chat(messages, add_generation_prompt=True)
     except ValueError as exc:
         raise InvalidRequest("messages", f"<{len(messages)} messages>", str(exc)) from exc

@@ -232,7 +232,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         if spec.messages is not None:
             chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
             token_ids = await self.tokenize.run(
-                chars, chat_token_ids, self.tokenizer, spec.messages
+                chars, chat_token_ids, self.tokenizer, spec.messages, spec.tools
             )
         elif token_ids is None:
             check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)

@@ -381,7 +381,9 @@ class OpenAIServer:
         long for the model refused before it is tokenized."""
         if spec.messages is not None:
             chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
-            return await self.tokenize.run(chars, chat_token_ids, self.tokenizer, spec.messages)
+            return await self.tokenize.run(
+                chars, chat_token_ids, self.tokenizer, spec.messages, spec.tools
+            )
         if spec.token_ids is not None:
             return spec.token_ids
         # refused before any work is spent on it, as on the gRPC edge

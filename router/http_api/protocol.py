@@ -9,6 +9,7 @@ the API's versioned request schema here, not a transport: nothing leaves this mo
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -18,6 +19,7 @@ from typing import Any
 from kvstore.blocks.errors import InvalidRequest
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import GenerateSpec, spec_from_pb
+from router.http_api import structured, tools
 from router.placement.config import RequestLimits
 
 # Sampling fields copied to pb.SamplingParams as they are: name -> JSON type.
@@ -50,8 +52,13 @@ _COMMON = frozenset(
         *_FLOAT_PARAMS,
     }
 )
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"} | structured.FIELDS
+CHAT_FIELDS = (
+    _COMMON
+    | {"messages", "max_completion_tokens", "top_logprobs"}
+    | structured.FIELDS
+    | tools.FIELDS
+)
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
 
@@ -67,6 +74,7 @@ class OpenAIRequest:
     top_logprobs: int | None  # alternatives per token to return; None: no logprobs
     created: int  # unix time of arrival
     response_id: str  # "cmpl-..." / "chatcmpl-..."
+    tools: tools.ToolSpec | None = None  # chat: the request's tools and tool_choice
 
 
 def shown(value: Any, limit: int = 64) -> Any:
@@ -189,18 +197,21 @@ def _messages(body: dict) -> pb.ChatMessages:
                     )
                 parts.append(part["text"])
             content = "".join(parts)
+        msg = pb.ChatMessage(role=role)
+        tools.message_to_pb(m, field, msg)  # tool_calls, tool_call_id, name
+        if content is None and msg.tool_calls:
+            content = ""
         if not isinstance(content, str):
             raise _bad_type(f"{field}.content", content, "a string or a list of text parts")
-        if not isinstance(m.get("name", ""), str):
-            raise _bad_type(f"{field}.name", m["name"], "a string")
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - {"role", "content", *tools.MESSAGE_FIELDS}
         if extra:
             raise InvalidRequest(
                 f"{field}",
                 shown(sorted(extra)[0]),
-                "unknown message field (supported: role, content, name)",
+                "unknown message field (supported: role, content, name, tool_calls, tool_call_id)",
             )
-        out.messages.append(pb.ChatMessage(role=role, content=content))
+        msg.content = content
+        out.messages.append(msg)
     return out
 
 
@@ -311,6 +322,12 @@ def parse_request(
             raise _bad_type("stop_token_ids", stop_ids, "a list of token ids")
         params.stop_token_ids.extend(_token_ids("stop_token_ids", stop_ids))
     top_logprobs = _logprobs(body, chat, params)
+    constraint = structured.structured_from_body(body)
+    tool_spec = tools.tools_from_body(body, constraint) if chat else None
+    if tool_spec is not None and tool_spec.constraint is not None:
+        constraint = tool_spec.constraint
+    if constraint is not None:
+        structured.to_pb(constraint, params)
     stream = bool(_bool(body, "stream"))
     opts = body.get("stream_options")
     include_usage = False
@@ -343,6 +360,8 @@ def parse_request(
         req = pb.GenerateRequest()
         req.CopyFrom(base)
         req.messages.CopyFrom(_messages(body))
+        if tool_spec is not None:
+            req.messages.tools = json.dumps(list(tool_spec.tools), ensure_ascii=False)
         req.request_id = response_id[: limits.max_request_id_chars]
         reqs.append(req)
     else:
@@ -379,6 +398,7 @@ def parse_request(
         top_logprobs=top_logprobs,
         created=now,
         response_id=response_id,
+        tools=tool_spec,
     )
     return meta, reqs
 

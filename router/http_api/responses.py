@@ -6,6 +6,7 @@ from typing import Any
 
 from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.protocol import OpenAIRequest
+from router.http_api.tools import ToolStream, message_json, tool_chunk_delta
 from worker.model.tokenizer import Tokenizer
 
 
@@ -29,6 +30,7 @@ class Shaper:
         self.n = n
         self.tok = tokenizer
         self.kind = "chat.completion" if req.chat else "text_completion"
+        self._tool_streams: dict[int, ToolStream] = {}  # chat with tools: per choice
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")
@@ -75,6 +77,9 @@ class Shaper:
         lp = self.logprobs_json(d.logprobs)
         if self.req.chat:
             delta: dict[str, Any] = {"content": d.text}
+            if self.req.tools is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.req.tools))
+                delta, reason = tool_chunk_delta(stream, d.text, reason)
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -101,7 +106,8 @@ class Shaper:
                 "finish_reason": reason,
             }
             if self.req.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"], tool_reason = message_json(c.text, self.req.tools)
+                choice["finish_reason"] = tool_reason or reason
             else:
                 choice["text"] = c.text
             choices.append(choice)
