@@ -99,6 +99,7 @@ class Engine:
                 eos_ids=sorted(self.eos_ids),
             )
         self._compiling: list[Request] = []  # requests whose grammar is being compiled
+        self._num_constrained = 0  # live requests with a grammar
 
     @classmethod
     def from_model_dir(
@@ -200,6 +201,7 @@ class Engine:
             req.grammar = self.grammars.submit(params.structured)
             req.awaiting_grammar = True
             self._compiling.append(req)
+            self._num_constrained += 1
         self.requests[rid] = req
         self.scheduler.add(req, prompt_keys)
         return rid
@@ -283,6 +285,8 @@ class Engine:
                 if sched.chunks:
                     if sched.blocks_to_copy:
                         self.executor.copy_blocks(sched.blocks_to_copy)
+                    if self._num_constrained:  # their masks fill while the model runs
+                        self.processor.start_masks(sched, self.executor.vocab_size)
                     logits = self.executor.execute(sched.chunks)
             except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
                 log.exception("model step failed; aborting running requests")
@@ -290,6 +294,7 @@ class Engine:
             if logits is not None:
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
+                self.processor.masks.wait()  # (forks copy matchers)
                 forks = self._fork_samples(sched, changed)
                 for out in self.processor.process(sched, logits, forks):
                     changed[out.req.request_id] = out.req
@@ -358,6 +363,7 @@ class Engine:
         for req in self.scheduler.take_finished():
             self.processor.release(req)
             self.requests.pop(req.request_id, None)
+            self._num_constrained -= req.params.structured is not None
             self.stats.num_finished += 1
             self.stats.prompt_tokens += req.prompt_len
 

@@ -28,7 +28,7 @@ from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
 from worker.engine.sampler import PenaltyRows, SampleSpec, sample
 from worker.engine.sched_output import SchedulerOutput
-from worker.engine.structured import grammar_rows, token_mask
+from worker.engine.structured import GrammarMasks, grammar_rows
 
 
 class OutputProcessor:
@@ -48,7 +48,7 @@ class OutputProcessor:
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
-        self._grammar_exec = None  # llguidance's parallel mask filler, made on first use
+        self.masks = GrammarMasks()  # this step's grammar masks (structured outputs)
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -124,7 +124,7 @@ class OutputProcessor:
             return
         try:
             counts = self._counts(penalized, logits)
-            mask = self._mask([seq for _, seq in targets], logits)
+            mask = self.masks.mask(rows, [seq.matcher for _, seq in targets], logits)
             tokens = sample(logits[rows], specs, self._rng, counts, mask)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
@@ -151,7 +151,9 @@ class OutputProcessor:
             mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
                 counts = self._counts(mine, logits)
-                mask = self._mask([targets[i][1] for i in idx], logits)
+                mask = self.masks.mask(
+                    [rows[i] for i in idx], [targets[i][1].matcher for i in idx], logits
+                )
                 toks, lps = sample(
                     logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts, mask
                 )
@@ -168,16 +170,16 @@ class OutputProcessor:
             return None
         return self.penalties.rows(penalized, logits.shape[-1], logits.device)
 
-    def _mask(self, seqs: list[Sequence], logits: torch.Tensor):  # noqa: ANN202
-        """The grammar masks of the constrained rows (None when no row is)."""
-        matchers = [s.matcher for s in seqs]
-        if all(m is None for m in matchers):
-            return None
-        if self._grammar_exec is None:
-            import llguidance
-
-            self._grammar_exec = llguidance.LLExecutor()
-        return token_mask(matchers, self._grammar_exec, logits.shape[-1], logits.device)
+    def start_masks(self, sched: SchedulerOutput, vocab: int) -> None:
+        """Before the model runs: begin filling the grammar masks of the rows that will
+        sample (rows counted as :meth:`process` counts them)."""
+        rows = {}
+        logits_rows = (c for c in sched.chunks if c.wants_logits)
+        for row, chunk in enumerate(logits_rows):
+            m = chunk.seq.matcher
+            if m is not None and chunk.req.beam is None and not m.is_error():
+                rows[row] = m
+        self.masks.start(rows, vocab)
 
     def release(self, req: Request) -> None:
         """``req`` finished: its sequences' penalty rows are free."""

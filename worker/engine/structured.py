@@ -10,8 +10,9 @@ Each sequence of the request then carries its own matcher (``Sequence.matcher``)
 the compiled template: forked samples copy their parent's, preempted sequences keep theirs
 (their output tokens are kept, so the matcher stays in step with them whether their KV was
 swapped or is recomputed), and only sampled tokens advance it. Per step,
-:func:`token_mask` fills the constrained rows' bitmasks in one parallel call and ships them
-to the logits' device, where the sampler masks them in one batched op.
+:class:`GrammarMasks` fills the constrained rows' bitmasks in one parallel call on a helper
+thread while the model runs, and ships them to the logits' device, where the sampler masks
+them in one batched op.
 
 Why llguidance rather than xgrammar (measured on SmolLM2's 49k-token byte-level BPE and
 the tiny models' tokenizers, 8 JSON schemas, 2-core CPU): it imports without torch or
@@ -161,31 +162,81 @@ class TokenMask:
     allowed: torch.Tensor  # [k, vocab] bool, on the logits' device
 
 
-def token_mask(
-    matchers: Sequence[Any | None],
-    executor: llguidance.LLExecutor,
-    vocab: int,
-    device: torch.device,
-) -> TokenMask | None:
-    """The masks of the rows whose matcher is set (None when no row is constrained): one
-    parallel bitmask fill on the host, one copy over, unpacked on ``device``."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return None
-    words = (vocab + 31) // 32
-    bits = torch.full((len(rows), words), -1, dtype=torch.int32)
-    if device.type == "cuda":
-        bits = bits.pin_memory()
-    executor.unsafe_compute_mask_ptr(
-        [(matchers[r], k) for k, r in enumerate(rows)], bits.data_ptr(), words * 4, len(rows)
-    )
-    idx = torch.tensor(rows, dtype=torch.long)
-    if device.type != "cpu":
-        bits = bits.to(device, non_blocking=True)
-        idx = idx.to(device, non_blocking=True)
-    shifts = _SHIFTS.to(device)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
-    return TokenMask(idx, allowed.bool())
+class GrammarMasks:
+    """The bitmasks of one step's constrained rows. :meth:`start` fills them on a helper
+    thread (llguidance's parallel filler, GIL released) while the model computes the logits;
+    :meth:`mask` ships the rows a batch samples to the logits' device and unpacks them there.
+
+    Obligation: between ``start`` and ``wait`` nothing touches the matchers (the engine waits
+    before it forks samples, which copy them)."""
+
+    def __init__(self) -> None:
+        self._exec: llguidance.LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._bits: dict[int, torch.Tensor] = {}  # logits row -> its bitmask (this step)
+
+    def _fill(self, matchers: Sequence[Any], vocab: int) -> torch.Tensor:
+        if self._exec is None:
+            self._exec = llguidance.LLExecutor()
+        words = (vocab + 31) // 32
+        bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        if torch.cuda.is_available():
+            bits = bits.pin_memory()
+        pairs = [(m, k) for k, m in enumerate(matchers)]
+        self._exec.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), words * 4, len(matchers))
+        return bits
+
+    def start(self, rows: dict[int, Any], vocab: int) -> None:
+        """Begin filling the masks of ``rows`` (logits row -> its sequence's matcher)."""
+        self._bits = {}
+        self._pending = None
+        if not rows:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        order = list(rows)
+
+        def fill() -> dict[int, torch.Tensor]:
+            bits = self._fill([rows[r] for r in order], vocab)
+            return {r: bits[k] for k, r in enumerate(order)}
+
+        self._pending = self._pool.submit(fill)
+
+    def wait(self) -> None:
+        """The filling started by :meth:`start` is over (a failure leaves the rows to
+        :meth:`mask`, which fills them again, one request at a time)."""
+        if self._pending is not None:
+            try:
+                self._bits = self._pending.result()
+            except Exception:  # noqa: BLE001 - refilled per request, where it fails alone
+                self._bits = {}
+            self._pending = None
+
+    def mask(
+        self, rows: Sequence[int], matchers: Sequence[Any | None], logits: torch.Tensor
+    ) -> TokenMask | None:
+        """The mask of a batch to sample: position ``i`` samples logits row ``rows[i]`` with
+        ``matchers[i]`` (None: unconstrained). A forked sample shares its parent's row and,
+        before its first token, its state, hence its mask."""
+        self.wait()
+        vocab, device = logits.shape[-1], logits.device
+        pos = [i for i, m in enumerate(matchers) if m is not None]
+        if not pos:
+            return None
+        missing = [i for i in pos if rows[i] not in self._bits]
+        if missing:
+            bits = self._fill([matchers[i] for i in missing], vocab)
+            self._bits.update({rows[i]: bits[k] for k, i in enumerate(missing)})
+        bits = torch.stack([self._bits[rows[i]] for i in pos])
+        idx = torch.tensor(pos, dtype=torch.long)
+        if device.type != "cpu":
+            bits = bits.to(device, non_blocking=True)
+            idx = idx.to(device, non_blocking=True)
+        words = bits.shape[1]
+        shifts = _SHIFTS.to(device)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(pos), words * 32)[:, :vocab]
+        return TokenMask(idx, allowed.bool())
 
 
 def grammar_rows(jobs: list, guarded: Callable[[Any, Callable[[], object]], None]) -> list:

@@ -61,12 +61,8 @@ def with_tools(
         if m.get("tool_calls"):
             calls = "\n".join(
                 "<tool_call>\n"
-                + json.dumps(
-                    {
-                        "name": c["function"].get("name"),
-                        "arguments": c["function"].get("arguments"),
-                    },
-                    ensure_ascii=False,
+                + _compact(
+                    {"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}
                 )
                 + "\n</tool_call>"
                 for c in m["tool_calls"]
