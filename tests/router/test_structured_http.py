@@ -203,3 +203,22 @@ def test_tools_through_templates_with_and_without_tool_support() -> None:
     assert text.startswith("<|im_start|>system\nYou may call functions")
     assert '"name":"get_weather"' in text and "<tool_response>\n21 C\n</tool_response>" in text
     assert '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>' in text
+
+
+def test_grpc_field_is_checked_and_named() -> None:
+    from protos.kvcluster.v1 import kvcluster_pb2 as pb
+
+    req = pb.GenerateRequest(text="hi")
+    req.params.structured.regex = "[a-z]+"
+    assert spec_from_pb(req).params.structured.value == "[a-z]+"
+    req.params.structured.regex = "[a-z"
+    with pytest.raises(InvalidRequest) as err:
+        spec_from_pb(req)
+    assert err.value.field == "params.structured.regex"
+    req.params.structured.json_schema = "{not json"
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        spec_from_pb(req)
+    req.params.beam_width = 2
+    req.params.structured.json_object = True
+    with pytest.raises(InvalidRequest, match="beam search cannot be combined"):
+        spec_from_pb(req)
