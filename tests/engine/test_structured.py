@@ -202,3 +202,22 @@ def test_llguidance_reads_our_tokenizer_token_for_token(tokenizer) -> None:  # n
     for i in range(0, tokenizer.vocab_size, 97):
         if not lltok.is_special_token(i):
             assert lltok.decode_bytes([i]).decode("utf-8", "replace") == tokenizer.decode([i])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_masks_on_cuda_logits_match_the_host(tokenizer) -> None:  # noqa: ANN001
+    from worker.engine.structured import GrammarMasks
+
+    engine = engine_on(tokenizer)
+    template = engine.grammars.submit(StructuredOutputs.json_schema(SCHEMA)).result()
+    matchers = [template.deep_copy(), None, template.deep_copy()]
+    logits = torch.randn(3, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0))
+    specs = [SampleSpec(SamplingParams(temperature=0.0), None) for _ in range(3)]
+    masks = GrammarMasks()
+    masks.start({0: matchers[0], 2: matchers[2]}, tokenizer.vocab_size)
+    dev_mask = masks.mask([0, 1, 2], matchers, logits.cuda())
+    assert dev_mask.allowed.device.type == "cuda"
+    host, _ = sample(logits, specs, torch.Generator(), mask=masks.mask([0, 1, 2], matchers, logits))
+    dev, _ = sample(logits.cuda(), specs, torch.Generator(), mask=dev_mask)
+    assert dev == host and tokenizer.decode([host[0]]).startswith("{")

@@ -175,14 +175,13 @@ class GrammarMasks:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._bits: dict[int, torch.Tensor] = {}  # logits row -> its bitmask (this step)
+        self._shifts: dict[torch.device, torch.Tensor] = {}  # bit positions, per device
 
     def _fill(self, matchers: Sequence[Any], vocab: int) -> torch.Tensor:
         if self._exec is None:
             self._exec = llguidance.LLExecutor()
         words = (vocab + 31) // 32
         bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        if torch.cuda.is_available():
-            bits = bits.pin_memory()
         pairs = [(m, k) for k, m in enumerate(matchers)]
         self._exec.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), words * 4, len(matchers))
         return bits
@@ -231,10 +230,12 @@ class GrammarMasks:
         bits = torch.stack([self._bits[rows[i]] for i in pos])
         idx = torch.tensor(pos, dtype=torch.long)
         if device.type != "cpu":
-            bits = bits.to(device, non_blocking=True)
+            bits = bits.pin_memory().to(device, non_blocking=True)
             idx = idx.to(device, non_blocking=True)
         words = bits.shape[1]
-        shifts = _SHIFTS.to(device)
+        shifts = self._shifts.get(device)
+        if shifts is None:
+            shifts = self._shifts[device] = _SHIFTS.to(device)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(pos), words * 32)[:, :vocab]
         return TokenMask(idx, allowed.bool())
 
