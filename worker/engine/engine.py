@@ -41,7 +41,7 @@ from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
-from worker.engine.structured import GrammarCompiler, compile_error
+from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
@@ -236,25 +236,11 @@ class Engine:
             return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _install_grammars(self) -> None:
-        """Compiles that ended: their requests get their matchers (and may be admitted), or
-        fail with the compiler's message."""
-        still = []
-        for req in self._compiling:
-            fut = req.grammar
-            assert fut is not None
-            if req.finished:
-                continue
-            if not fut.done():
-                still.append(req)
-            elif fut.exception() is not None:
-                self.scheduler.abort(req, compile_error(fut))
-                self._pending.append(self.processor.output(req))
-            else:
-                template = fut.result()
-                for seq in req.seqs:
-                    seq.matcher = template.deep_copy()
-                req.awaiting_grammar = False
-        self._compiling = still
+        """Compiles that ended: their requests may be admitted, or fail with the message."""
+        self._compiling, failed = install_ready(self._compiling)
+        for req, error in failed:
+            self.scheduler.abort(req, error)
+            self._pending.append(self.processor.output(req))
         self._reap()
 
     def idle_on_grammars(self) -> bool:

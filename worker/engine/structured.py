@@ -31,13 +31,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import torch
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.structured import StructuredOutputs, parser_limits
+
+if TYPE_CHECKING:
+    from worker.engine.request import Request
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
@@ -151,6 +154,27 @@ def compile_error(fut: Future) -> str:
     if isinstance(exc, InvalidRequest):
         return str(exc)
     return f"structured outputs: the grammar failed to compile: {type(exc).__name__}: {exc}"
+
+
+def install_ready(compiling: list[Request]) -> tuple[list[Request], list[tuple[Request, str]]]:
+    """Of the requests waiting for their grammar: those whose compile succeeded get a
+    matcher per sequence and may be admitted; returns (still compiling, [(failed, why)])."""
+    still, failed = [], []
+    for req in compiling:
+        fut = req.grammar
+        assert fut is not None
+        if req.finished:
+            continue
+        if not fut.done():
+            still.append(req)
+        elif fut.exception() is not None:
+            failed.append((req, compile_error(fut)))
+        else:
+            template = fut.result()
+            for seq in req.seqs:
+                seq.matcher = template.deep_copy()
+            req.awaiting_grammar = False
+    return still, failed
 
 
 @dataclass(slots=True)
