@@ -193,6 +193,7 @@ class RouterServer:
             await self.server.stop(grace_s)
             self.server = None
         self.core.close()
+        self.directory.channels.close()
         self.servicer.tokenize.close()
 
     def stats(self) -> dict:
@@ -206,6 +207,11 @@ class RouterServer:
             **self.predictions.totals(),
         )
         return snap
+
+    async def loop_lag(self, reset: bool = False) -> dict[str, float]:
+        """This actor's event-loop lag: the largest stall since the last reset (the probe
+        starts on the first call)."""
+        return self.directory.loop_probe.report(reset=reset)
 
     def http_endpoint(self) -> str | None:
         """``http(s)://host:port`` of the OpenAI API (None: not serving HTTP)."""

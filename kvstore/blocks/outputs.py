@@ -104,3 +104,39 @@ class GenerationResult:
         self.usage = out.usage
         if out.error is not None:
             self.error = out.error
+
+
+def coalesce(outs: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive outputs of one request as one: each sample's deltas joined in
+    order (text, token ids, logprobs), its last finish and cumulative logprob, the last
+    usage and finished flag, the last error. What a client that reads slower than the engine
+    produces gets instead of the outputs one by one; the tokens and their count are exact."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, CompletionDelta] = {}
+    for out in outs:
+        for d in out.outputs:
+            m = merged.get(d.index)
+            if m is None:
+                lps = list(d.logprobs) if d.logprobs is not None else None
+                merged[d.index] = CompletionDelta(
+                    d.index,
+                    d.text,
+                    list(d.token_ids),
+                    lps,
+                    d.finish_reason,
+                    d.stop_reason,
+                    d.cumulative_logprob,
+                )
+                continue
+            m.text += d.text
+            m.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            if d.finish_reason is not None:
+                m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+            if d.cumulative_logprob is not None:
+                m.cumulative_logprob = d.cumulative_logprob
+    last = outs[-1]
+    error = next((o.error for o in reversed(outs) if o.error is not None), None)
+    return RequestOutput(last.request_id, list(merged.values()), last.finished, last.usage, error)

@@ -99,3 +99,25 @@ def test_missing_compiler_is_reported_and_auto_falls_back_to_torch(tmp_path):
     ).stdout.splitlines()
     assert out[0] == "True" and out[1] == "torch"
     assert "/nonexistent/cc" in out[2] and "paged_decode.c" in out[2]
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 31, 32, 33, 100, 8192])
+def test_argmax_kernel_matches_torch(width):
+    """The greedy sampler's row argmax: torch's answer on ties (the first maximum), -inf rows,
+    infinities and NaN (the first NaN wins), on a strided view too."""
+    kernels = native.load_kernels()
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width + 3, generator=gen)[:, 2 : 2 + width]  # row stride != width
+    x[1] = float("-inf")
+    x[2] = 0.5  # all tied: index 0
+    x[3, width // 2] = x[3, width - 1] = 1e9  # tied maximum: the first
+    x[4, width - 1] = float("inf")
+    x[5, width // 3] = float("nan")
+    x[5, width - 1] = float("nan")
+    x[6, 0] = float("nan")
+    x[7, width - 1] = float("nan")
+    x[8, width // 2] = float("inf")
+    x[8, width - 1] = float("nan")
+    got = kernels.argmax_rows(x)
+    assert got.dtype == torch.long
+    assert got.tolist() == x.argmax(dim=-1).tolist()

@@ -33,6 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = (SOURCE, SOURCE.with_name("argmax.c"))  # built into one shared object
 # Not -ffast-math: a shared object linked with it sets flush-to-zero in the whole process at
 # load time (crtfastmath), silently changing every float op of torch and Python. The few
 # relaxations the reductions need to vectorise are asked for one by one instead.
@@ -67,7 +68,7 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     tag = hashlib.sha256(
         b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
@@ -79,7 +80,7 @@ def _build(compiler: str) -> Path:
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
     try:
         subprocess.run(
-            [compiler, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"],
+            [compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -121,6 +122,10 @@ class NativeKernels:
         ]
         fn.restype = ctypes.c_int
         self._decode = fn
+        argmax = lib.kvc_argmax_rows_f32
+        argmax.argtypes = [f32p, i64, i64, i64, f32p]
+        argmax.restype = None
+        self._argmax = argmax
         self.threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self.threads, "kvc-attn") if self.threads > 1 else None
 
@@ -169,6 +174,17 @@ class NativeKernels:
             results = [f.result() for f in futures]
         if any(results):
             raise MemoryError("paged decode kernel could not allocate its score buffer")
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(dim=-1)`` of a 2-D float32 CPU tensor with a contiguous last dim (the
+        same answer: the first maximum, or the first NaN), in one vectorised pass per row."""
+        assert x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu"
+        assert x.stride(1) == 1 or x.shape[1] <= 1
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        if x.shape[1] == 0:
+            raise IndexError("argmax of an empty row")
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out
 
     def split(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
         """Decodes ``0 .. n`` cut into ranges of similar context work, ``PIECES_PER_THREAD``

@@ -165,8 +165,12 @@ class Engine:
         router's parity check)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self.requests:
-            raise InvalidRequest("request_id", rid, "must be unique among live requests")
+        return self.add_checked(rid, self.check_request(prompt, params), params, prompt_keys)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the engine's fixed facts (model limits,
+        KV size, config); raises InvalidRequest. Reads no scheduling state, so any thread
+        may call it while a step runs (the streaming front checks before it queues)."""
         prompt_ids = prompt_token_ids(prompt, self.tokenizer)
         validate_request(
             prompt_ids,
@@ -178,14 +182,28 @@ class Engine:
             has_tokenizer=self.tokenizer is not None,
             eos_ids=self.eos_ids,
         )
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
-            raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
+        self.hash_context(params)  # an unknown adapter is the caller's error, found here
         if params.structured is not None and self.grammars is None:
             raise InvalidRequest(
                 params.structured.field,
                 params.structured.kind,
                 "structured outputs need the model's tokenizer; this engine has none",
             )
+        return prompt_ids
+
+    def add_checked(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_keys: Seq[BlockKey] | None = None,
+    ) -> str:
+        """Queue a request that passed :meth:`check_request` (between steps); raises
+        InvalidRequest for a duplicate id, EngineOverloaded for a full waiting queue."""
+        if rid in self.requests:
+            raise InvalidRequest("request_id", rid, "must be unique among live requests")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
         req = new_request(
             rid,
             prompt_ids,
@@ -257,13 +275,19 @@ class Engine:
             self._install_grammars()
             outputs += self._pending
             self._pending = []
+        timer = self.stats.stages
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         self.stats.num_swap_preemptions += len(sched.swapped)
         self.stats.recomputed_tokens += sched.recomputed_tokens
         self.stats.num_partial_prefills += sched.num_partial_prefills
         changed: dict[str, Request] = {}
+        t1 = time.perf_counter()
+        timer.schedule += t1 - t0
+        sampled_before = timer.sample
         if sched.chunks or sched.transfers:
+            prepared_before = self.executor.prepare_seconds
             try:
                 if sched.transfers:  # even without chunks: a host block is promised its data
                     self.executor.swap(sched.transfers)
@@ -277,7 +301,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
                 log.exception("model step failed; aborting running requests")
                 return outputs + self._fail_running(f"model step failed: {exc!r}")
+            prepared = self.executor.prepare_seconds - prepared_before
+            t2 = time.perf_counter()
+            timer.prepare += prepared
+            timer.forward += t2 - t1 - prepared
+            t1 = t2
             if logits is not None:
+                timer.steps += 1
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
                 self.processor.masks.wait()  # (forks copy matchers)
@@ -290,9 +320,12 @@ class Engine:
                 changed[req.request_id] = req
                 self._guarded(req, lambda r=req: self._apply(self.processor.capacity(r)))
         self._reap()
+        t2 = time.perf_counter()
+        timer.process += t2 - t1 - (timer.sample - sampled_before)
         now = time.monotonic()
         for req in changed.values():
             outputs.append(self._output(req, now))
+        timer.output += time.perf_counter() - t2
         return outputs
 
     def _fork_samples(
@@ -407,6 +440,7 @@ class Engine:
             num_finished=s.num_finished,
             lora_ids=tuple(sorted(self.loras.values())),
             lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
+            stage_seconds=s.stages.snapshot(),
         )
 
     def metrics(self) -> EngineMetrics:
@@ -418,7 +452,10 @@ class Engine:
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV block events since the last call (for the worker to publish to the index)."""
-        return self.kv.drain_events()
+        t0 = time.perf_counter()
+        events = self.kv.drain_events()
+        self.stats.stages.kv_events += time.perf_counter() - t0
+        return events
 
     # ---- offline use ---------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,9 @@ class ModelExecutor(ABC):
     tokenizer: TokenizerLike | None
     num_host_blocks: int = 0  # host KV tier blocks (0: no host tier, so no transfers)
     max_loras: int = 0  # LoRA adapter slots (0: serves the base model only)
+    # seconds of ``execute`` so far spent building the model input before the model ran (the
+    # engine's ``prepare`` stage); an executor that does not tell leaves it 0
+    prepare_seconds: float = 0.0
 
     @abstractmethod
     def swap(self, transfers: TierTransfers) -> None:
@@ -108,6 +112,7 @@ class RunnerExecutor(ModelExecutor):
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> RunnerExecutor:
+        from worker.model.heap import freeze_long_lived
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
 
@@ -122,9 +127,10 @@ class RunnerExecutor(ModelExecutor):
             cuda_graph_max_batch=cuda_graph_max_batch,
             host_kv_bytes=host_kv_bytes,
         )
-        return cls(
-            runner, Tokenizer.from_dir(model_dir), max_loras=max_loras, max_lora_rank=max_lora_rank
-        )
+        tokenizer = Tokenizer.from_dir(model_dir)
+        # The model and its libraries live as long as the engine: no full-heap GC scans of them
+        freeze_long_lived()
+        return cls(runner, tokenizer, max_loras=max_loras, max_lora_rank=max_lora_rank)
 
     def add_lora(self, name: str, path: str) -> str:
         from worker.model.lora import LoraError, load_adapter
@@ -151,6 +157,7 @@ class RunnerExecutor(ModelExecutor):
         self.runner.swap_in(transfers.to_device)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        t0 = time.perf_counter()
         seqs = [
             self._chunk_cls(
                 token_ids=c.token_ids,
@@ -165,5 +172,7 @@ class RunnerExecutor(ModelExecutor):
             if self._loras
             else None
         )
+        batch = self.runner.build_input(seqs)
+        self.prepare_seconds += time.perf_counter() - t0
         # Logits stay on the runner's device: the sampler works there and sends back only ids.
-        return self.runner.execute(self.runner.build_input(seqs), adapters).float()
+        return self.runner.execute(batch, adapters).float()

@@ -30,6 +30,68 @@ class LatencySummary:
         return cls(len(data), sum(data) / len(data), p50, p90, p99)
 
 
+STEP_STAGES = ("schedule", "prepare", "forward", "sample", "process", "output", "kv_events")
+
+
+@dataclass(frozen=True, slots=True)
+class StageSeconds:
+    """Where the engine thread's time went, summed over all steps so far (seconds).
+
+    ``schedule``: the scheduler's pick and KV allocation; ``prepare``: the model input built
+    from the chunks (the executor's share of ``execute`` before the model runs);
+    ``forward``: the model (and KV copies / tier transfers); ``sample``: logits -> token ids
+    on the host; ``process``: stop rules, detokenization, the scheduler applying the tokens,
+    finished requests reaped; ``output``: the step's ``RequestOutput`` objects;
+    ``kv_events``: draining the KV manager's events (``drain_kv_events``, outside the step).
+    On a GPU the model runs asynchronously, so its time shows where the host first waits for
+    it: in ``sample`` (the one synchronisation of a step)."""
+
+    steps: int = 0  # steps timed (those that ran the model)
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    process: float = 0.0
+    output: float = 0.0
+    kv_events: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, name) for name in STEP_STAGES)
+
+    @property
+    def host(self) -> float:
+        """Everything but the model: the engine's own per-step host work."""
+        return self.total - self.forward
+
+    def minus(self, earlier: StageSeconds) -> StageSeconds:
+        """The time spent between ``earlier`` and this snapshot."""
+        fields = {name: getattr(self, name) - getattr(earlier, name) for name in STEP_STAGES}
+        return StageSeconds(steps=self.steps - earlier.steps, **fields)
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Mean milliseconds per step of each stage (and ``total``, ``host``)."""
+        n = max(self.steps, 1)
+        out = {name: getattr(self, name) * 1e3 / n for name in STEP_STAGES}
+        out["total"], out["host"] = self.total * 1e3 / n, self.host * 1e3 / n
+        return out
+
+
+class StageTimer:
+    """Running sums of :class:`StageSeconds`, added to by the engine thread (plain floats:
+    no allocation per step)."""
+
+    __slots__ = ("steps", *STEP_STAGES)
+
+    def __init__(self) -> None:
+        self.steps = 0
+        for name in STEP_STAGES:
+            setattr(self, name, 0.0)
+
+    def snapshot(self) -> StageSeconds:
+        return StageSeconds(self.steps, *(getattr(self, name) for name in STEP_STAGES))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """One engine's state between two steps, taken at once (``Engine.snapshot``): what the
@@ -62,6 +124,7 @@ class EngineSnapshot:
     host_stored_blocks: int = 0  # blocks copied device -> host (evictions, swap-outs)
     lora_ids: tuple[str, ...] = ()  # stable ids of the registered LoRA adapters, sorted
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
+    stage_seconds: StageSeconds = StageSeconds()  # engine-thread time per step stage, summed
 
 
 _EMPTY = LatencySummary(0, 0.0, 0.0, 0.0, 0.0)
@@ -90,3 +153,4 @@ class MetricsRecorder:
         self.num_finished = 0
         self.ttft: deque[float] = deque(maxlen=_SAMPLES)
         self.itl: deque[float] = deque(maxlen=_SAMPLES)
+        self.stages = StageTimer()

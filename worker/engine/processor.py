@@ -14,6 +14,7 @@ engine fails that request alone and the others go on.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -122,13 +123,17 @@ class OutputProcessor:
                 penalized.append((seq, req.params))
         if not targets:
             return
+        t0 = time.perf_counter()
         try:
             counts = self._counts(penalized, logits)
             mask = self.masks.mask(rows, [seq.matcher for _, seq in targets], logits)
-            tokens = sample(logits[rows], specs, self._rng, counts, mask)
+            # every row once, in order (the usual step): no copy of the logits
+            batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            tokens = sample(batch, specs, self._rng, counts, mask)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
+        self.stats.stages.sample += time.perf_counter() - t0
         for (req, seq), tok, lp in sampled:
             self._outcome(req)
             if not self._failed(req):

@@ -24,6 +24,7 @@ import torch
 
 from kvstore.blocks.outputs import TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.attention import native
 
 if TYPE_CHECKING:
     from worker.engine.structured import TokenMask
@@ -83,6 +84,16 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
     if width:
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]  # the last column took the padding
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)``; on the CPU through the native kernel (torch's walks a row one
+    element at a time: ~0.9 ms for a greedy step of 128 rows over an 8k vocabulary)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        kernels = native.load_kernels()
+        if kernels is not None and x.stride(1) == 1:
+            return kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def _apply_penalties(
@@ -173,7 +184,7 @@ def _sample_random(
         min_p = to_device([s.params.min_p for s in specs], probs.dtype, probs.device)
         cutoff = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < cutoff, 0.0)
-    return (probs / _race(probs, specs, default)).argmax(dim=-1)
+    return _argmax(probs / _race(probs, specs, default))
 
 
 def sample(
@@ -204,14 +215,14 @@ def sample(
     greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
     rand = [i for i, s in enumerate(specs) if not s.params.is_greedy]
     if not rand:
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
     elif not greedy:
         tokens = _sample_random(logits, specs, default)
     else:
         tokens = torch.empty(len(specs), dtype=torch.long, device=device)
         g_idx = to_device(greedy, torch.long, device)
         r_idx = to_device(rand, torch.long, device)
-        tokens.index_copy_(0, g_idx, logits.index_select(0, g_idx).argmax(dim=-1))
+        tokens.index_copy_(0, g_idx, _argmax(logits.index_select(0, g_idx)))
         picked = _sample_random(logits.index_select(0, r_idx), [specs[i] for i in rand], default)
         tokens.index_copy_(0, r_idx, picked)
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]

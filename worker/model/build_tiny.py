@@ -35,6 +35,8 @@ SIZES = {
     # vocab, hidden, intermediate, layers, heads, kv heads, max positions
     "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, max_pos=2048),
     "32m": dict(vocab=4096, hidden=512, inter=1792, layers=8, heads=8, kv=4, max_pos=4096),
+    # Small compute, large vocabulary: host-side costs of a step show as they do next to a GPU.
+    "light": dict(vocab=8192, hidden=256, inter=1024, layers=2, heads=4, kv=2, max_pos=2048),
     "100m": dict(vocab=4096, hidden=768, inter=2560, layers=12, heads=12, kv=4, max_pos=4096),
     # The GPU benchmark's model (benchmarks/gpu_engine.py): Llama shapes at ~853M parameters.
     "853m": dict(vocab=32000, hidden=2048, inter=5632, layers=16, heads=32, kv=8, max_pos=8192),

@@ -18,6 +18,7 @@ from worker.attention import create_backend
 from worker.attention.base import AttentionMetadata
 from worker.model.config import ModelConfig
 from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from worker.model.heap import keep_freed_memory
 from worker.model.host_kv import HostKVCache
 from worker.model.inputs import ModelInput, SeqChunk
 from worker.model.loader import load_model, resolve_dtype
@@ -60,6 +61,8 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.config = cfg = ModelConfig.from_dir(model_dir)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's activations are reused, not page-faulted in again
         self.dtype = resolve_dtype(dtype)
         self.block_size = block_size
         self.backend = create_backend(
