@@ -34,6 +34,12 @@ MAX_GRAMMAR_SYMBOLS = 200_000
 # JSON: no free whitespace between tokens (a small model would otherwise pad with spaces or
 # newlines until max_tokens); strings still hold any whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON numbers are written with at most 6 decimals and, where the schema sets no tighter
+# bound, within +-(2**53 - 1) (what a double holds exactly, RFC 8259's interoperable range):
+# a small model otherwise writes digits until max_tokens. Every such number is valid
+# against the schema as sent (the bounds are added to the grammar, never to the check).
+NUMBER_STEP = 1e-6
+NUMBER_LIMIT = 2**53 - 1
 
 
 def _shown(value: str) -> str:
@@ -136,7 +142,8 @@ def _grammar(kind: Kind, value: str, field: str) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        schema = _bounded_numbers(json.loads(value))
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":
@@ -149,6 +156,34 @@ def _grammar(kind: Kind, value: str, field: str) -> str:
         except Exception as exc:  # noqa: BLE001 - the converter raises bare exceptions
             raise InvalidRequest(field, _shown(value), f"not a GBNF grammar: {exc}") from None
     return LLMatcher.grammar_from_lark(value)
+
+
+def _bounded_numbers(node: Any) -> Any:
+    """``node`` with every number / integer schema bounded (:data:`NUMBER_LIMIT`) and every
+    number stepped (:data:`NUMBER_STEP`) where it does not say otherwise."""
+    if isinstance(node, list):
+        return [_bounded_numbers(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bounded_numbers(v) for k, v in node.items()}
+    kind = out.get("type")  # (in a "properties" map, "type" may name a property)
+    kinds = kind if isinstance(kind, list) else [kind]
+    types = {t for t in kinds if isinstance(t, str)}
+    if types & {"number", "integer"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -NUMBER_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = NUMBER_LIMIT
+        if "number" in types and "multipleOf" not in out:
+            low = out.get("minimum", out.get("exclusiveMinimum"))
+            high = out.get("maximum", out.get("exclusiveMaximum"))
+            if _num(low) and _num(high) and high - low >= 1:  # room for the steps
+                out["multipleOf"] = NUMBER_STEP
+    return out
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def parser_limits() -> Any:

@@ -160,6 +160,37 @@ def test_a_compiling_request_does_not_hold_the_batch(tokenizer) -> None:  # noqa
     assert not engine.requests
 
 
+def test_numbers_end_and_stay_valid(tokenizer) -> None:  # noqa: ANN001
+    """Unbounded digits are cut (at most 6 decimals, within +-2**53 unless the schema says
+    otherwise); a property named "type" is a property, not a type."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "number"},
+            "x": {"type": ["number", "null"], "minimum": 0, "maximum": 5},
+            "n": {"type": "integer"},
+            "tiny": {"type": "number", "minimum": 0, "maximum": 1e-7},
+        },
+        "required": ["type", "x", "n", "tiny"],
+        "additionalProperties": False,
+    }
+    engine = engine_on(tokenizer)
+    template = engine.grammars.submit(StructuredOutputs.json_schema(schema)).result()
+    lltok = engine.grammars.tokenizer()
+
+    def accepts(text: str) -> bool:
+        m = template.deep_copy()
+        ids = lltok.tokenize_str(text)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+    assert accepts('{"type":-12.5,"x":4.125,"n":7,"tiny":0.00000005}')
+    assert not accepts('{"type":1.1234567,"x":1,"n":1,"tiny":0}')  # 7 decimals
+    assert not accepts('{"type":1,"x":1,"n":90071992547409920,"tiny":0}')  # over 2**53
+    assert not accepts('{"type":1,"x":5.5,"n":1,"tiny":0}')  # the schema's own bound
+    out = engine.generate(["x"], greedy(StructuredOutputs.json_schema(schema)))[0]
+    jsonschema.validate(json.loads(out.completions[0].text), schema)
+
+
 def test_beams_with_a_grammar_are_refused() -> None:
     with pytest.raises(InvalidRequest, match="beam search cannot be combined") as err:
         SamplingParams(beam_width=2, structured=StructuredOutputs("json_object"))

@@ -112,12 +112,11 @@ class GrammarCompiler:
         return fut
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        tokenizer = self.tokenizer()  # (built once; not a compile's cost)
         start = time.perf_counter()
         try:
             grammar = spec.grammar()
-            matcher = llguidance.LLMatcher(
-                self.tokenizer(), grammar, log_level=0, limits=parser_limits()
-            )
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
             if matcher.is_error():
                 raise InvalidRequest(
                     spec.field, spec.kind, f"does not compile: {matcher.get_error()}"
