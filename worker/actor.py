@@ -62,6 +62,7 @@ def worker_load(snap: EngineSnapshot) -> WorkerLoad:
         host_blocks=snap.host_total_blocks,
         lora_ids=snap.lora_ids,
         lora_loaded=snap.lora_loaded,
+        lora_owners=snap.lora_owners,
     )
 
 
@@ -86,7 +87,13 @@ def worker_status(
         swap_preemptions=snap.num_swap_preemptions,
         recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
         adapters=tuple(
-            AdapterInfo(i.split("@")[0], i, i in snap.lora_loaded) for i in snap.lora_ids
+            AdapterInfo(
+                i.split("@")[0],
+                i,
+                i in snap.lora_loaded,
+                tuple(o.split("=", 1)[1] for o in snap.lora_owners if o.split("=", 1)[0] == i),
+            )
+            for i in snap.lora_ids
         ),
     )
 
@@ -260,12 +267,13 @@ class WorkerServer:
             index_healthy=publisher.healthy if publisher is not None else False,
         )
 
-    async def add_lora(self, name: str, path: str) -> str:
-        """Register a LoRA adapter folder at run time; returns its stable id. The next
-        heartbeat tells the routers."""
+    async def add_lora(self, name: str, path: str, tenants: list[str] | None = None) -> str:
+        """Register a LoRA adapter folder at run time; returns its stable id. ``tenants``:
+        the only tenants the routers show it to and run it for (None: every tenant). The
+        next heartbeat tells the routers."""
 
         def add(engine: Engine) -> str:
-            adapter_id = engine.add_lora(name, path)
+            adapter_id = engine.add_lora(name, path, tenants)
             if self.publisher is not None:  # an idle worker publishes no step: tell now
                 self.publisher.submit([], worker_load(engine.snapshot()))
             return adapter_id

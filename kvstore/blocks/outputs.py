@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool  # True on the request's last output
     usage: Usage  # cumulative token counts
     error: str | None = None  # set when the request failed inside the engine
+    # with SamplingParams.prompt_logprobs, once (on the first output): per prompt position,
+    # that token's logprob and alternatives (position 0 has nothing before it: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class GenerationResult:
     completions: list[Completion]  # by index (beam search: best first)
     usage: Usage | None = None  # final usage
     error: str | None = None  # set if the request failed
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # if requested
 
     @property
     def finished(self) -> bool:
@@ -104,6 +108,8 @@ class GenerationResult:
         self.usage = out.usage
         if out.error is not None:
             self.error = out.error
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 def coalesce(outs: list[RequestOutput]) -> RequestOutput:
@@ -139,4 +145,7 @@ def coalesce(outs: list[RequestOutput]) -> RequestOutput:
                 m.cumulative_logprob = d.cumulative_logprob
     last = outs[-1]
     error = next((o.error for o in reversed(outs) if o.error is not None), None)
-    return RequestOutput(last.request_id, list(merged.values()), last.finished, last.usage, error)
+    prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(
+        last.request_id, list(merged.values()), last.finished, last.usage, error, prompt
+    )

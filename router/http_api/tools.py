@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
@@ -264,16 +264,12 @@ class ToolStream:
 
 # ---- the history -------------------------------------------------------------------------
 
-MESSAGE_FIELDS = frozenset({"name", "tool_calls", "tool_call_id"})
 
-
-def message_to_pb(m: dict[str, Any], field: str, msg: Any) -> None:
-    """A chat message's tool fields onto its ``pb.ChatMessage`` (checked)."""
-    name, calls, call_id = m.get("name"), m.get("tool_calls"), m.get("tool_call_id")
-    if name is not None:
-        if not isinstance(name, str):
-            raise InvalidRequest(f"{field}.name", type(name).__name__, "must be a string")
-        msg.name = name
+def tool_fields(m: dict[str, Any], field: str) -> dict[str, Any]:
+    """A chat message's tool fields, checked: an assistant turn's ``tool_calls`` and a tool
+    turn's ``tool_call_id`` (what the chat template renders)."""
+    out: dict[str, Any] = {}
+    calls, call_id = m.get("tool_calls"), m.get("tool_call_id")
     if calls is not None:
         if m.get("role") != "assistant" or not isinstance(calls, list):
             raise InvalidRequest(
@@ -290,11 +286,17 @@ def message_to_pb(m: dict[str, Any], field: str, msg: Any) -> None:
                     f"{field}.tool_calls[{j}].function.arguments", "<value>", "must be a string"
                 )
         if calls:
-            msg.tool_calls = json.dumps(calls, ensure_ascii=False)
+            out["tool_calls"] = calls
     if call_id is not None:
         if not isinstance(call_id, str):
             raise InvalidRequest(f"{field}.tool_call_id", "<value>", "must be a string")
-        msg.tool_call_id = call_id
+        out["tool_call_id"] = call_id
+    return out
+
+
+def chat_options(options: Any, spec: ToolSpec | None) -> Any:
+    """A request's ``ChatOptions`` with its tools for the template."""
+    return replace(options, tools=spec.tools) if spec is not None else options
 
 
 def tool_chunk_delta(

@@ -39,8 +39,8 @@ def chat(**body):  # noqa: ANN003, ANN201
 
 
 def structured(**body):  # noqa: ANN003, ANN201
-    _, reqs = chat(**body)
-    return spec_from_pb(reqs[0]).params.structured
+    _, specs = chat(**body)
+    return specs[0].params.structured
 
 
 def test_every_spelling_reaches_the_engine_field() -> None:
@@ -58,14 +58,14 @@ def test_every_spelling_reaches_the_engine_field() -> None:
     assert structured(structured_outputs={"json_object": True}).kind == "json_object"
     strict = {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}
     assert json.loads(structured(response_format=strict).value)["additionalProperties"] is False
-    _, reqs = parse_request(
+    _, specs = parse_request(
         {"model": "m", "prompt": "x", "guided_choice": ["a"]},
         chat=False,
         tenant=None,
         limits=LIMITS,
         now=0,
     )
-    assert list(reqs[0].params.structured.choice.choices) == ["a"]
+    assert json.loads(specs[0].params.structured.value) == ["a"]
 
 
 @pytest.mark.parametrize(
@@ -94,6 +94,7 @@ def test_every_spelling_reaches_the_engine_field() -> None:
             "tools[0].function.parameters",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         (
             {"tools": [TOOL], "tool_choice": "required", "guided_regex": "a"},
             "tool_choice",
@@ -107,18 +108,17 @@ def test_bad_input_names_the_field(body: dict, field: str) -> None:
 
 
 def test_required_and_named_tool_choice_are_grammars() -> None:
-    meta, reqs = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
-    schema = json.loads(reqs[0].params.structured.json_schema)
+    meta, specs = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(specs[0].params.structured.value)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"] == {
         "const": "get_weather"
     }
     assert meta.tools.choice == "required"
     named = {"type": "function", "function": {"name": "get_weather"}}
-    _, reqs = chat(tools=[TOOL], tool_choice=named)
-    assert json.loads(reqs[0].params.structured.json_schema) == TOOL["function"]["parameters"]
-    _, reqs = chat(tools=[TOOL])  # auto: the model decides, no grammar
-    assert not reqs[0].params.HasField("structured")
-    assert json.loads(reqs[0].messages.tools) == [TOOL]
+    _, specs = chat(tools=[TOOL], tool_choice=named)
+    assert json.loads(specs[0].params.structured.value) == TOOL["function"]["parameters"]
+    _, specs = chat(tools=[TOOL])  # auto: the model decides, no grammar
+    assert specs[0].params.structured is None and specs[0].chat.tools == (TOOL,)
 
 
 def test_tool_calls_of_each_style_are_parsed() -> None:

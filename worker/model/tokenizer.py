@@ -41,7 +41,7 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
 # End-of-turn markers of common chat templates, searched in this order (ChatML first).
@@ -108,6 +108,25 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*ids, *extra_eos_ids]))
         self._template: jinja2.Template | None = None
 
+    def save(self, out_dir: str | Path) -> Path:
+        """Write this tokenizer as a Hugging Face folder (``tokenizer.json`` and
+        ``tokenizer_config.json`` with its special tokens and chat template), which
+        ``transformers.AutoTokenizer`` and clients such as ``vllm bench serve`` load, whatever
+        the model was loaded from (a folder or a GGUF file)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+        }
+        text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
+        (out / "tokenizer_config.json").write_text(text)
+        return out
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """From a Hugging Face folder, or from a ``.gguf`` file."""
@@ -173,10 +192,19 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) to the prompt text with the
         model's chat template in a sandboxed Jinja environment (as transformers does).
+
+        ``continue_final_message``: the text ends inside the last message (its end-of-turn
+        cut), so the model continues it. ``template_kwargs``: extra template variables (such
+        as Qwen3's ``enable_thinking``); they cannot replace the ones set here. A
+        ``developer`` message (OpenAI's newer name for system) is rendered as ``system`` by a
+        template that does not mention that role.
 
         Raises ValueError for a model without a template, an unknown role or empty content.
         The template emits the bos token itself, so encode the result with
@@ -185,6 +213,12 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain text prompt")
         checked, tools = with_tools(check_messages(messages), tools, self.chat_template)
+        if "developer" not in self.chat_template:
+            for m in checked:
+                if m["role"] == "developer":
+                    m["role"] = "system"
+        if continue_final_message and checked[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -195,15 +229,25 @@ class Tokenizer:
             except jinja2.TemplateError as exc:
                 raise ValueError(f"chat template does not compile: {exc}") from exc
         try:
-            return self._template.render(
-                messages=checked,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+            text = self._template.render(
+                {
+                    **dict(template_kwargs or {}),
+                    "messages": checked,
+                    "tools": tools,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": self.bos_token or "",
+                    "eos_token": self.eos_token or "",
+                }
             )
         except jinja2.TemplateError as exc:  # incl. the sandbox refusing an unsafe access
             raise ValueError(f"chat template failed: {exc}") from exc
+        if continue_final_message:  # as transformers does: cut after the last content
+            last = checked[-1]["content"].rstrip()
+            cut = text.rfind(last)
+            if cut < 0:
+                raise ValueError("continue_final_message: the template rewrote the last message")
+            text = text[: cut + len(last)]
+        return text
 
     apply_chat_template = render_chat  # the transformers name
 
@@ -211,6 +255,16 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), False)
+        text = self.render_chat(
+            messages,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+            tools=tools,
+        )
+        return self.encode(text, False)
