@@ -217,7 +217,7 @@ def test_sampler_masks_rows_on_the_logits_device() -> None:
     allowed = torch.zeros(2, 50, dtype=torch.bool)
     allowed[0, [3, 17]] = True
     allowed[1, 42] = True
-    mask = TokenMask(torch.tensor([1, 3]), allowed)
+    mask = TokenMask(torch.tensor([1, 3]), ~allowed)
     specs = [SampleSpec(SamplingParams(temperature=t), None) for t in (0.0, 0.0, 1.0, 1.0)]
     for _ in range(20):
         toks, _ = sample(logits, specs, gen, mask=mask)
@@ -246,9 +246,9 @@ def test_masks_on_cuda_logits_match_the_host(tokenizer) -> None:  # noqa: ANN001
     logits = torch.randn(3, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0))
     specs = [SampleSpec(SamplingParams(temperature=0.0), None) for _ in range(3)]
     masks = GrammarMasks()
-    masks.start({0: matchers[0], 2: matchers[2]}, tokenizer.vocab_size)
+    masks.start({0: matchers[0], 2: matchers[2]}, tokenizer.vocab_size, torch.device("cuda"))
     dev_mask = masks.mask([0, 1, 2], matchers, logits.cuda())
-    assert dev_mask.allowed.device.type == "cuda"
+    assert dev_mask.banned.device.type == "cuda"
     host, _ = sample(logits, specs, torch.Generator(), mask=masks.mask([0, 1, 2], matchers, logits))
     dev, _ = sample(logits.cuda(), specs, torch.Generator(), mask=dev_mask)
     assert dev == host and tokenizer.decode([host[0]]).startswith("{")

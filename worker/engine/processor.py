@@ -62,6 +62,7 @@ class OutputProcessor:
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
         self.masks = GrammarMasks()  # this step's grammar masks (structured outputs)
+        self._logits_device = torch.device("cpu")  # where the last step's logits were
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -98,6 +99,7 @@ class OutputProcessor:
         parent's row. Returns one outcome per request with news."""
         forks = forks or {}
         self._outcomes = {}  # nothing left from a step that raised
+        self._logits_device = logits.device
         jobs: list[tuple[Request, Sequence, int]] = []
         beams: dict[str, Request] = {}
         rows = itertools.count()
@@ -198,7 +200,7 @@ class OutputProcessor:
             m = chunk.seq.matcher
             if m is not None and chunk.req.beam is None and not m.is_error():
                 rows[row] = m
-        self.masks.start(rows, vocab)
+        self.masks.start(rows, vocab, self._logits_device)
 
     def release(self, req: Request) -> None:
         """``req`` finished: its sequences' penalty rows are free."""

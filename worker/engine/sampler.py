@@ -227,8 +227,10 @@ def sample(
             tuple(to_device(cells, torch.long, device)),
             torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
         )
-    if mask is not None:
-        masked = logits.index_select(0, mask.rows).masked_fill_(~mask.allowed, float("-inf"))
+    if mask is not None and mask.rows is None:
+        logits = logits.masked_fill(mask.banned, float("-inf"))
+    elif mask is not None:
+        masked = logits.index_select(0, mask.rows).masked_fill_(mask.banned, float("-inf"))
         logits = logits.index_copy(0, mask.rows, masked)
     greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
     rand = [i for i, s in enumerate(specs) if not s.params.is_greedy]

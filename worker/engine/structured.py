@@ -178,17 +178,25 @@ def install_ready(compiling: list[Request]) -> tuple[list[Request], list[tuple[R
 
 @dataclass(slots=True)
 class TokenMask:
-    """Grammar constraints of some rows of a batch: only ``allowed`` tokens may be sampled
-    there (the sampler sets the others' logits to -inf)."""
+    """Grammar constraints of a batch: the tokens a grammar bans in its rows (the sampler
+    sets their logits to -inf)."""
 
-    rows: torch.Tensor  # [k] long, on the logits' device: the constrained rows
-    allowed: torch.Tensor  # [k, vocab] bool, on the logits' device
+    rows: torch.Tensor | None  # [k] long, on the logits' device: the constrained rows
+    # (None: every row of the batch, in order)
+    banned: torch.Tensor  # [k, vocab] bool, on the logits' device: True = not allowed
+
+
+def _unpack(bits: torch.Tensor, vocab: int, shifts: torch.Tensor) -> torch.Tensor:
+    """[k, words] int32 bitmasks -> [k, vocab] bool, True where the bit is 0 (banned)."""
+    k, words = bits.shape
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(k, words * 32)[:, :vocab] == 0
 
 
 class GrammarMasks:
-    """The bitmasks of one step's constrained rows. :meth:`start` fills them on a helper
-    thread (llguidance's parallel filler, GIL released) while the model computes the logits;
-    :meth:`mask` ships the rows a batch samples to the logits' device and unpacks them there.
+    """The masks of one step's constrained rows. :meth:`start` fills the bitmasks on a helper
+    thread (llguidance's parallel filler, GIL released) while the model computes the logits,
+    and for logits on the CPU unpacks them there too; :meth:`mask` ships the rows a batch
+    samples to the logits' device (a GPU unpacks them itself).
 
     Obligation: between ``start`` and ``wait`` nothing touches the matchers (the engine waits
     before it forks samples, which copy them)."""
@@ -197,7 +205,9 @@ class GrammarMasks:
         self._exec: llguidance.LLExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._bits: dict[int, torch.Tensor] = {}  # logits row -> its bitmask (this step)
+        self._order: list[int] = []  # the logits rows of this step's masks, in order
+        self._host: torch.Tensor | None = None  # [rows, words] int32 bitmasks (GPU logits)
+        self._banned: torch.Tensor | None = None  # [rows, vocab] bool (CPU logits)
         self._shifts: dict[torch.device, torch.Tensor] = {}  # bit positions, per device
 
     def _fill(self, matchers: Sequence[Any], vocab: int) -> torch.Tensor:
@@ -209,30 +219,39 @@ class GrammarMasks:
         self._exec.unsafe_compute_mask_ptr(pairs, bits.data_ptr(), words * 4, len(matchers))
         return bits
 
-    def start(self, rows: dict[int, Any], vocab: int) -> None:
-        """Begin filling the masks of ``rows`` (logits row -> its sequence's matcher)."""
-        self._bits = {}
-        self._pending = None
+    def _shift(self, device: torch.device) -> torch.Tensor:
+        shifts = self._shifts.get(device)
+        if shifts is None:
+            shifts = self._shifts[device] = _SHIFTS.to(device)
+        return shifts
+
+    def start(self, rows: dict[int, Any], vocab: int, device: torch.device) -> None:
+        """Begin the masks of ``rows`` (logits row -> its sequence's matcher); ``device``:
+        where the logits are expected (the CPU: unpacked here too; a wrong guess costs only
+        the unpacking in :meth:`mask`)."""
+        self._order, self._host, self._banned, self._pending = [], None, None, None
         if not rows:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         order = list(rows)
+        shifts = self._shift(torch.device("cpu")) if device.type == "cpu" else None
 
-        def fill() -> dict[int, torch.Tensor]:
+        def fill() -> tuple[torch.Tensor, torch.Tensor | None]:
             bits = self._fill([rows[r] for r in order], vocab)
-            return {r: bits[k] for k, r in enumerate(order)}
+            return bits, (_unpack(bits, vocab, shifts) if shifts is not None else None)
 
+        self._order = order
         self._pending = self._pool.submit(fill)
 
     def wait(self) -> None:
-        """The filling started by :meth:`start` is over (a failure leaves the rows to
+        """The work started by :meth:`start` is over (a failure leaves the rows to
         :meth:`mask`, which fills them again, one request at a time)."""
         if self._pending is not None:
             try:
-                self._bits = self._pending.result()
+                self._host, self._banned = self._pending.result()
             except Exception:  # noqa: BLE001 - refilled per request, where it fails alone
-                self._bits = {}
+                self._order, self._host, self._banned = [], None, None
             self._pending = None
 
     def mask(
@@ -246,21 +265,25 @@ class GrammarMasks:
         pos = [i for i, m in enumerate(matchers) if m is not None]
         if not pos:
             return None
-        missing = [i for i in pos if rows[i] not in self._bits]
-        if missing:
-            bits = self._fill([matchers[i] for i in missing], vocab)
-            self._bits.update({rows[i]: bits[k] for k, i in enumerate(missing)})
-        bits = torch.stack([self._bits[rows[i]] for i in pos])
-        idx = torch.tensor(pos, dtype=torch.long)
+        every = len(pos) == len(matchers)
+        if self._order and every and list(rows) == self._order:  # the usual step
+            if self._banned is not None and device.type == "cpu":
+                return TokenMask(None, self._banned)
+            assert self._host is not None
+            bits = self._host
+        else:
+            index = {r: k for k, r in enumerate(self._order)}
+            if all(rows[i] in index for i in pos) and self._host is not None:
+                bits = self._host[[index[rows[i]] for i in pos]]
+            else:  # not prepared (a failed fill, a fallback): fill these rows now
+                bits = self._fill([matchers[i] for i in pos], vocab)
         if device.type != "cpu":
             bits = bits.pin_memory().to(device, non_blocking=True)
-            idx = idx.to(device, non_blocking=True)
-        words = bits.shape[1]
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = _SHIFTS.to(device)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(pos), words * 32)[:, :vocab]
-        return TokenMask(idx, allowed.bool())
+        banned = _unpack(bits, vocab, self._shift(device))
+        if every:
+            return TokenMask(None, banned)
+        idx = torch.tensor(pos, dtype=torch.long)
+        return TokenMask(idx.to(device, non_blocking=True), banned)
 
 
 def grammar_rows(jobs: list, guarded: Callable[[Any, Callable[[], object]], None]) -> list:
