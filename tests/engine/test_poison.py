@@ -112,7 +112,8 @@ def test_a_dead_loop_refuses_requests_and_reports_its_death() -> None:
     def boom() -> list:
         raise MemoryError("state beyond repair")
 
-    # broken first: the request is taken in between steps, and its first step must fail
+    # before the request: the loop takes it in, then its first step dies (set after it, the
+    # loop could finish all 12 steps before this thread runs again)
     engine.step = boom  # type: ignore[method-assign]
     stream = front.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(EngineStopped, match="loop died"):
