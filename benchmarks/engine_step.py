@@ -37,12 +37,12 @@ STAGES = ("schedule", "prepare", "forward", "sample", "process", "output")
 def cell(model: str, seqs: int, prompt: int, new: int, seed: int, threads: int) -> dict:
     """One measured offline run in this process (the code on ``sys.path``)."""
     import hashlib
+    import importlib
     import random
     import time
 
+    importlib.import_module("worker")  # before torch: the worker's OpenMP wait policy
     import torch
-
-    import worker  # noqa: F401 - before torch: the worker's OpenMP wait policy
 
     if threads:
         torch.set_num_threads(threads)
