@@ -37,6 +37,7 @@ from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
+from worker.engine import Engine
 
 SYSTEMS = [
     "You are a support agent for a train company. Be brief and quote timetables. ",
@@ -123,12 +124,17 @@ def on_workers(
 
 
 def blocks_in_use(cluster: Cluster) -> dict[str, int]:
-    return on_workers(cluster, lambda w: w.kv_blocks_in_use())
+    return on_workers(cluster, lambda w: w.front.with_engine(Engine.snapshot).kv_used_blocks)
 
 
 def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
     """worker -> (running, waiting) requests."""
-    return on_workers(cluster, lambda w: (w.status().running, w.status().waiting))
+
+    def counts(w: Any) -> tuple[int, int]:
+        snap = w.front.with_engine(Engine.snapshot)
+        return snap.num_running, snap.num_waiting
+
+    return on_workers(cluster, counts)
 
 
 def worker_rss(cluster: Cluster) -> dict[str, int]:

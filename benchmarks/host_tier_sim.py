@@ -10,6 +10,10 @@ block. Targets, host tier 8x the device: hit rate within 5 % of the unbounded
 run's, mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png`` (hit rate, mean
 TTFT and its no-waiting part vs host-tier size).
 
+Every row (the unbounded one too) replays the same requests: those larger than the device
+cache, which every device-limited row would reject, are left out of all of them, and the
+table's header says how many (the ``rejected`` column is 0 in every row).
+
 Each row also splits the mean TTFT into ``ttft_alone`` (the request's own prefill, and its
 load-back, alone on an idle worker: ``TimeModel.idle_ttft_s``, a bound no scheduler beats) and
 ``waiting`` (the rest), and gives ``prefill_load`` (node-time those prefills need over the
@@ -59,9 +63,20 @@ TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
 TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
 
 
+def fits_device(num_tokens: int, args: argparse.Namespace) -> bool:
+    """Whether a prompt fits the device cache at all (the KV manager's own rule: a larger one
+    is rejected, by a host-tier row as well, since only device blocks are computed into)."""
+    return -(-num_tokens // args.block_size) <= args.kv_tokens // args.block_size
+
+
 def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     device, host, unbounded, args = task
-    requests = trace_requests(Path(args.trace), limit=args.limit, seed=args.seed)
+    # every row, the unbounded one too, replays the same requests: those the device fits
+    requests = [
+        r
+        for r in trace_requests(Path(args.trace), limit=args.limit, seed=args.seed)
+        if fits_device(len(r.token_ids), args)
+    ]
     routing = RoutingConfig(
         policy="prefix_affinity", seed=args.seed, host_hit_weight=args.host_weight
     )
@@ -98,6 +113,7 @@ def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
         "prefill_load": alone / (len(result.busy_s) * makespan),
         "imbalance": s.imbalance,
         "requests": s.requests,
+        "rejected": s.rejected,
         "parity_bad": s.parity_mismatches,
         "wall_s": s.wall_s,
     }
@@ -142,13 +158,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
     sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
     # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).
-    total = sum(len(r.token_ids) for r in trace_requests(Path(args.trace), limit=args.limit))
+    lengths = [len(r.token_ids) for r in trace_requests(Path(args.trace), limit=args.limit)]
+    kept = [n for n in lengths if fits_device(n, args)]
+    left_out = len(lengths) - len(kept)
+    total = sum(kept)
     tasks = [(total + args.block_size, 0, True, args)]
     tasks += [(args.kv_tokens, int(x * args.kv_tokens), False, args) for x in sizes]
     started = time.perf_counter()
     rows = run_all(_run, tasks, args.jobs)
     unbounded, rows = rows[0], rows[1:]
-    print_table([unbounded, *rows], f"host tier sim ({time.perf_counter() - started:.0f} s)")
+    print_table(
+        [unbounded, *rows],
+        f"host tier sim ({time.perf_counter() - started:.0f} s): every row replays the same "
+        f"{len(kept)} requests; {left_out} of the trace's {len(lengths)} are larger than the "
+        f"device cache of {args.kv_tokens:,} tokens and left out of every row",
+    )
+    # the same request set in every row: none rejected by any
+    assert all(r["rejected"] == 0 and r["requests"] == len(kept) for r in [unbounded, *rows])
     by_x = {r["host_x"]: r for r in rows}
     device_only, tier8 = by_x[0.0], by_x[8.0]
     gap = (unbounded["hit_rate"] - tier8["hit_rate"]) / unbounded["hit_rate"]
@@ -175,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             "benchmark": "host_tier_sim",
             "smoke": args.smoke,
             "device_tokens": args.kv_tokens,
+            "requests": len(kept),
+            "requests_left_out": left_out,  # larger than the device cache: in no row
             "hit_rate_unbounded": round(unbounded["hit_rate"], 4),
             "hit_rate_device_only": round(device_only["hit_rate"], 4),
             "hit_rate_host8x": round(tier8["hit_rate"], 4),

@@ -15,8 +15,17 @@ aiperf pins its own dependencies; install it in a virtualenv of its own and poin
     .venv/bin/python -m benchmarks.openai_http --aiperf ~/aiperf-venv/bin/aiperf
     .venv/bin/python -m benchmarks.openai_http --smoke          # seconds; aiperf if found
 
-Without aiperf (not given, not on PATH, not in $AIPERF) the two ``kvcluster bench`` runs
-still go. aiperf's Mooncake-trace replay (``--custom-dataset-type mooncake_trace``) is not
+vLLM's own load tool runs too when a vLLM virtualenv is found (``--vllm-python``, or
+``$VLLM_PYTHON``, default ``~/vllm-venv/bin/python``; its CPU build is enough): ``vllm bench
+serve`` with both OpenAI backends (completions, chat) on vLLM's ``random`` and
+``prefix_repetition`` datasets, counting tokens with the tokenizer folder the server
+exports (``kvcluster tokenizer DIR``); see ``benchmarks/vllm_bench.py``:
+
+    python -m venv ~/vllm-venv && ~/vllm-venv/bin/pip install vllm   # CPU build: see vLLM docs
+    .venv/bin/python -m benchmarks.openai_http --vllm-python ~/vllm-venv/bin/python
+
+Without aiperf (not given, not on PATH, not in $AIPERF) or vLLM the two ``kvcluster bench``
+runs still go. aiperf's Mooncake-trace replay (``--custom-dataset-type mooncake_trace``) is not
 used: offline, aiperf 0.13's trace synthesis rejects the local tokenizer folder that its
 synthetic mode accepts (HFValidationError, "repo id must be ..."; not investigated), and
 the trace's ~12k-token prompts would need shrinking for the tiny model anyway; the trace
@@ -37,9 +46,11 @@ from pathlib import Path
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.loadgen import run_bench
+from benchmarks.vllm_bench import DEFAULT_VLLM_PYTHON, run_vllm_bench, vllm_command
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from worker.model.default_model import resolve_default_model
+from worker.model.tokenizer import Tokenizer
 
 ENGINE = {
     "num_blocks": 256,
@@ -141,6 +152,12 @@ def find_aiperf(given: str | None) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--aiperf", help="aiperf executable (default: $AIPERF, then PATH)")
+    ap.add_argument(
+        "--vllm-python",
+        default=DEFAULT_VLLM_PYTHON,
+        help="python of a venv with vLLM, for `vllm bench serve` (default: $VLLM_PYTHON, "
+        "then ~/vllm-venv/bin/python); skipped when absent",
+    )
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -150,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = 4 if args.smoke else args.concurrency
     groups, prefix_words = 4, 200
     aiperf = find_aiperf(args.aiperf)
+    vllm = vllm_command(args.vllm_python)
+    if vllm is None:
+        print(f"vllm bench serve: skipped (no vLLM in {args.vllm_python}; --vllm-python)")
     rows = []
     with Cluster(cluster_config()) as cluster:
         shape = dict(
@@ -196,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                     out_dir=Path(tmp),
                 )
             rows.append({"run": "aiperf (http)", "requests": float(requests), **figs})
+        if vllm is not None:
+            rows += _vllm_runs(vllm, cluster, requests, concurrency, groups, args.max_tokens)
     cols = (
         "ok",
         "throughput_req_s",
@@ -229,9 +251,43 @@ def main(argv: list[str] | None = None) -> int:
             aiperf_out_tok_s=a["output_tok_s"],
             aiperf_hit_rate=a["prefix_hit_rate"],
         )
+    for r in rows:
+        if r["run"].startswith("vllm bench"):
+            key = r["run"].split(" ", 3)[-1].replace(" ", "_").replace("-", "_")
+            headline[f"{key}_req_s"] = r["throughput_req_s"]
+            headline[f"{key}_failed"] = r["failed"]
     _plot(rows)
     emit_json({"openai_http": headline})
     return 0
+
+
+def _vllm_runs(
+    vllm: list[str], cluster: Cluster, requests: int, concurrency: int, groups: int, max_tokens: int
+) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # the tokenizer folder `kvcluster tokenizer DIR` writes
+        model = cluster.model_path or str(resolve_default_model("llama"))
+        tokenizer = str(Tokenizer.from_dir(model).save(Path(tmp) / "tokenizer"))
+        for backend in ("openai", "openai-chat"):
+            for dataset in ("random", "prefix_repetition"):
+                figs = run_vllm_bench(
+                    vllm,
+                    cluster.http_endpoints[0],
+                    cluster.model_id,
+                    tokenizer,
+                    backend=backend,
+                    dataset=dataset,
+                    requests=requests,
+                    concurrency=concurrency,
+                    prefix_len=128,
+                    suffix_len=32,
+                    groups=groups,
+                    max_tokens=max_tokens,
+                    out_dir=Path(tmp),
+                )
+                rows.append({"run": f"vllm bench {backend} {dataset}", **figs})
+    return rows
 
 
 def _plot(rows: list[dict]) -> Path:

@@ -158,6 +158,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env={**os.environ, "PYTHONPATH": path})
 
 
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    """Write the served model's tokenizer as a Hugging Face folder (for clients that count
+    tokens themselves: ``vllm bench serve --tokenizer``, aiperf, lm-eval)."""
+    from cluster.launcher import resolve_model
+    from worker.model.default_model import resolve_default_model
+    from worker.model.tokenizer import Tokenizer
+
+    cfg = load_config(args.config)
+    path, model_id = resolve_model(cfg)
+    path = path or str(resolve_default_model(cfg.model.tiny_family))
+    out = Tokenizer.from_dir(path).save(args.out)
+    print(f"tokenizer of {model_id} written to {out}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cluster.demo import run_demo
 
@@ -205,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--cache-salt", default="")
             sp.add_argument("--lora", default="", help="LoRA adapter name (default: base model)")
             sp.add_argument("--timeout", type=float, default=120.0)
+    sp = add("tokenizer", cmd_tokenizer, "write the served model's tokenizer (HF folder)")
+    sp.add_argument("out", help="folder to write tokenizer.json and tokenizer_config.json to")
+    sp.add_argument("--config", help="cluster YAML (default: the embedded defaults)")
     sp = add("demo", cmd_demo, "start a cluster in-process, send prefix-sharing requests, stop")
     sp.add_argument("--config", help="cluster YAML")
     sp.add_argument("--requests", type=int, default=8)

@@ -31,7 +31,7 @@ class ServedModelConfig(Strict):
     model_id: str | None = Field(
         None, description="Id folded into block keys and index keys; default: folder name."
     )
-    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3"] | None = Field(
+    tiny_family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"] | None = Field(
         None,
         description="With path None: build a random-weight offline model of this family "
         "instead of the default model (tests and benchmarks).",
@@ -79,6 +79,11 @@ class RouterConfig(Strict):
         description="First router's OpenAI-compatible HTTP port (0: "
         "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
         "tokens and TLS files as gRPC.",
+    )
+    cors_allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins browsers may call the HTTP API from (CORS), e.g. "
+        "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
     )
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
@@ -143,6 +148,25 @@ class ClusterConfig(Strict):
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
     redis: IndexSettings = IndexSettings()
+
+    @model_validator(mode="after")
+    def _adapter_owners_are_tenants(self) -> ClusterConfig:
+        # without auth a tenant is whatever a client says it is: an owner would protect nothing
+        owned = self.workers.engine.lora_tenants
+        tenants = self.router.auth_tokens
+        if owned and not tenants:
+            raise ValueError(
+                f"workers.engine.lora_tenants ({', '.join(sorted(owned))}) needs "
+                "router.auth_tokens: without authentication any client can name any tenant"
+            )
+        for name, owners in owned.items():
+            unknown = sorted(set(owners) - set(tenants))
+            if unknown:
+                raise ValueError(
+                    f"workers.engine.lora_tenants[{name!r}] names {unknown}, not tenants of "
+                    f"router.auth_tokens ({', '.join(sorted(tenants))})"
+                )
+        return self
 
 
 def redact_url(url: str | None) -> str | None:

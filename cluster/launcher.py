@@ -15,6 +15,8 @@ An embedded Ray (one this launcher starts) runs in Ray's single-node mode
 servers, the agents and the dashboard all listen on loopback only; a driver joining it must
 be in that mode too, one joining any other Ray must not be. (``--node-ip-address=
 127.0.0.1`` alone does not do it: Ray swaps a loopback node address for the machine's.)
+With ``dashboard: false`` an embedded Ray starts no dashboard process at all
+(:mod:`cluster.ray_head`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import ray
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.local_redis import LocalRedis, free_port, start_detached
+from cluster.ray_head import no_dashboard_process
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
@@ -143,8 +146,14 @@ def start_ray_head(
     Returns (GCS address, pid of the head's process group, dashboard URL or None).
     """
     port, dash = free_port(), free_port()
+    # without the dashboard: Ray's CLI that starts no dashboard process (cluster.ray_head)
+    ray_cli = (
+        [str(Path(sys.executable).with_name("ray"))]
+        if dashboard
+        else [sys.executable, "-m", "cluster.ray_head"]
+    )
     cmd = [
-        str(Path(sys.executable).with_name("ray")),
+        *ray_cli,
         "start",
         "--head",
         "--block",
@@ -267,13 +276,14 @@ class Cluster:
         kwargs = dict(namespace=self.namespace, log_to_driver=False, logging_level=logging.WARNING)
         if self.ray_address is None:
             # address="local": a Ray of our own, never a `ray start` head found on the machine
-            ray.init(
-                address="local",
-                _node_ip_address="127.0.0.1",
-                include_dashboard=self.cfg.dashboard,
-                dashboard_host="127.0.0.1",
-                **kwargs,
-            )
+            with no_dashboard_process(not self.cfg.dashboard):
+                ray.init(
+                    address="local",
+                    _node_ip_address="127.0.0.1",
+                    include_dashboard=self.cfg.dashboard,
+                    dashboard_host="127.0.0.1",
+                    **kwargs,
+                )
         else:
             use_token_auth_if_configured()
             ray.init(address=self.ray_address, **kwargs)
@@ -337,6 +347,7 @@ class Cluster:
             tls_cert=r.tls_cert,
             tls_key=r.tls_key,
             liveness=r.liveness,
+            cors_allowed_origins=tuple(r.cors_allowed_origins),
             http_port=None
             if r.http_port is None
             else r.http_port + i

@@ -29,6 +29,9 @@ class WorkerLoad:
     decode_tokens: int = 0  # tokens decoded per step by the running batch
     lora_ids: tuple[str, ...] = ()  # stable ids (``name@digest``) of the LoRA adapters served
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now
+    # "adapter_id=tenant" for each tenant an adapter is registered for; an adapter without
+    # any serves every tenant (ids never hold "=", tenant names may)
+    lora_owners: tuple[str, ...] = ()
     # size of its host KV tier (0: none, so the index holds no host-tier entry of it; a
     # router then asks the index for device counts only)
     host_blocks: int = 0
@@ -48,7 +51,7 @@ class WorkerLoad:
 
 
 _LOAD_FIELDS = tuple(WorkerLoad.__dataclass_fields__)
-_TUPLE_FIELDS = ("lora_ids", "lora_loaded")
+_TUPLE_FIELDS = ("lora_ids", "lora_loaded", "lora_owners")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,14 +18,16 @@ import ray
 
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
-from router.edge.servicer import KVClusterServicer, TokenAuth, start_server
+from router.edge.servicer import KVClusterServicer, start_server
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from router.placement.metrics import RouterMetrics
 from router.placement.prediction import PredictionTracker
 from router.placement.prefix_source import KVIndexSource
 from router.placement.router import Router
+from router.serving.auth import TokenAuth
 from router.serving.core import ModelLimits, ServingCore
+from router.serving.intake import Intake
 from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.telemetry import start_exporter
 from worker.model.config import ModelConfig
@@ -58,6 +60,7 @@ class RouterSettings:
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
+    cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
 
 
 class RouterServer:
@@ -100,13 +103,14 @@ class RouterServer:
         self.predictions = PredictionTracker(settings.block_size * record_every)
         self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
+        # one intake for both edges: one auth, one set of limits, one tokenizer budget
+        self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=settings.limits)
         self.servicer = KVClusterServicer(
             self.core,
             self.tokenizer,
             policy=settings.routing.policy,
             index_available=lambda: self.directory.index_ok,
-            auth=auth,
-            limits=settings.limits,
+            intake=self.intake,
         )
         self.http = None
         if settings.http_port is not None:
@@ -118,7 +122,8 @@ class RouterServer:
                 auth=auth,
                 limits=settings.limits,
                 max_body_bytes=settings.max_message_bytes,
-                tokenize=self.servicer.tokenize,
+                intake=self.intake,
+                cors_origins=settings.cors_allowed_origins,
             )
         self.server = None
         self.port: int | None = None
@@ -193,7 +198,8 @@ class RouterServer:
             await self.server.stop(grace_s)
             self.server = None
         self.core.close()
-        self.servicer.tokenize.close()
+        self.directory.channels.close()
+        self.intake.close()
 
     def stats(self) -> dict:
         """Router metrics plus retry counters (for status and tests)."""
@@ -206,6 +212,11 @@ class RouterServer:
             **self.predictions.totals(),
         )
         return snap
+
+    async def loop_lag(self, reset: bool = False) -> dict[str, float]:
+        """This actor's event-loop lag: the largest stall since the last reset (the probe
+        starts on the first call)."""
+        return self.directory.loop_probe.report(reset=reset)
 
     def http_endpoint(self) -> str | None:
         """``http(s)://host:port`` of the OpenAI API (None: not serving HTTP)."""

@@ -9,26 +9,28 @@ loop never waits on it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
 
-from kvstore.blocks.protocol import AdapterInfo, Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.blocks.looplag import LoopLagProbe
+from kvstore.blocks.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
 from kvstore.types import WorkerLoad
+from worker.callers import CallerWatch
+from worker.channels import Channels
 from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
 from worker.engine.front import StreamingEngine
+from worker.engine.streams import StreamItem
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
 from worker.telemetry import WorkerTelemetry
@@ -60,6 +62,7 @@ def worker_load(snap: EngineSnapshot) -> WorkerLoad:
         host_blocks=snap.host_total_blocks,
         lora_ids=snap.lora_ids,
         lora_loaded=snap.lora_loaded,
+        lora_owners=snap.lora_owners,
     )
 
 
@@ -84,76 +87,15 @@ def worker_status(
         swap_preemptions=snap.num_swap_preemptions,
         recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
         adapters=tuple(
-            AdapterInfo(i.split("@")[0], i, i in snap.lora_loaded) for i in snap.lora_ids
+            AdapterInfo(
+                i.split("@")[0],
+                i,
+                i in snap.lora_loaded,
+                tuple(o.split("=", 1)[1] for o in snap.lora_owners if o.split("=", 1)[0] == i),
+            )
+            for i in snap.lora_ids
         ),
     )
-
-
-class CallerWatch:
-    """Aborts the requests of callers (routers) that died while their streams ran.
-
-    A router that dies leaves its streams without a reader, and Ray does not stop an actor
-    task whose caller is gone: without this, the requests would run to ``max_tokens`` and
-    hold their KV blocks until then. Every ``interval_s`` the watch pings each distinct
-    caller with an open request; a caller Ray reports dead gets its requests aborted.
-    A slow or unreachable caller is not treated as dead (only ``ActorDiedError`` is).
-    Runs on the actor's event loop; ``watch``/``forget`` are called from ``generate``.
-    """
-
-    def __init__(
-        self,
-        abort: Callable[[str], object],
-        *,
-        interval_s: float = 0.25,  # one ping per distinct caller: cheap, and orphans stop fast
-        ping_timeout_s: float = 10.0,
-    ) -> None:
-        self._abort = abort
-        self.interval_s = interval_s
-        self.ping_timeout_s = ping_timeout_s
-        self._callers: dict[str, Any] = {}  # request id -> caller's actor handle
-        self._task: asyncio.Task | None = None
-        self.aborted = 0  # requests aborted because their caller died
-
-    def watch(self, request_id: str, caller: Any) -> None:
-        if caller is None:
-            return
-        self._callers[request_id] = caller
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def forget(self, request_id: str) -> None:
-        self._callers.pop(request_id, None)
-
-    async def _run(self) -> None:
-        while self._callers:
-            await asyncio.sleep(self.interval_s)
-            by_caller: dict[Any, list[str]] = {}
-            for rid, caller in list(self._callers.items()):
-                by_caller.setdefault(caller, []).append(rid)
-            for caller, rids in by_caller.items():
-                if await self._alive(caller):
-                    continue
-                log.warning("caller of %d request(s) died; aborting them", len(rids))
-                for rid in rids:
-                    self.forget(rid)
-                    self._abort(rid)
-                    self.aborted += 1
-
-    async def _alive(self, caller: Any) -> bool:
-        """A :class:`CallerRef` is alive while its router answers with the same incarnation
-        (a router Ray restarted has a new one and no reader for its predecessor's streams)."""
-        try:
-            if isinstance(caller, CallerRef):
-                now = await asyncio.wait_for(
-                    caller.handle.incarnation.remote(), self.ping_timeout_s
-                )
-                return now == caller.incarnation
-            await asyncio.wait_for(caller.__ray_ready__.remote(), self.ping_timeout_s)
-        except ActorDiedError:
-            return False
-        except Exception:  # noqa: BLE001 - slow or restarting: not proven dead
-            return True
-        return True
 
 
 class WorkerServer:
@@ -178,7 +120,9 @@ class WorkerServer:
             self.engine, on_step=self._after_step, on_death=self._engine_died
         )
         self.front.start()
-        self.callers = CallerWatch(self.front.abort)
+        self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
+        self.channels = Channels(self.front.abort, self.callers.forget)
+        self.loop_probe = LoopLagProbe()
         if self.publisher is not None:
             self.publisher.submit([], worker_load(self.engine.snapshot()))
             self.publisher.start()
@@ -226,35 +170,83 @@ class WorkerServer:
     def ready(self) -> str:
         return self.worker_id
 
+    async def submit(self, request: WorkerRequest, caller: Any, channel_id: str) -> Admitted:
+        """Queue ``request``; its outputs go to the caller's channel ``channel_id`` (read
+        with :meth:`outputs`). Raises InvalidRequest / EngineOverloaded.
+
+        ``caller``: the calling router's :class:`CallerRef`; if it dies, the request is
+        aborted."""
+        self.telemetry.arrived(request.request_id)
+        keys = self._keys(request)
+        rid = request.request_id
+        ch = self.channels.get(channel_id)
+        ch.caller = caller
+        ch.open(rid)  # before the add: its first outputs may be delivered before we resume
+        self.callers.watch(rid, caller)
+        try:
+            await self.front.add_request_async(
+                request.token_ids, request.params, request_id=rid, prompt_keys=keys, sink=ch
+            )
+        except BaseException:
+            ch.requests.discard(rid)
+            self.callers.forget(rid)
+            raise
+        return self._admitted(request, keys)
+
+    async def outputs(self, channel_id: str) -> AsyncIterator[list[StreamItem]]:
+        """The channel's outputs, one list per message: every output of each request sent
+        with this ``channel_id``, in order; a :class:`StreamEnd` ends a request whose engine
+        stopped. Ends when the caller stops reading (its open requests are aborted)."""
+        async for items in self.channels.serve(channel_id):
+            yield items
+
     async def generate(
         self, request: WorkerRequest, caller: Any = None
     ) -> AsyncIterator[Admitted | RequestOutput]:
-        """Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
+        """One request's own stream (the fallback of :meth:`submit` + :meth:`outputs`):
+        Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
 
         ``caller``: the calling router's actor handle; if it dies, the request is aborted.
         """
         self.telemetry.arrived(request.request_id)
-        # Hashed once, here and not under the engine lock: the scheduler's queue claims and
-        # the router's parity check use the same keys.
-        keys = block_keys(
-            request.token_ids,
-            self.engine.config.block_size,
-            self.engine.hash_context(request.params),
-        )
+        keys = self._keys(request)
         stream = await self.front.add_request_async(
             request.token_ids, request.params, request_id=request.request_id, prompt_keys=keys
         )
-        epoch = self.publisher.epoch if self.publisher is not None else None
+        assert stream is not None
         self.callers.watch(request.request_id, caller)
         try:
-            yield Admitted(self.worker_id, epoch, keys[-1] if request.want_keys and keys else None)
+            yield self._admitted(request, keys)
             async for out in stream:
                 yield out
         finally:
             self.callers.forget(request.request_id)
 
+    def _keys(self, request: WorkerRequest) -> list:
+        """The prompt's block keys, hashed once here and not by the engine thread: the
+        scheduler's queue claims and the router's parity check use the same keys."""
+        return block_keys(
+            request.token_ids,
+            self.engine.config.block_size,
+            self.engine.hash_context(request.params),
+        )
+
+    def _admitted(self, request: WorkerRequest, keys: list) -> Admitted:
+        epoch = self.publisher.epoch if self.publisher is not None else None
+        return Admitted(self.worker_id, epoch, keys[-1] if request.want_keys and keys else None)
+
+    def _caller_died(self, caller: Any) -> None:
+        """A dead router's channels have no reader any more."""
+        for channel_id in self.channels.of_caller(caller):
+            self.channels.drop(channel_id)
+
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
+
+    async def loop_lag(self, reset: bool = False) -> dict[str, float]:
+        """This actor's event-loop lag: the largest stall since the last reset (the probe
+        starts on the first call)."""
+        return self.loop_probe.report(reset=reset)
 
     def resync_index(self, reason: str) -> bool:
         """A router found this worker's index entries wrong (``reason``): replace them with
@@ -265,8 +257,8 @@ class WorkerServer:
         self.publisher.request_resync()
         return True
 
-    def status(self) -> WorkerStatus:
-        snap = self.front.with_engine(Engine.snapshot)
+    async def status(self) -> WorkerStatus:
+        snap = await self.front.with_engine_async(Engine.snapshot)
         publisher = self.publisher
         return worker_status(
             self.worker_id,
@@ -275,21 +267,22 @@ class WorkerServer:
             index_healthy=publisher.healthy if publisher is not None else False,
         )
 
-    def add_lora(self, name: str, path: str) -> str:
-        """Register a LoRA adapter folder at run time; returns its stable id. The next
-        heartbeat tells the routers."""
+    async def add_lora(self, name: str, path: str, tenants: list[str] | None = None) -> str:
+        """Register a LoRA adapter folder at run time; returns its stable id. ``tenants``:
+        the only tenants the routers show it to and run it for (None: every tenant). The
+        next heartbeat tells the routers."""
 
         def add(engine: Engine) -> str:
-            adapter_id = engine.add_lora(name, path)
+            adapter_id = engine.add_lora(name, path, tenants)
             if self.publisher is not None:  # an idle worker publishes no step: tell now
                 self.publisher.submit([], worker_load(engine.snapshot()))
             return adapter_id
 
-        return self.front.with_engine(add)
+        return await self.front.with_engine_async(add)
 
-    def kv_blocks_in_use(self) -> int:
+    async def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
-        return self.front.with_engine(Engine.snapshot).kv_used_blocks
+        return (await self.front.with_engine_async(Engine.snapshot)).kv_used_blocks
 
     def shutdown(self) -> None:
         self.telemetry.stop_heartbeat()

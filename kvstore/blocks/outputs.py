@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool  # True on the request's last output
     usage: Usage  # cumulative token counts
     error: str | None = None  # set when the request failed inside the engine
+    # with SamplingParams.prompt_logprobs, once (on the first output): per prompt position,
+    # that token's logprob and alternatives (position 0 has nothing before it: None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class GenerationResult:
     completions: list[Completion]  # by index (beam search: best first)
     usage: Usage | None = None  # final usage
     error: str | None = None  # set if the request failed
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # if requested
 
     @property
     def finished(self) -> bool:
@@ -104,3 +108,44 @@ class GenerationResult:
         self.usage = out.usage
         if out.error is not None:
             self.error = out.error
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+
+def coalesce(outs: list[RequestOutput]) -> RequestOutput:
+    """Several consecutive outputs of one request as one: each sample's deltas joined in
+    order (text, token ids, logprobs), its last finish and cumulative logprob, the last
+    usage and finished flag, the last error. What a client that reads slower than the engine
+    produces gets instead of the outputs one by one; the tokens and their count are exact."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, CompletionDelta] = {}
+    for out in outs:
+        for d in out.outputs:
+            m = merged.get(d.index)
+            if m is None:
+                lps = list(d.logprobs) if d.logprobs is not None else None
+                merged[d.index] = CompletionDelta(
+                    d.index,
+                    d.text,
+                    list(d.token_ids),
+                    lps,
+                    d.finish_reason,
+                    d.stop_reason,
+                    d.cumulative_logprob,
+                )
+                continue
+            m.text += d.text
+            m.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            if d.finish_reason is not None:
+                m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+            if d.cumulative_logprob is not None:
+                m.cumulative_logprob = d.cumulative_logprob
+    last = outs[-1]
+    error = next((o.error for o in reversed(outs) if o.error is not None), None)
+    prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    return RequestOutput(
+        last.request_id, list(merged.values()), last.finished, last.usage, error, prompt
+    )

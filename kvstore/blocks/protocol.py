@@ -72,3 +72,4 @@ class AdapterInfo:
     name: str  # what requests ask for
     adapter_id: str  # stable id folded into block keys
     loaded: bool  # in a device slot now
+    tenants: tuple[str, ...] = ()  # the tenants that may see and use it (empty: every tenant)

@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128  # each is checked per generated token (a set) and masked before min_tokens
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias; each is added to its token's logit
 # Beyond this a length penalty only decides by length (len ** 10 dwarfs any log-prob gap);
 # scores are ranked in log space, so the bound is for sense, not for overflow.
 MAX_LENGTH_PENALTY = 10.0
@@ -59,10 +60,16 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # None = no logprobs; k >= 0: sampled token + top-k alternatives
+    # None = none; k >= 0: each prompt token's logprob and its top-k alternatives (the
+    # prompt is then computed whole: a prefix cache hit would skip positions)
+    prompt_logprobs: int | None = None
     priority: int = 0  # smaller = more important (priority policy); ties go by arrival
     cache_salt: str | None = None  # tenant salt: requests with different salts share no KV
     skip_special_tokens: bool = True  # drop special tokens from the text
     lora: str | None = None  # LoRA adapter name (None: the base model); the worker checks it
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias:
+    # -100 all but bans a token, 100 all but forces it); token ids are checked per model
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # stop_token_ids as a set, for the per-token check on the engine's hot path
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
@@ -72,6 +79,7 @@ class SamplingParams:
             set_(self, "stop", (self.stop,))
         set_(self, "stop", tuple(self.stop))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids))
+        set_(self, "logit_bias", tuple(tuple(x) for x in self.logit_bias))
         if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
             set_(self, "top_k", None)
         self._validate()
@@ -136,6 +144,27 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                "logit_bias",
+                f"<{len(self.logit_bias)} entries>",
+                f"must hold at most {MAX_LOGIT_BIAS} entries",
+            )
+        for entry in self.logit_bias:
+            if not (
+                len(entry) == 2
+                and _is_int(entry[0])
+                and entry[0] >= 0
+                and _is_num(entry[1])
+                and -100 <= entry[1] <= 100
+            ):
+                raise InvalidRequest(
+                    "logit_bias", entry, "entries must be (token id >= 0, bias in [-100, 100])"
+                )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         if not _is_int(self.priority):
             raise bad("priority", "must be an integer")
         if self.cache_salt is not None and (
@@ -156,6 +185,8 @@ class SamplingParams:
                 raise bad("stop", "stop strings are not supported with beam search")
             if self.logprobs is not None:
                 raise bad("logprobs", "logprobs are not supported with beam search")
+            if self.prompt_logprobs is not None:
+                raise bad("prompt_logprobs", "prompt logprobs are not supported with beam search")
             for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
                 if getattr(self, name) != SamplingParams.__dataclass_fields__[name].default:
                     raise bad(name, "penalties are not supported with beam search")

@@ -43,3 +43,6 @@ def check_model_limits(
     bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequest("stop_token_ids", bad, f"must be < vocab_size={vocab_size}")
+    bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest("logit_bias", bad, f"token ids must be < vocab_size={vocab_size}")

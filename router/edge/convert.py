@@ -1,31 +1,20 @@
-"""Protobuf at the edge: kvcluster.v1 messages <-> the engine's and router's dataclasses.
+"""Protobuf at the edge: kvcluster.v1 messages <-> the intake's and engine's dataclasses.
 
-Nothing past the servicer sees a protobuf message. Every rule broken raises the engine's
-:class:`InvalidRequest` (field, value, limit), which the servicer maps to INVALID_ARGUMENT.
+Nothing past the servicer sees a protobuf message: :func:`spec_from_pb` builds the intake's
+request with the shared validator (:func:`router.serving.request.make_spec`), whose
+:class:`InvalidRequest` (field, value, limit) the servicer maps to INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.outputs import FinishReason, RequestOutput
-from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
+from router.serving.request import DEFAULT_LIMITS, GenerateSpec, make_spec, tenant_salt
 
-if TYPE_CHECKING:
-    from worker.model.tokenizer import Tokenizer
-
-DEFAULT_LIMITS = RequestLimits()
+__all__ = ["DEFAULT_LIMITS", "GenerateSpec", "spec_from_pb", "tenant_salt"]
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -53,150 +42,42 @@ _OPTIONAL_PARAMS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateSpec:
-    """A validated Generate request, protobuf-free."""
-
-    request_id: str  # client's id or a generated one
-    text: str | None  # the prompt text (None when token ids were sent)
-    token_ids: list[int] | None  # the prompt's token ids (None until tokenized, for text)
-    params: SamplingParams  # validated sampling parameters (cache_salt, priority folded in)
-    tenant: str  # tenant name ("" = anonymous)
-    stream_text: bool  # send text deltas (else token ids only)
-    # chat messages as ({"role", "content"}, ...) when the prompt is a conversation; the
-    # serving edge renders them with the model's chat template into ``text``'s place
-    messages: tuple[dict[str, str], ...] | None = None
-
-
-def _check_str(field: str, value: str, limit: int) -> None:
-    if len(value) > limit:
-        raise InvalidRequest(field, f"<{len(value)} chars>", f"must be at most {limit} characters")
-
-
-def params_from_pb(
-    msg: pb.SamplingParams,
-    *,
-    priority: int,
-    cache_salt: str | None,
-    limits: RequestLimits = DEFAULT_LIMITS,
-) -> SamplingParams:
-    values: dict[str, object] = {}
-    for name in _OPTIONAL_PARAMS:
-        if msg.HasField(name):
-            v = getattr(msg, name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise InvalidRequest(name, v, "must be a finite number")
-            values[name] = v
-    if values.get("top_k") == 0:
-        values["top_k"] = None
-    if values.get("logprobs") == 0:
+def _values(msg: pb.SamplingParams) -> dict[str, object]:
+    """The sampling fields the client set (proto3 ``optional``: HasField)."""
+    values = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)}
+    if values.get("logprobs") == 0:  # the API's "no logprobs"
         values.pop("logprobs")
-    for name, key in (("n", "max_n"), ("beam_width", "max_n"), ("logprobs", "max_logprobs")):
-        limit = getattr(limits, key)
-        if values.get(name, 0) > limit:  # type: ignore[operator]
-            raise InvalidRequest(
-                name, values[name], f"must be at most {limit} (router.limits.{key})"
-            )
-    if len(msg.stop) > limits.max_stop_strings:
-        raise InvalidRequest(
-            "stop",
-            f"<{len(msg.stop)} strings>",
-            f"must be at most {limits.max_stop_strings} strings",
-        )
-    for s in msg.stop:
-        _check_str("stop", s, limits.max_stop_string_chars)
-    values["stop"] = tuple(msg.stop)
-    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # before copying them
-        raise InvalidRequest(
-            "stop_token_ids",
-            f"<{len(msg.stop_token_ids)} ids>",
-            f"must hold at most {MAX_STOP_TOKEN_IDS} token ids",
-        )
-    values["stop_token_ids"] = tuple(msg.stop_token_ids)
-    values["priority"] = priority
-    values["cache_salt"] = cache_salt
-    return SamplingParams(**values)
-
-
-def tenant_salt(tenant: str | None, cache_salt: str) -> str | None:
-    """The salt folded into block 0's key: a tenant's requests never share KV (or a routing
-    signal) with another tenant's, whatever ``cache_salt`` they send.
-
-    No tenant: ``salt:`` and a digest of the client's salt (None when empty), a namespace of
-    its own, so no client salt (``"tenant:X"`` say) can name tenant X's KV. A tenant:
-    ``tenant:<name>``, plus a digest of the client's salt when one is set (so a client cannot
-    pick another tenant's salt). Digests keep the result within SamplingParams' 256 characters.
-    """
-    digest = hashlib.sha256(cache_salt.encode()).hexdigest()[:32]
-    if not tenant:
-        return f"salt:{digest}" if cache_salt else None
-    if not cache_salt:
-        return f"tenant:{tenant}"
-    return f"tenant:{tenant}{SALT_SCOPE_SEP}{digest}"
+    return values
 
 
 def spec_from_pb(
     req: pb.GenerateRequest, *, tenant: str | None = None, limits: RequestLimits = DEFAULT_LIMITS
 ) -> GenerateSpec:
-    """Validate and convert a GenerateRequest (model limits are checked later, by the caller).
-
-    ``tenant``: the authenticated tenant (or the request's own, without auth); it scopes the
-    cache salt (see :func:`tenant_salt`).
-    """
-    _check_str("request_id", req.request_id, limits.max_request_id_chars)
-    if not req.request_id.isprintable():  # it is logged: no forged lines, no escapes
-        shown = req.request_id.encode("unicode_escape").decode()
-        raise InvalidRequest("request_id", shown, "must not contain control characters")
-    _check_str("tenant", req.tenant, limits.max_tenant_chars)
-    if SALT_SCOPE_SEP in req.tenant:  # it separates a tenant's name from its salts
-        raise InvalidRequest("tenant", req.tenant, f"must not contain {SALT_SCOPE_SEP!r}")
-    _check_str("cache_salt", req.cache_salt, limits.max_cache_salt_chars)
+    """The gRPC parser: a GenerateRequest -> the intake's validated request (model limits
+    are checked once it is tokenized). ``tenant``: the authenticated tenant (or the
+    request's own, without auth); it scopes the cache salt (see :func:`tenant_salt`)."""
     which = req.WhichOneof("prompt")
-    if which is None:
-        raise InvalidRequest("prompt", None, "set exactly one of text, token_ids or messages")
-    text = token_ids = messages = None
+    prompt: dict[str, object] = {}
     if which == "messages":
-        messages = messages_from_pb(req.messages, limits)
+        prompt["messages"] = [{"role": m.role, "content": m.content} for m in req.messages.messages]
     elif which == "text":
-        if not req.text:
-            raise InvalidRequest("text", "", "must be a non-empty string")
-        _check_str("text", req.text, limits.max_prompt_chars)
-        text = req.text
-    else:
-        token_ids = list(req.token_ids.ids)
-        if not token_ids:
-            raise InvalidRequest("token_ids", [], "must hold at least one token id")
-    salt = tenant_salt(tenant, req.cache_salt)
-    params = params_from_pb(req.params, priority=req.priority, cache_salt=salt, limits=limits)
-    if req.lora:
-        _check_str("lora", req.lora, 64)
-        params = replace(params, lora=req.lora)
-    return GenerateSpec(
-        request_id=req.request_id or uuid.uuid4().hex,
-        text=text,
-        token_ids=token_ids,
-        params=params,
-        tenant=req.tenant,
+        prompt["text"] = req.text
+    elif which == "token_ids":
+        prompt["token_ids"] = list(req.token_ids.ids)
+    return make_spec(
+        request_id=req.request_id,
+        tenant=tenant,
+        claimed_tenant=req.tenant,
+        cache_salt=req.cache_salt,
+        values=_values(req.params),
+        stop=list(req.params.stop),
+        stop_token_ids=req.params.stop_token_ids,
+        priority=req.priority,
+        lora=req.lora or None,
         stream_text=req.stream_text if req.HasField("stream_text") else True,
-        messages=messages,
+        limits=limits,
+        **prompt,  # type: ignore[arg-type]
     )
-
-
-def messages_from_pb(
-    msg: pb.ChatMessages, limits: RequestLimits = DEFAULT_LIMITS
-) -> tuple[dict[str, str], ...]:
-    """Chat messages as dicts; the roles and contents are checked when the template is
-    rendered (``Tokenizer.render_chat``), the total size here."""
-    if not msg.messages:
-        raise InvalidRequest("messages", [], "must hold at least one message")
-    total = sum(len(m.content) for m in msg.messages)
-    if total > limits.max_prompt_chars:
-        raise InvalidRequest(
-            "messages",
-            f"<{total} chars>",
-            f"must be at most {limits.max_prompt_chars} characters in all",
-        )
-    return tuple({"role": m.role, "content": m.content} for m in msg.messages)
 
 
 def responses_from_output(
@@ -293,13 +174,3 @@ def _bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> st
     except ValueError:
         return None
     return None
-
-
-def chat_token_ids(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Render a conversation with the model's chat template (plus the assistant's turn
-    prefix) and tokenize it; a bad message or a model without a template is the client's
-    error (INVALID_ARGUMENT naming the message)."""
-    try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=True)
-    except ValueError as exc:
-        raise InvalidRequest("messages", f"<{len(messages)} messages>", str(exc)) from exc

@@ -1,82 +1,43 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
 
 Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
-works on dataclasses, and errors map to status codes in one place (:func:`_status_of`).
+works on dataclasses, and errors map to status codes through the one error table
+(:func:`router.serving.errors.classify`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from ray.exceptions import RayTaskError
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
-    chat_token_ids,
     malformed_reason,
     responses_from_output,
     spec_from_pb,
 )
-from router.edge.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
 from router.placement.config import RequestLimits
 from router.placement.prediction import WorkerPredictions
-from router.placement.types import NoWorkersError
-from router.serving.core import ClusterOverloaded, ServingCore, StreamBroken
+from router.serving.auth import TokenAuth
+from router.serving.core import ServingCore
+from router.serving.errors import BadBody, RequestFailed, classify
+from router.serving.intake import Intake
+from router.serving.tokenizing import check_text_chars
 from worker.model.tokenizer import Tokenizer
+
+__all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
-
-
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The one place where errors become gRPC codes (None: an internal error)."""
-    if isinstance(exc, RayTaskError) and isinstance(exc.cause, Exception):
-        exc = exc.cause  # raised on the worker: its own message, not Ray's traceback
-    if isinstance(exc, Malformed):
-        return grpc.StatusCode.INVALID_ARGUMENT, exc.reason
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, EngineOverloaded | ClusterOverloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, NoWorkersError | StreamBroken):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-    if isinstance(exc, RequestFailed):
-        return grpc.StatusCode.INTERNAL, str(exc)
-    return None
-
-
-class RequestFailed(Exception):
-    """The engine failed this one request (a bug it hit); others were not affected."""
-
-
-class TokenAuth:
-    """Bearer tokens -> tenants. Compared in constant time; tokens are never logged."""
-
-    def __init__(self, tokens: Mapping[str, str]) -> None:
-        self._tenants = [(tok.encode(), tenant) for tenant, tok in tokens.items()]
-
-    def tenant_of(self, metadata: Any) -> str | None:
-        header = dict(metadata or ()).get("authorization", "")
-        token = header[7:].encode() if header.startswith("Bearer ") else b""
-        found = None
-        for tok, tenant in self._tenants:  # no early exit: constant time in the match position
-            if hmac.compare_digest(tok, token):
-                found = tenant
-        return found
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -144,7 +105,7 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return _rewrap(handler, deny)
 
 
-class Malformed(Exception):
+class Malformed(BadBody):
     """A request whose bytes do not parse (corrupt wire format, a string field that is not
     UTF-8); stands in for the message so the handler can answer INVALID_ARGUMENT."""
 
@@ -206,40 +167,24 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         index_available: Any = lambda: False,
         auth: TokenAuth | None = None,
         limits: RequestLimits = DEFAULT_LIMITS,
+        intake: Intake | None = None,
     ) -> None:
         self.core = core
-        self.limits = limits
-        self.tokenizer = tokenizer
-        self.tokenize = TokenizerPool(tokenizer)
+        self.intake = intake or Intake(core, tokenizer, auth=auth, limits=limits)
+        self.limits = self.intake.limits
+        self.tokenize = self.intake.tokenize
         self.policy = policy
         self.index_available = index_available
-        self.auth = auth
-
-    def _tenant(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str | None:
-        if self.auth is None:
-            return request.tenant or None
-        tenant = self.auth.tenant_of(context.invocation_metadata())
-        if request.tenant and request.tenant != tenant:
-            raise InvalidRequest("tenant", request.tenant, "must match the bearer token's tenant")
-        return tenant
+        self.auth = self.intake.auth
 
     async def _outputs(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[str, Any, bool]]:
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
-        spec = spec_from_pb(request, tenant=self._tenant(request, context), limits=self.limits)
-        token_ids = spec.token_ids
-        if spec.messages is not None:
-            chars = check_chat_chars(spec.messages, self.limits, self.core.limits.max_model_len)
-            token_ids = await self.tokenize.run(
-                chars, chat_token_ids, self.tokenizer, spec.messages
-            )
-        elif token_ids is None:
-            check_text_chars("text", spec.text, self.limits, self.core.limits.max_model_len)
-            token_ids = await self.tokenize.encode(spec.text)
-        async for worker, out in self.core.generate(spec.request_id, token_ids, spec.params):
-            if out.error is not None:  # it failed inside the engine (the engine goes on)
-                raise RequestFailed(f"request {out.request_id!r} failed on {worker}: {out.error}")
+        tenant = self.intake.tenant(context.invocation_metadata(), request.tenant)
+        spec = spec_from_pb(request, tenant=tenant, limits=self.limits)
+        token_ids = await self.intake.token_ids(spec)
+        async for worker, out in self.intake.generate(spec, token_ids):
             yield worker, out, spec.stream_text
 
     async def Generate(
@@ -302,6 +247,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self, request: pb.ClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClusterStatusResponse:
         statuses = await self.core.directory.statuses()
+        # a tenant sees only the adapters it may use (no auth: those registered for all)
+        tenant = self.auth.tenant_of(context.invocation_metadata()) if self.auth else None
         live = await self.core.directory.candidates()
         snap = self.core.router.metrics.snapshot()
         predicted = self.core.predictions.workers if self.core.predictions is not None else {}
@@ -338,6 +285,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     adapters=[
                         pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
                         for a in s.adapters
+                        if not a.tenants or tenant in a.tenants
                     ],
                     **_prediction_fields(predicted.get(s.worker_id)),
                 )
@@ -346,11 +294,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         )
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
-        mapped = _status_of(exc)
-        if mapped is None:
-            log.exception("internal error serving a request")
-            mapped = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-        await context.abort(*mapped)
+        mapped = classify(exc)
+        self.intake.metrics.failures.labels(str(mapped.http_status)).inc()
+        await context.abort(mapped.grpc_code, mapped.message)
 
 
 def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:

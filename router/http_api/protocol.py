@@ -1,27 +1,25 @@
-"""OpenAI request bodies (JSON) -> the gRPC API's GenerateRequest, then the one validator.
+"""OpenAI request bodies (parsed JSON) -> the intake's requests, directly.
 
-The HTTP edge checks only what JSON adds over protobuf: the shape of the body (an object,
-known fields, JSON types, OpenAI's spellings such as ``stop`` as a string). Every range and
-limit is then checked by :func:`router.convert.spec_from_pb`, the validator the gRPC edge
-uses, so both edges accept and reject the same requests with the same messages. Protobuf is
-the API's versioned request schema here, not a transport: nothing leaves this module as one.
+This parser checks only what JSON adds (an object, JSON types, OpenAI's spellings such as
+``stop`` as a string, which fields exist); every range and limit is checked by the shared
+validator (:func:`router.serving.request.make_spec`), which names a field as this API
+spells it. ``null`` means "not set" for every optional field. Fields this server does not
+know are accepted and ignored, as vLLM does (the caller logs and counts them); fields it
+knows but cannot honour with the value given are a 400.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
-from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from router.edge.convert import GenerateSpec, spec_from_pb
+from router.http_api import fields as F
 from router.placement.config import RequestLimits
+from router.serving.request import GenerateSpec, check_request_id, make_spec
 
-# Sampling fields copied to pb.SamplingParams as they are: name -> JSON type.
-_INT_PARAMS = ("top_k", "seed", "n", "min_tokens")
+_INT_PARAMS = ("top_k", "n", "min_tokens")
 _FLOAT_PARAMS = (
     "temperature",
     "top_p",
@@ -30,6 +28,9 @@ _FLOAT_PARAMS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+_BOOL_PARAMS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# known fields that do not change the output (accepted as sent)
+_ACCEPTED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
 _COMMON = frozenset(
     {
         "model",
@@ -37,283 +38,119 @@ _COMMON = frozenset(
         "stream_options",
         "max_tokens",
         "stop",
-        "user",
         "cache_salt",
-        "ignore_eos",
         "stop_token_ids",
         "priority",
         "request_id",
         "logprobs",
         "best_of",
         "logit_bias",
+        "seed",
+        "truncate_prompt_tokens",
+        "return_tokens_as_token_ids",
+        "prompt_logprobs",
+        "response_format",
+        *_ACCEPTED,
         *_INT_PARAMS,
         *_FLOAT_PARAMS,
+        *_BOOL_PARAMS,
     }
 )
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-_ROLES = ("system", "user", "assistant", "developer", "tool")
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "echo",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """One validated /v1/completions or /v1/chat/completions body."""
+    """How one /v1/completions or /v1/chat/completions answer is shaped."""
 
     chat: bool  # chat completion (messages) or text completion (prompt)
-    model: str  # the name the client asked for (base model or an adapter)
+    model: str  # the name answered with (the client's, or the base model's when omitted)
     stream: bool  # answer with server-sent events
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage on every chunk
     top_logprobs: int | None  # alternatives per token to return; None: no logprobs
     created: int  # unix time of arrival
     response_id: str  # "cmpl-..." / "chatcmpl-..."
+    echo: bool = False  # completions: the prompt before its completion (with logprobs:
+    # its tokens' logprobs before the completion's, as lm-eval's log-likelihoods read them)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
+    token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
+    max_tokens_set: bool = True  # chat without max_tokens: as long as the context allows
 
 
-def shown(value: Any, limit: int = 64) -> Any:
-    """``value`` as an error message may quote it: long strings by their length only."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"<{len(value)} chars>"
-    return value
-
-
-def _bad_type(field: str, value: Any, kind: str) -> InvalidRequest:
-    shown = value if isinstance(value, int | float | bool | None) else type(value).__name__
-    return InvalidRequest(field, shown, f"must be {kind}")
-
-
-def _int(body: dict, field: str) -> int | None:
-    v = body.get(field)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad_type(field, v, "an integer")
-    return v
-
-
-def _float(body: dict, field: str) -> float | None:
-    v = body.get(field)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise _bad_type(field, v, "a number")
-    if not math.isfinite(v):
-        raise InvalidRequest(field, v, "must be a finite number")
-    return float(v)
-
-
-def _str(body: dict, field: str) -> str | None:
-    v = body.get(field)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise _bad_type(field, v, "a string")
-    return v
-
-
-def _bool(body: dict, field: str) -> bool | None:
-    v = body.get(field)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise _bad_type(field, v, "true or false")
-    return v
-
-
-def _uint(field: str, value: int, limit: int = (1 << 32) - 1) -> int:
-    """The protobuf field's range (uint32/uint64): out of range is a 400, not an overflow."""
-    if not 0 <= value <= limit:
-        raise InvalidRequest(field, value, f"must be an integer in [0, {limit}]")
-    return value
-
-
-def _token_ids(field: str, value: list) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise InvalidRequest(field, "<list>", "must be a list of integer token ids")
-    return [_uint(field, t) for t in value]
-
-
-def _prompts(body: dict) -> list[str | list[int]]:
-    """OpenAI's prompt forms: a string, a list of strings, a list of token ids, or a list of
-    token-id lists."""
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return [p]
-    if isinstance(p, list) and p:
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return [_token_ids("prompt", p)]
-        if all(isinstance(x, list) for x in p):
-            return [_token_ids("prompt", x) for x in p]
-    if p is None:
-        raise InvalidRequest("prompt", None, "is required")
-    raise InvalidRequest(
-        "prompt",
-        "<" + type(p).__name__ + ">",
-        "must be a string, a list of strings, a list of token ids or a "
-        "list of token-id lists, and not empty",
-    )
-
-
-def _messages(body: dict) -> pb.ChatMessages:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise InvalidRequest(
-            "messages",
-            "<" + type(msgs).__name__ + ">",
-            "must be a non-empty list of {role, content} objects",
-        )
-    out = pb.ChatMessages()
-    for i, m in enumerate(msgs):
-        field = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad_type(field, m, "an object with role and content")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise InvalidRequest(
-                f"{field}.role", shown(role), f"must be one of {', '.join(_ROLES)}"
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            parts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise InvalidRequest(
-                        f"{field}.content[{j}]",
-                        "<part>",
-                        "must be a {type: 'text', text: str} part (text only)",
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise _bad_type(f"{field}.content", content, "a string or a list of text parts")
-        if not isinstance(m.get("name", ""), str):
-            raise _bad_type(f"{field}.name", m["name"], "a string")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise InvalidRequest(
-                f"{field}",
-                shown(sorted(extra)[0]),
-                "unknown message field (supported: role, content, name)",
-            )
-        out.messages.append(pb.ChatMessage(role=role, content=content))
-    return out
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise _bad_type("stop", stop, "a string or a list of strings")
-
-
-def _unsupported(body: dict, chat: bool) -> None:
-    """Fields OpenAI defines that this server cannot honour: a 400, never silently ignored,
-    unless they hold the value that means "off"."""
-    if body.get("echo") not in (None, False):
-        raise InvalidRequest("echo", body["echo"], "is not supported (must be false)")
-    if body.get("suffix") is not None:
-        raise InvalidRequest("suffix", "<str>", "is not supported (must be null)")
-    if body.get("logit_bias") not in (None, {}):
-        raise InvalidRequest("logit_bias", "<object>", "is not supported (must be null)")
-    best_of, n = body.get("best_of"), body.get("n", 1)
-    if best_of is not None and best_of != n:
-        raise InvalidRequest("best_of", best_of, f"must be null or equal n={n}")
-
-
-def surrogate_path(body: Any) -> str | None:
-    """Where ``body`` holds a string with a lone surrogate (JSON's ``"\\ud800"`` decodes to
-    one): such text has no UTF-8 form, so protobuf, the tokenizer and the response would
-    fail on it. None when every string is valid text. Only for a body whose bytes hold such
-    an escape (:data:`SURROGATE_ESCAPE`): the walk is linear in the body's items."""
-    stack: list[tuple[Any, Any]] = [("body", body)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, str):
-            if not v.isascii():
-                try:
-                    v.encode()
-                except UnicodeEncodeError:  # (a key's path may hold it too: escaped)
-                    return path.encode("utf-8", "backslashreplace").decode()
-        elif isinstance(v, dict):
-            stack.extend((f"{path}.{k}", k) for k in v)
-            stack.extend((f"{path}.{k}", x) for k, x in v.items())
-        elif isinstance(v, list):
-            stack.extend(
-                (f"{path}[{i}]", x) for i, x in enumerate(v) if isinstance(x, str | list | dict)
-            )
-    return None
-
-
-def _request_id(body: dict) -> str | None:
-    """The client's id is echoed in the ``x-request-id`` header: printable ASCII only."""
-    rid = _str(body, "request_id")
-    if rid and not all(" " <= ch <= "~" for ch in rid):
-        raise InvalidRequest(
-            "request_id", shown(rid.encode("unicode_escape").decode()), "must be printable ASCII"
-        )
-    return rid
+def known_fields(chat: bool) -> frozenset[str]:
+    return CHAT_FIELDS if chat else COMPLETION_FIELDS
 
 
 def parse_request(
-    body: Any, *, chat: bool, tenant: str | None, limits: RequestLimits, now: int
-) -> tuple[OpenAIRequest, list[pb.GenerateRequest]]:
-    """Check an OpenAI body and build the GenerateRequest(s) it stands for; the caller
-    resolves ``model`` and runs :func:`to_specs`. Raises InvalidRequest naming the field."""
+    body: Any,
+    *,
+    chat: bool,
+    tenant: str | None,
+    limits: RequestLimits,
+    now: int,
+    header_request_id: str | None = None,
+) -> tuple[OpenAIRequest, list[GenerateSpec]]:
+    """Check an OpenAI body and build the intake request(s) it stands for (one per
+    prompt); the caller resolves ``model`` to an adapter. Raises InvalidRequest naming the
+    field as OpenAI's API spells it."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise InvalidRequest(
-            shown(unknown[0]),
-            "<set>",
-            f"is not a known field of this endpoint (known: {', '.join(sorted(allowed))})",
-        )
-    model = _str(body, "model")
-    if not model:
-        raise InvalidRequest("model", model, "is required (see GET /v1/models)")
-    _unsupported(body, chat)
-    params = pb.SamplingParams()
-    legacy = _int(body, "max_tokens")  # checked even when max_completion_tokens wins
-    max_tokens = _int(body, "max_completion_tokens") if chat else None
-    if max_tokens is None:
-        max_tokens = legacy
-    if max_tokens is not None:
-        params.max_tokens = _uint("max_tokens", max_tokens)
+    model = F.get_str(body, "model")
+    if model == "":
+        raise InvalidRequest("model", "", "must be a model name (see GET /v1/models)")
+    F.unserved(body, chat)
+    names = {"text": "prompt", "token_ids": "prompt"}
+    values: dict[str, Any] = {}
+    legacy = F.get_int(body, "max_tokens")  # checked even when max_completion_tokens wins
+    newer = F.get_int(body, "max_completion_tokens") if chat else None
+    for name, v in (("max_tokens", legacy), ("max_completion_tokens", newer)):
+        if v is not None and v < 1:
+            raise InvalidRequest(name, v, "must be an integer >= 1")
+    if newer is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    if (newer or legacy) is not None:
+        values["max_tokens"] = newer or legacy
     for name in _INT_PARAMS:
-        v = _int(body, name)
-        if v is not None:
-            if name == "top_k" and v == -1:  # vLLM's "disabled"
-                v = 0
-            setattr(
-                params, name, _uint(name, v, (1 << 64) - 1 if name == "seed" else (1 << 32) - 1)
-            )
+        if (v := F.get_int(body, name)) is not None:
+            values[name] = v
     for name in _FLOAT_PARAMS:
-        v = _float(body, name)
-        if v is not None:
-            setattr(params, name, v)
-    ignore_eos = _bool(body, "ignore_eos")
-    if ignore_eos is not None:
-        params.ignore_eos = ignore_eos
-    params.stop.extend(_stop(body))
+        if (v := F.get_float(body, name)) is not None:
+            values[name] = v
+    for name in _BOOL_PARAMS:
+        if (v := F.get_bool(body, name)) is not None:
+            values[name] = v
+    if (seed := F.seed(body)) is not None:
+        values["seed"] = seed
+    if bias := F.logit_bias(body):
+        values["logit_bias"] = bias
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise _bad_type("stop_token_ids", stop_ids, "a list of token ids")
-        params.stop_token_ids.extend(_token_ids("stop_token_ids", stop_ids))
-    top_logprobs = _logprobs(body, chat, params)
-    stream = bool(_bool(body, "stream"))
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise F.bad_type("stop_token_ids", stop_ids, "a list of token ids")
+    top_logprobs = _logprobs(body, chat, values, names)
+    echo = bool(F.get_bool(body, "echo")) and not chat
+    prompt_logprobs = F.get_int(body, "prompt_logprobs")
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        raise InvalidRequest("prompt_logprobs", prompt_logprobs, "must be >= 0")
+    wanted = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
+    if wanted:  # the engine computes the prompt whole, with the most alternatives asked
+        values["prompt_logprobs"] = max(wanted)
+    stream = bool(F.get_bool(body, "stream"))
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise InvalidRequest(
@@ -321,39 +158,48 @@ def parse_request(
             )
         if not stream:
             raise InvalidRequest("stream_options", "<object>", "is only allowed with stream=true")
-        include_usage = bool(_bool(opts, "include_usage"))
-        if _bool(opts, "continuous_usage_stats"):  # vLLM's usage on every chunk: not served
-            raise InvalidRequest(
-                "stream_options.continuous_usage_stats", True, "is not supported (must be false)"
-            )
-    _str(body, "user")  # accepted for compatibility; not used
-    priority = _int(body, "priority") or 0
-    if not -(1 << 31) <= priority < 1 << 31:
-        raise InvalidRequest("priority", priority, "must be a 32-bit integer")
-    base = pb.GenerateRequest(
-        params=params,
-        cache_salt=_str(body, "cache_salt") or "",
-        tenant=tenant or "",
-        priority=priority,
-    )
-    rid = _request_id(body) or uuid.uuid4().hex
+        include_usage = bool(F.get_bool(opts, "include_usage"))
+        continuous = bool(F.get_bool(opts, "continuous_usage_stats"))
+    for name in ("user", "service_tier"):
+        F.get_str(body, name)
+    for name in ("store", "parallel_tool_calls"):
+        F.get_bool(body, name)
+    F.get_typed(body, "metadata", lambda v: isinstance(v, dict), "an object")
+    truncate = F.get_int(body, "truncate_prompt_tokens")
+    if header_request_id is not None:  # echoed in the answer's header too
+        check_request_id("x-request-id", header_request_id, limits)
+    rid = F.get_str(body, "request_id")
+    if rid is not None:
+        check_request_id("request_id", rid, limits)
+    rid = rid or header_request_id or uuid.uuid4().hex
     response_id = ("chatcmpl-" if chat else "cmpl-") + rid
-    reqs = []
+    common = dict(
+        request_id=rid,
+        tenant=tenant,
+        claimed_tenant=tenant or "",
+        cache_salt=F.get_str(body, "cache_salt") or "",
+        values=values,
+        stop=F.stop(body),
+        stop_token_ids=F.token_ids("stop_token_ids", stop_ids or []),
+        priority=F.get_int(body, "priority") or 0,
+        truncate_prompt_tokens=truncate,
+        limits=limits,
+        names=names,
+    )
     if chat:
-        req = pb.GenerateRequest()
-        req.CopyFrom(base)
-        req.messages.CopyFrom(_messages(body))
-        req.request_id = response_id[: limits.max_request_id_chars]
-        reqs.append(req)
+        specs = [
+            make_spec(messages=F.messages(body), chat=F.chat_options(body), **common)  # type: ignore[arg-type]
+        ]
+        specs[0] = _labelled(specs[0], response_id)
     else:
-        prompts = _prompts(body)
+        prompts = F.prompts(body)
         if len(prompts) > limits.max_n:
             raise InvalidRequest(
                 "prompt",
                 f"<{len(prompts)} prompts>",
                 f"must hold at most {limits.max_n} prompts (router.limits.max_n)",
             )
-        n = params.n if params.HasField("n") else 1
+        n = values.get("n", 1)
         if len(prompts) > 1 and len(prompts) * n > limits.max_n:  # one answer holds them all
             raise InvalidRequest(
                 "n",
@@ -361,54 +207,50 @@ def parse_request(
                 f"times {len(prompts)} prompts must be at most {limits.max_n} choices "
                 "(router.limits.max_n)",
             )
+        specs = []
         for i, p in enumerate(prompts):
-            req = pb.GenerateRequest()
-            req.CopyFrom(base)
-            if isinstance(p, str):
-                req.text = p
-            else:
-                req.token_ids.ids.extend(p)
-            suffix = f"-{i}" if len(prompts) > 1 else ""
-            req.request_id = response_id[: limits.max_request_id_chars - len(suffix)] + suffix
-            reqs.append(req)
+            form = {"text": p} if isinstance(p, str) else {"token_ids": p}
+            spec = make_spec(**form, **common)  # type: ignore[arg-type]
+            specs.append(_labelled(spec, response_id + (f"-{i}" if len(prompts) > 1 else "")))
     meta = OpenAIRequest(
         chat=chat,
-        model=model,
+        model=model or "",
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         top_logprobs=top_logprobs,
         created=now,
         response_id=response_id,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
+        max_tokens_set="max_tokens" in values,
     )
-    return meta, reqs
+    return meta, specs
 
 
-def _logprobs(body: dict, chat: bool, params: pb.SamplingParams) -> int | None:
+def _labelled(spec: GenerateSpec, label: str) -> GenerateSpec:
+    """The answer's id as the request's label (the id itself was checked as sent)."""
+    return replace(spec, request_id=label)
+
+
+def _logprobs(body: dict, chat: bool, values: dict, names: dict) -> int | None:
     """Chat: ``logprobs`` (bool) + ``top_logprobs`` (int); completions: ``logprobs`` (int).
-    Returns the alternatives to show per token (None: no logprobs). The engine returns the
-    sampled token's logprob only with k >= 1 alternatives, so k is at least 1."""
+    Returns the alternatives to show per token (None: no logprobs)."""
     if chat:
-        want = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs")
+        want = F.get_bool(body, "logprobs")
+        top = F.get_int(body, "top_logprobs")
         if top is not None and not want:
             raise InvalidRequest("top_logprobs", top, "needs logprobs=true")
         if not want:
             return None
-        top = _uint("top_logprobs", top or 0)
+        top = top or 0
+        names["logprobs"] = "top_logprobs"
     else:
-        top = _int(body, "logprobs")
+        top = F.get_int(body, "logprobs")
         if top is None:
             return None
-        top = _uint("logprobs", top)
-    params.logprobs = max(top, 1)
+    if top < 0:
+        raise InvalidRequest(names.get("logprobs", "logprobs"), top, "must be >= 0")
+    values["logprobs"] = top
     return top
-
-
-def to_specs(
-    reqs: list[pb.GenerateRequest], *, tenant: str | None, lora: str | None, limits: RequestLimits
-) -> list[GenerateSpec]:
-    """The shared validator, once per prompt (``lora``: the adapter ``model`` named)."""
-    for r in reqs:
-        if lora:
-            r.lora = lora
-    return [spec_from_pb(r, tenant=tenant, limits=limits) for r in reqs]

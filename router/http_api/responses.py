@@ -22,13 +22,25 @@ def usage_json(usages: list[Usage]) -> dict[str, Any]:
 
 
 class Shaper:
-    """Builds one request's response objects; choice index = prompt index * n + sample."""
+    """Builds one request's response objects; choice index = prompt index * n + sample.
+    ``echoes``: per prompt, the text put before its completions (``echo``);
+    ``prompt_ids``: per prompt, its token ids (for its tokens' logprobs)."""
 
-    def __init__(self, req: OpenAIRequest, n: int, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        req: OpenAIRequest,
+        n: int,
+        tokenizer: Tokenizer,
+        echoes: list[str] | None = None,
+        prompt_ids: list[list[int]] | None = None,
+    ) -> None:
         self.req = req
         self.n = n
         self.tok = tokenizer
         self.kind = "chat.completion" if req.chat else "text_completion"
+        self.echoes = echoes or []
+        self.prompt_ids = prompt_ids or []
+        self._offsets: dict[int, int] = {}  # choice -> characters of text before its next token
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")
@@ -40,13 +52,29 @@ class Shaper:
         }
 
     def _piece(self, token_id: int) -> str:
+        if self.req.token_ids_as_text:  # vLLM's return_tokens_as_token_ids
+            return f"token_id:{token_id}"
         return self.tok.decode([token_id], skip_special_tokens=False)
 
-    def logprobs_json(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _top(self, x: TokenLogprob, k: int) -> dict[str, float]:
+        """The k most likely and the token itself (k + 1 entries when it is not among
+        them), as OpenAI's and vLLM's completions answer."""
+        top = {self._piece(t): v for t, v in x.top[:k]}
+        top.setdefault(self._piece(x.token_id), x.logprob)
+        return top
+
+    def logprobs_json(
+        self,
+        lps: list[TokenLogprob] | None,
+        choice: int,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> dict[str, Any] | None:
+        """``prompt``: with echo, the prompt's token logprobs, put before the completion's
+        (the first prompt token has none: null)."""
         k = self.req.top_logprobs
         if k is None or lps is None:
             return None
-        if self.req.chat:
+        if self.req.chat:  # OpenAI: the k most likely, the sampled token or not
 
             def entry(t: int, lp: float) -> dict[str, Any]:
                 s = self._piece(t)
@@ -61,27 +89,89 @@ class Shaper:
                     for x in lps
                 ]
             }
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        if prompt is not None and self.req.echo:
+            at = 0
+            for t, x in zip(self.prompt_ids[choice // self.n], prompt, strict=True):
+                piece = self._piece(t)
+                tokens.append(piece)
+                values.append(None if x is None else x.logprob)
+                tops.append(None if x is None else self._top(x, k))
+                offsets.append(at)
+                at += len(piece)
+        at = self._offsets.get(choice, len(self._echo(choice)))
+        for x in lps:
+            piece = self._piece(x.token_id)
+            tokens.append(piece)
+            values.append(x.logprob)
+            tops.append(self._top(x, k))
+            offsets.append(at)
+            at += len(piece)
+        self._offsets[choice] = at
         return {
-            "tokens": [self._piece(x.token_id) for x in lps],
-            "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{self._piece(t): v for t, v in x.top[:k]} for x in lps],
-            "text_offset": [],
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
         }
 
-    def chunk(self, prompt_idx: int, d: CompletionDelta, first: bool) -> dict[str, Any]:
-        """One stream event for one sample's new output."""
+    def prompt_logprobs_json(
+        self, prompt: list[TokenLogprob | None] | None
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, token id -> logprob, rank (1 = the
+        most likely; null when the token is not among the alternatives) and text."""
+        if self.req.prompt_logprobs is None or prompt is None:
+            return None
+        k = self.req.prompt_logprobs
+        out: list[dict[str, Any] | None] = []
+        for x in prompt:
+            if x is None:
+                out.append(None)
+                continue
+            top = list(x.top[:k])
+            ranks = {t: r for r, (t, _) in enumerate(x.top, start=1)}
+            entries = {
+                str(t): {"logprob": v, "rank": ranks.get(t), "decoded_token": self._piece(t)}
+                for t, v in [(x.token_id, x.logprob), *top]
+            }
+            out.append(entries)
+        return out
+
+    def _echo(self, choice: int) -> str:
+        if not self.req.echo:
+            return ""
+        return self.echoes[choice // self.n]
+
+    def chunk(
+        self,
+        prompt_idx: int,
+        d: CompletionDelta,
+        first: bool,
+        usage: Usage | None = None,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> dict[str, Any]:
+        """One stream event for one sample's new output (``usage``: the prompt's so far,
+        with continuous_usage_stats; ``prompt``: its prompt logprobs, on its first event)."""
         index = prompt_idx * self.n + d.index
         reason = d.finish_reason.value if d.finish_reason else None
-        lp = self.logprobs_json(d.logprobs)
+        lp = self.logprobs_json(d.logprobs, index, prompt if first else None)
         if self.req.chat:
             delta: dict[str, Any] = {"content": d.text}
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": reason}
+            text = (self._echo(index) if first else "") + d.text
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+        if first and (plp := self.prompt_logprobs_json(prompt)) is not None:
+            choice["prompt_logprobs"] = plp
         out = {**self._head(True), "choices": [choice]}
-        if self.req.include_usage:
+        if self.req.continuous_usage and usage is not None:
+            out["usage"] = usage_json([usage])
+        elif self.req.include_usage:
             out["usage"] = None
         return out
 
@@ -89,21 +179,30 @@ class Shaper:
         return {**self._head(True), "choices": [], "usage": usage_json(usages)}
 
     def whole(
-        self, completions: list[tuple[int, Completion]], usages: list[Usage]
+        self,
+        completions: list[tuple[int, Completion]],
+        usages: list[Usage],
+        prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
     ) -> dict[str, Any]:
+        """``prompts``: per prompt index, its prompt logprobs (when asked for)."""
+        prompts = prompts or {}
         choices = []
         for prompt_idx, c in completions:
+            index = prompt_idx * self.n + c.index
             reason = c.finish_reason.value if c.finish_reason else None
-            lp = self.logprobs_json(c.logprobs)
+            prompt = prompts.get(prompt_idx)
             choice: dict[str, Any] = {
-                "index": prompt_idx * self.n + c.index,
-                "logprobs": lp,
+                "index": index,
+                "logprobs": self.logprobs_json(c.logprobs, index, prompt),
                 "finish_reason": reason,
+                "stop_reason": c.stop_reason,
             }
             if self.req.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
-                choice["text"] = c.text
+                choice["text"] = self._echo(index) + c.text
+            if (plp := self.prompt_logprobs_json(prompt)) is not None:
+                choice["prompt_logprobs"] = plp
             choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return {**self._head(False), "choices": choices, "usage": usage_json(usages)}

@@ -5,12 +5,17 @@ Workers report the ids of the adapters they serve (``name@digest``) and which ar
 slot with every heartbeat (``WorkerLoad.lora_ids`` / ``lora_loaded``). The id, not the name,
 goes into block 0's key, so the router's keys equal the workers' and a prefix cached under
 one adapter never counts for another.
+
+An adapter registered for some tenants (``WorkerLoad.lora_owners``) exists for them only:
+:func:`for_tenant` takes it out of every other tenant's view of the workers before its name
+is listed or resolved, so they neither see it nor run it (it is an unknown adapter to them).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.types import WorkerLoad
@@ -18,6 +23,29 @@ from kvstore.types import WorkerLoad
 
 def adapter_name(adapter_id: str) -> str:
     return adapter_id.split("@", 1)[0]
+
+
+def visible_to(tenant: str | None, load: WorkerLoad) -> tuple[str, ...]:
+    """The adapter ids of ``load`` that ``tenant`` may see and use: those registered for no
+    tenant in particular, and those registered for it (None, no auth: the former only)."""
+    if not load.lora_owners:
+        return load.lora_ids
+    owned: dict[str, set[str]] = {}
+    for entry in load.lora_owners:
+        adapter_id, _, owner = entry.partition("=")
+        owned.setdefault(adapter_id, set()).add(owner)
+    return tuple(i for i in load.lora_ids if i not in owned or tenant in owned[i])
+
+
+def for_tenant(loads: Mapping[str, WorkerLoad], tenant: str | None) -> dict[str, WorkerLoad]:
+    """The workers as ``tenant`` sees them: the adapters of other tenants left out."""
+    out = {}
+    for w, ld in loads.items():
+        ids = visible_to(tenant, ld)
+        if ids != ld.lora_ids:
+            ld = replace(ld, lora_ids=ids, lora_loaded=tuple(i for i in ld.lora_loaded if i in ids))
+        out[w] = ld
+    return out
 
 
 def resolve_adapter(name: str, loads: Mapping[str, WorkerLoad]) -> str:

@@ -25,7 +25,7 @@ from kvstore.blocks.protocol import Admitted, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.validate import check_model_limits
 from kvstore.types import WorkerLoad
-from router.placement.adapters import resolve_adapter, serving
+from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Router
 from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
@@ -145,17 +145,25 @@ class ServingCore:
         self._decide.shutdown(wait=False, cancel_futures=True)
 
     async def generate(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant: str | None = None,
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
         """``request_id`` is the client's label only: outputs carry it back, but on the
         workers the request runs under an id this router generates. Client ids are not
         unique across clients or tenants, so a reused one must never reach (or, by the abort
-        in the cleanup below, stop) another client's request."""
+        in the cleanup below, stop) another client's request. ``tenant``: the caller's; an
+        adapter registered for other tenants is unknown to it."""
         check_limits(token_ids, params, self.limits)
         label, request_id = request_id, uuid.uuid4().hex
         lora_id = None
         if params.lora is not None:
-            lora_id = resolve_adapter(params.lora, await self.directory.candidates())
+            lora_id = resolve_adapter(
+                params.lora, for_tenant(await self.directory.candidates(), tenant)
+            )
         ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
         excluded: set[str] = set()
         full: list[str] = []  # workers that refused the request: waiting queue full
@@ -163,7 +171,9 @@ class ServingCore:
         for attempt in range(self.max_attempts):
             candidates = {
                 w: load
-                for w, load in serving(lora_id, await self.directory.candidates()).items()
+                for w, load in serving(
+                    lora_id, for_tenant(await self.directory.candidates(), tenant)
+                ).items()
                 if w not in excluded
             }
             if not candidates:

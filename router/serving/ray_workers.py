@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
+from typing import Any
 
 import ray
 from ray.exceptions import (
@@ -26,12 +27,14 @@ from ray.exceptions import (
 )
 
 from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, WorkerLoad
 from router.placement.breaker import CircuitBreaker, CircuitOpen
 from router.placement.config import LivenessConfig
+from router.serving.channels import Channels, WorkerChannel
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,10 @@ class RayWorkerDirectory(WorkerDirectory):
         call_timeout_s: float = 10.0,
         breaker: CircuitBreaker | None = None,
         liveness: LivenessConfig | None = None,
+        batched: bool = True,
     ) -> None:
+        """``batched``: outputs come through one channel per worker (one message per step
+        for all of this router's requests there); False: one Ray stream per request."""
         self.namespace = namespace
         self.index = index
         self.breaker = breaker if breaker is not None else CircuitBreaker()  # index reads
@@ -77,6 +83,10 @@ class RayWorkerDirectory(WorkerDirectory):
         self.incarnation = uuid.uuid4().hex
         handle = _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
+        self.batched = batched
+        self.channels = Channels(self.incarnation, self._handle)
+        self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
+        self.loop_probe = LoopLagProbe()
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -159,6 +169,60 @@ class RayWorkerDirectory(WorkerDirectory):
     async def stream(
         self, worker_id: str, request: WorkerRequest
     ) -> AsyncIterator[Admitted | RequestOutput]:
+        if not self.batched:
+            async for item in self._own_stream(worker_id, request):
+                yield item
+            return
+        ch = self.channels.get(worker_id)
+        inbox = ch.open(request.request_id)
+        try:
+            submit = self._handle(worker_id).submit.remote(request, self.caller, ch.channel_id)
+            yield await self._live_result(worker_id, submit)
+            while True:
+                while not await inbox.wait(self.liveness.stream_stall_s):
+                    await self._check_alive(worker_id, ch)
+                item = inbox.take()
+                if isinstance(item, RequestOutput):
+                    yield item
+                    if item.finished:
+                        return
+                elif isinstance(item, WorkerGone):
+                    raise item
+                else:  # a StreamEnd: the worker's engine stopped, the worker is going down
+                    raise WorkerGone(str(item.error)) from item.error
+        finally:
+            ch.close(request.request_id)
+
+    async def _live_result(self, worker_id: str, ref: Any) -> Any:
+        """A call's result, given up (WorkerGone) if the worker stops answering meanwhile."""
+        fut = asyncio.ensure_future(_result(ref))
+        try:
+            while not (await asyncio.wait({fut}, timeout=self.liveness.stream_stall_s))[0]:
+                await self._check_alive(worker_id, None)
+            return fut.result()
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    async def _check_alive(self, worker_id: str, ch: WorkerChannel | None) -> None:
+        """After a stall (nothing for this request for ``stream_stall_s``): a worker whose
+        channel sent something meanwhile steps (the request waits its turn); else a worker
+        that does not answer a probe is given up (a frozen process keeps its Ray connection
+        open, so nothing else would end the wait)."""
+        if ch is not None and time.monotonic() - ch.last_message < self.liveness.stream_stall_s:
+            return
+        if not await self._answers(worker_id):
+            self.stalls += 1
+            raise WorkerGone(
+                f"worker {worker_id} stalled: no output for "
+                f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
+                f"within {self.liveness.probe_timeout_s:g}s"
+            )
+
+    async def _own_stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
+        """The fallback: one Ray streaming generator for this request alone."""
         nxt: asyncio.Future | None = None
         try:
             gen = (
@@ -182,21 +246,20 @@ class RayWorkerDirectory(WorkerDirectory):
                     ref = nxt.result()
                 except StopAsyncIteration:
                     return
-                yield await ref
-        except _ACTOR_ERRORS as exc:
-            raise WorkerGone(str(exc).splitlines()[0]) from exc
-        except RayTaskError as exc:  # the worker raised (InvalidRequest, EngineOverloaded):
-            if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
-                raise WorkerGone(str(exc.cause)) from exc
-            if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
-                raise exc.cause from None
-            raise
+                yield await _result(ref)
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()
 
     async def _answers(self, worker_id: str) -> bool:
-        """Whether the worker's actor answers a ping in time (a frozen process does not)."""
+        """Whether the worker's actor answers a ping in time (a frozen process does not);
+        the streams waiting on one worker share one probe."""
+        probe = self._probes.get(worker_id)
+        if probe is None or probe.done():
+            probe = self._probes[worker_id] = asyncio.ensure_future(self._ping(worker_id))
+        return await asyncio.shield(probe)
+
+    async def _ping(self, worker_id: str) -> bool:
         try:
             await asyncio.wait_for(
                 self._handle(worker_id).__ray_ready__.remote(), self.liveness.probe_timeout_s
@@ -252,3 +315,19 @@ class RayWorkerDirectory(WorkerDirectory):
         except (TimeoutError, *_ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
             log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)
             return None
+
+
+async def _result(ref: Any) -> Any:
+    """A Ray call's result with the worker's own errors as themselves (InvalidRequest,
+    EngineOverloaded raised there); an engine that stopped or an actor that died is
+    :class:`WorkerGone`."""
+    try:
+        return await ref
+    except _ACTOR_ERRORS as exc:
+        raise WorkerGone(str(exc).splitlines()[0]) from exc
+    except RayTaskError as exc:
+        if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+            raise WorkerGone(str(exc.cause)) from exc
+        if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
+            raise exc.cause from None
+        raise

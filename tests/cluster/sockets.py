@@ -103,9 +103,9 @@ def listeners(pids: set[int]) -> list[Listener]:
     return sorted(set(out), key=lambda x: (x.pid, x.port))
 
 
-def dashboard_ports(pids: set[int]) -> set[int]:
-    """The ``--port`` of Ray's dashboard process among ``pids`` (it runs even without the
-    dashboard, as the jobs API server, but must not serve the dashboard's port then)."""
+def dashboard_processes(pids: set[int]) -> set[int]:
+    """The pids among ``pids`` that run Ray's dashboard process (``dashboard/dashboard.py``,
+    which Ray starts on a head even without the dashboard, with its usage-stats module)."""
     out = set()
     for pid in pids:
         try:
@@ -113,5 +113,5 @@ def dashboard_ports(pids: set[int]) -> set[int]:
         except OSError:
             continue
         if any(a.endswith(b"dashboard/dashboard.py") for a in argv):
-            out |= {int(a[7:]) for a in argv if a.startswith(b"--port=")}
+            out.add(pid)
     return out

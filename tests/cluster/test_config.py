@@ -43,6 +43,16 @@ def test_gpu_example_yaml_loads() -> None:
         ("router: {auth_tokens: {anon: ''}}", "'anon' has an empty token"),
         ("router: {auth_tokens: {a: tok-1, b: tok-1}}", "'a' and 'b' have the same token"),
         ("router: {auth_tokens: {'a#b': tok-1}}", "without '#'"),
+        # an owned adapter needs authenticated tenants, and owners that are tenants
+        (
+            "workers: {engine: {lora_adapters: {x: /a}, lora_tenants: {x: [alice]}}}",
+            "lora_tenants (x) needs router.auth_tokens",
+        ),
+        (
+            "workers: {engine: {lora_adapters: {x: /a}, lora_tenants: {x: [alize]}}}\n"
+            "router: {auth_tokens: {alice: tok-1}}",
+            "lora_tenants['x'] names ['alize'], not tenants of router.auth_tokens (alice)",
+        ),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, yaml_text: str, needle: str) -> None:

@@ -14,7 +14,7 @@ import yaml
 from cluster.client import KVClusterClient
 from cluster.launcher import group_alive
 from tests.cluster.conftest import ENGINE
-from tests.cluster.sockets import dashboard_ports, descendants, listeners, process_group
+from tests.cluster.sockets import dashboard_processes, descendants, listeners, process_group
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -64,9 +64,9 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         mine = listeners(pids)
         assert {"gcs_server", "raylet", "redis-server"} <= {e.command for e in mine}, mine
         assert not [e for e in mine if not e.loopback], mine
-        # dashboard: false means no dashboard
+        # dashboard: false means no dashboard, nor Ray's dashboard process
         assert state["dashboard_url"] is None and "dashboard      : off" in up.stdout
-        assert not dashboard_ports(pids) & {e.port for e in mine}
+        assert not dashboard_processes(pids)
         # the OpenAI HTTP API's URL is printed (and it listens on loopback, checked above)
         assert f"OpenAI API     : {state['http_endpoints'][0]}/v1" in up.stdout, up.stdout
         # the Ray CLI works against the head as `up` says (token auth, README)

@@ -339,10 +339,11 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", b'"prompt"', 400, "JSON object"),
     ("/v1/completions", {"model": M, "prompt": "x" * (MAX_BODY + 1)}, 413, "65536 bytes"),
-    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("/v1/completions", {"model": 7, "prompt": "hi"}, 400, "model"),
     ("/v1/completions", {"model": M}, 400, "prompt"),
-    ("/v1/completions", {"model": M, "prompt": ""}, 400, "text"),
+    # errors name the field as the OpenAI API spells it, not as gRPC does (text, token_ids)
+    ("/v1/completions", {"model": M, "prompt": ""}, 400, "invalid prompt=''"),
+    ("/v1/completions", {"model": M, "prompt": [[]]}, 400, "invalid prompt=[]"),
     ("/v1/completions", {"model": M, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": M, "prompt": [1, "a"]}, 400, "prompt"),
     ("/v1/completions", {"model": M, "prompt": [-5]}, 400, "prompt"),
@@ -360,15 +361,19 @@ BAD: list[tuple[str, Any, int, str]] = [
     ("/v1/completions", {"model": M, "prompt": "hi", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"model": M, "prompt": "hi", "stop": ["a"] * 40}, 400, "stop"),
-    ("/v1/completions", {"model": M, "prompt": "hi", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "seed": 2**64}, 400, "seed"),
     (
         "/v1/completions",
         {"model": M, "prompt": "hi", "presence_penalty": 9},
         400,
         "presence_penalty",
     ),
-    ("/v1/completions", {"model": M, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ("/v1/completions", {"model": M, "prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": M, "prompt": "hi", "prompt_logprobs": 99}, 400, "max_logprobs"),
+    # raw surrogate bytes (not UTF-8), in a value or a key: a 400, not a 500
+    ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, "not UTF-8"),
+    ("/v1/completions", b'{"prompt": "x", "\xed\xa0\x80": 1}', 400, "not UTF-8"),
+    # a client's request id is bounded as over gRPC
+    ("/v1/completions", {"model": M, "prompt": "hi", "request_id": "r" * 20000}, 400, "128"),
     (
         "/v1/completions",
         {"model": M, "prompt": "hi", "stream_options": {"include_usage": True}},
@@ -405,6 +410,17 @@ BAD: list[tuple[str, Any, int, str]] = [
         },
         400,
         "max_tokens='str'",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": M,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 2,
+            "max_tokens": -5,
+        },
+        400,
+        "max_tokens=-5",
     ),
     (
         "/v1/chat/completions",

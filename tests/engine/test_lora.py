@@ -214,6 +214,26 @@ def test_runtime_registration_and_stable_ids(tiny_dir, lora_dirs, tmp_path) -> N
     assert engine.generate([PROMPTS[0]], params("a1"))[0].completions[0].token_ids
 
 
+def test_adapters_registered_for_tenants_report_their_owners(tiny_dir, lora_dirs) -> None:
+    engine = lora_engine(
+        tiny_dir,
+        {"a1": lora_dirs["a1"], "a2": lora_dirs["a2"]},
+        lora_tenants={"a1": ["bob", "alice", "bob"]},
+    )
+    a1, a2 = engine.loras["a1"], engine.loras["a2"]
+    assert engine.snapshot().lora_owners == (f"{a1}=alice", f"{a1}=bob")  # a2: every tenant
+    a3 = engine.add_lora("a3", lora_dirs["a3"], ["carol"])
+    assert engine.snapshot().lora_owners == (f"{a1}=alice", f"{a1}=bob", f"{a3}=carol")
+    engine.add_lora("a1", lora_dirs["a1"])  # registered again for every tenant
+    assert engine.snapshot().lora_owners == (f"{a3}=carol",)
+    for bad in ([], "alice", [""], [3]):
+        with pytest.raises(ValueError, match=r"'a2': tenants=.* non-empty list of tenant names"):
+            engine.add_lora("a2", lora_dirs["a2"], bad)
+    assert engine.snapshot().lora_owners == (f"{a3}=carol",) and engine.loras["a2"] == a2
+    with pytest.raises(ValueError, match="lora_tenants names adapter 'zz'.*not in lora_adapters"):
+        EngineConfig(lora_adapters={"a1": "x"}, lora_tenants={"zz": ["alice"]})
+
+
 def test_bad_adapters_are_rejected_with_the_reason(tiny_dir, lora_dirs, tmp_path) -> None:
     engine = lora_engine(tiny_dir, {}, max_lora_rank=8)
     with pytest.raises(LoraError, match="r=16.*max_lora_rank=8"):

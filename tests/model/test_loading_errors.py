@@ -120,8 +120,8 @@ def test_sharded_checkpoint_loads_identically(folder, model_dirs):
     ("changes", "pattern", "error"),
     [
         (
-            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "rope type 'yarn'.*default, linear, llama3",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope type 'dynamic'.*default, linear, llama3, yarn",
             UnsupportedModelError,
         ),
         (

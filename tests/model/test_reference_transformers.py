@@ -1,7 +1,9 @@
 """The runner against transformers on random tiny models of every supported family.
 
 Families cover: llama (Llama-3 rope scaling), mistral (sliding window 24, exceeded here),
-qwen2 (QKV bias, tied embeddings), qwen3 (q/k RMSNorm, head_dim != hidden / heads).
+qwen2 (QKV bias, tied embeddings), qwen3 (q/k RMSNorm, head_dim != hidden / heads), gemma3
+((1 + weight) sandwich norms, GeGLU, query_pre_attn_scalar, scaled tied embeddings, windows of
+12 beside a global layer, two rope bases).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def test_families_exercise_their_traits(model_dirs):
     assert cfgs["mistral"].sliding_windows == (24, 24)
     assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim * cfgs["qwen3"].num_heads == 128
+    assert cfgs["gemma3"].sliding_windows == (12,) * 5 + (None, 12)
+    assert cfgs["gemma3"].local_rope is not None and cfgs["gemma3"].hidden_act != "silu"
     assert all(c.num_kv_heads < c.num_heads for c in cfgs.values())  # GQA everywhere
 
 

@@ -49,7 +49,7 @@ def test_triton_matches_torch_backend_on_cuda(block_size, window, dtype):
 @pytest.mark.cuda
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3"])
 def test_runner_with_triton_matches_torch_on_cuda(family, model_dirs):
     from tests.model.helpers import BlockHandout
     from worker.model.runner import ModelRunner, SeqChunk
@@ -142,12 +142,21 @@ def run_in_interpreter(check: str, model_dir: Path, dtype: str = "float32") -> N
     assert proc.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("family, dtype", [("llama", "float32"), ("mistral", "float16")])
+@pytest.mark.parametrize(
+    "family, dtype",
+    [
+        ("llama", "float32"),
+        ("mistral", "float16"),
+        # 7 layers in the interpreter: minutes, so with the slow tests
+        pytest.param("gemma3", "float32", marks=pytest.mark.slow),
+    ],
+)
 def test_runner_with_triton_in_cpu_interpreter(family, dtype, model_dirs):
-    """Prefill, a mixed step and decodes across block boundaries, with split-K, GQA and (for
-    mistral) a sliding window and 16-bit caches: the runner driving the kernel gives the
-    torch backend's logits. See ``tests/model/triton_cpu_driver.py`` (no bfloat16: Triton's
-    interpreter computes it wrongly even in a plain load-multiply-store kernel)."""
+    """Prefill, a mixed step and decodes across block boundaries, with split-K, GQA, (for
+    mistral) a sliding window and 16-bit caches, (for gemma3) sliding-window and global layers
+    interleaved: the runner driving the kernel gives the torch backend's logits. See
+    ``tests/model/triton_cpu_driver.py`` (no bfloat16: Triton's interpreter computes it wrongly
+    even in a plain load-multiply-store kernel)."""
     run_in_interpreter("runner", model_dirs[family], dtype)
 
 

@@ -171,3 +171,53 @@ def test_sim_worker_charges_adapter_loads_and_reports_its_slots() -> None:
     worker.submit(SimRequest("r3", 20.0, list(range(70, 90)), 1, ctx[A2]), 0, ())
     worker.advance(30.0)
     assert worker.load(30.0).lora_loaded == (A2,) and worker.lora_loads == 2
+
+
+OWNED = {  # A1 is alice's on both workers; A2 is for every tenant
+    "w0": replace(LOADS["w0"], lora_owners=(f"{A1}=alice",)),
+    "w1": replace(LOADS["w1"], lora_owners=(f"{A1}=alice",)),
+    "w2": IDLE,
+}
+
+
+def test_an_owned_adapter_exists_for_its_tenants_only() -> None:
+    from router.placement.adapters import for_tenant
+
+    alice, bob, anon = (for_tenant(OWNED, t) for t in ("alice", "bob", None))
+    assert resolve_adapter("a1", alice) == A1 and resolve_adapter("a2", bob) == A2
+    for view in (bob, anon):  # the others: as unknown as a name nobody serves
+        with pytest.raises(InvalidRequest, match="'a1'.*unknown adapter; live workers serve: a2$"):
+            resolve_adapter("a1", view)
+        assert view["w0"].lora_ids == (A2,) and view["w0"].lora_loaded == ()
+    assert sorted(serving(A1, alice)) == ["w0", "w1"]
+    assert for_tenant(LOADS, "bob") == LOADS  # nothing owned: every view is the same
+    # the owners travel with the heartbeat
+    import json
+
+    assert WorkerLoad.from_dict(json.loads(json.dumps(OWNED["w0"].to_dict()))) == OWNED["w0"]
+
+
+def test_serving_core_refuses_another_tenants_adapter() -> None:
+    class Owned(Workers):
+        async def candidates(self) -> Mapping[str, WorkerLoad]:
+            return OWNED
+
+    async def main(directory: Workers) -> None:
+        core = ServingCore(
+            Router(RoutingConfig(pending_ttl_s=0), block_size=16),
+            directory,
+            ModelLimits("m", 1000, 4096, 4095),
+        )
+        async for _ in core.generate("r0", PROMPT, SamplingParams(lora="a1"), tenant="alice"):
+            pass
+        for tenant in ("bob", None):
+            with pytest.raises(InvalidRequest, match="'a1'.*unknown adapter"):
+                async for _ in core.generate(
+                    "r1", PROMPT, SamplingParams(lora="a1"), tenant=tenant
+                ):
+                    pass
+        core.close()
+
+    directory = Owned()
+    asyncio.run(main(directory))
+    assert [(w, r.params.lora) for w, r in directory.requests] == [("w0", "a1")]

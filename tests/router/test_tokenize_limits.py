@@ -16,9 +16,9 @@ import pytest
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.servicer import KVClusterServicer
-from router.edge.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
 from router.placement.config import RequestLimits
 from router.serving.core import ModelLimits
+from router.serving.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
 
 MAX_MODEL_LEN = 512
 LIMITS = RequestLimits(max_chars_per_token=16)  # 8192 characters for max_model_len 512
@@ -62,7 +62,7 @@ class Core:
         "m", vocab_size=100, max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN - 1
     )
 
-    async def generate(self, request_id, token_ids, params):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
         yield "w0", None
 
 
@@ -154,15 +154,15 @@ def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
 
     async def main() -> list[int]:
         with pytest.raises(InvalidRequest, match="at most 8192 characters"):
-            await server._token_ids(spec("x" * 8193))
-        return await server._token_ids(spec("ok"))
+            await server.intake.token_ids(spec("x" * 8193))
+        return await server.intake.token_ids(spec("ok"))
 
     assert asyncio.run(main()) == [1, 1]
     assert [(n, name.startswith("tokenize-short")) for n, name in tok.calls] == [(2, True)]
 
 
 class ChatSpyTokenizer(SpyTokenizer):
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:  # noqa: ANN001
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **_: object) -> list[int]:  # noqa: ANN001
         return self.encode("".join(m["content"] for m in messages))
 
 
@@ -200,10 +200,10 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
         except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
             errors.append(str(exc))
         try:
-            await server._token_ids(chat_spec(half, half))
+            await server.intake.token_ids(chat_spec(half, half))
         except Exception as exc:  # noqa: BLE001
             errors.append(str(exc))
-        assert await server._token_ids(chat_spec("fits")) == [1] * 4
+        assert await server.intake.token_ids(chat_spec("fits")) == [1] * 4
         return errors
 
     errors = asyncio.run(main())

@@ -22,9 +22,10 @@ from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.front import RequestStream, StreamingEngine
+from worker.engine.front import StreamingEngine
 from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary
 from worker.engine.policy import SchedulingPolicy, get_policy, policy_names, register_policy
+from worker.engine.streams import OutputSink, RequestStream, StreamEnd
 
 __all__ = [
     "Completion",
@@ -41,11 +42,13 @@ __all__ = [
     "InvalidRequest",
     "LatencySummary",
     "ModelExecutor",
+    "OutputSink",
     "RequestOutput",
     "RequestStream",
     "RunnerExecutor",
     "SamplingParams",
     "SchedulingPolicy",
+    "StreamEnd",
     "StreamingEngine",
     "TokenLogprob",
     "Usage",

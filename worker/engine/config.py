@@ -10,6 +10,22 @@ from kvstore.blocks.strict import Strict
 from worker.engine.policy import SCHEDULING_POLICIES, policy_names
 
 
+def check_tenants(adapter: str, tenants: object) -> tuple[str, ...]:
+    """The tenants an adapter is registered for, sorted; a ``ValueError`` naming the adapter
+    unless they are a non-empty list of non-empty names."""
+    if (
+        isinstance(tenants, str)
+        or not isinstance(tenants, list | tuple)
+        or not tenants
+        or not all(isinstance(t, str) and t for t in tenants)
+    ):
+        raise ValueError(
+            f"adapter {adapter!r}: tenants={tenants!r} must be a non-empty list of tenant "
+            "names (leave it out to serve every tenant)"
+        )
+    return tuple(sorted(set(tenants)))
+
+
 class EngineConfig(Strict):
     """Knobs of one worker's engine: batch limits, KV pool size, scheduling policy."""
 
@@ -111,6 +127,12 @@ class EngineConfig(Strict):
         description="LoRA adapters registered at start: name -> PEFT adapter folder "
         "(adapter_config.json + adapter_model.safetensors). More can be added at run time.",
     )
+    lora_tenants: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Owned adapters: name (of lora_adapters) -> the tenants that may see and "
+        "use it; the routers hide it from every other tenant (with router auth_tokens). An "
+        "adapter not listed serves every tenant.",
+    )
 
     @field_validator("policy")
     @classmethod
@@ -127,6 +149,13 @@ class EngineConfig(Strict):
                 f"host_kv_bytes={self.host_kv_bytes} needs enable_prefix_caching: the host tier "
                 "keeps cached blocks; turn caching on or set host_kv_bytes to 0"
             )
+        for name, tenants in self.lora_tenants.items():
+            if name not in self.lora_adapters:
+                raise ValueError(
+                    f"lora_tenants names adapter {name!r}, which is not in lora_adapters "
+                    f"({', '.join(sorted(self.lora_adapters)) or 'none'})"
+                )
+            check_tenants(name, tenants)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="

@@ -26,7 +26,7 @@ from pathlib import Path
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.engine.config import EngineConfig
+from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.executor import ModelExecutor, RunnerExecutor
 from worker.engine.intake import Prompt, new_request, prompt_token_ids
 from worker.engine.metrics import (
@@ -84,8 +84,11 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
         self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
+        # adapter name -> the tenants it is registered for (absent: every tenant); the
+        # routers enforce it, from the owners this engine reports
+        self.lora_tenants: dict[str, tuple[str, ...]] = {}
         for name, path in config.lora_adapters.items():
-            self.add_lora(name, path)
+            self.add_lora(name, path, config.lora_tenants.get(name))
         self.processor = OutputProcessor(
             tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
         )
@@ -111,19 +114,25 @@ class Engine:
         )
         return cls(executor, config, model_id=model_id)
 
-    def add_lora(self, name: str, path: str) -> str:
+    def add_lora(self, name: str, path: str, tenants: Seq[str] | None = None) -> str:
         """Register a PEFT adapter folder under ``name`` (at start or at run time); returns
-        its stable id, the ``lora_id`` of its requests' block keys. Raises ``LoraError``
-        (a ``ValueError``) for a folder this model cannot serve."""
-        if self.executor.max_loras < 1:
-            from worker.model.lora import LoraError
+        its stable id, the ``lora_id`` of its requests' block keys. ``tenants``: the only
+        tenants that may see and use it (None: every tenant; registering again sets them
+        anew). Raises ``LoraError`` (a ``ValueError``) for a folder this model cannot serve."""
+        from worker.model.lora import LoraError
 
+        if self.executor.max_loras < 1:
             raise LoraError(
                 f"adapter {name!r}: this engine's executor ({type(self.executor).__name__}) "
                 "has no LoRA slots"
             )
+        owners = None if tenants is None else check_tenants(name, tenants)
         adapter_id = self.executor.add_lora(name, str(path))
         self.loras[name] = adapter_id
+        if owners is None:
+            self.lora_tenants.pop(name, None)
+        else:
+            self.lora_tenants[name] = owners
         return adapter_id
 
     # ---- requests ------------------------------------------------------------------------
@@ -154,8 +163,12 @@ class Engine:
         router's parity check)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self.requests:
-            raise InvalidRequest("request_id", rid, "must be unique among live requests")
+        return self.add_checked(rid, self.check_request(prompt, params), params, prompt_keys)
+
+    def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the engine's fixed facts (model limits,
+        KV size, config); raises InvalidRequest. Reads no scheduling state, so any thread
+        may call it while a step runs (the streaming front checks before it queues)."""
         prompt_ids = prompt_token_ids(prompt, self.tokenizer)
         validate_request(
             prompt_ids,
@@ -167,6 +180,20 @@ class Engine:
             has_tokenizer=self.tokenizer is not None,
             eos_ids=self.eos_ids,
         )
+        self.hash_context(params)  # an unknown adapter is the caller's error, found here
+        return prompt_ids
+
+    def add_checked(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_keys: Seq[BlockKey] | None = None,
+    ) -> str:
+        """Queue a request that passed :meth:`check_request` (between steps); raises
+        InvalidRequest for a duplicate id, EngineOverloaded for a full waiting queue."""
+        if rid in self.requests:
+            raise InvalidRequest("request_id", rid, "must be unique among live requests")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(len(self.scheduler.waiting), self.config.max_waiting)
         req = new_request(
@@ -378,6 +405,9 @@ class Engine:
             num_finished=s.num_finished,
             lora_ids=tuple(sorted(self.loras.values())),
             lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
+            lora_owners=tuple(
+                sorted(f"{self.loras[n]}={t}" for n, ts in self.lora_tenants.items() for t in ts)
+            ),
             stage_seconds=s.stages.snapshot(),
         )
 

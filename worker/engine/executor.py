@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.engine.detokenizer import TokenizerLike
+from worker.engine.sampler import token_logprobs
 from worker.engine.sched_output import ScheduledChunk
 from worker.kv import TierTransfers
 
@@ -135,7 +136,8 @@ class RunnerExecutor(ModelExecutor):
     def add_lora(self, name: str, path: str) -> str:
         from worker.model.lora import LoraError, load_adapter
 
-        adapter = load_adapter(name, path, self.runner.config, self.max_lora_rank)
+        runner = self.runner
+        adapter = load_adapter(name, path, runner.config, self.max_lora_rank, runner.dtype)
         old = self._loras.get(name)
         if old is not None and old.adapter_id != adapter.adapter_id:
             raise LoraError(
@@ -158,14 +160,15 @@ class RunnerExecutor(ModelExecutor):
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         t0 = time.perf_counter()
+        wants = [_wanted(c) for c in chunks]
         seqs = [
             self._chunk_cls(
                 token_ids=c.token_ids,
                 start_pos=c.start,
                 block_table=c.block_table,
-                want_logits="last" if c.wants_logits else "none",
+                want_logits=w,
             )
-            for c in chunks
+            for c, w in zip(chunks, wants, strict=True)
         ]
         adapters = (
             [self._loras[c.req.params.lora] if c.req.params.lora else None for c in chunks]
@@ -175,4 +178,46 @@ class RunnerExecutor(ModelExecutor):
         batch = self.runner.build_input(seqs)
         self.prepare_seconds += time.perf_counter() - t0
         # Logits stay on the runner's device: the sampler works there and sends back only ids.
-        return self.runner.execute(batch, adapters).float()
+        logits = self.runner.execute(batch, adapters).float()
+        if "all" not in wants:
+            return logits
+        return _take_prompt_logprobs(chunks, wants, logits)
+
+
+def _wanted(c: ScheduledChunk) -> str:
+    """A chunk of a prompt whose logprobs were asked for wants every position's logits."""
+    prompt = c.req.prompt_logprobs
+    if prompt is not None and c.start < len(prompt) and len(c.token_ids) > 0:
+        return "all"
+    return "last" if c.wants_logits else "none"
+
+
+def _take_prompt_logprobs(
+    chunks: Sequence[ScheduledChunk], wants: list[str], logits: torch.Tensor
+) -> torch.Tensor:
+    """Record the prompt logprobs of the chunks that wanted every position (row j of a
+    chunk predicts the token at start + j + 1) and return one row per chunk that wants its
+    next token, as :meth:`ModelExecutor.execute` promises."""
+    keep: list[int] = []
+    row = 0
+    for c, want in zip(chunks, wants, strict=True):
+        if want == "none":
+            continue
+        if want == "last":
+            keep.append(row)
+            row += 1
+            continue
+        n, prompt = len(c.token_ids), c.req.prompt_logprobs
+        assert prompt is not None
+        ids = c.req.prompt_ids
+        upto = min(c.start + n, len(ids) - 1)  # positions start+1 .. upto are prompt tokens
+        if upto > c.start:
+            targets = ids[c.start + 1 : upto + 1]
+            k = c.req.params.prompt_logprobs or 0
+            for j, lp in enumerate(token_logprobs(logits[row : row + len(targets)], targets, k)):
+                prompt[c.start + 1 + j] = lp
+        if c.wants_logits:
+            keep.append(row + n - 1)
+        row += n
+    assert row == logits.shape[0], (row, logits.shape)
+    return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))

@@ -1,10 +1,17 @@
-"""Streaming front: the engine's step loop in its own thread, per-request output streams.
+"""Streaming front: the engine's step loop in its own thread, fed through a queue.
 
-Any thread may call :meth:`StreamingEngine.add_request` / ``abort``; asyncio code calls
-:meth:`StreamingEngine.add_request_async` and iterates with ``async for``. The engine itself
-stays single-threaded: every call into it holds one lock, and the engine thread holds that
-lock for a whole step. Validation errors (``InvalidRequest``) and ``EngineOverloaded`` are
-raised in the caller's thread, before anything is queued.
+The engine stays single-threaded and its thread owns it. Adds, aborts and calls
+(:meth:`StreamingEngine.with_engine`) from any thread go into an inbox that the engine thread
+drains between steps (as vLLM's ``EngineCore.run_busy_loop`` does); nobody else takes the
+engine's lock while the loop runs, so no caller waits for a step to end before its command is
+queued, and asyncio callers await a future instead of blocking their loop. A request is
+checked against the engine's fixed facts (limits, KV size, config) in the caller's thread
+before it is queued, so ``InvalidRequest`` comes back at once; a duplicate id or a full
+waiting queue (``EngineOverloaded``) is found when the engine thread takes the request in,
+and raised to the caller from there.
+
+Outputs leave once per step: the engine thread groups them by sink (``streams.py``) and
+hands each event loop one batch per step.
 
 The worker actor wraps this class; ``on_step`` is its hook to drain KV events and publish load
 after every step, ``on_death`` its hook for a loop that died (the engine failed in a way it
@@ -16,97 +23,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstore.blocks.errors import EngineStopped
-from kvstore.blocks.outputs import GenerationResult, RequestOutput
+from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.engine import Engine
 from worker.engine.intake import Prompt
 from worker.engine.metrics import EngineMetrics
+from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, deliver_all
 from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+NOT_STARTED = "the streaming engine is not running (call start())"
 
 
-class RequestStream:
-    """Outputs of one request in order; ends after the output with ``finished=True``.
+@dataclass(frozen=True, slots=True)
+class _Command:
+    """One queued command for the engine thread."""
 
-    Iterate with ``for`` (blocking) when created by ``add_request``, with ``async for`` when
-    created by ``add_request_async``. Cancelling an ``async for`` aborts the request.
-    """
-
-    def __init__(
-        self, request_id: str, front: StreamingEngine, loop: asyncio.AbstractEventLoop | None
-    ) -> None:
-        self.request_id = request_id
-        self._front = front
-        self._loop = loop
-        self._sync: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
-        self._async: asyncio.Queue[RequestOutput | BaseException] | None = (
-            asyncio.Queue() if loop is not None else None
-        )
-        self._done = False
-
-    # called by the engine thread
-    def _put(self, item: RequestOutput | BaseException) -> bool:
-        """Deliver; False if the consumer's event loop is gone (the caller aborts)."""
-        if self._async is None:
-            self._sync.put(item)
-            return True
-        try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)  # type: ignore[union-attr]
-        except RuntimeError:  # loop closed
-            return False
-        return True
-
-    def _unwrap(self, item: RequestOutput | BaseException) -> RequestOutput:
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        self._done = item.finished
-        return item
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        if self._async is not None:
-            raise TypeError("this stream was created by add_request_async: use `async for`")
-        while not self._done:
-            yield self._unwrap(self._sync.get())
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        if self._async is None:
-            raise TypeError("this stream was created by add_request: use `for`")
-        try:
-            while not self._done:
-                yield self._unwrap(await self._async.get())
-        except (asyncio.CancelledError, GeneratorExit):
-            if not self._done:
-                self.abort()
-            raise
-
-    def abort(self) -> bool:
-        return self._front.abort(self.request_id)
-
-    def collect(self) -> GenerationResult:
-        """Block until the request finishes; the accumulated result."""
-        result = GenerationResult(self.request_id, [])
-        for out in self:
-            result.add(out)
-        return result
-
-    async def acollect(self) -> GenerationResult:
-        result = GenerationResult(self.request_id, [])
-        async for out in self:
-            result.add(out)
-        return result
+    run: Callable[[], None]  # between steps, with the engine lock held
+    refuse: Callable[[BaseException], None] | None = None  # instead, if the loop died first
 
 
 class StreamingEngine:
-    """Runs ``engine.step()`` in a background thread and fans outputs out to streams."""
+    """Runs ``engine.step()`` in a background thread; commands reach it through a queue."""
 
     def __init__(
         self,
@@ -116,42 +65,50 @@ class StreamingEngine:
         on_death: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.5,
     ) -> None:
-        """``on_step(engine, outputs)`` runs in the engine thread after every step, with the
-        engine lock held: it may read the engine (drain KV events, metrics) but must not call
-        this front; if it raises, the error is logged and the loop goes on. ``on_death(exc)``
-        runs in the engine thread once, after the loop died and every stream was ended."""
+        """``on_step(engine, outputs)`` runs in the engine thread after every step: it may
+        read the engine (drain KV events, metrics) but must not block on this front's
+        queue; if it raises, the error is logged and the loop goes on. ``on_death(exc)`` runs
+        in the engine thread once, after the loop died and every stream was ended."""
         self.engine = engine
         self._on_step = on_step
         self._on_death = on_death
         self._idle_wait = idle_wait_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by whoever runs the engine (thread or stop())
+        self._inbox: deque[_Command] = deque()  # commands, run by the engine thread
+        self._inbox_lock = threading.Lock()  # only around appends and the accepting flag
+        self._accepting = False
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._sinks: dict[str, OutputSink] = {}  # live requests -> sink (engine thread only)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what killed the loop, if anything
+        self.steps = 0  # steps run by the loop (with or without model work)
+        self.busy_s = 0.0  # time the loop spent on commands, steps and the step hook
 
     def start(self) -> StreamingEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            with self._inbox_lock:
+                self._accepting = True
             self._thread.start()
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort what is left, end every stream, join the thread."""
+        with self._inbox_lock:
+            self._accepting = False
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
         with self._lock:
+            self._drain()  # what was queued before the door closed
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
             leftovers = self.engine.step() if self.engine.has_unfinished_requests() else []
         self._dispatch(leftovers)
-        for stream in list(self._streams.values()):
-            stream._put(EngineStopped("the engine was stopped"))
-        self._streams.clear()
+        self._end_all(EngineStopped("the engine was stopped"))
 
     def __enter__(self) -> StreamingEngine:
         return self.start()
@@ -159,13 +116,41 @@ class StreamingEngine:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # ---- the inbox -----------------------------------------------------------------------
+
+    def _submit(self, command: _Command) -> None:
+        """Queue ``command`` for the engine thread; raises EngineStopped if it does not run."""
+        with self._inbox_lock:
+            if not self._accepting:
+                if self.error is not None:
+                    raise EngineStopped(f"the engine loop died: {self.error!r}")
+                raise EngineStopped(NOT_STARTED)
+            self._inbox.append(command)
+        self._wake.set()
+
+    def _drain(self) -> None:
+        """Run the queued commands (engine thread, or stop() after the thread ended)."""
+        while self._inbox:
+            self._inbox.popleft().run()
+
+    def _on_engine_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None
-    ) -> RequestStream:
-        """Queue a request from any thread; iterate the returned stream with ``for``."""
-        return self._add(prompt, params, request_id, None)
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        prompt_keys: Sequence[BlockKey] | None = None,
+        sink: OutputSink | None = None,
+    ) -> RequestStream | None:
+        """Queue a request from any thread and wait until the engine took it in (at most
+        one step); iterate the returned stream with ``for``. With ``sink`` the outputs go
+        there instead and None is returned."""
+        return self.submit_request(prompt, params, request_id, prompt_keys, sink).result()
 
     async def add_request_async(
         self,
@@ -174,44 +159,103 @@ class StreamingEngine:
         *,
         request_id: str | None = None,
         prompt_keys: Sequence[BlockKey] | None = None,
-    ) -> RequestStream:
-        """Queue a request from asyncio code; iterate the returned stream with ``async for``.
-        ``prompt_keys``: see :meth:`Engine.add_request`."""
-        return self._add(prompt, params, request_id, asyncio.get_running_loop(), prompt_keys)
+        sink: OutputSink | None = None,
+    ) -> RequestStream | None:
+        """Queue a request from asyncio code; iterate the returned stream with ``async for``
+        (or, with ``sink``, get None: the outputs go to the sink). The loop never waits: the
+        call awaits the engine thread's answer. ``prompt_keys``: see
+        :meth:`Engine.add_request`."""
+        loop = asyncio.get_running_loop()
+        future = self.submit_request(prompt, params, request_id, prompt_keys, sink, loop)
+        return await asyncio.wrap_future(future)
 
-    def _add(
+    def submit_request(
         self,
         prompt: Prompt,
         params: SamplingParams | None,
         request_id: str | None,
-        loop: asyncio.AbstractEventLoop | None,
-        prompt_keys: Sequence[BlockKey] | None = None,
-    ) -> RequestStream:
-        with self._lock:  # checked under the lock: a dying loop takes the streams under it
-            if self.error is not None:
-                raise EngineStopped(f"the engine loop died: {self.error!r}")
-            if self._stopping or self._thread is None:
-                raise EngineStopped("the streaming engine is not running (call start())")
-            rid = self.engine.add_request(
-                prompt, params, request_id=request_id, prompt_keys=prompt_keys
-            )
-            stream = self._streams[rid] = RequestStream(rid, self, loop)
-        self._wake.set()
-        return stream
+        prompt_keys: Sequence[BlockKey] | None,
+        sink: OutputSink | None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Future[RequestStream | None]:
+        """Check the request here, queue it; the future ends when the engine took it in
+        (its result: the request's stream, or None with ``sink``). Raises InvalidRequest
+        and EngineStopped at once; the future raises InvalidRequest (a duplicate id) and
+        EngineOverloaded."""
+        params = params or SamplingParams()
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        prompt_ids = self.engine.check_request(prompt, params)
+        stream = RequestStream(rid, self.abort, loop) if sink is None else None
+        target: OutputSink = sink if sink is not None else stream  # type: ignore[assignment]
+        future: Future[RequestStream | None] = Future()
+
+        def add() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                self.engine.add_checked(rid, prompt_ids, params, prompt_keys)
+            except Exception as exc:  # noqa: BLE001 - the caller's error, raised there
+                future.set_exception(exc)
+                return
+            self._sinks[rid] = target
+            future.set_result(stream)
+
+        def refuse(exc: BaseException) -> None:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+
+        self._submit(_Command(add, refuse))
+        return future
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
-            found = self.engine.abort(request_id)
-        self._wake.set()
-        return found
+        """Abort a request (applied between steps; its last output follows). Never waits:
+        returns whether the request was live when asked."""
+        live = request_id in self._sinks
+        try:
+            self._submit(_Command(lambda: self.engine.abort(request_id) and None))
+        except EngineStopped:
+            return False
+        return live
 
     def metrics(self) -> EngineMetrics:
         return self.with_engine(Engine.metrics)
 
     def with_engine(self, fn: Callable[[Engine], T]) -> T:
-        """Run ``fn(engine)`` under the engine lock (between steps)."""
-        with self._lock:
+        """Run ``fn(engine)`` between steps and return its result; blocks the calling thread
+        (up to one step) while the loop runs. From asyncio code use
+        :meth:`with_engine_async`."""
+        if self._on_engine_thread():
             return fn(self.engine)
+        future = self._call(fn)
+        if future is None:  # no loop to ask: the engine is the caller's to read
+            with self._lock:
+                return fn(self.engine)
+        return future.result()
+
+    async def with_engine_async(self, fn: Callable[[Engine], T]) -> T:
+        """:meth:`with_engine` for asyncio code: awaits, never blocks the loop."""
+        future = self._call(fn)
+        if future is None:
+            with self._lock:
+                return fn(self.engine)
+        return await asyncio.wrap_future(future)
+
+    def _call(self, fn: Callable[[Engine], T]) -> Future[T] | None:
+        future: Future[T] = Future()
+
+        def call() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                future.set_exception(exc)
+
+        try:
+            self._submit(_Command(call))
+        except EngineStopped:
+            return None
+        return future
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -219,24 +263,44 @@ class StreamingEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
+                t0 = time.perf_counter()
                 with self._lock:
+                    self._drain()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
-                    if busy and self._on_step is not None:
-                        self._hook(outputs)
+                    if busy:
+                        self.steps += 1
+                        if self._on_step is not None:
+                            self._hook(outputs)
                 self._dispatch(outputs)
-                if not busy:
+                self.busy_s += time.perf_counter() - t0
+                if not busy and not self._inbox:
                     self._wake.wait(self._idle_wait)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
             log.exception("engine loop died")
             self.error = exc
             self._stopping = True
+            with self._inbox_lock:
+                self._accepting = False
             with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream._put(EngineStopped(f"the engine loop died: {exc!r}"))
+                self._fail_inbox(exc)
+            self._end_all(EngineStopped(f"the engine loop died: {exc!r}"))
             if self._on_death is not None:
                 self._on_death(exc)
+
+    def _fail_inbox(self, exc: BaseException) -> None:
+        """After a death: queued adds are refused, queued calls still run (they read the
+        engine; an abort finds its request gone with the streams)."""
+        stopped = EngineStopped(f"the engine loop died: {exc!r}")
+        while self._inbox:
+            command = self._inbox.popleft()
+            try:
+                if command.refuse is not None:
+                    command.refuse(stopped)
+                else:
+                    command.run()
+            except Exception:  # noqa: BLE001 - the engine is beyond repair
+                log.exception("a queued command failed after the engine loop died")
 
     @property
     def alive(self) -> bool:
@@ -249,20 +313,35 @@ class StreamingEngine:
         except Exception:  # noqa: BLE001 - publishing/telemetry must not stop the engine
             log.exception("on_step hook failed; the engine goes on")
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        gone: list[str] = []
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+    def _dispatch(self, items: Sequence[StreamItem]) -> None:
+        """Hand this step's items to their sinks: one call per event loop."""
+        if not items:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop | None, dict[OutputSink, list[StreamItem]]] = {}
+        for item in items:
+            sink = self._sinks.get(item.request_id)
+            if sink is None:
                 continue
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-            if not stream._put(out) and not out.finished:
-                gone.append(out.request_id)
-        for rid in gone:
-            self._streams.pop(rid, None)
-            self.abort(rid)
+            if isinstance(item, StreamEnd) or item.finished:
+                del self._sinks[item.request_id]
+            by_loop.setdefault(sink.loop, {}).setdefault(sink, []).append(item)
+        for loop, batches in by_loop.items():
+            if loop is None:
+                for sink, sink_items in batches.items():
+                    sink.deliver(sink_items)
+                continue
+            try:
+                loop.call_soon_threadsafe(deliver_all, list(batches.items()))
+            except RuntimeError:  # the consumers' loop is closed: nobody reads them
+                for sink_items in batches.values():
+                    for item in sink_items:
+                        if self._sinks.pop(item.request_id, None) is not None:
+                            self.abort(item.request_id)
+
+    def _end_all(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` (the engine stopped or died)."""
+        self._dispatch([StreamEnd(rid, exc) for rid in list(self._sinks)])
 
     def __repr__(self) -> str:
         state: Any = "running" if self._thread is not None else "stopped"
-        return f"StreamingEngine({state}, streams={len(self._streams)})"
+        return f"StreamingEngine({state}, streams={len(self._sinks)})"

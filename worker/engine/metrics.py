@@ -124,6 +124,7 @@ class EngineSnapshot:
     host_stored_blocks: int = 0  # blocks copied device -> host (evictions, swap-outs)
     lora_ids: tuple[str, ...] = ()  # stable ids of the registered LoRA adapters, sorted
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
+    lora_owners: tuple[str, ...] = ()  # "adapter_id=tenant" of the owned ones, sorted
     stage_seconds: StageSeconds = StageSeconds()  # engine-thread time per step stage, summed
 
 

@@ -27,8 +27,20 @@ from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
-from worker.engine.sampler import PenaltyRows, SampleSpec, sample
+from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for a request hold NaN or infinity: it is failed, never sampled."""
+
+
+def _non_finite(req: Request) -> str:
+    lora = f" with adapter {req.params.lora!r}" if req.params.lora else ""
+    return (
+        f"the model produced non-finite logits (NaN or infinity) for this request{lora}; "
+        "it is stopped rather than sampled from them"
+    )
 
 
 class OutputProcessor:
@@ -132,11 +144,15 @@ class OutputProcessor:
         self.stats.stages.sample += time.perf_counter() - t0
         for (req, seq), tok, lp in sampled:
             out = self._outcome(req)
-            if out.error is None:
-                try:
-                    self._append(req, seq, tok, lp)
-                except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
-                    out.error = exc
+            if out.error is not None:
+                continue
+            if tok is None:
+                out.error = NonFiniteLogits(_non_finite(req))
+                continue
+            try:
+                self._append(req, seq, tok, lp)
+            except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+                out.error = exc
 
     def _sample_each(
         self,
@@ -228,7 +244,10 @@ class OutputProcessor:
     def _beam_step(self, req: Request) -> None:
         assert req.beam is not None
         seqs = req.seqs
-        logprobs = torch.stack([s.pending_logits for s in seqs]).log_softmax(dim=-1)
+        logits = torch.stack([s.pending_logits for s in seqs])
+        if not bool(finite_rows(logits).all()):
+            raise NonFiniteLogits(_non_finite(req))
+        logprobs = logits.log_softmax(dim=-1)
         for i, s in enumerate(seqs):
             s.pending_logits = None
             banned = self._banned(req, s)
@@ -278,4 +297,7 @@ class OutputProcessor:
             else:
                 self.stats.itl.append(now - (req.last_token_time or now))
             req.last_token_time = now
-        return RequestOutput(req.request_id, deltas, req.finished, req.usage(), req.error)
+        prompt = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and deltas:
+            prompt, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        return RequestOutput(req.request_id, deltas, req.finished, req.usage(), req.error, prompt)

@@ -171,6 +171,11 @@ class Request:
         self.last_token_time: float | None = None
         self.num_preemptions = 0
         self.final_deltas: list[CompletionDelta] = []  # beam search: results at the end
+        # per prompt position, filled as its chunks run (SamplingParams.prompt_logprobs)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        )
+        self.prompt_logprobs_sent = False
 
     @property
     def priority(self) -> int:

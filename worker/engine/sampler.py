@@ -8,6 +8,8 @@ Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions) a
 logits first, for every row that sets them, greedy rows included; the engine passes their
 token counts from device tables it updates incrementally (``penalties.py``).
 Logprobs are those of the raw model distribution (before penalties, temperature and filters).
+A row whose raw logits are not all finite (a model or adapter that overflowed) samples no
+token: its token is ``None`` and its logprobs too, so no NaN ever reaches a client.
 
 Every step's work is batched tensor ops on the device that produced the logits (a GPU in
 production): per-row parameters go over in small copies, and only the sampled ids (plus the
@@ -80,6 +82,13 @@ def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -
     if width:
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab]  # the last column took the padding
+
+
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` [rows, n]: whether it is all finite. A row's sum is NaN or infinite
+    when one value is (a sum is one pass, 30x cheaper on the CPU than ``isfinite().all()``);
+    finite logits large enough for their sum to overflow (~1e34) count as broken too."""
+    return x.sum(dim=-1).isfinite()
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
@@ -188,14 +197,23 @@ def sample(
     specs: Sequence[SampleSpec],
     default: torch.Generator,
     counts: PenaltyRows | None = None,
-) -> tuple[list[int], list[TokenLogprob | None]]:
+) -> tuple[list[int | None], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [rows, vocab] (float32, on any device); returns tokens
-    and logprobs on the host. ``counts``: the token counts of the rows that set penalties;
-    without them they are counted here from each spec's ``prompt_ids`` and ``output_ids``."""
+    and logprobs on the host (``None`` for a row with non-finite logits). ``counts``: the
+    token counts of the rows that set penalties; without them they are counted here from each
+    spec's ``prompt_ids`` and ``output_ids``."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     device = logits.device
     raw = logits
     logits = _apply_penalties(logits, specs, counts)
+    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
+    if biased:  # OpenAI's logit_bias: added to the logits (logprobs stay the model's own)
+        rows, cols, bias = zip(*biased, strict=True)
+        logits = logits.index_put(
+            tuple(to_device([list(rows), list(cols)], torch.long, device)),
+            to_device(list(bias), logits.dtype, device),
+            accumulate=True,
+        )
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
@@ -216,20 +234,41 @@ def sample(
         tokens.index_copy_(0, g_idx, _argmax(logits.index_select(0, g_idx)))
         picked = _sample_random(logits.index_select(0, r_idx), [specs[i] for i in rand], default)
         tokens.index_copy_(0, r_idx, picked)
+    # -1 marks a row with non-finite logits (read back with the tokens: no extra sync)
+    tokens = torch.where(finite_rows(raw), tokens, -1)
     want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
     if not want:
         (host_tokens,) = _to_host(tokens)
-        return host_tokens.tolist(), [None] * len(specs)
+        return [t if t >= 0 else None for t in host_tokens.tolist()], [None] * len(specs)
     w_idx = to_device(want, torch.long, device)
     lp = raw.index_select(0, w_idx).log_softmax(dim=-1)
-    chosen = lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1)
+    chosen = lp.gather(1, tokens.index_select(0, w_idx).clamp(min=0).unsqueeze(1)).squeeze(1)
     top_v, top_i = lp.topk(max(specs[i].params.logprobs for i in want))
     host_tokens, chosen, top_v, top_i = _to_host(tokens, chosen, top_v, top_i)
-    token_list = host_tokens.tolist()
+    token_list: list[int | None] = [t if t >= 0 else None for t in host_tokens.tolist()]
     chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(specs)
     for row, i in enumerate(want):
+        tok = token_list[i]
+        if tok is None:
+            continue
         k = specs[i].params.logprobs
         top = tuple(zip(top_il[row][:k], top_vl[row][:k], strict=True)) if k else ()
-        logprobs[i] = TokenLogprob(token_list[i], chosen_l[row], top)
+        logprobs[i] = TokenLogprob(tok, chosen_l[row], top)
     return token_list, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its target token and its k most likely alternatives
+    (prompt logprobs: row i holds the logits that predict ``targets[i]``)."""
+    assert logits.shape[0] == len(targets), (logits.shape, len(targets))
+    lp = logits.log_softmax(dim=-1)
+    idx = to_device(list(targets), torch.long, logits.device)
+    chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1)
+    top_v, top_i = lp.topk(k) if k else (chosen[:0], idx[:0])
+    chosen_h, top_vh, top_ih = _to_host(chosen, top_v, top_i)
+    values, alt_v, alt_i = chosen_h.tolist(), top_vh.tolist(), top_ih.tolist()
+    return [
+        TokenLogprob(t, v, tuple(zip(alt_i[i], alt_v[i], strict=True)) if k else ())
+        for i, (t, v) in enumerate(zip(targets, values, strict=True))
+    ]

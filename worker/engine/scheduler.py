@@ -236,7 +236,11 @@ class Scheduler:
         while True:
             hit = None
             if not seq.allocated:
-                hit = self.kv.lookup_prefix(seq.token_ids, req.ctx, seq.claim)
+                hit = (
+                    self.kv.lookup_prefix(seq.token_ids, req.ctx, seq.claim)
+                    if req.prompt_logprobs is None
+                    else PrefixHit.empty(req.ctx)  # every prompt position is computed
+                )
                 seq.cached_hint = hit.num_tokens
                 if any(b in self._writing for b in hit.block_ids):
                     return "defer"

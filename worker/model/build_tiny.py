@@ -1,6 +1,6 @@
 """Build a random-weight Llama-family model folder offline, in the exact Hugging Face format.
 
-    python -m worker.model.build_tiny --out DIR --family llama|mistral|qwen2|qwen3 \
+    python -m worker.model.build_tiny --out DIR --family llama|mistral|qwen2|qwen3|gemma3 \
         [--size tiny|32m|100m] [--seed N]
 
 The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and a real
@@ -9,7 +9,10 @@ byte-level BPE tokenizer trained on an embedded corpus (``tokenizer.json`` and
 package's runner and with ``transformers``' ``AutoModelForCausalLM`` / ``AutoTokenizer``.
 
 Family traits exercised by the tiny sizes: llama uses Llama-3 rope scaling; mistral a sliding
-window; qwen2 QKV bias and tied embeddings; qwen3 q/k RMSNorm and head_dim != hidden/heads.
+window; qwen2 QKV bias and tied embeddings; qwen3 q/k RMSNorm and head_dim != hidden/heads;
+gemma3 its (1 + weight) sandwich norms, GeGLU, query_pre_attn_scalar != head_dim, scaled and
+tied embeddings, 5 sliding, 1 global, 1 sliding layer with two rope bases (linear scaling on
+the global one).
 Builds are cached: a folder that already holds the same (family, size, seed) is returned as is.
 """
 
@@ -30,7 +33,7 @@ from worker.model.config import ModelConfig
 from worker.model.loader import tensor_shapes
 from worker.model.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 SIZES = {
     # vocab, hidden, intermediate, layers, heads, kv heads, max positions
     "tiny": dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, max_pos=2048),
@@ -61,6 +64,7 @@ def model_config(family: str, size: str, ids: dict[str, int]) -> dict[str, Any]:
                 "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM",
             }[family]
         ],
         "model_type": family,
@@ -97,6 +101,9 @@ def model_config(family: str, size: str, ids: dict[str, int]) -> dict[str, Any]:
         }
     elif family == "mistral":
         cfg["sliding_window"] = 24 if size == "tiny" else None
+    elif family == "gemma3":
+        del cfg["hidden_act"]  # Gemma 3 names it hidden_activation
+        cfg.update(_gemma3_traits(size, 7 if size == "tiny" else s["layers"]))
     else:
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=s["layers"])
         if family == "qwen2":
@@ -106,6 +113,28 @@ def model_config(family: str, size: str, ids: dict[str, int]) -> dict[str, Any]:
     return cfg
 
 
+def _gemma3_traits(size: str, layers: int) -> dict[str, Any]:
+    """Gemma 3's keys as its Hub checkpoints write them (``model_type: gemma3_text``)."""
+    tiny = size == "tiny"
+    pattern = 6  # five sliding-window layers, then a global one (tiny: 7 layers, s5 g s)
+    return {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": layers,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 24 if tiny else 256,  # != head_dim: the scaling shows
+        "sliding_window": 12 if tiny else 512,
+        "layer_types": [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ],
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},  # global layers only
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
+
+
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Deterministic random tensors for every name the architecture expects."""
     gen = torch.Generator().manual_seed(seed)
@@ -113,8 +142,8 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
     out = {}
     for name, shape in tensor_shapes(cfg).items():
         noise = torch.randn(shape, generator=gen)
-        if name.endswith("norm.weight"):
-            tensor = 1.0 + 0.1 * noise
+        if name.endswith("norm.weight"):  # Gemma stores norm weights as offsets from 1
+            tensor = 0.1 * noise + (cfg.architecture != "Gemma3ForCausalLM")
         else:
             tensor = (std * noise) if name.endswith("weight") else 0.1 * noise
         out[name] = tensor.to(dtype).contiguous()
@@ -122,7 +151,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
 
 
 def _write_folder(out: Path, family: str, size: str, seed: int) -> None:
-    bos = family in ("llama", "mistral")  # Qwen tokenizers add no bos token
+    bos = family in ("llama", "mistral", "gemma3")  # Qwen tokenizers add no bos token
     tok = train_tokenizer(SIZES[size]["vocab"], add_bos=bos)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     raw = model_config(family, size, ids)
@@ -146,7 +175,7 @@ def _write_folder(out: Path, family: str, size: str, seed: int) -> None:
         "pad_token": "<pad>",
         "model_max_length": raw["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": GEMMA3_CHAT_TEMPLATE if family == "gemma3" else CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
@@ -157,6 +186,31 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Gemma 3's own template (its Hub tokenizer_config.json): a system turn is folded into the
+# first user turn, roles must alternate, the assistant speaks as "model".
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
 
 

@@ -14,27 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, parse_rope
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeConfig"]
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED = object()  # marks a config key without a default
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary position embedding parameters."""
-
-    theta: float  # base wavelength (``rope_theta``)
-    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
-    factor: float = 1.0  # linear / llama3: context extension factor
-    low_freq_factor: float = 1.0  # llama3 only
-    high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only: pre-training context
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +52,24 @@ class ModelConfig:
     bos_token_id: int | None  # beginning-of-sequence id declared by the config
     eos_token_ids: tuple[int, ...]  # end-of-sequence ids declared by the config
     torch_dtype: str | None  # dtype the checkpoint declares ("bfloat16", ...), informational
+    hidden_act: str = "silu"  # MLP gate activation: "silu", or "gelu_pytorch_tanh" (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # scores scale by its inverse root; None: head_dim
+    local_rope: RopeConfig | None = None  # rope of the sliding-window layers if theirs (Gemma 3)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of q.k in attention (1/sqrt(head_dim) unless the checkpoint says)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rotary embedding of one layer (sliding-window layers may have their own)."""
+        if self.local_rope is not None and self.sliding_windows[layer] is not None:
+            return self.local_rope
+        return self.rope
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -95,19 +100,17 @@ def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
     hidden = get.integer("hidden_size")
     num_heads = get.integer("num_attention_heads")
     num_kv_heads = get.integer("num_key_value_heads", default=num_heads)
-    head_dim = get.integer("head_dim", default=None) or hidden // num_heads
+    gemma = arch == "Gemma3ForCausalLM"
+    head_dim = get.integer("head_dim", default=None) or (256 if gemma else hidden // num_heads)
     num_layers = get.integer("num_hidden_layers")
     if num_heads % num_kv_heads:
         raise ModelLoadError(
             f"{source}: num_attention_heads={num_heads} is not a multiple of "
             f"num_key_value_heads={num_kv_heads}"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=get.integer("vocab_size"),
         hidden_size=hidden,
@@ -117,18 +120,31 @@ def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=get.number("rms_norm_eps", default=1e-6),
-        rope=_rope(raw, get, source),
         max_position_embeddings=get.integer("max_position_embeddings", default=2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
         qk_norm=arch == "Qwen3ForCausalLM",
-        sliding_windows=_sliding_windows(raw, arch, num_layers, source),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_id_tuple(raw.get("eos_token_id")),
         torch_dtype=raw.get("torch_dtype", raw.get("dtype")),
     )
+    if gemma:
+        from worker.model.gemma3_config import gemma3_fields
+
+        fields.update(gemma3_fields(raw, get, num_layers, source))
+    else:
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(
+                f"{source}: hidden_act={act!r} is not supported (only 'silu')"
+            )
+        fields.update(
+            rope=_rope(raw, get, source),
+            sliding_windows=_sliding_windows(raw, arch, num_layers, source),
+        )
+    return ModelConfig(**fields)
 
 
 def _architecture(raw: Mapping[str, Any], source: str) -> str:
@@ -143,34 +159,10 @@ def _architecture(raw: Mapping[str, Any], source: str) -> str:
 
 def _rope(raw: Mapping[str, Any], get: _Getter, source: str) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError(f"{source}: partial_rotary_factor != 1 is not supported")
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    factor = float(params.get("factor", 1.0))
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=factor)
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
-    if missing:
-        raise ModelLoadError(f"{source}: llama3 rope scaling lacks {', '.join(missing)}")
-    return RopeConfig(
-        theta=theta,
-        rope_type="llama3",
-        factor=factor,
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings")
-            or get.integer("max_position_embeddings", default=8192)
-        ),
-    )
+    max_positions = get.integer("max_position_embeddings", default=2048)
+    return parse_rope(params, float(raw.get("rope_theta", 10000.0)), max_positions, source)
 
 
 def _sliding_windows(

@@ -97,10 +97,16 @@ def derive_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list
     return [(a, b) for a, b, _ in merges]
 
 
-def _sentencepiece(tokens: Sequence[str], meta: Meta) -> tuple[HFTokenizer, set[str]]:
+def _sentencepiece(
+    tokens: Sequence[str], meta: Meta, gemma: bool = False
+) -> tuple[HFTokenizer, set[str]]:
+    if gemma:  # Gemma files spell runs of spaces as spaces, its vocabulary as "▁" runs
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges"):
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges")]
+    elif gemma:  # Gemma's scores do not follow its merge order; the file's order does
+        merges = derive_merges(vocab, {t: -i for i, t in enumerate(tokens)})
     else:
         scores = meta.require("tokenizer.ggml.scores")
         merges = derive_merges(vocab, dict(zip(tokens, scores, strict=False)))
@@ -120,7 +126,7 @@ def tokenizer_backend_from_gguf(path: str | Path) -> tuple[HFTokenizer, dict[str
     """The tokenizer backend, and the special tokens / chat template as ``Tokenizer``'s
     keyword arguments."""
     reader, source = open_gguf(path), str(path)
-    architecture(reader, source)
+    arch = architecture(reader, source)
     meta = Meta(reader, source)
     kind = meta.get("tokenizer.ggml.model")
     if kind not in SUPPORTED_TOKENIZERS:
@@ -130,7 +136,10 @@ def tokenizer_backend_from_gguf(path: str | Path) -> tuple[HFTokenizer, dict[str
         )
     tokens: Sequence[str] = meta.require("tokenizer.ggml.tokens")
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend, addable = (_byte_level if kind == "gpt2" else _sentencepiece)(tokens, meta)
+    if kind == "gpt2":
+        backend, addable = _byte_level(tokens, meta)
+    else:
+        backend, addable = _sentencepiece(tokens, meta, gemma=arch == "gemma3")
     vocab = backend.get_vocab()
     pairs = list(zip(tokens, types, strict=False))
     backend.add_special_tokens(

@@ -44,17 +44,27 @@ _LAYER = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's four norms per layer (llama.cpp calls its pre-feed-forward norm ``ffn_norm``)
+_GEMMA3_LAYER = {
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Tensors read into the config rather than the model (the rope frequency divisors).
+_CONFIG_TENSORS = ("rope_freqs.weight",)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a llama.cpp tensor (None for one this model does not use)."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    layer = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
     match = _BLOCK.fullmatch(gguf_name)
-    if match is None or match[2] not in _LAYER:
+    if match is None or match[2] not in layer:
         return None
-    return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{layer[match[2]]}.{match[3]}"
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -86,13 +96,18 @@ def read_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
 def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> None:
     """Copy the file's tensors into ``model``'s parameters (converting dtype, moving device)."""
     reader, source = open_gguf(path), str(path)
-    interleaved = interleaves_rotary_rows(architecture(reader, source))
+    arch = architecture(reader, source)
+    interleaved = interleaves_rotary_rows(arch)
+    # llama.cpp's converter stores Gemma's norm weights as 1 + weight (its RMSNorm multiplies)
+    norm_offset = 1.0 if arch == "gemma3" else 0.0
     params = model.state_dict()
     expected = {name: tuple(t.shape) for name, t in params.items()}
     found: dict[str, ReaderTensor] = {}
     unused = []
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        name = hf_name(tensor.name, arch)
         if name is None or name not in expected:
             unused.append(tensor.name)
             continue
@@ -122,6 +137,8 @@ def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> N
                 data = unpermute_rotary(data, cfg.num_heads)
             elif interleaved and ".k_proj." in name:
                 data = unpermute_rotary(data, cfg.num_kv_heads)
+            elif norm_offset and name.endswith("norm.weight"):
+                data = data - norm_offset
             if not data.flags.writeable:  # an F32 tensor is a view of the read-only map
                 data = data.copy()
             params[name].copy_(torch.from_numpy(np.ascontiguousarray(data)))

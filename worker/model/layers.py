@@ -63,10 +63,13 @@ class FusedLinear:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up run as one GEMM (``fuse``, by the loader)."""
+    """down(act(gate(x)) * up(x)), act SiLU or tanh-approximated GELU (Gemma's GeGLU); gate
+    and up run as one GEMM (``fuse``, by the loader)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str = "silu") -> None:
         super().__init__()
+        assert act in ("silu", "gelu_pytorch_tanh"), act  # validated in config parsing
+        self.act = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
@@ -78,11 +81,20 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up is not None, "call fuse() once the weights are allocated"
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gated = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gated.mul_(up))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, incl. linear and Llama-3 scaling."""
+    """Inverse frequencies [head_dim // 2] in float32: linear, Llama-3 and YaRN scaling, then
+    the per-dimension divisors of a GGUF file's ``rope_freqs.weight``."""
+    inv_freq = _scaled_inv_freq(rope, head_dim)
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
@@ -99,8 +111,28 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     assert rope.rope_type == "default", rope.rope_type  # validated in config parsing
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: dimensions that rotate many times over the original context keep their
+    frequency, slow ones are interpolated by ``factor``, a linear ramp blends between."""
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    span = (high - low) if high != low else 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / span).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
 
 
 class RotaryEmbedding(nn.Module):
@@ -119,7 +151,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope.attention_factor != 1.0:  # YaRN's attention temperature
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

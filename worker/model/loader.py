@@ -1,4 +1,5 @@
-"""Build a ``LlamaForCausalLM`` for a model folder and fill it from the checkpoint."""
+"""Build a ``LlamaForCausalLM`` (or a ``Gemma3ForCausalLM``) for a model folder and fill it
+from the checkpoint."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.errors import ModelLoadError
+from worker.model.gemma3 import Gemma3ForCausalLM
 from worker.model.gguf_file import is_gguf
 from worker.model.gguf_weights import load_gguf_weights
+from worker.model.layers import RotaryEmbedding
 from worker.model.llama import LlamaForCausalLM
 from worker.model.weights import load_weights
 
@@ -26,10 +29,14 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ModelLoadError(f"dtype={dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
 
 
+def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM] | type[Gemma3ForCausalLM]:
+    return Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+
+
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a checkpoint of ``cfg`` must hold (no memory used)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend=None)
+        model = model_class(cfg)(cfg, backend=None)
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
@@ -40,15 +47,17 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     config: ModelConfig | None = None,
-) -> LlamaForCausalLM:
+) -> LlamaForCausalLM | Gemma3ForCausalLM:
     """Load weights of ``model_dir`` (a Hugging Face folder or a ``.gguf`` file) into a model
     on ``device`` in ``dtype`` (inference mode)."""
     cfg = config or ModelConfig.from_dir(model_dir)
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend).to(torch_dtype)
+        model = model_class(cfg)(cfg, backend).to(torch_dtype)
     model.to_empty(device=torch.device(device))
-    model.model.rotary_emb.reset_buffers()  # float32, recomputed on the target device
+    for module in model.modules():  # float32, recomputed on the target device
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
     model.fuse_projections()  # before loading: the checkpoint is copied into the fused storage
     if is_gguf(model_dir):
         load_gguf_weights(model, model_dir, cfg)

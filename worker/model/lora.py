@@ -5,6 +5,8 @@ A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``ta
 q_proj.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``. The delta of a
 projection is ``x @ A.T @ B.T * scaling`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)``
 with rsLoRA). The scaling is folded into B here, once, so serving never multiplies by it.
+What the config means (and which of its keys are refused) is ``lora_config``'s; this module
+reads the weights, refusing any that are not finite or whose folded scaling overflows.
 
 The adapter id names the adapter's *contents* (name plus a digest of its config and weights),
 not its folder: the same adapter under the same name on two workers has one id (so the
@@ -24,14 +26,23 @@ from pathlib import Path
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.lora_config import (
+    MODULES,
+    AdapterConfig,
+    AdapterConfigError,
+    parse_adapter_config,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+
+# every projection's output reaches an RMSNorm, which squares it in float32: a delta that can
+# grow a unit-size input past sqrt(float32 max) overflows there
+_GAIN_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
 
 
 class LoraError(ValueError):
@@ -78,10 +89,49 @@ def _module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
-    """Read and check a PEFT adapter folder; raises :class:`LoraError` naming what is wrong."""
+def _read_config(
+    name: str, path: Path, raw: bytes, cfg: ModelConfig, max_rank: int
+) -> AdapterConfig:
+    try:
+        acfg = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LoraError(f"adapter {name!r}: {path} is not JSON: {exc}") from None
+    try:
+        return parse_adapter_config(acfg, cfg, max_rank)
+    except AdapterConfigError as exc:
+        raise LoraError(f"adapter {name!r}: {path}: {exc}") from None
+
+
+def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
+    if path.stat().st_size == 0:
+        raise LoraError(f"adapter {name!r}: {path} is empty (a safetensors file is expected)")
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own and OS errors alike
+        raise LoraError(
+            f"adapter {name!r}: {path} is not a readable safetensors file: {exc}"
+        ) from None
+    for key, t in tensors.items():
+        if not t.is_floating_point():
+            raise LoraError(f"adapter {name!r}: {path}: tensor {key!r} has dtype {t.dtype}")
+        if not torch.isfinite(t).all():
+            raise LoraError(
+                f"adapter {name!r}: {path}: tensor {key!r} holds NaN or infinite values"
+            )
+    return tensors
+
+
+def load_adapter(
+    name: str,
+    path: str | Path,
+    cfg: ModelConfig,
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> LoraAdapter:
+    """Read and check a PEFT adapter folder for a model computing in ``dtype``; raises
+    :class:`LoraError` naming the adapter, the file and what is wrong."""
     check_name(name)
     folder = Path(path)
     cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
@@ -92,61 +142,56 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
                 f"{CONFIG_FILE} and {WEIGHTS_FILE})"
             )
     raw_cfg = cfg_path.read_bytes()
-    try:
-        acfg = json.loads(raw_cfg)
-    except json.JSONDecodeError as exc:
-        raise LoraError(f"adapter {name!r}: {cfg_path} is not JSON: {exc}") from None
-    rank, alpha = acfg.get("r"), acfg.get("lora_alpha", acfg.get("r"))
-    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise LoraError(
-            f"adapter {name!r}: r={rank!r} must be an integer in [1, "
-            f"max_lora_rank={max_rank}] (raise max_lora_rank)"
-        )
-    unsupported = {
-        "use_dora": bool(acfg.get("use_dora")),
-        "bias": acfg.get("bias", "none") != "none",
-        "modules_to_save": bool(acfg.get("modules_to_save")),
-        "rank_pattern": bool(acfg.get("rank_pattern")),
-        "alpha_pattern": bool(acfg.get("alpha_pattern")),
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise LoraError(f"adapter {name!r}: {', '.join(bad)} not supported (plain LoRA only)")
-    scaling = alpha / math.sqrt(rank) if acfg.get("use_rslora") else alpha / rank
-    targets = acfg.get("target_modules")
-    if isinstance(targets, list):
-        other = sorted(set(targets) - set(MODULES))
-        if other:
-            raise LoraError(
-                f"adapter {name!r}: target_modules {other} not supported; valid: {list(MODULES)}"
-            )
-    tensors = load_file(str(w_path))
+    acfg = _read_config(name, cfg_path, raw_cfg, cfg, max_rank)
+    rank, scaling = acfg.rank, acfg.scaling
+    tensors = _read_tensors(name, w_path)
     dims = _module_dims(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in dims:
             raise LoraError(
-                f"adapter {name!r}: tensor {key!r} is not a LoRA weight of {list(MODULES)}"
+                f"adapter {name!r}: {w_path}: tensor {key!r} is not a LoRA weight of "
+                f"{list(MODULES)}"
             )
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise LoraError(
-                f"adapter {name!r}: {key!r} names layer {layer}; the model has {cfg.num_layers}"
+                f"adapter {name!r}: {w_path}: {key!r} names layer {layer}; the model has "
+                f"{cfg.num_layers}"
+            )
+        if (layer, m.group(2)) not in acfg.targets:
+            raise LoraError(
+                f"adapter {name!r}: {w_path}: {key!r} adapts a module that {CONFIG_FILE}'s "
+                "target_modules / exclude_modules / layers_to_transform do not select"
             )
         parts.setdefault((layer, m.group(2)), {})[m.group(3)] = t
     weights = {}
+    dtype_max = torch.finfo(dtype).max
+    gain_limit = min(_GAIN_LIMIT, dtype_max)
     for (layer, mod), ab in sorted(parts.items()):
         fan_in, fan_out = dims[mod]
         a, b = ab.get("A"), ab.get("B")
         if a is None or b is None:
-            raise LoraError(f"adapter {name!r}: layer {layer} {mod} lacks lora_A or lora_B")
+            raise LoraError(
+                f"adapter {name!r}: {w_path}: layer {layer} {mod} lacks lora_A or lora_B"
+            )
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise LoraError(
-                f"adapter {name!r}: layer {layer} {mod} has A {tuple(a.shape)}, B "
+                f"adapter {name!r}: {w_path}: layer {layer} {mod} has A {tuple(a.shape)}, B "
                 f"{tuple(b.shape)}; this model needs A ({rank}, {fan_in}), B ({fan_out}, {rank})"
             )
-        weights[(layer, mod)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        folded = b.double() * scaling
+        # an upper bound of |delta|_inf for inputs of |x|_inf <= 1: |B'| @ (row sums of |A|)
+        gain = float((folded.abs() @ a.double().abs().sum(1)).max())
+        if not (float(folded.abs().max()) <= dtype_max and gain <= gain_limit):
+            raise LoraError(
+                f"adapter {name!r}: lora_alpha={acfg.alpha:g} (scaling {scaling:g}) with "
+                f"layer {layer} {mod}'s weights in {w_path} can grow an input of size 1 to "
+                f"{gain:.3g}; at most {gain_limit:.3g} can be served in {dtype} (every "
+                "projection feeds an RMSNorm, which squares its input in float32)"
+            )
+        weights[(layer, mod)] = (a.float().contiguous(), folded.float().contiguous())
     if not weights:
         raise LoraError(f"adapter {name!r}: {w_path} holds no LoRA weights")
     digest = hashlib.blake2b(raw_cfg + w_path.read_bytes(), digest_size=8).hexdigest()

@@ -72,7 +72,7 @@ class ModelRunner:
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            scale=cfg.head_dim**-0.5,
+            scale=cfg.attention_scale,
         )
         self.model = load_model(
             model_dir, self.backend, dtype=self.dtype, device=self.device, config=cfg

@@ -40,7 +40,7 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
 # End-of-turn markers of common chat templates, searched in this order (ChatML first).
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
@@ -105,6 +105,25 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*ids, *extra_eos_ids]))
         self._template: jinja2.Template | None = None
 
+    def save(self, out_dir: str | Path) -> Path:
+        """Write this tokenizer as a Hugging Face folder (``tokenizer.json`` and
+        ``tokenizer_config.json`` with its special tokens and chat template), which
+        ``transformers.AutoTokenizer`` and clients such as ``vllm bench serve`` load, whatever
+        the model was loaded from (a folder or a GGUF file)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(out / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+        }
+        text = json.dumps({k: v for k, v in config.items() if v is not None}, indent=2)
+        (out / "tokenizer_config.json").write_text(text)
+        return out
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """From a Hugging Face folder, or from a ``.gguf`` file."""
@@ -163,10 +182,21 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) to the prompt text with the
         model's chat template in a sandboxed Jinja environment (as transformers does).
+
+        ``continue_final_message``: the text ends inside the last message (its end-of-turn
+        cut), so the model continues it. ``template_kwargs``: extra template variables (such
+        as Qwen3's ``enable_thinking``); they cannot replace the ones set here. A
+        ``developer`` message (OpenAI's newer name for system) is rendered as ``system`` by a
+        template that does not mention that role.
 
         Raises ValueError for a model without a template, an unknown role or empty content.
         The template emits the bos token itself, so encode the result with
@@ -175,6 +205,12 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain text prompt")
         checked = check_messages(messages)
+        if "developer" not in self.chat_template:
+            for m in checked:
+                if m["role"] == "developer":
+                    m["role"] = "system"
+        if continue_final_message and checked[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
         if self._template is None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -185,7 +221,8 @@ class Tokenizer:
             except jinja2.TemplateError as exc:
                 raise ValueError(f"chat template does not compile: {exc}") from exc
         try:
-            return self._template.render(
+            text = self._template.render(
+                **dict(template_kwargs or {}),
                 messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -193,10 +230,28 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:  # incl. the sandbox refusing an unsafe access
             raise ValueError(f"chat template failed: {exc}") from exc
+        if continue_final_message:  # as transformers does: cut after the last content
+            last = checked[-1]["content"].rstrip()
+            cut = text.rfind(last)
+            if cut < 0:
+                raise ValueError("continue_final_message: the template rewrote the last message")
+            text = text[: cut + len(last)]
+        return text
 
     apply_chat_template = render_chat  # the transformers name
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        text = self.render_chat(
+            messages,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, False)

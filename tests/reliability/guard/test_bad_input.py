@@ -54,7 +54,7 @@ CASES = [
         "chat-unknown-role",
         req([{"role": "robot", "content": "hi"}]),
         INVALID,
-        ["messages", "messages[0].role='robot'", "system, user, assistant"],
+        ["messages", "messages[0].role='robot'", "system, developer, user, assistant"],
     ),
     (
         "chat-empty-content",

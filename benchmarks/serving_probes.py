@@ -1,0 +1,90 @@
+"""Probes into a running cluster for ``benchmarks/serving_path.py``: the actors' event-loop
+lag, the engine thread's busy time, the router process's CPU time, and how fast a burst of
+requests is taken in by a busy worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import ray
+
+from benchmarks.stream_clients import run_grpc
+from cluster.launcher import Cluster
+from kvstore.blocks.protocol import WorkerRequest
+from kvstore.blocks.sampling_params import SamplingParams
+
+
+def loop_lags(cluster: Cluster, *, reset: bool) -> dict[str, float | None]:
+    """The largest event-loop stall (ms) of any worker and of any router since the last reset
+    (the first call starts the probes); None for actors without a probe."""
+    try:
+        return _loop_lags(cluster, reset)
+    except AttributeError:  # an older build without the probe
+        return {"worker": None, "router": None}
+
+
+def _loop_lags(cluster: Cluster, reset: bool) -> dict[str, float | None]:
+    workers = ray.get([h.loop_lag.remote(reset=reset) for h in cluster.workers.values()])
+    routers = ray.get([h.loop_lag.remote(reset=reset) for h in cluster.routers.values()])
+    return {
+        "worker": max(w["max_lag_ms"] for w in workers),
+        "router": max(r["max_lag_ms"] for r in routers),
+    }
+
+
+def engine_busy(cluster: Cluster) -> float | None:
+    """Seconds the engine thread of the (first) worker spent on commands and steps."""
+    h = next(iter(cluster.workers.values()))
+    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "busy_s", None)))
+
+
+def engine_steps(cluster: Cluster) -> int:
+    h = next(iter(cluster.workers.values()))
+    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "steps", 0)))
+
+
+def router_cpu(cluster: Cluster) -> float:
+    """CPU seconds the router's process used so far (every thread: the loop, Ray's, gRPC's)."""
+    h = next(iter(cluster.routers.values()))
+    return ray.get(h.__ray_call__.remote(lambda r: time.process_time()))
+
+
+def burst_admission(
+    cluster: Cluster, burst: int, vocab: int, prompt: int, *, busy_streams: int
+) -> dict[str, float] | None:
+    """``burst`` requests sent at once straight to a worker that is busy with
+    ``busy_streams`` long streams: the wall time and engine steps until the engine took every
+    one in (each ``submit`` answers once its request is queued in the engine)."""
+    worker = next(iter(cluster.workers.values()))
+    if not ray.get(worker.__ray_call__.remote(lambda w: hasattr(w, "submit"))):
+        return None  # an older build: requests arrive on their own streams only
+    max_len = ray.get(worker.__ray_call__.remote(lambda w: w.engine.max_model_len))
+    long_tokens = max_len - prompt - 1
+    busy_prompts = [
+        [5 + (i * 7 + j) % (vocab - 5) for j in range(prompt)] for i in range(busy_streams)
+    ]
+    load = threading.Thread(
+        target=run_grpc, args=(cluster.endpoints[0], busy_prompts, long_tokens), daemon=True
+    )
+    load.start()
+    steps0 = engine_steps(cluster)
+    while engine_steps(cluster) < steps0 + 3:  # the busy streams are being decoded
+        time.sleep(0.01)
+    channel = f"burst-{uuid.uuid4().hex[:8]}"
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    requests = [
+        WorkerRequest(
+            uuid.uuid4().hex, [5 + (i * 13 + j) % (vocab - 5) for j in range(prompt)], params, False
+        )
+        for i in range(burst)
+    ]
+    before = engine_steps(cluster)
+    t0 = time.perf_counter()
+    ray.get([worker.submit.remote(r, None, channel) for r in requests])
+    ms = 1e3 * (time.perf_counter() - t0)
+    steps = engine_steps(cluster) - before
+    ray.get(worker.__ray_call__.remote(lambda w: w.channels.drop(channel)))
+    load.join(600)
+    return {"requests": burst, "ms": round(ms, 1), "steps": steps}

@@ -1,0 +1,177 @@
+"""Request bodies, bounded before they are parsed: size, JSON items, nesting.
+
+``json.loads`` runs in C holding the GIL, so no thread keeps it off the event loop: what
+bounds its cost is the number of JSON values it builds. :func:`check_structure` counts the
+body's values and its nesting with bytes operations only (no per-byte Python), before any
+parse; large bodies are then parsed (and their requests built) in a thread of their own,
+where Python-level validation yields the GIL every few milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import re
+from array import array
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+from starlette.requests import Request
+
+from kvstore.blocks.errors import InvalidRequest
+from router.serving.errors import BadBody, BodyTimeout, BodyTooLarge
+
+_STRUCTURE = b',[]{}"'
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
+_STEP = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
+SLICE_BYTES = 64 << 10
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    max_bytes: int  # router.max_message_bytes
+    # JSON values, counted from the bytes as strings + commas + brackets (a container
+    # counts twice): an upper estimate of what json.loads would build
+    max_items: int = 1 << 17
+    max_depth: int = 32  # nested lists / objects
+    timeout_s: float = 30.0  # for the whole body, once the head has arrived
+    inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
+
+
+async def read_body(request: Request, limits: BodyLimits) -> list[bytes]:
+    """The body's chunks as they came (joined by the parser: for a large body, in its
+    thread; a 4 MB copy is not free on a busy machine)."""
+    limit = limits.max_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(
+            f"request body of {declared} bytes is over the limit of {limit} bytes "
+            "(router.max_message_bytes)"
+        )
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(
+                        f"request body is over the limit of {limit} bytes "
+                        "(router.max_message_bytes)"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(
+            f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
+        ) from None
+    return chunks
+
+
+def check_structure(data: bytes, limits: BodyLimits) -> None:
+    """Refuse a body with more JSON values or deeper nesting than ``limits`` allow, from its
+    bytes alone (strings' contents do not count: a prompt full of commas is one value).
+
+    Bytes operations run in C holding the GIL, so the body is scanned in slices of
+    :data:`SLICE_BYTES`: in a thread, this lets the event loop run between slices."""
+    values = depth = deepest = 0
+    inside = False  # in a string at the slice's start
+    carry = b""  # a run of backslashes at a slice's end: escapes pair them left to right
+    for at in range(0, len(data), SLICE_BYTES):
+        piece = carry + data[at : at + SLICE_BYTES]
+        cut = len(piece.rstrip(b"\\"))
+        piece, carry = piece[:cut], piece[cut:]
+        # drop escaped backslashes, then escaped quotes: every '"' left opens or closes
+        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
+        parts = piece.translate(None, _NOT_STRUCTURE).split(b'"')
+        quotes = len(parts) - 1
+        values += (quotes + (0 if inside else 1)) // 2  # strings opened in this slice
+        outside = b"".join(parts[1 if inside else 0 :: 2])  # structure between strings
+        inside ^= quotes % 2 == 1
+        values += len(outside)  # commas and brackets: about one per value
+        if values > limits.max_items:
+            raise BodyTooLarge(
+                f"request body holds over {limits.max_items} JSON values (the limit)"
+            )
+        if len(outside) != outside.count(b","):
+            run = list(accumulate(array("b", outside.translate(_STEP)), initial=depth))
+            deepest, depth = max(deepest, max(run)), run[-1]
+            if deepest > limits.max_depth:
+                raise BodyTooLarge(
+                    f"request body nests over {limits.max_depth} levels deep (the limit)"
+                )
+
+
+def decode_utf8(data: bytes) -> str:
+    """Strict UTF-8 (a raw surrogate such as ED A0 80 is not UTF-8), in slices as above."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    try:
+        parts = [dec.decode(data[at : at + SLICE_BYTES]) for at in range(0, len(data), SLICE_BYTES)]
+        parts.append(dec.decode(b"", final=True))
+    except UnicodeDecodeError:
+        raise BadBody("request body is not valid JSON: not UTF-8") from None
+    return "".join(parts)
+
+
+def parse_json(data: bytes, limits: BodyLimits) -> Any:
+    """The body as JSON, or :class:`BadBody` / :class:`BodyTooLarge` / InvalidRequest (a
+    string that is not valid Unicode, naming where)."""
+    text = decode_utf8(data)
+    check_structure(data, limits)
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadBody(f"request body is not valid JSON: {exc}") from None
+    escaped = any(  # in slices, as above (a match may straddle two: they overlap)
+        SURROGATE_ESCAPE.search(data, at, at + SLICE_BYTES + 8)
+        for at in range(0, len(data), SLICE_BYTES)
+    )
+    if escaped:  # "\ud800" decodes to a string with no UTF-8 form
+        bad = surrogate_path(body)
+        if bad is not None:  # a pair of escapes is one valid character: not an error
+            raise InvalidRequest(
+                bad, "<text>", "is not valid Unicode (it holds a lone surrogate such as \\ud800)"
+            )
+    return body
+
+
+def surrogate_path(body: Any) -> str | None:
+    """Where ``body`` holds a string (value or key) with a lone surrogate, as the field's
+    path (``stop[1]``, ``messages[0].content``); None when every string is valid text.
+    Linear in the body's values, which :func:`check_structure` bounds; paths are built only
+    for the string found."""
+    stack: list[tuple[Any, tuple | None]] = [(body, None)]  # (value, (parent path, key))
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode()
+                except UnicodeEncodeError:
+                    return _path(where)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, (where, k)))
+                stack.append((x, (where, k)))
+        elif isinstance(v, list):
+            stack.extend(
+                (x, (where, i)) for i, x in enumerate(v) if isinstance(x, str | list | dict)
+            )
+    return None
+
+
+def _path(where: tuple | None) -> str:
+    keys = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    out = ""
+    for key in reversed(keys):
+        if isinstance(key, int):
+            out += f"[{key}]"
+        else:
+            name = key.encode("utf-8", "backslashreplace").decode()  # printable
+            name = name if len(name) <= 64 else f"<{len(name)} chars>"
+            out += f".{name}" if out else name
+    return out or "body"

@@ -1,0 +1,215 @@
+"""POST /v1/completions and /v1/chat/completions over the intake: one request's prompts
+merged into one answer, whole or as server-sent events.
+
+A client that goes away, before or during its stream, cancels the generation, and the
+serving core aborts the request on its worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvstore.blocks.outputs import GenerationResult, RequestOutput, Usage
+from router.http_api.responses import Shaper
+from router.serving.errors import classify
+from router.serving.intake import Intake
+from router.serving.request import GenerateSpec
+
+WORKER_HEADER = "x-kvcluster-worker"
+
+
+def error_body(
+    exc: BaseException, names: Any = None, intake: Intake | None = None
+) -> tuple[int, dict[str, Any]]:
+    """The answer's status and OpenAI error body (counted in the intake's metrics)."""
+    err = classify(exc, names)
+    if intake is not None:
+        intake.metrics.failures.labels(str(err.http_status)).inc()
+    body = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
+    return err.http_status, {"error": body}
+
+
+async def until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """SSE that also watches for the client leaving while no event is due (a request still
+    queued, a long prefill): Starlette's own response notices only when a send fails."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (body, gone):
+                t.cancel()
+            await asyncio.gather(body, gone, return_exceptions=True)
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+Item = tuple[int, str, RequestOutput]  # (prompt index, worker, output)
+
+
+class Generation:
+    """One request's answer, from its validated specs and their prompts' token ids."""
+
+    def __init__(
+        self,
+        intake: Intake,
+        shaper: Shaper,
+        specs: Sequence[GenerateSpec],
+        token_lists: Sequence[list[int]],
+    ) -> None:
+        self.intake = intake
+        self.shaper = shaper
+        self.specs = specs
+        self.token_lists = token_lists
+
+    async def _outputs(self) -> AsyncIterator[Item]:
+        """Every prompt's outputs as they come; closing this (or an error in one prompt)
+        cancels the others, and the core aborts each on its worker."""
+        specs, lists = self.specs, self.token_lists
+        if len(specs) == 1:
+            async for worker, out in self.intake.generate(specs[0], lists[0]):
+                yield 0, worker, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for worker, out in self.intake.generate(specs[i], lists[i]):
+                    queue.put_nowait((i, worker, out))
+            except Exception as exc:
+                queue.put_nowait((i, None, exc))
+            finally:
+                queue.put_nowait((i, None, done))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(specs))]
+        try:
+            running = len(tasks)
+            while running:
+                i, worker, item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, worker, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def answer(self, request: Request, headers: dict[str, str]) -> Response:
+        names = self.specs[0].names
+        outputs = self._outputs()
+        # the first output before any header: it names the worker, and an error before it
+        # (full queues, no worker) still gets its own status code
+        try:
+            first = await unless_gone(request, anext(outputs))
+        except StopAsyncIteration:
+            first = None
+        except Exception as exc:
+            await outputs.aclose()
+            status, body = error_body(exc, names, self.intake)
+            return JSONResponse(body, status_code=status, headers=headers)
+        if first is None:  # client gone (or nothing produced): nothing to answer
+            await outputs.aclose()
+            return Response(status_code=499)
+        headers = {WORKER_HEADER: first[1], **headers}
+        if self.shaper.req.stream:
+            return _EventStream(
+                self._events(first, outputs), headers=headers, media_type="text/event-stream"
+            )
+        try:
+            result = await unless_gone(request, self._collect(first, outputs))
+        except Exception as exc:
+            status, body = error_body(exc, names, self.intake)
+            return JSONResponse(body, status_code=status, headers=headers)
+        finally:
+            await outputs.aclose()
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result, headers=headers)
+
+    async def _collect(self, first: Item, rest: AsyncIterator[Item]) -> dict[str, Any]:
+        results: dict[int, GenerationResult] = {}
+
+        def add(item: Item) -> None:
+            i, _, out = item
+            results.setdefault(i, GenerationResult(out.request_id, [])).add(out)
+
+        add(first)
+        async for item in rest:
+            add(item)
+        completions = [(i, c) for i, r in sorted(results.items()) for c in r.completions]
+        usages = [r.usage for _, r in sorted(results.items()) if r.usage is not None]
+        prompts = {i: r.prompt_logprobs for i, r in results.items()}
+        return self.shaper.whole(completions, usages, prompts)
+
+    async def _events(self, first: Item, rest: AsyncIterator[Item]) -> AsyncIterator[bytes]:
+        shaper = self.shaper
+        usages: dict[int, Usage] = {}
+        prompts: dict[int, Any] = {}  # prompt index -> its prompt logprobs (first output)
+        started: set[int] = set()
+
+        def chunks(item: Item) -> list[bytes]:
+            i, _, out = item
+            usages[i] = out.usage
+            if out.prompt_logprobs is not None:
+                prompts[i] = out.prompt_logprobs
+            out_chunks = []
+            for d in out.outputs:
+                key = i * shaper.n + d.index
+                first = key not in started
+                event = shaper.chunk(i, d, first, out.usage, prompts.get(i))
+                out_chunks.append(_sse(event))
+                started.add(key)
+            return out_chunks
+
+        try:
+            for c in chunks(first):
+                yield c
+            async for item in rest:
+                for c in chunks(item):
+                    yield c
+            if shaper.req.include_usage:
+                yield _sse(shaper.usage_chunk(list(usages.values())))
+        except Exception as exc:  # headers are sent: the error goes in the stream
+            yield _sse(error_body(exc, self.specs[0].names, self.intake)[1])
+        finally:
+            await rest.aclose()  # aborts what is still running (client gone)
+        yield _sse("[DONE]")
+
+
+async def unless_gone(request: Request, awaitable: Any) -> Any:
+    """``awaitable``'s result, or None when the client disconnects first (it is then
+    cancelled, which aborts its requests)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+    if work.cancelled():
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    return work.result()

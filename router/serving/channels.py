@@ -1,0 +1,151 @@
+"""A router's output channels: one long-lived Ray stream per worker carrying, per message,
+every output of this router's requests there (``WorkerServer.outputs``), split here into
+per-request inboxes.
+
+The pump only appends to inboxes, so a slow client never holds up the channel, the worker or
+another client; a request's reader takes everything its inbox gathered at once and reads it
+as one output (:func:`coalesce`), so a client that lags gets several tokens per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.blocks.outputs import RequestOutput, coalesce
+from router.serving.workers import WorkerGone
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+class Inbox:
+    """One request's outputs as they arrive, read in batches; a waiter is one future (no
+    task per item) and a timer handle for its stall timeout."""
+
+    __slots__ = ("items", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []  # RequestOutput | StreamEnd | WorkerGone, in order
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: Any) -> None:
+        self.items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True when items are there; False after ``timeout_s`` without any."""
+        if self.items:
+            return True
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, _expire, w)
+        try:
+            return await w
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def take(self) -> RequestOutput | Any:
+        """What arrived, as one output: the outputs before the first non-output joined
+        (:func:`coalesce`); a non-output (an error, a stream end) alone when it is first."""
+        items = self.items
+        head = 0
+        while head < len(items) and isinstance(items[head], RequestOutput):
+            head += 1
+            if items[head - 1].finished:
+                break
+        if head == 0:
+            return items.pop(0)
+        taken, self.items = items[:head], items[head:]
+        return coalesce(taken)
+
+
+def _expire(w: asyncio.Future) -> None:
+    if not w.done():
+        w.set_result(False)
+
+
+class WorkerChannel:
+    """This router's output stream from one worker, pumped into per-request inboxes."""
+
+    def __init__(self, worker_id: str, handle: Any, incarnation: str) -> None:
+        self.worker_id = worker_id
+        self.channel_id = f"{incarnation}/{worker_id}/{next(_ids)}"  # new per (re)open
+        self.inboxes: dict[str, Inbox] = {}
+        self.error: WorkerGone | None = None  # set once the stream ended
+        self.last_message = time.monotonic()  # when the worker last sent anything
+        self.messages = 0
+        self._task = asyncio.get_running_loop().create_task(self._pump(handle))
+
+    @property
+    def open_for_requests(self) -> bool:
+        return self.error is None
+
+    def open(self, request_id: str) -> Inbox:
+        inbox = self.inboxes[request_id] = Inbox()
+        if self.error is not None:
+            inbox.put(self.error)
+        return inbox
+
+    def close(self, request_id: str) -> None:
+        self.inboxes.pop(request_id, None)
+
+    async def _pump(self, handle: Any) -> None:
+        error = WorkerGone(f"the output channel from {self.worker_id} failed")
+        try:
+            gen = handle.outputs.options(num_returns="streaming").remote(self.channel_id)
+            async for ref in gen:
+                items = await ref
+                self.last_message = time.monotonic()
+                self.messages += 1
+                inboxes = self.inboxes
+                for item in items:
+                    inbox = inboxes.get(item.request_id)
+                    if inbox is not None:  # None: its reader left (client gone, aborted)
+                        inbox.put(item)
+            error = WorkerGone(f"worker {self.worker_id} ended its output channel")
+        except asyncio.CancelledError:
+            error = WorkerGone(f"the output channel from {self.worker_id} was closed")
+            raise
+        except Exception as exc:  # noqa: BLE001 - the worker died or the stream broke
+            error = WorkerGone(f"output channel from {self.worker_id}: {_first_line(exc)}")
+        finally:
+            self.error = error
+            for inbox in self.inboxes.values():
+                inbox.put(error)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class Channels:
+    """One channel per worker, reopened after it ended (the worker died or restarted)."""
+
+    def __init__(self, incarnation: str, handle_of: Callable[[str], Any]) -> None:
+        self.incarnation = incarnation
+        self._handle_of = handle_of
+        self._by_worker: dict[str, WorkerChannel] = {}
+
+    def get(self, worker_id: str) -> WorkerChannel:
+        ch = self._by_worker.get(worker_id)
+        if ch is None or not ch.open_for_requests:
+            ch = WorkerChannel(worker_id, self._handle_of(worker_id), self.incarnation)
+            self._by_worker[worker_id] = ch
+        return ch
+
+    def close(self) -> None:
+        for ch in self._by_worker.values():
+            ch.stop()
+        self._by_worker.clear()

@@ -1,0 +1,142 @@
+"""The one error table: every error a request can meet -> its gRPC code, HTTP status and
+OpenAI error type, and the intake's own error classes.
+
+Both edges map through :func:`classify`; a field named in an :class:`InvalidRequest` is
+renamed to the client's spelling with the request's ``names`` (``text`` is ``prompt`` on
+the OpenAI API, ``max_tokens`` is ``max_completion_tokens`` when the client sent that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+from ray.exceptions import RayTaskError
+
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from router.placement.types import NoWorkersError
+from router.serving.core import ClusterOverloaded, StreamBroken
+
+log = logging.getLogger(__name__)
+
+
+class RequestFailed(Exception):
+    """The engine failed this one request (a bug it hit); others were not affected."""
+
+
+class Unauthenticated(Exception):
+    """No valid bearer token."""
+
+
+class ModelNotFound(Exception):
+    """The request names a model (or adapter) no live worker serves."""
+
+
+class BadBody(Exception):
+    """A request body that does not parse (not JSON, not UTF-8, corrupt protobuf)."""
+
+
+class BodyTooLarge(Exception):
+    """A request body over the size or structure limits, refused before it is parsed."""
+
+
+class BodyTimeout(Exception):
+    """A request body that did not arrive in time."""
+
+
+class NoRoute(Exception):
+    """HTTP: no such path (or no such object under it)."""
+
+
+class NotAllowed(Exception):
+    """HTTP: the path exists, the method does not."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    """How one error is answered on each edge."""
+
+    grpc_code: grpc.StatusCode
+    http_status: int
+    kind: str  # OpenAI error type
+    message: str
+    param: str | None = None  # the field, as the client's API spells it
+    code: str | None = None  # OpenAI error code
+
+
+# exception class -> (gRPC code, HTTP status, OpenAI type, OpenAI code); first match wins
+_TABLE: tuple[
+    tuple[tuple[type[BaseException], ...], grpc.StatusCode, int, str, str | None], ...
+] = (
+    (
+        (Unauthenticated,),
+        grpc.StatusCode.UNAUTHENTICATED,
+        401,
+        "authentication_error",
+        "invalid_api_key",
+    ),
+    ((BadBody,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
+    ((BodyTooLarge,), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", None),
+    ((BodyTimeout,), grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error", None),
+    ((InvalidRequest,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
+    (
+        (ModelNotFound,),
+        grpc.StatusCode.NOT_FOUND,
+        404,
+        "invalid_request_error",
+        "model_not_found",
+    ),
+    ((NoRoute,), grpc.StatusCode.UNIMPLEMENTED, 404, "not_found_error", None),
+    ((NotAllowed,), grpc.StatusCode.UNIMPLEMENTED, 405, "invalid_request_error", None),
+    (
+        (EngineOverloaded, ClusterOverloaded),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        429,
+        "rate_limit_error",
+        "queues_full",
+    ),
+    (
+        (NoWorkersError, StreamBroken),
+        grpc.StatusCode.UNAVAILABLE,
+        503,
+        "service_unavailable",
+        None,
+    ),
+    ((asyncio.TimeoutError,), grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None),
+    ((RequestFailed,), grpc.StatusCode.INTERNAL, 500, "internal_error", None),
+)
+
+
+def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:
+    """``exc`` with its field as the client's API spells it."""
+    name = names.get(exc.field)
+    if name is None:
+        head, dot, rest = exc.field.partition(".")  # e.g. "text" inside "messages[0].text"
+        name = names[head] + dot + rest if head in names and dot else None
+    if name is None or name == exc.field:
+        return exc
+    return InvalidRequest(name, exc.value, exc.limit, exc.hint)
+
+
+def classify(exc: BaseException, names: Mapping[str, str] | None = None) -> Mapped:
+    """The error's answer on both edges (an unexpected one is logged and hidden)."""
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, Exception):
+        exc = exc.cause  # raised on the worker: its own message, not Ray's traceback
+    if isinstance(exc, InvalidRequest) and names:
+        exc = renamed(exc, names)
+    for classes, code, status, kind, err_code in _TABLE:
+        if isinstance(exc, classes):
+            param = exc.field if isinstance(exc, InvalidRequest) else None
+            if isinstance(exc, ModelNotFound):
+                param = "model"
+            message = str(exc) or type(exc).__name__
+            if isinstance(exc, asyncio.TimeoutError):
+                message = "deadline exceeded"
+            return Mapped(code, status, kind, message, param, err_code)
+    log.error("internal error serving a request", exc_info=exc)
+    return Mapped(
+        grpc.StatusCode.INTERNAL, 500, "internal_error", f"internal error: {type(exc).__name__}"
+    )

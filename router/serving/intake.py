@@ -1,0 +1,165 @@
+"""The one intake both edges share: auth, limits, tokenizing, models, metrics, and the
+generation stream of a validated :class:`GenerateSpec`.
+
+The gRPC servicer and the OpenAI HTTP app are thin parsers: each builds a
+:class:`GenerateSpec` with :func:`router.serving.request.make_spec` and hands it here;
+errors map to both protocols in :mod:`router.serving.errors`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.outputs import RequestOutput
+from router.placement.adapters import adapter_name, for_tenant
+from router.placement.config import RequestLimits
+from router.serving.auth import TokenAuth
+from router.serving.core import ServingCore
+from router.serving.errors import ModelNotFound, RequestFailed, Unauthenticated, renamed
+from router.serving.metrics import ServingMetrics
+from router.serving.request import ChatOptions, GenerateSpec
+from router.serving.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
+from worker.model.tokenizer import Tokenizer
+
+_PLAIN_CHAT = ChatOptions()
+
+
+def chat_token_ids(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]], chat: ChatOptions = _PLAIN_CHAT
+) -> list[int]:
+    """Render a conversation with the model's chat template and tokenize it; a bad message
+    or a model without a template is the client's error (naming the messages)."""
+    try:
+        return tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=chat.add_generation_prompt,
+            continue_final_message=chat.continue_final_message,
+            template_kwargs=chat.template_kwargs,
+        )
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("messages", f"<{len(messages)} messages>", str(exc)) from exc
+
+
+class Intake:
+    """One router's front door, shared by its gRPC and HTTP edges."""
+
+    def __init__(
+        self,
+        core: ServingCore,
+        tokenizer: Tokenizer,
+        *,
+        auth: TokenAuth | None,
+        limits: RequestLimits,
+        tokenize: TokenizerPool | None = None,
+    ) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.auth = auth
+        self.limits = limits
+        self.tokenize = tokenize or TokenizerPool(tokenizer)
+        self.metrics = ServingMetrics(core.limits.model_id)
+        self.started = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        return self.core.limits.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.limits.max_model_len
+
+    def close(self) -> None:
+        self.tokenize.close()
+
+    # -- auth and models ------------------------------------------------------------------
+
+    def tenant(self, metadata: Any, claimed: str = "") -> str | None:
+        """The caller's tenant: the bearer token's (``metadata``: header or gRPC metadata
+        pairs) with auth; without auth the client's own claim (None when it makes none)."""
+        if self.auth is None:
+            return claimed or None
+        tenant = self.auth.tenant_of(metadata)
+        if tenant is None:
+            raise Unauthenticated(
+                "missing or invalid bearer token (header 'Authorization: Bearer ...')"
+            )
+        if claimed and claimed != tenant:
+            raise InvalidRequest("tenant", claimed, "must match the bearer token's tenant")
+        return tenant
+
+    async def adapters(self, tenant: str | None) -> list[str]:
+        """The adapters live workers serve that ``tenant`` may see (another tenant's are
+        neither listed nor served to it)."""
+        loads = for_tenant(await self.core.directory.candidates(), tenant)
+        return sorted({adapter_name(i) for ld in loads.values() for i in ld.lora_ids})
+
+    async def lora_of(self, model: str | None, tenant: str | None) -> str | None:
+        """``model`` is the base model (None) or an adapter a live worker serves to
+        ``tenant``; no model is the base model when it is the only one served."""
+        if model is None or model == self.model_id:
+            if model is None and await self.adapters(tenant):
+                raise InvalidRequest(
+                    "model", None, "is required: this server serves adapters too (GET /v1/models)"
+                )
+            return None
+        if model in await self.adapters(tenant):
+            return model
+        shown = model if len(model) <= 64 else f"<{len(model)} chars>"
+        raise ModelNotFound(f"model {shown!r} does not exist; GET /v1/models lists the served ones")
+
+    # -- tokenizing -----------------------------------------------------------------------
+
+    async def token_ids(self, spec: GenerateSpec) -> list[int]:
+        """The prompt's token ids: off the event loop, long texts apart, and a text too
+        long for the model refused before it is tokenized."""
+        try:
+            if spec.messages is not None:
+                chars = check_chat_chars(spec.messages, self.limits, self.max_model_len)
+                ids = await self.tokenize.run(
+                    chars, chat_token_ids, self.tokenizer, spec.messages, spec.chat
+                )
+            elif spec.token_ids is not None:
+                ids = spec.token_ids
+            else:
+                assert spec.text is not None
+                check_text_chars("text", spec.text, self.limits, self.max_model_len)
+                ids = await self.tokenize.encode(spec.text)
+        except InvalidRequest as exc:
+            raise renamed(exc, spec.names) from None
+        k = spec.truncate_prompt_tokens
+        if k is not None:  # vLLM's: keep the last k (-1: as many as the model takes)
+            k = self.core.limits.max_prompt_tokens if k == -1 else k
+            ids = ids[-k:]
+        return ids
+
+    def room(self, prompt_tokens: int) -> int:
+        """OpenAI's chat default max_tokens: as long as the context allows."""
+        return max(1, self.max_model_len - prompt_tokens)
+
+    def with_room(self, spec: GenerateSpec, ids: list[int]) -> GenerateSpec:
+        return replace(spec, params=replace(spec.params, max_tokens=self.room(len(ids))))
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def generate(
+        self, spec: GenerateSpec, ids: list[int]
+    ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """The request's ``(worker, output)`` stream (see ``ServingCore.generate``); an error
+        inside the engine ends it with :class:`RequestFailed`, and an over-limit request
+        with its field named as the client's API spells it."""
+        timer = self.metrics.tracker()
+        try:
+            gen = self.core.generate(spec.request_id, ids, spec.params, tenant=spec.tenant or None)
+            async for worker, out in gen:
+                if out.error is not None:  # it failed inside the engine (the engine goes on)
+                    raise RequestFailed(
+                        f"request {out.request_id!r} failed on {worker}: {out.error}"
+                    )
+                timer.output(worker, out)
+                yield worker, out
+        except InvalidRequest as exc:
+            raise renamed(exc, spec.names) from None

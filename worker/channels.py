@@ -1,0 +1,115 @@
+"""Per-router output channels of a worker: one message per step for all of a router's
+requests, instead of one Ray stream item per request per step.
+
+A router opens one channel per worker (``WorkerServer.outputs``, a long-lived Ray streaming
+generator) and names it in every request it submits there. The engine thread hands each
+channel one batch per step (the channel is the requests' :class:`OutputSink`); the generator
+yields what gathered since its last item, so a router that reads slower than the engine steps
+gets fewer, larger messages and never slows the engine. The router demultiplexes each batch
+to its requests' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kvstore.blocks.outputs import RequestOutput
+from worker.engine.streams import OutputSink, StreamItem
+
+log = logging.getLogger(__name__)
+
+
+class Channel(OutputSink):
+    """The outputs of one router's requests on this worker, gathered between reads."""
+
+    def __init__(
+        self, channel_id: str, loop: asyncio.AbstractEventLoop, on_end: Callable[[str], None]
+    ) -> None:
+        self.channel_id = channel_id
+        self.loop = loop
+        self._on_end = on_end  # a request's stream ended (its caller need not be watched)
+        self._pending: list[StreamItem] = []
+        self._ready = asyncio.Event()
+        self.requests: set[str] = set()  # open requests sent through this channel
+        self.caller: Any = None  # the router's CallerRef (or handle), for the watch
+        self.attached = False  # a reader is attached
+        self.closed = False
+
+    def open(self, request_id: str) -> None:
+        self.requests.add(request_id)
+
+    def deliver(self, items: list[StreamItem]) -> None:
+        self._pending.extend(items)
+        for item in items:
+            if not isinstance(item, RequestOutput) or item.finished:
+                self.requests.discard(item.request_id)
+                self._on_end(item.request_id)
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[list[StreamItem]]:
+        """Everything delivered since the previous batch, in order (never empty)."""
+        while not self.closed:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._pending:
+                items, self._pending = self._pending, []
+                yield items
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+
+class Channels:
+    """A worker's open channels by id (the actor's event loop only)."""
+
+    def __init__(self, abort: Callable[[str], object], on_end: Callable[[str], None]) -> None:
+        self._abort = abort
+        self._on_end = on_end
+        self._by_id: dict[str, Channel] = {}
+
+    def get(self, channel_id: str) -> Channel:
+        """The channel, created on first use: a request may arrive before its reader."""
+        ch = self._by_id.get(channel_id)
+        if ch is None:
+            ch = self._by_id[channel_id] = Channel(
+                channel_id, asyncio.get_running_loop(), self._on_end
+            )
+        return ch
+
+    async def serve(self, channel_id: str) -> AsyncIterator[list[StreamItem]]:
+        """The reader's side: batches until the router closes the channel. A router that
+        stops reading (it closed the channel or died) gets its open requests aborted."""
+        ch = self.get(channel_id)
+        if ch.attached:
+            raise RuntimeError(f"channel {channel_id!r} already has a reader")
+        ch.attached = True
+        try:
+            async for items in ch.batches():
+                yield items
+        finally:
+            self.drop(channel_id)
+
+    def drop(self, channel_id: str) -> None:
+        """Close a channel and abort what its requests still run."""
+        ch = self._by_id.pop(channel_id, None)
+        if ch is None:
+            return
+        ch.close()
+        if ch.requests:
+            log.info(
+                "channel %s closed with %d open request(s): aborting", channel_id, len(ch.requests)
+            )
+        for rid in list(ch.requests):
+            self._abort(rid)
+        ch.requests.clear()
+
+    def of_caller(self, caller: Any) -> list[str]:
+        """The ids of the channels opened by ``caller``."""
+        return [cid for cid, ch in self._by_id.items() if ch.caller == caller]
+
+    def __len__(self) -> int:
+        return len(self._by_id)
