@@ -103,13 +103,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     # this router's predicted vs realised prefix hits per worker (router/placement/prediction.py)
     print(
         f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
-        f"{'gap now':>9}{'resyncs':>9}"
+        f"{'gap now':>9}{'resyncs':>9}{'pulled':>9}{'pulls':>7}{'missed':>8}{'slow':>6}"
     )
     for w in st.workers:
+        # pulled: tokens imported from peers by pulls (routing.pull), missed: pulls that
+        # imported less than priced, slow: pulls slower than priced
         print(
             f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
             f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
             f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}"
+            f"{w.pulled_tokens:>9}{w.pulls:>7}{w.pull_misses:>8}{w.pull_slow:>6}"
         )
     if st.index_circuit_open:
         print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")

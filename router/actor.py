@@ -28,6 +28,7 @@ from router.placement.router import Router
 from router.serving.auth import TokenAuth
 from router.serving.core import ModelLimits, ServingCore
 from router.serving.intake import Intake
+from router.serving.pull_calibration import calibrate_transfers
 from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.telemetry import start_exporter
 from worker.model.config import ModelConfig
@@ -128,6 +129,7 @@ class RouterServer:
         self.server = None
         self.port: int | None = None
         self._exporter = None
+        self._calibration: asyncio.Task | None = None  # the transfer model's start-up probes
         self._starting = asyncio.Lock()
         _start_again_if_restarted()
 
@@ -169,6 +171,10 @@ class RouterServer:
                     exc,
                 )
                 await asyncio.sleep(0.2)
+        if self.router.planner is not None:
+            self._calibration = asyncio.get_running_loop().create_task(
+                calibrate_transfers(self.router, self.settings.namespace, self.directory.candidates)
+            )
         self._exporter = start_exporter(
             self.settings.router_id,
             self.metrics,
@@ -190,6 +196,8 @@ class RouterServer:
         )
 
     async def stop(self, grace_s: float = 2.0) -> None:
+        if self._calibration is not None:
+            self._calibration.cancel()
         if self._exporter is not None:
             self._exporter.cancel()
         if self.http is not None:
@@ -210,6 +218,7 @@ class RouterServer:
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
             **self.predictions.totals(),
+            **self.predictions.pull_totals(),
         )
         return snap
 

@@ -20,7 +20,13 @@ from typing import Any
 import ray
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.protocol import AdapterInfo, Admitted, WorkerRequest, WorkerStatus
+from kvstore.blocks.protocol import (
+    AdapterInfo,
+    Admitted,
+    PullReport,
+    WorkerRequest,
+    WorkerStatus,
+)
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
@@ -33,6 +39,7 @@ from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamItem
 from worker.kv import block_keys
 from worker.model.default_model import resolve_default_model
+from worker.pull.peer import PeerPulls
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -98,7 +105,7 @@ def worker_status(
     )
 
 
-class WorkerServer:
+class WorkerServer(PeerPulls):
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
@@ -120,6 +127,7 @@ class WorkerServer:
             self.engine, on_step=self._after_step, on_death=self._engine_died
         )
         self.front.start()
+        self._init_pulls()
         self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
         self.channels = Channels(self.front.abort, self.callers.forget)
         self.loop_probe = LoopLagProbe()
@@ -178,6 +186,7 @@ class WorkerServer:
         aborted."""
         self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
+        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         rid = request.request_id
         ch = self.channels.get(channel_id)
         ch.caller = caller
@@ -191,7 +200,7 @@ class WorkerServer:
             ch.requests.discard(rid)
             self.callers.forget(rid)
             raise
-        return self._admitted(request, keys)
+        return self._admitted(request, keys, pulled)
 
     async def outputs(self, channel_id: str) -> AsyncIterator[list[StreamItem]]:
         """The channel's outputs, one list per message: every output of each request sent
@@ -210,13 +219,14 @@ class WorkerServer:
         """
         self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
+        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         stream = await self.front.add_request_async(
             request.token_ids, request.params, request_id=request.request_id, prompt_keys=keys
         )
         assert stream is not None
         self.callers.watch(request.request_id, caller)
         try:
-            yield self._admitted(request, keys)
+            yield self._admitted(request, keys, pulled)
             async for out in stream:
                 yield out
         finally:
@@ -231,9 +241,12 @@ class WorkerServer:
             self.engine.hash_context(request.params),
         )
 
-    def _admitted(self, request: WorkerRequest, keys: list) -> Admitted:
+    def _admitted(
+        self, request: WorkerRequest, keys: list, pulled: PullReport | None = None
+    ) -> Admitted:
         epoch = self.publisher.epoch if self.publisher is not None else None
-        return Admitted(self.worker_id, epoch, keys[-1] if request.want_keys and keys else None)
+        last = keys[-1] if request.want_keys and keys else None
+        return Admitted(self.worker_id, epoch, last, pulled)
 
     def _caller_died(self, caller: Any) -> None:
         """A dead router's channels have no reader any more."""

@@ -17,6 +17,34 @@ class WorkerRequest:
     token_ids: list[int]  # the tokenized prompt
     params: SamplingParams  # validated sampling parameters (cache_salt, priority inside)
     want_keys: bool = True  # send the prompt's last block key back in Admitted (parity check)
+    pull: PullHint | None = None  # pull part of the prefix from a peer before queueing
+
+
+@dataclass(frozen=True, slots=True)
+class PullHint:
+    """The router's advice: blocks ``start_block .. start_block + num_blocks - 1`` of the
+    prompt are cached on ``source_id``; fetch them instead of recomputing, unless that takes
+    longer than ``deadline_s`` (then recompute: a pull never fails or holds a request)."""
+
+    source_id: str  # the holder's registry id (its Ray actor name)
+    start_block: int  # first block to fetch (the chosen worker is expected to hold those before)
+    num_blocks: int  # blocks to fetch
+    deadline_s: float  # soft deadline of the whole pull (export, transfer, import)
+    priced_s: float = 0.0  # what the router's transfer model predicted it takes
+
+
+@dataclass(frozen=True, slots=True)
+class PullReport:
+    """What a worker did with a :class:`PullHint` (sent back in :class:`Admitted`)."""
+
+    source_id: str  # where it pulled from
+    outcome: str  # "ok", or why it recomputed: "missing", "source-gone", "timeout", "refused"
+    blocks: int  # blocks imported (0 unless ok)
+    tokens: int  # their tokens
+    seconds: float  # wall time of the pull, export to import
+    nbytes: int = 0  # payload bytes moved
+    node: str = ""  # the importer's node id (the router's transfer model is per node pair)
+    source_node: str = ""  # the source's node id ("" when not reached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +56,7 @@ class Admitted:
     last_key: BlockKey | None  # the key of the prompt's last full block as this worker
     # computes it (keys are chained: it names the whole prefix); None unless the request's
     # want_keys (routers that do not hash prompts skip it) and the prompt has a full block
+    pulled: PullReport | None = None  # the request's pull, if it carried a PullHint
 
 
 @dataclass(frozen=True, slots=True)

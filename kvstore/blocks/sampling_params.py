@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.structured import StructuredOutputs
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 MAX_N = 256  # parallel samples / beams of one request
@@ -70,6 +71,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias:
     # -100 all but bans a token, 100 all but forces it); token ids are checked per model
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # grammar the output must follow (JSON schema, regex, choice, ...); None: free text
+    structured: StructuredOutputs | None = None
     # stop_token_ids as a set, for the per-token check on the engine's hot path
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
@@ -178,7 +181,16 @@ class SamplingParams:
         for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(flag, "must be a bool")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            raise bad("structured", "must be None or a StructuredOutputs")
         if self.use_beam_search:
+            if self.structured is not None:
+                raise InvalidRequest(
+                    "beam_width",
+                    self.beam_width,
+                    f"beam search cannot be combined with structured outputs "
+                    f"({self.structured.field}); use n > 1 samples instead",
+                )
             if self.n > self.beam_width:
                 raise bad("n", f"must be <= beam_width={self.beam_width} with beam search")
             if self.stop:

@@ -7,12 +7,23 @@ request with the shared validator (:func:`router.serving.request.make_spec`), wh
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import FinishReason, RequestOutput
+from kvstore.blocks.structured import StructuredOutputs
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
-from router.serving.request import DEFAULT_LIMITS, GenerateSpec, make_spec, tenant_salt
+from router.serving.request import (
+    DEFAULT_LIMITS,
+    ChatOptions,
+    GenerateSpec,
+    make_spec,
+    tenant_salt,
+)
 
 __all__ = ["DEFAULT_LIMITS", "GenerateSpec", "spec_from_pb", "tenant_salt"]
 
@@ -58,8 +69,13 @@ def spec_from_pb(
     request's own, without auth); it scopes the cache salt (see :func:`tenant_salt`)."""
     which = req.WhichOneof("prompt")
     prompt: dict[str, object] = {}
+    values = _values(req.params)
+    if req.params.HasField("structured"):
+        values["structured"] = structured_from_pb(req.params.structured)
     if which == "messages":
-        prompt["messages"] = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+        prompt["messages"] = [_message(i, m) for i, m in enumerate(req.messages.messages)]
+        if req.messages.tools:
+            prompt["chat"] = ChatOptions(tools=tools_from_pb(req.messages.tools))
     elif which == "text":
         prompt["text"] = req.text
     elif which == "token_ids":
@@ -69,7 +85,7 @@ def spec_from_pb(
         tenant=tenant,
         claimed_tenant=req.tenant,
         cache_salt=req.cache_salt,
-        values=_values(req.params),
+        values=values,
         stop=list(req.params.stop),
         stop_token_ids=req.params.stop_token_ids,
         priority=req.priority,
@@ -78,6 +94,51 @@ def spec_from_pb(
         limits=limits,
         **prompt,  # type: ignore[arg-type]
     )
+
+
+def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The constraint, checked by the grammar library (a grammar it cannot compile is
+    INVALID_ARGUMENT naming the field, before the request is routed)."""
+    which = msg.WhichOneof("kind")
+    field = f"params.structured.{which}"
+    if which is None:
+        raise InvalidRequest("params.structured", None, "set one of its kinds")
+    if which == "json_schema":
+        spec = StructuredOutputs.json_schema(msg.json_schema, field)
+    elif which == "choice":
+        spec = StructuredOutputs.choice(list(msg.choice.choices), field)
+    elif which == "json_object":
+        spec = StructuredOutputs("json_object", "", field)
+    else:
+        spec = StructuredOutputs(which, getattr(msg, which), field)
+    spec.check()
+    return spec
+
+
+def _json_field(field: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(field, f"<{len(text)} chars>", f"is not JSON: {exc}") from None
+
+
+def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = _json_field(f"messages[{i}].tool_calls", m.tool_calls)
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls", "<value>", "must be a JSON list")
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def tools_from_pb(text: str) -> tuple[dict[str, Any], ...]:
+    tools = _json_field("messages.tools", text)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequest("messages.tools", "<value>", "must be a JSON list of tool objects")
+    return tuple(tools)
 
 
 def responses_from_output(

@@ -300,7 +300,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
 
 
 def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
-    """WorkerStatus fields 14-19 from this router's predictions for one worker."""
+    """WorkerStatus fields 14-19 and 26-29 from this router's predictions for one worker."""
     if p is None:
         return {}
     return dict(
@@ -310,6 +310,10 @@ def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
         prediction_misses=p.misses,
         recent_cache_gap_tokens=p.mean_abs_gap(),
         index_resyncs=p.resyncs,
+        pulls=p.pulls,
+        pulled_tokens=p.pulled_tokens,
+        pull_misses=p.pull_misses,
+        pull_slow=p.pull_slow,
     )
 
 

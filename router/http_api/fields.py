@@ -10,9 +10,10 @@ from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import MAX_SEED
+from router.http_api.tools import tool_fields
 from router.serving.request import ChatOptions
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows about 300)
 
 
@@ -106,6 +107,9 @@ def messages(body: dict) -> list[dict[str, str]]:
         if role not in ROLES:
             raise InvalidRequest(f"{name}.role", shown(role), f"must be one of {', '.join(ROLES)}")
         content = m.get("content")
+        extras = tool_fields(m, name)  # tool_calls, tool_call_id (router/http_api/tools.py)
+        if content is None and extras.get("tool_calls"):
+            content = ""
         if isinstance(content, list):  # content parts: text only
             parts = []
             for j, part in enumerate(content):
@@ -126,12 +130,14 @@ def messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m.get("name") or "", str):
             raise bad_type(f"{name}.name", m["name"], "a string")
         extra = sorted(k for k, v in m.items() if v is not None)
-        extra = [k for k in extra if k not in ("role", "content", "name")]
+        extra = [k for k in extra if k not in ("role", "content", "name", *extras)]
         if extra:
             raise InvalidRequest(
-                name, shown(extra[0]), "unknown message field (supported: role, content, name)"
+                name,
+                shown(extra[0]),
+                "unknown message field (supported: role, content, name, tool_calls, tool_call_id)",
             )
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **extras})
     return out
 
 
@@ -154,16 +160,9 @@ def unserved(body: dict, chat: bool) -> None:
     best_of, n = body.get("best_of"), body.get("n") or 1
     if best_of is not None and best_of != n:
         raise InvalidRequest("best_of", best_of, f"must be null or equal n={n}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise InvalidRequest(
-            "response_format", "<object>", "is not supported (only {'type': 'text'})"
-        )
-    for name in ("tools", "functions", "function_call"):
+    for name in ("functions", "function_call"):  # (the deprecated spelling of tools)
         if body.get(name) is not None:
-            raise InvalidRequest(name, "<set>", "is not supported (tool calls are not served)")
-    if body.get("tool_choice") not in (None, "none"):
-        raise InvalidRequest("tool_choice", "<set>", "is not supported (must be null or 'none')")
+            raise InvalidRequest(name, "<set>", "is not supported (send tools / tool_choice)")
     if chat and body.get("echo"):
         raise InvalidRequest("echo", True, "is not supported on chat completions")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
 from router.http_api import fields as F
+from router.http_api import structured, tools
 from router.placement.config import RequestLimits
 from router.serving.request import GenerateSpec, check_request_id, make_spec
 
@@ -49,7 +50,7 @@ _COMMON = frozenset(
         "truncate_prompt_tokens",
         "return_tokens_as_token_ids",
         "prompt_logprobs",
-        "response_format",
+        *structured.FIELDS,
         *_ACCEPTED,
         *_INT_PARAMS,
         *_FLOAT_PARAMS,
@@ -64,8 +65,7 @@ CHAT_FIELDS = _COMMON | {
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
-    "tools",
-    "tool_choice",
+    *tools.FIELDS,
     "functions",
     "function_call",
     "echo",
@@ -89,6 +89,7 @@ class OpenAIRequest:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
     max_tokens_set: bool = True  # chat without max_tokens: as long as the context allows
+    tools: tools.ToolSpec | None = None  # chat: the request's tools and tool_choice
 
 
 def known_fields(chat: bool) -> frozenset[str]:
@@ -148,6 +149,12 @@ def parse_request(
     wanted = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
     if wanted:  # the engine computes the prompt whole, with the most alternatives asked
         values["prompt_logprobs"] = max(wanted)
+    constraint = structured.structured_from_body(body)
+    tool_spec = tools.tools_from_body(body, constraint) if chat else None
+    if tool_spec is not None and tool_spec.constraint is not None:
+        constraint = tool_spec.constraint
+    if constraint is not None:
+        values["structured"] = constraint
     stream = bool(F.get_bool(body, "stream"))
     opts = body.get("stream_options")
     include_usage = continuous = False
@@ -188,7 +195,11 @@ def parse_request(
     )
     if chat:
         specs = [
-            make_spec(messages=F.messages(body), chat=F.chat_options(body), **common)  # type: ignore[arg-type]
+            make_spec(
+                messages=F.messages(body),
+                chat=tools.chat_options(F.chat_options(body), tool_spec),
+                **common,  # type: ignore[arg-type]
+            )
         ]
         specs[0] = _labelled(specs[0], response_id)
     else:
@@ -225,6 +236,7 @@ def parse_request(
         prompt_logprobs=prompt_logprobs,
         token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
         max_tokens_set="max_tokens" in values,
+        tools=tool_spec,
     )
     return meta, specs
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.protocol import OpenAIRequest
+from router.http_api.tools import ToolStream, message_json, tool_chunk_delta
 from worker.model.tokenizer import Tokenizer
 
 
@@ -41,6 +42,7 @@ class Shaper:
         self.echoes = echoes or []
         self.prompt_ids = prompt_ids or []
         self._offsets: dict[int, int] = {}  # choice -> characters of text before its next token
+        self._tool_streams: dict[int, ToolStream] = {}  # chat with tools: per choice
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")
@@ -160,6 +162,9 @@ class Shaper:
         lp = self.logprobs_json(d.logprobs, index, prompt if first else None)
         if self.req.chat:
             delta: dict[str, Any] = {"content": d.text}
+            if self.req.tools is not None:
+                stream = self._tool_streams.setdefault(index, ToolStream(self.req.tools))
+                delta, reason = tool_chunk_delta(stream, d.text, reason)
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -198,7 +203,8 @@ class Shaper:
                 "stop_reason": c.stop_reason,
             }
             if self.req.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"], tool_reason = message_json(c.text, self.req.tools)
+                choice["finish_reason"] = tool_reason or reason
             else:
                 choice["text"] = self._echo(index) + c.text
             if (plp := self.prompt_logprobs_json(prompt)) is not None:

@@ -74,6 +74,54 @@ class PrefixAffinityConfig(LoadWeights):
     )
 
 
+class PullConfig(Strict):
+    """Peer pulls (``router/placement/pull.py``): per request, hold at the prefix's holder,
+    pull the prefix to another worker, or recompute it there — whichever ends the prefill
+    first by the router's estimates."""
+
+    enabled: bool = Field(
+        False, description="Price pulls per request (workers must share an object store)."
+    )
+    prefill_tokens_per_s: float = Field(
+        2000.0,
+        gt=0,
+        description="Starting estimate of a worker's prefill rate (uncached prompt tokens per "
+        "second); refined from the first tokens of requests placed on idle workers.",
+    )
+    fixed_s: float = Field(
+        0.005, ge=0, description="Starting fixed cost of one pull (calls, lock wait, import)."
+    )
+    per_token_s: float = Field(
+        2e-6, ge=0, description="Starting per-token cost of a pull between two workers."
+    )
+    cross_node_factor: float = Field(
+        4.0, ge=1, description="Both costs times this for a pair of workers on two nodes."
+    )
+    alpha: float = Field(
+        0.2, gt=0, le=1, description="Weight of each observed pull in refining its pair's cost."
+    )
+    min_pull_tokens: int = Field(
+        64, ge=1, description="Prefixes shorter than this are recomputed, never pulled."
+    )
+    min_deadline_s: float = Field(
+        0.05,
+        gt=0,
+        description="Floor of a pull's soft deadline (its break-even against recomputing).",
+    )
+    source_step_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Prefill tokens of one full engine step (the workers' "
+        "max_num_batched_tokens): a pull waits for the holder's step in flight, up to this "
+        "much of its queued prefill, before the export starts.",
+    )
+    slow_factor: float = Field(
+        2.0,
+        ge=1,
+        description="A pull that takes more than this x its priced time is counted as slow.",
+    )
+
+
 class RequestLimits(Strict):
     """Every per-request limit the router enforces at the edge, in one place (the engine
     re-checks what it must: vocabulary, max_model_len, KV size, max_num_seqs). A request over
@@ -177,6 +225,7 @@ class RoutingConfig(Strict):
     )
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
+    pull: PullConfig = PullConfig()
 
     @field_validator("policy")
     @classmethod

@@ -6,7 +6,9 @@ how many it *realised*. A gap of a block or more is a *miss*. Misses happen now 
 (an eviction between lookup and admission, a burst the pending placements did not cover),
 but a worker whose predictions keep missing has index entries that are wrong — stale or
 lost entries, a missed event, a hash mismatch — and every later placement on it is made on
-bad data. :class:`PredictionTracker` counts both totals per worker, keeps a window of
+bad data. Placements that carried a peer pull add a pulled column: the tokens the pull
+was priced for and those it imported, and the pulls that missed (imported less) or were
+slower than priced. :class:`PredictionTracker` counts both totals per worker, keeps a window of
 recent gaps, and says when a worker's entries should be rebuilt from its pool (a resync).
 Plain Python: the serving core feeds it from the event loop and acts on its verdicts.
 """
@@ -32,6 +34,11 @@ class WorkerPredictions:
     resyncs: int = 0  # resyncs this router asked the worker for
     recent: deque[int] = field(default_factory=lambda: deque(maxlen=64))  # signed gaps
     last_resync: float | None = None  # clock time of the last resync asked
+    pulls: int = 0  # placements that carried a pull from a peer
+    pull_planned_tokens: int = 0  # tokens those pulls were priced for, summed
+    pulled_tokens: int = 0  # tokens they imported, summed
+    pull_misses: int = 0  # pulls that imported less than planned (recomputed the rest)
+    pull_slow: int = 0  # pulls that took longer than slow_factor x their priced time
 
     def mean_abs_gap(self) -> float:
         return sum(abs(g) for g in self.recent) / len(self.recent) if self.recent else 0.0
@@ -111,10 +118,37 @@ class PredictionTracker:
             f"{kind}",
         )
 
+    def observe_pull(
+        self,
+        worker_id: str,
+        planned_tokens: int,
+        pulled_tokens: int,
+        seconds: float,
+        priced_s: float,
+        slow_factor: float,
+    ) -> None:
+        """Record one placement's pull: planned vs imported tokens, priced vs taken time."""
+        w = self.workers.setdefault(worker_id, WorkerPredictions())
+        w.pulls += 1
+        w.pull_planned_tokens += planned_tokens
+        w.pulled_tokens += pulled_tokens
+        w.pull_misses += pulled_tokens < planned_tokens
+        w.pull_slow += seconds > slow_factor * priced_s
+
     def totals(self) -> dict[str, int]:
         ws = self.workers.values()
         return {
             "prediction_placements": sum(w.placements for w in ws),
             "prediction_misses": sum(w.misses for w in ws),
             "prediction_resyncs": sum(w.resyncs for w in ws),
+        }
+
+    def pull_totals(self) -> dict[str, int]:
+        """The pulled column, summed over workers."""
+        ws = self.workers.values()
+        return {
+            "pulls": sum(w.pulls for w in ws),
+            "pulled_tokens": sum(w.pulled_tokens for w in ws),
+            "pull_misses": sum(w.pull_misses for w in ws),
+            "pull_slow": sum(w.pull_slow for w in ws),
         }

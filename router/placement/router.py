@@ -19,6 +19,7 @@ from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
 from router.placement.policy import make_policy
 from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.pull import PullPlanner, TransferModel
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,22 @@ class Router:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.pending = PendingPlacements(config.pending_ttl_s)
         self._clock = clock
+        self.planner: PullPlanner | None = None  # peer pulls priced per request
+        self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
+        pc = config.pull
+        if pc.enabled:
+            transfers = TransferModel(
+                pc.fixed_s, pc.per_token_s, cross_node_factor=pc.cross_node_factor, alpha=pc.alpha
+            )
+            self.planner = PullPlanner(
+                transfers,
+                prefill_tokens_per_s=pc.prefill_tokens_per_s,
+                min_pull_tokens=pc.min_pull_tokens,
+                min_deadline_s=pc.min_deadline_s,
+                block_size=block_size,
+                source_step_tokens=pc.source_step_tokens,
+                node_of=lambda w: self.nodes.get(w, ""),
+            )
 
     def route(
         self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
@@ -74,7 +91,7 @@ class Router:
                 f"no live worker to route request {request.request_id!r} to; start workers or "
                 "check that their heartbeats reach Redis"
             )
-        if not self.policy.uses_prefix:
+        if not self.policy.uses_prefix and self.planner is None:
             return start, ()
         keys = request.keys
         if keys is None:
@@ -93,7 +110,7 @@ class Router:
         start: float,
     ) -> RouteDecision:
         ids = sorted(candidates)
-        if self.policy.uses_prefix:
+        if self.policy.uses_prefix or keys:
             cached = self._cached_tokens(keys, len(request.token_ids), ids, index)
         else:
             cached = dict.fromkeys(ids)
@@ -105,6 +122,16 @@ class Router:
             for w in ids
         ]
         placement = self.policy.choose(request, views)
+        pull = None
+        if self.planner is not None and keys and index is not None:
+            held = self._held_blocks(keys, len(request.token_ids), ids, index)
+            placement, pull, _ = self.planner.plan(
+                len(request.token_ids),
+                views,
+                placement,
+                held,
+                holder_eligible=self.policy.uses_prefix,
+            )
         if keys:
             self.pending.record(placement.worker_id, keys, self._clock())
         decision = RouteDecision(
@@ -114,6 +141,7 @@ class Router:
             cached_tokens_expected=placement.cached_tokens_expected,
             decision_latency_s=time.perf_counter() - start,
             keys=keys,
+            pull=pull,
         )
         self.metrics.observe(decision)
         return decision
@@ -156,6 +184,26 @@ class Router:
                 known, assisted = min(mine, cap), True
             out[w] = None if known is None else int(known * bs)
         self.metrics.pending_assists += assisted
+        return out
+
+    def _held_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        n_tokens: int,
+        ids: list[WorkerId],
+        index: Mapping[WorkerId, TierCounts],
+    ) -> dict[WorkerId, tuple[int, int]]:
+        """Per worker, (leading blocks it will have on its device, leading blocks it holds in
+        either tier), capped like a hit, unweighted: from where a pull to it starts, and
+        what a pull can take from it. The router's pending placements count toward the first
+        (being computed or pulled there), never the second: a pull needs blocks that exist."""
+        cap = (n_tokens - 1) // self.block_size if n_tokens else 0
+        pending = self.pending.lookup(keys, self._clock())
+        out = {}
+        for w in ids:
+            dev, host = index.get(w, (0, 0))
+            dev = min(dev, cap)
+            out[w] = (max(dev, min(pending.get(w, 0), cap)), min(dev + host, cap))
         return out
 
     def _lookup(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.protocol import PullHint
 from kvstore.types import WorkerLoad
 
 WorkerId = str
@@ -21,6 +22,7 @@ class Reason(StrEnum):
     PREFIX = "prefix"  # the chosen worker's cached prefix made it the cheapest
     BALANCE = "balance"  # the cheapest worker was over the load bound; next cheapest taken
     NO_INDEX = "no-index"  # no prefix data at all (index down or empty): routed by load
+    PULL = "pull"  # priced: run on a less loaded worker that pulls the prefix from its holder
 
 
 class RoutingError(Exception):
@@ -74,3 +76,4 @@ class RouteDecision:
     cached_tokens_expected: int  # prompt tokens expected to hit the chosen worker's cache
     decision_latency_s: float  # hashing + index lookup + policy, wall clock
     keys: tuple[BlockKey, ...] = ()  # block keys the router computed (empty if not hashed)
+    pull: PullHint | None = None  # fetch part of the prefix from a peer first (priced)

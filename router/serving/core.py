@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.hashing import HashContext
 from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.validate import check_model_limits
 from kvstore.types import WorkerLoad
@@ -101,6 +101,7 @@ class ServingCore:
         self._own_lock = threading.Lock()
         self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
         self._open: Counter[str] = Counter()
+        self._idle_at_placement: set[str] = set()  # requests placed on an idle worker
 
     def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
         """Route ``request`` and count it as this router's own work on the chosen worker, in
@@ -113,6 +114,9 @@ class ServingCore:
             loads = self._with_own_work(heartbeats)
         decision = self.router.route(request, loads)
         w = decision.worker_id
+        load = loads.get(w)
+        if load is not None and not (load.queued_prefill_tokens or load.running or load.waiting):
+            self._idle_at_placement.add(request.request_id)  # its TTFT is its prefill time
         with self._own_lock:
             self._open[w] += 1
             uncached = len(request.token_ids) - decision.cached_tokens_expected
@@ -187,18 +191,23 @@ class ServingCore:
             decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
             worker = decision.worker_id
             produced = finished = gone = False
+            pulled: PullReport | None = None
+            sent = loop.time()
+            wreq = WorkerRequest(request_id, token_ids, params, bool(decision.keys), decision.pull)
             try:
-                async for item in self.directory.stream(
-                    worker, WorkerRequest(request_id, token_ids, params, bool(decision.keys))
-                ):
+                async for item in self.directory.stream(worker, wreq):
                     if isinstance(item, Admitted):
                         if decision.keys:
                             self.router.check_parity(request_id, decision.keys, item.last_key)
+                        pulled = item.pulled
+                        if pulled is not None:
+                            self._observe_pull(decision, pulled)
                         continue
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
                         self._prefilled(worker, request_id, done=False)
-                        self._compare_prediction(decision, item)
+                        self._compare_prediction(decision, item, pulled)
+                        self._observe_prefill(request_id, item, loop.time() - sent, pulled)
                     finished = item.finished
                     yield worker, replace(item, request_id=label)
                 return
@@ -225,6 +234,7 @@ class ServingCore:
                 full.append(f"{worker} ({exc})")
                 self.overflows += 1
             finally:
+                self._idle_at_placement.discard(request_id)
                 self._prefilled(worker, request_id, done=True)
                 if not finished and gone:
                     # a frozen worker would hold the retry for the abort's whole timeout; the
@@ -239,14 +249,55 @@ class ServingCore:
             raise self._overloaded(label, full)
         raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
 
-    def _compare_prediction(self, decision: RouteDecision, first: RequestOutput) -> None:
+    def _observe_pull(self, decision: RouteDecision, report: PullReport) -> None:
+        """A worker reported its pull: learn the two nodes, refine the transfer model from a
+        pull that imported, count the pull in the predicted-vs-realised table."""
+        hint = decision.pull
+        router = self.router
+        if report.node:
+            router.nodes[decision.worker_id] = report.node
+        if report.source_node:
+            router.nodes[report.source_id] = report.source_node
+        planner = router.planner
+        if planner is not None and report.outcome == "ok" and report.tokens:
+            planner.transfers.observe(
+                report.source_node, report.node, report.tokens, report.seconds
+            )
+        if self.predictions is not None and hint is not None:
+            self.predictions.observe_pull(
+                decision.worker_id,
+                hint.num_blocks * router.block_size,
+                report.tokens,
+                report.seconds,
+                hint.priced_s,
+                router.config.pull.slow_factor,
+            )
+
+    def _observe_prefill(
+        self, request_id: str, first: RequestOutput, ttft_s: float, pulled: PullReport | None
+    ) -> None:
+        """A request placed on an idle worker: its time to first token, less its pull, was
+        its prefill of the uncached tokens (the prefill-rate estimate the planner uses)."""
+        planner = self.router.planner
+        if planner is None or request_id not in self._idle_at_placement:
+            return
+        seconds = ttft_s - (pulled.seconds if pulled is not None else 0.0)
+        planner.observe_prefill(first.usage.prompt_tokens - first.usage.cached_tokens, seconds)
+
+    def _compare_prediction(
+        self, decision: RouteDecision, first: RequestOutput, pulled: PullReport | None = None
+    ) -> None:
         """The first output reports the prefix hit the worker realised: compare it with the
-        hit this router predicted; a worker whose predictions keep missing resyncs."""
+        hit this router predicted; a worker whose predictions keep missing resyncs. A pull
+        that imported less than planned is the pull's miss (counted with the pull), not the
+        index's: the index's prediction is what the worker held plus what it imported."""
         if self.predictions is None or not decision.keys or decision.reason == Reason.NO_INDEX:
             return  # nothing was predicted from the index
-        verdict = self.predictions.observe(
-            decision.worker_id, decision.cached_tokens_expected, first.usage.cached_tokens
-        )
+        predicted = decision.cached_tokens_expected
+        if decision.pull is not None:
+            planned = decision.pull.num_blocks * self.router.block_size
+            predicted -= planned - (pulled.tokens if pulled is not None else 0)
+        verdict = self.predictions.observe(decision.worker_id, predicted, first.usage.cached_tokens)
         if verdict is None:
             return
         log.warning(

@@ -34,11 +34,13 @@ def chat_token_ids(
     """Render a conversation with the model's chat template and tokenize it; a bad message
     or a model without a template is the client's error (naming the messages)."""
     try:
+        tools = {"tools": chat.tools} if chat.tools else {}  # (only a chat with tools)
         return tokenizer.encode_chat(
             messages,
             add_generation_prompt=chat.add_generation_prompt,
             continue_final_message=chat.continue_final_message,
             template_kwargs=chat.template_kwargs,
+            **tools,
         )
     except (ValueError, TypeError) as exc:
         raise InvalidRequest("messages", f"<{len(messages)} messages>", str(exc)) from exc

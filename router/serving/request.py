@@ -21,6 +21,8 @@ from router.placement.config import RequestLimits
 from router.serving.errors import renamed
 
 DEFAULT_LIMITS = RequestLimits()
+# what a chat message may carry to the template (tool calls and results with their ids)
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs, as JSON: flags, not content
 
 
@@ -31,6 +33,7 @@ class ChatOptions:
     add_generation_prompt: bool = True  # open the assistant's turn after the messages
     continue_final_message: bool = False  # leave the last (assistant) message open
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra template vars
+    tools: tuple[dict[str, Any], ...] | None = None  # OpenAI tool objects for the template
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,4 +271,4 @@ def _messages(
             f"<{total} chars>",
             f"must be at most {limits.max_prompt_chars} characters in all",
         )
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    return tuple({k: m[k] for k in _MESSAGE_KEYS if k in m} for m in messages)

@@ -10,6 +10,12 @@ heads of 128, bf16) on an 8-GPU node.
 - chunked prefill: a step computes at most 2048 tokens (decodes first, then prefill
   chunks FCFS), at most 128 running sequences.
 Every step pays the fixed weight-read cost, prefill chunks and decodes share steps.
+- peer pulls (``pull_fixed_s``, ``pull_s_per_token``, when the router prices pulls): a run
+  of blocks moves between nodes at 327 KB per token over RDMA at ~50 GB/s effective
+  (NIXL-class, one 400 Gb/s NIC) -> 6.5e-6 s per token, plus 2 ms of calls and setup; the
+  source pays for reading the blocks out of its KV cache in its next step (HBM, ~1 TB/s
+  effective for a gather -> 3.3e-7 s per token), the destination for writing them in
+  (the same) in the step that admits the request;
 - host KV tier (when ``host_kv_tokens_per_worker`` > 0): loading a block back reads its
   327 KB per token over the node's host links, 8 x PCIe Gen5 at ~25 GB/s effective each
   = 200 GB/s -> 1.6e-6 s per token, paid in the step that admits the request (not
@@ -44,6 +50,16 @@ class TimeModel(Strict):
         ge=0,
         description="Loading a LoRA adapter into a device slot (r=16 on all seven "
         "projections of a 70B model is ~0.4 GB from host memory).",
+    )
+    pull_fixed_s: float = Field(0.002, ge=0, description="Fixed cost of one peer pull.")
+    pull_s_per_token: float = Field(
+        6.5e-6, ge=0, description="Moving one token's KV between two workers (bandwidth)."
+    )
+    pull_copy_s_per_token: float = Field(
+        3.3e-7,
+        ge=0,
+        description="Gathering one token's KV out of (or into) a KV cache, charged to the "
+        "source's next step and to the admitting step of the destination.",
     )
     max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_running: int = Field(128, ge=1, description="Sequences in the running batch at most.")

@@ -2,7 +2,10 @@
 
 Each worker runs a real KVCacheManager; its KV events are published at the end of the step
 that produced them and reach the router's :class:`InMemoryPrefixIndex` ``event_delay_s``
-later. Loads are read fresh at every decision (heartbeats are assumed frequent).
+later. Loads are read fresh at every decision (heartbeats are assumed frequent). When the
+router prices peer pulls (``routing.pull.enabled``), a pull takes the holder's run from its
+real KV manager once the holder's step in flight ends, moves it at the time model's pull
+cost, and imports it into the destination's KV manager before the request is queued there.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.blocks.events import KVEvent
+from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.protocol import PullHint
 from router.placement.config import RoutingConfig
 from router.placement.prefix_source import InMemoryPrefixIndex
 from router.placement.router import Router
@@ -21,6 +27,7 @@ from router.placement.types import RouteRequest
 from router.sim.config import SimConfig
 from router.sim.worker import RequestRecord, SimRequest, SimWorker
 from worker.kv import KVCacheManager
+from worker.kv.transfer import RunHeader
 
 
 @dataclass
@@ -85,6 +92,7 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
             index.apply(wid, batch)
 
     records: list[RequestRecord] = []
+    pulls: Counter[str] = Counter()
     last_arrival = -math.inf
     for req in requests:
         if req.arrival_s < last_arrival:
@@ -98,7 +106,11 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
             {wid: w.load(req.arrival_s) for wid, w in workers.items()},
         )
         worker = workers[decision.worker_id]
-        records.append(worker.submit(req, decision.cached_tokens_expected, decision.keys))
+        pull = None
+        if decision.pull is not None:
+            pull = _pull(decision.pull, decision.keys, req, workers, sim)
+            pulls["ok" if pull[1] is not None else "missed"] += 1
+        records.append(worker.submit(req, decision.cached_tokens_expected, decision.keys, pull))
     collect(math.inf)
     return ReplayResult(
         policy=routing.policy,
@@ -109,5 +121,32 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
         router_metrics=router.metrics.snapshot(),
         wall_s=time.perf_counter() - started,
         index_gaps=index.gaps,
-        extra={"lora_loads": sum(w.lora_loads for w in workers.values())},
+        extra={
+            "lora_loads": sum(w.lora_loads for w in workers.values()),
+            "pulls": dict(pulls),
+            "pulled_tokens": sum(r.pulled_tokens for r in records),
+        },
     )
+
+
+def _pull(
+    hint: PullHint,
+    keys: Sequence[BlockKey],
+    req: SimRequest,
+    workers: dict[str, SimWorker],
+    sim: SimConfig,
+) -> tuple[float, RunHeader | None]:
+    """When the pull the router asked for ends, and the run it brings (None: it missed, or
+    outlasted its soft deadline, and the request recomputes). The source answers once its
+    step in flight ends (its load), then the run moves at the pull cost."""
+    source = workers[hint.source_id]
+    want = keys[hint.start_block : hint.start_block + hint.num_blocks]
+    header = source.export_run(want, hint.start_block, req.ctx)
+    if header is None:
+        return req.arrival_s, None
+    tm = sim.time
+    tokens = len(header) * sim.block_size
+    ready = max(req.arrival_s, source.clock) + tm.pull_fixed_s + tokens * tm.pull_s_per_token
+    if ready - req.arrival_s > hint.deadline_s:
+        return req.arrival_s + hint.deadline_s, None
+    return ready, header

@@ -21,6 +21,7 @@ watermark (the cache never fills with running sequences at the benchmark's sizes
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
 from worker.kv import BlockClaims, KVCacheManager, KVCapacityError
+from worker.kv.transfer import KVLayout, RunHeader
 
 
 @dataclass(slots=True)
@@ -59,6 +61,7 @@ class RequestRecord:
     first_token_s: float = math.nan  # end of the step that finished its prefill
     finish_s: float = math.nan  # end of the step that produced its last token
     rejected: bool = False  # could never fit in this worker's KV cache
+    pulled_tokens: int = 0  # prompt tokens imported from a peer before admission
 
 
 class _Active:
@@ -118,14 +121,24 @@ class SimWorker:
         self._loras: OrderedDict[str, None] = OrderedDict()  # adapters in slots, LRU first
         self.lora_loads = 0  # adapters loaded into a slot (reloads after eviction count)
         self._load_s = 0.0  # host-tier loads of this step's admissions (seconds)
+        # requests whose pull is in flight: (ready time, order, request, run or None), as a
+        # real worker holds them before queueing; their uncached tokens count as queued
+        self.pulling: list[tuple[float, int, _Active, RunHeader | None]] = []
+        self._pull_order = 0
+        self._landing: dict[BlockKey, float] = {}  # last key of a pulled run -> when it lands
 
     # ---- interface used by the replay loop -------------------------------------------------
 
     def submit(
-        self, req: SimRequest, expected_cached: int, keys: Sequence[BlockKey]
+        self,
+        req: SimRequest,
+        expected_cached: int,
+        keys: Sequence[BlockKey],
+        pull: tuple[float, RunHeader | None] | None = None,
     ) -> RequestRecord:
         """Queue a request that arrived at ``req.arrival_s`` (the worker is advanced to it);
-        the returned record fills in as the request runs."""
+        the returned record fills in as the request runs. ``pull``: (when its pull ends,
+        the run it brings or None): the request is queued only then, after the import."""
         rec = RequestRecord(
             req.request_id,
             self.worker_id,
@@ -135,6 +148,56 @@ class SimWorker:
             expected_cached,
         )
         active = _Active(req, rec, keys)
+        if pull is None and self._landing:
+            # a pull in flight brings this prompt's prefix: queue behind it, as the worker
+            # does, rather than compute the prefix alongside the import
+            ready = max((self._landing.get(k, -math.inf) for k in keys), default=-math.inf)
+            if ready > self.clock:
+                pull = (ready, None)
+        if pull is not None:
+            if pull[1] is not None and pull[1].keys:
+                last = pull[1].keys[-1]
+                self._landing[last] = max(self._landing.get(last, -math.inf), pull[0])
+            active.est_new = len(req.token_ids) - expected_cached
+            self.queued_prefill += active.est_new
+            heapq.heappush(self.pulling, (pull[0], self._pull_order, active, pull[1]))
+            self._pull_order += 1
+            return rec
+        self._enqueue(active)
+        return rec
+
+    def export_run(
+        self, keys: Sequence[BlockKey], start: int, ctx: HashContext
+    ) -> RunHeader | None:
+        """What a peer pulling ``keys`` (blocks ``start..``) gets from this worker; reading
+        them out is charged to its next step."""
+        pin = self.kv.pin_export(keys, ctx, start)
+        self.kv.release_export(pin)
+        if not pin.keys:
+            return None
+        self._load_s += len(pin) * self.kv.block_size * self.tm.pull_copy_s_per_token
+        layout = KVLayout(self.kv.block_size, 0, 0, 0, "sim")
+        return RunHeader(layout, ctx, start, tuple(pin.keys), tuple(pin.token_ids))
+
+    def _release_pulls(self, now: float) -> None:
+        """Import the runs of pulls that ended by ``now`` and queue their requests."""
+        while self.pulling and self.pulling[0][0] <= now:
+            _, _, active, header = heapq.heappop(self.pulling)
+            self.queued_prefill -= active.est_new
+            req = active.req
+            if header is not None:
+                if self._landing.get(header.keys[-1], math.inf) <= now:
+                    del self._landing[header.keys[-1]]
+                plan = self.kv.plan_import(req.token_ids, req.ctx, header)
+                self.kv.commit_import(plan)
+                n = len(plan) * self.kv.block_size
+                active.rec.pulled_tokens = n
+                self._load_s += n * self.tm.pull_copy_s_per_token
+                self._step_events.extend(self.kv.drain_events())
+            self._enqueue(active)
+
+    def _enqueue(self, active: _Active) -> None:
+        req = active.req
         # As the engine's scheduler does: what its KV manager would hit now, or a request
         # queued ahead of it will have cached by its turn (a pure query).
         hint, active.claim = self.kv.expected_prefix(req.token_ids, req.ctx, self._claims)
@@ -144,7 +207,6 @@ class SimWorker:
         self.waiting_cached += len(req.token_ids) - active.est_new
         self.waiting.append(active)
         self.clock = max(self.clock, req.arrival_s)
-        return rec
 
     def load(self, now: float) -> WorkerLoad:
         """The heartbeat a real engine would send at ``now``: a step still in flight at
@@ -171,18 +233,22 @@ class SimWorker:
         return out
 
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding)
+        return not (self.waiting or self.prefilling or self.decoding or self.pulling)
 
     def advance(self, until: float) -> None:
         """Run every step that starts before ``until`` (a step in flight finishes after it)."""
         while self.clock < until:
-            if self.idle():
-                self.clock = until
-                return
+            self._release_pulls(self.clock)
+            if not (self.waiting or self.prefilling or self.decoding):
+                if not self.pulling or self.pulling[0][0] >= until:
+                    self.clock = until
+                    return
+                self.clock = self.pulling[0][0]  # idle until the next pull lands
+                continue
             if self.prefilling or (self.waiting and not self._blocked):
                 self._step()
-            elif self.decoding:
-                self._fast_forward(until)
+            elif self.decoding:  # (a landing pull ends a fast-forward: it may admit)
+                self._fast_forward(min(until, self.pulling[0][0]) if self.pulling else until)
             else:  # blocked with nothing running: the head can never fit
                 self._reject(self._pop_waiting())
 

@@ -55,7 +55,8 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         lines = st.stdout.splitlines()
         header = next(i for i, line in enumerate(lines) if "predicted" in line)
         assert lines[header].split() == [
-            "worker", "predicted", "realised", "placed", "misses", "gap", "now", "resyncs"
+            "worker", "predicted", "realised", "placed", "misses", "gap", "now", "resyncs",
+            "pulled", "pulls", "missed", "slow",
         ]  # fmt: skip
         row = next(line.split() for line in lines[header:] if line.startswith("worker-0"))
         assert int(row[3]) >= 1, st.stdout

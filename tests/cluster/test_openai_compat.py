@@ -230,11 +230,9 @@ def test_chat_fields(oai: openai.OpenAI, cluster: Cluster) -> None:
         extra_body={"add_generation_prompt": False, "continue_final_message": True},
     )
     assert cont.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError) as bad:
-        oai.chat.completions.create(
-            model=m, messages=[user], tools=[{"type": "function", "function": {"name": "f"}}]
-        )
-    assert bad.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as bad:  # the deprecated spelling of tools
+        oai.chat.completions.create(model=m, messages=[user], functions=[{"name": "f"}])
+    assert bad.value.body["param"] == "functions"
 
 
 @needs_curl

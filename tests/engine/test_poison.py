@@ -108,12 +108,14 @@ def test_a_dead_loop_refuses_requests_and_reports_its_death() -> None:
     died: list[BaseException] = []
     engine = make()
     front = StreamingEngine(engine, on_death=died.append, idle_wait_s=0.01).start()
-    stream = front.add_request(PROMPTS[0], GREEDY)
 
     def boom() -> list:
         raise MemoryError("state beyond repair")
 
+    # before the request: the loop takes it in, then its first step dies (set after it, the
+    # loop could finish all 12 steps before this thread runs again)
     engine.step = boom  # type: ignore[method-assign]
+    stream = front.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(EngineStopped, match="loop died"):
         stream.collect()
     assert not front.alive and len(died) == 1 and isinstance(died[0], MemoryError)

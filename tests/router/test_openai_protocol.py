@@ -120,8 +120,8 @@ def test_prompt_forms_and_tenant_salt() -> None:
         ({"model": "m", "prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"model": "m", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         (
-            {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}},
-            "response_format",
+            {"model": "m", "prompt": "x", "response_format": {"type": "xml"}},
+            "response_format.type",
         ),
     ],
 )

@@ -41,6 +41,7 @@ from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
+from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
@@ -92,6 +93,16 @@ class Engine:
         self.processor = OutputProcessor(
             tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
         )
+        # structured outputs: grammars compile off this thread; None without a real tokenizer
+        self.grammars: GrammarCompiler | None = None
+        if hasattr(self.tokenizer, "backend_json"):
+            self.grammars = GrammarCompiler(
+                self.tokenizer.backend_json(),
+                vocab_size=executor.vocab_size,
+                eos_ids=sorted(self.eos_ids),
+            )
+        self._compiling: list[Request] = []  # requests whose grammar is being compiled
+        self._num_constrained = 0  # live requests with a grammar
 
     @classmethod
     def from_model_dir(
@@ -181,6 +192,12 @@ class Engine:
             eos_ids=self.eos_ids,
         )
         self.hash_context(params)  # an unknown adapter is the caller's error, found here
+        if params.structured is not None and self.grammars is None:
+            raise InvalidRequest(
+                params.structured.field,
+                params.structured.kind,
+                "structured outputs need the model's tokenizer; this engine has none",
+            )
         return prompt_ids
 
     def add_checked(
@@ -206,6 +223,12 @@ class Engine:
             eos_ids=self.eos_ids,
             new_text=self.processor.new_text,
         )
+        if params.structured is not None:
+            assert self.grammars is not None
+            req.grammar = self.grammars.submit(params.structured)
+            req.awaiting_grammar = True
+            self._compiling.append(req)
+            self._num_constrained += 1
         self.requests[rid] = req
         self.scheduler.add(req, prompt_keys)
         return rid
@@ -239,7 +262,28 @@ class Engine:
             log.exception("engine step failed; aborting the running requests")
             return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
 
+    def _install_grammars(self) -> None:
+        """Compiles that ended: their requests may be admitted, or fail with the message."""
+        self._compiling, failed = install_ready(self._compiling)
+        for req, error in failed:
+            self.scheduler.abort(req, error)
+            self._pending.append(self.processor.output(req))
+        self._reap()
+
+    def idle_on_grammars(self) -> bool:
+        """Nothing can run until a grammar compile ends (the front sleeps until one does)."""
+        return (
+            bool(self._compiling)
+            and not self._pending
+            and not self.scheduler.running
+            and all(r.awaiting_grammar for r in self.scheduler.waiting)
+        )
+
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self._compiling:
+            self._install_grammars()
+            outputs += self._pending
+            self._pending = []
         timer = self.stats.stages
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -260,6 +304,8 @@ class Engine:
                 if sched.chunks:
                     if sched.blocks_to_copy:
                         self.executor.copy_blocks(sched.blocks_to_copy)
+                    if self._num_constrained:  # their masks fill while the model runs
+                        self.processor.start_masks(sched, self.executor.vocab_size)
                     logits = self.executor.execute(sched.chunks)
             except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
                 log.exception("model step failed; aborting running requests")
@@ -273,6 +319,7 @@ class Engine:
                 timer.steps += 1
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
+                self.processor.masks.wait()  # (forks copy matchers)
                 forks = self._fork_samples(sched, changed)
                 for out in self.processor.process(sched, logits, forks):
                     changed[out.req.request_id] = out.req
@@ -348,6 +395,7 @@ class Engine:
         for req in self.scheduler.take_finished():
             self.processor.release(req)
             self.requests.pop(req.request_id, None)
+            self._num_constrained -= req.params.structured is not None
             self.stats.num_finished += 1
             self.stats.prompt_tokens += req.prompt_len
 
@@ -449,7 +497,11 @@ class Engine:
                 order.append(rid)
                 results[rid] = GenerationResult(rid, [])
                 open_ids.add(rid)
-            for out in self.step():
+            news = self.step()
+            if not news and self.idle_on_grammars():
+                assert self.grammars is not None
+                self.grammars.wait_any([r.grammar for r in self._compiling], 0.1)  # type: ignore[misc]
+            for out in news:
                 if out.request_id in results:
                     results[out.request_id].add(out)
                     if out.finished:

@@ -14,6 +14,7 @@ from worker.engine.detokenizer import TokenizerLike
 from worker.engine.sampler import token_logprobs
 from worker.engine.sched_output import ScheduledChunk
 from worker.kv import TierTransfers
+from worker.kv.transfer import KVLayout
 
 if TYPE_CHECKING:
     from worker.model.lora import LoraAdapter
@@ -66,6 +67,30 @@ class ModelExecutor(ABC):
     def loaded_loras(self) -> list[str]:
         """Names of the adapters in device slots now (engine thread)."""
         return []
+
+    # Block runs (``worker/kv/transfer.py``). An executor whose ``kv_layout`` is None holds
+    # KV in no exchangeable layout: the engine neither exports nor imports for it.
+    kv_layout: KVLayout | None = None
+
+    def read_run(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> object:
+        """The KV of device blocks then host blocks, as one payload (between steps)."""
+        raise KVTransferUnsupported(type(self).__name__)
+
+    def check_run(self, payload: object, n_blocks: int) -> object:
+        """``payload`` if it holds ``n_blocks`` intact blocks of ``kv_layout``; else raise
+        ``ImportRefused``."""
+        raise KVTransferUnsupported(type(self).__name__)
+
+    def write_run(self, host: bool, block_ids: Sequence[int], payload: object, offset: int) -> None:
+        """Write a checked payload's blocks ``offset..`` into device (``host``: host) blocks."""
+        raise KVTransferUnsupported(type(self).__name__)
+
+
+class KVTransferUnsupported(RuntimeError):
+    """This executor has no exchangeable KV layout (``kv_layout`` is None)."""
+
+    def __init__(self, executor: str) -> None:
+        super().__init__(f"{executor} cannot export or import KV blocks")
 
 
 class RunnerExecutor(ModelExecutor):
@@ -153,6 +178,21 @@ class RunnerExecutor(ModelExecutor):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         self.runner.copy_blocks(pairs)
+
+    @property
+    def kv_layout(self) -> KVLayout:  # type: ignore[override]
+        return self.runner.kv_layout
+
+    def read_run(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> object:
+        return self.runner.read_run(device_ids, host_ids)
+
+    def check_run(self, payload: object, n_blocks: int) -> object:
+        from worker.model.kv_run import check_payload
+
+        return check_payload(payload, self.runner.kv_layout, n_blocks)
+
+    def write_run(self, host: bool, block_ids: Sequence[int], payload: object, offset: int) -> None:
+        self.runner.write_run(host, block_ids, payload, offset)  # type: ignore[arg-type]
 
     def swap(self, transfers: TierTransfers) -> None:
         self.runner.swap_out(transfers.to_host)

@@ -84,6 +84,8 @@ class StreamingEngine:
         self.error: BaseException | None = None  # what killed the loop, if anything
         self.steps = 0  # steps run by the loop (with or without model work)
         self.busy_s = 0.0  # time the loop spent on commands, steps and the step hook
+        if engine.grammars is not None:  # a finished grammar compile wakes the loop
+            engine.grammars.on_ready = self._wake.set
 
     def start(self) -> StreamingEngine:
         if self._thread is None:
@@ -272,9 +274,11 @@ class StreamingEngine:
                         self.steps += 1
                         if self._on_step is not None:
                             self._hook(outputs)
+                    # only requests waiting for their grammar: sleep until a compile ends
+                    compiling = busy and not outputs and self.engine.idle_on_grammars()
                 self._dispatch(outputs)
                 self.busy_s += time.perf_counter() - t0
-                if not busy and not self._inbox:
+                if (not busy or compiling) and not self._inbox:
                     self._wake.wait(self._idle_wait)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
             log.exception("engine loop died")

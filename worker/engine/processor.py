@@ -29,6 +29,7 @@ from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
 from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
+from worker.engine.structured import GrammarMasks, grammar_rows
 
 
 class NonFiniteLogits(RuntimeError):
@@ -60,6 +61,8 @@ class OutputProcessor:
         self._rng = torch.Generator().manual_seed(seed)  # for unseeded requests
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
+        self.masks = GrammarMasks()  # this step's grammar masks (structured outputs)
+        self._logits_device = torch.device("cpu")  # where the last step's logits were
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -96,6 +99,7 @@ class OutputProcessor:
         parent's row. Returns one outcome per request with news."""
         forks = forks or {}
         self._outcomes = {}  # nothing left from a step that raised
+        self._logits_device = logits.device
         jobs: list[tuple[Request, Sequence, int]] = []
         beams: dict[str, Request] = {}
         rows = itertools.count()
@@ -124,6 +128,7 @@ class OutputProcessor:
         rows: list[int] = []
         specs: list[SampleSpec] = []
         penalized: list[tuple[Sequence, SamplingParams]] = []
+        jobs = grammar_rows(jobs, self._guarded)  # (a matcher in error fails its request)
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
@@ -135,9 +140,10 @@ class OutputProcessor:
         t0 = time.perf_counter()
         try:
             counts = self._counts(penalized, logits)
+            mask = self.masks.mask(rows, [seq.matcher for _, seq in targets], logits)
             # every row once, in order (the usual step): no copy of the logits
             batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
-            tokens = sample(batch, specs, self._rng, counts)
+            tokens = sample(batch, specs, self._rng, counts, mask)
             sampled = list(zip(targets, *tokens, strict=True))
         except Exception:  # noqa: BLE001 - find the request that broke the batch
             sampled = self._sample_each(targets, rows, specs, logits)
@@ -171,8 +177,11 @@ class OutputProcessor:
             mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
             try:
                 counts = self._counts(mine, logits)
+                mask = self.masks.mask(
+                    [rows[i] for i in idx], [targets[i][1].matcher for i in idx], logits
+                )
                 toks, lps = sample(
-                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts
+                    logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts, mask
                 )
             except Exception as exc:  # noqa: BLE001
                 self._outcome(req).error = exc
@@ -187,6 +196,17 @@ class OutputProcessor:
             return None
         return self.penalties.rows(penalized, logits.shape[-1], logits.device)
 
+    def start_masks(self, sched: SchedulerOutput, vocab: int) -> None:
+        """Before the model runs: begin filling the grammar masks of the rows that will
+        sample (rows counted as :meth:`process` counts them)."""
+        rows = {}
+        logits_rows = (c for c in sched.chunks if c.wants_logits)
+        for row, chunk in enumerate(logits_rows):
+            m = chunk.seq.matcher
+            if m is not None and chunk.req.beam is None and not m.is_error():
+                rows[row] = m
+        self.masks.start(rows, vocab, self._logits_device)
+
     def release(self, req: Request) -> None:
         """``req`` finished: its sequences' penalty rows are free."""
         if req.params.has_penalties:
@@ -197,7 +217,8 @@ class OutputProcessor:
         p = req.params
         if seq.num_output >= p.min_tokens:
             return ()
-        eos = () if p.ignore_eos else tuple(self.eos_ids)
+        # a grammar decides where the output may end: EOS stays allowed where it allows it
+        eos = () if p.ignore_eos or seq.matcher is not None else tuple(self.eos_ids)
         return (*eos, *p.stop_token_ids)
 
     def _append(self, req: Request, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
@@ -216,6 +237,11 @@ class OutputProcessor:
             matched = seq.text.add(tok, check_stops=check, show=reason is None)
             if matched is not None and reason is None:
                 reason, stop_reason = FinishReason.STOP, matched
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(tok):
+                raise RuntimeError(f"the grammar refused token {tok}: {seq.matcher.get_error()}")
+            if reason is None and seq.matcher.is_stopped():
+                reason = FinishReason.STOP  # the grammar is complete: nothing may follow
         if reason is None and num_output >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,6 +59,7 @@ class Sequence:
         "finish_sent",
         "cached_hint",
         "claim",
+        "matcher",
     )
 
     def __init__(
@@ -88,6 +90,9 @@ class Sequence:
         # the load report counts only the rest as queued prefill
         self.cached_hint = 0
         self.claim: list[BlockKey] = []  # while waiting: its full-block keys (Scheduler claims)
+        # structured outputs: this sequence's grammar state (an llguidance matcher), advanced
+        # by each token it samples; it survives preemption as the output tokens do
+        self.matcher: Any = None
 
     @property
     def num_output(self) -> int:
@@ -110,6 +115,8 @@ class Sequence:
         child.num_computed = self.num_computed
         child.allocated = self.allocated
         child.cumulative_logprob = self.cumulative_logprob
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()
         return child
 
     def reset_for_recompute(self) -> None:
@@ -176,6 +183,10 @@ class Request:
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
         )
         self.prompt_logprobs_sent = False
+        # structured outputs: the compile of its grammar (a Future of the template matcher)
+        # and whether it still waits for it (the scheduler does not admit it until then)
+        self.grammar: Future | None = None
+        self.awaiting_grammar = False
 
     @property
     def priority(self) -> int:

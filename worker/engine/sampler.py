@@ -20,12 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.blocks.outputs import TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.attention import native
+
+if TYPE_CHECKING:
+    from worker.engine.structured import TokenMask
 
 # finite logits after penalties, even divided by GREEDY_EPS (float32 max is ~3.4e38)
 _LOGIT_BOUND = 1e30
@@ -197,11 +201,13 @@ def sample(
     specs: Sequence[SampleSpec],
     default: torch.Generator,
     counts: PenaltyRows | None = None,
+    mask: TokenMask | None = None,
 ) -> tuple[list[int | None], list[TokenLogprob | None]]:
     """One token per row of ``logits`` [rows, vocab] (float32, on any device); returns tokens
     and logprobs on the host (``None`` for a row with non-finite logits). ``counts``: the
     token counts of the rows that set penalties; without them they are counted here from each
-    spec's ``prompt_ids`` and ``output_ids``."""
+    spec's ``prompt_ids`` and ``output_ids``. ``mask``: the tokens a grammar allows in its
+    rows (``worker.engine.structured``)."""
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     device = logits.device
     raw = logits
@@ -221,6 +227,11 @@ def sample(
             tuple(to_device(cells, torch.long, device)),
             torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
         )
+    if mask is not None and mask.rows is None:
+        logits = logits.masked_fill(mask.banned, float("-inf"))
+    elif mask is not None:
+        masked = logits.index_select(0, mask.rows).masked_fill_(mask.banned, float("-inf"))
+        logits = logits.index_copy(0, mask.rows, masked)
     greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
     rand = [i for i, s in enumerate(specs) if not s.params.is_greedy]
     if not rand:

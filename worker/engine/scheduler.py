@@ -205,6 +205,8 @@ class Scheduler:
         for req in list(self.waiting):
             if self._budget == 0:
                 break
+            if req.awaiting_grammar:
+                continue  # its grammar is compiling: let the others pass
             if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
                 break
             lora = req.params.lora

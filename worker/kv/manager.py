@@ -40,6 +40,7 @@ from kvstore.blocks.hashing import (
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.invariants import check_host_tier, check_invariants
+from worker.kv.transfer import TransferMixin
 from worker.kv.types import (
     KVAllocation,
     KVCapacityError,
@@ -68,8 +69,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each."""
+class KVCacheManager(TransferMixin):
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each (block runs
+    move in and out through :class:`~worker.kv.transfer.TransferMixin`)."""
 
     def __init__(
         self,

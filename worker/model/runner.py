@@ -16,11 +16,13 @@ import torch
 
 from worker.attention import create_backend
 from worker.attention.base import AttentionMetadata
+from worker.kv.transfer import KVLayout
 from worker.model.config import ModelConfig
 from worker.model.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from worker.model.heap import keep_freed_memory
 from worker.model.host_kv import HostKVCache
 from worker.model.inputs import ModelInput, SeqChunk
+from worker.model.kv_run import KVPayload, layout_of, read_run, write_run
 from worker.model.loader import load_model, resolve_dtype
 from worker.model.lora import LoraAdapter
 from worker.model.lora_slots import LoraSlots
@@ -221,6 +223,34 @@ class ModelRunner:
         if len(set(dst)) != len(dst):
             raise ValueError(f"{what}: a destination block appears twice: {pairs}")
         return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The shape of one block's KV (what an exported run must share to be imported)."""
+        cfg = self.config
+        return layout_of(
+            self.block_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
+
+    def read_run(self, device_ids: Sequence[int], host_ids: Sequence[int]) -> KVPayload:
+        """Device blocks, then host blocks, of every layer as one payload (host memory)."""
+        self._check_ids(device_ids, self._num_blocks, "read_run")
+        self._check_ids(host_ids, self.num_host_blocks, "read_run")
+        host = self.host_kv_caches if host_ids else []
+        return read_run(self.kv_layout, self.kv_caches, device_ids, host, host_ids)
+
+    def write_run(
+        self, host: bool, block_ids: Sequence[int], payload: KVPayload, offset: int
+    ) -> None:
+        """Write a checked payload's blocks ``offset..`` into device (or host) blocks."""
+        self._check_ids(block_ids, self.num_host_blocks if host else self._num_blocks, "write_run")
+        caches = self.host_kv_caches if host else self.kv_caches
+        write_run(self.kv_layout, caches, block_ids, payload, offset)
+
+    @staticmethod
+    def _check_ids(ids: Sequence[int], n: int, what: str) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= n or len(set(ids)) != len(ids)):
+            raise ValueError(f"{what}: block ids must be distinct and in [0, {n}): {list(ids)}")
 
     def build_input(self, seqs: Sequence[SeqChunk]) -> ModelInput:
         """``ModelInput.build`` with this runner's block size and device."""

@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from worker.model.chat_tools import with_tools
 from worker.model.errors import ModelLoadError
 
 
@@ -40,13 +41,14 @@ def _raise_template_error(message: str) -> None:
     raise ValueError(f"chat template: {message}")
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
 # End-of-turn markers of common chat templates, searched in this order (ChatML first).
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
-def check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Validate a chat: a non-empty list of {role, content} with known roles and non-empty
     content. Returns plain dicts (what the template sees); raises ValueError naming the
     message index, the field and the value."""
@@ -65,9 +67,10 @@ def check_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]
         role, content = msg.get("role"), msg.get("content")
         if role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role={role!r} is not one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(content, str) or not content.strip():
+        calls = msg.get("tool_calls") if role == "assistant" else None
+        if not isinstance(content, str) or not (content.strip() or calls):
             raise ValueError(f"messages[{i}].content is empty (role {role!r})")
-        out.append({"role": role, "content": content})
+        out.append({k: msg[k] for k in _MESSAGE_KEYS if k in msg})
     return out
 
 
@@ -181,13 +184,18 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` model as JSON (what grammar libraries read the vocabulary from)."""
+        return self._tok.to_str()
+
     def render_chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) to the prompt text with the
         model's chat template in a sandboxed Jinja environment (as transformers does).
@@ -204,7 +212,7 @@ class Tokenizer:
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain text prompt")
-        checked = check_messages(messages)
+        checked, tools = with_tools(check_messages(messages), tools, self.chat_template)
         if "developer" not in self.chat_template:
             for m in checked:
                 if m["role"] == "developer":
@@ -222,11 +230,14 @@ class Tokenizer:
                 raise ValueError(f"chat template does not compile: {exc}") from exc
         try:
             text = self._template.render(
-                **dict(template_kwargs or {}),
-                messages=checked,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                {
+                    **dict(template_kwargs or {}),
+                    "messages": checked,
+                    "tools": tools,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": self.bos_token or "",
+                    "eos_token": self.eos_token or "",
+                }
             )
         except jinja2.TemplateError as exc:  # incl. the sandbox refusing an unsafe access
             raise ValueError(f"chat template failed: {exc}") from exc
@@ -242,16 +253,18 @@ class Tokenizer:
 
     def encode_chat(
         self,
-        messages: Sequence[Mapping[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         text = self.render_chat(
             messages,
             add_generation_prompt,
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
+            tools=tools,
         )
         return self.encode(text, False)

@@ -1,0 +1,147 @@
+"""Peer pulls on a real local cluster: least_loaded and prefix_affinity, each with and
+without pulls, at three offered loads.
+
+Each of the four configurations gets a fresh cluster (in-process Ray, local redis-server,
+``--workers`` CPU workers, the same engine sizes) and serves the same seeded workload at
+each concurrency of ``--loads`` in turn: ``--groups`` system prompts of ``--prefix-words``
+words each plus a distinct question — a hot prefix set about ``--hot-x`` times one
+worker's KV cache, so no worker can hold it all and where a request lands (and whether its
+prefix can be pulled) decides what is recomputed. Reports req/s, TTFT and hit rate per
+load, failures (must be 0), the ratios with / without pulls, and saves
+``kv_pull_cluster.png``. Sized for a 2-core machine: timings move with other jobs, so the
+lead re-runs it on a quiet machine.
+
+    .venv/bin/python -m benchmarks.kv_pull_cluster            # 32M model, many minutes
+    .venv/bin/python -m benchmarks.kv_pull_cluster --smoke    # tiny model, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.loadgen import make_prompts, send_all, summarize
+from benchmarks.policy_bench import Workload, cluster_config
+from cluster.client import KVClusterClient
+from cluster.config import ClusterConfig
+
+CONFIGS = (
+    ("least_loaded", False),
+    ("least_loaded", True),
+    ("prefix_affinity", False),
+    ("prefix_affinity", True),
+)
+
+
+def _config(policy: str, pull: bool, args: argparse.Namespace) -> ClusterConfig:
+    w = Workload(
+        model_size=args.size,
+        num_requests=args.requests,
+        concurrency=1,
+        num_groups=args.groups,
+        prefix_words=args.prefix_words,
+        max_tokens=args.max_tokens,
+        num_blocks=args.blocks,
+        num_workers=args.workers,
+    )
+    raw = cluster_config(policy, w).model_dump()
+    raw["name"] = f"{raw['name']}-{'pull' if pull else 'nopull'}"
+    raw["router"]["routing"]["pull"] = {"enabled": pull, "source_step_tokens": 1024}
+    return ClusterConfig.model_validate(raw)
+
+
+def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
+    from cluster.launcher import Cluster  # late: imports Ray and the worker's model code
+
+    prompts = make_prompts(args.requests, args.groups, args.prefix_words, args.seed)
+    rows = []
+    with (
+        Cluster(_config(policy, pull, args)) as cluster,
+        KVClusterClient(cluster.endpoints[0]) as client,
+    ):
+        for load in args.loads:
+            samples, wall = send_all(
+                client, prompts, concurrency=load, max_tokens=args.max_tokens, progress=sys.stderr
+            )
+            s = summarize(samples, wall)
+            rows.append(
+                {
+                    "policy": policy,
+                    "pull": "on" if pull else "off",
+                    "concurrency": load,
+                    "ok": s["ok"],
+                    "failed": len(samples) - s["ok"],
+                    "req_s": s["req_s"],
+                    "ttft_p50_s": s["ttft_p50_s"],
+                    "ttft_p99_s": s["ttft_p99_s"],
+                    "hit_rate": s["hit_rate"],
+                    "errors": ",".join(sorted({x.code for x in samples if not x.ok})) or "-",
+                }
+            )
+    return rows
+
+
+def _plot(rows: list[dict], loads: list[int]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy, pull in CONFIGS:
+        mine = [r for r in rows if r["policy"] == policy and r["pull"] == ("on" if pull else "off")]
+        label = f"{policy}{' + pull' if pull else ''}"
+        axes[0].plot(loads, [r["req_s"] for r in mine], "o-", label=label)
+        axes[1].plot(loads, [r["ttft_p99_s"] for r in mine], "o-", label=label)
+    axes[0].set_title("req/s")
+    axes[1].set_title("TTFT p99 (s)")
+    for ax in axes:
+        ax.set_xlabel("concurrency (offered load)")
+        ax.legend()
+    save_figure(fig, "kv_pull_cluster.png")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="32m", help="offline model size (build_tiny SIZES)")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=64, help="KV blocks per worker (16 tokens)")
+    ap.add_argument("--groups", type=int, default=8, help="system prompts (the hot set)")
+    ap.add_argument("--prefix-words", type=int, default=240)
+    ap.add_argument("--requests", type=int, default=48, help="requests per load")
+    ap.add_argument("--loads", default="2,4,8", help="concurrencies, up to saturation")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.size, args.workers, args.blocks, args.groups = "tiny", 2, 32, 4
+        args.prefix_words, args.requests, args.loads = 120, 8, "2,4"
+    args.loads = [int(x) for x in str(args.loads).split(",")]
+    rows = [r for policy, pull in CONFIGS for r in _run(policy, pull, args)]
+    print_table(rows, f"peer pulls, {args.workers} workers, {args.size} model")
+    _plot(rows, args.loads)
+    by = {(r["policy"], r["pull"], r["concurrency"]): r for r in rows}
+    top = max(args.loads)
+    ll = by[("least_loaded", "on", top)]["req_s"] / by[("least_loaded", "off", top)]["req_s"]
+    aff = [
+        by[("prefix_affinity", "on", c)]["req_s"] / by[("prefix_affinity", "off", c)]["req_s"]
+        for c in args.loads
+    ]
+    head = {
+        "benchmark": "kv_pull_cluster",
+        "smoke": args.smoke,
+        "least_loaded_pull_req_s_ratio": round(ll, 3),
+        "affinity_pull_req_s_ratios": [round(x, 3) for x in aff],
+        "affinity_pull_p99_ttft_ratio_top": round(
+            by[("prefix_affinity", "on", top)]["ttft_p99_s"]
+            / by[("prefix_affinity", "off", top)]["ttft_p99_s"],
+            3,
+        ),
+        "hit_rate_least_loaded_pull_top": round(by[("least_loaded", "on", top)]["hit_rate"], 3),
+        "hit_rate_least_loaded_top": round(by[("least_loaded", "off", top)]["hit_rate"], 3),
+        "failures": sum(r["failed"] for r in rows),
+    }
+    emit_json(head)
+    return head
+
+
+if __name__ == "__main__":
+    main()

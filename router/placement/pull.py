@@ -1,0 +1,216 @@
+"""Pricing a peer pull against queueing at the holder and recomputing elsewhere.
+
+Per request, once the policy has chosen, the planner compares (in seconds):
+
+- **hold**: run on the worker holding the longest prefix (``h``, ``c_h`` tokens cached):
+  ``wait(h) + prefill(n - c_h)`` — only when the policy chose ``h`` itself; a holder the
+  policy ruled out (its load bound) stays ruled out, so pulls never bring back herding;
+- **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
+  ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
+  queue on ``e``, so the two add up);
+- **recompute** on ``e``: ``wait(e) + prefill(n - c_e)``.
+
+``e`` is the policy's choice when that is not the holder, else the least loaded other
+worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
+is the holder's step in flight (its queued prefill up to one step's tokens: the export runs
+between steps) plus fixed + per token, per pair of nodes (:class:`TransferModel`),
+calibrated at start-up and refined from every observed pull. Ties go to hold, then
+recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
+``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
+its break-even, the time recomputing the pulled tokens would take (or the priced transfer
+if longer): past it the worker recomputes instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvstore.blocks.protocol import PullHint
+from router.placement.types import Placement, Reason, WorkerView
+
+NodeId = str
+
+
+@dataclass(slots=True)
+class PairCost:
+    """Transfer cost between two nodes: ``fixed_s + per_token_s * tokens``."""
+
+    fixed_s: float
+    per_token_s: float
+    observed: int = 0  # pulls that refined it
+
+    def seconds(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+class TransferModel:
+    """Per (source node, destination node) pair, what moving a run of ``tokens`` costs.
+
+    Unknown pairs use ``default`` (same-node and cross-node defaults may differ). An
+    observed pull moves the pair's prediction toward what happened by ``alpha`` of the
+    error, split between the fixed and per-token parts in proportion to their shares of the
+    prediction (both stay positive)."""
+
+    def __init__(
+        self,
+        fixed_s: float,
+        per_token_s: float,
+        *,
+        cross_node_factor: float = 4.0,
+        alpha: float = 0.2,
+    ) -> None:
+        self.default = PairCost(fixed_s, per_token_s)
+        self.cross_node_factor = cross_node_factor
+        self.alpha = alpha
+        self.pairs: dict[tuple[NodeId, NodeId], PairCost] = {}
+
+    def pair(self, src: NodeId, dst: NodeId) -> PairCost:
+        cost = self.pairs.get((src, dst))
+        if cost is None:
+            f = 1.0 if src == dst else self.cross_node_factor
+            cost = PairCost(self.default.fixed_s * f, self.default.per_token_s * f)
+        return cost
+
+    def seconds(self, src: NodeId, dst: NodeId, tokens: int) -> float:
+        return self.pair(src, dst).seconds(tokens)
+
+    def calibrate(self, src: NodeId, dst: NodeId, samples: Sequence[tuple[int, float]]) -> PairCost:
+        """Fit ``fixed + per_token x tokens`` to (tokens, seconds) probes (least squares,
+        both parts clamped at 0); a single probe sets the per-token part only."""
+        if not samples:
+            raise ValueError("calibrate needs at least one (tokens, seconds) sample")
+        n = len(samples)
+        mx = sum(t for t, _ in samples) / n
+        my = sum(s for _, s in samples) / n
+        var = sum((t - mx) ** 2 for t, _ in samples)
+        if var > 0:
+            slope = sum((t - mx) * (s - my) for t, s in samples) / var
+            slope = max(slope, 0.0)
+            fixed = max(my - slope * mx, 0.0)
+        else:
+            fixed, slope = 0.0, my / mx if mx else 0.0
+        cost = self.pairs[(src, dst)] = PairCost(fixed, slope)
+        return cost
+
+    def observe(self, src: NodeId, dst: NodeId, tokens: int, seconds: float) -> None:
+        cost = self.pair(src, dst)
+        predicted = cost.seconds(tokens)
+        if predicted <= 0:
+            cost.per_token_s = seconds / max(tokens, 1)
+        else:
+            err = self.alpha * (seconds - predicted)
+            cost.fixed_s = max(cost.fixed_s + err * cost.fixed_s / predicted, 0.0)
+            per = cost.per_token_s * tokens
+            cost.per_token_s = max(cost.per_token_s + err * per / predicted / max(tokens, 1), 0.0)
+        cost.observed += 1
+        self.pairs[(src, dst)] = cost
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """The three prices of one request (seconds until its prefill would end; None: not an
+    option) and the choice."""
+
+    hold_s: float | None
+    pull_s: float | None
+    recompute_s: float | None
+    choice: str  # "hold", "pull" or "recompute"
+
+
+class PullPlanner:
+    """Turns a policy's placement into hold / pull / recompute (see the module docstring)."""
+
+    def __init__(
+        self,
+        transfers: TransferModel,
+        *,
+        prefill_tokens_per_s: float,
+        min_pull_tokens: int,
+        min_deadline_s: float,
+        block_size: int,
+        source_step_tokens: int = 0,
+        node_of: Callable[[str], NodeId] = lambda _w: "",
+    ) -> None:
+        self.transfers = transfers
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.min_pull_tokens = min_pull_tokens
+        self.min_deadline_s = min_deadline_s
+        self.block_size = block_size
+        self.source_step_tokens = source_step_tokens
+        self.node_of = node_of
+
+    def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        """A prefill of ``tokens`` took ``seconds`` on a worker that had nothing queued:
+        move the rate estimate toward it."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_tokens_per_s += alpha * (rate - self.prefill_tokens_per_s)
+
+    def _wait(self, view: WorkerView) -> float:
+        return view.load.queued_prefill_tokens / self.prefill_tokens_per_s
+
+    def _prefill(self, tokens: int) -> float:
+        return max(tokens, 0) / self.prefill_tokens_per_s
+
+    def plan(
+        self,
+        n_tokens: int,
+        views: Sequence[WorkerView],
+        placement: Placement,
+        held: Mapping[str, tuple[int, int]],
+        *,
+        holder_eligible: bool,
+    ) -> tuple[Placement, PullHint | None, Priced | None]:
+        """``held``: per worker, (leading blocks on its device, leading blocks in either
+        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts at
+        the destination's device blocks (what it holds in its host tier is pulled over, as
+        an import lands on the device). ``holder_eligible``: whether the policy could have
+        chosen the holder (a prefix policy did; a load-only policy never holds)."""
+        if len(views) < 2:
+            return placement, None, None
+        bs = self.block_size
+        cached = {v.worker_id: min(v.cached_tokens or 0, n_tokens) for v in views}
+        by_id = {v.worker_id: v for v in views}
+        holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id
+        chosen = placement.worker_id
+        if chosen == holder and holder_eligible:
+            others = [v for v in views if v.worker_id != holder and v.adapter_loaded]
+            if not others:
+                return placement, None, None
+            elsewhere = min(others, key=lambda v: (self._wait(v), -cached[v.worker_id])).worker_id
+            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(
+                n_tokens - cached[holder]
+            )
+        else:
+            elsewhere, hold_s = chosen, None
+        ev = by_id[elsewhere]
+        recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
+        start, total = held[elsewhere][0], held[holder][1]
+        gain = max(total - start, 0) * bs
+        pull_s = xfer_s = None
+        if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
+            # the export waits for the holder's step in flight (its load), then moves
+            step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
+            xfer_s = self._prefill(step) + self.transfers.seconds(
+                self.node_of(holder), self.node_of(elsewhere), gain
+            )
+            pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
+        options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
+        choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
+        priced = Priced(hold_s, pull_s, recompute_s, choice)
+        if choice == "hold":
+            return placement, None, priced
+        if choice == "recompute":
+            if elsewhere == chosen:
+                return placement, None, priced
+            return Placement(elsewhere, Reason.LOAD, cached[elsewhere]), None, priced
+        assert xfer_s is not None
+        hint = PullHint(
+            source_id=holder,
+            start_block=start,
+            num_blocks=total - start,
+            deadline_s=max(self._prefill(gain), xfer_s, self.min_deadline_s),
+            priced_s=xfer_s,
+        )
+        return Placement(elsewhere, Reason.PULL, total * bs), hint, priced

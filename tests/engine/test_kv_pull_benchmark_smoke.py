@@ -1,0 +1,30 @@
+"""benchmarks.kv_pull runs at smoke size: outputs identical, one parseable JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import kv_pull
+
+
+def test_kv_pull_engine_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = kv_pull.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert head["same_outputs"] is True and head["prefix_tokens"] == 256
+    assert head["pull_ms"] > 0 and head["recompute_ms"] >= 0  # (a difference: noisy at smoke size)
+    assert (tmp_path / "kv_pull_engine.png").stat().st_size > 0
+
+
+def test_kv_pull_warm_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    from benchmarks import kv_pull_warm
+
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = kv_pull_warm.main(["--smoke"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == head
+    assert head["pulled_blocks"] == 16  # the 4 hottest 64-token prefixes, 4 blocks each
+    assert head["reached_warm_requests"] <= head["reached_cold_requests"]
+    assert (tmp_path / "kv_pull_warm.png").stat().st_size > 0

@@ -1,0 +1,121 @@
+"""The router's three choices on a real cluster (local Ray, a real redis-server, two tiny
+workers): the real index, fed by the workers' own KV events, answers who holds a prompt;
+the loads are the test's (so each regime is certain): an idle holder gets the request, a
+saturated holder's prefix is pulled to the other worker (the same tokens as computing it),
+a tiny prefix is recomputed. The router actor's start-up calibration fitted its model."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import replace
+
+import pytest
+import ray
+
+from cluster.launcher import Cluster
+from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.index import KVIndex
+from router import Reason, Router, RouteRequest, RoutingConfig
+from router.placement.prefix_source import KVIndexSource
+from tests.cluster.conftest import cluster_config
+from worker.kv import HashContext
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+# a slow prefill estimate: the pull's soft deadline (its break-even) is then seconds, so a
+# busy test machine cannot make the pulled regime recompute
+PULL = {
+    "enabled": True,
+    "prefill_tokens_per_s": 100.0,
+    "min_pull_tokens": 64,
+    "source_step_tokens": 256,  # the workers' max_num_batched_tokens
+}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cfg = cluster_config(
+        f"pull-{os.getpid()}",
+        router={"routing": {"policy": "prefix_affinity", "pull": PULL}},
+    )
+    with Cluster(cfg) as c:
+        yield c
+
+
+def generate(handle, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
+    items = [
+        ray.get(r, timeout=120)
+        for r in handle.generate.options(num_returns="streaming").remote(req)
+    ]
+    toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
+    return items[0], toks, items[-1].usage.cached_tokens
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def wait_held(index: KVIndex, router: Router, p: list[int], ctx, worker: str, blocks: int) -> None:
+    from kvstore.blocks.hashing import block_keys
+
+    keys = block_keys(p, router.block_size, ctx)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if index.lookup(keys).get(worker, 0) >= blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{worker} never showed {blocks} blocks in the index")
+
+
+def test_hold_pull_recompute(cluster) -> None:
+    a, b = sorted(cluster.workers)
+    index = KVIndex(cluster.index_config())
+    routing = RoutingConfig(policy="prefix_affinity", pull=PULL, pending_ttl_s=0)
+    router = Router(routing, KVIndexSource(index), block_size=16)
+    ctx = HashContext(cluster.model_id)
+    loads = {w: info.load for w, info in index.live_workers().items()}
+    p = prompt(1, 300)  # 18 full blocks of prefix
+    _, want, _ = generate(cluster.workers[a], WorkerRequest("p0", p + [9], GREEDY))
+    wait_held(index, router, p + [9], ctx, a, 18)
+
+    idle = router.route(RouteRequest("r1", p + [7, 8], ctx), loads)  # holder idle
+    assert (idle.worker_id, idle.reason, idle.pull) == (a, Reason.PREFIX, None)
+
+    busy = {**loads, a: replace(loads[a], queued_prefill_tokens=50_000)}  # 500 s of queue
+    d = router.route(RouteRequest("r2", p + [9], ctx), busy)
+    assert d.worker_id == b and d.reason == Reason.PULL and d.pull.source_id == a
+    adm, got, cached = generate(
+        cluster.workers[b], WorkerRequest("r2", p + [9], GREEDY, pull=d.pull)
+    )
+    assert adm.pulled.outcome == "ok" and adm.pulled.tokens == 288, adm.pulled
+    assert got == want and cached == 288  # pulled, then a prefix hit: the same tokens
+
+    tiny = prompt(2, 40)  # 2 blocks: below min_pull_tokens
+    generate(cluster.workers[a], WorkerRequest("t0", tiny, GREEDY))
+    wait_held(index, router, tiny, ctx, a, 2)
+    d = router.route(RouteRequest("t1", tiny + [5], ctx), busy)
+    assert d.worker_id == b and d.pull is None
+    for w in cluster.workers.values():
+        assert ray.get(w.kv_blocks_in_use.remote(), timeout=30) == 0
+
+
+def test_router_actor_calibrated_its_transfer_model(cluster) -> None:
+    router = next(iter(cluster.routers.values()))
+
+    def pairs(server):  # noqa: ANN001
+        planner = server.router.planner
+        return {k: (v.fixed_s, v.per_token_s) for k, v in planner.transfers.pairs.items()}
+
+    deadline = time.monotonic() + 60
+    fitted = {}
+    while time.monotonic() < deadline and not fitted:
+        fitted = ray.get(router.__ray_call__.remote(pairs), timeout=30)
+        time.sleep(0.5)
+    assert len(fitted) == 1, fitted  # one node: one pair
+    ((fixed, per_token),) = fitted.values()
+    assert fixed >= 0 and per_token > 0

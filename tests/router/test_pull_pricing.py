@@ -1,0 +1,135 @@
+"""The router's pull pricing: hold at an idle holder, pull to a less loaded worker when the
+holder is saturated, recompute a tiny prefix; the transfer model's calibration and
+refinement; the pulled column of the predicted-vs-realised table."""
+
+from __future__ import annotations
+
+import pytest
+
+from router import Reason, RouteRequest, RoutingConfig
+from router.placement.prediction import PredictionTracker
+from router.placement.pull import TransferModel
+from tests.router.harness import MiniCluster, load, tokens
+
+RATE = 1000.0  # prefill tokens per second
+
+
+def routing(policy: str = "prefix_affinity", **pull) -> RoutingConfig:
+    pull = {
+        "enabled": True,
+        "prefill_tokens_per_s": RATE,
+        "fixed_s": 0.01,
+        "source_step_tokens": 256,  # the holder's step in flight: 0.256 s
+        **pull,
+    }
+    return RoutingConfig(policy=policy, seed=1, pull=pull, pending_ttl_s=0)
+
+
+def warm(cluster: MiniCluster, prompt: list[int]) -> str:
+    """Place ``prompt`` once (its blocks become cached on the chosen worker); its holder."""
+    holder = cluster.place("warm", prompt).worker_id
+    cluster.drain(10**9)
+    return holder
+
+
+def test_idle_holder_gets_the_request() -> None:
+    cluster = MiniCluster(3, routing())
+    prompt = tokens(1, 2000)
+    holder = warm(cluster, prompt)
+    d = cluster.place("r", prompt + tokens(2, 50))
+    assert (d.worker_id, d.reason, d.pull) == (holder, Reason.PREFIX, None)
+
+
+def test_saturated_holder_makes_the_router_pull_to_another_worker() -> None:
+    cluster = MiniCluster(3, routing())
+    prompt = tokens(1, 2000)
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 5000  # 5 s of queue; recomputing 2000 tokens costs 2 s
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 50)), cluster.loads())
+    assert d.reason == Reason.PULL and d.worker_id != holder
+    assert d.pull is not None and d.pull.source_id == holder
+    assert (d.pull.start_block, d.pull.num_blocks) == (0, 125)  # 2000 cached tokens
+    assert d.cached_tokens_expected == 2000
+    # priced: the holder's step in flight, fixed 10 ms, 2000 x 2 us; its soft deadline is
+    # the break-even (recomputing the pulled tokens)
+    assert d.pull.priced_s == pytest.approx(0.256 + 0.01 + 2000 * 2e-6)
+    assert d.pull.deadline_s == pytest.approx(2000 / RATE)
+    assert cluster.router.metrics.count(Reason.PULL) == 1
+
+
+def test_a_holder_busy_with_long_steps_is_not_pulled_from() -> None:
+    """The export waits for the holder's step in flight: 2048-token steps at 1000 tokens/s
+    cost 2 s, as much as recomputing: recompute elsewhere instead."""
+    cluster = MiniCluster(3, routing(source_step_tokens=2048))
+    prompt = tokens(1, 2000)
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 5000
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 50)), cluster.loads())
+    assert d.pull is None and d.worker_id != holder and d.cached_tokens_expected == 0
+
+
+def test_slow_transfers_make_recompute_or_hold_win() -> None:
+    """The same saturated holder, but a pull costs more than recomputing: recompute
+    elsewhere; and with a queue shorter than the pull, hold."""
+    cluster = MiniCluster(3, routing(per_token_s=2e-3))  # 2 ms per token: 4 s for 2k tokens
+    prompt = tokens(1, 2000)
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 5000
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 50)), cluster.loads())
+    assert d.pull is None and d.worker_id != holder and d.cached_tokens_expected == 0
+    cluster.queue[holder] = 1000  # 1 s queue + 66 ms prefill beats a 2 s recompute
+    d = cluster.router.route(RouteRequest("r2", prompt + tokens(3, 50)), cluster.loads())
+    assert (d.worker_id, d.pull) == (holder, None)
+
+
+def test_a_tiny_prefix_is_recomputed_never_pulled() -> None:
+    cluster = MiniCluster(3, routing(min_pull_tokens=64))
+    prompt = tokens(1, 40)  # 2 blocks
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 10**6
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 50)), cluster.loads())
+    assert d.pull is None and d.worker_id != holder
+
+
+def test_least_loaded_pulls_to_the_worker_it_chose() -> None:
+    cluster = MiniCluster(2, routing("least_loaded", fixed_s=0.0, source_step_tokens=0))
+    prompt = tokens(1, 1000)
+    holder = warm(cluster, prompt)
+    other = next(w for w in cluster.kv if w != holder)
+    cluster.queue[holder] = 10_000
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 20)), cluster.loads())
+    assert d.worker_id == other and d.pull is not None and d.pull.source_id == holder
+    cluster.queue[holder] = 0
+    cluster.queue[other] = 10_000  # least-loaded picks the holder: a hit, no pull
+    d = cluster.router.route(RouteRequest("r2", prompt + tokens(3, 20)), cluster.loads())
+    assert d.worker_id == holder and d.pull is None
+
+
+def test_pull_off_by_default_never_hashes_for_load_policies() -> None:
+    cluster = MiniCluster(2, RoutingConfig(policy="least_loaded"))
+    d = cluster.router.route(RouteRequest("r", tokens(1, 100)), {"w0": load(), "w1": load()})
+    assert d.keys == () and d.pull is None
+
+
+def test_transfer_model_calibrates_a_line_and_refines_toward_observed_pulls() -> None:
+    model = TransferModel(0.001, 1e-6, cross_node_factor=4.0, alpha=0.5)
+    assert model.seconds("a", "b", 1000) == pytest.approx(4 * (0.001 + 1e-3))
+    cost = model.calibrate("a", "a", [(0, 0.002), (1000, 0.004), (2000, 0.006)])
+    assert (cost.fixed_s, cost.per_token_s) == (pytest.approx(0.002), pytest.approx(2e-6))
+    for _ in range(30):
+        model.observe("a", "a", 1000, 0.008)  # twice the calibrated 4 ms
+    assert model.seconds("a", "a", 1000) == pytest.approx(0.008, rel=1e-3)
+    assert model.pair("a", "a").observed == 30
+    with pytest.raises(ValueError, match="at least one"):
+        model.calibrate("a", "b", [])
+
+
+def test_prediction_table_counts_pull_misses_and_slow_pulls() -> None:
+    table = PredictionTracker(16)
+    table.observe_pull("w1", 320, 320, 0.01, 0.01, slow_factor=2.0)
+    table.observe_pull("w1", 320, 0, 0.5, 0.01, slow_factor=2.0)  # missed, and slow
+    table.observe_pull("w1", 320, 160, 0.015, 0.01, slow_factor=2.0)  # half missed
+    w = table.workers["w1"]
+    assert (w.pulls, w.pull_planned_tokens, w.pulled_tokens) == (3, 960, 480)
+    assert (w.pull_misses, w.pull_slow) == (2, 1)
+    assert table.pull_totals()["pull_misses"] == 2

@@ -1,0 +1,302 @@
+"""The worker actor's side of peer pulls: export to a peer, pull from a peer, probe.
+
+:class:`PeerPulls` is mixed into the worker actor. Every engine access goes through the
+front (``with_engine_async``: run on the engine thread between steps), so the actor's event
+loop never waits for a step; the bytes move through a
+:class:`~worker.pull.transport.KVTransport`.
+
+A pull is advice, never a dependency: whatever goes wrong — the source holds nothing any
+more, it died or restarted, the object is lost, corrupt or of another model, tenant or
+adapter, or the whole pull outlasts its soft deadline — the request is queued as it is and
+recomputes its prefix. Nothing is left behind: the source's pins last only for its copy,
+the payload is freed when the importer drops its handle, and an import is either written
+and cached whole or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import ray
+
+from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
+from worker.engine import Engine
+from worker.engine.kv_pull import export_run, import_run
+from worker.kv.transfer import BlockRun, ImportRefused, RunHeader
+from worker.pull.transport import (
+    KVTransport,
+    PullFailed,
+    RayObjectStoreTransport,
+    RunHandle,
+    current_node_id,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class PeerPulls:
+    """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``
+    and ``self.worker_id``; call :meth:`_init_pulls` once the front runs."""
+
+    front: Any
+    engine: Engine
+    worker_id: str
+
+    def _init_pulls(self, transport: KVTransport | None = None) -> None:
+        self.transport = transport or RayObjectStoreTransport()
+        self.pull_outcomes: Counter[str] = Counter()  # outcome -> pulls
+        self.pulled_tokens = 0  # tokens imported by pulls
+        self.exported_runs = 0  # runs this worker handed out
+        self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kv-pull")  # actor lookups
+        self.node_id = current_node_id()
+        # last key of each pull in flight -> its end: a request of the same prefix that
+        # arrives meanwhile waits for it instead of computing the prefix beside the import
+        self._landing: dict[BlockKey, asyncio.Future[None]] = {}
+        self.coalesced = 0  # requests that waited for another request's pull
+        # prompts served, by the key of their last full block: (context, keys, requests):
+        # what a new worker warms up from (hot_prefixes); bounded, least recent dropped
+        self._served: OrderedDict[BlockKey, list] = OrderedDict()
+        self.max_served = 4096
+        self.warmed_blocks = 0  # blocks imported by warm_start
+
+    async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
+        """``fn(engine)`` on the engine thread between steps, awaited without blocking the
+        event loop."""
+        return await self.front.with_engine_async(fn)
+
+    # -- source ------------------------------------------------------------------------------
+
+    async def export_kv(
+        self, keys: Sequence[BlockKey], ctx: HashContext, start: int = 0
+    ) -> RunHandle | None:
+        """Publish the leading run of ``keys`` (blocks ``start..`` of a prompt under
+        ``ctx``) this worker holds; None when it holds none. Called by a pulling peer."""
+        run = await self._on_engine(lambda e: export_run(e, list(keys), ctx, start))
+        if run is None:
+            return None
+        self.exported_runs += 1
+        return self.transport.publish(run)
+
+    async def probe_export(self, n_tokens: int, max_bytes: int = 64 << 20) -> RunHandle | None:
+        """Publish a zero run of ``n_tokens`` (whole blocks, at most ``max_bytes``) in this
+        worker's KV layout: the bytes a real pull of that length moves (the router's
+        transfer calibration)."""
+        from worker.model.kv_run import run_block_bytes, zero_payload
+
+        layout = self.engine.executor.kv_layout
+        if layout is None:
+            return None
+        per_block = run_block_bytes(layout)
+        n_blocks = max(1, min(n_tokens // layout.block_size, max_bytes // per_block))
+        header = RunHeader(layout, HashContext(), 0, (), ())
+        return self.transport.publish(BlockRun(header, zero_payload(layout, n_blocks)))
+
+    async def probe_pull(
+        self, source_id: str, sizes: Sequence[int], repeats: int = 3
+    ) -> dict[str, Any]:
+        """Time pulls of zero runs of ``sizes`` tokens from ``source_id`` (call, publish,
+        fetch and a copy of the bytes, as an import copies them), the fastest of
+        ``repeats`` each (the rest is noise): the router fits its transfer cost for this
+        pair of nodes to the samples."""
+        source = await self._peer(source_id)
+        samples: list[tuple[int, float]] = []
+        source_node = ""
+        bs = self.engine.config.block_size
+        for n in sizes:
+            best, tokens = None, 0
+            for _ in range(repeats):
+                started = time.monotonic()
+                handle = await asyncio.wait_for(_await(source.probe_export.remote(n)), 30.0)
+                if handle is None:
+                    return {"source_node": "", "node": self.node_id, "samples": []}
+                run = await self.transport.fetch(handle, 30.0)
+                run.payload.data.copy()  # the import's copy into the cache
+                took = time.monotonic() - started
+                best = took if best is None else min(best, took)
+                tokens = len(run.payload) * bs
+                self.transport.release(handle)
+                source_node = handle.node
+            samples.append((tokens, best))
+        return {"source_node": source_node, "node": self.node_id, "samples": samples}
+
+    # -- importer ----------------------------------------------------------------------------
+
+    async def _pull_for(
+        self, request: WorkerRequest, keys: Sequence[BlockKey]
+    ) -> PullReport | None:
+        """Run the request's pull, if it has one; never raises (see the module docstring)."""
+        self._note_served(request, keys)
+        hint = request.pull
+        if hint is None:
+            await self._await_landing(keys)
+            return None
+        ctx = self.engine.hash_context(request.params)
+        started = time.monotonic()
+        end = hint.start_block + hint.num_blocks
+        last = keys[end - 1] if 0 < end <= len(keys) else None
+        landing = asyncio.get_running_loop().create_future()
+        if last is not None:
+            self._landing.setdefault(last, landing)
+        try:
+            outcome, blocks, nbytes, node = await self._pull(hint, request.token_ids, keys, ctx)
+        finally:
+            landing.set_result(None)
+            if last is not None and self._landing.get(last) is landing:
+                del self._landing[last]
+        seconds = time.monotonic() - started
+        self.pull_outcomes[outcome] += 1
+        if outcome != "ok":
+            log.info(
+                "request %s: pull from %s %s after %.3fs; recomputing",
+                request.request_id,
+                hint.source_id,
+                outcome,
+                seconds,
+            )
+        bs = self.engine.config.block_size
+        return PullReport(
+            hint.source_id, outcome, blocks, blocks * bs, seconds, nbytes, self.node_id, node
+        )
+
+    def _note_served(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> None:
+        usable = (len(request.token_ids) - 1) // self.engine.config.block_size
+        if usable <= 0:
+            return
+        last = keys[usable - 1]
+        entry = self._served.pop(last, None)
+        if entry is None:
+            entry = [self.engine.hash_context(request.params), tuple(keys[:usable]), 0]
+        entry[2] += 1
+        self._served[last] = entry
+        while len(self._served) > self.max_served:
+            self._served.popitem(last=False)
+
+    def hot_prefixes(self, n: int) -> list[tuple[HashContext, tuple[BlockKey, ...]]]:
+        """The ``n`` prompt prefixes this worker served most often (recent ones first among
+        equals): their contexts and chained keys, for a peer's warm start."""
+        ranked = sorted(enumerate(self._served.values()), key=lambda e: (-e[1][2], -e[0]))
+        return [(ctx, keys) for _, (ctx, keys, _n) in ranked[:n]]
+
+    async def warm_start(self, peer_ids: Sequence[str], n: int = 16) -> dict[str, int]:
+        """Pull the hottest prefixes of ``peer_ids`` (each peer's ``n`` most served) while
+        this worker takes load. Every run is checked like a request's pull: its keys must
+        hash from its own tokens under a context of this model; nothing here can fail a
+        request (a failed pull is skipped)."""
+        done = {"runs": 0, "blocks": 0, "skipped": 0}
+        bs = self.engine.config.block_size
+        for peer_id in peer_ids:
+            if peer_id == self.worker_id:
+                continue
+            try:
+                peer = await self._peer(peer_id)
+                hot = await asyncio.wait_for(_await(peer.hot_prefixes.remote(n)), 30.0)
+            except Exception:  # noqa: BLE001 - a peer that does not answer warms nothing
+                done["skipped"] += 1
+                continue
+            for ctx, keys in hot:
+                if ctx.model_id != self.engine.model_id:
+                    done["skipped"] += 1
+                    continue
+                try:
+                    handle = await asyncio.wait_for(_await(peer.export_kv.remote(keys, ctx)), 30.0)
+                    if handle is None:
+                        done["skipped"] += 1
+                        continue
+                    run = await self.transport.fetch(handle, 30.0)
+                    # the run's own tokens (and one more: a hit never covers the last token)
+                    prompt = [t for block in run.header.token_ids for t in block] + [0]
+                    res = await self._on_engine(
+                        lambda e, r=run, p=prompt, c=ctx: import_run(e, r, p, c)
+                    )
+                    self.transport.release(handle)
+                except (PullFailed, ImportRefused, TimeoutError):
+                    done["skipped"] += 1
+                    continue
+                done["runs"] += 1
+                done["blocks"] += res.blocks
+        self.warmed_blocks += done["blocks"]
+        log.info("worker %s warm start: %s (%d tokens)", self.worker_id, done, done["blocks"] * bs)
+        return done
+
+    async def _await_landing(self, keys: Sequence[BlockKey]) -> None:
+        """Wait for a pull in flight that brings a prefix of ``keys`` (it ends by its own
+        deadline, so this never waits longer than that)."""
+        if not self._landing:
+            return
+        for key in reversed(keys):
+            landing = self._landing.get(key)
+            if landing is not None:
+                self.coalesced += 1
+                await asyncio.shield(landing)
+                return
+
+    async def _pull(
+        self,
+        hint: PullHint,
+        token_ids: Sequence[int],
+        keys: Sequence[BlockKey],
+        ctx: HashContext,
+    ) -> tuple[str, int, int, str]:
+        """(outcome, blocks imported, payload bytes, the source's node id)."""
+        deadline = time.monotonic() + hint.deadline_s
+        want = list(keys[hint.start_block : hint.start_block + hint.num_blocks])
+        if not want or hint.source_id == self.worker_id:
+            return "missing", 0, 0, ""
+        try:
+            source = await self._peer(hint.source_id)
+            call = source.export_kv.remote(want, ctx, hint.start_block)
+            handle = await asyncio.wait_for(_await(call), max(deadline - time.monotonic(), 0))
+            if handle is None:
+                return "missing", 0, 0, ""
+            run = await self.transport.fetch(handle, deadline - time.monotonic())
+        except PullFailed as exc:
+            return exc.outcome, 0, 0, ""
+        except TimeoutError:
+            return "timeout", 0, 0, ""
+        except Exception as exc:  # noqa: BLE001 - a dead, restarting or unknown source
+            self._peers.pop(hint.source_id, None)
+            log.debug("pull from %s failed: %r", hint.source_id, exc)
+            return "source-gone", 0, 0, ""
+        try:
+            res = await self._on_engine(lambda e: import_run(e, run, token_ids, ctx, keys))
+        except ImportRefused as exc:
+            log.warning("run from %s refused: %s", hint.source_id, exc.reason)
+            return "refused", 0, handle.nbytes, handle.node
+        except Exception:  # noqa: BLE001 - never fail the request for its pull: recompute
+            log.exception("import of a run from %s failed; recomputing", hint.source_id)
+            return "refused", 0, handle.nbytes, handle.node
+        finally:
+            self.transport.release(handle)
+        self.pulled_tokens += res.blocks * self.engine.config.block_size
+        return "ok", res.blocks, handle.nbytes, handle.node
+
+    async def _peer(self, worker_id: str) -> Any:
+        """The peer's actor handle (named actors of this namespace; looked up off the loop)."""
+        handle = self._peers.get(worker_id)
+        if handle is None:
+            loop = asyncio.get_running_loop()
+            handle = await loop.run_in_executor(self._lookups, ray.get_actor, worker_id)
+            self._peers[worker_id] = handle
+        return handle
+
+    def pull_stats(self) -> dict[str, Any]:
+        """Pulls by outcome, tokens imported, runs exported (for status and tests)."""
+        return {
+            "outcomes": dict(self.pull_outcomes),
+            "pulled_tokens": self.pulled_tokens,
+            "exported_runs": self.exported_runs,
+            "coalesced": self.coalesced,
+        }
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
