@@ -29,3 +29,16 @@ def test_engine_beside_a_cpu_burner_smoke(capsys: pytest.CaptureFixture) -> None
     assert "quiet/busy" in out and "torch default" in out
     for key in ("worker", "torch_default"):
         assert head[f"neighbour_{key}_quiet_tok_s"] > 0 and head[f"neighbour_{key}_busy_tok_s"] > 0
+
+
+def test_engine_step_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    from benchmarks import engine_step
+
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = engine_step.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert head["tiny_8_tok_s"] > 0
+    assert 0 < head["tiny_8_host_ms"] and 0 < head["tiny_8_host_share"] < 1
+    assert "schedule ms" in out and "forward ms" in out
+    assert (tmp_path / "engine_step.png").stat().st_size > 0

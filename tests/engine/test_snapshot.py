@@ -12,6 +12,7 @@ from tests.engine.test_scheduler import prompts
 from tests.engine.test_telemetry import FAKE_METRICS
 from worker.actor import worker_load, worker_status
 from worker.engine import Engine, EngineConfig, EngineSnapshot, SamplingParams
+from worker.engine.metrics import STEP_STAGES
 from worker.telemetry import WorkerTelemetry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -93,7 +94,8 @@ def test_snapshot_figures_through_admission_chunked_prefill_and_decode() -> None
             break
     snap = engine.snapshot()
     assert snap.num_finished >= 1 and snap.prompt_tokens >= 10
-    assert snap == EngineSnapshot(**{**dataclasses.asdict(snap), **from_internals(engine)})
+    fields = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap)}
+    assert snap == EngineSnapshot(**{**fields, **from_internals(engine)})
 
 
 def test_snapshot_matches_the_engine_and_load_status_gauges_agree_through_preemption() -> None:
@@ -121,3 +123,32 @@ def test_snapshot_matches_the_engine_and_load_status_gauges_agree_through_preemp
     m = engine.metrics()  # the snapshot plus latencies
     assert EngineSnapshot(**{f.name: getattr(m, f.name) for f in dataclasses.fields(snap)}) == snap
     assert m.ttft.count == 8
+
+
+def test_stage_seconds_sum_the_steps_that_ran_the_model() -> None:
+    """Every model step is timed once; each stage's time is its own (they add up to at most
+    the wall time of the steps); a later snapshot minus an earlier one is the time between."""
+    import time
+
+    engine = make(64, max_num_batched_tokens=16, max_num_seqs=4)
+    for p in prompts(3, 5, 9, seed=1):
+        engine.add_request(p, SamplingParams(max_tokens=5))
+    first = engine.snapshot().stage_seconds
+    assert first.steps == 0 and first.total == 0.0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.drain_kv_events()
+    wall = time.perf_counter() - start
+    snap = engine.snapshot()
+    stages = snap.stage_seconds
+    assert stages.steps == snap.num_steps > 0
+    assert stages.forward > 0 and stages.schedule > 0 and stages.sample > 0
+    assert all(getattr(stages, name) >= 0 for name in STEP_STAGES)
+    assert stages.total <= wall
+    assert stages.host == pytest.approx(stages.total - stages.forward)
+    between = stages.minus(first)
+    assert between == stages  # nothing before the first snapshot
+    per_step = stages.per_step_ms()
+    assert per_step["total"] == pytest.approx(stages.total * 1e3 / stages.steps)
+    assert set(per_step) == {*STEP_STAGES, "total", "host"}

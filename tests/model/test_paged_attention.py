@@ -156,6 +156,23 @@ def test_cpu_backends_match_dense_reference(name, block_size, window):
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("window", [None, 6, 12])
+def test_adjacent_whole_prompts_of_one_length_attend_as_one_batch(name, window):
+    """Runs of fresh prompts of one length go through one batched call; a prompt that breaks
+    the run (another length, a cached prefix, a decode) starts a new one; a window shorter
+    than the prompts sends them one by one. Every row matches the dense reference."""
+    from worker.attention.torch_backend import _fresh_runs
+
+    specs = [(0, 9), (0, 9), (0, 9), (0, 5), (0, 5), (4, 5), (0, 5), (10, 1), (0, 9), (0, 9)]
+    sc = make_scenario(specs, 4, seed=3)
+    plan = make_backend(name, block_size=4).prepare(sc.meta_input.attention_metadata())
+    sizes = [len(run) for run in _fresh_runs(plan.prefills)]
+    assert sizes == [3, 2, 1, 1, 2] and [len(r) for r in plan.prefill_runs] == sizes
+    out = run_backend(name, sc, window)
+    torch.testing.assert_close(out.double(), dense_reference(sc, window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 def test_shared_prefix_blocks_are_read_by_every_sharer(name):
     specs = [(16, 1), (16, 4), (24, 1), (17, 3)]  # all cover the 2 shared 8-token blocks
     sc = make_scenario(specs, block_size=8, shared_prefix_blocks=2, seed=7)

@@ -40,6 +40,9 @@ class TorchPlan:
     decode_seq_lens: torch.Tensor | None  # int64 [num_decodes, 1]
     decode_lens_host: tuple[int, ...]  # host copy: context length of each decode
     prefills: tuple[_Prefill, ...]  # sequences with > 1 new token
+    # the prefills again, in runs: neighbours in the batch that are whole prompts of one
+    # length (nothing cached) form one run, attended in one batched call
+    prefill_runs: tuple[tuple[_Prefill, ...], ...] = ()
 
     @property
     def decode_max_len(self) -> int:
@@ -55,6 +58,21 @@ def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> to
     gathered = cache[blocks.long()]  # [..., nblocks, block_size, kvh, d]
     merged = gathered.flatten(-4, -3)
     return merged[..., :length, :, :]
+
+
+def _fresh_runs(prefills: tuple[_Prefill, ...]) -> tuple[tuple[_Prefill, ...], ...]:
+    """``prefills`` cut into runs: adjacent whole prompts (nothing cached, ``end - start ==
+    seq_len``) of one length share a run; every other prefill is a run of its own."""
+    runs: list[list[_Prefill]] = []
+    for p in prefills:
+        n = p.end - p.start
+        if runs and n == p.seq_len:
+            last = runs[-1][-1]
+            if last.end == p.start and last.end - last.start == n == last.seq_len:
+                runs[-1].append(p)
+                continue
+        runs.append([p])
+    return tuple(tuple(run) for run in runs)
 
 
 def context_mask(
@@ -82,23 +100,35 @@ class TorchAttentionBackend(AttentionBackend):
             for i, n in enumerate(meta.query_lens_host)
             if n > 1
         )
+        runs = _fresh_runs(prefills)
         if not decodes:
-            return TorchPlan(meta, None, None, None, (), prefills)
+            return TorchPlan(meta, None, None, None, (), prefills, runs)
         device = meta.block_tables.device
         lens = tuple(meta.seq_lens_host[i] for i in decodes)
         idx = torch.tensor(decodes, dtype=torch.long, device=device)
         rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
         seq_lens = meta.seq_lens.index_select(0, idx).long()[:, None]
         tables = meta.block_tables.index_select(0, idx)
-        return TorchPlan(meta, rows, tables, seq_lens, lens, prefills)
+        return TorchPlan(meta, rows, tables, seq_lens, lens, prefills, runs)
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: TorchPlan, sliding_window=None):
         write_kv(k, v, k_cache, v_cache, prepared.meta.slot_mapping)
         out = q.new_empty(q.shape)
         if prepared.decode_rows is not None:
             self._decodes(q, k_cache, v_cache, prepared, sliding_window, out)
-        for p in prepared.prefills:
-            self._prefill(q, k, v, k_cache, v_cache, prepared.meta, p, sliding_window, out)
+        for run in prepared.prefill_runs:
+            n = run[0].end - run[0].start
+            if len(run) > 1 and (sliding_window is None or n <= sliding_window):
+                # whole prompts of one length, adjacent: one causal call over [len(run), n]
+                lo, hi, heads = run[0].start, run[-1].end, q.shape[1:]
+                out[lo:hi] = self._sdpa(
+                    q[lo:hi].view(len(run), n, *heads),
+                    k[lo:hi].view(len(run), n, *k.shape[1:]),
+                    v[lo:hi].view(len(run), n, *v.shape[1:]),
+                ).reshape(hi - lo, *heads)
+                continue
+            for p in run:
+                self._prefill(q, k, v, k_cache, v_cache, prepared.meta, p, sliding_window, out)
         return out
 
     def _decodes(self, q, k_cache, v_cache, prepared: TorchPlan, sliding_window, out) -> None:

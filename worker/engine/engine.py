@@ -361,7 +361,11 @@ class Engine:
         if out.error is not None:
             self._fail(req, out.error)
         elif not req.finished:  # (one that failed earlier in this step has nothing to apply)
-            if self._guarded(req, lambda: self.scheduler.update_from_output(out)):
+            try:
+                self.scheduler.update_from_output(out)
+            except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+                self._fail(req, exc)
+            else:
                 self.stats.generation_tokens += out.num_tokens
 
     def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:

@@ -149,11 +149,16 @@ class OutputProcessor:
             sampled = self._sample_each(targets, rows, specs, logits)
         self.stats.stages.sample += time.perf_counter() - t0
         for (req, seq), tok, lp in sampled:
-            self._outcome(req)
-            if tok is None and not self._failed(req):
-                self._outcome(req).error = NonFiniteLogits(_non_finite(req))
-            elif not self._failed(req):
-                self._guarded(req, lambda r=req, s=seq, t=tok, p=lp: self._append(r, s, t, p))
+            out = self._outcome(req)
+            if out.error is not None:
+                continue
+            if tok is None:
+                out.error = NonFiniteLogits(_non_finite(req))
+                continue
+            try:
+                self._append(req, seq, tok, lp)
+            except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+                out.error = exc
 
     def _sample_each(
         self,
@@ -302,10 +307,13 @@ class OutputProcessor:
             )
 
     def output(self, req: Request, now: float | None = None) -> RequestOutput:
-        seqs = sorted((*req.seqs, *req.done_seqs), key=lambda s: s.index)
         if req.final_deltas:  # beam search: results only at the end
             deltas = req.final_deltas
+        elif len(req.seqs) + len(req.done_seqs) == 1:  # n == 1: nothing to order
+            seq = req.seqs[0] if req.seqs else req.done_seqs[0]
+            deltas = [seq.take_delta()] if seq.has_news else []
         else:
+            seqs = sorted((*req.seqs, *req.done_seqs), key=lambda s: s.index)
             deltas = [s.take_delta() for s in seqs if s.has_news]
         progressed, req.progressed = req.progressed, False
         if now is not None and progressed:

@@ -184,7 +184,7 @@ class Scheduler:
         by_key = sorted(self.running, key=self.policy.key)
         for decode_pass in (True, False):
             for req in by_key:
-                if req not in self.running or req.doomed:
+                if req.status is not RequestStatus.RUNNING or req.doomed:
                     continue  # preempted earlier in this step
                 for seq in _work(req):
                     if decode_pass != (seq.allocated and seq.num_remaining == 1):
@@ -292,7 +292,10 @@ class Scheduler:
         seq.num_computed += n
         table = self.kv.block_table(seq.seq_id)
         bs = self.kv.block_size
-        self._writing.update(table[start // bs : (start + n - 1) // bs + 1])
+        if n == 1:
+            self._writing.add(table[start // bs])
+        else:
+            self._writing.update(table[start // bs : (start + n - 1) // bs + 1])
         self._touched.add(req.request_id)
         self._budget -= n
         out = self._out
@@ -349,5 +352,8 @@ class Scheduler:
 
 def _work(req: Request) -> list[Sequence]:
     """Sequences of ``req`` that need compute, laggards first (they were skipped before)."""
+    if len(req.seqs) == 1:  # n == 1: nothing to order
+        s = req.seqs[0]
+        return [s] if s.num_remaining > 0 and s.pending_logits is None else []
     seqs = [s for s in req.seqs if s.num_remaining > 0 and s.pending_logits is None]
     return sorted(seqs, key=lambda s: (len(s.token_ids), s.index))

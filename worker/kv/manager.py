@@ -241,6 +241,19 @@ class KVCacheManager(TransferMixin):
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         bs = self.block_size
         seq = self._seqs.get(seq_id)
+        if seq is not None and prefix is None:
+            # The usual decode, O(1): its last block has room and is this sequence's alone
+            # (no copy-on-write), and no block fills up (nothing to hash, cache or take).
+            computed = seq.num_computed
+            total = computed + num_new_tokens
+            if (
+                total <= len(seq.blocks) * bs
+                and (computed % bs == 0 or seq.blocks[-1].ref_cnt == 1 or total == computed)
+                and (total // bs <= len(seq.keys) or not self.enable_prefix_caching)
+                and len(token_ids) >= total
+            ):
+                seq.num_computed = total
+                return KVAllocation([], 0)
         is_new = seq is None
         loads: list[HostBlock] = []
         if seq is None:

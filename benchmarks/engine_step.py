@@ -1,0 +1,186 @@
+"""Where an engine step's time goes, per stage, and offline throughput, against a baseline tree.
+
+    python -m benchmarks.engine_step                          # light + 32m, 32/128/256 seqs
+    python -m benchmarks.engine_step --baseline /work/main    # and the same cells on that tree
+    python -m benchmarks.engine_step --smoke                  # tiny model, a few seconds
+
+Workload (one cell): ``--seqs`` prompts of ``--prompt`` random token ids (fresh ids each run,
+so no prefix hit), ``--new`` tokens each, greedy with ``ignore_eos``, all submitted at once,
+``Engine.generate`` to completion (``max_num_seqs`` = the cell's sequences, a 4096-token
+step budget, as vLLM's CPU defaults for ``LLM``). Models: ``light`` (random Llama, hidden 256,
+2 layers, 4 query / 2 KV heads of 64, vocab 8192: small compute, so host costs show as next
+to a GPU) and ``32m`` (``build_tiny``'s 32M-parameter Llama).
+
+Every cell runs in a fresh process (a warm-up generate, then the measured one), the
+baseline's right after this tree's, so both see the same machine load. Reported per cell:
+generated tok/s (wall), the process's CPU seconds, steps, and from the engine's stage
+timers (``EngineSnapshot.stage_seconds``) the mean ms per step of each stage: ``schedule``,
+``prepare`` (model input), ``forward`` (the model), ``sample``, ``process`` (stops,
+detokenization, applying tokens), ``output`` (RequestOutputs); ``host`` = all but forward,
+and its share of the step. A baseline tree without stage timers reports throughput only.
+Greedy tokens of both trees are compared cell by cell (the same ids must come out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("schedule", "prepare", "forward", "sample", "process", "output")
+
+
+def cell(model: str, seqs: int, prompt: int, new: int, seed: int, threads: int) -> dict:
+    """One measured offline run in this process (the code on ``sys.path``)."""
+    import hashlib
+    import importlib
+    import random
+    import time
+
+    importlib.import_module("worker")  # before torch: the worker's OpenMP wait policy
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    from kvstore.blocks.sampling_params import SamplingParams
+    from worker.engine import Engine, EngineConfig
+
+    path = Path(model)
+    cfg = EngineConfig(
+        max_num_seqs=max(seqs, 1),
+        max_num_batched_tokens=max(4096, seqs),
+        kv_memory_bytes=1 << 30,
+        enable_prefix_caching=True,
+    )
+    engine = Engine.from_model_dir(path, cfg)
+    vocab = engine.executor.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    warm = [[rng.randrange(5, vocab) for _ in range(prompt)] for _ in range(min(seqs, 8))]
+    engine.generate(warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    prompts = [[rng.randrange(5, vocab) for _ in range(prompt)] for _ in range(seqs)]
+    before = getattr(engine.snapshot(), "stage_seconds", None)
+    steps0 = engine.snapshot().num_steps
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    results = engine.generate(prompts, params)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    snap = engine.snapshot()
+    tokens = [c.token_ids for r in results for c in r.completions]
+    out = {
+        "tok_s": sum(map(len, tokens)) / wall,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "steps": snap.num_steps - steps0,
+        "threads": torch.get_num_threads(),
+        "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+    }
+    if before is not None:
+        out["ms"] = snap.stage_seconds.minus(before).per_step_ms()
+    return out
+
+
+def model_folder(model: str) -> str:
+    """A model folder, or a ``build_tiny`` size built (cached) by this tree."""
+    if Path(model).exists():
+        return model
+    from worker.model.build_tiny import build_tiny_model
+
+    return str(build_tiny_model(None, "llama", model, 0))
+
+
+def run_cell(tree: Path, args: argparse.Namespace, model: str, seqs: int) -> dict:
+    """``cell`` in a fresh process on the code of ``tree``."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--cell",
+        json.dumps([model, seqs, args.prompt, args.new, args.seed, args.threads]),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=tree)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("CELL ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"cell {model}/{seqs} on {tree} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(line[len("CELL ") :])
+
+
+def row_of(model: str, seqs: int, tree: str, res: dict) -> dict:
+    row = {"model": model, "seqs": seqs, "tree": tree, "tok/s": res["tok_s"]}
+    row |= {"wall s": res["wall_s"], "cpu s": res["cpu_s"], "steps": res["steps"]}
+    ms = res.get("ms")
+    for name in (*STAGES, "host"):
+        row[f"{name} ms"] = ms[name] if ms else "-"
+    row["host share"] = ms["host"] / ms["total"] if ms and ms["total"] else "-"
+    return row
+
+
+def plot(rows: list[dict]) -> None:
+    from benchmarks.common import pyplot, save_figure
+
+    mine = [r for r in rows if r["tree"] == "this" and r["schedule ms"] != "-"]
+    if not mine:
+        return
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['model']}\n{r['seqs']} seqs" for r in mine]
+    bottom = [0.0] * len(mine)
+    for name in STAGES:
+        vals = [r[f"{name} ms"] for r in mine]
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("ms per engine step")
+    ax.set_title("engine step by stage (offline generate)")
+    ax.legend(fontsize=8)
+    save_figure(fig, "engine_step.png")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from benchmarks.common import emit_json, print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, small cells")
+    parser.add_argument("--models", default="light,32m", help="build_tiny sizes or folders")
+    parser.add_argument("--seqs", default="32,128,256", help="sequences per cell")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt token ids")
+    parser.add_argument("--new", type=int, default=64, help="generated tokens per sequence")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", help="another checkout (e.g. main) run on the same cells")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.models, args.seqs, args.prompt, args.new = "tiny", "8", 16, 4
+    trees = [("this", ROOT)] + ([("baseline", Path(args.baseline))] if args.baseline else [])
+    rows, head = [], {}
+    for model in args.models.split(","):
+        name = Path(model).name
+        folder = model_folder(model)  # one folder for both trees
+        for seqs in map(int, args.seqs.split(",")):
+            got = {label: run_cell(tree, args, folder, seqs) for label, tree in trees}
+            rows += [row_of(name, seqs, label, res) for label, res in got.items()]
+            this = got["this"]
+            key = f"{name}_{seqs}"
+            head[f"{key}_tok_s"] = round(this["tok_s"], 1)
+            if "ms" in this:
+                head[f"{key}_host_ms"] = round(this["ms"]["host"], 3)
+                head[f"{key}_host_share"] = round(this["ms"]["host"] / this["ms"]["total"], 3)
+            if "baseline" in got:
+                base = got["baseline"]
+                head[f"{key}_baseline_tok_s"] = round(base["tok_s"], 1)
+                head[f"{key}_speedup"] = round(this["tok_s"] / base["tok_s"], 3)
+                head[f"{key}_cpu_ratio"] = round(base["cpu_s"] / this["cpu_s"], 3)
+                head[f"{key}_same_tokens"] = this["tokens_sha"] == base["tokens_sha"]
+    print_table(rows, f"offline generate, {args.prompt} prompt ids, {args.new} new tokens each")
+    plot(rows)
+    emit_json(head)
+    return head
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--cell":
+        print("CELL " + json.dumps(cell(*json.loads(sys.argv[2]))), flush=True)
+    else:
+        main()
