@@ -100,13 +100,9 @@ class Intake:
         return sorted({adapter_name(i) for ld in loads.values() for i in ld.lora_ids})
 
     async def lora_of(self, model: str | None, tenant: str | None) -> str | None:
-        """``model`` is the base model (None) or an adapter a live worker serves to
-        ``tenant``; no model is the base model when it is the only one served."""
+        """``model`` is the base model or an adapter a live worker serves to ``tenant``;
+        no model is the base model, whatever adapters are served (as vLLM reads it)."""
         if model is None or model == self.model_id:
-            if model is None and await self.adapters(tenant):
-                raise InvalidRequest(
-                    "model", None, "is required: this server serves adapters too (GET /v1/models)"
-                )
             return None
         if model in await self.adapters(tenant):
             return model
