@@ -15,13 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.layers import GatedMLP, RotaryEmbedding
-from worker.model.llama import Attention, KVCache
+from worker.model.llama import Attention, KVCache, LlamaForCausalLM
 
 
 class GemmaRMSNorm(nn.Module):
@@ -81,23 +80,11 @@ class Gemma3Model(nn.Module):
         self.rotary_emb_local = RotaryEmbedding(cfg.local_rope or cfg.rope, cfg.head_dim)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """The interface of ``LlamaForCausalLM``: ``forward`` gives the final hidden states of all
-    new tokens, ``compute_logits`` projects the rows asked for."""
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """``LlamaForCausalLM`` with Gemma 3's decoder: scaled embeddings, and each layer takes
+    the rope of its kind (sliding-window layers the local one)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3Model(cfg, backend)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
-
-    def fuse_projections(self) -> None:
-        for layer in self.model.layers:
-            layer.fuse()
+    decoder = Gemma3Model
 
     def forward(
         self,
@@ -118,7 +105,3 @@ class Gemma3ForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, *ropes[layer.local], kv, attn)
         return self.model.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()

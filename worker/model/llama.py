@@ -92,12 +92,14 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states of all new tokens; ``compute_logits`` projects
-    only the rows asked for."""
+    only the rows asked for. A family with its own decoder names it in ``decoder``."""
+
+    decoder: type[nn.Module] = DecoderModel
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, backend)
+        self.model = self.decoder(cfg, backend)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
