@@ -64,8 +64,15 @@ def test_worker_kill_mid_stream(cluster, client) -> None:
     load = queued(cluster)
     victim = max(load, key=lambda w: (load[w][0] > 0, load[w][1]))
     survivor = next(w for w in cluster.workers if w != victim)
-    held = sorted(index.held_keys(victim))[:64]
-    assert held and all(index.lookup([k]).get(victim) == 1 for k in held)
+    held: list = []
+
+    def index_agrees() -> bool:
+        # two reads of the index: a running request may evict a block between them, so
+        # the view is taken again until both agree
+        held[:] = sorted(index.held_keys(victim))[:64]
+        return bool(held) and all(index.lookup([k]).get(victim) == 1 for k in held)
+
+    assert wait_for(index_agrees, 10)
 
     ray.kill(cluster.workers[victim], no_restart=False)
     t_kill = time.monotonic()
