@@ -26,6 +26,7 @@ from benchmarks.policy_bench import Workload, cluster_config
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 
+OUTCOMES = ("ok", "missing", "source-gone", "timeout", "refused")  # PeerPulls' outcomes
 CONFIGS = (
     ("least_loaded", False),
     ("least_loaded", True),
@@ -47,8 +48,25 @@ def _config(policy: str, pull: bool, args: argparse.Namespace) -> ClusterConfig:
     )
     raw = cluster_config(policy, w).model_dump()
     raw["name"] = f"{raw['name']}-{'pull' if pull else 'nopull'}"
-    raw["router"]["routing"]["pull"] = {"enabled": pull, "source_step_tokens": 1024}
+    raw["router"]["routing"]["pull"] = {"enabled": pull}
     return ClusterConfig.model_validate(raw)
+
+
+def _pull_counters(cluster) -> dict[str, int]:  # noqa: ANN001
+    """The routers' pulled column and the workers' pull outcomes, summed (cumulative)."""
+    import ray
+
+    out: dict[str, int] = {}
+    for h in cluster.routers.values():
+        for k, v in ray.get(h.stats.remote(), timeout=30).items():
+            if k in ("pulls", "pulled_tokens", "pull_misses", "pull_slow") or k.startswith(
+                "pull_priced_"
+            ):
+                out[k] = out.get(k, 0) + v
+    for h in cluster.workers.values():
+        for k, v in ray.get(h.pull_stats.remote(), timeout=30)["outcomes"].items():
+            out[f"pull_{k}"] = out.get(f"pull_{k}", 0) + v
+    return out
 
 
 def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
@@ -60,11 +78,15 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
         Cluster(_config(policy, pull, args)) as cluster,
         KVClusterClient(cluster.endpoints[0]) as client,
     ):
+        before: dict[str, int] = {}
         for load in args.loads:
             samples, wall = send_all(
                 client, prompts, concurrency=load, max_tokens=args.max_tokens, progress=sys.stderr
             )
             s = summarize(samples, wall)
+            now = _pull_counters(cluster)
+            pulls = {k: v - before.get(k, 0) for k, v in now.items()}
+            before = now
             rows.append(
                 {
                     "policy": policy,
@@ -77,6 +99,19 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     "ttft_p99_s": s["ttft_p99_s"],
                     "hit_rate": s["hit_rate"],
                     "errors": ",".join(sorted({x.code for x in samples if not x.ok})) or "-",
+                    "pulls": pulls.get("pulls", 0),
+                    "pulled_tok": pulls.get("pulled_tokens", 0),
+                    "outcomes": ",".join(
+                        f"{k[5:]}:{v}"
+                        for k, v in sorted(pulls.items())
+                        if k.startswith("pull_") and k[5:] in OUTCOMES and v
+                    )
+                    or "-",
+                    "pull_slow": pulls.get("pull_slow", 0),
+                    "priced": "/".join(
+                        str(pulls.get(f"pull_priced_{c}", 0))
+                        for c in ("hold", "pull", "recompute", "local", "cold")
+                    ),
                 }
             )
     return rows
@@ -102,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="32m", help="offline model size (build_tiny SIZES)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--blocks", type=int, default=64, help="KV blocks per worker (16 tokens)")
-    ap.add_argument("--groups", type=int, default=8, help="system prompts (the hot set)")
-    ap.add_argument("--prefix-words", type=int, default=240)
+    ap.add_argument("--blocks", type=int, default=152, help="KV blocks per worker (16 tokens)")
+    ap.add_argument("--groups", type=int, default=6, help="system prompts (the hot set)")
+    ap.add_argument("--prefix-words", type=int, default=420, help="~2.4 tokens each (32m)")
     ap.add_argument("--requests", type=int, default=48, help="requests per load")
     ap.add_argument("--loads", default="2,4,8", help="concurrencies, up to saturation")
     ap.add_argument("--max-tokens", type=int, default=4)

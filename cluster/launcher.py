@@ -21,6 +21,7 @@ With ``dashboard: false`` an embedded Ray starts no dashboard process at all
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -372,6 +373,15 @@ class Cluster:
         handle = WorkerActor.options(**opts).remote(self.worker_settings(name))
         self.workers[name] = handle
         return handle
+
+    def add_worker(self, timeout_s: float | None = None) -> str:
+        """Start one more worker (the first free ``worker-<i>``) and wait until it is ready;
+        returns its name. The routers find it by its heartbeat; with pulls on, they have it
+        warm-start from its peers (``router.routing.pull.warm_start_prefixes``)."""
+        i = next(i for i in itertools.count() if f"worker-{i}" not in self.workers)
+        handle = self.start_worker(i)
+        ray.get(handle.ready.remote(), timeout=timeout_s or self.cfg.workers.start_timeout_s)
+        return f"worker-{i}"
 
     def start_router(self, i: int) -> ray.actor.ActorHandle:
         r = self.cfg.router

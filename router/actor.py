@@ -31,6 +31,7 @@ from router.serving.intake import Intake
 from router.serving.pull_calibration import calibrate_transfers
 from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.telemetry import start_exporter
+from router.serving.warm_start import WarmStarter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
@@ -130,6 +131,8 @@ class RouterServer:
         self.port: int | None = None
         self._exporter = None
         self._calibration: asyncio.Task | None = None  # the transfer model's start-up probes
+        self.warm_starts: WarmStarter | None = None  # new workers' warm starts (pulls on)
+        self._warm_task: asyncio.Task | None = None
         self._starting = asyncio.Lock()
         _start_again_if_restarted()
 
@@ -175,6 +178,15 @@ class RouterServer:
             self._calibration = asyncio.get_running_loop().create_task(
                 calibrate_transfers(self.router, self.settings.namespace, self.directory.candidates)
             )
+            pull = self.settings.routing.pull
+            if pull.warm_start_prefixes > 0 and self.index is not None:
+                self.warm_starts = WarmStarter(
+                    self.settings.namespace,
+                    self.directory.live_epochs,
+                    prefixes=pull.warm_start_prefixes,
+                    share=pull.warm_start_share,
+                )
+                self._warm_task = asyncio.get_running_loop().create_task(self.warm_starts.run())
         self._exporter = start_exporter(
             self.settings.router_id,
             self.metrics,
@@ -196,8 +208,9 @@ class RouterServer:
         )
 
     async def stop(self, grace_s: float = 2.0) -> None:
-        if self._calibration is not None:
-            self._calibration.cancel()
+        for task in (self._calibration, self._warm_task):
+            if task is not None:
+                task.cancel()
         if self._exporter is not None:
             self._exporter.cancel()
         if self.http is not None:
@@ -220,12 +233,18 @@ class RouterServer:
             **self.predictions.totals(),
             **self.predictions.pull_totals(),
         )
+        if self.router.planner is not None:
+            snap.update({f"pull_priced_{k}": v for k, v in self.router.planner.choices.items()})
         return snap
 
     async def loop_lag(self, reset: bool = False) -> dict[str, float]:
         """This actor's event-loop lag: the largest stall since the last reset (the probe
         starts on the first call)."""
         return self.directory.loop_probe.report(reset=reset)
+
+    def warm_start_results(self) -> dict[str, dict[str, int]]:
+        """Per worker, what the warm start this router asked of it did (for tests)."""
+        return dict(self.warm_starts.results) if self.warm_starts is not None else {}
 
     def http_endpoint(self) -> str | None:
         """``http(s)://host:port`` of the OpenAI API (None: not serving HTTP)."""

@@ -108,12 +108,28 @@ class PullConfig(Strict):
         gt=0,
         description="Floor of a pull's soft deadline (its break-even against recomputing).",
     )
-    source_step_tokens: int = Field(
-        2048,
+    warm_start_prefixes: int = Field(
+        16,
         ge=0,
-        description="Prefill tokens of one full engine step (the workers' "
-        "max_num_batched_tokens): a pull waits for the holder's step in flight, up to this "
-        "much of its queued prefill, before the export starts.",
+        le=4096,
+        description="A new or restarted worker pulls this many of the fleet's most used "
+        "prefixes from its peers while it takes its first requests (0: no warm start).",
+    )
+    warm_start_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="At most this share of the new worker's device KV blocks is filled by "
+        "its warm start (the rest stays free for its own requests).",
+    )
+    source_step_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prefill tokens of the holder's step in flight a pull waits for before "
+        "the export starts (at most its queued prefill). 0 for these workers: they export "
+        "while their model computes a step (worker/engine/window.py), so a busy holder "
+        "delays a pull by no step; a simulated or other worker that exports only between "
+        "steps sets its max_num_batched_tokens.",
     )
     slow_factor: float = Field(
         2.0,

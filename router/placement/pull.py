@@ -12,9 +12,10 @@ Per request, once the policy has chosen, the planner compares (in seconds):
 
 ``e`` is the policy's choice when that is not the holder, else the least loaded other
 worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
-is the holder's step in flight (its queued prefill up to one step's tokens: the export runs
-between steps) plus fixed + per token, per pair of nodes (:class:`TransferModel`),
-calibrated at start-up and refined from every observed pull. Ties go to hold, then
+is fixed + per token, per pair of nodes (:class:`TransferModel`),
+calibrated at start-up and refined from every observed pull, plus, for workers that export
+only between steps, the holder's step in flight (``source_step_tokens`` of its queued
+prefill; 0 for ours, which export while their model runs). Ties go to hold, then
 recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
 ``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
 its break-even, the time recomputing the pulled tokens would take (or the priced transfer
@@ -23,6 +24,7 @@ if longer): past it the worker recomputes instead.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -139,6 +141,9 @@ class PullPlanner:
         self.block_size = block_size
         self.source_step_tokens = source_step_tokens
         self.node_of = node_of
+        # choices made: hold / pull / recompute, or no pull to price: "cold" (held nowhere)
+        # or "local" (the chosen worker holds what there is); the router's stats show them
+        self.choices: Counter[str] = Counter()
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """A prefill of ``tokens`` took ``seconds`` on a worker that had nothing queued:
@@ -190,7 +195,7 @@ class PullPlanner:
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            # the export waits for the holder's step in flight (its load), then moves
+            # an export between steps waits for the holder's step in flight, then moves
             step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
             xfer_s = self._prefill(step) + self.transfers.seconds(
                 self.node_of(holder), self.node_of(elsewhere), gain
@@ -198,6 +203,10 @@ class PullPlanner:
             pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
+        if pull_s is not None:
+            self.choices[choice] += 1
+        else:  # nothing to pull: held nowhere, or where the request goes already
+            self.choices["cold" if total == 0 else "local"] += 1
         priced = Priced(hold_s, pull_s, recompute_s, choice)
         if choice == "hold":
             return placement, None, priced

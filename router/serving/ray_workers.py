@@ -142,6 +142,12 @@ class RayWorkerDirectory(WorkerDirectory):
             out[w] = load
         return out
 
+    async def live_epochs(self) -> dict[str, int]:
+        """Live workers and their epochs from the index (empty without one, or when it is
+        unreachable: Ray's list has no epochs)."""
+        live = await self._from_index()
+        return {w: epoch for w, (epoch, _load) in (live or {}).items()}
+
     def mark_dead(self, worker_id: str) -> None:
         epoch = self._live[1].get(worker_id, (None,))[0]
         self._dead[worker_id] = (time.monotonic(), epoch)

@@ -43,6 +43,7 @@ from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.validate import validate_request
+from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
         self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
+        self.window: ForwardWindow | None = None  # set by a front that lends the forward
         # adapter name -> the tenants it is registered for (absent: every tenant); the
         # routers enforce it, from the owners this engine reports
         self.lora_tenants: dict[str, tuple[str, ...]] = {}
@@ -306,7 +308,11 @@ class Engine:
                         self.executor.copy_blocks(sched.blocks_to_copy)
                     if self._num_constrained:  # their masks fill while the model runs
                         self.processor.start_masks(sched, self.executor.vocab_size)
-                    logits = self.executor.execute(sched.chunks)
+                    if self.window is None:
+                        logits = self.executor.execute(sched.chunks)
+                    else:  # cached blocks may be exported meanwhile (window.py)
+                        with self.window.open():
+                            logits = self.executor.execute(sched.chunks)
             except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
                 log.exception("model step failed; aborting running requests")
                 return outputs + self._fail_running(f"model step failed: {exc!r}")

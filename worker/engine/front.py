@@ -39,6 +39,7 @@ from worker.engine.engine import Engine
 from worker.engine.intake import Prompt
 from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
+from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class StreamingEngine:
         self._on_death = on_death
         self._idle_wait = idle_wait_s
         self._lock = threading.Lock()  # held by whoever runs the engine (thread or stop())
+        # held with _lock, lent to exports while the model runs (always taken after _lock)
+        self.window = engine.window = ForwardWindow()
         self._inbox: deque[_Command] = deque()  # commands, run by the engine thread
         self._inbox_lock = threading.Lock()  # only around appends and the accepting flag
         self._accepting = False
@@ -104,7 +107,7 @@ class StreamingEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        with self._lock:
+        with self._lock, self.window.lock:
             self._drain()  # what was queued before the door closed
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
@@ -230,7 +233,7 @@ class StreamingEngine:
             return fn(self.engine)
         future = self._call(fn)
         if future is None:  # no loop to ask: the engine is the caller's to read
-            with self._lock:
+            with self._lock, self.window.lock:
                 return fn(self.engine)
         return future.result()
 
@@ -238,9 +241,15 @@ class StreamingEngine:
         """:meth:`with_engine` for asyncio code: awaits, never blocks the loop."""
         future = self._call(fn)
         if future is None:
-            with self._lock:
+            with self._lock, self.window.lock:
                 return fn(self.engine)
         return await asyncio.wrap_future(future)
+
+    async def with_cached_kv_async(self, fn: Callable[[Engine], T], timeout_s: float) -> T:
+        """``fn(engine)`` in a helper thread as soon as the engine is idle or computing a
+        forward (``window.py``), not after the step in flight: only for code that pins,
+        reads and releases cached blocks (an export). TimeoutError after ``timeout_s``."""
+        return await asyncio.to_thread(self.window.run, lambda: fn(self.engine), timeout_s)
 
     def _call(self, fn: Callable[[Engine], T]) -> Future[T] | None:
         future: Future[T] = Future()
@@ -266,7 +275,7 @@ class StreamingEngine:
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()
-                with self._lock:
+                with self._lock, self.window.lock:
                     self._drain()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
@@ -286,7 +295,7 @@ class StreamingEngine:
             self._stopping = True
             with self._inbox_lock:
                 self._accepting = False
-            with self._lock:
+            with self._lock, self.window.lock:
                 self._fail_inbox(exc)
             self._end_all(EngineStopped(f"the engine loop died: {exc!r}"))
             if self._on_death is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -37,14 +37,17 @@ from worker.pull.transport import (
     RunHandle,
     current_node_id,
 )
+from worker.pull.warm import WarmStarts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EXPORT_WAIT_S = 10.0  # an export that finds no window by then fails (the puller recomputes)
 
 
-class PeerPulls:
+class PeerPulls(WarmStarts):
     """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``
-    and ``self.worker_id``; call :meth:`_init_pulls` once the front runs."""
+    and ``self.worker_id``; call :meth:`_init_pulls` once the front runs. Its warm start
+    (:class:`WarmStarts`) pulls through the same calls."""
 
     front: Any
     engine: Engine
@@ -62,11 +65,7 @@ class PeerPulls:
         # arrives meanwhile waits for it instead of computing the prefix beside the import
         self._landing: dict[BlockKey, asyncio.Future[None]] = {}
         self.coalesced = 0  # requests that waited for another request's pull
-        # prompts served, by the key of their last full block: (context, keys, requests):
-        # what a new worker warms up from (hot_prefixes); bounded, least recent dropped
-        self._served: OrderedDict[BlockKey, list] = OrderedDict()
-        self.max_served = 4096
-        self.warmed_blocks = 0  # blocks imported by warm_start
+        self._init_warm()
 
     async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
         """``fn(engine)`` on the engine thread between steps, awaited without blocking the
@@ -79,8 +78,12 @@ class PeerPulls:
         self, keys: Sequence[BlockKey], ctx: HashContext, start: int = 0
     ) -> RunHandle | None:
         """Publish the leading run of ``keys`` (blocks ``start..`` of a prompt under
-        ``ctx``) this worker holds; None when it holds none. Called by a pulling peer."""
-        run = await self._on_engine(lambda e: export_run(e, list(keys), ctx, start))
+        ``ctx``) this worker holds; None when it holds none. Called by a pulling peer. The
+        copy runs while this worker's model computes its step (``worker/engine/window.py``):
+        a busy holder makes a pull wait for no step of its own."""
+        run = await self.front.with_cached_kv_async(
+            lambda e: export_run(e, list(keys), ctx, start), EXPORT_WAIT_S
+        )
         if run is None:
             return None
         self.exported_runs += 1
@@ -167,66 +170,6 @@ class PeerPulls:
             hint.source_id, outcome, blocks, blocks * bs, seconds, nbytes, self.node_id, node
         )
 
-    def _note_served(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> None:
-        usable = (len(request.token_ids) - 1) // self.engine.config.block_size
-        if usable <= 0:
-            return
-        last = keys[usable - 1]
-        entry = self._served.pop(last, None)
-        if entry is None:
-            entry = [self.engine.hash_context(request.params), tuple(keys[:usable]), 0]
-        entry[2] += 1
-        self._served[last] = entry
-        while len(self._served) > self.max_served:
-            self._served.popitem(last=False)
-
-    def hot_prefixes(self, n: int) -> list[tuple[HashContext, tuple[BlockKey, ...]]]:
-        """The ``n`` prompt prefixes this worker served most often (recent ones first among
-        equals): their contexts and chained keys, for a peer's warm start."""
-        ranked = sorted(enumerate(self._served.values()), key=lambda e: (-e[1][2], -e[0]))
-        return [(ctx, keys) for _, (ctx, keys, _n) in ranked[:n]]
-
-    async def warm_start(self, peer_ids: Sequence[str], n: int = 16) -> dict[str, int]:
-        """Pull the hottest prefixes of ``peer_ids`` (each peer's ``n`` most served) while
-        this worker takes load. Every run is checked like a request's pull: its keys must
-        hash from its own tokens under a context of this model; nothing here can fail a
-        request (a failed pull is skipped)."""
-        done = {"runs": 0, "blocks": 0, "skipped": 0}
-        bs = self.engine.config.block_size
-        for peer_id in peer_ids:
-            if peer_id == self.worker_id:
-                continue
-            try:
-                peer = await self._peer(peer_id)
-                hot = await asyncio.wait_for(_await(peer.hot_prefixes.remote(n)), 30.0)
-            except Exception:  # noqa: BLE001 - a peer that does not answer warms nothing
-                done["skipped"] += 1
-                continue
-            for ctx, keys in hot:
-                if ctx.model_id != self.engine.model_id:
-                    done["skipped"] += 1
-                    continue
-                try:
-                    handle = await asyncio.wait_for(_await(peer.export_kv.remote(keys, ctx)), 30.0)
-                    if handle is None:
-                        done["skipped"] += 1
-                        continue
-                    run = await self.transport.fetch(handle, 30.0)
-                    # the run's own tokens (and one more: a hit never covers the last token)
-                    prompt = [t for block in run.header.token_ids for t in block] + [0]
-                    res = await self._on_engine(
-                        lambda e, r=run, p=prompt, c=ctx: import_run(e, r, p, c)
-                    )
-                    self.transport.release(handle)
-                except (PullFailed, ImportRefused, TimeoutError):
-                    done["skipped"] += 1
-                    continue
-                done["runs"] += 1
-                done["blocks"] += res.blocks
-        self.warmed_blocks += done["blocks"]
-        log.info("worker %s warm start: %s (%d tokens)", self.worker_id, done, done["blocks"] * bs)
-        return done
-
     async def _await_landing(self, keys: Sequence[BlockKey]) -> None:
         """Wait for a pull in flight that brings a prefix of ``keys`` (it ends by its own
         deadline, so this never waits longer than that)."""
@@ -295,6 +238,8 @@ class PeerPulls:
             "pulled_tokens": self.pulled_tokens,
             "exported_runs": self.exported_runs,
             "coalesced": self.coalesced,
+            "warmed_blocks": self.warmed_blocks,
+            "warm_started": self._auto_warm is not None and self._auto_warm.done(),
         }
 
 

@@ -1,0 +1,93 @@
+"""Warm starts started by the router: every new worker incarnation pulls the fleet's hottest
+prefixes from its peers (``worker/pull/warm.py``).
+
+The router watches the index's registry: a worker id it has not seen, or a known one with a
+new epoch (Ray restarted it, or it was replaced), gets one ``auto_warm_start`` call naming
+the other live workers as its peers. The call runs on the worker while it takes load, so
+nothing waits for it: not the worker's readiness, not a request. The worker runs it once per
+incarnation, so the calls of several routers (or of a restarted router, which sees every
+worker as new) cost one warm start. Without an index there are no epochs and no warm starts.
+A call that fails is logged and not repeated for that incarnation. Never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+class WarmStarter:
+    """Polls ``live_epochs`` every ``poll_s`` and starts the warm starts (see the module)."""
+
+    def __init__(
+        self,
+        namespace: str,
+        live_epochs: Callable[[], Awaitable[Mapping[str, int]]],
+        *,
+        prefixes: int,
+        share: float,
+        poll_s: float = 0.5,
+        call_timeout_s: float = 300.0,
+    ) -> None:
+        self.namespace = namespace
+        self.live_epochs = live_epochs
+        self.prefixes = prefixes
+        self.share = share
+        self.poll_s = poll_s
+        self.call_timeout_s = call_timeout_s
+        self.seen: dict[str, int] = {}  # worker -> the epoch whose warm start was asked
+        self.results: dict[str, dict[str, int]] = {}  # worker -> its last warm start's
+        self._calls: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        """Until cancelled; cancels the calls in flight when it is."""
+        try:
+            while True:
+                await self.poll()
+                await asyncio.sleep(self.poll_s)
+        finally:
+            for task in self._calls:
+                task.cancel()
+
+    async def poll(self) -> list[str]:
+        """One look at the registry; returns the workers whose warm start it asked for."""
+        try:
+            live = dict(await self.live_epochs())
+        except Exception as exc:  # noqa: BLE001 - the index may be away: look again later
+            log.debug("warm start: no registry (%r)", exc)
+            return []
+        new = [w for w, epoch in sorted(live.items()) if self.seen.get(w) != epoch]
+        for worker in new:
+            self.seen[worker] = live[worker]
+            peers = sorted(w for w in live if w != worker)
+            task = asyncio.get_running_loop().create_task(self._ask(worker, peers))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        return new
+
+    async def _ask(self, worker: str, peers: list[str]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            handle = await loop.run_in_executor(
+                None, lambda: ray.get_actor(worker, namespace=self.namespace)
+            )
+            call = handle.auto_warm_start.remote(peers, self.prefixes, self.share)
+            done = await asyncio.wait_for(_await(call), self.call_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a worker that died warms nothing
+            log.info("warm start of %s not done: %r", worker, exc)
+            return
+        self.results[worker] = done
+        if done.get("blocks"):
+            log.info("worker %s warm-started from %s: %s", worker, ", ".join(peers), done)
+
+
+async def _await(ref: Any) -> Any:
+    return await ref
