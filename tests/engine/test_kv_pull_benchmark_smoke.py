@@ -1,4 +1,5 @@
-"""benchmarks.kv_pull runs at smoke size: outputs identical, one parseable JSON line."""
+"""benchmarks.kv_pull runs at smoke size: outputs identical, one parseable JSON line (the
+warm-start benchmark needs a cluster: tests/pull/test_warm_bench_smoke.py)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,3 @@ def test_kv_pull_engine_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_pa
     assert head["same_outputs"] is True and head["prefix_tokens"] == 256
     assert head["pull_ms"] > 0 and head["recompute_ms"] >= 0  # (a difference: noisy at smoke size)
     assert (tmp_path / "kv_pull_engine.png").stat().st_size > 0
-
-
-def test_kv_pull_warm_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
-    from benchmarks import kv_pull_warm
-
-    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
-    head = kv_pull_warm.main(["--smoke"])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == head
-    assert head["pulled_blocks"] == 16  # the 4 hottest 64-token prefixes, 4 blocks each
-    assert head["reached_warm_requests"] <= head["reached_cold_requests"]
-    assert (tmp_path / "kv_pull_warm.png").stat().st_size > 0
