@@ -2,21 +2,23 @@
 
 Per request, once the policy has chosen, the planner compares (in seconds):
 
-- **hold**: run on the worker holding the longest prefix (``h``, ``c_h`` tokens cached):
-  ``wait(h) + prefill(n - c_h)`` — only when the policy chose ``h`` itself; a holder the
-  policy ruled out (its load bound) stays ruled out, so pulls never bring back herding;
+- **hold**: the policy chose the worker holding the longest prefix (``h``): it keeps the
+  request, unpriced — affinity stays primary, the pull is the recovery path (moving a
+  request off its holder copies the prefix into another worker's cache, evicting that
+  worker's own prefixes: when KV capacity is the bottleneck, that loses to affinity); a
+  holder the policy ruled out (its load bound) stays ruled out, so pulls never bring back
+  herding;
 - **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
   ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
   queue on ``e``, so the two add up);
 - **recompute** on ``e``: ``wait(e) + prefill(n - c_e)``.
 
-``e`` is the policy's choice when that is not the holder, else the least loaded other
-worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
-is fixed + per token, per pair of nodes (:class:`TransferModel`),
-calibrated at start-up and refined from every observed pull, plus, for workers that export
-only between steps, the holder's step in flight (``source_step_tokens`` of its queued
-prefill; 0 for ours, which export while their model runs). Ties go to hold, then
-recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
+``e`` is the policy's choice (not the holder). ``wait(w)`` is the worker's queued prefill
+over the prefill rate; the transfer cost is fixed + per token, per pair of nodes
+(:class:`TransferModel`), calibrated at start-up and refined from every observed pull,
+plus, for workers that export only between steps, the holder's step in flight
+(``source_step_tokens`` of its queued prefill; 0 for ours, which export while their model
+runs). Ties go to recompute: a pull must pay for itself. A pull of fewer than
 ``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
 its break-even, the time recomputing the pulled tokens would take (or the priced transfer
 if longer): past it the worker recomputes instead.
@@ -180,15 +182,11 @@ class PullPlanner:
         holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id
         chosen = placement.worker_id
         if chosen == holder and holder_eligible:
-            others = [v for v in views if v.worker_id != holder and v.adapter_loaded]
-            if not others:
-                return placement, None, None
-            elsewhere = min(others, key=lambda v: (self._wait(v), -cached[v.worker_id])).worker_id
-            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(
-                n_tokens - cached[holder]
-            )
-        else:
-            elsewhere, hold_s = chosen, None
+            # affinity stays primary: a holder the policy chose keeps the request (moving it
+            # would copy the prefix onto another worker's cache, evicting what that one holds)
+            self.choices["hold"] += 1
+            return placement, None, None
+        elsewhere, hold_s = chosen, None
         ev = by_id[elsewhere]
         recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
         start, total = held[elsewhere][0], held[holder][1]
