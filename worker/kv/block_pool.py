@@ -64,6 +64,7 @@ class KVBlock:
         "token_ids",
         "tenant",
         "parent",
+        "pulled",
         "prev",
         "next",
     )
@@ -76,6 +77,7 @@ class KVBlock:
         self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
         self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
         self.parent: BlockKey | None = None  # key before ``key`` (a host tier names it)
+        self.pulled = False  # cached from a peer's copy, or cached under such a block
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
@@ -94,18 +96,24 @@ class FreeBlockQueue:
     100k blocks would scan millions of entries. With the links stored on the blocks themselves,
     removal from anywhere, push to either end and pop from the front are all O(1) and allocate
     nothing. Two sentinel nodes remove every edge case from the link updates.
+
+    A third sentinel, ``_mid``, splits the cached blocks in two: copies pulled from peers
+    (``append_pulled``, least recently used first) go before those computed here
+    (``append``), so a pulled copy, which a peer still holds, is evicted before any block
+    only this worker has; blocks with nothing to keep (``appendleft``) go before both.
     """
 
-    __slots__ = ("_head", "_tail", "_len")
+    __slots__ = ("_head", "_mid", "_tail", "_len")
 
     def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
         self._head = KVBlock(-1)
+        self._mid = KVBlock(-1)
         self._tail = KVBlock(-1)
-        self._head.next = self._tail
-        self._tail.prev = self._head
+        self._head.next, self._mid.prev = self._mid, self._head
+        self._mid.next, self._tail.prev = self._tail, self._mid
         self._len = 0
-        for block in blocks:
-            self.append(block)
+        for block in blocks:  # never used: before every cached block
+            self.append_pulled(block)
 
     def __len__(self) -> int:
         return self._len
@@ -132,10 +140,18 @@ class FreeBlockQueue:
         """Push to the front (handed out first)."""
         self._link_after(self._head, block)
 
+    def append_pulled(self, block: KVBlock) -> None:
+        """Push to the back of the pulled copies (after them, before every other cached
+        block)."""
+        mid_prev = self._mid.prev
+        if mid_prev is None:  # pragma: no cover - the sentinels are always linked
+            raise BlockPoolError("free queue's middle sentinel is unlinked")
+        self._link_after(mid_prev, block)
+
     def remove(self, block: KVBlock) -> None:
         """Take ``block`` out from anywhere in the queue in O(1)."""
         prev, nxt = block.prev, block.next
-        if prev is None or nxt is None or block is self._head or block is self._tail:
+        if prev is None or nxt is None or block.block_id < 0:
             raise BlockPoolError(f"{block} is not in the free queue")
         prev.next = nxt
         nxt.prev = prev
@@ -144,6 +160,8 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVBlock:
         block = self._head.next
+        if block is self._mid:
+            block = self._mid.next
         if block is None or block is self._tail:
             raise BlockPoolError("popleft from an empty free queue")
         self.remove(block)
@@ -152,7 +170,8 @@ class FreeBlockQueue:
     def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next
         while node is not None and node is not self._tail:
-            yield node
+            if node is not self._mid:
+                yield node
             node = node.next
 
 
@@ -219,6 +238,7 @@ class BlockPool:
             del self.cached[key]
             evicted.append(key)
         block.key = block.token_ids = block.tenant = block.parent = None
+        block.pulled = False
 
     def _forget_evictable(self, block: KVBlock) -> None:
         if self.tenant_quota is not None:
@@ -246,7 +266,8 @@ class BlockPool:
         if not twins:
             del self.twins[key]
         twin.twin_of, twin.key = None, key
-        twin.tenant, twin.parent = self.cached[key].tenant, self.cached[key].parent
+        served = self.cached[key]
+        twin.tenant, twin.parent, twin.pulled = served.tenant, served.parent, served.pulled
         self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -271,12 +292,20 @@ class BlockPool:
                     self._untwin(block)
                 if block.key is None:
                     self.free_queue.appendleft(block)  # nothing to keep: reuse first
-                else:
-                    self.free_queue.append(block)  # keep cached, evict least recently used
+                else:  # keep cached, evict least recently used (a peer's copy first)
+                    self._queue_cached(block)
                     self.num_evictable += 1
                     evicted += self._evictable_again(block)
         if evicted:
             self.events.removed(evicted)
+
+    def _queue_cached(self, block: KVBlock) -> None:
+        """Queue a free cached block as the newest of its kind (with a tenant quota, whose
+        per-tenant lists follow the queue's order, pulled copies queue like the rest)."""
+        if block.pulled and self.tenant_quota is None:
+            self.free_queue.append_pulled(block)
+        else:
+            self.free_queue.append(block)
 
     def _untwin(self, block: KVBlock) -> None:
         """A twin released to ref count 0 becomes a plain free block.
@@ -295,7 +324,7 @@ class BlockPool:
         served = self.cached[key]
         if served.ref_cnt == 0:
             self.free_queue.remove(served)
-            self.free_queue.append(served)
+            self._queue_cached(served)
             if self.tenant_quota is not None:
                 self._evictable[served.tenant].move_to_end(served.block_id)
 
@@ -339,11 +368,20 @@ class BlockPool:
                 continue
             block.key, block.token_ids, block.tenant = key, toks, tenant
             block.parent = run_keys[-1] if run_keys else run_parent
+            above = self.cached.get(block.parent) if block.parent is not None else None
+            block.pulled = above is not None and above.pulled  # evicted before its parent
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.append(toks)
         if run_keys:
             self.events.stored(run_keys, run_parent, run_tokens, self.block_size)
+
+    def mark_pulled(self, blocks: Iterable[KVBlock]) -> None:
+        """``blocks`` (cached, in use) hold a copy pulled from a peer: once free they are
+        evicted before the blocks computed here (see :class:`FreeBlockQueue`)."""
+        for block in blocks:
+            if block.key is not None:
+                block.pulled = True
 
     def num_used(self) -> int:
         return len(self.blocks) - len(self.free_queue)
@@ -356,6 +394,7 @@ class BlockPool:
             raise BlockPoolError("a twin is in use although no block is")
         for block in self.cached.values():
             block.key = block.token_ids = block.tenant = block.parent = None
+            block.pulled = False
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0

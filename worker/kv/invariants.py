@@ -55,9 +55,18 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
 
     queued: list[int] = []
     prev = pool.free_queue._head
+    mid = pool.free_queue._mid
+    pulled_region = True  # the queue's cached blocks: pulled copies, then the rest
     for block in pool.free_queue:
-        if block.prev is not prev:
+        if block.prev is not prev and not (block.prev is mid and mid.prev is prev):
             _fail(f"free queue link broken before {block}")
+        if block.prev is mid:
+            pulled_region = False
+        if block.key is not None and block.pulled and not pulled_region:
+            if pool.tenant_quota is None:
+                _fail(f"pulled {block} queued among the blocks computed here")
+        if block.key is not None and not block.pulled and pulled_region:
+            _fail(f"{block} queued among the pulled copies")
         if block.ref_cnt != 0:
             _fail(f"referenced {block} is in the free queue")
         queued.append(block.block_id)
