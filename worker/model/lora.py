@@ -186,6 +186,11 @@ def load_adapter(
     """Read and check a PEFT adapter folder for a model computing in ``dtype``; raises
     :class:`LoraError` naming the adapter, the file and what is wrong."""
     check_name(name)
+    if cfg.multimodal is not None:  # peft's paths there name the vision tower's layers too
+        raise LoraError(
+            f"adapter {name!r}: LoRA adapters are not served on the language model of a "
+            f"{cfg.multimodal} folder; serve them on its Gemma3ForCausalLM form"
+        )
     folder = Path(path)
     cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
