@@ -67,6 +67,10 @@ def assert_same_as_gguf_reader(path: Path) -> None:
     assert list(ours.fields) == keys
     for key in keys:
         field, value = theirs.fields[key], ours.fields[key]
+        if field.types[-1] == T.ARRAY:  # GGUFReader takes no element type from an empty array
+            assert ours.types[key][: len(field.types)] == tuple(field.types), key
+            assert _flat(value) != [] or field.contents() == [], key
+            continue
         assert ours.types[key] == tuple(field.types), key
         want = field.contents()
         got = _flat(value) if ours.types[key][1:2] == (T.ARRAY,) else value

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from tests.model.gguf_bytes import T, array, gguf_bytes, kv, s, tensor_info
+from tests.model.gguf_bytes import (
+    T,
+    array,
+    assert_same_as_gguf_reader,
+    gguf_bytes,
+    kv,
+    s,
+    tensor_info,
+)
 from worker.model.config import ModelConfig
 from worker.model.errors import ModelLoadError
 from worker.model.gguf_reader import GGUFFormatError, read_gguf
@@ -147,13 +155,19 @@ def test_well_formed_hand_built_file_reads(tmp_path):
     path = tmp_path / "good.gguf"
     path.write_bytes(
         gguf_bytes(
-            [kv("a", T.ARRAY, array(T.STRING, 2, s("ok") + s("🙂"))), kv("b", T.UINT32, U32)],
+            [
+                kv("a", T.ARRAY, array(T.STRING, 2, s("ok") + s("🙂"))),
+                kv("b", T.UINT32, U32),
+                kv("e", T.ARRAY, array(T.FLOAT32, 0, b"")),  # GGUFWriter writes none empty
+            ],
             [tensor_info("x", [8], F32, 0), tensor_info("y", [2, 4], F32, 32)],
             ROW * 2,
         )
     )
     f = read_gguf(path)
-    assert f.fields == {"a": ["ok", "🙂"], "b": 7}
+    assert f.fields == {"a": ["ok", "🙂"], "b": 7, "e": []}
+    assert f.types["e"] == (T.ARRAY, T.FLOAT32)
+    assert_same_as_gguf_reader(path)
     assert [t.data.tolist() for t in f.tensors] == [
         list(range(8)),
         [[0, 1], [2, 3], [4, 5], [6, 7]],
