@@ -39,6 +39,15 @@ def test_gpu_example_yaml_loads() -> None:
         ("redis: {url: 'http://x'}", "redis.url"),
         ("router: {routing: {policy: best}}", "best"),
         ("workers: {num_workers: 0}", "workers.num_workers"),
+        # a warm start is bounded: how many prefixes, and what share of the KV cache
+        (
+            "router: {routing: {pull: {warm_start_prefixes: 5000}}}",
+            "router.routing.pull.warm_start_prefixes",
+        ),
+        (
+            "router: {routing: {pull: {warm_start_share: 1.5}}}",
+            "router.routing.pull.warm_start_share",
+        ),
         # an empty token would let every caller without one in as that tenant
         ("router: {auth_tokens: {anon: ''}}", "'anon' has an empty token"),
         ("router: {auth_tokens: {a: tok-1, b: tok-1}}", "'a' and 'b' have the same token"),
