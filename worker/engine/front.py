@@ -107,7 +107,7 @@ class StreamingEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        with self._lock, self.window.lock:
+        with self._lock, self.window.held():
             self._drain()  # what was queued before the door closed
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
@@ -233,7 +233,7 @@ class StreamingEngine:
             return fn(self.engine)
         future = self._call(fn)
         if future is None:  # no loop to ask: the engine is the caller's to read
-            with self._lock, self.window.lock:
+            with self._lock, self.window.held():
                 return fn(self.engine)
         return future.result()
 
@@ -241,7 +241,7 @@ class StreamingEngine:
         """:meth:`with_engine` for asyncio code: awaits, never blocks the loop."""
         future = self._call(fn)
         if future is None:
-            with self._lock, self.window.lock:
+            with self._lock, self.window.held():
                 return fn(self.engine)
         return await asyncio.wrap_future(future)
 
@@ -275,7 +275,7 @@ class StreamingEngine:
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()
-                with self._lock, self.window.lock:
+                with self._lock, self.window.held():
                     self._drain()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
@@ -295,7 +295,7 @@ class StreamingEngine:
             self._stopping = True
             with self._inbox_lock:
                 self._accepting = False
-            with self._lock, self.window.lock:
+            with self._lock, self.window.held():
                 self._fail_inbox(exc)
             self._end_all(EngineStopped(f"the engine loop died: {exc!r}"))
             if self._on_death is not None:
