@@ -84,6 +84,9 @@ def _run(args: argparse.Namespace, pull: bool) -> dict:
     with Cluster(_config(args, pull)) as cluster:
         stream = _stream(args, ModelConfig.from_dir(cluster.model_dir).vocab_size)
         fleet = [cluster.workers[w] for w in sorted(cluster.workers)]
+        for w in fleet if pull else ():  # the fleet's own (empty) warm starts end first
+            while not ray.get(w.pull_stats.remote())["warm_started"]:
+                time.sleep(0.05)
         for i, p in enumerate(stream[: args.warm_requests]):
             _hits(fleet[i % len(fleet)], [p], f"warm{i}")
         t0 = time.monotonic()

@@ -41,6 +41,12 @@ def cluster(tmp_path_factory) -> Cluster:
         router={"routing": {"pull": {"enabled": True, "warm_start_prefixes": 1}}},
     )
     with Cluster(cfg) as c:
+        # the first workers' own warm starts (from peers that served nothing yet) end first
+        for w in c.workers.values():
+            deadline = time.monotonic() + 60
+            while not ray.get(w.pull_stats.remote())["warm_started"]:
+                assert time.monotonic() < deadline, "no warm start of the first workers"
+                time.sleep(0.1)
         yield c
 
 

@@ -57,6 +57,9 @@ def test_added_and_restarted_workers_warm_start_from_the_fleet() -> None:
         router={"routing": {"policy": "least_loaded", "pull": PULL}},
     )
     with Cluster(cfg) as cluster:
+        # the first workers' own warm starts (from peers that served nothing yet) end first
+        for w in cluster.workers.values():
+            assert wait_for(lambda w=w: ray.get(w.pull_stats.remote())["warm_started"])
         index = KVIndex(cluster.index_config())
         ctx = HashContext(cluster.model_id)
         hot, cold = tokens(1, 160), tokens(2, 160)  # 10 full blocks each
