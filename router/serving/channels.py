@@ -49,10 +49,11 @@ class Inbox:
         self.wake()
 
     def wake(self) -> bool:
-        """Wake the reader if it waits for items; True if it did (it runs on the loop's next
-        iteration)."""
+        """Wake the reader if it waits and items are there (it may have taken them since
+        they came: a reader woken to nothing would take nothing); True if it did (it runs on
+        the loop's next iteration)."""
         w = self._waiter
-        if w is not None and not w.done():
+        if self.items and w is not None and not w.done():
             w.set_result(True)
             return True
         return False
