@@ -8,7 +8,8 @@ import pytest
 
 from router import Reason, RouteRequest, RoutingConfig
 from router.placement.prediction import PredictionTracker
-from router.placement.pull import TransferModel
+from router.placement.pull import PullPlanner, TransferModel
+from router.placement.types import Placement, WorkerView
 from tests.router.harness import MiniCluster, load, tokens
 
 RATE = 1000.0  # prefill tokens per second
@@ -133,3 +134,55 @@ def test_prediction_table_counts_pull_misses_and_slow_pulls() -> None:
     assert (w.pulls, w.pull_planned_tokens, w.pulled_tokens) == (3, 960, 480)
     assert (w.pull_misses, w.pull_slow) == (2, 1)
     assert table.pull_totals()["pull_misses"] == 2
+
+
+def _planner() -> PullPlanner:
+    return PullPlanner(
+        TransferModel(0.01, 2e-6),
+        prefill_tokens_per_s=RATE,
+        min_pull_tokens=64,
+        min_deadline_s=0.05,
+        block_size=16,
+        source_step_tokens=256,
+    )
+
+
+def _views(dest_held: tuple[int, int]) -> tuple[list[WorkerView], dict[str, tuple[int, int]]]:
+    """Holder "a" (125 device blocks, 5 s of queue), "b" idle holding ``dest_held`` (device,
+    either tier) with its host blocks weighted 0.5 as the router weighs them, "c" busy."""
+    dev, both = dest_held
+    views = [
+        WorkerView("a", load(5000), 2000),
+        WorkerView("b", load(0), int((dev + 0.5 * (both - dev)) * 16)),
+        WorkerView("c", load(3000), 0),
+    ]
+    return views, {"a": (125, 125), "b": dest_held, "c": (0, 0)}
+
+
+def test_a_pull_starts_past_what_the_destination_holds_in_its_host_tier() -> None:
+    views, held = _views((1, 100))  # b: block 0 on its device, 1-99 in its host tier
+    placement, hint, priced = _planner().plan(
+        2050, views, Placement("a", Reason.PREFIX, 2000), held, holder_eligible=True
+    )
+    assert placement == Placement("b", Reason.PULL, 2000)
+    assert hint is not None and (hint.source_id, hint.start_block, hint.num_blocks) == (
+        "a",
+        100,
+        25,
+    )
+    assert hint.priced_s == pytest.approx(0.256 + 0.01 + 400 * 2e-6)  # 25 blocks moved
+    assert priced is not None
+    assert priced.recompute_s == pytest.approx((2050 - 1600) / RATE)  # host blocks are hits
+
+
+def test_a_few_blocks_past_a_host_held_prefix_are_recomputed_not_pulled() -> None:
+    """b holds 120 of the 125 blocks (119 in its host tier): recomputing 5 blocks (80 ms)
+    beats waiting for the holder's step in flight (256 ms); counting b's host blocks at the
+    routing's 0.5 weight would price the recompute at 1 s and pull."""
+    views, held = _views((1, 120))
+    placement, hint, priced = _planner().plan(
+        2050, views, Placement("a", Reason.PREFIX, 2000), held, holder_eligible=True
+    )
+    assert hint is None and priced is not None and priced.choice == "recompute"
+    assert placement.worker_id == "b"
+    assert priced.recompute_s == pytest.approx((2050 - 1920) / RATE)
