@@ -14,13 +14,15 @@ Per request, once the policy has chosen, the planner compares (in seconds):
 
 ``e`` is the policy's choice when that is not the holder, else the least loaded other
 worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
-is the holder's step in flight (its queued prefill up to one step's tokens: the export runs
-between steps) plus fixed + per token, per pair of nodes (:class:`TransferModel`),
-calibrated at start-up and refined from every observed pull. Ties go to hold, then
-recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
-``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
-its break-even, the time recomputing the pulled tokens would take (or the priced transfer
-if longer): past it the worker recomputes instead.
+is the rest of the holder's step in flight (the export runs between steps; the step is its
+queued prefill up to one step's tokens, and a request arriving at a random moment of it
+waits half of it on average) plus fixed + per token, per pair of nodes
+(:class:`TransferModel`), calibrated at start-up and refined from every observed pull. Ties
+go to hold, then recompute: affinity stays primary and a pull must pay for itself. A pull
+of fewer than ``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's
+soft deadline is its break-even, the time recomputing the pulled tokens would take, or the
+transfer after the whole step in flight if longer (the most a live holder makes it wait):
+past it the worker recomputes instead.
 """
 
 from __future__ import annotations
@@ -194,12 +196,15 @@ class PullPlanner:
         start, total = max(held[elsewhere]), held[holder][1]
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
+        step_s = move_s = 0.0
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            # the export waits for the holder's step in flight (its load), then moves
-            step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
-            xfer_s = self._prefill(step) + self.transfers.seconds(
-                self.node_of(holder), self.node_of(elsewhere), gain
+            # the export waits for the rest of the holder's step in flight (a step of its
+            # queued prefill, up to one step's tokens): half of it on average, all at most
+            step_s = self._prefill(
+                min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
             )
+            move_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
+            xfer_s = step_s / 2 + move_s
             pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
@@ -215,7 +220,7 @@ class PullPlanner:
             source_id=holder,
             start_block=start,
             num_blocks=total - start,
-            deadline_s=max(self._prefill(gain), xfer_s, self.min_deadline_s),
+            deadline_s=max(self._prefill(gain), step_s + move_s, self.min_deadline_s),
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced
