@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import PackedOutput
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
 from kvstore.blocks.protocol import (
     AdapterInfo,
     Admitted,
@@ -30,13 +30,14 @@ from kvstore.blocks.protocol import (
     WorkerRequest,
     WorkerStatus,
 )
+from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
 from kvstore.types import WorkerLoad
 from worker.callers import CallerWatch
-from worker.channels import Channels
+from worker.channels import Channel, Channels
 from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamEnd
@@ -132,7 +133,9 @@ class WorkerServer(PeerPulls):
         self.front.start()
         self._init_pulls()
         self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
-        self.channels = Channels(self.front.abort, self.callers.forget)
+        self.channels = Channels(
+            self.front.abort, self.callers.forget, on_drop=self.callers.forget_channel
+        )
         self.loop_probe = LoopLagProbe()
         if self.publisher is not None:
             self.publisher.submit([], worker_load(self.engine.snapshot()))
@@ -191,8 +194,7 @@ class WorkerServer(PeerPulls):
         keys = self._keys(request)
         pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         rid = request.request_id
-        ch = self.channels.get(channel_id)
-        ch.caller = caller
+        ch = self._channel(channel_id, caller)
         ch.open(rid)  # before the add: its first outputs may be delivered before we resume
         self.callers.watch(rid, caller)
         try:
@@ -205,22 +207,39 @@ class WorkerServer(PeerPulls):
             raise
         return self._admitted(request, keys, pulled)
 
-    async def outputs(self, channel_id: str) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
+    async def outputs(
+        self, channel_id: str, caller: Any = None, schema: str | None = None
+    ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
         """The channel's outputs, one list per message: every output of each request sent
         with this ``channel_id``, in order (packed: ``unpack_output``); a
         :class:`StreamEnd` ends a request whose engine stopped. Ends when the caller stops
-        reading (its open requests are aborted)."""
-        async for items in self.channels.serve(channel_id):
+        reading or dies, idle or not (its open requests are aborted).
+
+        ``schema``: the caller's ``OUTPUT_SCHEMA``; a router of another packed layout is
+        refused with :class:`WireMismatch`."""
+        if caller is not None:
+            self._channel(channel_id, caller)
+        async for items in self.channels.serve(channel_id, schema):
             yield items
 
+    def _channel(self, channel_id: str, caller: Any) -> Channel:
+        """The channel ``channel_id`` of ``caller``, watched while it is open."""
+        ch = self.channels.get(channel_id)
+        if ch.caller is None and caller is not None:
+            ch.caller = caller
+            self.callers.watch_channel(channel_id, caller)
+        return ch
+
     async def generate(
-        self, request: WorkerRequest, caller: Any = None
+        self, request: WorkerRequest, caller: Any = None, schema: str | None = None
     ) -> AsyncIterator[Admitted | RequestOutput]:
         """One request's own stream (the fallback of :meth:`submit` + :meth:`outputs`):
         Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
 
         ``caller``: the calling router's actor handle; if it dies, the request is aborted.
+        ``schema``: the caller's ``OUTPUT_SCHEMA`` (outputs nest positional types).
         """
+        check_schema("output stream", schema, OUTPUT_SCHEMA)
         self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
         pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes

@@ -23,7 +23,7 @@ from ray.exceptions import (
 )
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable, WorkerLoad
@@ -78,7 +78,7 @@ class RayWorkerDirectory(WorkerDirectory):
         handle = _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
-        self.channels = Channels(self.incarnation, self._handle)
+        self.channels = Channels(self.incarnation, self._handle, self.caller)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
         self.loop_probe = LoopLagProbe()
 
@@ -222,7 +222,7 @@ class RayWorkerDirectory(WorkerDirectory):
             gen = (
                 self._handle(worker_id)
                 .generate.options(num_returns="streaming")
-                .remote(request, self.caller)
+                .remote(request, self.caller, OUTPUT_SCHEMA)
             )
             it = gen.__aiter__()
             while True:

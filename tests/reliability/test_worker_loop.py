@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import unpack_output
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, unpack_output
 from kvstore.blocks.protocol import WorkerRequest
 from worker.actor import WorkerServer, WorkerSettings
 from worker.engine import EngineConfig, SamplingParams
@@ -41,7 +41,7 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
         expected = {f"r{i}" for i in range(17)}
 
         async def reader() -> None:
-            async for items in server.outputs("ch"):
+            async for items in server.outputs("ch", None, OUTPUT_SCHEMA):
                 batches.append(items)
                 finished = {i[0] for b in batches for i in b if i[2]}
                 if finished >= expected:
