@@ -131,12 +131,16 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         if ch is not None and time.monotonic() - ch.last_message < self.liveness.stream_stall_s:
             return
         if not await self._answers(worker_id):
-            self.stalls += 1
-            raise WorkerGone(
-                f"worker {worker_id} stalled: no output for "
-                f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
-                f"within {self.liveness.probe_timeout_s:g}s"
-            )
+            raise self._stalled(worker_id)
+
+    def _stalled(self, worker_id: str) -> WorkerGone:
+        """A stream given up: no output for ``stream_stall_s`` and no answer to a probe."""
+        self.stalls += 1
+        return WorkerGone(
+            f"worker {worker_id} stalled: no output for "
+            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
+            f"within {self.liveness.probe_timeout_s:g}s"
+        )
 
     async def _own_stream(
         self, worker_id: str, request: WorkerRequest
@@ -155,12 +159,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
                 while not (await asyncio.wait({nxt}, timeout=self.liveness.stream_stall_s))[0]:
                     if not await self._answers(worker_id):
                         nxt.cancel()
-                        self.stalls += 1
-                        raise WorkerGone(
-                            f"worker {worker_id} stalled: no output for "
-                            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
-                            f"within {self.liveness.probe_timeout_s:g}s"
-                        )
+                        raise self._stalled(worker_id)
                 try:
                     ref = nxt.result()
                 except StopAsyncIteration:
