@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +22,6 @@ import ray
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
 from kvstore.blocks.protocol import (
-    AdapterInfo,
     Admitted,
     PullReport,
     WorkerRequest,
@@ -35,15 +32,16 @@ from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
-from kvstore.types import WorkerLoad
 from worker.callers import CallerWatch
 from worker.channels import Channel, Channels
-from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
+from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamEnd
 from worker.kv import block_keys
+from worker.lifecycle import exit_process_soon, in_ray_actor
 from worker.model.default_model import resolve_default_model
 from worker.pull.peer import PeerPulls
+from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -59,54 +57,6 @@ class WorkerSettings:
     engine: EngineConfig  # block size, KV size, limits, policy
     index: IndexConfig | None  # None: do not publish (no Redis)
     default_family: str = "llama"  # family of the default model (model_dir None)
-
-
-def worker_load(snap: EngineSnapshot) -> WorkerLoad:
-    """The load a router weighs: queued prefill work and running decodes."""
-    return WorkerLoad(
-        running=snap.num_running,
-        waiting=snap.num_waiting,
-        free_blocks=snap.kv_free_blocks,
-        total_blocks=snap.kv_total_blocks,
-        queued_prefill_tokens=snap.pending_prefill_tokens,
-        decode_tokens=snap.decoding_seqs,
-        host_blocks=snap.host_total_blocks,
-        lora_ids=snap.lora_ids,
-        lora_loaded=snap.lora_loaded,
-        lora_owners=snap.lora_owners,
-    )
-
-
-def worker_status(
-    worker_id: str, snap: EngineSnapshot, *, epoch: int | None, index_healthy: bool
-) -> WorkerStatus:
-    """A worker's answer to a status call, from one snapshot of its engine."""
-    return WorkerStatus(
-        worker_id=worker_id,
-        epoch=epoch,
-        running=snap.num_running,
-        waiting=snap.num_waiting,
-        free_blocks=snap.kv_free_blocks,
-        total_blocks=snap.kv_total_blocks,
-        queued_prefill_tokens=snap.pending_prefill_tokens,
-        prefix_hit_rate=snap.prefix_hit_rate,
-        index_healthy=index_healthy,
-        tenant_quota_evictions=snap.tenant_quota_evictions,
-        host_total_blocks=snap.host_total_blocks,
-        host_cached_blocks=snap.host_cached_blocks,
-        host_hit_tokens=snap.host_hit_tokens,
-        swap_preemptions=snap.num_swap_preemptions,
-        recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
-        adapters=tuple(
-            AdapterInfo(
-                i.split("@")[0],
-                i,
-                i in snap.lora_loaded,
-                tuple(o.split("=", 1)[1] for o in snap.lora_owners if o.split("=", 1)[0] == i),
-            )
-            for i in snap.lora_ids
-        ),
-    )
 
 
 class WorkerServer(PeerPulls):
@@ -325,25 +275,6 @@ class WorkerServer(PeerPulls):
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
-
-
-def in_ray_actor() -> bool:
-    """Whether this process is a Ray actor's (asked once, from the actor's own thread)."""
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-
-
-def exit_process_soon(in_actor: bool, grace_s: float = 1.0) -> None:
-    """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
-    callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
-    Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
-    if not in_actor:
-        return
-
-    def leave() -> None:
-        time.sleep(grace_s)
-        os._exit(70)  # EX_SOFTWARE
-
-    threading.Thread(target=leave, name="engine-died-exit", daemon=True).start()
 
 
 WorkerActor = ray.remote(WorkerServer)
