@@ -93,11 +93,11 @@ def peer_class(cls: type, *, drop: str | None = None, insert: tuple | None = Non
     return peer
 
 
-def sent_by(monkeypatch: pytest.MonkeyPatch, peer: type, obj: Any) -> bytes:
-    """The bytes a peer with class ``peer`` makes of ``obj``'s values."""
+def sent_by(monkeypatch: pytest.MonkeyPatch, peer: type, obj: Any, **extra: Any) -> bytes:
+    """The bytes a peer with class ``peer`` makes of ``obj``'s values (and ``extra``)."""
     names = {f.name for f in dataclasses.fields(peer)}
     values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-    instance = peer(**{k: v for k, v in values.items() if k in names})
+    instance = peer(**{k: v for k, v in values.items() if k in names}, **extra)
     with monkeypatch.context() as m:
         m.setattr(sys.modules[peer.__module__], peer.__qualname__, peer)
         return pickle.dumps(instance)
@@ -156,12 +156,7 @@ def test_a_newer_peer_with_an_unknown_field(obj: Any, monkeypatch: pytest.Monkey
     # left at its default: it is not sent, and everything else is read where it belongs
     assert same(pickle.loads(sent_by(monkeypatch, peer, obj)), obj)
     # set: refused, naming the field (ignoring it would serve the request otherwise)
-    names = {f.name for f in dataclasses.fields(peer)}
-    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-    instance = peer(**{k: v for k, v in values.items() if k in names}, new_knob=3)
-    with monkeypatch.context() as m:
-        m.setattr(sys.modules[peer.__module__], peer.__qualname__, peer)
-        data = pickle.dumps(instance)
+    data = sent_by(monkeypatch, peer, obj, new_knob=3)
     with pytest.raises(WireMismatch, match="does not know: new_knob=3"):
         pickle.loads(data)
 
