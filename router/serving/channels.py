@@ -142,6 +142,9 @@ class WorkerChannel:
 
 
 def _first_line(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # a RayTaskError's text is the worker's traceback
+    if isinstance(cause, Exception):  # its own error (e.g. WireMismatch) says what happened
+        exc = cause
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
