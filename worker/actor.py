@@ -167,6 +167,7 @@ class WorkerServer(PeerPulls):
 
         ``schema``: the caller's ``OUTPUT_SCHEMA``; a router of another packed layout is
         refused with :class:`WireMismatch`."""
+        check_schema("output channel", schema, OUTPUT_SCHEMA)  # refused: nothing is opened
         if caller is not None:
             self._channel(channel_id, caller)
         async for items in self.channels.serve(channel_id, schema):
