@@ -21,6 +21,7 @@ import ray
 
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
+from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
     Admitted,
     PullReport,
@@ -90,6 +91,10 @@ class WorkerServer(PeerPulls):
         if self.publisher is not None:
             self.publisher.submit([], worker_load(self.engine.snapshot()))
             self.publisher.start()
+        # the loop answers in a few ms next to the engine thread: short GIL turns, and no
+        # collection scans the start-up heap (the engine froze the model's; this is ours)
+        short_gil_turns()
+        freeze_long_lived()
 
     # -- engine thread hooks ---------------------------------------------------------------
 

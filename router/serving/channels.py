@@ -5,6 +5,9 @@ per-request inboxes.
 The pump only appends to inboxes, so a slow client never holds up the channel, the worker or
 another client; a request's reader takes everything its inbox gathered at once and reads it
 as one output (:func:`coalesce`), so a client that lags gets several tokens per message.
+A message carries a step's outputs for every request of this router on that worker (several
+steps' when the router lagged): :func:`demultiplex` wakes their readers a slice at a time,
+so one loop iteration runs a bounded number of client writes, never a whole message's.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the actor is gone
+# readers woken per loop iteration at most: each then writes to its client (a gRPC message,
+# an SSE event: ~50-100 us), so a slice is a few ms of the loop, whatever the batch size
+WAKE_SLICE = 32
 _ids = itertools.count()
 
 
@@ -40,9 +46,17 @@ class Inbox:
 
     def put(self, item: Any) -> None:
         self.items.append(item)
+        self.wake()
+
+    def wake(self) -> bool:
+        """Wake the reader if it waits and items are there (it may have taken them since
+        they came: a reader woken to nothing would take nothing); True if it did (it runs on
+        the loop's next iteration)."""
         w = self._waiter
-        if w is not None and not w.done():
+        if self.items and w is not None and not w.done():
             w.set_result(True)
+            return True
+        return False
 
     async def wait(self, timeout_s: float) -> bool:
         """True when items are there; False after ``timeout_s`` without any."""
@@ -75,6 +89,29 @@ class Inbox:
 def _expire(w: asyncio.Future) -> None:
     if not w.done():
         w.set_result(False)
+
+
+async def demultiplex(items: list[Any], inboxes: dict[str, Inbox]) -> None:
+    """Hand one channel message's ``items`` (packed outputs, StreamEnds) to their requests'
+    inboxes, in order; an item whose reader left (client gone, aborted) is dropped. Every
+    item is in its inbox before any reader wakes, so a reader takes all of its request's
+    items of the message at once (one client message for several steps). Then the readers
+    are woken :data:`WAKE_SLICE` at a time, yielding in between: their writes run before the
+    next slice wakes, and every other ready callback (a probe, a new request) in between."""
+    touched: dict[str, Inbox] = {}  # first appearance order
+    for item in items:
+        rid = item[0] if isinstance(item, tuple) else item.request_id
+        inbox = inboxes.get(rid)
+        if inbox is not None:
+            inbox.items.append(item)
+            touched[rid] = inbox
+    woken = 0
+    for inbox in touched.values():
+        if inbox.wake():
+            woken += 1
+            if woken == WAKE_SLICE:
+                woken = 0
+                await asyncio.sleep(0)
 
 
 class WorkerChannel:
@@ -114,12 +151,7 @@ class WorkerChannel:
                 items = await ref
                 self.last_message = time.monotonic()
                 self.messages += 1
-                inboxes = self.inboxes
-                for item in items:
-                    rid = item[0] if isinstance(item, tuple) else item.request_id
-                    inbox = inboxes.get(rid)
-                    if inbox is not None:  # None: its reader left (client gone, aborted)
-                        inbox.put(item)
+                await demultiplex(items, self.inboxes)
             error = WorkerGone(f"worker {self.worker_id} ended its output channel")
         except asyncio.CancelledError:
             error = WorkerGone(f"the output channel from {self.worker_id} was closed")

@@ -145,6 +145,24 @@ def test_a_waiting_reader_wakes_on_the_first_item() -> None:
     assert asyncio.run(main())
 
 
+def test_a_reader_that_took_its_items_already_is_not_woken_to_nothing() -> None:
+    async def main() -> tuple[bool, bool, bool, int]:
+        inbox = Inbox()
+        inbox.items.append(pack_output(outputs()[0]))  # came while its reader was busy
+        assert await inbox.wait(5.0)  # the reader is back: it takes them at once
+        first = inbox.take()
+        waiting = asyncio.ensure_future(inbox.wait(0.05))
+        await asyncio.sleep(0)  # it waits for more now
+        woke = inbox.wake()  # the late wake-up of the message that brought them
+        await asyncio.sleep(0)
+        early = waiting.done()
+        inbox.put(pack_output(outputs()[1]))
+        return woke, early, await waiting, len(first.outputs[0].token_ids)
+
+    woke, early, got_more, tokens = asyncio.run(main())
+    assert (woke, early, got_more, tokens) == (False, False, True, 1)
+
+
 def test_packing_keeps_the_prompt_logprobs() -> None:
     out = RequestOutput("r", [CompletionDelta(0, "a", [1], [lp(1)])], False, Usage(3, 0, 1))
     out.prompt_logprobs = [None, lp(4), lp(5)]
