@@ -23,7 +23,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from kvstore.blocks.errors import EngineStopped
-from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ async def demultiplex(items: list[Any], inboxes: dict[str, Inbox]) -> None:
 class WorkerChannel:
     """This router's output stream from one worker, pumped into per-request inboxes."""
 
-    def __init__(self, worker_id: str, handle: Any, incarnation: str) -> None:
+    def __init__(self, worker_id: str, handle: Any, incarnation: str, caller: Any = None) -> None:
+        """``caller``: this router's CallerRef; the worker drops the channel once it dies."""
         self.worker_id = worker_id
         self.channel_id = f"{incarnation}/{worker_id}/{next(_ids)}"  # new per (re)open
         self.inboxes: dict[str, Inbox] = {}
@@ -125,7 +126,7 @@ class WorkerChannel:
         self.last_message = time.monotonic()  # when the worker last sent anything
         self.messages = 0
         self._gen: Any = None  # the Ray stream, once opened
-        self._task = asyncio.get_running_loop().create_task(self._pump(handle))
+        self._task = asyncio.get_running_loop().create_task(self._pump(handle, caller))
 
     @property
     def open_for_requests(self) -> bool:
@@ -140,11 +141,11 @@ class WorkerChannel:
     def close(self, request_id: str) -> None:
         self.inboxes.pop(request_id, None)
 
-    async def _pump(self, handle: Any) -> None:
+    async def _pump(self, handle: Any, caller: Any) -> None:
         error = WorkerGone(f"the output channel from {self.worker_id} failed")
         try:
             gen = self._gen = handle.outputs.options(num_returns="streaming").remote(
-                self.channel_id
+                self.channel_id, caller, OUTPUT_SCHEMA
             )
             async for ref in gen:
                 items = await ref
@@ -173,6 +174,9 @@ class WorkerChannel:
 
 
 def _first_line(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # a RayTaskError's text is the worker's traceback
+    if isinstance(cause, Exception):  # its own error (e.g. WireMismatch) says what happened
+        exc = cause
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
@@ -180,15 +184,20 @@ def _first_line(exc: BaseException) -> str:
 class Channels:
     """One channel per worker, reopened after it ended (the worker died or restarted)."""
 
-    def __init__(self, incarnation: str, handle_of: Callable[[str], Any]) -> None:
+    def __init__(
+        self, incarnation: str, handle_of: Callable[[str], Any], caller: Any = None
+    ) -> None:
         self.incarnation = incarnation
         self._handle_of = handle_of
+        self._caller = caller
         self._by_worker: dict[str, WorkerChannel] = {}
 
     def get(self, worker_id: str) -> WorkerChannel:
         ch = self._by_worker.get(worker_id)
         if ch is None or not ch.open_for_requests:
-            ch = WorkerChannel(worker_id, self._handle_of(worker_id), self.incarnation)
+            ch = WorkerChannel(
+                worker_id, self._handle_of(worker_id), self.incarnation, self._caller
+            )
             self._by_worker[worker_id] = ch
         return ch
 

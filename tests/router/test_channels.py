@@ -170,3 +170,17 @@ def test_packing_keeps_the_prompt_logprobs() -> None:
     assert back == out
     later = RequestOutput("r", [CompletionDelta(0, "b", [2])], True, Usage(3, 0, 2))
     assert coalesce([back, later]).prompt_logprobs == [None, lp(4), lp(5)]
+
+
+def test_a_channel_the_worker_refused_ends_with_the_workers_own_reason() -> None:
+    """A worker's error reaches the router as a RayTaskError whose text is the worker's
+    traceback; the channel's WorkerGone names the worker's exception instead."""
+    from ray.exceptions import RayTaskError
+
+    from kvstore.blocks.errors import WireMismatch
+    from router.serving.channels import _first_line
+
+    refused = WireMismatch("output channel: the peer has abc, this side has def")
+    line = _first_line(RayTaskError("outputs", "Traceback (most recent call last): ...", refused))
+    assert line == f"WireMismatch: {refused}"
+    assert _first_line(RuntimeError("stream broke\nmore")) == "RuntimeError: stream broke"
