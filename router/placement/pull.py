@@ -2,12 +2,13 @@
 
 Per request, once the policy has chosen, the planner compares (in seconds):
 
-- **hold**: the policy chose the worker holding the longest prefix (``h``): it keeps the
-  request, unpriced — affinity stays primary, the pull is the recovery path (moving a
-  request off its holder copies the prefix into another worker's cache, evicting that
-  worker's own prefixes: when KV capacity is the bottleneck, that loses to affinity); a
-  holder the policy ruled out (its load bound) stays ruled out, so pulls never bring back
-  herding;
+- **hold**: the policy chose the worker holding the longest prefix (``h``; ``c_w``: the
+  leading prompt tokens worker ``w`` holds in either tier or has pending, a host block
+  counted whole — loading it back costs ~1 % of computing it): it keeps the request,
+  unpriced — affinity stays primary, the pull is the recovery path (moving a request off
+  its holder copies the prefix into another worker's cache, evicting that worker's own
+  prefixes: when KV capacity is the bottleneck, that loses to affinity); a holder the
+  policy ruled out (its load bound) stays ruled out, so pulls never bring back herding;
 - **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
   ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
   queue on ``e``, so the two add up);
@@ -16,12 +17,14 @@ Per request, once the policy has chosen, the planner compares (in seconds):
 ``e`` is the policy's choice (not the holder). ``wait(w)`` is the worker's queued prefill
 over the prefill rate; the transfer cost is fixed + per token, per pair of nodes
 (:class:`TransferModel`), calibrated at start-up and refined from every observed pull,
-plus, for workers that export only between steps, the holder's step in flight
-(``source_step_tokens`` of its queued prefill; 0 for ours, which export while their model
-runs). Ties go to recompute: a pull must pay for itself. A pull of fewer than
-``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
-its break-even, the time recomputing the pulled tokens would take (or the priced transfer
-if longer): past it the worker recomputes instead.
+plus, for workers that export only between steps (``source_step_tokens`` > 0: simulated
+ones), the rest of the holder's step in flight (its queued prefill up to one step's
+tokens; a request arriving at a random moment of it waits half of it on average). Ours
+export while their model runs (``worker/engine/window.py``), so they set 0. Ties go to
+recompute: a pull must pay for itself. A pull of fewer than ``min_pull_tokens`` is never
+priced (tiny prefixes recompute). The pull's soft deadline is its break-even, the time
+recomputing the pulled tokens would take, or the transfer after the whole step in flight
+if longer (the most a live holder makes it wait): past it the worker recomputes instead.
 """
 
 from __future__ import annotations
@@ -170,14 +173,19 @@ class PullPlanner:
         holder_eligible: bool,
     ) -> tuple[Placement, PullHint | None, Priced | None]:
         """``held``: per worker, (leading blocks on its device, leading blocks in either
-        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts at
-        the destination's device blocks (what it holds in its host tier is pulled over, as
-        an import lands on the device). ``holder_eligible``: whether the policy could have
-        chosen the holder (a prefix policy did; a load-only policy never holds)."""
+        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts
+        past what the destination holds in either tier (it loads its own host blocks back
+        at admission, cheaper than moving them again; the import continues them in its
+        host tier). ``holder_eligible``: whether the policy could have chosen the holder (a
+        prefix policy did; a load-only policy never holds)."""
         if len(views) < 2:
             return placement, None, None
         bs = self.block_size
         cached = {v.worker_id: min(v.cached_tokens or 0, n_tokens) for v in views}
+        # The prices count every block a worker holds (either tier, or pending there) as a
+        # hit: loading a host block back costs ~1 % of computing it. (``cached`` weighs host
+        # blocks by the routing's preference for device hits, no time.)
+        hit = {w: max(h) * bs for w, h in held.items()}
         by_id = {v.worker_id: v for v in views}
         holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id
         chosen = placement.worker_id
@@ -188,16 +196,19 @@ class PullPlanner:
             return placement, None, None
         elsewhere, hold_s = chosen, None
         ev = by_id[elsewhere]
-        recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
-        start, total = held[elsewhere][0], held[holder][1]
+        recompute_s = self._wait(ev) + self._prefill(n_tokens - hit[elsewhere])
+        start, total = max(held[elsewhere]), held[holder][1]
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
+        step_s = move_s = 0.0
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            # an export between steps waits for the holder's step in flight, then moves
-            step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
-            xfer_s = self._prefill(step) + self.transfers.seconds(
-                self.node_of(holder), self.node_of(elsewhere), gain
+            # the export waits for the rest of the holder's step in flight (a step of its
+            # queued prefill, up to one step's tokens): half of it on average, all at most
+            step_s = self._prefill(
+                min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
             )
+            move_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
+            xfer_s = step_s / 2 + move_s
             pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
@@ -217,7 +228,7 @@ class PullPlanner:
             source_id=holder,
             start_block=start,
             num_blocks=total - start,
-            deadline_s=max(self._prefill(gain), xfer_s, self.min_deadline_s),
+            deadline_s=max(self._prefill(gain), step_s + move_s, self.min_deadline_s),
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced
