@@ -26,6 +26,7 @@ import time
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.config import ClusterConfig
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 
@@ -62,7 +63,12 @@ def _hits(handle, prompts: list[list[int]], tag: str) -> list[float]:  # noqa: A
     out = []
     for i, p in enumerate(prompts):
         req = WorkerRequest(f"{tag}-{i}", p, PARAMS)
-        items = [ray.get(r) for r in handle.generate.options(num_returns="streaming").remote(req)]
+        items = [
+            ray.get(r)
+            for r in handle.generate.options(num_returns="streaming").remote(
+                req, None, OUTPUT_SCHEMA
+            )
+        ]
         out.append(items[-1].usage.cached_tokens / len(p))
     return out
 
@@ -84,9 +90,6 @@ def _run(args: argparse.Namespace, pull: bool) -> dict:
     with Cluster(_config(args, pull)) as cluster:
         stream = _stream(args, ModelConfig.from_dir(cluster.model_dir).vocab_size)
         fleet = [cluster.workers[w] for w in sorted(cluster.workers)]
-        for w in fleet if pull else ():  # the fleet's own (empty) warm starts end first
-            while not ray.get(w.pull_stats.remote())["warm_started"]:
-                time.sleep(0.05)
         for i, p in enumerate(stream[: args.warm_requests]):
             _hits(fleet[i % len(fleet)], [p], f"warm{i}")
         t0 = time.monotonic()

@@ -3,11 +3,13 @@ prefixes from its peers (``worker/pull/warm.py``).
 
 The router watches the index's registry: a worker id it has not seen, or a known one with a
 new epoch (Ray restarted it, or it was replaced), gets one ``auto_warm_start`` call naming
-the other live workers as its peers. The call runs on the worker while it takes load, so
-nothing waits for it: not the worker's readiness, not a request. The worker runs it once per
-incarnation, so the calls of several routers (or of a restarted router, which sees every
-worker as new) cost one warm start. Without an index there are no epochs and no warm starts.
-A call that fails is logged and not repeated for that incarnation. Never raises.
+the other live workers as its peers. The workers of its first look are left alone: in a
+fresh cluster nobody served anything yet, and a restarted router finds them warm (a worker
+that restarted while no router ran is not warmed). The call runs on the worker while it
+takes load, so nothing waits for it: not the worker's readiness, not a request. The worker
+runs it once per incarnation, so the calls of several routers cost one warm start. Without
+an index there are no epochs and no warm starts. A call that fails is logged and not
+repeated for that incarnation. Never raises.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class WarmStarter:
             live = dict(await self.live_epochs())
         except Exception as exc:  # noqa: BLE001 - the index may be away: look again later
             log.debug("warm start: no registry (%r)", exc)
+            return []
+        if not self.seen:  # the fleet this router starts with: nothing to warm it from
+            self.seen.update(live)  # (a fresh cluster) or already warm (a restarted router)
             return []
         new = [w for w, epoch in sorted(live.items()) if self.seen.get(w) != epoch]
         for worker in new:

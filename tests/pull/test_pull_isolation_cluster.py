@@ -16,6 +16,7 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, cluster_config
@@ -41,19 +42,13 @@ def cluster(tmp_path_factory) -> Cluster:
         router={"routing": {"pull": {"enabled": True, "warm_start_prefixes": 1}}},
     )
     with Cluster(cfg) as c:
-        # the first workers' own warm starts (from peers that served nothing yet) end first
-        for w in c.workers.values():
-            deadline = time.monotonic() + 60
-            while not ray.get(w.pull_stats.remote())["warm_started"]:
-                assert time.monotonic() < deadline, "no warm start of the first workers"
-                time.sleep(0.1)
         yield c
 
 
 def generate(handle, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
     items = [
         ray.get(r, timeout=120)
-        for r in handle.generate.options(num_returns="streaming").remote(req)
+        for r in handle.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
     ]
     toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
     return items[0], toks, items[-1].usage.cached_tokens
