@@ -6,6 +6,7 @@ own."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from tests.model.gguf_writer import write_gguf
 from worker.model import gguf_tokenizer
 from worker.model.gguf_file import open_gguf
 from worker.model.gguf_tokenizer import REBUILD_VERSION, tokenizer_backend_from_gguf
-from worker.model.gguf_tokenizer_cache import SUBDIR, cache_root, tokenizer_digest
+from worker.model.gguf_tokenizer_cache import SUBDIR, cache_root, depends_on, tokenizer_digest
 from worker.model.tokenizer import Tokenizer
 
 WORDS = ["▁the", "▁cache", "▁of", "▁keys", "▁and", "▁values", "▁two", "▁lines", "▁tab"]
@@ -184,6 +185,37 @@ def test_the_digest_covers_whole_metadata_entries(tmp_path):
     assert set(reader.spans) == set(reader.fields)
     raw = bytes(reader.raw("tokenizer.chat_template"))
     assert raw.endswith(TEMPLATE.encode()) and b"tokenizer.chat_template" in raw
+
+
+class _Recording(dict):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_the_rebuild_reads_only_keys_the_digest_covers(tmp_path, kind, request):
+    if kind == "sentencepiece":
+        path = sentencepiece_gguf(tmp_path / "sp.gguf")
+    else:
+        path = request.getfixturevalue("byte_level_gguf")
+    reader = open_gguf(path)
+    fields = _Recording(reader.fields)
+    gguf_tokenizer.rebuild(dataclasses.replace(reader, fields=fields), str(path))
+    assert "tokenizer.ggml.tokens" in fields.read
+    assert {k for k in fields.read if not depends_on(k)} == set()
 
 
 @pytest.mark.parametrize(
