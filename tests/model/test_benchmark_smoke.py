@@ -37,3 +37,12 @@ def test_gpu_engine_benchmark_smoke(tmp_path, monkeypatch, capsys):
     headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert headline["model"] == "tiny" and headline["engine_tok_s"] > 0
     assert headline["decode_step_ms"] > 0 and headline["speedup_vs_transformers"] > 0
+
+
+def test_gguf_load_benchmark_smoke(capsys):
+    from benchmarks.gguf_load import main
+
+    main(["--smoke", "--vocab", "2000", "--repeats", "1"])
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert headline["bench"] == "gguf_load" and headline["size"] == "smoke"
+    assert headline["synthetic_ours_s"] > 0 and headline["synthetic_speedup"] > 0

@@ -125,7 +125,8 @@ class EngineConfig(Strict):
     lora_adapters: dict[str, str] = Field(
         default_factory=dict,
         description="LoRA adapters registered at start: name -> PEFT adapter folder "
-        "(adapter_config.json + adapter_model.safetensors). More can be added at run time.",
+        "(adapter_config.json + adapter_model.safetensors or .bin). More can be added at run "
+        "time.",
     )
     lora_tenants: dict[str, list[str]] = Field(
         default_factory=dict,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,9 @@ class ModelConfig:
     hidden_act: str = "silu"  # MLP gate activation: "silu", or "gelu_pytorch_tanh" (Gemma 3)
     query_pre_attn_scalar: float | None = None  # scores scale by its inverse root; None: head_dim
     local_rope: RopeConfig | None = None  # rope of the sliding-window layers if theirs (Gemma 3)
+    # the folder's multimodal class when only its language model is served (its weights are
+    # under ``language_model.``): "Gemma3ForConditionalGeneration"; None for a causal LM
+    multimodal: str | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -95,7 +98,14 @@ class ModelConfig:
 
 
 def _parse(raw: Mapping[str, Any], source: str) -> ModelConfig:
+    from worker.model.gemma3_config import GEMMA3_TEXT_DEFAULTS, MULTIMODAL, gemma3_text_config
+
+    if raw.get("architectures") == [MULTIMODAL]:
+        text = gemma3_text_config(raw, source)
+        return replace(_parse(text, f"{source} text_config"), multimodal=MULTIMODAL)
     arch = _architecture(raw, source)
+    if arch == "Gemma3ForCausalLM":  # as transformers' Gemma3TextConfig reads it
+        raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
     get = _Getter(raw, source)
     hidden = get.integer("hidden_size")
     num_heads = get.integer("num_attention_heads")
@@ -152,7 +162,8 @@ def _architecture(raw: Mapping[str, Any], source: str) -> str:
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: unsupported architectures={archs!r}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}, and Gemma3ForConditionalGeneration "
+            "(its language model, text only)"
         )
     return archs[0]
 

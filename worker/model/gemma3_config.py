@@ -1,4 +1,6 @@
-"""The Gemma 3 traits of a ``config.json`` (``Gemma3ForCausalLM``, ``model_type: gemma3_text``).
+"""The Gemma 3 traits of a ``config.json`` (``Gemma3ForCausalLM``, ``model_type: gemma3_text``),
+and the language model of a ``Gemma3ForConditionalGeneration`` folder (gemma-3 4b and up: its
+``text_config``, served text-only).
 
 Gemma 3 interleaves sliding-window layers (their own rope base, ``rope_local_base_freq``,
 unscaled) with global layers (``rope_theta`` and ``rope_scaling``), scales queries by
@@ -17,6 +19,43 @@ from worker.model.rope_config import RopeConfig, parse_rope
 
 GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)
 SLIDING, FULL = "sliding_attention", "full_attention"
+MULTIMODAL = "Gemma3ForConditionalGeneration"
+# transformers' Gemma3TextConfig defaults for the keys the Hub's configs may leave out (the
+# 4b-27b ``text_config``s give a handful of keys); the rest are defaulted where they are read
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+# top-level keys of a Gemma3Config that win over its text_config's (generation ends at
+# <end_of_turn> too: eos [1, 106] on the Hub)
+_TOP_LEVEL = ("bos_token_id", "eos_token_id", "torch_dtype", "dtype", "tie_word_embeddings")
+
+
+def gemma3_text_config(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The ``config.json`` of the language model inside a ``Gemma3ForConditionalGeneration``
+    folder, as a ``Gemma3ForCausalLM`` one."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ModelLoadError(f"{source}: text_config={text!r} must be an object")
+    kind = text.get("model_type", "gemma3_text")
+    if kind != "gemma3_text":
+        raise UnsupportedModelError(
+            f"{source}: text_config.model_type={kind!r} is not supported (only 'gemma3_text')"
+        )
+    out = {**text, "architectures": ["Gemma3ForCausalLM"]}
+    top = {k: raw[k] for k in _TOP_LEVEL if raw.get(k) is not None}
+    if "dtype" in top or "torch_dtype" in top:  # one dtype, the top level's
+        out.pop("dtype", None)
+        out.pop("torch_dtype", None)
+    return {**out, **top}
 
 
 def gemma3_layer_types(num_layers: int, pattern: int) -> list[str]:

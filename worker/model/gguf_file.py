@@ -1,10 +1,11 @@
 """Read a GGUF file (llama.cpp's format): the parsed file and this package's ``ModelConfig``.
 
 Torch-free (the router reads the config and tokenizer too); the tokenizer is rebuilt by
-``gguf_tokenizer``, the weights are loaded by ``gguf_weights``. Built on the ``gguf``
-package's reader. Supported: the ``llama`` architecture (Llama, Mistral, SmolLM, ... as
-llama.cpp writes them), ``qwen2``, ``qwen3`` and ``gemma3``. Anything else is refused with an error
-naming what the file says.
+``gguf_tokenizer``, the weights are loaded by ``gguf_weights``. Parsed by ``gguf_reader``
+(ours: the ``gguf`` package's reader takes tens of seconds on a large vocabulary).
+Supported: the ``llama`` architecture (Llama, Mistral, SmolLM, ... as llama.cpp writes them),
+``qwen2``, ``qwen3`` and ``gemma3``. Anything else is refused with an error naming what the
+file says.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from worker.model.config import ModelConfig, RopeConfig
 from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.gguf_reader import GGUFFile, GGUFFormatError, read_gguf
 from worker.model.rope_config import yarn_mscale
 
 # llama.cpp architecture -> the Hugging Face class it was converted from
@@ -35,26 +37,17 @@ def is_gguf(path: str | Path) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def _open(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    del mtime_ns  # part of the cache key only: a rewritten file is read again
+def _open(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    del mtime_ns, size  # part of the cache key only: a rewritten file is read again
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError, struct/numpy errors, OSError
-        raise ModelLoadError(
-            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
-            "the file may be corrupt or truncated"
-        ) from exc
-    for tensor in reader.tensors:  # a truncated file may still parse its header
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > size:
-            raise ModelLoadError(
-                f"{path}: tensor {tensor.name} ends at byte {end} but the file has {size} bytes; "
-                "the file is truncated"
-            )
-    return reader
+        return read_gguf(path)
+    except GGUFFormatError:
+        raise
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     """The parsed file (cached per path and modification time)."""
     p = Path(path)
     if not p.is_file():
@@ -66,17 +59,11 @@ def open_gguf(path: str | Path) -> GGUFReader:
 class Meta:
     """Typed access to a GGUF file's metadata with errors naming the key and the file."""
 
-    def __init__(self, reader: GGUFReader, source: str) -> None:
+    def __init__(self, reader: GGUFFile, source: str) -> None:
         self.reader, self.source = reader, source
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{self.source}: metadata {key} is unreadable ({exc})") from exc
+        return self.reader.fields.get(key, default)
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -97,7 +84,7 @@ def interleaves_rotary_rows(arch: str) -> bool:
     return arch == "llama"
 
 
-def architecture(reader: GGUFReader, source: str) -> str:
+def architecture(reader: GGUFFile, source: str) -> str:
     arch = Meta(reader, source).require("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -128,8 +115,8 @@ def config_from_gguf(path: str | Path) -> ModelConfig:
         )
     if heads % kv_heads:
         raise ModelLoadError(f"{source}: head_count={heads} is not a multiple of {kv_heads=}")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # counted, not decoded (262k in Gemma)
-    vocab = meta.positive_int(key("vocab_size"), len(tokens.data) if tokens else None)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.positive_int(key("vocab_size"), len(tokens) if tokens else None)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     num_layers = meta.positive_int(key("block_count"))
     fields: dict[str, Any] = dict(
@@ -188,7 +175,7 @@ def _gemma3(meta: Meta, key: Any, num_layers: int, width: int, head_dim: int) ->
     )
 
 
-def _rope(meta: Meta, key: Any, source: str, reader: GGUFReader, head_dim: int) -> RopeConfig:
+def _rope(meta: Meta, key: Any, source: str, reader: GGUFFile, head_dim: int) -> RopeConfig:
     theta = float(meta.get(key("rope.freq_base"), 10000.0))
     scaling = meta.get(key("rope.scaling.type"), "none")
     factors = _freq_factors(reader, source, head_dim)
@@ -226,7 +213,7 @@ def _rope(meta: Meta, key: Any, source: str, reader: GGUFReader, head_dim: int) 
     )
 
 
-def _freq_factors(reader: GGUFReader, source: str, head_dim: int) -> tuple[float, ...] | None:
+def _freq_factors(reader: GGUFFile, source: str, head_dim: int) -> tuple[float, ...] | None:
     """llama.cpp's per-dimension frequency divisors (``rope_freqs.weight``, F32), if any."""
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is None:

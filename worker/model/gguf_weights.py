@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf import ReaderTensor
 from gguf.quants import dequantize
 from torch import nn
 
 from worker.model.config import ModelConfig
 from worker.model.errors import UnsupportedModelError, WeightMismatchError
 from worker.model.gguf_file import architecture, interleaves_rotary_rows, open_gguf
+from worker.model.gguf_reader import TensorInfo
 
 SUPPORTED_QUANT_TYPES = tuple(
     QType[name]
@@ -77,7 +77,7 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def read_tensor(tensor: ReaderTensor, source: str) -> np.ndarray:
+def read_tensor(tensor: TensorInfo, source: str) -> np.ndarray:
     """Float32 array in the Hugging Face (row-major, [out, in]) shape."""
     qtype = QType(tensor.tensor_type)
     if qtype not in SUPPORTED_QUANT_TYPES:
@@ -102,7 +102,7 @@ def load_gguf_weights(model: nn.Module, path: str | Path, cfg: ModelConfig) -> N
     norm_offset = 1.0 if arch == "gemma3" else 0.0
     params = model.state_dict()
     expected = {name: tuple(t.shape) for name, t in params.items()}
-    found: dict[str, ReaderTensor] = {}
+    found: dict[str, TensorInfo] = {}
     unused = []
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:

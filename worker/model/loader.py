@@ -62,5 +62,5 @@ def load_model(
     if is_gguf(model_dir):
         load_gguf_weights(model, model_dir, cfg)
     else:
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, multimodal=cfg.multimodal is not None)
     return model.eval().requires_grad_(False)

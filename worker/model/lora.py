@@ -1,8 +1,10 @@
 """LoRA adapters in the PEFT format: read, check against the base model, give a stable id.
 
 A PEFT adapter folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``
-...) and ``adapter_model.safetensors`` with, per adapted projection, ``...layers.N.self_attn.
-q_proj.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]``. The delta of a
+...) and ``adapter_model.safetensors`` (or peft's older ``adapter_model.bin``, a pickle read
+with ``torch.load(weights_only=True)``: tensors only, never code) with, per adapted
+projection, ``...layers.N.self_attn.q_proj.lora_A.weight`` ``[r, in]`` and
+``...lora_B.weight`` ``[out, r]``. The delta of a
 projection is ``x @ A.T @ B.T * scaling`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)``
 with rsLoRA). The scaling is folded into B here, once, so serving never multiplies by it.
 What the config means (and which of its keys are refused) is ``lora_config``'s; this module
@@ -35,6 +37,7 @@ from worker.model.lora_config import (
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_WEIGHTS_FILE = "adapter_model.bin"  # peft's save_pretrained(safe_serialization=False)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -102,17 +105,67 @@ def _read_config(
         raise LoraError(f"adapter {name!r}: {path}: {exc}") from None
 
 
-def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+def _weights_path(name: str, folder: Path) -> Path:
+    """The weights file: safetensors when both are there (as peft prefers it)."""
+    for file in (WEIGHTS_FILE, PICKLE_WEIGHTS_FILE):
+        if (folder / file).is_file():
+            return folder / file
+    raise LoraError(
+        f"adapter {name!r}: {folder / WEIGHTS_FILE} not found (a PEFT adapter folder needs "
+        f"{CONFIG_FILE} and {WEIGHTS_FILE} or {PICKLE_WEIGHTS_FILE})"
+    )
+
+
+def _load_safetensors(name: str, path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    if path.stat().st_size == 0:
-        raise LoraError(f"adapter {name!r}: {path} is empty (a safetensors file is expected)")
     try:
-        tensors = load_file(str(path))
+        return load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own and OS errors alike
         raise LoraError(
             f"adapter {name!r}: {path} is not a readable safetensors file: {exc}"
         ) from None
+
+
+def _load_pickle(name: str, path: Path) -> dict[str, torch.Tensor]:
+    """peft's ``torch.save`` of the state dict. ``weights_only`` unpickles tensors, dicts and
+    plain values only (any other object, and so any code, is refused); what it returns must
+    then be a dict of tensors, as peft saves it."""
+    try:
+        tensors = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, zip/EOF and OS errors alike
+        raise LoraError(
+            f"adapter {name!r}: {path} is not a PyTorch weights file that can be loaded safely "
+            f"(only tensors are unpickled, never other objects): {_reason(exc)}"
+        ) from None
+    if not isinstance(tensors, dict):
+        raise LoraError(
+            f"adapter {name!r}: {path} holds a {type(tensors).__name__}, not a dict of tensors"
+        )
+    for key, t in tensors.items():
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+            raise LoraError(
+                f"adapter {name!r}: {path}: entry {key!r} is a {type(t).__name__}, not a tensor"
+            )
+    return tensors
+
+
+def _reason(exc: Exception) -> str:
+    """The line of torch's refusal that names the object (its message is a page of advice,
+    including how to load the file unsafely)."""
+    text = str(exc)
+    if "WeightsUnpickler error: " in text:
+        text = text.split("WeightsUnpickler error: ", 1)[1].split(". ", 1)[0]
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+    if path.stat().st_size == 0:
+        raise LoraError(f"adapter {name!r}: {path} is empty (a weights file is expected)")
+    if path.name == PICKLE_WEIGHTS_FILE:
+        tensors = _load_pickle(name, path)
+    else:
+        tensors = _load_safetensors(name, path)
     for key, t in tensors.items():
         if not t.is_floating_point():
             raise LoraError(f"adapter {name!r}: {path}: tensor {key!r} has dtype {t.dtype}")
@@ -133,14 +186,19 @@ def load_adapter(
     """Read and check a PEFT adapter folder for a model computing in ``dtype``; raises
     :class:`LoraError` naming the adapter, the file and what is wrong."""
     check_name(name)
+    if cfg.multimodal is not None:  # peft's paths there name the vision tower's layers too
+        raise LoraError(
+            f"adapter {name!r}: LoRA adapters are not served on the language model of a "
+            f"{cfg.multimodal} folder; serve them on its Gemma3ForCausalLM form"
+        )
     folder = Path(path)
-    cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-    for p in (cfg_path, w_path):
-        if not p.is_file():
-            raise LoraError(
-                f"adapter {name!r}: {p} not found (a PEFT adapter folder needs "
-                f"{CONFIG_FILE} and {WEIGHTS_FILE})"
-            )
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise LoraError(
+            f"adapter {name!r}: {cfg_path} not found (a PEFT adapter folder needs "
+            f"{CONFIG_FILE} and {WEIGHTS_FILE} or {PICKLE_WEIGHTS_FILE})"
+        )
+    w_path = _weights_path(name, folder)
     raw_cfg = cfg_path.read_bytes()
     acfg = _read_config(name, cfg_path, raw_cfg, cfg, max_rank)
     rank, scaling = acfg.rank, acfg.scaling

@@ -19,6 +19,21 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Tensors some checkpoints carry that are recomputed here, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal checkpoint (Gemma3ForConditionalGeneration): the language model's tensors under
+# these prefixes (the Hub's layout, then transformers 5's module paths), and the vision tower
+# and projector, which a text-only model never reads.
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 _MAX_NAMES = 5  # tensor names quoted in one error message
 
 
@@ -65,17 +80,44 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:_MAX_NAMES]) + more
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Copy the checkpoint into ``model``'s parameters (converting dtype, moving device)."""
+def text_model_names(names: list[str], source: str) -> tuple[dict[str, str], list[str]]:
+    """Of a multimodal checkpoint's tensor names: the language model's, as a causal LM names
+    them (-> the checkpoint's name), and the names that are neither its nor the vision's."""
+    out: dict[str, str] = {}
+    stray = []
+    for name in names:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p[0])), None)
+        if prefix is None:
+            stray.append(name)
+            continue
+        ours = prefix[1] + name[len(prefix[0]) :]
+        if ours in out:
+            raise WeightMismatchError(f"{source}: both {out[ours]} and {name} hold {ours}")
+        out[ours] = name
+    return out, stray
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, multimodal: bool = False) -> None:
+    """Copy the checkpoint into ``model``'s parameters (converting dtype, moving device);
+    ``multimodal``: only the language model of the checkpoint is read."""
     params = model.state_dict()
     expected = {name: tuple(t.shape) for name, t in params.items()}
-    files = checkpoint_files(model_dir)
+    stored = checkpoint_files(model_dir)
+    stray: list[str] = []
+    if multimodal:
+        renamed, stray = text_model_names(list(stored), str(model_dir))
+    else:
+        renamed = {name: name for name in stored}
+    files = {name: stored[ckpt] for name, ckpt in renamed.items()}
     missing = sorted(set(expected) - set(files))
     if missing:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint lacks {len(missing)} expected tensors: {_names(missing)}"
         )
     unexpected = sorted(n for n in files if n not in expected and not _ignored(n, expected))
+    unexpected = sorted([*(renamed[n] for n in unexpected), *stray])
     if unexpected:
         raise WeightMismatchError(
             f"{model_dir}: checkpoint has {len(unexpected)} tensors this architecture does not "
@@ -87,14 +129,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for path, names in by_file.items():
         with safe_open(path, framework="pt") as f:
             for name in names:
-                found = tuple(f.get_slice(name).get_shape())
+                found = tuple(f.get_slice(renamed[name]).get_shape())
                 if found != expected[name]:
                     raise WeightMismatchError(
-                        f"{path.name}: tensor {name} has shape {list(found)}, expected "
-                        f"{list(expected[name])} from config.json"
+                        f"{path.name}: tensor {renamed[name]} has shape {list(found)}, "
+                        f"expected {list(expected[name])} from config.json"
                     )
     with torch.no_grad():
         for path, names in by_file.items():
             with safe_open(path, framework="pt") as f:
                 for name in names:
-                    params[name].copy_(f.get_tensor(name))
+                    params[name].copy_(f.get_tensor(renamed[name]))
