@@ -50,51 +50,30 @@ leaves more for the tier to win back in TTFT but a larger hit-rate gap at 8x. Sw
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
+from benchmarks import trace_sim
 from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
-from benchmarks.workloads import DEFAULT_TRACE, trace_requests
 from router import RoutingConfig
-from router.sim import SimConfig, replay, summarize
 
 TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
 TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
 
 
-def fits_device(num_tokens: int, args: argparse.Namespace) -> bool:
-    """Whether a prompt fits the device cache at all (the KV manager's own rule: a larger one
-    is rejected, by a host-tier row as well, since only device blocks are computed into)."""
-    return -(-num_tokens // args.block_size) <= args.kv_tokens // args.block_size
-
-
 def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     device, host, unbounded, args = task
-    # every row, the unbounded one too, replays the same requests: those the device fits
-    requests = [
-        r
-        for r in trace_requests(Path(args.trace), limit=args.limit, seed=args.seed)
-        if fits_device(len(r.token_ids), args)
-    ]
     routing = RoutingConfig(
         policy="prefix_affinity", seed=args.seed, host_hit_weight=args.host_weight
     )
-    sim = SimConfig(
-        num_workers=args.workers,
-        kv_tokens_per_worker=device,
-        host_kv_tokens_per_worker=host,
-        block_size=args.block_size,
-    )
-    result = replay(requests, routing, sim)
-    s = summarize(result)
-    served = [r for r in result.records if not r.rejected]
-    prompt = sum(r.input_len for r in served)
+    sim = trace_sim.sim_config(args, device, host)
+    row = trace_sim.replay_row(trace_sim.replayed_requests(args), routing, sim)
+    served, s, tm = row.served, row.summary, sim.time
+    prompt = row.prompt_tokens
     host_hits = sum(r.host_cached_tokens for r in served)
-    tm = sim.time
     # TTFT = the request's own prefill alone on an idle worker (incl. its load-back) + waiting.
     alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.host_cached_tokens) for r in served)
-    load = sum(r.host_cached_tokens for r in served) * tm.host_load_s_per_token
+    load = host_hits * tm.host_load_s_per_token
     makespan = max(r.finish_s for r in served)
     return {
         "device_tokens": "unbounded" if unbounded else device,
@@ -110,7 +89,7 @@ def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
         "load_ms": 1e3 * load / len(served),
         # Node-time the prompts' prefills need alone over the replay's node-time: the load
         # the waiting grows with (workers step decodes nearly all the time anyway).
-        "prefill_load": alone / (len(result.busy_s) * makespan),
+        "prefill_load": alone / (len(row.result.busy_s) * makespan),
         "imbalance": s.imbalance,
         "requests": s.requests,
         "rejected": s.rejected,
@@ -141,25 +120,14 @@ def _plot(rows: list[dict], unbounded: dict, args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny run (seconds), for CI")
-    ap.add_argument("--trace", default=os.environ.get("KVCLUSTER_TRACE", str(DEFAULT_TRACE)))
-    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--kv-tokens", type=int, default=1_000_000, help="device KV per worker")
+    trace_sim.add_args(ap)
     ap.add_argument("--host-x", default="0,1,2,4,8,16", help="host tier sizes, x device")
     ap.add_argument("--host-weight", type=float, default=0.5, help="router host_hit_weight")
-    ap.add_argument("--block-size", type=int, default=512, help="the trace's block size")
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.limit, args.kv_tokens, args.host_x, args.jobs = 600, 100_000, "0,8", 1
-    if not Path(args.trace).exists():
-        raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
+    args = trace_sim.parse(ap, argv, host_x="0,8")
     sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
     # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).
-    lengths = [len(r.token_ids) for r in trace_requests(Path(args.trace), limit=args.limit)]
-    kept = [n for n in lengths if fits_device(n, args)]
+    lengths = [len(r.token_ids) for r in trace_sim.all_requests(args)]
+    kept = [n for n in lengths if trace_sim.fits_device(n, args)]
     left_out = len(lengths) - len(kept)
     total = sum(kept)
     tasks = [(total + args.block_size, 0, True, args)]

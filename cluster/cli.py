@@ -28,7 +28,7 @@ def ray_cli_hint(ray_address: str, *, embedded: bool) -> str:
     """How to point the Ray CLI at a ``kvcluster up`` head: it runs with token auth (Ray 2.60
     turns it on when ``~/.ray/auth_token`` exists), which the CLI only uses when told; an
     embedded head (one ``up`` started) also needs the CLI in Ray's single-node mode."""
-    from cluster.launcher import RAY_SINGLE_NODE_ENV
+    from cluster.local_ray import RAY_SINGLE_NODE_ENV
 
     local = f"{RAY_SINGLE_NODE_ENV}=0 " if embedded else ""
     return f"RAY_AUTH_MODE=token {local}ray status --address {ray_address}"

@@ -21,22 +21,23 @@ With ``dashboard: false`` an embedded Ray starts no dashboard process at all
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster import state as cluster_state
+from cluster.config import ClusterConfig
+from cluster.local_ray import (
+    leave_loopback_ray,
+    start_ray_head,
+    use_loopback_ray,
+    use_token_auth_if_configured,
+)
 from cluster.local_redis import LocalRedis, free_port, start_detached
 from cluster.ray_head import no_dashboard_process
+from cluster.state import ClusterState, stop_group
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
@@ -44,55 +45,6 @@ from worker.model.config import ModelConfig
 from worker.model.default_model import default_model_id, resolve_default_model
 
 log = logging.getLogger(__name__)
-STATE_DIR = Path(os.environ.get("KVCLUSTER_STATE_DIR", Path.home() / ".kvcluster"))
-# Ray's switch for single-node clusters ("0": the node address is loopback, nothing binds
-# beyond it); named after the platforms where it is the default
-RAY_SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-@dataclass
-class ClusterState:
-    """What ``kvcluster up`` leaves behind for ``down``/``status``/``generate``."""
-
-    name: str  # cluster name (Ray namespace "kvcluster-<name>")
-    namespace: str  # Ray namespace of the actors
-    ray_address: str  # GCS address the actors live in
-    ray_pid: int | None  # process group of the Ray head ``up`` started (``down`` stops it)
-    redis_url: str | None  # the index's Redis (None: no index)
-    redis_pid: int | None  # pid of the redis-server ``up`` started, if any
-    endpoints: list[str]  # the routers' gRPC host:port
-    dashboard_url: str | None  # Ray dashboard
-    model_dir: str | None  # served model folder (None: the default, resolved on each node)
-    workers: list[str]  # worker actor names
-    http_endpoints: list[str] = field(default_factory=list)  # the routers' OpenAI HTTP URLs
-
-    def save(self) -> Path:
-        """Write the state file, readable by its owner only (the Redis URL may hold a
-        password)."""
-        STATE_DIR.mkdir(parents=True, exist_ok=True)
-        path = STATE_DIR / f"{self.name}.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(asdict(self), indent=2))
-        path.chmod(0o600)  # os.open's mode applies only when it creates the file
-        return path
-
-    @classmethod
-    def load(cls, name: str) -> ClusterState:
-        path = STATE_DIR / f"{name}.json"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"no running cluster {name!r} ({path} missing): start one with `kvcluster up`"
-            )
-        return cls(**json.loads(path.read_text()))
-
-    def endpoint(self, api: str = "grpc") -> str:
-        """The first router's gRPC host:port, or with ``api="http"`` its OpenAI API URL."""
-        if api == "http":
-            if not self.http_endpoints:
-                raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
-            return self.http_endpoints[0]
-        return self.endpoints[0]
 
 
 def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
@@ -103,127 +55,6 @@ def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
         path = Path(cfg.model.path).expanduser().resolve()
         return str(path), cfg.model.model_id or (path.stem if path.is_file() else path.name)
     return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
-
-
-def use_loopback_ray() -> None:
-    """Put this process, and every Ray process it starts, in Ray's single-node mode: the node
-    address is 127.0.0.1 and every Ray server (GCS, raylet, workers, agents, dashboard, client
-    server) binds it. Call before starting an embedded Ray or joining one (else the driver
-    looks for a raylet at the machine's address); never before joining another Ray (which
-    registered its nodes at their own addresses)."""
-    from ray._private import ray_constants
-
-    if not _saved_mode:
-        _saved_mode.append((os.environ.get(RAY_SINGLE_NODE_ENV), ray_constants.ENABLE_RAY_CLUSTER))
-    os.environ[RAY_SINGLE_NODE_ENV] = "0"  # Ray processes started from here inherit it
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read at import in this process
-
-
-def leave_loopback_ray() -> None:
-    """Undo :func:`use_loopback_ray` once our Ray is shut down (a process that later joins
-    another Ray, e.g. a test session, must not stay in single-node mode)."""
-    from ray._private import ray_constants
-
-    if not _saved_mode:
-        return
-    env, enabled = _saved_mode.pop()
-    if env is None:
-        os.environ.pop(RAY_SINGLE_NODE_ENV, None)
-    else:
-        os.environ[RAY_SINGLE_NODE_ENV] = env
-    ray_constants.ENABLE_RAY_CLUSTER = enabled
-
-
-_saved_mode: list[tuple[str | None, bool]] = []  # the mode before use_loopback_ray
-
-
-def start_ray_head(
-    num_cpus: int | None = None, timeout_s: float = 60.0, *, dashboard: bool = True
-) -> tuple[str, int, str | None]:
-    """A Ray head of our own on loopback (``ray start --head --block`` in its own session, so
-    ``down`` stops exactly it, never another Ray on the machine), every port on 127.0.0.1.
-
-    Returns (GCS address, pid of the head's process group, dashboard URL or None).
-    """
-    port, dash = free_port(), free_port()
-    # without the dashboard: Ray's CLI that starts no dashboard process (cluster.ray_head)
-    ray_cli = (
-        [str(Path(sys.executable).with_name("ray"))]
-        if dashboard
-        else [sys.executable, "-m", "cluster.ray_head"]
-    )
-    cmd = [
-        *ray_cli,
-        "start",
-        "--head",
-        "--block",
-        f"--port={port}",
-        "--node-ip-address=127.0.0.1",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--include-dashboard={str(dashboard).lower()}",
-        "--disable-usage-stats",
-    ]
-    if num_cpus is not None:
-        cmd.append(f"--num-cpus={num_cpus}")
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, RAY_SINGLE_NODE_ENV: "0"}
-    with open(STATE_DIR / f"ray-head-{port}.log", "ab") as log_file:
-        proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"ray start exited with {proc.returncode}; see {STATE_DIR / f'ray-head-{port}.log'}"
-            )
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                url = f"http://127.0.0.1:{dash}" if dashboard else None
-                return f"127.0.0.1:{port}", proc.pid, url
-        except OSError:
-            time.sleep(0.2)
-    stop_group(proc.pid)
-    raise RuntimeError(f"Ray head did not listen on {port} within {timeout_s}s")
-
-
-def use_token_auth_if_configured() -> None:
-    """Ray 2.60: ``ray start`` turns token auth on when ``~/.ray/auth_token`` exists, but a
-    driver joining with ``ray.init(address=...)`` does not; apply the CLI's own rule here so
-    both agree (Ray caches the mode at import, so its helper also refreshes that)."""
-    from ray._private.authentication.authentication_token_setup import (
-        maybe_enable_token_auth_if_token_available,
-    )
-
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is left in process group ``pgid`` (Linux /proc)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def stop_group(pgid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM a process group we started (Ray head, detached redis-server); SIGKILL what is
-    left after ``grace_s`` (``ray start --block`` does not always exit on SIGTERM)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and group_alive(pgid):
-            time.sleep(0.1)
-        if not group_alive(pgid):
-            return
 
 
 class Cluster:
@@ -514,5 +345,5 @@ def down_detached(name: str) -> ClusterState:
         stop_group(st.ray_pid)
     if st.redis_pid:
         stop_group(st.redis_pid)
-    (STATE_DIR / f"{name}.json").unlink(missing_ok=True)
+    (cluster_state.STATE_DIR / f"{name}.json").unlink(missing_ok=True)
     return st

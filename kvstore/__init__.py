@@ -91,13 +91,13 @@ block j, blocks 0..j-1"). Every writer keeps it so:
   finds), so it would cost routing quality only.
 
 Host tier. ``KVIndex.lookup_tiers`` returns per live worker (device depth d, host depth h) in
-one script call (``scripts.LOOKUP_TIERS``): the device lookup of the configured mode, then the
-same walk (bisect or scan) over values naming a key's holders in either tier, giving the depth
-u of each worker's device-or-host prefix; h = u - d. Exact under the same condition, since the
-host tier keeps each worker's union of both tiers prefix-closed (``worker/kv/host_tier.py``),
-so keys d..u-1 are all in its host tier. Without any host entry it costs one EXISTS more than
-``lookup``. A resync passes both tiers (``kvstore.events.TierKeys``); a clear and a purge empty
-both.
+one script call (``lookup_scripts.LOOKUP_TIERS``): the device lookup of the configured mode,
+then the same walk (bisect or scan) over values naming a key's holders in either tier, giving
+the depth u of each worker's device-or-host prefix; h = u - d. Exact under the same condition,
+since the host tier keeps each worker's union of both tiers prefix-closed
+(``worker/kv/host_tier.py``), so keys d..u-1 are all in its host tier. Without any host entry
+it costs one EXISTS more than ``lookup``. A resync passes both tiers
+(``kvstore.events.TierKeys``); a clear and a purge empty both.
 
 Use ``scan`` when a publisher is not this engine, or its cache may hold a block without its
 parent (another eviction policy, hand-written events): scan is exact for any index.

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from kvstore import scripts
+from kvstore import lookup_scripts, scripts
 from kvstore.blocks.hashing import BlockKey
 from kvstore.codec import (
     check_worker_id,
@@ -49,9 +49,9 @@ class KVIndex:
             "PURGE_SLOT",
         )
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
-        self._scripts["LOOKUP"] = self._client.register_script(scripts.LOOKUP[config.lookup])
+        self._scripts["LOOKUP"] = self._client.register_script(lookup_scripts.LOOKUP[config.lookup])
         self._scripts["LOOKUP_TIERS"] = self._client.register_script(
-            scripts.LOOKUP_TIERS[config.lookup]
+            lookup_scripts.LOOKUP_TIERS[config.lookup]
         )
         # Resyncs and purges may legitimately run for long (a whole pool's keys): they use a
         # second client whose timeout is generous, so a slow Redis does not fail them forever.

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,27 +20,29 @@ from typing import Any
 import ray
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import PackedOutput
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
+from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
-    AdapterInfo,
     Admitted,
     PullReport,
     WorkerRequest,
     WorkerStatus,
 )
+from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
-from kvstore.types import WorkerLoad
 from worker.callers import CallerWatch
-from worker.channels import Channels
-from worker.engine import Engine, EngineConfig, EngineSnapshot, RequestOutput
+from worker.channels import Channel, Channels
+from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamEnd
 from worker.kv import block_keys
+from worker.lifecycle import exit_process_soon, in_ray_actor
 from worker.model.default_model import resolve_default_model
 from worker.pull.peer import PeerPulls
+from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -58,54 +58,6 @@ class WorkerSettings:
     engine: EngineConfig  # block size, KV size, limits, policy
     index: IndexConfig | None  # None: do not publish (no Redis)
     default_family: str = "llama"  # family of the default model (model_dir None)
-
-
-def worker_load(snap: EngineSnapshot) -> WorkerLoad:
-    """The load a router weighs: queued prefill work and running decodes."""
-    return WorkerLoad(
-        running=snap.num_running,
-        waiting=snap.num_waiting,
-        free_blocks=snap.kv_free_blocks,
-        total_blocks=snap.kv_total_blocks,
-        queued_prefill_tokens=snap.pending_prefill_tokens,
-        decode_tokens=snap.decoding_seqs,
-        host_blocks=snap.host_total_blocks,
-        lora_ids=snap.lora_ids,
-        lora_loaded=snap.lora_loaded,
-        lora_owners=snap.lora_owners,
-    )
-
-
-def worker_status(
-    worker_id: str, snap: EngineSnapshot, *, epoch: int | None, index_healthy: bool
-) -> WorkerStatus:
-    """A worker's answer to a status call, from one snapshot of its engine."""
-    return WorkerStatus(
-        worker_id=worker_id,
-        epoch=epoch,
-        running=snap.num_running,
-        waiting=snap.num_waiting,
-        free_blocks=snap.kv_free_blocks,
-        total_blocks=snap.kv_total_blocks,
-        queued_prefill_tokens=snap.pending_prefill_tokens,
-        prefix_hit_rate=snap.prefix_hit_rate,
-        index_healthy=index_healthy,
-        tenant_quota_evictions=snap.tenant_quota_evictions,
-        host_total_blocks=snap.host_total_blocks,
-        host_cached_blocks=snap.host_cached_blocks,
-        host_hit_tokens=snap.host_hit_tokens,
-        swap_preemptions=snap.num_swap_preemptions,
-        recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
-        adapters=tuple(
-            AdapterInfo(
-                i.split("@")[0],
-                i,
-                i in snap.lora_loaded,
-                tuple(o.split("=", 1)[1] for o in snap.lora_owners if o.split("=", 1)[0] == i),
-            )
-            for i in snap.lora_ids
-        ),
-    )
 
 
 class WorkerServer(PeerPulls):
@@ -132,11 +84,17 @@ class WorkerServer(PeerPulls):
         self.front.start()
         self._init_pulls()
         self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
-        self.channels = Channels(self.front.abort, self.callers.forget)
+        self.channels = Channels(
+            self.front.abort, self.callers.forget, on_drop=self.callers.forget_channel
+        )
         self.loop_probe = LoopLagProbe()
         if self.publisher is not None:
             self.publisher.submit([], worker_load(self.engine.snapshot()))
             self.publisher.start()
+        # the loop answers in a few ms next to the engine thread: short GIL turns, and no
+        # collection scans the start-up heap (the engine froze the model's; this is ours)
+        short_gil_turns()
+        freeze_long_lived()
 
     # -- engine thread hooks ---------------------------------------------------------------
 
@@ -191,8 +149,7 @@ class WorkerServer(PeerPulls):
         keys = self._keys(request)
         pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         rid = request.request_id
-        ch = self.channels.get(channel_id)
-        ch.caller = caller
+        ch = self._channel(channel_id, caller)
         ch.open(rid)  # before the add: its first outputs may be delivered before we resume
         self.callers.watch(rid, caller)
         try:
@@ -205,22 +162,40 @@ class WorkerServer(PeerPulls):
             raise
         return self._admitted(request, keys, pulled)
 
-    async def outputs(self, channel_id: str) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
+    async def outputs(
+        self, channel_id: str, caller: Any = None, schema: str | None = None
+    ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
         """The channel's outputs, one list per message: every output of each request sent
         with this ``channel_id``, in order (packed: ``unpack_output``); a
         :class:`StreamEnd` ends a request whose engine stopped. Ends when the caller stops
-        reading (its open requests are aborted)."""
-        async for items in self.channels.serve(channel_id):
+        reading or dies, idle or not (its open requests are aborted).
+
+        ``schema``: the caller's ``OUTPUT_SCHEMA``; a router of another packed layout is
+        refused with :class:`WireMismatch`."""
+        check_schema("output channel", schema, OUTPUT_SCHEMA)  # refused: nothing is opened
+        if caller is not None:
+            self._channel(channel_id, caller)
+        async for items in self.channels.serve(channel_id, schema):
             yield items
 
+    def _channel(self, channel_id: str, caller: Any) -> Channel:
+        """The channel ``channel_id`` of ``caller``, watched while it is open."""
+        ch = self.channels.get(channel_id)
+        if ch.caller is None and caller is not None:
+            ch.caller = caller
+            self.callers.watch_channel(channel_id, caller)
+        return ch
+
     async def generate(
-        self, request: WorkerRequest, caller: Any = None
+        self, request: WorkerRequest, caller: Any = None, schema: str | None = None
     ) -> AsyncIterator[Admitted | RequestOutput]:
         """One request's own stream (the fallback of :meth:`submit` + :meth:`outputs`):
         Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
 
         ``caller``: the calling router's actor handle; if it dies, the request is aborted.
+        ``schema``: the caller's ``OUTPUT_SCHEMA`` (outputs nest positional types).
         """
+        check_schema("output stream", schema, OUTPUT_SCHEMA)
         self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
         pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
@@ -306,25 +281,6 @@ class WorkerServer(PeerPulls):
         self.front.stop()
         if self.publisher is not None:
             self.publisher.stop()
-
-
-def in_ray_actor() -> bool:
-    """Whether this process is a Ray actor's (asked once, from the actor's own thread)."""
-    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-
-
-def exit_process_soon(in_actor: bool, grace_s: float = 1.0) -> None:
-    """In a Ray actor: exit the process after ``grace_s`` (the streams' errors reach their
-    callers first). Ray sees a crash, not an intentional exit, so it restarts the actor.
-    Outside an actor (a plain ``WorkerServer`` in a test or a script) it does nothing."""
-    if not in_actor:
-        return
-
-    def leave() -> None:
-        time.sleep(grace_s)
-        os._exit(70)  # EX_SOFTWARE
-
-    threading.Thread(target=leave, name="engine-died-exit", daemon=True).start()
 
 
 WorkerActor = ray.remote(WorkerServer)

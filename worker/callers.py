@@ -1,4 +1,4 @@
-"""Aborting the requests of routers that died while their requests ran."""
+"""Aborting the requests, and closing the output channels, of routers that died."""
 
 from __future__ import annotations
 
@@ -15,14 +15,18 @@ log = logging.getLogger(__name__)
 
 
 class CallerWatch:
-    """Aborts the requests of callers (routers) that died while their streams ran.
+    """Aborts the requests of callers (routers) that died while their streams ran, and
+    tells the owner of their output channels.
 
     A router that dies leaves its streams without a reader, and Ray does not stop an actor
     task whose caller is gone: without this, the requests would run to ``max_tokens`` and
-    hold their KV blocks until then. Every ``interval_s`` the watch pings each distinct
-    caller with an open request; a caller Ray reports dead gets its requests aborted.
+    hold their KV blocks until then, and a channel (a long-lived Ray stream that yields only
+    when outputs come) would stay open forever once idle. Every ``interval_s`` the watch
+    pings each distinct caller with an open request or channel; a caller Ray reports dead
+    gets its requests aborted, then ``on_dead(caller)`` (the worker drops its channels).
     A slow or unreachable caller is not treated as dead (only ``ActorDiedError`` is).
-    Runs on the actor's event loop; ``watch``/``forget`` are called from ``generate``.
+    Runs on the actor's event loop; ``watch``/``forget`` are called per request,
+    ``watch_channel``/``forget_channel`` per channel.
     """
 
     def __init__(
@@ -39,6 +43,7 @@ class CallerWatch:
         self.interval_s = interval_s
         self.ping_timeout_s = ping_timeout_s
         self._callers: dict[str, Any] = {}  # request id -> caller's actor handle
+        self._channels: dict[str, Any] = {}  # channel id -> its caller
         self._task: asyncio.Task | None = None
         self.aborted = 0  # requests aborted because their caller died
 
@@ -46,16 +51,31 @@ class CallerWatch:
         if caller is None:
             return
         self._callers[request_id] = caller
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._ensure_running()
 
     def forget(self, request_id: str) -> None:
         self._callers.pop(request_id, None)
 
+    def watch_channel(self, channel_id: str, caller: Any) -> None:
+        """Watch ``caller`` while its channel is open, requests or not."""
+        if caller is None:
+            return
+        self._channels[channel_id] = caller
+        self._ensure_running()
+
+    def forget_channel(self, channel_id: str) -> None:
+        self._channels.pop(channel_id, None)
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
     async def _run(self) -> None:
-        while self._callers:
+        while self._callers or self._channels:
             await asyncio.sleep(self.interval_s)
             by_caller: dict[Any, list[str]] = {}
+            for caller in list(self._channels.values()):
+                by_caller.setdefault(caller, [])
             for rid, caller in list(self._callers.items()):
                 by_caller.setdefault(caller, []).append(rid)
             for caller, rids in by_caller.items():
@@ -66,6 +86,8 @@ class CallerWatch:
                     self.forget(rid)
                     self._abort(rid)
                     self.aborted += 1
+                for cid in [c for c, who in self._channels.items() if who == caller]:
+                    self.forget_channel(cid)
                 if self._on_dead is not None:
                     self._on_dead(caller)
 

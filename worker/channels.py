@@ -16,7 +16,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvstore.blocks.outputs import PackedOutput, RequestOutput, pack_output
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput, RequestOutput, pack_output
+from kvstore.blocks.wire import check_schema
 from worker.engine.streams import OutputSink, StreamEnd, StreamItem
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,17 @@ class Channel(OutputSink):
 class Channels:
     """A worker's open channels by id (the actor's event loop only)."""
 
-    def __init__(self, abort: Callable[[str], object], on_end: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        abort: Callable[[str], object],
+        on_end: Callable[[str], None],
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_end(request_id)``: a request's stream ended; ``on_drop(channel_id)``: a
+        channel was closed (its caller need not be watched any more)."""
         self._abort = abort
         self._on_end = on_end
+        self._on_drop = on_drop
         self._by_id: dict[str, Channel] = {}
 
     def get(self, channel_id: str) -> Channel:
@@ -81,9 +90,14 @@ class Channels:
             )
         return ch
 
-    async def serve(self, channel_id: str) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
+    async def serve(
+        self, channel_id: str, schema: str | None
+    ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
         """The reader's side: batches until the router closes the channel. A router that
-        stops reading (it closed the channel or died) gets its open requests aborted."""
+        stops reading (it closed the channel or died) gets its open requests aborted.
+        ``schema``: the reader's packed-output layout (``OUTPUT_SCHEMA``); another one is
+        refused (:class:`WireMismatch`) before anything is sent."""
+        check_schema("output channel", schema, OUTPUT_SCHEMA)
         ch = self.get(channel_id)
         if ch.attached:
             raise RuntimeError(f"channel {channel_id!r} already has a reader")
@@ -100,6 +114,8 @@ class Channels:
         if ch is None:
             return
         ch.close()
+        if self._on_drop is not None:
+            self._on_drop(channel_id)
         if ch.requests:
             log.info(
                 "channel %s closed with %d open request(s): aborting", channel_id, len(ch.requests)
@@ -111,6 +127,9 @@ class Channels:
     def of_caller(self, caller: Any) -> list[str]:
         """The ids of the channels opened by ``caller``."""
         return [cid for cid, ch in self._by_id.items() if ch.caller == caller]
+
+    def ids(self) -> list[str]:
+        return list(self._by_id)
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -45,3 +45,18 @@ class EngineOverloaded(EngineError):
 
 class EngineStopped(EngineError):
     """The streaming front was stopped; no new requests are accepted."""
+
+
+class WireMismatch(EngineError):
+    """A peer (router or worker) of another version sent a message this side cannot read
+    as meant; it is refused rather than misread."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"{detail}; routers and workers run different kvcluster versions: "
+            "upgrade the older side"
+        )
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.detail,)

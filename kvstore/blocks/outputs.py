@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvstore.blocks.wire import schema_fingerprint
+
 
 class FinishReason(StrEnum):
     """Why a sample ended (the values are the wire strings)."""
@@ -152,6 +154,11 @@ def coalesce(outs: list[RequestOutput]) -> RequestOutput:
 
 
 PackedOutput = tuple  # what pack_output makes: plain tuples pickle ~6x faster than dataclasses
+# The packed layout (positional: the per-step hot path). A router sends it when it opens a
+# channel; a worker with another layout refuses the channel instead of misreading it.
+OUTPUT_SCHEMA = schema_fingerprint(
+    RequestOutput, CompletionDelta, Usage, TokenLogprob, FinishReason
+)
 
 
 def pack_output(o: RequestOutput) -> PackedOutput:

@@ -1,4 +1,5 @@
-"""What a router and a worker actor exchange (plain dataclasses, pickled by Ray)."""
+"""What a router and a worker actor exchange (plain dataclasses, pickled by Ray by field
+name: see wire.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.wire import ByName
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerRequest:
+class WorkerRequest(ByName):
     """One request as the router hands it to the chosen worker."""
 
     request_id: str  # unique id; the engine's request id
@@ -21,7 +23,7 @@ class WorkerRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class PullHint:
+class PullHint(ByName):
     """The router's advice: blocks ``start_block .. start_block + num_blocks - 1`` of the
     prompt are cached on ``source_id``; fetch them instead of recomputing, unless that takes
     longer than ``deadline_s`` (then recompute: a pull never fails or holds a request)."""
@@ -34,7 +36,7 @@ class PullHint:
 
 
 @dataclass(frozen=True, slots=True)
-class PullReport:
+class PullReport(ByName):
     """What a worker did with a :class:`PullHint` (sent back in :class:`Admitted`)."""
 
     source_id: str  # where it pulled from
@@ -48,7 +50,7 @@ class PullReport:
 
 
 @dataclass(frozen=True, slots=True)
-class Admitted:
+class Admitted(ByName):
     """First item of every worker stream: the request was queued on this worker."""
 
     worker_id: str  # the worker's registry id
@@ -60,7 +62,7 @@ class Admitted:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerStatus:
+class WorkerStatus(ByName):
     """A worker's state for ClusterStatus and the dashboard."""
 
     worker_id: str
@@ -85,7 +87,7 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True, slots=True)
-class CallerRef:
+class CallerRef(ByName):
     """Who sent a request: the router's actor and the id of its current incarnation. A
     router that Ray restarted answers with a new id, so its predecessor's requests (whose
     streams nobody reads any more) are known orphans."""
@@ -95,7 +97,7 @@ class CallerRef:
 
 
 @dataclass(frozen=True, slots=True)
-class AdapterInfo:
+class AdapterInfo(ByName):
     """One LoRA adapter of a worker."""
 
     name: str  # what requests ask for

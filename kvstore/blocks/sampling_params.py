@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.structured import StructuredOutputs
+from kvstore.blocks.wire import ByName
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 MAX_N = 256  # parallel samples / beams of one request
@@ -39,7 +40,7 @@ def _is_num(value: Any) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(ByName):
     """How to turn logits into tokens and when to stop; immutable once validated."""
 
     max_tokens: int = 16  # completion tokens per sample, >= 1 (also capped by max_model_len)

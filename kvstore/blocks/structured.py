@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.wire import ByName
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -47,7 +48,7 @@ def _shown(value: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class StructuredOutputs:
+class StructuredOutputs(ByName):
     """One constraint; immutable, validated on construction, hashable (the compile cache's
     key is ``(kind, value)``)."""
 

@@ -1,4 +1,5 @@
-"""The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services, auth.
+"""The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services; auth and
+the decode guard are interceptors (``interceptors.py``).
 
 Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
 works on dataclasses, and errors map to status codes through the one error table
@@ -21,15 +22,15 @@ from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
-    malformed_reason,
     responses_from_output,
     spec_from_pb,
 )
+from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
 from router.placement.config import RequestLimits
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
 from router.serving.core import ServingCore
-from router.serving.errors import BadBody, RequestFailed, classify
+from router.serving.errors import RequestFailed, classify
 from router.serving.intake import Intake
 from router.serving.tokenizing import check_text_chars
 from worker.model.tokenizer import Tokenizer
@@ -37,124 +38,6 @@ from worker.model.tokenizer import Tokenizer
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects API calls without a valid ``authorization: Bearer <token>`` (UNAUTHENTICATED).
-
-    Health checks and reflection stay open (probes carry no token).
-    """
-
-    def __init__(self, auth: TokenAuth) -> None:
-        self.auth = auth
-
-    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
-        handler = await continuation(details)
-        if (
-            details.method.startswith(f"/{SERVICE_NAME}/")
-            and handler is not None
-            and self.auth.tenant_of(details.invocation_metadata) is None
-        ):
-            return _deny_handler(handler)
-        return handler
-
-
-def _rewrap(
-    handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
-) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind (unary or server-streaming response) running
-    ``behaviour(request, context, handler)`` (an async generator for streams)."""
-    deserializer = deserializer or handler.request_deserializer
-    if handler.response_streaming:
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
-            async for item in behaviour(request, context, handler):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream,
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await behaviour(request, context, handler)
-
-    return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
-    )
-
-
-def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext, _: Any) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or invalid bearer token (metadata 'authorization')",
-        )
-
-    if handler.response_streaming:
-
-        async def deny_stream(
-            request: Any, context: grpc.aio.ServicerContext, _: Any
-        ) -> AsyncIterator[Any]:
-            await deny(request, context, _)
-            yield  # pragma: no cover - abort raises
-
-        return _rewrap(handler, deny_stream)
-    return _rewrap(handler, deny)
-
-
-class Malformed(BadBody):
-    """A request whose bytes do not parse (corrupt wire format, a string field that is not
-    UTF-8); stands in for the message so the handler can answer INVALID_ARGUMENT."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason  # names the field when it can (see convert.malformed_reason)
-
-
-class DecodeGuard(grpc.aio.ServerInterceptor):
-    """Unparseable API requests get INVALID_ARGUMENT naming the field, not grpc's UNKNOWN."""
-
-    async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
-        handler = await continuation(details)
-        if (
-            handler is None
-            or handler.request_streaming
-            or handler.request_deserializer is None
-            or not details.method.startswith(f"/{SERVICE_NAME}/")
-        ):
-            return handler
-        parse = handler.request_deserializer
-        descriptor = parse.__self__.DESCRIPTOR
-
-        def lenient(data: bytes) -> Any:
-            try:
-                return parse(data)
-            except Exception as exc:  # DecodeError; any parse failure is the client's
-                return Malformed(malformed_reason(descriptor, data, exc))
-
-        if handler.response_streaming:
-
-            async def guarded_stream(
-                request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
-            ) -> AsyncIterator[Any]:
-                if isinstance(request, Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-                async for item in inner.unary_stream(request, context):
-                    yield item
-
-            return _rewrap(handler, guarded_stream, lenient)
-
-        async def guarded(
-            request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
-        ) -> Any:
-            if isinstance(request, Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            return await inner.unary_unary(request, context)
-
-        return _rewrap(handler, guarded, lenient)
 
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):

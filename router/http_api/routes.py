@@ -106,11 +106,7 @@ class _Handlers:
         """vLLM's /tokenize: ``prompt`` (text) or ``messages`` (rendered with the chat
         template) -> ``{count, max_model_len, tokens, token_strs}``."""
         try:
-            tenant = self.s.tenant(request)
-            body = await self.s.json_body(request)
-            if not isinstance(body, dict):
-                raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(get_str(body, "model") or None, tenant)
+            tenant, body = await self._tokens_body(request)
             self._note(body)
             chat = body.get("messages") is not None
             add_special = get_bool(body, "add_special_tokens")
@@ -151,11 +147,7 @@ class _Handlers:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: ``tokens`` -> ``{prompt}``."""
         try:
-            tenant = self.s.tenant(request)
-            body = await self.s.json_body(request)
-            if not isinstance(body, dict):
-                raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
-            await self.intake.lora_of(get_str(body, "model") or None, tenant)
+            tenant, body = await self._tokens_body(request)
             tokens = body.get("tokens")
             if not isinstance(tokens, list):
                 raise InvalidRequest("tokens", "<missing>", "must be a list of token ids")
@@ -171,6 +163,16 @@ class _Handlers:
             return JSONResponse({"prompt": text})
         except Exception as exc:
             return self.s.error(exc)
+
+    async def _tokens_body(self, request: Request) -> tuple[str, dict]:
+        """The tenant and JSON object of a /tokenize or /detokenize call, its ``model``
+        checked (a model the tenant may not see is not found)."""
+        tenant = self.s.tenant(request)
+        body = await self.s.json_body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
+        await self.intake.lora_of(get_str(body, "model") or None, tenant)
+        return tenant, body
 
     def _note(self, body: dict) -> None:
         for name in set(body) - _TOKENIZE_FIELDS:

@@ -2,9 +2,11 @@
 
 Per request, once the policy has chosen, the planner compares (in seconds):
 
-- **hold**: run on the worker holding the longest prefix (``h``, ``c_h`` tokens cached):
-  ``wait(h) + prefill(n - c_h)`` — only when the policy chose ``h`` itself; a holder the
-  policy ruled out (its load bound) stays ruled out, so pulls never bring back herding;
+- **hold**: run on the worker holding the longest prefix (``h``; ``c_w``: the leading
+  prompt tokens worker ``w`` holds in either tier or has pending, a host block counted
+  whole — loading it back costs ~1 % of computing it): ``wait(h) + prefill(n - c_h)`` —
+  only when the policy chose ``h`` itself; a holder the policy ruled out (its load bound)
+  stays ruled out, so pulls never bring back herding;
 - **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
   ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
   queue on ``e``, so the two add up);
@@ -12,13 +14,15 @@ Per request, once the policy has chosen, the planner compares (in seconds):
 
 ``e`` is the policy's choice when that is not the holder, else the least loaded other
 worker. ``wait(w)`` is the worker's queued prefill over the prefill rate; the transfer cost
-is the holder's step in flight (its queued prefill up to one step's tokens: the export runs
-between steps) plus fixed + per token, per pair of nodes (:class:`TransferModel`),
-calibrated at start-up and refined from every observed pull. Ties go to hold, then
-recompute: affinity stays primary and a pull must pay for itself. A pull of fewer than
-``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's soft deadline is
-its break-even, the time recomputing the pulled tokens would take (or the priced transfer
-if longer): past it the worker recomputes instead.
+is the rest of the holder's step in flight (the export runs between steps; the step is its
+queued prefill up to one step's tokens, and a request arriving at a random moment of it
+waits half of it on average) plus fixed + per token, per pair of nodes
+(:class:`TransferModel`), calibrated at start-up and refined from every observed pull. Ties
+go to hold, then recompute: affinity stays primary and a pull must pay for itself. A pull
+of fewer than ``min_pull_tokens`` is never priced (tiny prefixes recompute). The pull's
+soft deadline is its break-even, the time recomputing the pulled tokens would take, or the
+transfer after the whole step in flight if longer (the most a live holder makes it wait):
+past it the worker recomputes instead.
 """
 
 from __future__ import annotations
@@ -163,14 +167,19 @@ class PullPlanner:
         holder_eligible: bool,
     ) -> tuple[Placement, PullHint | None, Priced | None]:
         """``held``: per worker, (leading blocks on its device, leading blocks in either
-        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts at
-        the destination's device blocks (what it holds in its host tier is pulled over, as
-        an import lands on the device). ``holder_eligible``: whether the policy could have
-        chosen the holder (a prefix policy did; a load-only policy never holds)."""
+        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts
+        past what the destination holds in either tier (it loads its own host blocks back
+        at admission, cheaper than moving them again; the import continues them in its
+        host tier). ``holder_eligible``: whether the policy could have chosen the holder (a
+        prefix policy did; a load-only policy never holds)."""
         if len(views) < 2:
             return placement, None, None
         bs = self.block_size
         cached = {v.worker_id: min(v.cached_tokens or 0, n_tokens) for v in views}
+        # The prices count every block a worker holds (either tier, or pending there) as a
+        # hit: loading a host block back costs ~1 % of computing it. (``cached`` weighs host
+        # blocks by the routing's preference for device hits, no time.)
+        hit = {w: max(h) * bs for w, h in held.items()}
         by_id = {v.worker_id: v for v in views}
         holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id
         chosen = placement.worker_id
@@ -178,23 +187,24 @@ class PullPlanner:
             others = [v for v in views if v.worker_id != holder and v.adapter_loaded]
             if not others:
                 return placement, None, None
-            elsewhere = min(others, key=lambda v: (self._wait(v), -cached[v.worker_id])).worker_id
-            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(
-                n_tokens - cached[holder]
-            )
+            elsewhere = min(others, key=lambda v: (self._wait(v), -hit[v.worker_id])).worker_id
+            hold_s: float | None = self._wait(by_id[holder]) + self._prefill(n_tokens - hit[holder])
         else:
             elsewhere, hold_s = chosen, None
         ev = by_id[elsewhere]
-        recompute_s = self._wait(ev) + self._prefill(n_tokens - cached[elsewhere])
-        start, total = held[elsewhere][0], held[holder][1]
+        recompute_s = self._wait(ev) + self._prefill(n_tokens - hit[elsewhere])
+        start, total = max(held[elsewhere]), held[holder][1]
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
+        step_s = move_s = 0.0
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            # the export waits for the holder's step in flight (its load), then moves
-            step = min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
-            xfer_s = self._prefill(step) + self.transfers.seconds(
-                self.node_of(holder), self.node_of(elsewhere), gain
+            # the export waits for the rest of the holder's step in flight (a step of its
+            # queued prefill, up to one step's tokens): half of it on average, all at most
+            step_s = self._prefill(
+                min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
             )
+            move_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
+            xfer_s = step_s / 2 + move_s
             pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
@@ -210,7 +220,7 @@ class PullPlanner:
             source_id=holder,
             start_block=start,
             num_blocks=total - start,
-            deadline_s=max(self._prefill(gain), xfer_s, self.min_deadline_s),
+            deadline_s=max(self._prefill(gain), step_s + move_s, self.min_deadline_s),
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced

@@ -5,6 +5,9 @@ per-request inboxes.
 The pump only appends to inboxes, so a slow client never holds up the channel, the worker or
 another client; a request's reader takes everything its inbox gathered at once and reads it
 as one output (:func:`coalesce`), so a client that lags gets several tokens per message.
+A message carries a step's outputs for every request of this router on that worker (several
+steps' when the router lagged): :func:`demultiplex` wakes their readers a slice at a time,
+so one loop iteration runs a bounded number of client writes, never a whole message's.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from kvstore.blocks.errors import EngineStopped
-from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the actor is gone
+# readers woken per loop iteration at most: each then writes to its client (a gRPC message,
+# an SSE event: ~50-100 us), so a slice is a few ms of the loop, whatever the batch size
+WAKE_SLICE = 32
 _ids = itertools.count()
 
 
@@ -40,9 +46,17 @@ class Inbox:
 
     def put(self, item: Any) -> None:
         self.items.append(item)
+        self.wake()
+
+    def wake(self) -> bool:
+        """Wake the reader if it waits and items are there (it may have taken them since
+        they came: a reader woken to nothing would take nothing); True if it did (it runs on
+        the loop's next iteration)."""
         w = self._waiter
-        if w is not None and not w.done():
+        if self.items and w is not None and not w.done():
             w.set_result(True)
+            return True
+        return False
 
     async def wait(self, timeout_s: float) -> bool:
         """True when items are there; False after ``timeout_s`` without any."""
@@ -77,10 +91,34 @@ def _expire(w: asyncio.Future) -> None:
         w.set_result(False)
 
 
+async def demultiplex(items: list[Any], inboxes: dict[str, Inbox]) -> None:
+    """Hand one channel message's ``items`` (packed outputs, StreamEnds) to their requests'
+    inboxes, in order; an item whose reader left (client gone, aborted) is dropped. Every
+    item is in its inbox before any reader wakes, so a reader takes all of its request's
+    items of the message at once (one client message for several steps). Then the readers
+    are woken :data:`WAKE_SLICE` at a time, yielding in between: their writes run before the
+    next slice wakes, and every other ready callback (a probe, a new request) in between."""
+    touched: dict[str, Inbox] = {}  # first appearance order
+    for item in items:
+        rid = item[0] if isinstance(item, tuple) else item.request_id
+        inbox = inboxes.get(rid)
+        if inbox is not None:
+            inbox.items.append(item)
+            touched[rid] = inbox
+    woken = 0
+    for inbox in touched.values():
+        if inbox.wake():
+            woken += 1
+            if woken == WAKE_SLICE:
+                woken = 0
+                await asyncio.sleep(0)
+
+
 class WorkerChannel:
     """This router's output stream from one worker, pumped into per-request inboxes."""
 
-    def __init__(self, worker_id: str, handle: Any, incarnation: str) -> None:
+    def __init__(self, worker_id: str, handle: Any, incarnation: str, caller: Any = None) -> None:
+        """``caller``: this router's CallerRef; the worker drops the channel once it dies."""
         self.worker_id = worker_id
         self.channel_id = f"{incarnation}/{worker_id}/{next(_ids)}"  # new per (re)open
         self.inboxes: dict[str, Inbox] = {}
@@ -88,7 +126,7 @@ class WorkerChannel:
         self.last_message = time.monotonic()  # when the worker last sent anything
         self.messages = 0
         self._gen: Any = None  # the Ray stream, once opened
-        self._task = asyncio.get_running_loop().create_task(self._pump(handle))
+        self._task = asyncio.get_running_loop().create_task(self._pump(handle, caller))
 
     @property
     def open_for_requests(self) -> bool:
@@ -103,22 +141,17 @@ class WorkerChannel:
     def close(self, request_id: str) -> None:
         self.inboxes.pop(request_id, None)
 
-    async def _pump(self, handle: Any) -> None:
+    async def _pump(self, handle: Any, caller: Any) -> None:
         error = WorkerGone(f"the output channel from {self.worker_id} failed")
         try:
             gen = self._gen = handle.outputs.options(num_returns="streaming").remote(
-                self.channel_id
+                self.channel_id, caller, OUTPUT_SCHEMA
             )
             async for ref in gen:
                 items = await ref
                 self.last_message = time.monotonic()
                 self.messages += 1
-                inboxes = self.inboxes
-                for item in items:
-                    rid = item[0] if isinstance(item, tuple) else item.request_id
-                    inbox = inboxes.get(rid)
-                    if inbox is not None:  # None: its reader left (client gone, aborted)
-                        inbox.put(item)
+                await demultiplex(items, self.inboxes)
             error = WorkerGone(f"worker {self.worker_id} ended its output channel")
         except asyncio.CancelledError:
             error = WorkerGone(f"the output channel from {self.worker_id} was closed")
@@ -141,6 +174,9 @@ class WorkerChannel:
 
 
 def _first_line(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # a RayTaskError's text is the worker's traceback
+    if isinstance(cause, Exception):  # its own error (e.g. WireMismatch) says what happened
+        exc = cause
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
@@ -148,15 +184,20 @@ def _first_line(exc: BaseException) -> str:
 class Channels:
     """One channel per worker, reopened after it ended (the worker died or restarted)."""
 
-    def __init__(self, incarnation: str, handle_of: Callable[[str], Any]) -> None:
+    def __init__(
+        self, incarnation: str, handle_of: Callable[[str], Any], caller: Any = None
+    ) -> None:
         self.incarnation = incarnation
         self._handle_of = handle_of
+        self._caller = caller
         self._by_worker: dict[str, WorkerChannel] = {}
 
     def get(self, worker_id: str) -> WorkerChannel:
         ch = self._by_worker.get(worker_id)
         if ch is None or not ch.open_for_requests:
-            ch = WorkerChannel(worker_id, self._handle_of(worker_id), self.incarnation)
+            ch = WorkerChannel(
+                worker_id, self._handle_of(worker_id), self.incarnation, self._caller
+            )
             self._by_worker[worker_id] = ch
         return ch
 

@@ -16,19 +16,19 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.hashing import HashContext
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.blocks.validate import check_model_limits
 from kvstore.types import WorkerLoad
 from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Router
 from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.serving.limits import ModelLimits, check_limits
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -40,34 +40,6 @@ class StreamBroken(Exception):
 
 class ClusterOverloaded(Exception):
     """Every live worker's waiting queue is full (RESOURCE_EXHAUSTED); retry later."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLimits:
-    """What the router checks before routing (the worker checks again)."""
-
-    model_id: str  # folded into block 0's key; must equal the workers'
-    vocab_size: int  # token ids must be below it
-    max_model_len: int  # prompt + generated tokens must fit
-    max_prompt_tokens: int  # prompts longer than this are rejected
-
-
-def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimits) -> None:
-    check_model_limits(
-        token_ids,
-        params,
-        vocab_size=limits.vocab_size,
-        max_model_len=limits.max_model_len,
-        max_prompt_tokens=limits.max_prompt_tokens,
-        ids_field="token_ids",
-    )
-    if params.max_tokens > limits.max_model_len - 1:
-        raise InvalidRequest(
-            "max_tokens",
-            params.max_tokens,
-            f"must be at most {limits.max_model_len - 1} (max_model_len="
-            f"{limits.max_model_len} minus at least one prompt token)",
-        )
 
 
 class ServingCore:

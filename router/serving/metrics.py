@@ -162,6 +162,7 @@ class ServingMetrics:
             registry=r,
         )
         self._field_labels: set[str] = set()
+        self._by_worker: dict[str, _WorkerSeries] = {}
 
     def unknown_field(self, name: str) -> bool:
         """Counts one unknown field; True the first time this name is seen (log it then).
@@ -177,6 +178,14 @@ class ServingMetrics:
     def tracker(self) -> RequestTimer:
         return RequestTimer(self)
 
+    def of_worker(self, worker: str) -> _WorkerSeries:
+        """The series of one worker, labelled once: ``labels()`` costs more than the
+        observation itself, and the timer observes every token."""
+        series = self._by_worker.get(worker)
+        if series is None:
+            series = self._by_worker[worker] = _WorkerSeries(self, worker)
+        return series
+
     def render(self, statuses: Sequence[WorkerStatus], routing: dict | None = None) -> bytes:
         """``routing``: the router's counters (RouterMetrics.snapshot plus retries and
         broken_streams)."""
@@ -185,35 +194,77 @@ class ServingMetrics:
         return generate_latest(self.registry)
 
 
+class _WorkerSeries:
+    """One worker's labelled children of the per-request series."""
+
+    __slots__ = (
+        "ttft",
+        "itl",
+        "e2e",
+        "prompt_tokens",
+        "generation_tokens",
+        "cache_queries",
+        "cache_hits",
+        "worker",
+        "_success",
+        "_m",
+    )
+
+    def __init__(self, m: ServingMetrics, worker: str) -> None:
+        labels = (m.model, worker)
+        self.ttft = m.ttft.labels(*labels)
+        self.itl = m.itl.labels(*labels)
+        self.e2e = m.e2e.labels(*labels)
+        self.prompt_tokens = m.prompt_tokens.labels(*labels)
+        self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.cache_queries = m.cache_queries.labels(*labels)
+        self.cache_hits = m.cache_hits.labels(*labels)
+        self._success: dict[str, Counter] = {}
+        self._m, self.worker = m, worker
+
+    def success(self, reason: str) -> Counter:
+        child = self._success.get(reason)
+        if child is None:
+            m = self._m
+            child = self._success[reason] = m.success.labels(m.model, self.worker, reason)
+        return child
+
+
 class RequestTimer:
     """One request's timings, fed each output as it reaches the router."""
 
-    __slots__ = ("m", "start", "last", "tokens")
+    __slots__ = ("m", "start", "last", "tokens", "_series")
 
     def __init__(self, m: ServingMetrics) -> None:
         self.m = m
         self.start = self.last = time.monotonic()
         self.tokens = 0
+        self._series: _WorkerSeries | None = None  # of the worker that answers
 
     def output(self, worker: str, out: RequestOutput) -> None:
-        m, now = self.m, time.monotonic()
+        now = time.monotonic()
+        s = self._series
+        if s is None or s.worker != worker:  # the first output, or a retry elsewhere
+            s = self._series = self.m.of_worker(worker)
         k = sum(len(d.token_ids) for d in out.outputs)
         if k:
             if self.tokens == 0:
-                m.ttft.labels(m.model, worker).observe(now - self.start)
+                s.ttft.observe(now - self.start)
                 k_gaps, gap_from = k - 1, now
             else:
                 k_gaps, gap_from = k, self.last
-            for _ in range(k_gaps):
-                m.itl.labels(m.model, worker).observe((now - gap_from) / max(k_gaps, 1))
+            if k_gaps:
+                gap = (now - gap_from) / k_gaps
+                for _ in range(k_gaps):
+                    s.itl.observe(gap)
             self.tokens += k
             self.last = now
         if out.finished:
             u = out.usage
-            m.e2e.labels(m.model, worker).observe(now - self.start)
-            m.prompt_tokens.labels(m.model, worker).inc(u.prompt_tokens)
-            m.generation_tokens.labels(m.model, worker).inc(u.completion_tokens)
-            m.cache_queries.labels(m.model, worker).inc(u.prompt_tokens)
-            m.cache_hits.labels(m.model, worker).inc(u.cached_tokens)
+            s.e2e.observe(now - self.start)
+            s.prompt_tokens.inc(u.prompt_tokens)
+            s.generation_tokens.inc(u.completion_tokens)
+            s.cache_queries.inc(u.prompt_tokens)
+            s.cache_hits.inc(u.cached_tokens)
             reasons = {d.finish_reason.value for d in out.outputs if d.finish_reason}
-            m.success.labels(m.model, worker, next(iter(reasons), "stop")).inc()
+            s.success(next(iter(reasons), "stop")).inc()

@@ -1,10 +1,6 @@
-"""The Ray-backed :class:`WorkerDirectory`: named worker actors, liveness from the index.
-
-Live workers and their load come from the Redis index's heartbeats (one cached round trip
-per ``live_ttl_s``). When Redis is unreachable the directory falls back to the worker
-actors Ray knows by name and to this router's own in-flight counts, so requests are still
-served (routing by load). A worker that died while serving is skipped until it shows a
-new epoch (Ray restarted it) or, without an index, for ``dead_ttl_s``.
+"""The Ray-backed :class:`WorkerDirectory`: named worker actors, liveness from the index
+(``liveness.py``); requests and their outputs through one channel per worker
+(``channels.py``) or, as a fallback, one Ray stream per request.
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,17 +19,16 @@ from ray.exceptions import (
 )
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
-from kvstore.types import IndexUnavailable, WorkerLoad
-from router.placement.breaker import CircuitBreaker, CircuitOpen
+from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
 from router.serving.channels import ACTOR_ERRORS, Channels, WorkerChannel, call_result
+from router.serving.liveness import WorkerLiveness
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
-WORKER_PREFIX = "worker-"
 
 
 def _current_actor() -> ray.actor.ActorHandle | None:
@@ -44,7 +39,7 @@ def _current_actor() -> ray.actor.ActorHandle | None:
         return None
 
 
-class RayWorkerDirectory(WorkerDirectory):
+class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
     def __init__(
         self,
         namespace: str,
@@ -59,94 +54,24 @@ class RayWorkerDirectory(WorkerDirectory):
     ) -> None:
         """``batched``: outputs come through one channel per worker (one message per step
         for all of this router's requests there); False: one Ray stream per request."""
-        self.namespace = namespace
-        self.index = index
-        self.breaker = breaker if breaker is not None else CircuitBreaker()  # index reads
-        self.live_ttl_s = live_ttl_s
-        self.dead_ttl_s = dead_ttl_s
+        self._init_liveness(namespace, index, breaker, live_ttl_s, dead_ttl_s)
         self.call_timeout_s = call_timeout_s
         self.liveness = liveness or LivenessConfig()
         self.stalls = 0  # streams given up because their worker stopped answering
-        self.index_ok = index is not None
-        self._live: tuple[float, dict[str, tuple[int, WorkerLoad]]] = (0.0, {})
-        self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
         self._handles: dict[str, ray.actor.ActorHandle] = {}
-        self._seen: dict[str, float] = {}  # worker -> when its heartbeat was last live
         # passed with every request: a worker aborts the requests of a router that died (or
         # was restarted: a new incarnation id)
         self.incarnation = uuid.uuid4().hex
         handle = _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
-        self.channels = Channels(self.incarnation, self._handle)
+        self.channels = Channels(self.incarnation, self._handle, self.caller)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
         self.loop_probe = LoopLagProbe()
 
-    # -- liveness --------------------------------------------------------------------------
-
-    async def _from_index(self) -> dict[str, tuple[int, WorkerLoad]] | None:
-        if self.index is None:
-            return None
-        now = time.monotonic()
-        if now - self._live[0] < self.live_ttl_s:
-            return self._live[1]
-        try:
-            infos = await asyncio.to_thread(
-                self.breaker.call, self.index.live_workers, failures=(IndexUnavailable,)
-            )
-        except CircuitOpen:
-            self.index_ok = False
-            return None
-        except IndexUnavailable as exc:
-            if self.index_ok:
-                log.warning("index unavailable, routing by load over Ray's worker list: %s", exc)
-            self.index_ok = False
-            return None
-        self.index_ok = True
-        live = {w: (i.epoch, i.load) for w, i in infos.items()}
-        self._live = (now, live)
-        self._seen.update(dict.fromkeys(live, now))
-        return live
-
-    def _from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
-        names = ray.util.list_named_actors(all_namespaces=True)
-        out: dict[str, tuple[int | None, WorkerLoad]] = {}
-        for entry in names:
-            if entry["namespace"] == self.namespace and entry["name"].startswith(WORKER_PREFIX):
-                w = entry["name"]
-                out[w] = (
-                    None,
-                    WorkerLoad(
-                        running=0,  # the serving core adds its own open streams
-                        waiting=0,
-                        free_blocks=0,
-                        total_blocks=0,
-                        queued_prefill_tokens=0,
-                    ),
-                )
-        return out
-
-    async def candidates(self) -> Mapping[str, WorkerLoad]:
-        live = await self._from_index()
-        entries = live if live else await asyncio.to_thread(self._from_ray)
-        now = time.monotonic()
-        out = {}
-        for w, (epoch, load) in entries.items():
-            dead = self._dead.get(w)
-            if dead is not None:
-                since, dead_epoch = dead
-                restarted = epoch is not None and dead_epoch is not None and epoch > dead_epoch
-                if not restarted and now - since < self.dead_ttl_s:
-                    continue
-                del self._dead[w]
-            out[w] = load
-        return out
-
     def mark_dead(self, worker_id: str) -> None:
-        epoch = self._live[1].get(worker_id, (None,))[0]
-        self._dead[worker_id] = (time.monotonic(), epoch)
+        super().mark_dead(worker_id)
         self._handles.pop(worker_id, None)
-        self._live = (0.0, self._live[1])  # re-read the registry on the next request
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -206,12 +131,16 @@ class RayWorkerDirectory(WorkerDirectory):
         if ch is not None and time.monotonic() - ch.last_message < self.liveness.stream_stall_s:
             return
         if not await self._answers(worker_id):
-            self.stalls += 1
-            raise WorkerGone(
-                f"worker {worker_id} stalled: no output for "
-                f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
-                f"within {self.liveness.probe_timeout_s:g}s"
-            )
+            raise self._stalled(worker_id)
+
+    def _stalled(self, worker_id: str) -> WorkerGone:
+        """A stream given up: no output for ``stream_stall_s`` and no answer to a probe."""
+        self.stalls += 1
+        return WorkerGone(
+            f"worker {worker_id} stalled: no output for "
+            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
+            f"within {self.liveness.probe_timeout_s:g}s"
+        )
 
     async def _own_stream(
         self, worker_id: str, request: WorkerRequest
@@ -222,7 +151,7 @@ class RayWorkerDirectory(WorkerDirectory):
             gen = (
                 self._handle(worker_id)
                 .generate.options(num_returns="streaming")
-                .remote(request, self.caller)
+                .remote(request, self.caller, OUTPUT_SCHEMA)
             )
             it = gen.__aiter__()
             while True:
@@ -230,12 +159,7 @@ class RayWorkerDirectory(WorkerDirectory):
                 while not (await asyncio.wait({nxt}, timeout=self.liveness.stream_stall_s))[0]:
                     if not await self._answers(worker_id):
                         nxt.cancel()
-                        self.stalls += 1
-                        raise WorkerGone(
-                            f"worker {worker_id} stalled: no output for "
-                            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
-                            f"within {self.liveness.probe_timeout_s:g}s"
-                        )
+                        raise self._stalled(worker_id)
                 try:
                     ref = nxt.result()
                 except StopAsyncIteration:

@@ -1,9 +1,10 @@
 """Trace-replay simulator: real router + real KV managers + a step-level time model."""
 
 from router.sim.config import SimConfig, TimeModel
+from router.sim.records import RequestRecord, SimRequest
 from router.sim.replay import ReplayResult, replay
 from router.sim.report import Summary, summarize
-from router.sim.worker import RequestRecord, SimRequest, SimWorker
+from router.sim.worker import SimWorker
 
 __all__ = [
     "ReplayResult",

@@ -25,7 +25,8 @@ from router.placement.prefix_source import InMemoryPrefixIndex
 from router.placement.router import Router
 from router.placement.types import RouteRequest
 from router.sim.config import SimConfig
-from router.sim.worker import RequestRecord, SimRequest, SimWorker
+from router.sim.records import RequestRecord, SimRequest
+from router.sim.worker import SimWorker
 from worker.kv import KVCacheManager
 from worker.kv.transfer import RunHeader
 

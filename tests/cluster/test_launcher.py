@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster.client import KVClusterClient
-from cluster.launcher import group_alive
+from cluster.state import group_alive
 from tests.cluster.conftest import ENGINE
 from tests.cluster.sockets import dashboard_processes, descendants, listeners, process_group
 

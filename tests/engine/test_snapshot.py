@@ -10,9 +10,9 @@ import pytest
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_scheduler import prompts
 from tests.engine.test_telemetry import FAKE_METRICS
-from worker.actor import worker_load, worker_status
 from worker.engine import Engine, EngineConfig, EngineSnapshot, SamplingParams
 from worker.engine.metrics import STEP_STAGES
+from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -19,8 +19,8 @@ from kvstore.blocks.structured import StructuredOutputs
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_host_tier import HostFakeExecutor
 from worker.engine import Engine, EngineConfig, SamplingParams
+from worker.engine.grammar_masks import TokenMask
 from worker.engine.sampler import SampleSpec, sample
-from worker.engine.structured import TokenMask
 
 SCHEMA = {
     "type": "object",
@@ -238,7 +238,7 @@ def test_llguidance_reads_our_tokenizer_token_for_token(tokenizer) -> None:  # n
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_masks_on_cuda_logits_match_the_host(tokenizer) -> None:  # noqa: ANN001
-    from worker.engine.structured import GrammarMasks
+    from worker.engine.grammar_masks import GrammarMasks
 
     engine = engine_on(tokenizer)
     template = engine.grammars.submit(StructuredOutputs.json_schema(SCHEMA)).result()

@@ -97,3 +97,51 @@ def test_host_import_stores_announces_and_an_abort_forgets() -> None:
     hit = kv.lookup_prefix(PROMPT, CTX)
     assert (hit.num_tokens, hit.num_host_tokens) == (20, 20)
     kv.check_invariants()
+
+
+def test_host_import_continues_a_host_held_part_of_the_prefix() -> None:
+    kv = KVCacheManager(4, BS, host_num_blocks=8)
+    cached(kv, PROMPT[:13])  # blocks 0-2
+    cached(kv, list(range(100, 108)), "evictor")  # 2 blocks: block 2 (the LRU) goes to host
+    kv.take_transfers()
+    kv.drain_events()
+    local = kv.lookup_prefix(PROMPT, CTX)
+    assert (local.num_tokens, local.num_host_tokens) == (12, 4)  # device 0-1, host 2
+    keys = block_keys(PROMPT, BS, CTX)
+    # the device cannot continue a host-held part: a device import past it is refused
+    assert len(kv.plan_import(PROMPT, CTX, header(PROMPT, start=3), DEVICE)) == 0
+    for start in (0, 3):  # from the start, or from where the local prefix ends
+        plan = kv.plan_import(PROMPT, CTX, header(PROMPT, start=start))
+        assert (plan.tier, len(plan), plan.parent) == (HOST, 2, keys[2])
+        assert plan.offset == 3 - start and plan.keys == keys[3:5]
+        events = kv.drain_events()  # one per block, each naming its parent
+        assert [(e.keys, e.parent, e.tier) for e in events] == [
+            ((keys[3],), keys[2], HOST),
+            ((keys[4],), keys[3], HOST),
+        ]
+        kv.commit_import(plan)
+        hit = kv.lookup_prefix(PROMPT, CTX)
+        assert (hit.num_tokens, hit.num_host_tokens) == (20, 12)
+        kv.check_invariants()
+        kv.abort_import(kv.plan_import(PROMPT, CTX, header(PROMPT)))  # nothing new: no-op
+        assert len(kv.plan_import(PROMPT, CTX, header(PROMPT))) == 0 and not kv.drain_events()
+        kv._host.discard(keys[3:5])  # forget the import for the next round
+        kv.drain_events()
+
+
+def test_host_import_never_evicts_the_host_part_it_continues() -> None:
+    kv = KVCacheManager(4, BS, host_num_blocks=4)
+    cached(kv, PROMPT[:13])  # blocks 0-2
+    cached(kv, list(range(100, 108)), "evictor")  # block 2 goes to host first (oldest there)
+    for i in range(2):  # then two unrelated blocks, stored after it
+        cached(kv, list(range(200 + 8 * i, 208 + 8 * i)), f"more{i}")
+    kv.take_transfers()
+    kv.drain_events()
+    before = kv.lookup_prefix(PROMPT, CTX)
+    assert before.num_host_tokens >= 4  # block 2 (at least) continues the prefix in host
+    plan = kv.plan_import(PROMPT, CTX, header(PROMPT))
+    assert plan.tier == HOST and len(plan) >= 1
+    kv.commit_import(plan)
+    after = kv.lookup_prefix(PROMPT, CTX)
+    assert after.num_tokens == before.num_tokens + 4 * len(plan)
+    kv.check_invariants()

@@ -16,6 +16,7 @@ import ray
 
 from cluster.launcher import leave_loopback_ray, use_loopback_ray
 from kvstore.blocks.hashing import block_keys
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.actor import WorkerActor, WorkerSettings
@@ -67,7 +68,9 @@ def run(actor, req: WorkerRequest, timeout_s: float = 60) -> tuple[Admitted, lis
 
     async def go():
         admitted, toks, cached = None, [], 0
-        async for ref in actor.generate.options(num_returns="streaming").remote(req):
+        async for ref in actor.generate.options(num_returns="streaming").remote(
+            req, None, OUTPUT_SCHEMA
+        ):
             item = await ref
             if isinstance(item, Admitted):
                 admitted = item
@@ -124,7 +127,7 @@ def test_source_frozen_then_killed_mid_export_falls_back_to_recompute(ray_ns) ->
         assert got == want and cached == 0
         # killed while its export is in flight: the call fails fast, recomputed again
         req = WorkerRequest("k3", p, replace(GREEDY, seed=1), pull=hint("worker-k0", 5, 30.0))
-        ref = b.generate.options(num_returns="streaming").remote(req)
+        ref = b.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         items = [ray.get(r, timeout=60) for r in ref]

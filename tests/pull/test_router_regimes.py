@@ -15,6 +15,7 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
@@ -49,7 +50,7 @@ def cluster():
 def generate(handle, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
     items = [
         ray.get(r, timeout=120)
-        for r in handle.generate.options(num_returns="streaming").remote(req)
+        for r in handle.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
     ]
     toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
     return items[0], toks, items[-1].usage.cached_tokens

@@ -88,3 +88,27 @@ def test_only_the_requests_of_dead_or_restarted_callers_are_aborted() -> None:
         await _until(lambda: watch._task is not None and watch._task.done())  # nothing to watch
 
     asyncio.run(scenario())
+
+
+def test_a_dead_callers_idle_channel_is_reported_and_forgotten() -> None:
+    """A channel with no open request still keeps its caller watched: once the caller dies
+    the watch reports it (the worker drops its channels) and stops watching."""
+
+    async def scenario() -> None:
+        dead_callers: list[Any] = []
+        aborted: list[str] = []
+        watch = CallerWatch(
+            aborted.append, interval_s=0.01, ping_timeout_s=0.05, on_dead=dead_callers.append
+        )
+        router, other = FakeRouter("alive"), FakeRouter("alive")
+        watch.watch_channel("ch-a", CallerRef(router, "i1"))
+        watch.watch_channel("ch-b", CallerRef(other, "i1"))
+        await _until(lambda: router.pings >= 3)  # watched with no request at all
+        assert dead_callers == [] and aborted == []
+        router.state = "dead"
+        await _until(lambda: dead_callers == [CallerRef(router, "i1")])
+        assert aborted == [] and watch._channels == {"ch-b": CallerRef(other, "i1")}
+        watch.forget_channel("ch-b")
+        await _until(lambda: watch._task is not None and watch._task.done())
+
+    asyncio.run(scenario())

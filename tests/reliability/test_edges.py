@@ -11,11 +11,12 @@ import ray
 import redis
 
 from cluster import launcher
+from cluster import state as cluster_state
 from cluster.config import redact_url
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import malformed_reason, spec_from_pb, tenant_salt
-from router.edge.servicer import DecodeGuard
+from router.edge.interceptors import DecodeGuard
 from router.serving.core import ModelLimits, check_limits
 from tests.cluster.conftest import cluster_config
 from tests.reliability.helpers import raw_string_field
@@ -121,7 +122,7 @@ def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monk
     url = "rediss://kv:s3cret@[::1]:6380/0?ssl_ca_certs=/ca.pem"
     assert redact_url(url) == "rediss://kv:***@[::1]:6380/0?ssl_ca_certs=/ca.pem"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
-    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    monkeypatch.setattr(cluster_state, "STATE_DIR", tmp_path)
     state = launcher.ClusterState(**{f: None for f in launcher.ClusterState.__dataclass_fields__})
     state.name, state.redis_url = "c", url
     path = state.save()
@@ -166,7 +167,7 @@ def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() ->
 def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeypatch) -> None:
     """`kvcluster up` (detached) starts its own Ray head and redis-server as separate process
     groups; when workers then fail to start, both are stopped, not left behind."""
-    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path / "state")
+    monkeypatch.setattr(cluster_state, "STATE_DIR", tmp_path / "state")
     model_dir = tmp_path / "empty-model"
     model_dir.mkdir()
     cluster = launcher.Cluster(
@@ -190,5 +191,5 @@ def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeyp
     with pytest.raises(Exception, match="creation task"):
         cluster.up()
     assert len(started) == 2
-    assert not any(launcher.group_alive(pid) for pid in started)
+    assert not any(cluster_state.group_alive(pid) for pid in started)
     assert not ray.is_initialized()

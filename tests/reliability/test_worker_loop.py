@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import unpack_output
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, unpack_output
 from kvstore.blocks.protocol import WorkerRequest
 from worker.actor import WorkerServer, WorkerSettings
 from worker.engine import EngineConfig, SamplingParams
@@ -41,7 +41,7 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
         expected = {f"r{i}" for i in range(17)}
 
         async def reader() -> None:
-            async for items in server.outputs("ch"):
+            async for items in server.outputs("ch", None, OUTPUT_SCHEMA):
                 batches.append(items)
                 finished = {i[0] for b in batches for i in b if i[2]}
                 if finished >= expected:
@@ -84,5 +84,44 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
         assert all(len(tokens[f"r{i}"]) == 6 for i in range(16))
         assert len(tokens["r16"]) < 6  # aborted
         assert len(batches) < sum(1 for b in batches for _ in b)  # batched
+    finally:
+        server.shutdown()
+
+
+def test_a_reader_of_another_output_layout_is_refused_and_leaves_nothing_open() -> None:
+    """``outputs`` refuses a router whose packed-output layout differs (or that sends none:
+    an older version) before it opens anything; the right layout is served and watched."""
+    from kvstore.blocks.errors import WireMismatch
+    from kvstore.blocks.protocol import CallerRef
+
+    model = build_tiny_model(None, "llama", "tiny")
+    server = WorkerServer(
+        WorkerSettings("worker-t", str(model), "m", EngineConfig(num_blocks=64), None)
+    )
+    caller = CallerRef("a router's handle", "inc-1")
+
+    async def main() -> None:
+        for schema in (None, "0123456789abcdef"):
+            try:
+                async for _ in server.outputs("inc-1/worker-t/0", caller, schema):
+                    raise AssertionError("a batch was sent")
+                raise AssertionError("not refused")
+            except WireMismatch as exc:
+                assert "output channel" in str(exc)
+            assert len(server.channels) == 0 and server.callers._channels == {}
+        reader = server.outputs("inc-1/worker-t/1", caller, OUTPUT_SCHEMA)
+        first = asyncio.ensure_future(reader.__anext__())
+        await asyncio.sleep(0.05)
+        assert server.channels.ids() == ["inc-1/worker-t/1"]
+        assert server.callers._channels == {"inc-1/worker-t/1": caller}
+        server.channels.drop("inc-1/worker-t/1")
+        try:
+            await first
+        except StopAsyncIteration:
+            pass
+        assert len(server.channels) == 0 and server.callers._channels == {}
+
+    try:
+        asyncio.run(main())
     finally:
         server.shutdown()

@@ -145,6 +145,24 @@ def test_a_waiting_reader_wakes_on_the_first_item() -> None:
     assert asyncio.run(main())
 
 
+def test_a_reader_that_took_its_items_already_is_not_woken_to_nothing() -> None:
+    async def main() -> tuple[bool, bool, bool, int]:
+        inbox = Inbox()
+        inbox.items.append(pack_output(outputs()[0]))  # came while its reader was busy
+        assert await inbox.wait(5.0)  # the reader is back: it takes them at once
+        first = inbox.take()
+        waiting = asyncio.ensure_future(inbox.wait(0.05))
+        await asyncio.sleep(0)  # it waits for more now
+        woke = inbox.wake()  # the late wake-up of the message that brought them
+        await asyncio.sleep(0)
+        early = waiting.done()
+        inbox.put(pack_output(outputs()[1]))
+        return woke, early, await waiting, len(first.outputs[0].token_ids)
+
+    woke, early, got_more, tokens = asyncio.run(main())
+    assert (woke, early, got_more, tokens) == (False, False, True, 1)
+
+
 def test_packing_keeps_the_prompt_logprobs() -> None:
     out = RequestOutput("r", [CompletionDelta(0, "a", [1], [lp(1)])], False, Usage(3, 0, 1))
     out.prompt_logprobs = [None, lp(4), lp(5)]
@@ -152,3 +170,17 @@ def test_packing_keeps_the_prompt_logprobs() -> None:
     assert back == out
     later = RequestOutput("r", [CompletionDelta(0, "b", [2])], True, Usage(3, 0, 2))
     assert coalesce([back, later]).prompt_logprobs == [None, lp(4), lp(5)]
+
+
+def test_a_channel_the_worker_refused_ends_with_the_workers_own_reason() -> None:
+    """A worker's error reaches the router as a RayTaskError whose text is the worker's
+    traceback; the channel's WorkerGone names the worker's exception instead."""
+    from ray.exceptions import RayTaskError
+
+    from kvstore.blocks.errors import WireMismatch
+    from router.serving.channels import _first_line
+
+    refused = WireMismatch("output channel: the peer has abc, this side has def")
+    line = _first_line(RayTaskError("outputs", "Traceback (most recent call last): ...", refused))
+    assert line == f"WireMismatch: {refused}"
+    assert _first_line(RuntimeError("stream broke\nmore")) == "RuntimeError: stream broke"

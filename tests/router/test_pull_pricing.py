@@ -8,7 +8,8 @@ import pytest
 
 from router import Reason, RouteRequest, RoutingConfig
 from router.placement.prediction import PredictionTracker
-from router.placement.pull import TransferModel
+from router.placement.pull import PullPlanner, TransferModel
+from router.placement.types import Placement, WorkerView
 from tests.router.harness import MiniCluster, load, tokens
 
 RATE = 1000.0  # prefill tokens per second
@@ -50,17 +51,17 @@ def test_saturated_holder_makes_the_router_pull_to_another_worker() -> None:
     assert d.pull is not None and d.pull.source_id == holder
     assert (d.pull.start_block, d.pull.num_blocks) == (0, 125)  # 2000 cached tokens
     assert d.cached_tokens_expected == 2000
-    # priced: the holder's step in flight, fixed 10 ms, 2000 x 2 us; its soft deadline is
-    # the break-even (recomputing the pulled tokens)
-    assert d.pull.priced_s == pytest.approx(0.256 + 0.01 + 2000 * 2e-6)
+    # priced: half the holder's step in flight (what is left of it on average), fixed 10 ms,
+    # 2000 x 2 us; its soft deadline is the break-even (recomputing the pulled tokens)
+    assert d.pull.priced_s == pytest.approx(0.256 / 2 + 0.01 + 2000 * 2e-6)
     assert d.pull.deadline_s == pytest.approx(2000 / RATE)
     assert cluster.router.metrics.count(Reason.PULL) == 1
 
 
 def test_a_holder_busy_with_long_steps_is_not_pulled_from() -> None:
-    """The export waits for the holder's step in flight: 2048-token steps at 1000 tokens/s
-    cost 2 s, as much as recomputing: recompute elsewhere instead."""
-    cluster = MiniCluster(3, routing(source_step_tokens=2048))
+    """The export waits for the rest of the holder's step in flight: 5000-token steps at
+    1000 tokens/s leave 2.5 s on average, more than recomputing (2 s): recompute elsewhere."""
+    cluster = MiniCluster(3, routing(source_step_tokens=5000))
     prompt = tokens(1, 2000)
     holder = warm(cluster, prompt)
     cluster.queue[holder] = 5000
@@ -133,3 +134,68 @@ def test_prediction_table_counts_pull_misses_and_slow_pulls() -> None:
     assert (w.pulls, w.pull_planned_tokens, w.pulled_tokens) == (3, 960, 480)
     assert (w.pull_misses, w.pull_slow) == (2, 1)
     assert table.pull_totals()["pull_misses"] == 2
+
+
+def _planner() -> PullPlanner:
+    return PullPlanner(
+        TransferModel(0.01, 2e-6),
+        prefill_tokens_per_s=RATE,
+        min_pull_tokens=64,
+        min_deadline_s=0.05,
+        block_size=16,
+        source_step_tokens=256,
+    )
+
+
+def _views(dest_held: tuple[int, int]) -> tuple[list[WorkerView], dict[str, tuple[int, int]]]:
+    """Holder "a" (125 device blocks, 5 s of queue), "b" idle holding ``dest_held`` (device,
+    either tier) with its host blocks weighted 0.5 as the router weighs them, "c" busy."""
+    dev, both = dest_held
+    views = [
+        WorkerView("a", load(5000), 2000),
+        WorkerView("b", load(0), int((dev + 0.5 * (both - dev)) * 16)),
+        WorkerView("c", load(3000), 0),
+    ]
+    return views, {"a": (125, 125), "b": dest_held, "c": (0, 0)}
+
+
+def test_a_pull_starts_past_what_the_destination_holds_in_its_host_tier() -> None:
+    views, held = _views((1, 100))  # b: block 0 on its device, 1-99 in its host tier
+    placement, hint, priced = _planner().plan(
+        2050, views, Placement("a", Reason.PREFIX, 2000), held, holder_eligible=True
+    )
+    assert placement == Placement("b", Reason.PULL, 2000)
+    assert hint is not None and (hint.source_id, hint.start_block, hint.num_blocks) == (
+        "a",
+        100,
+        25,
+    )
+    assert hint.priced_s == pytest.approx(0.256 / 2 + 0.01 + 400 * 2e-6)  # 25 blocks moved
+    assert priced is not None
+    assert priced.recompute_s == pytest.approx((2050 - 1600) / RATE)  # host blocks are hits
+
+
+def test_a_few_blocks_past_a_host_held_prefix_are_recomputed_not_pulled() -> None:
+    """b holds 120 of the 125 blocks (119 in its host tier): recomputing 5 blocks (80 ms)
+    beats waiting for the holder's step in flight (256 ms); counting b's host blocks at the
+    routing's 0.5 weight would price the recompute at 1 s and pull."""
+    views, held = _views((1, 120))
+    placement, hint, priced = _planner().plan(
+        2050, views, Placement("a", Reason.PREFIX, 2000), held, holder_eligible=True
+    )
+    assert hint is None and priced is not None and priced.choice == "recompute"
+    assert placement.worker_id == "b"
+    assert priced.recompute_s == pytest.approx((2050 - 1920) / RATE)
+
+
+def test_a_pull_soft_deadline_covers_the_holder_whole_step_in_flight() -> None:
+    """12 blocks to pull: 138 ms priced (half the 256 ms step, 10 ms, 192 x 2 us) beats
+    recomputing them (192 ms), but a live holder may take its whole step: the deadline
+    allows that (266 ms) rather than give up at the break-even."""
+    views, held = _views((113, 113))
+    placement, hint, priced = _planner().plan(
+        2050, views, Placement("a", Reason.PREFIX, 2000), held, holder_eligible=True
+    )
+    assert placement.worker_id == "b" and hint is not None and hint.num_blocks == 12
+    assert hint.priced_s == pytest.approx(0.128 + 0.01 + 192 * 2e-6)
+    assert hint.deadline_s == pytest.approx(0.256 + 0.01 + 192 * 2e-6)

@@ -20,9 +20,9 @@ from router.placement.prefix_source import PrefixSource, TierCounts
 from router.placement.types import RouteRequest, WorkerId
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
-from worker.actor import worker_load
 from worker.engine import Engine, EngineConfig
 from worker.kv import HashContext, KVCacheManager
+from worker.status import worker_load
 
 CTX = HashContext("m")
 

@@ -139,7 +139,7 @@ class RunnerExecutor(ModelExecutor):
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> RunnerExecutor:
-        from worker.model.heap import freeze_long_lived
+        from kvstore.blocks.pauses import freeze_long_lived
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
 

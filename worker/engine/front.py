@@ -26,16 +26,15 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.engine import Engine
+from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
 from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
@@ -43,15 +42,6 @@ from worker.kv import BlockKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NOT_STARTED = "the streaming engine is not running (call start())"
-
-
-@dataclass(frozen=True, slots=True)
-class _Command:
-    """One queued command for the engine thread."""
-
-    run: Callable[[], None]  # between steps, with the engine lock held
-    refuse: Callable[[BaseException], None] | None = None  # instead, if the loop died first
 
 
 class StreamingEngine:
@@ -74,10 +64,8 @@ class StreamingEngine:
         self._on_death = on_death
         self._idle_wait = idle_wait_s
         self._lock = threading.Lock()  # held by whoever runs the engine (thread or stop())
-        self._inbox: deque[_Command] = deque()  # commands, run by the engine thread
-        self._inbox_lock = threading.Lock()  # only around appends and the accepting flag
-        self._accepting = False
         self._wake = threading.Event()
+        self._inbox = Inbox(self._wake)  # commands, run by the engine thread
         self._sinks: dict[str, OutputSink] = {}  # live requests -> sink (engine thread only)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -90,22 +78,20 @@ class StreamingEngine:
     def start(self) -> StreamingEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-            with self._inbox_lock:
-                self._accepting = True
+            self._inbox.open()
             self._thread.start()
         return self
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort what is left, end every stream, join the thread."""
-        with self._inbox_lock:
-            self._accepting = False
+        self._inbox.close()
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
         with self._lock:
-            self._drain()  # what was queued before the door closed
+            self._inbox.drain()  # what was queued before the door closed
             for rid in list(self.engine.requests):
                 self.engine.abort(rid)
             leftovers = self.engine.step() if self.engine.has_unfinished_requests() else []
@@ -117,23 +103,6 @@ class StreamingEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    # ---- the inbox -----------------------------------------------------------------------
-
-    def _submit(self, command: _Command) -> None:
-        """Queue ``command`` for the engine thread; raises EngineStopped if it does not run."""
-        with self._inbox_lock:
-            if not self._accepting:
-                if self.error is not None:
-                    raise EngineStopped(f"the engine loop died: {self.error!r}")
-                raise EngineStopped(NOT_STARTED)
-            self._inbox.append(command)
-        self._wake.set()
-
-    def _drain(self) -> None:
-        """Run the queued commands (engine thread, or stop() after the thread ended)."""
-        while self._inbox:
-            self._inbox.popleft().run()
 
     def _on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -206,7 +175,7 @@ class StreamingEngine:
             if future.set_running_or_notify_cancel():
                 future.set_exception(exc)
 
-        self._submit(_Command(add, refuse))
+        self._inbox.submit(Command(add, refuse))
         return future
 
     def abort(self, request_id: str) -> bool:
@@ -214,7 +183,7 @@ class StreamingEngine:
         returns whether the request was live when asked."""
         live = request_id in self._sinks
         try:
-            self._submit(_Command(lambda: self.engine.abort(request_id) and None))
+            self._inbox.submit(Command(lambda: self.engine.abort(request_id) and None))
         except EngineStopped:
             return False
         return live
@@ -254,7 +223,7 @@ class StreamingEngine:
                 future.set_exception(exc)
 
         try:
-            self._submit(_Command(call))
+            self._inbox.submit(Command(call))
         except EngineStopped:
             return None
         return future
@@ -267,7 +236,7 @@ class StreamingEngine:
                 self._wake.clear()
                 t0 = time.perf_counter()
                 with self._lock:
-                    self._drain()
+                    self._inbox.drain()
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
                     if busy:
@@ -284,27 +253,13 @@ class StreamingEngine:
             log.exception("engine loop died")
             self.error = exc
             self._stopping = True
-            with self._inbox_lock:
-                self._accepting = False
+            died = f"the engine loop died: {exc!r}"
+            self._inbox.close(died)
             with self._lock:
-                self._fail_inbox(exc)
-            self._end_all(EngineStopped(f"the engine loop died: {exc!r}"))
+                self._inbox.fail(EngineStopped(died))
+            self._end_all(EngineStopped(died))
             if self._on_death is not None:
                 self._on_death(exc)
-
-    def _fail_inbox(self, exc: BaseException) -> None:
-        """After a death: queued adds are refused, queued calls still run (they read the
-        engine; an abort finds its request gone with the streams)."""
-        stopped = EngineStopped(f"the engine loop died: {exc!r}")
-        while self._inbox:
-            command = self._inbox.popleft()
-            try:
-                if command.refuse is not None:
-                    command.refuse(stopped)
-                else:
-                    command.run()
-            except Exception:  # noqa: BLE001 - the engine is beyond repair
-                log.exception("a queued command failed after the engine loop died")
 
     @property
     def alive(self) -> bool:

@@ -29,7 +29,7 @@ from kvstore.blocks.sampling_params import SamplingParams
 from worker.attention import native
 
 if TYPE_CHECKING:
-    from worker.engine.structured import TokenMask
+    from worker.engine.grammar_masks import TokenMask
 
 # finite logits after penalties, even divided by GREEDY_EPS (float32 max is ~3.4e38)
 _LOGIT_BOUND = 1e30

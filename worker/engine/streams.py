@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
+from kvstore.blocks.wire import ByName
 
 
 @dataclass(frozen=True, slots=True)
-class StreamEnd:
+class StreamEnd(ByName):
     """A request's stream ends with this error instead of a finished output (the engine
     stopped or its loop died)."""
 

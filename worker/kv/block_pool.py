@@ -1,7 +1,8 @@
 """The block pool: physical KV blocks, ref counts, the free queue and the prefix-cache map.
 
 Layering: pool -> manager -> scheduler. The pool knows blocks, never sequences; the manager
-(``manager.py``) owns block tables and calls the pool.
+(``manager.py``) owns block tables and calls the pool. The blocks and their free queue (an
+intrusive doubly linked list) are in ``free_queue.py``.
 
 Free queue order (front = handed out first):
 - uncached free blocks (never used, partial, or caching off) go to the FRONT: reusing them
@@ -39,121 +40,11 @@ one tenant's: the salt is in its first key): prefix closure holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
-
-
-class BlockPoolError(RuntimeError):
-    """The pool was misused (double release, double insert, popping an empty queue, ...).
-
-    Raised explicitly, not by ``assert``, so ``python -O`` keeps the checks; raised before
-    anything changes, so the free queue and the ref counts stay intact.
-    """
-
-
-class KVBlock:
-    """One physical block: its id, ref count, cache key and free-queue links."""
-
-    __slots__ = (
-        "block_id",
-        "ref_cnt",
-        "key",
-        "twin_of",
-        "token_ids",
-        "tenant",
-        "parent",
-        "prev",
-        "next",
-    )
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id  # index into the model runner's KV tensors; never changes
-        self.ref_cnt = 0  # number of block tables holding this block
-        self.key: BlockKey | None = None  # prefix-cache key while cached, else None
-        self.twin_of: BlockKey | None = None  # key served by another block while this is a twin
-        self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
-        self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
-        self.parent: BlockKey | None = None  # key before ``key`` (a host tier names it)
-        self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
-        self.next: KVBlock | None = None
-
-    def __repr__(self) -> str:
-        key = self.key.hex()[:8] if self.key is not None else None
-        twin = f", twin_of={self.twin_of.hex()[:8]}" if self.twin_of is not None else ""
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, key={key}{twin})"
-
-
-class FreeBlockQueue:
-    """Free blocks in eviction order, as a hand-made doubly linked list through the blocks.
-
-    Why not a deque or a list: a prefix hit on a cached block that is currently free (ref count
-    0, waiting to be evicted) must take that block out of the *middle* of the queue. With a
-    deque that is an O(n) scan per hit block — a 2k-token prompt hitting 128 blocks in a pool of
-    100k blocks would scan millions of entries. With the links stored on the blocks themselves,
-    removal from anywhere, push to either end and pop from the front are all O(1) and allocate
-    nothing. Two sentinel nodes remove every edge case from the link updates.
-    """
-
-    __slots__ = ("_head", "_tail", "_len")
-
-    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def _link_after(self, node: KVBlock, block: KVBlock) -> None:
-        if block.prev is not None or block.next is not None:
-            raise BlockPoolError(f"{block} is already in the free queue")
-        after = node.next
-        if after is None:
-            raise BlockPoolError(f"{node} is not linked into the free queue")
-        block.prev, block.next = node, after
-        node.next = block
-        after.prev = block
-        self._len += 1
-
-    def append(self, block: KVBlock) -> None:
-        """Push to the back (evicted last)."""
-        tail_prev = self._tail.prev
-        if tail_prev is None:  # pragma: no cover - the sentinels are always linked
-            raise BlockPoolError("free queue's tail sentinel is unlinked")
-        self._link_after(tail_prev, block)
-
-    def appendleft(self, block: KVBlock) -> None:
-        """Push to the front (handed out first)."""
-        self._link_after(self._head, block)
-
-    def remove(self, block: KVBlock) -> None:
-        """Take ``block`` out from anywhere in the queue in O(1)."""
-        prev, nxt = block.prev, block.next
-        if prev is None or nxt is None or block is self._head or block is self._tail:
-            raise BlockPoolError(f"{block} is not in the free queue")
-        prev.next = nxt
-        nxt.prev = prev
-        block.prev = block.next = None
-        self._len -= 1
-
-    def popleft(self) -> KVBlock:
-        block = self._head.next
-        if block is None or block is self._tail:
-            raise BlockPoolError("popleft from an empty free queue")
-        self.remove(block)
-        return block
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        node = self._head.next
-        while node is not None and node is not self._tail:
-            yield node
-            node = node.next
+from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
 
 
 class BlockPool:

@@ -111,6 +111,18 @@ class HostTier:
                 self._evict_oldest(tenant, of_tenant=True)
         return block.block_id
 
+    def refresh(self, keys: list[BlockKey]) -> None:
+        """Make ``keys`` (a chain, parents first) the most recent, so blocks stored next to
+        continue it evict others first. Parents end up younger than their other children
+        here, which only lets those go first: closure holds."""
+        for key in keys:
+            block = self.lru.get(key)
+            if block is None:
+                continue
+            self.lru.move_to_end(key)
+            if self.tenant_quota is not None:
+                self._by_tenant[block.tenant].move_to_end(key)
+
     def checkout(self, blocks: list[HostBlock]) -> None:
         """Take ``blocks`` out of the tier for a load back; their ids stay pinned until
         :meth:`release_pinned` (the load reads them at the next copy)."""

@@ -217,40 +217,52 @@ class TransferMixin:
         header: RunHeader,
         tier: str | None = None,
     ) -> ImportPlan:
-        """Take destinations for the blocks of ``header`` past this prompt's device hit.
+        """Take destinations for the blocks of ``header`` this prompt's prefix lacks.
 
-        ``tier``: DEVICE, HOST, or None (device if enough never-used or uncached free blocks,
-        else the host tier if there is one, else the device's LRU blocks). The prompt's own
-        device hit is pinned until the commit (the blocks taken must not evict the parent
-        of the run); a host-tier import needs that hit to end on the device. Takes as many
-        blocks as fit; an empty plan when the run brings nothing new (or starts past a gap).
+        The prompt's local prefix is its device hit, then the host blocks it continues in.
+        A device import starts past the device hit (a host-held part is imported over: the
+        device cannot continue a host chain); a host import starts past the whole local
+        prefix and continues its chain (its host part is refreshed first, so the stores
+        never evict it). ``tier``: DEVICE, HOST, or None (device if enough never-used or
+        uncached free blocks and the run reaches back to the device hit, else the host tier
+        if there is one, else the device's LRU blocks). The device hit is pinned until the
+        commit (the blocks taken must not evict the parent of the run). Takes as many blocks
+        as fit; an empty plan when the run brings nothing new (or starts past a gap).
         """
         local = self.lookup_prefix(token_ids, ctx)  # type: ignore[attr-defined]
-        have = len(local.block_ids)  # device blocks; a host-held tail is imported over
-        first = max(have, header.start)
-        n_want = header.start + len(header) - first
-        off = first - header.start
-        plan = ImportPlan(DEVICE, off, [], [], [], None, salt_owner(ctx.cache_salt))
-        if header.start > have or n_want <= 0:
-            return plan
+        have = len(local.block_ids)  # device blocks
+        local_n = len(local.keys)  # device blocks, then the host blocks they continue in
+        end = header.start + len(header)
+        plan = ImportPlan(DEVICE, 0, [], [], [], None, salt_owner(ctx.cache_salt))
+        if header.start > local_n or end <= local_n:
+            return plan  # a gap before the run, or nothing the prompt lacks
         uncached_free = self._pool.num_free() - self._pool.num_evictable
         if tier is None:
-            tier = HOST if uncached_free < n_want and self._host is not None else DEVICE
-        if tier == HOST and (self._host is None or local.num_host_tokens):
+            fits_device = header.start <= have and uncached_free >= end - have
+            tier = HOST if not fits_device and self._host is not None else DEVICE
+        if tier == HOST and self._host is None:
             return plan
-        plan.tier = tier
+        first = local_n if tier == HOST else max(have, header.start)
+        if first > have and tier == DEVICE:
+            return plan  # the device cannot continue a host-held part past its gap
+        n_want = end - first
+        off = first - header.start
+        plan.tier, plan.offset = tier, off
         plan.keys = list(header.keys[off : off + n_want])
         plan.token_ids = [tuple(t) for t in header.token_ids[off : off + n_want]]
-        plan.parent = local.keys[have - 1] if have else None
+        plan.parent = local.keys[first - 1] if first else None
         held = [self._pool.cached[k] for k in local.keys[:have]]
         self._pool.touch(held)
         plan.held = held
         if tier == HOST:
             assert self._host is not None
-            # one block short of the tier: storing never evicts the run's own first block
-            n = min(n_want, self._host.num_blocks - len(self._host.pinned) - 1)
+            local_host = list(local.keys[have:local_n])
+            self._host.refresh(local_host)
+            # short of the tier by the local host part and one block: storing never evicts
+            # the run's own first block nor the chain it continues
+            room = self._host.num_blocks - len(self._host.pinned) - len(local_host) - 1
             parent = plan.parent
-            for key, toks in zip(plan.keys[: max(n, 0)], plan.token_ids, strict=False):
+            for key, toks in zip(plan.keys[: max(room, 0)], plan.token_ids, strict=False):
                 host_id = self._host.store(key, parent, toks, plan.tenant)
                 if host_id is None:
                     break

@@ -13,16 +13,13 @@ Two defaults of CPython/glibc cost an engine step on the CPU, measured on the li
   ``MALLOC_TRIM_THRESHOLD_`` win; other C libraries are left alone.
 * CPython's cyclic collector occasionally scans the whole heap (every object of torch, the
   tokenizer, the model): ~150 ms of one step's time, at a moment set by allocation counts.
-  :func:`freeze_long_lived` collects once and moves everything alive into the permanent
-  generation (as vLLM's engine core does after start-up), so later collections scan only
-  what the engine allocated since.
+  The executor freezes the loaded model out of it (``kvstore/blocks/pauses.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import logging
 import os
 
@@ -56,9 +53,3 @@ def keep_freed_memory() -> bool:
         log.info("mallopt refused the worker's thresholds; allocations stay as they were")
     _kept = ok
     return ok
-
-
-def freeze_long_lived() -> None:
-    """Collect garbage once, then exempt every live object from later collections."""
-    gc.collect()
-    gc.freeze()

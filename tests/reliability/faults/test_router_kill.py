@@ -98,6 +98,43 @@ def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
             cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=WAIT_S)
 
 
+def test_a_dead_routers_idle_channels_are_dropped(cluster) -> None:
+    """A router that dies with no request in flight leaves idle channels (long-lived Ray
+    streams that yield only when outputs come) on the workers it used: the workers notice
+    its death and drop them; the router started in its place is served."""
+    killed = False
+    try:
+        with KVClusterClient(cluster.endpoints[0]) as client:
+            for i in range(4):  # 4 prompts: channels to one or both workers
+                out = client.generate(f"Idle channel {i}.", max_tokens=2, timeout=CALL_TIMEOUT_S)
+                assert out.completion_tokens == 2
+        assert wait_idle(cluster, WAIT_S)  # nothing in flight anywhere
+        old = ray.get(cluster.routers["router-0"].incarnation.remote(), timeout=CALL_TIMEOUT_S)
+        assert channels_of(cluster, old) >= 1
+
+        ray.kill(cluster.routers["router-0"], no_restart=True)
+        killed = True
+        assert wait_for(lambda: channels_of(cluster, old) == 0, WAIT_S, 0.2), channels_of(
+            cluster, old
+        )
+    finally:
+        if killed:
+            del cluster.routers["router-0"]
+            handle = wait_for_name_free(cluster)
+            cluster.endpoints[0] = ray.get(handle.start.remote(), timeout=WAIT_S)
+    with KVClusterClient(cluster.endpoints[0]) as client:
+        out = client.generate("A new router.", max_tokens=2, timeout=CALL_TIMEOUT_S)
+        assert out.completion_tokens == 2
+    new = ray.get(cluster.routers["router-0"].incarnation.remote(), timeout=CALL_TIMEOUT_S)
+    assert new != old and channels_of(cluster, new) >= 1
+
+
+def channels_of(cluster, incarnation: str) -> int:  # noqa: ANN001
+    """Channels the workers hold for the router incarnation ``incarnation``."""
+    ids = on_workers(cluster, lambda w: w.channels.ids())
+    return sum(cid.startswith(incarnation + "/") for cids in ids.values() for cid in cids)
+
+
 def wait_for_name_free(cluster):  # noqa: ANN001, ANN201
     """Start router-0 again once Ray has released the dead actor's name."""
     deadline = time.monotonic() + WAIT_S

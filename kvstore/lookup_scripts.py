@@ -1,0 +1,185 @@
+"""Lua scripts of the prefix lookup: per live worker, how many leading blocks of a prompt it
+holds (device, or per tier), in one atomic call. One script per ``IndexConfig.lookup`` mode:
+the same live-registration preamble and output, with the walk of that mode (``scan``: every
+key in growing chunks; ``bisect``: gallop and binary-search to each breakpoint). Conventions:
+see :mod:`kvstore.scripts`.
+"""
+
+from __future__ import annotations
+
+from kvstore.scripts import COMMON
+
+# Shared by every lookup script: the live registrations (current and with a heartbeat), the
+# readers of a prompt key's holders, and the candidates of a walk.
+# wids[i]: worker id; live: slot bytes -> i; counts[i]: leading blocks of a live worker.
+_LOOKUP_LIVE = r"""
+local regs = redis.call('HGETALL', KEYS[1])
+local wids, slots, hbkeys = {}, {}, {}
+for i = 1, #regs, 2 do
+  local slot = string.match(regs[i + 1], '^(%d+):')
+  wids[#wids + 1] = regs[i]
+  slots[#slots + 1] = tonumber(slot)
+  hbkeys[#hbkeys + 1] = ns .. 'hb:' .. slot
+end
+if #wids == 0 then return {} end
+local hb = redis.call('MGET', unpack(hbkeys))
+local live, counts = {}, {}
+for i = 1, #wids do
+  if hb[i] then live[slot_bytes(slots[i])] = i; counts[i] = 0 end
+end
+local blob = ARGV[1]
+local n = #blob / 16
+local blk, hblk = ns .. 'blk', ns .. 'hblk'
+-- Readers of a prompt key's holders (a value of slot bytes; false: none): key i alone (one)
+-- or keys from..to-1 (many), 0-based; on the device, or in either tier (union). A worker
+-- holds a key in at most one tier; a transient double is named once.
+local function key(i) return sub(blob, i * 16 + 1, i * 16 + 16) end
+local function either(a, b)
+  if not (a and b) then return a or b end
+  for j = 1, #b, 2 do
+    local sb = sub(b, j, j + 1)
+    if not find_slot(a, sb) then a = a .. sb end
+  end
+  return a
+end
+local dev = {
+  one = function(i) return redis.call('HGET', blk, key(i)) end,
+  many = function(from, to) return redis.call('HMGET', blk, unpack(split(blob, from, to))) end,
+}
+local union = {
+  one = function(i)
+    local k = key(i)
+    return either(redis.call('HGET', blk, k), redis.call('HGET', hblk, k))
+  end,
+  many = function(from, to)
+    local ks = split(blob, from, to)
+    local dv, hv = redis.call('HMGET', blk, unpack(ks)), redis.call('HMGET', hblk, unpack(ks))
+    for i = 1, to - from do dv[i] = either(dv[i], hv[i]) end
+    return dv
+  end,
+}
+-- A walk's candidates: live slots holding every key read so far (slot bytes -> true).
+local active, nactive = {}, 0
+local function start(v)  -- v: holders of the first key; every live count restarts at 0
+  active, nactive = {}, 0
+  for i in pairs(counts) do counts[i] = 0 end
+  if not v then return end
+  for j = 1, #v, 2 do
+    local sb = sub(v, j, j + 1)
+    if live[sb] then active[sb] = true; nactive = nactive + 1 end
+  end
+end
+local function leave(v, at)  -- candidates that v does not name stop, with count at
+  for sb in pairs(active) do
+    if not v or not find_slot(v, sb) then
+      counts[live[sb]] = at; active[sb] = nil; nactive = nactive - 1
+    end
+  end
+end
+"""
+
+# walk(read): counts[i] = leading prompt keys live worker i holds, reading holders with read
+# (dev or union). One walk per IndexConfig.lookup mode.
+#
+# Scan: read every key in growing chunks (1, 64, 256, 1024, 1024, ...) until no candidate is
+# left; a candidate's count is the index of the first key it lacks. Exact for any index.
+_WALK_SCAN = r"""
+local function walk(read)
+  local prev = n > 0 and read.one(0) or nil
+  start(prev)
+  local pos, chunk = 1, 64
+  while nactive > 0 and pos < n do
+    local to = math.min(n, pos + chunk)
+    local vs = read.many(pos, to)
+    for i = 1, to - pos do
+      local v = vs[i]
+      if v ~= prev then  -- equal values (same holders) are the common case: O(1)
+        leave(v, pos + i - 1)
+        if nactive == 0 then break end
+        prev = v
+      end
+    end
+    pos = to
+    chunk = math.min(chunk * 4, 1024)
+  end
+  for sb in pairs(active) do counts[live[sb]] = n end
+end
+"""
+
+# Bisect: exact when every live slot's key set is prefix-closed (see kvstore's docstring), so
+# that along the prompt the candidates holding key i only shrink. From an index lo that every
+# candidate holds, gallop (lo+1, lo+2, lo+4, ..., n-1) to the first probe some candidate lacks,
+# binary-search the gap for the first such index b, give the candidates missing at b the count
+# b, continue from b with the rest. O(breakpoints x log n) reads instead of n keys.
+_WALK_BISECT = r"""
+local function walk(read)
+  local lov = n > 0 and read.one(0) or nil
+  start(lov)
+  -- does value pv name every candidate? (pv == lov, the value at lo, is the O(1) common case)
+  local function all_hold(pv)
+    if pv == lov then return true end
+    if not pv or #pv < 2 * nactive then return false end
+    local c = 0
+    for j = 1, #pv, 2 do if active[sub(pv, j, j + 1)] then c = c + 1 end end
+    return c == nactive
+  end
+  local lo = 0
+  while nactive > 0 do
+    local good, bad, badv, step = lo, nil, nil, 1
+    while good < n - 1 do  -- gallop: first probe that some candidate lacks
+      local p = math.min(lo + step, n - 1)
+      local pv = read.one(p)
+      if all_hold(pv) then good = p else bad, badv = p, pv; break end
+      step = step * 2
+    end
+    if not bad then break end  -- the candidates left hold the whole prompt
+    while bad - good > 1 do  -- binary search: good is held by all, bad is not
+      local m = math.floor((good + bad) / 2)
+      local mv = read.one(m)
+      if all_hold(mv) then good = m else bad, badv = m, mv end
+    end
+    leave(badv, bad)
+    lo, lov = bad, badv
+  end
+  for sb in pairs(active) do counts[live[sb]] = n end
+end
+"""
+
+_WALK = {"bisect": _WALK_BISECT, "scan": _WALK_SCAN}
+
+# ARGV: blob of the prompt's recorded keys, in order
+# -> {worker_id, leading blocks held, ...} for every live worker
+_DEVICE_OUT = r"""
+walk(dev)
+local out = {}
+for i = 1, #wids do
+  if counts[i] then out[#out + 1] = wids[i]; out[#out + 1] = counts[i] end
+end
+return out
+"""
+
+# Tiers: the device walk (each worker's device depth d), then the same walk on the holders in
+# either tier, giving the depth u of its device-or-host prefix. Exact because each worker's
+# union is prefix-closed too (worker/kv/host_tier.py), and its device set is: so keys d..u-1
+# are all in its host tier. -> {worker_id, d, u - d, ...}. Without any host-tier entry it
+# costs one EXISTS more than the device lookup.
+_TIERS_OUT = r"""
+walk(dev)
+local dev = {}
+for i, c in pairs(counts) do dev[i] = c end
+if n > 0 and redis.call('EXISTS', hblk) == 1 then walk(union) end
+local out = {}
+for i = 1, #wids do
+  if dev[i] then
+    out[#out + 1] = wids[i]; out[#out + 1] = dev[i]
+    out[#out + 1] = math.max(0, counts[i] - dev[i])
+  end
+end
+return out
+"""
+
+LOOKUP = {mode: COMMON + _LOOKUP_LIVE + walk + _DEVICE_OUT for mode, walk in _WALK.items()}
+"""The lookup script of each ``IndexConfig.lookup`` mode."""
+
+LOOKUP_TIERS = {mode: COMMON + _LOOKUP_LIVE + walk + _TIERS_OUT for mode, walk in _WALK.items()}
+"""Per-tier lookup script of each ``IndexConfig.lookup`` mode (one call, like ``LOOKUP``)."""

@@ -1,0 +1,82 @@
+"""The router's event loop keeps turning while one channel message is demultiplexed (no
+Ray: the channel's demultiplexer and the inboxes its readers wait on).
+
+A message of several steps' outputs for 256 requests (what a router that lagged gets); each
+reader writes to its client when it wakes. A probe task, always ready, counts the writes
+that ran between two of its turns: a loop iteration must never run a whole message's writes
+(the loop-lag probes of ``benchmarks/serving_path.py`` saw 40-80 ms iterations of 256),
+only a slice. Counted, not timed, so a busy machine cannot make it pass or fail. And every
+reader gets its request's outputs of the message as one output, in order, exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
+from router.serving.channels import WAKE_SLICE, Inbox, demultiplex
+
+STREAMS = 256
+STEPS = 4  # steps gathered in the message
+
+
+def message(rids: list[str], *, skip: str) -> list[tuple]:
+    """Step by step, every request's output of that step (the worker's order), packed; the
+    last step finishes them. ``skip`` left its inbox: its items are dropped."""
+    return [
+        pack_output(
+            RequestOutput(
+                rid, [CompletionDelta(0, f"<{s}>", [100 + s])], s == STEPS - 1, Usage(8, 0, s + 1)
+            )
+        )
+        for s in range(STEPS)
+        for rid in [*rids, skip]
+    ]
+
+
+def test_a_large_channel_message_never_blocks_the_router_loop() -> None:
+    assert 2 * WAKE_SLICE < STREAMS  # else the bound below says nothing
+
+    async def main() -> tuple[int, int, dict[str, list[RequestOutput]]]:
+        inboxes = {f"r{i}": Inbox() for i in range(STREAMS)}
+        got: dict[str, list[RequestOutput]] = {rid: [] for rid in inboxes}
+        writes = 0
+        most = turns = 0
+        done = False
+
+        async def reader(rid: str) -> None:
+            nonlocal writes
+            inbox = inboxes[rid]
+            while True:
+                assert await inbox.wait(30.0)
+                out = inbox.take()
+                writes += 1  # its write to the client, on the loop
+                got[rid].append(out)
+                if out.finished:
+                    return
+
+        async def probe() -> None:  # one turn per loop iteration
+            nonlocal most, turns
+            last = writes
+            while not done:
+                await asyncio.sleep(0)
+                most, last, turns = max(most, writes - last), writes, turns + 1
+
+        readers = [asyncio.create_task(reader(rid)) for rid in inboxes]
+        await asyncio.sleep(0)  # every reader waits on its inbox now
+        spin = asyncio.create_task(probe())
+        await demultiplex(message(list(inboxes), skip="gone"), inboxes)
+        await asyncio.wait_for(asyncio.gather(*readers), 30)
+        done = True
+        await spin
+        return most, turns, got
+
+    most, turns, got = asyncio.run(main())
+    # the probe's turns interleave the slices: between two turns, at most two slices' writes
+    assert 0 < most <= 2 * WAKE_SLICE, f"{most} client writes ran between two loop turns"
+    assert turns >= STREAMS // WAKE_SLICE
+    for rid, outs in got.items():
+        assert len(outs) == 1, rid  # the message's outputs of one request as one output
+        (out,) = outs
+        assert out.request_id == rid and out.finished and out.usage == Usage(8, 0, STEPS)
+        assert out.outputs[0].token_ids == [100 + s for s in range(STEPS)]
+        assert out.outputs[0].text == "".join(f"<{s}>" for s in range(STEPS))
