@@ -24,8 +24,15 @@ from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerSt
 from kvstore.index import KVIndex
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
-from router.serving.channels import ACTOR_ERRORS, Channels, WorkerChannel, call_result
+from router.serving.channels import (
+    ACTOR_ERRORS,
+    WAKE_SLICE,
+    Channels,
+    WorkerChannel,
+    call_result,
+)
 from router.serving.liveness import WorkerLiveness
+from router.serving.turns import TurnSlices
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -51,9 +58,12 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         breaker: CircuitBreaker | None = None,
         liveness: LivenessConfig | None = None,
         batched: bool = True,
+        caller_actor: ray.actor.ActorHandle | None = None,
     ) -> None:
         """``batched``: outputs come through one channel per worker (one message per step
-        for all of this router's requests there); False: one Ray stream per request."""
+        for all of this router's requests there); False: one Ray stream per request.
+        ``caller_actor``: the actor workers watch for this router's death (it answers
+        ``incarnation()``); by default the actor this runs in, none outside one."""
         self._init_liveness(namespace, index, breaker, live_ttl_s, dead_ttl_s)
         self.call_timeout_s = call_timeout_s
         self.liveness = liveness or LivenessConfig()
@@ -64,12 +74,16 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         # passed with every request: a worker aborts the requests of a router that died (or
         # was restarted: a new incarnation id)
         self.incarnation = uuid.uuid4().hex
-        handle = _current_actor()
+        handle = caller_actor or _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
         self.channels = Channels(self.incarnation, self.caller)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
         self.loop_probe = LoopLagProbe()
+        # a burst's submits and admissions, a slice per loop iteration: 256 of them landing
+        # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
+        # ms; its first outputs come through the channel, already woken a slice at a time
+        self.first_steps = TurnSlices(WAKE_SLICE)
 
     def mark_dead(self, worker_id: str) -> None:
         super().mark_dead(worker_id)
@@ -119,9 +133,12 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
                 caller = self.incarnation
             elif caller is not None:
                 ch.callers_sent += 1
+            await self.first_steps.enter()
             submit = handle.submit.remote(request, caller, ch.channel_id)
-            yield await self._livecall_result(worker_id, submit)
+            admitted = await self._livecall_result(worker_id, submit)
             ch.caller_known = True
+            await self.first_steps.enter()
+            yield admitted
             while True:
                 while not await inbox.wait(self.liveness.stream_stall_s):
                     await self._check_alive(worker_id, ch)
@@ -173,6 +190,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         """The fallback: one Ray streaming generator for this request alone."""
         nxt: asyncio.Future | None = None
         try:
+            await self.first_steps.enter()
             gen = (
                 (await self._handle(worker_id))
                 .generate.options(num_returns="streaming")
