@@ -46,3 +46,4 @@ def test_gguf_load_benchmark_smoke(capsys):
     headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert headline["bench"] == "gguf_load" and headline["size"] == "smoke"
     assert headline["synthetic_ours_s"] > 0 and headline["synthetic_speedup"] > 0
+    assert headline["synthetic_warm_s"] > 0 and headline["synthetic_cache_speedup"] > 0

@@ -74,6 +74,25 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(tok, theirs):
     assert tok.bos_token_id == 2 and tok.eos_token_ids == (1,)
 
 
+def test_cached_tokenizer_equals_a_fresh_rebuild(path, tok):
+    """``tok`` left its entry in the suite's tmp cache: this load is a hit (262k tokens)."""
+    from worker.model.gguf_file import open_gguf
+    from worker.model.gguf_tokenizer import REBUILD_VERSION, tokenizer_backend_from_gguf
+    from worker.model.gguf_tokenizer_cache import cache_root, tokenizer_digest
+
+    digest = tokenizer_digest(open_gguf(path), REBUILD_VERSION)
+    assert (cache_root() / "gguf-tokenizers" / f"{digest}.tok").is_file()
+    cached = Tokenizer.from_dir(path)
+    backend, special = tokenizer_backend_from_gguf(path, cache=False)
+    fresh = Tokenizer(backend, **special)
+    assert cached.backend_json() == fresh.backend_json()
+    for text in [*TEXTS, "<start_of_image><unused7><pad><eos> <mask>"]:
+        ids = fresh.encode(text)
+        assert cached.encode(text) == ids, text
+        assert cached.decode(ids, skip_special_tokens=False) == fresh.decode(ids, False)
+    assert (cached.chat_template, cached.eos_token_ids) == (fresh.chat_template, (1,))
+
+
 def test_logits_equal_transformers_gguf_loading(tok, theirs, runner):
     model, _ = theirs
     prompts = [tok.encode(t) for t in TEXTS[:4]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,14 @@ class GGUFFile:
     fields: dict[str, Any]  # key -> value (int, float, bool, str, or a list of them)
     types: dict[str, tuple[GGUFValueType, ...]]  # key -> its type, then array element types
     tensors: list[TensorInfo]
+    spans: dict[str, tuple[int, int]]  # key -> where its entry (key, type, value) lies
+    buf: mmap.mmap = field(repr=False, compare=False)
+
+    def raw(self, key: str) -> memoryview:
+        """The file's bytes of one metadata entry (its key, type and value) as written: what
+        a digest of the entry covers, without re-encoding the parsed value."""
+        start, end = self.spans[key]
+        return memoryview(self.buf)[start:end]
 
 
 class _Cursor:
@@ -214,11 +222,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
     n_kv = cur.count("header.kv_count", 13, "key/value count")
     fields: dict[str, Any] = {}
     types: dict[str, tuple[GGUFValueType, ...]] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for i in range(n_kv):
+        start = cur.pos
         key = cur.string(f"metadata key #{i}")
         if key in fields:
             raise cur.fail(f"metadata {key}", "the key appears twice")
         fields[key], types[key] = cur.value(cur.unpack(_U32, f"metadata {key}"), f"metadata {key}")
+        spans[key] = (start, cur.pos)
     alignment = DEFAULT_ALIGNMENT
     if "general.alignment" in fields:
         alignment = fields["general.alignment"]
@@ -236,7 +247,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         seen.add(name)
         tensors.append(_tensor(cur, data, name, dims, qtype, offset, data_offset, alignment))
     _check_no_overlap(cur, tensors)
-    return GGUFFile(source, version, alignment, data_offset, fields, types, tensors)
+    return GGUFFile(source, version, alignment, data_offset, fields, types, tensors, spans, buf)
 
 
 def _tensor_info(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:

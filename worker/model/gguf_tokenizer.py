@@ -20,8 +20,13 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from worker.model.errors import ModelLoadError, UnsupportedModelError
 from worker.model.gguf_file import Meta, architecture, open_gguf
+from worker.model.gguf_reader import GGUFFile
+from worker.model.gguf_tokenizer_cache import cached, tokenizer_digest
 
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")
+# Part of the tokenizer cache's key: bump it whenever a change here changes what is built,
+# so no process loads a tokenizer an older rebuild cached.
+REBUILD_VERSION = 1
 _CONTROL = 3  # llama.cpp token type of control tokens (<|im_start|>, ...)
 _USER_DEFINED = 4  # llama.cpp token type of added, non-special tokens
 
@@ -84,17 +89,24 @@ def _byte_level(tokens: Sequence[str], meta: Meta) -> tuple[HFTokenizer, set[str
 
 def derive_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
     """The merges a sentencepiece vocabulary implies: every split of a token into two tokens,
-    best score first (transformers' ``generate_merges``, so both tokenize alike)."""
-    merges = []
-    for merge, score in scores.items():
-        local = [
-            (merge[:i], merge[i:], score)
-            for i in range(1, len(merge))
-            if merge[:i] in vocab and merge[i:] in vocab
-        ]
-        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
+    best score first (transformers' ``generate_merges``, so both tokenize alike).
+
+    The same list as ``generate_merges``, in one sort: it sorts each token's splits by id and
+    then all splits stably by (score, len(left), len(right)), descending; two splits of one
+    token differ in len(left), so the per-token order never survives the second sort, and
+    ties between tokens keep the order of ``scores``, as the counter here does."""
+    out: list[tuple[float, int, int, int, str, str]] = []
+    append = out.append
+    for merge, score in scores.items():  # the hot loop of a 262k vocabulary: no calls
+        n = len(merge)
+        for i in range(1, n):
+            left = merge[:i]
+            if left in vocab:
+                right = merge[i:]
+                if right in vocab:
+                    append((-score, -i, i - n, len(out), left, right))
+    out.sort()  # the counter is unique: the strings are never compared
+    return [(left, right) for *_, left, right in out]
 
 
 def _sentencepiece(
@@ -122,10 +134,20 @@ def _sentencepiece(
     return backend, set(tokens)
 
 
-def tokenizer_backend_from_gguf(path: str | Path) -> tuple[HFTokenizer, dict[str, Any]]:
+def tokenizer_backend_from_gguf(
+    path: str | Path, *, cache: bool = True
+) -> tuple[HFTokenizer, dict[str, Any]]:
     """The tokenizer backend, and the special tokens / chat template as ``Tokenizer``'s
-    keyword arguments."""
+    keyword arguments: from the tokenizer cache (``gguf_tokenizer_cache``) when it holds one
+    built from the same metadata, else rebuilt (and cached, unless ``cache=False``)."""
     reader, source = open_gguf(path), str(path)
+    if not cache:
+        return rebuild(reader, source)
+    return cached(tokenizer_digest(reader, REBUILD_VERSION), lambda: rebuild(reader, source))
+
+
+def rebuild(reader: GGUFFile, source: str) -> tuple[HFTokenizer, dict[str, Any]]:
+    """The tokenizer rebuilt from the file's metadata (no cache)."""
     arch = architecture(reader, source)
     meta = Meta(reader, source)
     kind = meta.get("tokenizer.ggml.model")

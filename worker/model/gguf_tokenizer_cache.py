@@ -1,0 +1,146 @@
+"""An on-disk cache of tokenizers rebuilt from GGUF metadata, shared by every process that
+opens the same file (each worker and the router): the rebuild of a 262k-token vocabulary
+takes seconds, loading its ``tokenizers`` JSON a fraction of that.
+
+An entry is keyed by a SHA-256 over the raw bytes of every metadata entry the rebuild reads
+(all ``tokenizer.*`` keys and ``general.architecture``, each with its key and type), the
+file's GGUF version, the rebuild's version and the ``tokenizers`` version. The path and mtime
+play no part: a copy of the file hits, any changed tokenizer byte misses. An entry is one
+header line (its key, the length and SHA-256 of the body) and the body (the special tokens
+and chat template as one JSON line, then the tokenizer JSON); one that does not check out
+is rebuilt and replaced. Entries are written to a temporary file and renamed, so processes
+starting at once each see a whole entry or none. The cache is an optimisation only: a
+directory that cannot be read or written leaves the load to the rebuild.
+
+Directory: ``$KVCLUSTER_CACHE_DIR``, else ``$KVCLUSTER_CACHE``, else
+``$XDG_CACHE_HOME/kvcluster``, else ``~/.cache/kvcluster``; entries under
+``gguf-tokenizers/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from worker.model.gguf_reader import GGUFFile
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # of an entry's header and payload
+SUBDIR = "gguf-tokenizers"
+
+Built = tuple[HFTokenizer, dict[str, Any]]
+
+
+def cache_root() -> Path:
+    """kvcluster's cache directory, by the usual conventions."""
+    for var in ("KVCLUSTER_CACHE_DIR", "KVCLUSTER_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvcluster"
+
+
+def depends_on(key: str) -> bool:
+    """The metadata keys a rebuilt tokenizer depends on (a superset of what it reads)."""
+    return key.startswith("tokenizer.") or key == "general.architecture"
+
+
+def tokenizer_digest(reader: GGUFFile, rebuild_version: int) -> str:
+    """SHA-256 of what the tokenizer is built from: a few MB of the map for a 262k
+    vocabulary (milliseconds), hashed as written rather than re-encoded from the values."""
+    h = hashlib.sha256(
+        f"kvcluster-gguf-tokenizer format={FORMAT} rebuild={rebuild_version} "
+        f"tokenizers={tokenizers.__version__} gguf={reader.version}\n".encode()
+    )
+    for key in sorted(k for k in reader.spans if depends_on(k)):
+        h.update(reader.raw(key))  # self-delimiting: key length, key, type, value
+    return h.hexdigest()
+
+
+def _entry(digest: str) -> Path | None:
+    try:
+        return cache_root() / SUBDIR / f"{digest}.tok"
+    except RuntimeError as exc:  # no home directory to put it in
+        log.warning("no tokenizer cache directory (%s): not caching", exc)
+        return None
+
+
+def load(digest: str) -> Built | None:
+    """The cached tokenizer, or None if there is none or it does not check out."""
+    path = _entry(digest)
+    if path is None:
+        return None
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("tokenizer cache %s is unreadable (%s): rebuilding", path, exc)
+        return None
+    try:
+        head, _, body = data.partition(b"\n")
+        header = json.loads(head)
+        if (
+            header.get("format") != FORMAT
+            or header.get("digest") != digest
+            or header.get("body_bytes") != len(body)
+            or header.get("body_sha256") != hashlib.sha256(body).hexdigest()
+        ):
+            raise ValueError("the header does not match the entry")
+        special, _, payload = body.partition(b"\n")
+        return HFTokenizer.from_str(payload.decode("utf-8")), json.loads(special)
+    except Exception as exc:  # noqa: BLE001 - any damage means: rebuild
+        log.warning("tokenizer cache %s is corrupt (%s): rebuilding", path, exc)
+        return None
+
+
+def store(digest: str, backend: HFTokenizer, special: dict[str, Any]) -> Path | None:
+    """Write the entry atomically; None (and a warning) if the cache is not writable."""
+    path = _entry(digest)
+    if path is None:
+        return None
+    # The body, all of it checksummed: the special tokens (one JSON line), the tokenizer
+    body = json.dumps(special).encode("utf-8") + b"\n" + backend.to_str().encode("utf-8")
+    header = {
+        "format": FORMAT,
+        "digest": digest,
+        "body_bytes": len(body),
+        "body_sha256": hashlib.sha256(body).hexdigest(),
+    }
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{digest[:16]}-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(header).encode("utf-8") + b"\n")
+            f.write(body)
+        os.replace(tmp, path)  # atomic: a reader sees the old entry, or the whole new one
+        return path
+    except OSError as exc:
+        log.warning("tokenizer cache %s is not writable (%s): not caching", path.parent, exc)
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        return None
+
+
+def cached(digest: str, build: Callable[[], Built]) -> Built:
+    """The tokenizer with this digest from the cache, else ``build()`` (then cached)."""
+    hit = load(digest)
+    if hit is not None:
+        return hit
+    backend, special = build()
+    store(digest, backend, special)
+    return backend, special
