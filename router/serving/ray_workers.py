@@ -71,8 +71,8 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         self._lookups: dict[str, asyncio.Future] = {}  # worker -> its name lookup in flight
         self.lookups = 0  # name lookups sent to Ray's GCS (one per worker until it dies)
-        # passed with every request: a worker aborts the requests of a router that died (or
-        # was restarted: a new incarnation id)
+        # given to each worker (with a channel's first requests): it aborts the requests of
+        # a router that died (or was restarted: a new incarnation id)
         self.incarnation = uuid.uuid4().hex
         handle = caller_actor or _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
