@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     vocab = args.vocab or (5000 if args.smoke else 262144)
     repeats = args.repeats or (2 if args.smoke else 1)
-    old_cache = os.environ.get("KVCLUSTER_CACHE_DIR")
+    old_cache = os.environ.get("KVCLUSTER_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["KVCLUSTER_CACHE_DIR"] = str(Path(tmp) / "cache")  # cold: empty
+        os.environ["KVCLUSTER_CACHE"] = str(Path(tmp) / "cache")  # cold: empty
         try:
             rows = [
                 measure(name, path, repeats, tokenizer=True)
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         finally:
             if old_cache is None:
-                del os.environ["KVCLUSTER_CACHE_DIR"]
+                del os.environ["KVCLUSTER_CACHE"]
             else:
-                os.environ["KVCLUSTER_CACHE_DIR"] = old_cache
+                os.environ["KVCLUSTER_CACHE"] = old_cache
     print_table(rows, f"GGUF metadata load, best of {repeats} (seconds)")
     headline: dict = {"bench": "gguf_load", "size": "smoke" if args.smoke else "full"}
     for row in rows:

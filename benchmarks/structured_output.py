@@ -37,7 +37,8 @@ import torch
 from benchmarks.common import emit_json, print_table
 from benchmarks.structured_schemas import schemas, tool_requests
 from kvstore.blocks.structured import StructuredOutputs
-from router.http_api.tools import parse_calls, tools_from_body
+from router.http_api.tool_calls import parse_calls
+from router.http_api.tools import tools_from_body
 from worker.engine import Engine, EngineConfig, SamplingParams, StreamingEngine
 from worker.model.build_tiny import build_tiny_model
 from worker.model.default_model import default_model_path

@@ -12,15 +12,15 @@ from tests.redis_server import RedisServer
 
 @pytest.fixture(scope="session", autouse=True)
 def _kvcluster_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """What the code caches on disk (GGUF tokenizers) goes to a tmp dir, never the real
-    home; set before any Ray cluster starts, so its processes inherit it."""
-    old = os.environ.get("KVCLUSTER_CACHE_DIR")
-    os.environ["KVCLUSTER_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvcluster-cache"))
+    """What the code caches on disk (kernels, tiny models, GGUF tokenizers) goes to a tmp
+    dir, never the real home; set before any Ray cluster starts, so its processes inherit it."""
+    old = os.environ.get("KVCLUSTER_CACHE")
+    os.environ["KVCLUSTER_CACHE"] = str(tmp_path_factory.mktemp("kvcluster-cache"))
     yield
     if old is None:
-        os.environ.pop("KVCLUSTER_CACHE_DIR", None)
+        os.environ.pop("KVCLUSTER_CACHE", None)
     else:
-        os.environ["KVCLUSTER_CACHE_DIR"] = old
+        os.environ["KVCLUSTER_CACHE"] = old
 
 
 @pytest.fixture

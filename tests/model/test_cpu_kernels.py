@@ -1,6 +1,7 @@
 """The native CPU decode kernel (worker/attention/csrc/paged_decode.c) against the torch
 reference backend, over the shapes the reference scenarios do not reach: GQA groups of 1..8,
-head dims that are not a multiple of the kernel's 8-wide dot product, non-contiguous q (the
+head dims on the 16-wide paths (multiples of 16, whole and partial 64-dim tiles) and not a
+multiple of the kernel's 8-wide dot product, non-contiguous q (the
 model passes views of its fused q/k/v projection), windows, and every thread split.
 """
 
@@ -35,7 +36,9 @@ def decode_batch(lens: list[int], block_size: int, num_blocks: int, seed: int) -
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 4, 64), (6, 2, 36), (8, 1, 8), (16, 2, 128), (3, 1, 5)]
+    ("heads", "kv_heads", "head_dim"),
+    # 64, 128, 80, 256: the 16-wide paths (whole and partial 64-dim tiles); the rest the 8-wide
+    [(4, 4, 64), (6, 2, 36), (8, 1, 8), (16, 2, 128), (3, 1, 5), (4, 2, 80), (4, 1, 256)],
 )
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("q_scale", [1.0, 40.0])  # 40: scores spanning far past exp's range

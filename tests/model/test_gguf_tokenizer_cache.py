@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
+from kvstore.blocks.cache_dir import cache_root
 from tests.model.gguf_writer import write_gguf
 from worker.model import gguf_tokenizer
 from worker.model.gguf_file import open_gguf
 from worker.model.gguf_tokenizer import REBUILD_VERSION, tokenizer_backend_from_gguf
-from worker.model.gguf_tokenizer_cache import SUBDIR, cache_root, depends_on, tokenizer_digest
+from worker.model.gguf_tokenizer_cache import SUBDIR, depends_on, tokenizer_digest
 from worker.model.tokenizer import Tokenizer
 
 WORDS = ["▁the", "▁cache", "▁of", "▁keys", "▁and", "▁values", "▁two", "▁lines", "▁tab"]
@@ -75,7 +76,7 @@ def sentencepiece_gguf(path: Path, **change) -> Path:
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
-    monkeypatch.setenv("KVCLUSTER_CACHE_DIR", str(root))
+    monkeypatch.setenv("KVCLUSTER_CACHE", str(root))
     return root
 
 
@@ -247,7 +248,7 @@ def test_a_corrupt_entry_is_rebuilt(cache, tmp_path, no_rebuild, damage):
 def test_an_unusable_cache_dir_still_loads(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv("KVCLUSTER_CACHE_DIR", str(blocker / "cache"))  # under a file
+    monkeypatch.setenv("KVCLUSTER_CACHE", str(blocker / "cache"))  # under a file
     path = sentencepiece_gguf(tmp_path / "a.gguf")
     assert_same(Tokenizer.from_gguf(path), fresh(path))
     assert "not caching" in caplog.text
@@ -291,13 +292,11 @@ def test_processes_opening_at_once_all_load(cache, tmp_path):
 
 
 def test_the_cache_dir_follows_the_conventions(monkeypatch, tmp_path):
-    for var in ("KVCLUSTER_CACHE_DIR", "KVCLUSTER_CACHE", "XDG_CACHE_HOME"):
+    for var in ("KVCLUSTER_CACHE", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "kvcluster"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "kvcluster"
-    monkeypatch.setenv("KVCLUSTER_CACHE", str(tmp_path / "legacy"))
-    assert cache_root() == tmp_path / "legacy"
-    monkeypatch.setenv("KVCLUSTER_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("KVCLUSTER_CACHE", str(tmp_path / "mine"))
     assert cache_root() == tmp_path / "mine"

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kvstore.blocks.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
@@ -72,8 +74,7 @@ def _build(compiler: str) -> Path:
     tag = hashlib.sha256(
         b"\0".join([source, compiler.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:16]
-    root = Path(os.environ.get("KVCLUSTER_CACHE") or Path.home() / ".cache" / "kvcluster")
-    target = root / "kernels" / f"paged_decode-{tag}.so"
+    target = cache_root() / "kernels" / f"paged_decode-{tag}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -104,10 +104,11 @@ class RunnerExecutor(ModelExecutor):
         max_loras: int = 4,
         max_lora_rank: int = 16,
     ) -> None:
-        from worker.model.runner import SeqChunk  # local: keep engine imports light
+        from worker.engine.input_batch import InputBatch  # local: keep engine imports light
 
-        self._chunk_cls = SeqChunk
         self.runner = runner
+        # the running sequences' rows of the model input, kept from step to step
+        self._batch = InputBatch(runner.block_size, runner.device)
         cfg = runner.config
         self.block_size = runner.block_size
         self.num_blocks = runner.num_blocks
@@ -201,21 +202,12 @@ class RunnerExecutor(ModelExecutor):
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         t0 = time.perf_counter()
         wants = [_wanted(c) for c in chunks]
-        seqs = [
-            self._chunk_cls(
-                token_ids=c.token_ids,
-                start_pos=c.start,
-                block_table=c.block_table,
-                want_logits=w,
-            )
-            for c, w in zip(chunks, wants, strict=True)
-        ]
         adapters = (
             [self._loras[c.req.params.lora] if c.req.params.lora else None for c in chunks]
             if self._loras
             else None
         )
-        batch = self.runner.build_input(seqs)
+        batch = self._batch.build(chunks, wants)
         self.prepare_seconds += time.perf_counter() - t0
         # Logits stay on the runner's device: the sampler works there and sends back only ids.
         logits = self.runner.execute(batch, adapters).float()

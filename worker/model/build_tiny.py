@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from kvstore.blocks.cache_dir import cache_root
 from worker.model.config import ModelConfig
 from worker.model.loader import tensor_shapes
 from worker.model.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer
@@ -49,8 +50,7 @@ _BUILDER_VERSION = 1  # bump when the output of a (family, size, seed) changes
 
 
 def default_dir(family: str, size: str, seed: int) -> Path:
-    root = os.environ.get("KVCLUSTER_CACHE") or Path.home() / ".cache" / "kvcluster"
-    return Path(root) / "models" / f"tiny-{family}-{size}-s{seed}"
+    return cache_root() / "models" / f"tiny-{family}-{size}-s{seed}"
 
 
 def model_config(family: str, size: str, ids: dict[str, int]) -> dict[str, Any]:

@@ -12,9 +12,7 @@ is rebuilt and replaced. Entries are written to a temporary file and renamed, so
 starting at once each see a whole entry or none. The cache is an optimisation only: a
 directory that cannot be read or written leaves the load to the rebuild.
 
-Directory: ``$KVCLUSTER_CACHE_DIR``, else ``$KVCLUSTER_CACHE``, else
-``$XDG_CACHE_HOME/kvcluster``, else ``~/.cache/kvcluster``; entries under
-``gguf-tokenizers/``.
+Directory: ``gguf-tokenizers/`` under ``kvstore.blocks.cache_dir.cache_root()``.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvstore.blocks.cache_dir import cache_root
 from worker.model.gguf_reader import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -39,15 +38,6 @@ FORMAT = 1  # of an entry's header and payload
 SUBDIR = "gguf-tokenizers"
 
 Built = tuple[HFTokenizer, dict[str, Any]]
-
-
-def cache_root() -> Path:
-    """kvcluster's cache directory, by the usual conventions."""
-    for var in ("KVCLUSTER_CACHE_DIR", "KVCLUSTER_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvcluster"
 
 
 def depends_on(key: str) -> bool:

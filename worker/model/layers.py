@@ -30,6 +30,36 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+# oneDNN's fp32 GEMM reads a plain [out, in] weight 10-40 % faster than MKL's at the shapes of
+# an engine step (M = 16..4096 rows; most for a wide N such as the vocabulary projection) and
+# needs no packed copy of the weight; below ~16 rows its per-call setup costs more than it saves.
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN_MIN_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through oneDNN for float32 CPU batches of ``ONEDNN_MIN_ROWS`` rows or more
+    (the same products, summed in another order: results agree to float32 rounding)."""
+    if (
+        _ONEDNN
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] >= ONEDNN_MIN_ROWS
+        and not torch.is_grad_enabled()
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward is :func:`linear` (same parameters and names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class FusedLinear:
     """One GEMM for several ``nn.Linear`` that read the same input (q/k/v, gate/up).
 
@@ -59,7 +89,7 @@ class FusedLinear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class GatedMLP(nn.Module):
@@ -72,7 +102,7 @@ class GatedMLP(nn.Module):
         self.act = act
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:
