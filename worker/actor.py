@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
 from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
@@ -144,14 +145,25 @@ class WorkerServer(PeerPulls):
         with :meth:`outputs`). Raises InvalidRequest / EngineOverloaded.
 
         ``caller``: the calling router's :class:`CallerRef`; if it dies, the request is
-        aborted."""
+        aborted. A channel's first requests carry it, later ones only its incarnation id
+        (the worker keeps the ref with the channel: an actor handle costs to unpickle);
+        :class:`UnknownChannel` if the channel has no such caller here (this worker was
+        restarted since the router opened it). None: no caller to watch.
+        """
+        # a router sends only the id once a request with the ref came back admitted
+        if isinstance(caller, str):
+            ch = self.channels.find(channel_id)
+            known = None if ch is None else ch.caller
+            if getattr(known, "incarnation", None) != caller:
+                raise UnknownChannel(f"output channel {channel_id!r} is not open on this worker")
+        else:
+            ch = self._channel(channel_id, caller)
         self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
         pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         rid = request.request_id
-        ch = self._channel(channel_id, caller)
         ch.open(rid)  # before the add: its first outputs may be delivered before we resume
-        self.callers.watch(rid, caller)
+        self.callers.watch(rid, ch.caller)
         try:
             await self.front.add_request_async(
                 request.token_ids, request.params, request_id=rid, prompt_keys=keys, sink=ch

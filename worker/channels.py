@@ -90,6 +90,9 @@ class Channels:
             )
         return ch
 
+    def find(self, channel_id: str) -> Channel | None:
+        return self._by_id.get(channel_id)
+
     async def serve(
         self, channel_id: str, schema: str | None
     ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:

@@ -60,3 +60,8 @@ class WireMismatch(EngineError):
 
     def __reduce__(self) -> tuple:
         return type(self), (self.detail,)
+
+
+class UnknownChannel(EngineError):
+    """A request named an output channel this worker does not know, without its caller:
+    the worker was restarted since the router opened the channel (it reopens one)."""

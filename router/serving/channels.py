@@ -16,13 +16,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.errors import EngineStopped, UnknownChannel
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput, coalesce, unpack_output
 from router.serving.workers import WorkerGone
 
@@ -31,18 +30,23 @@ ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the act
 # readers woken per loop iteration at most: each then writes to its client (a gRPC message,
 # an SSE event: ~50-100 us), so a slice is a few ms of the loop, whatever the batch size
 WAKE_SLICE = 32
+_CLOCK_SLACK_S = 1e-3  # a timer may fire this early (the loop's clock resolution)
 _ids = itertools.count()
 
 
 class Inbox:
     """One request's outputs as they arrive, read in batches; a waiter is one future (no
-    task per item) and a timer handle for its stall timeout."""
+    task per item). Its stall timeout is one timer for the request, re-armed when it fires
+    and the reader waited less than the timeout (not one timer per wait, i.e. per token)."""
 
-    __slots__ = ("items", "_waiter")
+    __slots__ = ("items", "_waiter", "_since", "_timer", "timers")
 
     def __init__(self) -> None:
         self.items: list[Any] = []  # packed outputs (tuples), StreamEnd, WorkerGone, in order
         self._waiter: asyncio.Future | None = None
+        self._since = 0.0  # when the current wait began (loop time)
+        self._timer: asyncio.TimerHandle | None = None
+        self.timers = 0  # timers armed for this request
 
     def put(self, item: Any) -> None:
         self.items.append(item)
@@ -64,12 +68,34 @@ class Inbox:
             return True
         loop = asyncio.get_running_loop()
         w = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout_s, _expire, w)
+        self._since = loop.time()
+        if self._timer is None:
+            self._arm(loop, self._since + timeout_s, timeout_s)
         try:
             return await w
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float, timeout_s: float) -> None:
+        self.timers += 1
+        self._timer = loop.call_at(when, self._expire, loop, timeout_s)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # the reader is not waiting: its next wait arms a timer
+        due = self._since + timeout_s
+        if loop.time() + _CLOCK_SLACK_S >= due:
+            w.set_result(False)
+        else:  # this wait began after the timer was armed
+            self._arm(loop, due, timeout_s)
+
+    def close(self) -> None:
+        """The request's stream ended: its timer goes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def take(self) -> RequestOutput | Any:
         """What arrived, as one output: the outputs before the first non-output joined
@@ -84,11 +110,6 @@ class Inbox:
             return items.pop(0)
         taken, self.items = items[:head], items[head:]
         return coalesce([unpack_output(p) for p in taken])
-
-
-def _expire(w: asyncio.Future) -> None:
-    if not w.done():
-        w.set_result(False)
 
 
 async def demultiplex(items: list[Any], inboxes: dict[str, Inbox]) -> None:
@@ -125,6 +146,10 @@ class WorkerChannel:
         self.error: WorkerGone | None = None  # set once the stream ended
         self.last_message = time.monotonic()  # when the worker last sent anything
         self.messages = 0
+        # whether the worker holds this router's caller for the channel (a request of it
+        # came back admitted): later requests go without it
+        self.caller_known = False
+        self.callers_sent = 0  # requests sent with the caller
         self._gen: Any = None  # the Ray stream, once opened
         self._task = asyncio.get_running_loop().create_task(self._pump(handle, caller))
 
@@ -139,7 +164,9 @@ class WorkerChannel:
         return inbox
 
     def close(self, request_id: str) -> None:
-        self.inboxes.pop(request_id, None)
+        inbox = self.inboxes.pop(request_id, None)
+        if inbox is not None:
+            inbox.close()
 
     async def _pump(self, handle: Any, caller: Any) -> None:
         error = WorkerGone(f"the output channel from {self.worker_id} failed")
@@ -184,20 +211,17 @@ def _first_line(exc: BaseException) -> str:
 class Channels:
     """One channel per worker, reopened after it ended (the worker died or restarted)."""
 
-    def __init__(
-        self, incarnation: str, handle_of: Callable[[str], Any], caller: Any = None
-    ) -> None:
+    def __init__(self, incarnation: str, caller: Any = None) -> None:
         self.incarnation = incarnation
-        self._handle_of = handle_of
         self._caller = caller
         self._by_worker: dict[str, WorkerChannel] = {}
 
-    def get(self, worker_id: str) -> WorkerChannel:
+    def get(self, worker_id: str, handle: Any = None) -> WorkerChannel:
+        """The open channel to ``worker_id``, (re)opened through ``handle`` if there is none."""
         ch = self._by_worker.get(worker_id)
         if ch is None or not ch.open_for_requests:
-            ch = WorkerChannel(
-                worker_id, self._handle_of(worker_id), self.incarnation, self._caller
-            )
+            assert handle is not None, f"no open channel to {worker_id}"
+            ch = WorkerChannel(worker_id, handle, self.incarnation, self._caller)
             self._by_worker[worker_id] = ch
         return ch
 
@@ -216,7 +240,8 @@ async def call_result(ref: Any) -> Any:
     except ACTOR_ERRORS as exc:
         raise WorkerGone(str(exc).splitlines()[0]) from exc
     except RayTaskError as exc:
-        if isinstance(exc.cause, EngineStopped):  # its engine died: it is going down
+        # its engine died (it is going down), or it restarted since the channel opened
+        if isinstance(exc.cause, (EngineStopped, UnknownChannel)):
             raise WorkerGone(str(exc.cause)) from exc
         if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
             raise exc.cause from None

@@ -24,8 +24,15 @@ from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerSt
 from kvstore.index import KVIndex
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
-from router.serving.channels import ACTOR_ERRORS, Channels, WorkerChannel, call_result
+from router.serving.channels import (
+    ACTOR_ERRORS,
+    WAKE_SLICE,
+    Channels,
+    WorkerChannel,
+    call_result,
+)
 from router.serving.liveness import WorkerLiveness
+from router.serving.turns import TurnSlices
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -51,38 +58,61 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         breaker: CircuitBreaker | None = None,
         liveness: LivenessConfig | None = None,
         batched: bool = True,
+        caller_actor: ray.actor.ActorHandle | None = None,
     ) -> None:
         """``batched``: outputs come through one channel per worker (one message per step
-        for all of this router's requests there); False: one Ray stream per request."""
+        for all of this router's requests there); False: one Ray stream per request.
+        ``caller_actor``: the actor workers watch for this router's death (it answers
+        ``incarnation()``); by default the actor this runs in, none outside one."""
         self._init_liveness(namespace, index, breaker, live_ttl_s, dead_ttl_s)
         self.call_timeout_s = call_timeout_s
         self.liveness = liveness or LivenessConfig()
         self.stalls = 0  # streams given up because their worker stopped answering
         self._handles: dict[str, ray.actor.ActorHandle] = {}
-        # passed with every request: a worker aborts the requests of a router that died (or
-        # was restarted: a new incarnation id)
+        self._lookups: dict[str, asyncio.Future] = {}  # worker -> its name lookup in flight
+        self.lookups = 0  # name lookups sent to Ray's GCS (one per worker until it dies)
+        # given to each worker (with a channel's first requests): it aborts the requests of
+        # a router that died (or was restarted: a new incarnation id)
         self.incarnation = uuid.uuid4().hex
-        handle = _current_actor()
+        handle = caller_actor or _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
-        self.channels = Channels(self.incarnation, self._handle, self.caller)
+        self.channels = Channels(self.incarnation, self.caller)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
         self.loop_probe = LoopLagProbe()
+        # a burst's submits and admissions, a slice per loop iteration: 256 of them landing
+        # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
+        # ms; its first outputs come through the channel, already woken a slice at a time
+        self.first_steps = TurnSlices(WAKE_SLICE)
 
     def mark_dead(self, worker_id: str) -> None:
         super().mark_dead(worker_id)
+        # a worker replaced under the same name is another actor: look it up again
         self._handles.pop(worker_id, None)
+        self._lookups.pop(worker_id, None)
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _handle(self, worker_id: str) -> ray.actor.ActorHandle:
+    async def _handle(self, worker_id: str) -> ray.actor.ActorHandle:
+        """The worker's actor handle, cached; the first lookup (a blocking GCS round trip)
+        runs in a thread, never on the loop, and the calls that need it meanwhile share it."""
         h = self._handles.get(worker_id)
-        if h is None:
-            try:
-                h = ray.get_actor(worker_id, namespace=self.namespace)
-            except ValueError as exc:
-                raise WorkerGone(f"no actor named {worker_id!r}: {exc}") from exc
-            self._handles[worker_id] = h
+        if h is not None:
+            return h
+        lookup = self._lookups.get(worker_id)
+        if lookup is None:
+            self.lookups += 1
+            lookup = self._lookups[worker_id] = asyncio.ensure_future(self._lookup(worker_id))
+        return await asyncio.shield(lookup)
+
+    async def _lookup(self, worker_id: str) -> ray.actor.ActorHandle:
+        try:
+            h = await asyncio.to_thread(ray.get_actor, worker_id, namespace=self.namespace)
+        except ValueError as exc:
+            raise WorkerGone(f"no actor named {worker_id!r}: {exc}") from exc
+        finally:
+            self._lookups.pop(worker_id, None)  # a failed lookup is tried again next time
+        self._handles[worker_id] = h
         return h
 
     async def stream(
@@ -92,11 +122,23 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
             async for item in self._own_stream(worker_id, request):
                 yield item
             return
-        ch = self.channels.get(worker_id)
+        handle = await self._handle(worker_id)
+        ch = self.channels.get(worker_id, handle)
         inbox = ch.open(request.request_id)
         try:
-            submit = self._handle(worker_id).submit.remote(request, self.caller, ch.channel_id)
-            yield await self._livecall_result(worker_id, submit)
+            # the caller (an actor handle, costly to unpickle) goes with a channel's first
+            # requests only, then its id: the worker keeps it with the channel
+            caller: Any = self.caller
+            if caller is not None and ch.caller_known:
+                caller = self.incarnation
+            elif caller is not None:
+                ch.callers_sent += 1
+            await self.first_steps.enter()
+            submit = handle.submit.remote(request, caller, ch.channel_id)
+            admitted = await self._livecall_result(worker_id, submit)
+            ch.caller_known = True
+            await self.first_steps.enter()
+            yield admitted
             while True:
                 while not await inbox.wait(self.liveness.stream_stall_s):
                     await self._check_alive(worker_id, ch)
@@ -148,8 +190,9 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         """The fallback: one Ray streaming generator for this request alone."""
         nxt: asyncio.Future | None = None
         try:
+            await self.first_steps.enter()
             gen = (
-                self._handle(worker_id)
+                (await self._handle(worker_id))
                 .generate.options(num_returns="streaming")
                 .remote(request, self.caller, OUTPUT_SCHEMA)
             )
@@ -180,7 +223,8 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
     async def _ping(self, worker_id: str) -> bool:
         try:
             await asyncio.wait_for(
-                self._handle(worker_id).__ray_ready__.remote(), self.liveness.probe_timeout_s
+                (await self._handle(worker_id)).__ray_ready__.remote(),
+                self.liveness.probe_timeout_s,
             )
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
@@ -189,7 +233,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
     async def abort(self, worker_id: str, request_id: str) -> None:
         try:
             await asyncio.wait_for(
-                self._handle(worker_id).abort.remote(request_id), self.call_timeout_s
+                (await self._handle(worker_id)).abort.remote(request_id), self.call_timeout_s
             )
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
@@ -198,7 +242,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         try:
             return bool(
                 await asyncio.wait_for(
-                    self._handle(worker_id).resync_index.remote(reason), self.call_timeout_s
+                    (await self._handle(worker_id)).resync_index.remote(reason), self.call_timeout_s
                 )
             )
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
@@ -228,7 +272,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
     async def _status(self, name: str) -> WorkerStatus | None:
         try:
             return await asyncio.wait_for(
-                self._handle(name).status.remote(), self.liveness.status_timeout_s
+                (await self._handle(name)).status.remote(), self.liveness.status_timeout_s
             )
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
             log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)

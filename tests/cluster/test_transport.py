@@ -17,7 +17,9 @@ from cluster.client import build_request
 from kvstore.blocks.outputs import GenerationResult
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+from router.serving.channels import call_result
 from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.workers import WorkerGone
 from worker.engine import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
@@ -192,3 +194,71 @@ def test_the_per_request_stream_fallback_gives_the_same_tokens(cluster) -> None:
     a, b = result_of(via_channel), result_of(via_own)
     assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
     assert b.usage.completion_tokens == 40 and via_own[-1].finished
+
+
+@ray.remote(num_cpus=0)
+class Caller:
+    """A router stand-in that workers can watch: it answers with its incarnation."""
+
+    def __init__(self, incarnation: str) -> None:
+        self._incarnation = incarnation
+
+    def set(self, incarnation: str) -> None:
+        self._incarnation = incarnation
+
+    def incarnation(self) -> str:
+        return self._incarnation
+
+
+def test_a_worker_is_looked_up_once_and_gets_the_caller_once_per_channel(cluster) -> None:
+    """Concurrent first requests share one name lookup (off the loop); the caller (an
+    actor handle, costly to unpickle) rides with the channel's first request only, the
+    worker keeps it and watches it; a worker marked dead is looked up again."""
+    worker = sorted(cluster.workers)[0]
+    handle = cluster.workers[worker]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    stand_in = Caller.remote("")
+
+    def kept_caller(channel_id: str) -> str | None:
+        return ray.get(
+            handle.__ray_call__.remote(
+                lambda w: getattr(w.channels._by_id[channel_id].caller, "incarnation", None)
+            ),
+            timeout=30,
+        )
+
+    async def main() -> tuple:
+        directory = RayWorkerDirectory(cluster.namespace, None, caller_actor=stand_in)
+        await stand_in.set.remote(directory.incarnation)
+        try:
+            first = await asyncio.gather(
+                *(read(directory, worker, params, lag_s=0) for _ in range(4))
+            )
+            ch = directory.channels.get(worker)
+            sent_at_first = ch.callers_sent
+            later = [await read(directory, worker, params, lag_s=0) for _ in range(4)]
+            kept = kept_caller(ch.channel_id)
+            lookups = directory.lookups
+            directory.mark_dead(worker)
+            await read(directory, worker, params, lag_s=0)
+            return first + later, sent_at_first, ch.callers_sent, kept, lookups, directory
+        finally:
+            directory.channels.close()
+
+    runs, sent_at_first, sent, kept, lookups, directory = asyncio.run(main())
+    assert all(sum(len(d.token_ids) for o in r for d in o.outputs) == 6 for r in runs)
+    assert lookups == 1 and directory.lookups == 2
+    assert sent_at_first == 4 and sent == 4  # the concurrent first ones; none after
+    assert kept == directory.incarnation
+
+
+def test_a_request_naming_a_channel_the_worker_lost_is_refused_as_a_gone_worker(
+    cluster,
+) -> None:
+    """A worker restarted since the router opened its channel has no caller for it: a
+    request that names only the caller's id is refused, so the router reopens the channel."""
+    worker = sorted(cluster.workers)[0]
+    request = WorkerRequest(uuid.uuid4().hex, PROMPT, SamplingParams(max_tokens=4), False)
+    ref = cluster.workers[worker].submit.remote(request, "some-router", "no/such/channel")
+    with pytest.raises(WorkerGone, match="is not open on this worker"):
+        asyncio.run(call_result(ref))

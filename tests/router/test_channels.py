@@ -184,3 +184,42 @@ def test_a_channel_the_worker_refused_ends_with_the_workers_own_reason() -> None
     line = _first_line(RayTaskError("outputs", "Traceback (most recent call last): ...", refused))
     assert line == f"WireMismatch: {refused}"
     assert _first_line(RuntimeError("stream broke\nmore")) == "RuntimeError: stream broke"
+
+
+def test_an_inbox_arms_one_stall_timer_per_request_not_one_per_token() -> None:
+    """A reader that waits once per token: the stall timeout is one timer for the request
+    (re-armed only when it fires), so the per-token cost has no timer churn."""
+    tokens = 500
+
+    async def main() -> tuple[int, int]:
+        inbox = Inbox()
+        loop = asyncio.get_running_loop()
+        got = 0
+        for i in range(tokens):
+            loop.call_soon(inbox.put, pack_output(outputs()[0]))
+            assert await inbox.wait(30.0)
+            got += len(inbox.take().outputs[0].token_ids)
+            assert i or inbox.timers == 1
+        inbox.close()
+        return inbox.timers, got
+
+    timers, got = asyncio.run(main())
+    assert (timers, got) == (1, tokens)
+
+
+def test_an_inbox_stall_counts_from_the_wait_not_from_the_timer() -> None:
+    """The one timer re-arms for a wait that began after it was armed: a reader that got
+    an item just before the timer fired does not time out early, and still times out."""
+
+    async def main() -> tuple[bool, float, int]:
+        inbox = Inbox()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.15, inbox.put, pack_output(outputs()[0]))
+        assert await inbox.wait(0.2)  # the item came at 0.15 s, the timer is due at 0.2 s
+        inbox.take()
+        start = loop.time()
+        stalled = await inbox.wait(0.2)  # began at ~0.15 s: due ~0.35 s, not at 0.2 s
+        return stalled, loop.time() - start, inbox.timers
+
+    stalled, waited, timers = asyncio.run(main())
+    assert not stalled and waited >= 0.2 - 1e-3 and timers == 2

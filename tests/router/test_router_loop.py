@@ -14,6 +14,7 @@ import asyncio
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.channels import WAKE_SLICE, Inbox, demultiplex
+from router.serving.turns import TurnSlices
 
 STREAMS = 256
 STEPS = 4  # steps gathered in the message
@@ -80,3 +81,40 @@ def test_a_large_channel_message_never_blocks_the_router_loop() -> None:
         assert out.request_id == rid and out.finished and out.usage == Usage(8, 0, STEPS)
         assert out.outputs[0].token_ids == [100 + s for s in range(STEPS)]
         assert out.outputs[0].text == "".join(f"<{s}>" for s in range(STEPS))
+
+
+def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> None:
+    """256 requests arriving at once (their intake done in the same iteration) pass the
+    directory's first-step gate a slice per loop iteration, in arrival order: a probe
+    task, always ready, sees at most two slices' steps between two of its turns."""
+    size = WAKE_SLICE
+    assert 2 * size < STREAMS
+
+    async def main() -> tuple[int, list[int], int]:
+        slices = TurnSlices(size)
+        order: list[int] = []
+        most = 0
+        done = False
+
+        async def request(i: int) -> None:
+            await slices.enter()
+            order.append(i)  # its submit, on the loop
+
+        async def probe() -> None:
+            nonlocal most
+            last = 0
+            while not done:
+                await asyncio.sleep(0)
+                most, last = max(most, len(order) - last), len(order)
+
+        spin = asyncio.create_task(probe())
+        await asyncio.sleep(0)
+        await asyncio.gather(*(request(i) for i in range(STREAMS)))
+        done = True
+        await spin
+        return most, order, slices.deferred
+
+    most, order, deferred = asyncio.run(main())
+    assert 0 < most <= 2 * size, f"{most} first steps ran between two loop turns"
+    assert order == list(range(STREAMS))
+    assert deferred > 0
