@@ -30,6 +30,7 @@ NEW = 6
 def peft_adapter(out: Path, model_dir: Path, seed: int = 0, **lora: object) -> Path:
     """An adapter saved by peft for ``LoraConfig(**lora)``, B drawn at random."""
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)  # peft draws A from the global generator: the same adapter each run
     model = peft.get_peft_model(base, peft.LoraConfig(**lora))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -23,6 +23,7 @@ def peft_twins(tmp_path: Path, model_dir: Path) -> tuple[Path, Path]:
     """One peft adapter (random B) saved twice: as safetensors and as peft's pickle."""
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch.manual_seed(3)  # peft draws A from the global generator: the same adapter each run
     model = peft.get_peft_model(base, lora)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
