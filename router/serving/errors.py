@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 from ray.exceptions import RayTaskError
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
+from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, StreamBroken
 
@@ -104,6 +104,14 @@ _TABLE: tuple[
         503,
         "service_unavailable",
         None,
+    ),
+    # a router and a worker of different versions: the operator's to fix, said as it is
+    (
+        (WireMismatch,),
+        grpc.StatusCode.UNAVAILABLE,
+        503,
+        "service_unavailable",
+        "version_mismatch",
     ),
     ((asyncio.TimeoutError,), grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", None),
     ((RequestFailed,), grpc.StatusCode.INTERNAL, 500, "internal_error", None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.blocks.errors import WireMismatch
 from router.http_api import error_status
 from router.http_api.body import BodyLimits, parse_json, surrogate_path
 from router.http_api.protocol import parse_request
@@ -140,6 +141,9 @@ def test_errors_map_to_statuses() -> None:
     assert error_status(NoWorkersError("none")).http_status == 503
     assert error_status(StreamBroken("died")).http_status == 503
     assert error_status(RuntimeError("bug")).http_status == 500
+    mismatch = error_status(WireMismatch("SamplingParams: unknown field 'x'"))
+    assert (mismatch.http_status, mismatch.code) == (503, "version_mismatch")
+    assert "unknown field 'x'" in mismatch.message and "upgrade" in mismatch.message
 
 
 def test_chat_extras_are_type_checked_and_surrogates_are_found() -> None:
