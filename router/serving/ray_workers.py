@@ -220,31 +220,31 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
             probe = self._probes[worker_id] = asyncio.ensure_future(self._ping(worker_id))
         return await asyncio.shield(probe)
 
+    async def _call(self, worker_id: str, timeout_s: float, method: str, *args: Any) -> Any:
+        """One actor call, the handle's first lookup included in its timeout (a slow GCS
+        must not hold a probe, an abort or a status call past its deadline)."""
+
+        async def call() -> Any:
+            return await getattr(await self._handle(worker_id), method).remote(*args)
+
+        return await asyncio.wait_for(call(), timeout_s)
+
     async def _ping(self, worker_id: str) -> bool:
         try:
-            await asyncio.wait_for(
-                (await self._handle(worker_id)).__ray_ready__.remote(),
-                self.liveness.probe_timeout_s,
-            )
+            await self._call(worker_id, self.liveness.probe_timeout_s, "__ray_ready__")
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
         return True
 
     async def abort(self, worker_id: str, request_id: str) -> None:
         try:
-            await asyncio.wait_for(
-                (await self._handle(worker_id)).abort.remote(request_id), self.call_timeout_s
-            )
+            await self._call(worker_id, self.call_timeout_s, "abort", request_id)
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             pass  # a dead worker's blocks are gone with it
 
     async def resync(self, worker_id: str, reason: str) -> bool:
         try:
-            return bool(
-                await asyncio.wait_for(
-                    (await self._handle(worker_id)).resync_index.remote(reason), self.call_timeout_s
-                )
-            )
+            return bool(await self._call(worker_id, self.call_timeout_s, "resync_index", reason))
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
 
@@ -271,9 +271,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
 
     async def _status(self, name: str) -> WorkerStatus | None:
         try:
-            return await asyncio.wait_for(
-                (await self._handle(name)).status.remote(), self.liveness.status_timeout_s
-            )
+            return await self._call(name, self.liveness.status_timeout_s, "status")
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
             log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)
             return None

@@ -1,0 +1,36 @@
+"""The router's calls to a worker actor keep their deadlines even when the worker's handle
+is slow to look up (Ray's GCS busy or gone): the lookup counts against the call's timeout."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from router.serving.ray_workers import RayWorkerDirectory
+
+
+def _directory_whose_lookups_never_end() -> RayWorkerDirectory:
+    d = object.__new__(RayWorkerDirectory)  # only the lookup and the timeouts are used
+    d.liveness = SimpleNamespace(probe_timeout_s=0.05, status_timeout_s=0.05)
+    d.call_timeout_s = 0.05
+
+    async def never(worker_id: str) -> object:
+        await asyncio.Event().wait()
+
+    d._handle = never
+    return d
+
+
+def test_probe_abort_resync_and_status_time_out_during_a_stuck_lookup() -> None:
+    d = _directory_whose_lookups_never_end()
+
+    async def calls() -> tuple:
+        return (
+            await d._ping("worker-0"),
+            await d.abort("worker-0", "req-1"),
+            await d.resync("worker-0", "test"),
+            await d._status("worker-0"),
+        )
+
+    # the outer bound only turns a hang into a failure; each call gives up after 0.05 s
+    assert asyncio.run(asyncio.wait_for(calls(), 10)) == (False, None, False, None)
