@@ -127,7 +127,6 @@ class InputBatch:
             positions = np.arange(n_tokens) - cu[:-1][owner] + start[owner]
         slots = block_tables[owner, positions // bs] * bs + positions % bs
         seq_lens = start + count
-        # One host buffer (pinned on CUDA), one non-blocking copy; the fields are views of it.
         parts = (
             np.asarray(ids, dtype=np.int64),
             positions,
@@ -137,21 +136,13 @@ class InputBatch:
             seq_lens,
             block_tables.reshape(-1),
         )
-        host = torch.from_numpy(np.concatenate(parts))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        flat = host.to(self.device, non_blocking=True)
-        views = flat.split([len(p) for p in parts])
-        return ModelInput(
-            input_ids=views[0],
-            positions=views[1],
-            slot_mapping=views[2],
-            logits_indices=views[3],
-            query_start_loc=views[4].to(torch.int32),
-            seq_lens=views[5].to(torch.int32),
-            block_tables=views[6].view(n_seqs, block_tables.shape[1]).to(torch.int32),
-            query_lens_host=tuple(counts),
-            seq_lens_host=tuple(seq_lens.tolist()),
+        return ModelInput.from_host(
+            torch.from_numpy(np.concatenate(parts)),
+            [len(p) for p in parts],
+            (n_seqs, block_tables.shape[1]),
+            self.device,
+            tuple(counts),
+            tuple(seq_lens.tolist()),
         )
 
     # ---- rows ----------------------------------------------------------------------------

@@ -100,14 +100,33 @@ class ModelInput:
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs]
         seq_lens = [s.start_pos + len(s.token_ids) for s in seqs]
 
-        # One host buffer (pinned on CUDA), one non-blocking copy; the fields are views of it.
         parts = (ids, positions, slots, logits, starts, seq_lens, [b for t in tables for b in t])
-        host = torch.tensor([v for part in parts for v in part], dtype=torch.long)
+        return cls.from_host(
+            torch.tensor([v for part in parts for v in part], dtype=torch.long),
+            [len(part) for part in parts],
+            (len(seqs), width),
+            device,
+            tuple(len(s.token_ids) for s in seqs),
+            tuple(seq_lens),
+        )
+
+    @classmethod
+    def from_host(
+        cls,
+        host: torch.Tensor,
+        lengths: Sequence[int],
+        table_shape: tuple[int, int],
+        device: torch.device | str,
+        query_lens: tuple[int, ...],
+        seq_lens: tuple[int, ...],
+    ) -> ModelInput:
+        """The step's input from one int64 host buffer holding, in order, the token ids,
+        positions, slots, logits rows, query starts, sequence lengths and block tables
+        (``lengths`` of each): pinned on CUDA, one non-blocking copy, the fields its views."""
         device = torch.device(device)
         if device.type == "cuda":
             host = host.pin_memory()
-        flat = host.to(device, non_blocking=True)
-        views = flat.split([len(part) for part in parts])
+        views = host.to(device, non_blocking=True).split(list(lengths))
         return cls(
             input_ids=views[0],
             positions=views[1],
@@ -115,7 +134,7 @@ class ModelInput:
             logits_indices=views[3],
             query_start_loc=views[4].to(torch.int32),
             seq_lens=views[5].to(torch.int32),
-            block_tables=views[6].view(len(seqs), width).to(torch.int32),
-            query_lens_host=tuple(len(s.token_ids) for s in seqs),
-            seq_lens_host=tuple(seq_lens),
+            block_tables=views[6].view(*table_shape).to(torch.int32),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
         )
