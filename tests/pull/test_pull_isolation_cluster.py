@@ -16,10 +16,10 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
-from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
+from kvstore.blocks.protocol import PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.pull.streams import generate
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.default_model import resolve_default_model
 
@@ -43,15 +43,6 @@ def cluster(tmp_path_factory) -> Cluster:
     )
     with Cluster(cfg) as c:
         yield c
-
-
-def generate(handle, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
-    items = [
-        ray.get(r, timeout=120)
-        for r in handle.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
-    ]
-    toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
-    return items[0], toks, items[-1].usage.cached_tokens
 
 
 def test_an_adapters_prefix_is_pulled_for_that_adapter_only(cluster) -> None:

@@ -15,13 +15,13 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
-from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
 from router import Reason, Router, RouteRequest, RoutingConfig
 from router.placement.prefix_source import KVIndexSource
 from tests.cluster.conftest import cluster_config
+from tests.pull.streams import generate
 from worker.kv import HashContext
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
@@ -45,15 +45,6 @@ def cluster():
     )
     with Cluster(cfg) as c:
         yield c
-
-
-def generate(handle, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
-    items = [
-        ray.get(r, timeout=120)
-        for r in handle.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
-    ]
-    toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
-    return items[0], toks, items[-1].usage.cached_tokens
 
 
 def prompt(seed: int, n: int) -> list[int]:
