@@ -11,6 +11,7 @@ loop never waits on it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -173,6 +174,22 @@ class WorkerServer(PeerPulls):
             self.callers.forget(rid)
             raise
         return self._admitted(request, keys, pulled)
+
+    async def submit_many(
+        self, requests: list[WorkerRequest], caller: Any, channel_id: str
+    ) -> list[Admitted | Exception]:
+        """The requests one router loop turn placed here, in one call: each queued as by
+        :meth:`submit` (concurrently, as separate calls would be: each waits for the engine
+        thread's answer) and answered on its own, in order: its :class:`Admitted` or, in its
+        place, the error that refused it (InvalidRequest, EngineOverloaded, UnknownChannel):
+        one refusal never refuses another request."""
+        results = await asyncio.gather(
+            *(self.submit(r, caller, channel_id) for r in requests), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # cancelled: the call itself ends
+        return results
 
     async def outputs(
         self, channel_id: str, caller: Any = None, schema: str | None = None

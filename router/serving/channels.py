@@ -240,9 +240,18 @@ async def call_result(ref: Any) -> Any:
     except ACTOR_ERRORS as exc:
         raise WorkerGone(str(exc).splitlines()[0]) from exc
     except RayTaskError as exc:
-        # its engine died (it is going down), or it restarted since the channel opened
-        if isinstance(exc.cause, (EngineStopped, UnknownChannel)):
-            raise WorkerGone(str(exc.cause)) from exc
         if isinstance(exc.cause, Exception):  # its own exception, not Ray's traceback
-            raise exc.cause from None
+            err = own_error(exc.cause)
+            if isinstance(err, WorkerGone):
+                raise err from exc
+            raise err from None
         raise
+
+
+def own_error(exc: Exception) -> Exception:
+    """A worker's refusal of one request as the router acts on it: an engine that died (the
+    worker is going down) or a channel it lost (it restarted since the channel opened) is
+    :class:`WorkerGone`; anything else is itself."""
+    if isinstance(exc, (EngineStopped, UnknownChannel)):
+        return WorkerGone(str(exc))
+    return exc

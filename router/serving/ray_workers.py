@@ -32,6 +32,7 @@ from router.serving.channels import (
     call_result,
 )
 from router.serving.liveness import WorkerLiveness
+from router.serving.submits import SubmitBatcher
 from router.serving.turns import TurnSlices
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -78,6 +79,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
         self.channels = Channels(self.incarnation, self.caller)
+        self.submits = SubmitBatcher(self.caller, self.incarnation)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
         self.loop_probe = LoopLagProbe()
         # a burst's submits and admissions, a slice per loop iteration: 256 of them landing
@@ -126,17 +128,11 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         ch = self.channels.get(worker_id, handle)
         inbox = ch.open(request.request_id)
         try:
-            # the caller (an actor handle, costly to unpickle) goes with a channel's first
-            # requests only, then its id: the worker keeps it with the channel
-            caller: Any = self.caller
-            if caller is not None and ch.caller_known:
-                caller = self.incarnation
-            elif caller is not None:
-                ch.callers_sent += 1
             await self.first_steps.enter()
-            submit = handle.submit.remote(request, caller, ch.channel_id)
-            admitted = await self._livecall_result(worker_id, submit)
-            ch.caller_known = True
+            # sent with the other requests of this loop turn for this worker, in one call
+            admitted = await self._livecall_result(
+                worker_id, self.submits.submit(ch, handle, request)
+            )
             await self.first_steps.enter()
             yield admitted
             while True:
@@ -154,9 +150,9 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         finally:
             ch.close(request.request_id)
 
-    async def _livecall_result(self, worker_id: str, ref: Any) -> Any:
-        """A call's result, given up (WorkerGone) if the worker stops answering meanwhile."""
-        fut = asyncio.ensure_future(call_result(ref))
+    async def _livecall_result(self, worker_id: str, fut: asyncio.Future) -> Any:
+        """A call's result, given up (WorkerGone) if the worker stops answering meanwhile
+        (``fut`` is then cancelled)."""
         try:
             while not (await asyncio.wait({fut}, timeout=self.liveness.stream_stall_s))[0]:
                 await self._check_alive(worker_id, None)

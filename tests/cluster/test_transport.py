@@ -14,12 +14,14 @@ import pytest
 import ray
 
 from cluster.client import build_request
+from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import GenerationResult
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.serving.channels import call_result
+from router.serving.channels import WAKE_SLICE, call_result
 from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.workers import WorkerGone
+from tests.cluster.conftest import ENGINE
 from worker.engine import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
@@ -198,6 +200,38 @@ def test_the_per_request_stream_fallback_gives_the_same_tokens(cluster) -> None:
     a, b = result_of(via_channel), result_of(via_own)
     assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
     assert b.usage.completion_tokens == 40 and via_own[-1].finished
+
+
+def test_a_burst_for_one_worker_goes_in_one_call_each_request_answered_alone(cluster) -> None:
+    """Requests placed on one worker in the same loop turn go in one Ray call, not one
+    each; a refused one (its own InvalidRequest, in its place) refuses no other."""
+    worker = sorted(cluster.workers)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    too_wide = SamplingParams(max_tokens=3, n=ENGINE["max_num_seqs"] + 1)
+    burst = 24  # under the engine's max_waiting: none is refused as an overload
+    assert burst < WAKE_SLICE  # one loop turn's slice
+
+    async def main() -> tuple:
+        directory = RayWorkerDirectory(cluster.namespace, None)
+        try:
+            await read(directory, worker, params, lag_s=0)  # the handle and the channel
+            calls = directory.submits.calls
+            runs = await asyncio.gather(
+                *(read(directory, worker, params, lag_s=0) for _ in range(burst // 2)),
+                read(directory, worker, too_wide, lag_s=0),
+                *(read(directory, worker, params, lag_s=0) for _ in range(burst // 2)),
+                return_exceptions=True,
+            )
+            return runs, directory.submits.calls - calls, directory.submits.requests
+        finally:
+            directory.channels.close()
+
+    runs, calls, requests = asyncio.run(main())
+    refused = runs.pop(burst // 2)
+    assert isinstance(refused, InvalidRequest) and refused.field == "n", refused
+    assert all(sum(len(d.token_ids) for o in r for d in o.outputs) == 3 for r in runs), runs
+    assert calls == 1, f"{calls} submit calls for a burst of {burst + 1} requests"
+    assert requests == 1 + burst + 1
 
 
 @ray.remote(num_cpus=0)
