@@ -178,11 +178,9 @@ class WorkerServer(PeerPulls):
     async def submit_many(
         self, requests: list[WorkerRequest], caller: Any, channel_id: str
     ) -> list[Admitted | Exception]:
-        """The requests one router loop turn placed here, in one call: each queued as by
-        :meth:`submit` (concurrently, as separate calls would be: each waits for the engine
-        thread's answer) and answered on its own, in order: its :class:`Admitted` or, in its
-        place, the error that refused it (InvalidRequest, EngineOverloaded, UnknownChannel):
-        one refusal never refuses another request."""
+        """One router loop turn's requests for this worker: each queued by :meth:`submit`
+        (concurrently, as separate calls would be) and answered on its own, in order: its
+        :class:`Admitted` or, in its place, the error that refused it."""
         results = await asyncio.gather(
             *(self.submit(r, caller, channel_id) for r in requests), return_exceptions=True
         )
