@@ -150,6 +150,7 @@ class WorkerChannel:
         # came back admitted): later requests go without it
         self.caller_known = False
         self.callers_sent = 0  # requests sent with the caller
+        self.last_submit = float("-inf")  # when its last submit call left (loop time)
         self._gen: Any = None  # the Ray stream, once opened
         self._task = asyncio.get_running_loop().create_task(self._pump(handle, caller))
 

@@ -1,8 +1,13 @@
 """A router loop turn's submits to one worker as one Ray call (``WorkerServer.submit_many``).
 
-A burst of requests placed on one worker in the same loop iteration would cost one Ray call
-each (the call's own overhead dominates a small request's pickling); here they are gathered
-per output channel until the loop's next iteration and sent together. Each request is still
+A burst of requests placed on one worker would cost one Ray call each; here they are
+gathered per output channel and sent together. A burst's requests reach placement one or two
+per loop iteration (each has its own intake and index lookup), so one iteration gathers few:
+while requests keep coming to a worker (its previous call left less than
+:data:`SUBMIT_WINDOW_S` ago), its next call waits out the window, gathering what comes
+meanwhile; the first call after a quiet spell leaves on the next iteration, adding no
+latency. A batch of :data:`WAKE_SLICE` leaves at once (its pickling is one stretch of the
+loop). Each request is still
 admitted or refused on its own: the worker answers one result per request, in order, an
 error in the place of a refused one; a call that fails as a whole (the worker died) fails
 every request of it the same way.
@@ -15,8 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest
-from router.serving.channels import WorkerChannel, call_result, own_error
+from router.serving.channels import WAKE_SLICE, WorkerChannel, call_result, own_error
 from router.serving.workers import WorkerGone
+
+# the shortest time between two submit calls to one worker while requests keep coming: a few
+# ms against a burst's time to first token (its requests wait for the engine's next step)
+SUBMIT_WINDOW_S = 0.005
 
 
 @dataclass(slots=True)
@@ -34,7 +43,7 @@ class SubmitBatcher:
     def __init__(self, caller: CallerRef | None, incarnation: str) -> None:
         self.caller = caller
         self.incarnation = incarnation
-        self._pending: dict[str, _Batch] = {}  # channel id -> this iteration's batch
+        self._pending: dict[str, _Batch] = {}  # channel id -> the batch not yet sent
         self.calls = 0  # Ray calls sent
         self.requests = 0  # requests sent in them
         self._inflight: set[asyncio.Task] = set()  # held: the loop keeps tasks weakly
@@ -43,17 +52,27 @@ class SubmitBatcher:
         """A future of ``request``'s :class:`Admitted` (or its refusal). Cancelling it
         before the batch leaves keeps the request from being sent."""
         loop = asyncio.get_running_loop()
-        batch = self._pending.get(ch.channel_id)
+        key = ch.channel_id
+        batch = self._pending.get(key)
         if batch is None:
-            batch = self._pending[ch.channel_id] = _Batch(ch, handle)
-            loop.call_soon(self._send, ch.channel_id)
+            batch = self._pending[key] = _Batch(ch, handle)
+            due = ch.last_submit + SUBMIT_WINDOW_S
+            if due <= loop.time():
+                loop.call_soon(self._send, key, batch)
+            else:
+                loop.call_at(due, self._send, key, batch)
         waiter = loop.create_future()
         batch.requests.append(request)
         batch.waiters.append(waiter)
+        if len(batch.requests) == WAKE_SLICE:
+            loop.call_soon(self._send, key, batch)
         return waiter
 
-    def _send(self, channel_id: str) -> None:
-        batch = self._pending.pop(channel_id)
+    def _send(self, channel_id: str, batch: _Batch) -> None:
+        if self._pending.get(channel_id) is not batch:
+            return  # sent already (it filled up before its timer)
+        del self._pending[channel_id]
+        batch.channel.last_submit = asyncio.get_running_loop().time()
         kept = [(r, w) for r, w in zip(batch.requests, batch.waiters, strict=True) if not w.done()]
         if not kept:
             return
