@@ -21,12 +21,14 @@ import argparse
 import sys
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from benchmarks.loadgen import make_prompts, send_all, summarize
+from benchmarks.kv_coverage import CoverageSampler, prefix_keys
+from benchmarks.loadgen import make_prefixes, make_prompts, send_all, summarize
 from benchmarks.policy_bench import Workload, cluster_config
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 
 OUTCOMES = ("ok", "missing", "source-gone", "timeout", "refused")  # PeerPulls' outcomes
+PRICED = ("hold", "pull", "recompute", "local", "pending", "cold")  # PullPlanner's choices
 CONFIGS = (
     ("least_loaded", False),
     ("least_loaded", True),
@@ -59,9 +61,13 @@ def _pull_counters(cluster) -> dict[str, int]:  # noqa: ANN001
     out: dict[str, int] = {}
     for h in cluster.routers.values():
         for k, v in ray.get(h.stats.remote(), timeout=30).items():
-            if k in ("pulls", "pulled_tokens", "pull_misses", "pull_slow") or k.startswith(
-                "pull_priced_"
-            ):
+            if k in (
+                "pulls",
+                "pulled_tokens",
+                "pull_misses",
+                "pull_slow",
+                "pull_taken_ms",
+            ) or k.startswith("pull_priced_"):
                 out[k] = out.get(k, 0) + v
     for h in cluster.workers.values():
         for k, v in ray.get(h.pull_stats.remote(), timeout=30)["outcomes"].items():
@@ -69,24 +75,49 @@ def _pull_counters(cluster) -> dict[str, int]:  # noqa: ANN001
     return out
 
 
+def _phases(args: argparse.Namespace) -> list[list[str]]:
+    """The warm-up's prompts, then each load's: one seeded stream of the same system
+    prompts, so every phase asks for the same hot set with questions of its own."""
+    sizes = [args.warmup] + [args.requests] * len(args.loads)
+    prompts = make_prompts(sum(sizes), args.groups, args.prefix_words, args.seed, zipf=args.zipf)
+    out, at = [], 0
+    for n in sizes:
+        out.append(prompts[at : at + n])
+        at += n
+    return out
+
+
 def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
     from cluster.launcher import Cluster  # late: imports Ray and the worker's model code
+    from kvstore.index import KVIndex
 
-    prompts = make_prompts(args.requests, args.groups, args.prefix_words, args.seed)
+    warmup, *phases = _phases(args)
     rows = []
     with (
         Cluster(_config(policy, pull, args)) as cluster,
         KVClusterClient(cluster.endpoints[0]) as client,
     ):
-        before: dict[str, int] = {}
-        for load in args.loads:
+        index_cfg = cluster.index_config()
+        assert index_cfg is not None  # the embedded redis-server
+        keys = prefix_keys(
+            client, make_prefixes(args.groups, args.prefix_words, args.seed), cluster.model_id, 16
+        )
+        coverage = CoverageSampler(KVIndex(index_cfg), keys)
+        # warm-up, not measured: every worker has cached what its policy sends it, so each
+        # load measures the steady state, not the first touch of each prefix
+        send_all(client, warmup, concurrency=min(args.loads), max_tokens=args.max_tokens)
+        before = _pull_counters(cluster)
+        for load, prompts in zip(args.loads, phases, strict=True):
+            coverage.start()
             samples, wall = send_all(
                 client, prompts, concurrency=load, max_tokens=args.max_tokens, progress=sys.stderr
             )
+            held, copies = coverage.stop()
             s = summarize(samples, wall)
             now = _pull_counters(cluster)
             pulls = {k: v - before.get(k, 0) for k, v in now.items()}
             before = now
+            n_pulls = max(pulls.get("pulls", 0), 1)
             rows.append(
                 {
                     "policy": policy,
@@ -98,6 +129,8 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     "ttft_p50_s": s["ttft_p50_s"],
                     "ttft_p99_s": s["ttft_p99_s"],
                     "hit_rate": s["hit_rate"],
+                    "coverage": held,
+                    "copies": copies,
                     "errors": ",".join(sorted({x.code for x in samples if not x.ok})) or "-",
                     "pulls": pulls.get("pulls", 0),
                     "pulled_tok": pulls.get("pulled_tokens", 0),
@@ -108,10 +141,9 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     )
                     or "-",
                     "pull_slow": pulls.get("pull_slow", 0),
-                    "priced": "/".join(
-                        str(pulls.get(f"pull_priced_{c}", 0))
-                        for c in ("hold", "pull", "recompute", "local", "cold")
-                    ),
+                    "pull_ms": round(pulls.get("pull_taken_ms", 0) / n_pulls),
+                    "priced_ms": round(pulls.get("pull_priced_ms", 0) / n_pulls),
+                    "priced": "/".join(str(pulls.get(f"pull_priced_{c}", 0)) for c in PRICED),
                 }
             )
     return rows
@@ -140,18 +172,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", type=int, default=152, help="KV blocks per worker (16 tokens)")
     ap.add_argument("--groups", type=int, default=6, help="system prompts (the hot set)")
     ap.add_argument("--prefix-words", type=int, default=420, help="~2.4 tokens each (32m)")
-    ap.add_argument("--requests", type=int, default=48, help="requests per load")
-    ap.add_argument("--loads", default="2,4,8", help="concurrencies, up to saturation")
+    ap.add_argument("--requests", type=int, default=96, help="requests per load")
+    ap.add_argument("--loads", default="4,8,16", help="concurrencies, up to saturation")
+    ap.add_argument("--warmup", type=int, default=32, help="requests before measuring")
+    ap.add_argument(
+        "--zipf", type=float, default=0.0, help="popularity skew of the prefixes (0: uniform)"
+    )
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", choices=sorted({p for p, _ in CONFIGS}), help="one policy")
     args = ap.parse_args(argv)
     if args.smoke:
         args.size, args.workers, args.blocks, args.groups = "tiny", 2, 32, 4
-        args.prefix_words, args.requests, args.loads = 120, 8, "2,4"
+        args.prefix_words, args.requests, args.loads, args.warmup = 120, 8, "2,4", 4
     args.loads = [int(x) for x in str(args.loads).split(",")]
-    rows = [r for policy, pull in CONFIGS for r in _run(policy, pull, args)]
+    configs = [c for c in CONFIGS if args.only is None or c[0] == args.only]
+    rows = [r for policy, pull in configs for r in _run(policy, pull, args)]
     print_table(rows, f"peer pulls, {args.workers} workers, {args.size} model")
+    if args.only:
+        return {}
     _plot(rows, args.loads)
     by = {(r["policy"], r["pull"], r["concurrency"]): r for r in rows}
     top = max(args.loads)

@@ -117,6 +117,15 @@ class ServingCore:
             )
         return out
 
+    def _settle(self, decision: RouteDecision) -> None:
+        """End the placement's pending claim (on the decide thread, which owns the router)."""
+        if decision.pending is None:
+            return
+        try:
+            self._decide.submit(self.router.settle, decision)
+        except RuntimeError:  # shutting down: nothing routes any more
+            pass
+
     def close(self) -> None:
         self._decide.shutdown(wait=False, cancel_futures=True)
 
@@ -178,6 +187,7 @@ class ServingCore:
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
                         self._prefilled(worker, request_id, done=False)
+                        self._settle(decision)
                         self._compare_prediction(decision, item, pulled)
                         self._observe_prefill(request_id, item, loop.time() - sent, pulled)
                     finished = item.finished
@@ -208,6 +218,7 @@ class ServingCore:
             finally:
                 self._idle_at_placement.discard(request_id)
                 self._prefilled(worker, request_id, done=True)
+                self._settle(decision)
                 if not finished and gone:
                     # a frozen worker would hold the retry for the abort's whole timeout; the
                     # abort still reaches it if it thaws
