@@ -207,3 +207,17 @@ def test_a_pull_soft_deadline_covers_the_holder_whole_step_in_flight() -> None:
     assert placement.worker_id == "b" and hint is not None and hint.num_blocks == 12
     assert hint.priced_s == pytest.approx(0.128 + 0.01 + 192 * 2e-6)
     assert hint.deadline_s == pytest.approx(0.256 + 0.01 + 192 * 2e-6)
+
+
+def test_nothing_to_pull_is_counted_as_local_pending_or_cold() -> None:
+    """No pull priced (a load-only policy chose b): b holds what a holds (local), a placement of the prefix on b is in
+    flight (pending: its device count covers the run, its blocks do not exist yet), or no
+    worker holds any of it (cold)."""
+    planner = _planner()
+    views, held = _views((125, 125))
+    assert planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)[1] is None
+    views, held = _views((125, 0))  # pending on b: the device count, no block held
+    assert planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)[1] is None
+    cold = {w: (0, 0) for w in held}
+    assert planner.plan(2050, views, CHOSE_B, cold, holder_eligible=False)[1] is None
+    assert planner.choices == {"local": 1, "pending": 1, "cold": 1}

@@ -117,3 +117,31 @@ def test_only_a_router_that_hashes_prompts_asks_for_parity_keys() -> None:
     assert asyncio.run(main("prefix_affinity")) is True
     assert asyncio.run(main("round_robin")) is False
     assert asyncio.run(main("least_loaded")) is False
+
+
+def test_a_placements_pending_claim_ends_after_its_first_token() -> None:
+    """While a request waits for its first token its prefix is claimed for its worker (its
+    siblings follow it there); once the token is back the claim ends ``pending_settle_s``
+    later, not at the TTL: the index knows by then."""
+
+    async def main() -> tuple[dict, dict]:
+        directory = HeldWorkers()
+        router = Router(RoutingConfig(pending_ttl_s=60.0, pending_settle_s=0.05), block_size=16)
+        core = ServingCore(router, directory, LIMITS)
+        assert len(router.pending) == 0
+        task = asyncio.create_task(send(core, "a", [5] * 64))
+        while not directory.placed:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)  # in flight, no token yet: claimed past the settle time
+        decision_keys = list(router.pending._expiry)
+        during = router.pending.lookup(decision_keys, router._clock())
+        directory.release.set()
+        await task
+        await asyncio.sleep(0.1)  # the settle ran on the decide thread; 0.05 s have passed
+        after = router.pending.lookup(decision_keys, router._clock())
+        core.close()
+        return during, after
+
+    during, after = asyncio.run(main())
+    assert during == {"w0": 4} or during == {"w1": 4}, during
+    assert after == {}
