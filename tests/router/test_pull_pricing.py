@@ -210,9 +210,9 @@ def test_a_pull_soft_deadline_covers_the_holder_whole_step_in_flight() -> None:
 
 
 def test_nothing_to_pull_is_counted_as_local_pending_or_cold() -> None:
-    """No pull priced (a load-only policy chose b): b holds what a holds (local), a placement of the prefix on b is in
-    flight (pending: its device count covers the run, its blocks do not exist yet), or no
-    worker holds any of it (cold)."""
+    """No pull priced (a load-only policy chose b): b holds what a holds (local), a
+    placement of the prefix on b is in flight (pending: its device count covers the run,
+    its blocks do not exist yet), or no worker holds any of it (cold)."""
     planner = _planner()
     views, held = _views((125, 125))
     assert planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)[1] is None
