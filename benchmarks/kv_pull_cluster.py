@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--groups", type=int, default=6, help="system prompts (the hot set)")
     ap.add_argument("--prefix-words", type=int, default=420, help="~2.4 tokens each (32m)")
     ap.add_argument("--requests", type=int, default=96, help="requests per load")
-    ap.add_argument("--loads", default="4,8,16", help="concurrencies, up to saturation")
+    ap.add_argument("--loads", default="4,16,32", help="concurrencies, past saturation")
     ap.add_argument("--warmup", type=int, default=32, help="requests before measuring")
     ap.add_argument(
         "--zipf", type=float, default=0.0, help="popularity skew of the prefixes (0: uniform)"
