@@ -79,7 +79,8 @@ def _pull_counters(cluster) -> dict[str, int]:  # noqa: ANN001
                 "pulled_tokens",
                 "pull_misses",
                 "pull_slow",
-                "pull_taken_ms",
+                "pull_time_priced_ms",
+                "pull_time_taken_ms",
                 "prediction_placements",
                 "prediction_misses",
             ) or k.startswith("pull_priced_"):
@@ -159,8 +160,8 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     "pull_slow": pulls.get("pull_slow", 0),
                     # placements whose realised hit missed the router's prediction by a block
                     "missed": pulls.get("prediction_misses", 0),
-                    "pull_ms": round(pulls.get("pull_taken_ms", 0) / n_pulls),
-                    "priced_ms": round(pulls.get("pull_priced_ms", 0) / n_pulls),
+                    "pull_ms": round(pulls.get("pull_time_taken_ms", 0) / n_pulls),
+                    "priced_ms": round(pulls.get("pull_time_priced_ms", 0) / n_pulls),
                     "priced": "/".join(str(pulls.get(f"pull_priced_{c}", 0)) for c in PRICED),
                 }
             )

@@ -155,6 +155,6 @@ class PredictionTracker:
             "pulled_tokens": sum(w.pulled_tokens for w in ws),
             "pull_misses": sum(w.pull_misses for w in ws),
             "pull_slow": sum(w.pull_slow for w in ws),
-            "pull_priced_ms": round(1e3 * sum(w.pull_priced_s for w in ws)),
-            "pull_taken_ms": round(1e3 * sum(w.pull_s for w in ws)),
+            "pull_time_priced_ms": round(1e3 * sum(w.pull_priced_s for w in ws)),
+            "pull_time_taken_ms": round(1e3 * sum(w.pull_s for w in ws)),
         }

@@ -134,6 +134,9 @@ def test_prediction_table_counts_pull_misses_and_slow_pulls() -> None:
     assert (w.pulls, w.pull_planned_tokens, w.pulled_tokens) == (3, 960, 480)
     assert (w.pull_misses, w.pull_slow) == (2, 1)
     assert table.pull_totals()["pull_misses"] == 2
+    # priced 3 x 10 ms, taken 10 + 500 + 15 ms
+    assert table.pull_totals()["pull_time_priced_ms"] == 30
+    assert table.pull_totals()["pull_time_taken_ms"] == 525
 
 
 # the policy ruled the busy holder "a" out (its load bound) and chose "b": pull or recompute
