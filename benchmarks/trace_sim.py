@@ -14,9 +14,9 @@ from benchmarks.workloads import DEFAULT_TRACE, trace_requests
 from kvstore.blocks.hashing import block_keys
 from router import RoutingConfig
 from router.sim import SimConfig, SimRequest, replay, summarize
+from router.sim.records import RequestRecord
 from router.sim.replay import ReplayResult
 from router.sim.report import Summary
-from router.sim.worker import RequestRecord
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
