@@ -7,11 +7,11 @@ request with the shared validator (:func:`router.serving.request.make_spec`), wh
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import FinishReason, RequestOutput
 from kvstore.blocks.structured import StructuredOutputs
@@ -97,8 +97,8 @@ def spec_from_pb(
 
 
 def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
-    """The constraint, checked by the grammar library (a grammar it cannot compile is
-    INVALID_ARGUMENT naming the field, before the request is routed)."""
+    """The constraint, naming its field (a grammar the library cannot compile is
+    INVALID_ARGUMENT naming it: the intake checks it before the request is routed)."""
     which = msg.WhichOneof("kind")
     field = f"params.structured.{which}"
     if which is None:
@@ -111,15 +111,11 @@ def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
         spec = StructuredOutputs("json_object", "", field)
     else:
         spec = StructuredOutputs(which, getattr(msg, which), field)
-    spec.check()
     return spec
 
 
 def _json_field(field: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(field, f"<{len(text)} chars>", f"is not JSON: {exc}") from None
+    return json_text.loads(text, field)
 
 
 def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:

@@ -198,6 +198,7 @@ def parse_request(
             make_spec(
                 messages=F.messages(body),
                 chat=tools.chat_options(F.chat_options(body), tool_spec),
+                grammars=tool_spec.schemas if tool_spec is not None else (),
                 **common,  # type: ignore[arg-type]
             )
         ]

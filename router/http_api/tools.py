@@ -38,18 +38,22 @@ class ToolSpec:
     function: str | None = None  # the named function (choice "function")
     constraint: StructuredOutputs | None = None  # the grammar required / named enforce
     names: frozenset[str] = field(default=frozenset())
+    # every tool's parameters schema, for the intake's compile check (off the event loop)
+    schemas: tuple[StructuredOutputs, ...] = ()
 
     @property
     def parses(self) -> bool:
         return self.choice != "none"
 
 
-def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+def _check_tools(tools: Any) -> tuple[StructuredOutputs, ...]:
+    """The tools' parameter schemas (checked as JSON schemas; compiled by the intake)."""
     if not isinstance(tools, list) or not tools:
         raise InvalidRequest("tools", "<" + type(tools).__name__ + ">", "must be a non-empty list")
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest("tools", f"<{len(tools)} tools>", f"must hold at most {MAX_TOOLS}")
     seen: set[str] = set()
+    schemas = []
     for i, t in enumerate(tools):
         f = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -63,8 +67,8 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise InvalidRequest(f"{f}.function.parameters", "<value>", "must be a JSON schema")
-        StructuredOutputs.json_schema(params, f"{f}.function.parameters").check()
-    return tuple(tools)
+        schemas.append(StructuredOutputs.json_schema(params, f"{f}.function.parameters"))
+    return tuple(schemas)
 
 
 def _params(tool: dict[str, Any]) -> dict[str, Any]:
@@ -73,13 +77,15 @@ def _params(tool: dict[str, Any]) -> dict[str, Any]:
 
 def tools_from_body(body: dict[str, Any], constraint: StructuredOutputs | None) -> ToolSpec | None:
     """The body's tools and tool_choice (None when it has no tools); raises InvalidRequest
-    naming the field for an unknown tool name or a schema the library cannot compile."""
+    naming the field for an unknown tool name or a schema that is not one (the intake
+    compile-checks :attr:`ToolSpec.schemas` and :attr:`ToolSpec.constraint`)."""
     choice = body.get("tool_choice")
     if body.get("tools") is None:
         if choice not in (None, "none"):
             raise InvalidRequest("tool_choice", "<set>", "needs tools")
         return None
-    tools = _check_tools(body["tools"])
+    schemas = _check_tools(body["tools"])
+    tools = tuple(body["tools"])
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise InvalidRequest("parallel_tool_calls", parallel, "must be true or false")
@@ -122,9 +128,7 @@ def tools_from_body(body: dict[str, Any], constraint: StructuredOutputs | None) 
         if not parallel:
             schema["maxItems"] = 1
         spec = StructuredOutputs.json_schema(schema, "tools")
-    if spec is not None:
-        spec.check()
-    return ToolSpec(tools, choice, function, spec, names)
+    return ToolSpec(tools, choice, function, spec, names, schemas)
 
 
 # ---- the history -------------------------------------------------------------------------

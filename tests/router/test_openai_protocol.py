@@ -254,9 +254,11 @@ def test_structure_scan_is_exact_across_slices(
     values and the depth come out as for the whole body."""
     import json
 
+    import kvstore.blocks.json_text as json_text
     import router.http_api.body as body_mod
 
     monkeypatch.setattr(body_mod, "SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(json_text, "SLICE_BYTES", slice_bytes)  # the structure scan's
     lim = BodyLimits(1 << 20, max_items=24, max_depth=3)  # fits: 19 by this count
     text = 'a\\\\"[[[[ \\\\\\\\ " ,,,, {{{{ \\\\'
     fits = {"p": text, "q": [[1, 2], {"k": text}], "r": "]]]]"}  # 3 levels, few values
