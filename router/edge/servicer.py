@@ -179,6 +179,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         mapped = classify(exc)
         self.intake.metrics.failures.labels(str(mapped.http_status)).inc()
+        if mapped.retry_after_s is not None:  # honoured by gRPC's retry policy
+            pushback = str(mapped.retry_after_s * 1000)
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
         await context.abort(mapped.grpc_code, mapped.message)
 
 

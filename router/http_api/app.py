@@ -31,7 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.http_api import routes
 from router.http_api.body import BodyLimits, parse_json, read_body
-from router.http_api.generation import WORKER_HEADER, Generation, error_body
+from router.http_api.generation import WORKER_HEADER, Generation, error_response
 from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.placement.config import RequestLimits
@@ -187,8 +187,7 @@ class OpenAIServer:
     # -- shared by the routes -------------------------------------------------------------
 
     def error(self, exc: BaseException, names: Any = None) -> JSONResponse:
-        status, body = error_body(exc, names, self.intake)
-        return JSONResponse(body, status_code=status)
+        return error_response(exc, names, self.intake)
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return self.error(NoRoute(f"no route {request.url.path}"))

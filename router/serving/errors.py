@@ -65,6 +65,14 @@ class Mapped:
     message: str
     param: str | None = None  # the field, as the client's API spells it
     code: str | None = None  # OpenAI error code
+    # when a retry may succeed: HTTP's Retry-After, gRPC's retry pushback (None: no hint)
+    retry_after_s: int | None = None
+
+
+# Full queues and a fleet without a live worker (one restarting, a heartbeat away) clear up
+# within about a second; clients that honour the hint (the openai package, gRPC's retry
+# policy) wait this long instead of their own first backoff.
+RETRY_AFTER_S = 1
 
 
 # exception class -> (gRPC code, HTTP status, OpenAI type, OpenAI code); first match wins
@@ -118,6 +126,10 @@ _TABLE: tuple[
 )
 
 
+# errors that clear up by themselves (a version mismatch is the operator's to fix)
+_RETRYABLE = (EngineOverloaded, ClusterOverloaded, NoWorkersError, StreamBroken)
+
+
 def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:
     """``exc`` with its field as the client's API spells it."""
     name = names.get(exc.field)
@@ -143,7 +155,8 @@ def classify(exc: BaseException, names: Mapping[str, str] | None = None) -> Mapp
             message = str(exc) or type(exc).__name__
             if isinstance(exc, asyncio.TimeoutError):
                 message = "deadline exceeded"
-            return Mapped(code, status, kind, message, param, err_code)
+            retry = RETRY_AFTER_S if isinstance(exc, _RETRYABLE) else None
+            return Mapped(code, status, kind, message, param, err_code, retry)
     log.error("internal error serving a request", exc_info=exc)
     return Mapped(
         grpc.StatusCode.INTERNAL, 500, "internal_error", f"internal error: {type(exc).__name__}"
