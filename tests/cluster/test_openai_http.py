@@ -223,6 +223,7 @@ def test_full_queues_are_rate_limited(
             return "ok"
         except openai.RateLimitError as exc:
             assert "full queue" in str(exc)
+            assert exc.response.headers["retry-after"] == "1"  # the openai client waits it
             return "429"
 
     with cf.ThreadPoolExecutor(12) as pool:
@@ -563,10 +564,11 @@ def test_no_live_worker_is_503_zz_last(http_cluster: Cluster, base_url: str, mod
     body = json.dumps({"model": model, "prompt": "anyone there?", "max_tokens": 2}).encode()
     deadline = time.monotonic() + 30
     while True:  # until the router sees the heartbeat lapse
-        status, _, answer = raw(base_url, "POST", "/v1/completions", body)
+        status, headers, answer = raw(base_url, "POST", "/v1/completions", body)
         if status == 503 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert status == 503 and "no live worker" in json.loads(answer)["error"]["message"]
+    assert headers["retry-after"] == "1"
     health, _, _ = raw(base_url, "GET", "/health")
     assert health == 503

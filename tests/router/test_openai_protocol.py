@@ -144,6 +144,11 @@ def test_errors_map_to_statuses() -> None:
     mismatch = error_status(WireMismatch("SamplingParams: unknown field 'x'"))
     assert (mismatch.http_status, mismatch.code) == (503, "version_mismatch")
     assert "unknown field 'x'" in mismatch.message and "upgrade" in mismatch.message
+    # a hint to retry where retrying may succeed, none where it cannot
+    retry = [EngineOverloaded(2, 2), ClusterOverloaded("f"), NoWorkersError("n"), StreamBroken("d")]
+    assert all(error_status(e).retry_after_s == 1 for e in retry)
+    assert error_status(InvalidRequest("n", 0, "x")).retry_after_s is None
+    assert mismatch.retry_after_s is None and error_status(RuntimeError()).retry_after_s is None
 
 
 def test_chat_extras_are_type_checked_and_surrogates_are_found() -> None:
