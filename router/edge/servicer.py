@@ -65,6 +65,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     ) -> AsyncIterator[tuple[str, Any, bool]]:
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
         tenant = self.intake.tenant(context.invocation_metadata(), request.tenant)
+        self.core.check_room()  # full queues: refused before the request is validated
         spec = spec_from_pb(request, tenant=tenant, limits=self.limits)
         token_ids = await self.intake.token_ids(spec)
         async for worker, out in self.intake.generate(spec, token_ids):

@@ -36,7 +36,7 @@ from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
-from router.serving.core import ServingCore
+from router.serving.core import ClusterOverloaded, ServingCore
 from router.serving.errors import NoRoute, NotAllowed
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
@@ -233,6 +233,11 @@ class OpenAIServer:
         self, request: Request, chat: bool
     ) -> tuple[OpenAIRequest, list[GenerateSpec], list[list[int]]]:
         tenant = self.tenant(request)  # first: an unauthenticated caller learns nothing
+        try:  # then the cheap refusal, before any parsing
+            self.core.check_room()
+        except ClusterOverloaded:
+            await read_body(request, self.body_limits())  # drained unparsed: keep-alive holds
+            raise
         header_rid = request.headers.get("x-request-id")
 
         def parse(body: Any) -> tuple[Any, OpenAIRequest, list[GenerateSpec]]:

@@ -18,7 +18,7 @@ from ray.exceptions import RayTaskError
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.placement.types import NoWorkersError
-from router.serving.core import ClusterOverloaded, StreamBroken
+from router.serving.core import FULL_RETRY_S, ClusterOverloaded, StreamBroken
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,9 @@ class Mapped:
 
 # Full queues and a fleet without a live worker (one restarting, a heartbeat away) clear up
 # within about a second; clients that honour the hint (the openai package, gRPC's retry
-# policy) wait this long instead of their own first backoff.
-RETRY_AFTER_S = 1
+# policy) wait this long instead of their own first backoff. (The serving core refuses new
+# requests unparsed for as long, once every worker's queue was full.)
+RETRY_AFTER_S = FULL_RETRY_S
 
 
 # exception class -> (gRPC code, HTTP status, OpenAI type, OpenAI code); first match wins
