@@ -38,6 +38,12 @@ from worker.model.tokenizer import Tokenizer
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
 log = logging.getLogger(__name__)
+# A connection has this long to complete its HTTP/2 handshake, and one with no call under
+# way is closed (a GOAWAY: a client's channel reconnects on its next call) after IDLE_S, as
+# the HTTP edge closes idle sockets: grpc's own defaults (120 s, never) let idle sockets pile
+# up until the router's process runs out of file descriptors, the HTTP edge's included.
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_S = 30.0
 
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
@@ -223,6 +229,8 @@ async def start_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
         ],
     )
     pb_grpc.add_KVClusterServicer_to_server(servicer, server)
