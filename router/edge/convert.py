@@ -75,7 +75,8 @@ def spec_from_pb(
     if which == "messages":
         prompt["messages"] = [_message(i, m) for i, m in enumerate(req.messages.messages)]
         if req.messages.tools:
-            prompt["chat"] = ChatOptions(tools=tools_from_pb(req.messages.tools))
+            tools = tools_from_pb(req.messages.tools)
+            prompt["chat"] = ChatOptions(tools=tools, tools_chars=len(req.messages.tools))
     elif which == "text":
         prompt["text"] = req.text
     elif which == "token_ids":

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -164,5 +165,8 @@ def tool_fields(m: dict[str, Any], field: str) -> dict[str, Any]:
 
 
 def chat_options(options: Any, spec: ToolSpec | None) -> Any:
-    """A request's ``ChatOptions`` with its tools for the template."""
-    return replace(options, tools=spec.tools) if spec is not None else options
+    """A request's ``ChatOptions`` with its tools for the template (and their size, which
+    counts against the prompt's character cap before anything is rendered)."""
+    if spec is None:
+        return options
+    return replace(options, tools=spec.tools, tools_chars=len(json.dumps(spec.tools)))
