@@ -73,10 +73,14 @@ def spec_from_pb(
     if req.params.HasField("structured"):
         values["structured"] = structured_from_pb(req.params.structured)
     if which == "messages":
-        prompt["messages"] = [_message(i, m) for i, m in enumerate(req.messages.messages)]
-        if req.messages.tools:
-            tools = tools_from_pb(req.messages.tools)
-            prompt["chat"] = ChatOptions(tools=tools, tools_chars=len(req.messages.tools))
+        msgs = req.messages
+        prompt["messages"] = [_message(i, m) for i, m in enumerate(msgs.messages)]
+        # what the template writes besides the contents (their JSON texts' sizes, as sent)
+        rendered = len(msgs.tools) + sum(
+            len(m.tool_calls) + len(m.tool_call_id) for m in msgs.messages
+        )
+        tools = tools_from_pb(msgs.tools) if msgs.tools else None
+        prompt["chat"] = ChatOptions(tools=tools, rendered_chars=rendered)
     elif which == "text":
         prompt["text"] = req.text
     elif which == "token_ids":

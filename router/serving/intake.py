@@ -129,7 +129,7 @@ class Intake:
                 await loop.run_in_executor(self._grammars, grammar.check)
             if spec.messages is not None:
                 chars = check_chat_chars(
-                    spec.messages, self.limits, self.max_model_len, spec.chat.tools_chars
+                    spec.messages, self.limits, self.max_model_len, spec.chat.rendered_chars
                 )
                 ids = await self.tokenize.run(
                     chars, chat_token_ids, self.tokenizer, spec.messages, spec.chat

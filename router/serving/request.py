@@ -35,9 +35,10 @@ class ChatOptions:
     continue_final_message: bool = False  # leave the last (assistant) message open
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra template vars
     tools: tuple[dict[str, Any], ...] | None = None  # OpenAI tool objects for the template
-    # the tools' size as JSON text: the template writes them into the prompt, so they count
-    # against its character cap with the messages' contents
-    tools_chars: int = 0
+    # what the template writes into the prompt besides the messages' contents (the tools
+    # and past tool calls, as JSON text, and the calls' ids): it counts against the
+    # prompt's character cap with the contents, before anything is rendered
+    rendered_chars: int = 0
 
 
 @dataclass(frozen=True, slots=True)
