@@ -14,6 +14,8 @@ import asyncio
 import codecs
 import json
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,7 @@ from starlette.requests import Request
 
 from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
-from router.serving.errors import BadBody, BodyTimeout, BodyTooLarge
+from router.serving.errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
 
 SLICE_BYTES = json_text.SLICE_BYTES
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
@@ -34,34 +36,66 @@ class BodyLimits:
     max_depth: int = json_text.MAX_DEPTH  # nested lists / objects
     timeout_s: float = 30.0  # for the whole body, once the head has arrived
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
+    budget: BodyBudget | None = None  # the bytes all requests' bodies may hold together
 
 
-async def read_body(request: Request, limits: BodyLimits) -> list[bytes]:
+class BodyBudget:
+    """The bytes of request bodies held at once (being read or parsed), all requests
+    together, bounded: each body is, yet a few hundred clients uploading large ones slowly
+    (each may take ``timeout_s``) would otherwise hold gigabytes of the router's memory."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.max_bytes:
+            raise BodiesBusy(
+                f"the router holds {self.held} bytes of request bodies, its limit for all "
+                f"requests together is {self.max_bytes}; retry later"
+            )
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        assert self.held >= 0, self.held
+
+
+@asynccontextmanager
+async def read_body(request: Request, limits: BodyLimits) -> AsyncIterator[list[bytes]]:
     """The body's chunks as they came (joined by the parser: for a large body, in its
-    thread; a 4 MB copy is not free on a busy machine)."""
-    limit = limits.max_bytes
+    thread; a 4 MB copy is not free on a busy machine); they count against
+    ``limits.budget`` until the block ends."""
+    limit, budget = limits.max_bytes, limits.budget
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(
             f"request body of {declared} bytes is over the limit of {limit} bytes "
             "(router.max_message_bytes)"
         )
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     try:
-        async with asyncio.timeout(limits.timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(
-                        f"request body is over the limit of {limit} bytes "
-                        "(router.max_message_bytes)"
-                    )
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyTimeout(
-            f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
-        ) from None
-    return chunks
+        try:
+            async with asyncio.timeout(limits.timeout_s):
+                async for chunk in request.stream():
+                    if size + len(chunk) > limit:
+                        raise BodyTooLarge(
+                            f"request body is over the limit of {limit} bytes "
+                            "(router.max_message_bytes)"
+                        )
+                    if budget is not None:
+                        budget.take(len(chunk))
+                    size += len(chunk)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise BodyTimeout(
+                f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
+            ) from None
+        yield chunks
+    finally:
+        if budget is not None:
+            budget.give(size)
 
 
 def check_structure(data: bytes, limits: BodyLimits) -> None:

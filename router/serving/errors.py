@@ -43,6 +43,10 @@ class BodyTooLarge(Exception):
     """A request body over the size or structure limits, refused before it is parsed."""
 
 
+class BodiesBusy(Exception):
+    """The router holds as many request bodies' bytes as it may (all requests together)."""
+
+
 class BodyTimeout(Exception):
     """A request body that did not arrive in time."""
 
@@ -90,6 +94,7 @@ _TABLE: tuple[
     ((BadBody,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     ((BodyTooLarge,), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", None),
     ((BodyTimeout,), grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error", None),
+    ((BodiesBusy,), grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", "server_busy"),
     ((InvalidRequest,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     (
         (ModelNotFound,),
@@ -128,7 +133,7 @@ _TABLE: tuple[
 
 
 # errors that clear up by themselves (a version mismatch is the operator's to fix)
-_RETRYABLE = (EngineOverloaded, ClusterOverloaded, NoWorkersError, StreamBroken)
+_RETRYABLE = (EngineOverloaded, ClusterOverloaded, NoWorkersError, StreamBroken, BodiesBusy)
 
 
 def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:
