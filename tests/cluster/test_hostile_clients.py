@@ -66,13 +66,15 @@ def test_json_nested_inside_string_fields_is_a_400_naming_the_field(cluster: Clu
         if (status, err.get("param")) != (400, field) or "nests over" not in err["message"]:
             failures.append((field, status, err))
     assert not failures, failures
-    # a past call's arguments nested too deep to walk are rendered as the text they came as
-    # (here 40,000 characters of brackets: too long a prompt for the model)
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_LIST}}
-    history = [{"role": "assistant", "content": None, "tool_calls": [call]}, *ASK]
-    status, answer = post(cluster, "/v1/chat/completions", {**chat, "messages": history})
-    assert (status, answer["error"]["param"]) == (400, "prompt"), answer
-    assert "max_model_len=512" in answer["error"]["message"]
+    # a past call's arguments nested too deep to walk are rendered as the text they came as;
+    # 40,000 characters of them count against the prompt's cap before anything is rendered
+    for arguments, want in (("[" * 40 + "]" * 40, 200), (DEEP_LIST, 400)):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        history = [{"role": "assistant", "content": None, "tool_calls": [call]}, *ASK]
+        status, answer = post(cluster, "/v1/chat/completions", {**chat, "messages": history})
+        assert status == want, answer
+    assert answer["error"]["param"] == "messages", answer
+    assert "characters of content and tools" in answer["error"]["message"]
     assert wait_idle(cluster)
 
 
