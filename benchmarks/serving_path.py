@@ -12,12 +12,14 @@ each (greedy, ``ignore_eos``), all at once. Systems:
 * ``http``: a cluster of one worker and one router (``Cluster``), one SSE stream per prompt on
   ``/v1/completions`` (aiohttp, one asyncio loop);
 * ``grpc``: the same cluster, one ``Generate`` stream per prompt (``grpc.aio``, one channel);
-* ``vllm``: vLLM's CPU build offline, in its own venv (``--vllm-python``), as
-  ``engine_throughput`` runs it; skipped with a note when absent.
+* ``vllm``: vLLM's CPU build in its own venv (``--vllm-python``), at the largest stream
+  count: offline as ``engine_throughput`` runs it, and served (``vllm serve``, the same SSE
+  client; ``benchmarks/vllm_serve.py``); skipped with a note when absent.
 
 Reported per run: tok/s, served / offline, messages per stream (fewer than tokens when
 coalesced), the largest event-loop stall of the worker and of the router during the run
-(their loop-lag probes), and the engine thread's busy share. Then: a burst of
+(their loop-lag probes), the engine thread's busy share, and CPU per token of the worker, the
+router and the client (this process). Then: a burst of
 ``--burst`` requests arriving at a busy worker (time and engine steps until all were taken
 in), the offline step split by stage (the engine's own stage timers), offline and served, and a
 ``--fanout-workers`` run on the tiny model: can one router forward that many workers'
@@ -36,7 +38,6 @@ from pathlib import Path
 import ray
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from benchmarks.engine_throughput import DEFAULT_VLLM_PYTHON, run_vllm
 from benchmarks.serving_probes import (
     burst_admission,
     cpu_times,
@@ -46,6 +47,8 @@ from benchmarks.serving_probes import (
     stage_seconds,
 )
 from benchmarks.stream_clients import run_grpc, run_http
+from benchmarks.vllm_bench import DEFAULT_VLLM_PYTHON
+from benchmarks.vllm_serve import vllm_legs
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from kvstore.blocks.sampling_params import SamplingParams
@@ -114,15 +117,16 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     busy0 = engine_busy(cluster)
     cpu0 = cpu_times(cluster)
     stages0 = stage_seconds(cluster)
-    t0 = time.perf_counter()
     if api == "http":
         model = ray.get(
             next(iter(cluster.routers.values())).__ray_call__.remote(lambda r: r.settings.model_id)
         )
+    t0, client0 = time.perf_counter(), time.process_time()
+    if api == "http":
         run = run_http(cluster.http_endpoints[0], model, prompts, max_tokens)
     else:
         run = run_grpc(cluster.endpoints[0], prompts, max_tokens)
-    wall = time.perf_counter() - t0
+    wall, client = time.perf_counter() - t0, time.process_time() - client0
     lags = loop_lags(cluster, reset=False)
     busy1 = engine_busy(cluster)
     cpu1 = cpu_times(cluster)
@@ -136,6 +140,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
         "router lag ms": lags["router"],
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
         **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in cpu0},
+        "client cpu ms/tok": 1e3 * client / run.tokens,  # this process: the client's loop
         "stages": None
         if stages is None or stages0 is None
         else {k: round(v, 2) for k, v in stages.minus(stages0).per_step_ms().items()},
@@ -203,15 +208,21 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
         extra[f"{size}_burst"] = burst_admission(
             cluster, args.burst, vocab, args.prompt, busy_streams=min(64, top)
         )
-    vllm = run_vllm(
-        args.vllm_python, model_dir, make_prompts(top, args.prompt, vocab, top), args.max_tokens, 0
+    offline_v, served_v, notes = vllm_legs(
+        args.vllm_python,
+        model_dir,
+        make_prompts(top, args.prompt, vocab, top),
+        args.max_tokens,
+        engine_cfg["max_model_len"],
     )
-    if isinstance(vllm, dict):
-        rows.append(
-            {"model": size, "streams": top, "system": "vllm offline", "tok_s": vllm["tok_s"]}
-        )
-    else:
-        extra["vllm"] = vllm
+    vllm_row = {"model": size, "streams": top, "served/offline": 1.0}
+    if offline_v is not None:
+        rows.append({**vllm_row, "system": "vllm offline", "tok_s": offline_v["tok_s"]})
+    if offline_v is not None and served_v is not None:
+        ratio = served_v["tok_s"] / offline_v["tok_s"]
+        rows.append({**vllm_row, "system": "vllm http", **served_v, "served/offline": ratio})
+    if notes:
+        extra[f"{size}_vllm"] = "; ".join(notes)
 
 
 def fanout(args: argparse.Namespace) -> dict:
@@ -285,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
         extra["fanout"] = fanout(args)
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
     cols += ["worker lag ms", "router lag ms", "engine busy"]
-    cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "cpu ratio"]
+    cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "client cpu ms/tok"]
+    cols += ["cpu ratio"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
     print_table(rows, "served vs offline (same engine config; tok/s over all streams)")
     for key, value in extra.items():
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  plot: {png}")
     headline: dict = {}
     for r in rows:
+        if r["system"] == "vllm http":
+            headline[f"{r['model']}_vllm_http_{r['streams']}_ratio"] = round(r["served/offline"], 3)
         if r["system"] in ("http", "grpc"):
             key = f"{r['model']}_{r['system']}_{r['streams']}"
             headline[f"{key}_ratio"] = round(r["served/offline"], 3)

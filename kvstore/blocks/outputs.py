@@ -114,6 +114,12 @@ class GenerationResult:
             self.prompt_logprobs = out.prompt_logprobs
 
 
+def relabelled(o: RequestOutput, request_id: str) -> RequestOutput:
+    """``o`` under another request id, as a new output (``o`` may be shared); what
+    ``dataclasses.replace`` makes, for a fraction of its cost (it runs once per token)."""
+    return RequestOutput(request_id, o.outputs, o.finished, o.usage, o.error, o.prompt_logprobs)
+
+
 def coalesce(outs: list[RequestOutput]) -> RequestOutput:
     """Several consecutive outputs of one request as one: each sample's deltas joined in
     order (text, token ids, logprobs), its last finish and cumulative logprob, the last

@@ -8,7 +8,6 @@ serving core aborts the request on its worker.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvstore.blocks.outputs import GenerationResult, RequestOutput, Usage
 from router.http_api.responses import Shaper
+from router.http_api.sse import DONE, sse_event
 from router.serving.errors import Mapped, classify
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
@@ -78,11 +78,6 @@ class _EventStream(StreamingResponse):
             for t in (body, gone):
                 t.cancel()
             await asyncio.gather(body, gone, return_exceptions=True)
-
-
-def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 Item = tuple[int, str, RequestOutput]  # (prompt index, worker, output)
@@ -190,33 +185,39 @@ class Generation:
         prompts: dict[int, Any] = {}  # prompt index -> its prompt logprobs (first output)
         started: set[int] = set()
 
-        def chunks(item: Item) -> list[bytes]:
+        def events(item: Item) -> bytes:
+            """An output's events (one per changed sample), as one write (b"": none)."""
             i, _, out = item
             usages[i] = out.usage
             if out.prompt_logprobs is not None:
                 prompts[i] = out.prompt_logprobs
-            out_chunks = []
-            for d in out.outputs:
+            if len(out.outputs) == 1:  # (the common case: no list, no join)
+                d = out.outputs[0]
                 key = i * shaper.n + d.index
                 first = key not in started
-                event = shaper.chunk(i, d, first, out.usage, prompts.get(i))
-                out_chunks.append(_sse(event))
+                if first:
+                    started.add(key)
+                return shaper.event(i, d, first, out.usage, prompts.get(i))
+            out_events = []
+            for d in out.outputs:
+                key = i * shaper.n + d.index
+                out_events.append(shaper.event(i, d, key not in started, out.usage, prompts.get(i)))
                 started.add(key)
-            return out_chunks
+            return b"".join(out_events)
 
         try:
-            for c in chunks(first):
-                yield c
+            if data := events(first):
+                yield data
             async for item in rest:
-                for c in chunks(item):
-                    yield c
+                if data := events(item):  # (an output may carry no changed sample)
+                    yield data
             if shaper.req.include_usage:
-                yield _sse(shaper.usage_chunk(list(usages.values())))
+                yield sse_event(shaper.usage_chunk(list(usages.values())))
         except Exception as exc:  # headers are sent: the error goes in the stream
-            yield _sse(error_body(exc, self.specs[0].names, self.intake)[1])
+            yield sse_event(error_body(exc, self.specs[0].names, self.intake)[1])
         finally:
             await rest.aclose()  # aborts what is still running (client gone)
-        yield _sse("[DONE]")
+        yield DONE
 
 
 async def unless_gone(request: Request, awaitable: Any) -> Any:

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.protocol import OpenAIRequest
+from router.http_api.sse import PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta
 from worker.model.tokenizer import Tokenizer
 
@@ -43,6 +44,13 @@ class Shaper:
         self.prompt_ids = prompt_ids or []
         self._offsets: dict[int, int] = {}  # choice -> characters of text before its next token
         self._tool_streams: dict[int, ToolStream] = {}  # chat with tools: per choice
+        # the events that differ only in their text, index and finish reason: pre-encoded
+        plain = req.top_logprobs is None and req.tools is None and not req.continuous_usage
+        self._plain = (
+            PlainChunks(self._head(True), chat=req.chat, usage_null=req.include_usage)
+            if plain
+            else None
+        )
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")
@@ -179,6 +187,20 @@ class Shaper:
         elif self.req.include_usage:
             out["usage"] = None
         return out
+
+    def event(
+        self,
+        prompt_idx: int,
+        d: CompletionDelta,
+        first: bool,
+        usage: Usage | None = None,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> bytes:
+        """:meth:`chunk` as a server-sent event (a plain one from its pre-encoded parts)."""
+        if self._plain is not None and not first:
+            reason = d.finish_reason.value if d.finish_reason else None
+            return self._plain.event(prompt_idx * self.n + d.index, d.text, reason)
+        return sse_event(self.chunk(prompt_idx, d, first, usage, prompt))
 
     def usage_chunk(self, usages: list[Usage]) -> dict[str, Any]:
         return {**self._head(True), "choices": [], "usage": usage_json(usages)}

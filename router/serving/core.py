@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.hashing import HashContext
-from kvstore.blocks.outputs import RequestOutput
+from kvstore.blocks.outputs import RequestOutput, relabelled
 from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.types import WorkerLoad
@@ -204,7 +204,7 @@ class ServingCore:
                         self._compare_prediction(decision, item, pulled)
                         self._observe_prefill(request_id, item, loop.time() - sent, pulled)
                     finished = item.finished
-                    yield worker, replace(item, request_id=label)
+                    yield worker, relabelled(item, label)
                 return
             except WorkerGone as exc:
                 gone = True

@@ -23,7 +23,7 @@ import openai
 import pytest
 import ray
 
-from benchmarks.chaos import on_workers, wait_idle
+from benchmarks.chaos_probes import on_workers, wait_idle
 from benchmarks.loadgen import run_bench
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster

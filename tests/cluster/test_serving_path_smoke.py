@@ -16,7 +16,7 @@ def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path
     head = serving_path.main(["--smoke", "--vllm-python", str(tmp_path / "no-vllm")])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == head
-    assert "vllm: skipped" in out
+    assert "vllm offline: skipped" in out  # (and so no served leg)
     for api in ("http", "grpc"):
         assert head[f"tiny_{api}_8_ratio"] > 0  # every token arrived (the run asserts it)
     assert head["max_worker_lag_ms"] >= 0 and head["max_router_lag_ms"] >= 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
 
 from kvstore.blocks.outputs import (
     CompletionDelta,
@@ -13,6 +14,7 @@ from kvstore.blocks.outputs import (
     Usage,
     coalesce,
     pack_output,
+    relabelled,
     unpack_output,
 )
 from router.serving.channels import Inbox
@@ -105,6 +107,16 @@ def test_coalescing_leaves_its_inputs_alone_and_keeps_the_last_error() -> None:
     merged = coalesce([*outs, failed])
     assert merged.error == failed.error and merged.finished
     assert outs[0].outputs[0].token_ids == [1]  # the first output's delta was copied, not grown
+
+
+def test_relabelling_keeps_every_other_field() -> None:
+    # every field a distinct object: one added to RequestOutput and not carried fails here
+    o = RequestOutput(**{f.name: object() for f in fields(RequestOutput)})
+    back = relabelled(o, "client-label")
+    assert back is not o and back.request_id == "client-label"
+    for f in fields(RequestOutput):
+        if f.name != "request_id":
+            assert getattr(back, f.name) is getattr(o, f.name), f.name
 
 
 def test_an_inbox_hands_over_what_gathered_as_one_output_then_the_error() -> None:

@@ -1,0 +1,88 @@
+"""Stream events: the pre-encoded per-token path writes exactly the bytes of the chunk
+object (pure code; the clients' view is tests/cluster/test_openai_http.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvstore.blocks.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
+from router.http_api.protocol import parse_request
+from router.http_api.responses import Shaper
+from router.http_api.sse import DONE, sse_event
+from router.placement.config import RequestLimits
+
+TEXTS = [
+    "",
+    " hello",
+    'a "quoted" \\ back',
+    "line\nbreak\ttab",
+    "é ü 中文",
+    "\U0001f600",
+    "\x00\x1f",
+]
+REASONS = [None, FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT]
+USAGE = Usage(prompt_tokens=12, cached_tokens=4, completion_tokens=3)
+
+
+def shapers(chat: bool, n: int = 1, **body: object) -> tuple[Shaper, Shaper]:
+    """Two shapers of one request (each keeps per-choice state)."""
+    base: dict = {"model": "the-model", "stream": True, "n": n}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    base.update(body)
+    meta, _ = parse_request(base, chat=chat, tenant=None, limits=RequestLimits(), now=1700)
+    return Shaper(meta, n, None), Shaper(meta, n, None)  # type: ignore[arg-type]  # (no decode)
+
+
+def shaper(chat: bool, n: int = 1, **body: object) -> Shaper:
+    return shapers(chat, n, **body)[0]
+
+
+OPTIONS = [
+    {},
+    {"stream_options": {"include_usage": True}},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    {"logprobs": 2, "return_tokens_as_token_ids": True},
+]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "usage", "continuous", "logprobs"])
+def test_every_event_is_the_chunk_objects_json(chat: bool, options: dict) -> None:
+    if chat and "logprobs" in options:
+        options = {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    for first in (True, False):
+        for text in TEXTS:
+            for reason in REASONS:
+                for index in (0, 2):
+                    s, ref = shapers(chat, n=3, **options)
+                    lps = [TokenLogprob(7, -0.5, ((7, -0.5), (9, -1.25)))]
+                    d = CompletionDelta(index, text, [7], lps, reason)
+                    got = s.event(1, d, first, USAGE)
+                    want = sse_event(ref.chunk(1, d, first, USAGE))
+                    assert got == want, (first, text, reason, index)
+                    assert got.startswith(b"data: ") and got.endswith(b"\n\n")
+                    obj = json.loads(got[6:])
+                    assert obj["choices"][0]["index"] == 3 + index
+
+
+def test_plain_events_carry_the_text_index_and_reason() -> None:
+    s = shaper(False, n=2, stream_options={"include_usage": True})
+    d = CompletionDelta(1, "x\ny", [5], None, FinishReason.LENGTH)
+    obj = json.loads(s.event(2, d, False)[6:])
+    assert obj == {
+        "id": s.req.response_id,
+        "object": "text_completion",
+        "created": 1700,
+        "model": "the-model",
+        "choices": [{"index": 5, "text": "x\ny", "logprobs": None, "finish_reason": "length"}],
+        "usage": None,
+    }
+    chat = shaper(True)
+    obj = json.loads(chat.event(0, CompletionDelta(0, "hé", [5]), False)[6:])
+    assert obj["object"] == "chat.completion.chunk" and "usage" not in obj
+    assert obj["choices"] == [
+        {"index": 0, "delta": {"content": "hé"}, "logprobs": None, "finish_reason": None}
+    ]
+    assert DONE == b"data: [DONE]\n\n"
