@@ -75,6 +75,8 @@ def test_json_nested_inside_string_fields_is_a_400_naming_the_field(cluster: Clu
         assert status == want, answer
     assert answer["error"]["param"] == "messages", answer
     assert "characters of content and tools" in answer["error"]["message"]
+    status, answer = post(cluster, "/tokenize", {"model": m, "messages": history})  # vLLM's
+    assert (status, answer["error"]["param"]) == (400, "messages"), answer
     assert wait_idle(cluster)
 
 
