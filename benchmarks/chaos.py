@@ -12,339 +12,36 @@ end; ends with one JSON line.
     .venv/bin/python -m benchmarks.chaos            # 3000 requests
     .venv/bin/python -m benchmarks.chaos --smoke    # 150 requests, under 2 minutes
 
-The load and the probes are also the reliability tests' toolkit (tests/reliability/).
+The load (``chaos_load.py``) and the probes (``chaos_probes.py``) are also the reliability
+tests' toolkit (tests/reliability/).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import grpc
 import ray
-from ray.exceptions import ActorUnavailableError
 
 from benchmarks.chaos_faults import frozen_worker_recovery, router_kill_recovery
+from benchmarks.chaos_load import MixedLoad
+from benchmarks.chaos_probes import (
+    blocks_in_use,
+    queued,
+    retries,
+    router_stats,
+    wait_idle,
+    worker_rss,
+)
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from cluster.client import KVClusterClient, build_request
+from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
-from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from worker.engine import Engine
-
-SYSTEMS = [
-    "You are a support agent for a train company. Be brief and quote timetables. ",
-    "You review pull requests for a distributed cache written in Python; list bugs first. ",
-    "You translate short English sentences to French and explain one word of grammar. ",
-]
-# request kinds and their share of the load
-MIX = {
-    "stream": 0.40,
-    "unary": 0.12,
-    "cancel": 0.13,
-    "disconnect": 0.08,
-    "deadline": 0.10,
-    "bad": 0.17,
-}
-# the codes each kind may end with on a healthy cluster
-EXPECTED = {
-    "stream": {"OK"},
-    "unary": {"OK"},
-    "cancel": {"OK", "CANCELLED"},
-    "disconnect": {"OK", "CANCELLED"},
-    "deadline": {"OK", "DEADLINE_EXCEEDED"},
-    "bad": {"INVALID_ARGUMENT"},
-}
-# extra codes a well-formed request may get while faults are injected: its worker died after
-# streaming began (UNAVAILABLE), or every queue was full (RESOURCE_EXHAUSTED)
-UNDER_FAULTS = {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
-
-
-# -- raw requests (bytes that a protobuf client library would refuse to build) ---------------
-
-
-def raw_string_field(number: int, raw: bytes) -> bytes:
-    """A length-delimited field holding arbitrary bytes (e.g. non-UTF-8 in a string field)."""
-    return _varint(number << 3 | 2) + _varint(len(raw)) + raw
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def raw_generate(
-    channel: grpc.Channel, data: bytes, *, metadata: Any = None, timeout: float = 60.0
-) -> list[pb.GenerateResponse]:
-    """Generate with ``data`` sent as the request bytes (no client-side serialization)."""
-    call = channel.unary_stream(
-        "/kvcluster.v1.KVCluster/Generate",
-        request_serializer=None,
-        response_deserializer=pb.GenerateResponse.FromString,
-    )
-    return list(call(data, timeout=timeout, metadata=metadata))
-
-
-NON_UTF8_TEXT = raw_string_field(2, b"caf\xe9 \xff\xfe")  # GenerateRequest.text, Latin-1 bytes
-
-
-# -- probes into a live cluster (through Ray) --------------------------------------------------
-
-
-def on_workers(
-    cluster: Cluster, fn: Callable[[Any], Any], timeout_s: float = 90.0
-) -> dict[str, Any]:
-    """``fn(worker_server)`` on every worker actor; a restarting one is waited for."""
-    deadline = time.monotonic() + timeout_s
-    out: dict[str, Any] = {}
-    for name in sorted(cluster.workers):
-        while True:
-            try:
-                out[name] = ray.get(
-                    cluster.workers[name].__ray_call__.remote(fn),
-                    timeout=max(1.0, deadline - time.monotonic()),
-                )
-                break
-            except ActorUnavailableError:  # Ray is restarting it
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-    return out
-
-
-def blocks_in_use(cluster: Cluster) -> dict[str, int]:
-    return on_workers(cluster, lambda w: w.front.with_engine(Engine.snapshot).kv_used_blocks)
-
-
-def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
-    """worker -> (running, waiting) requests."""
-
-    def counts(w: Any) -> tuple[int, int]:
-        snap = w.front.with_engine(Engine.snapshot)
-        return snap.num_running, snap.num_waiting
-
-    return on_workers(cluster, counts)
-
-
-def worker_rss(cluster: Cluster) -> dict[str, int]:
-    """Resident set size of every worker process in bytes (Linux ``/proc``)."""
-
-    def rss(_: Any) -> int:
-        import os
-
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    return on_workers(cluster, rss)
-
-
-def router_stats(cluster: Cluster) -> dict[str, dict]:
-    return {name: ray.get(h.stats.remote(), timeout=30) for name, h in cluster.routers.items()}
-
-
-def decisions(cluster: Cluster) -> Counter[str]:
-    """Routing decisions of all routers by reason (prefix, load, no-index, ...)."""
-    out: Counter[str] = Counter()
-    for stats in router_stats(cluster).values():
-        for label, n in stats["decisions"].items():
-            out[label.split("/", 1)[1]] += n
-    return out
-
-
-def retries(cluster: Cluster) -> int:
-    """Requests the routers moved to another worker after a death before any token."""
-    return sum(s["retries"] for s in router_stats(cluster).values())
-
-
-def wait_idle(cluster: Cluster, timeout_s: float = 20.0) -> bool:
-    """Wait until no worker runs, queues or holds anything for a request."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if not any(blocks_in_use(cluster).values()) and all(
-            q == (0, 0) for q in queued(cluster).values()
-        ):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-
-
-# -- the mixed load ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one request of the load ended."""
-
-    index: int  # position in the load (also seeds it)
-    kind: str  # one of MIX
-    code: str  # gRPC status name; "OK" on success
-    details: str  # status details ("" on success)
-    seconds: float  # wall clock of the call
-    ended: float  # time.monotonic() when it ended
-
-
-@dataclass
-class LoadResult:
-    outcomes: list[Outcome] = field(default_factory=list)  # finished calls, in end order
-    hung: int = 0  # calls still running past their deadline + grace (must be 0)
-
-    def unexpected(self, faults: bool = False) -> list[Outcome]:
-        """Outcomes whose code is not one their kind may end with."""
-        extra = UNDER_FAULTS if faults else set()
-        return [
-            o
-            for o in self.outcomes
-            if o.code not in EXPECTED[o.kind] | (extra if o.kind != "bad" else set())
-        ]
-
-
-class MixedLoad:
-    """Seeded requests of every kind in MIX, spread over the routers' endpoints."""
-
-    def __init__(
-        self,
-        endpoints: list[str],
-        *,
-        seed: int = 0,
-        max_tokens: int = 16,
-        token: str | None = None,
-        root_cert: bytes | None = None,
-        deadline_s: float = 60.0,
-    ) -> None:
-        self.endpoints = list(endpoints)
-        self.seed = seed
-        self.max_tokens = max_tokens
-        self.deadline_s = deadline_s
-        self._auth = dict(token=token, root_cert=root_cert)
-        self.clients = [KVClusterClient(e, **self._auth) for e in self.endpoints]
-        self.done = 0  # calls finished so far (read by fault injectors)
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
-
-    def request(self, i: int) -> Outcome:
-        rng = random.Random(self.seed * 1_000_003 + i)
-        kind = rng.choices(list(MIX), weights=list(MIX.values()))[0]
-        t0 = time.monotonic()
-        try:
-            code = getattr(self, f"_{kind}")(rng, i)
-            details = ""
-        except grpc.RpcError as exc:
-            code, details = exc.code().name, exc.details() or ""
-        with self._lock:
-            self.done += 1
-        end = time.monotonic()
-        return Outcome(i, kind, code, details, end - t0, end)
-
-    def run(self, n: int, *, concurrency: int = 8, start: int = 0) -> LoadResult:
-        """Send requests ``start .. start+n-1``, ``concurrency`` at a time."""
-        pool = ThreadPoolExecutor(concurrency, thread_name_prefix="load")
-        pending = {pool.submit(self.request, i) for i in range(start, start + n)}
-        finished: set = set()
-        while pending:
-            # every call has a gRPC deadline: a window that long without any call ending
-            # means the calls still running are hung
-            done, pending = wait(pending, timeout=self.deadline_s + 30)
-            if not done:
-                break
-            finished |= done
-        pool.shutdown(wait=False, cancel_futures=True)
-        outcomes = [f.result() for f in finished]
-        late = sum(o.seconds > self.deadline_s + 5 for o in outcomes)
-        return LoadResult(outcomes, hung=len(pending) + late)
-
-    # each kind: send, return the status name (or raise grpc.RpcError)
-
-    def _prompt(self, rng: random.Random) -> str:
-        words = " ".join(
-            rng.choice(("cache", "route", "train", "block", "merge", "token"))
-            for _ in range(rng.randint(2, 30))
-        )
-        return f"{rng.choice(SYSTEMS)}Question {rng.randrange(10**6)}: {words}?"
-
-    def _client(self, i: int) -> KVClusterClient:
-        return self.clients[i % len(self.clients)]
-
-    def _params(self, rng: random.Random) -> dict:
-        return dict(
-            max_tokens=rng.randint(1, self.max_tokens),
-            temperature=rng.choice((0.0, 0.8)),
-            n=rng.choice((1, 1, 1, 2)),
-            seed=rng.randrange(1000),
-        )
-
-    def _stream(self, rng: random.Random, i: int) -> str:
-        self._client(i).generate(self._prompt(rng), timeout=self.deadline_s, **self._params(rng))
-        return "OK"
-
-    def _unary(self, rng: random.Random, i: int) -> str:
-        self._client(i).unary(self._prompt(rng), timeout=self.deadline_s, **self._params(rng))
-        return "OK"
-
-    def _cancel(self, rng: random.Random, i: int) -> str:
-        call = self._client(i).stream(
-            build_request(self._prompt(rng), max_tokens=200, ignore_eos=True),
-            timeout=self.deadline_s,
-        )
-        keep = rng.randint(0, 3)  # messages read before cancelling (0: at once)
-        if keep:
-            for got, _ in enumerate(call, start=1):
-                if got >= keep:
-                    break
-            else:
-                return "OK"  # ended before we cancelled
-        call.cancel()
-        return "CANCELLED"
-
-    def _disconnect(self, rng: random.Random, i: int) -> str:
-        client = KVClusterClient(self.endpoints[i % len(self.endpoints)], **self._auth)
-        try:
-            call = client.stream(
-                build_request(self._prompt(rng), max_tokens=200, ignore_eos=True),
-                timeout=self.deadline_s,
-            )
-            next(iter(call))
-        finally:
-            client.close()  # the connection goes away mid-stream
-        return "CANCELLED"
-
-    def _deadline(self, rng: random.Random, i: int) -> str:
-        self._client(i).generate(
-            self._prompt(rng), max_tokens=200, ignore_eos=True, timeout=rng.uniform(0.05, 0.4)
-        )
-        return "OK"
-
-    def _bad(self, rng: random.Random, i: int) -> str:
-        client = self._client(i)
-        case = rng.choice(("token_ids", "text", "top_p", "max_tokens", "stop", "utf8"))
-        if case == "utf8":
-            raw_generate(
-                client.channel, NON_UTF8_TEXT, metadata=client.metadata, timeout=self.deadline_s
-            )
-            return "OK"
-        prompt = {"token_ids": [10**6], "text": ""}.get(case, self._prompt(rng))
-        params = {
-            "top_p": {"top_p": 1.5},
-            "max_tokens": {"max_tokens": 10**6},
-            "stop": {"stop": [""]},
-        }.get(case, {})
-        client.generate(prompt, timeout=self.deadline_s, **params)
-        return "OK"
-
 
 # -- the chaos run -----------------------------------------------------------------------------
 

@@ -46,36 +46,53 @@ class Sample:
     completion_tokens: int  # tokens generated
 
 
-def make_prompts(num_requests: int, num_groups: int, prefix_words: int, seed: int) -> list[str]:
-    """Seeded shared-prefix prompts: ``num_groups`` system prompts of ``prefix_words`` words,
-    each request one of them (at random) plus a distinct question."""
+WORDS = (
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kernel",
+    "cache",
+    "block",
+    "route",
+    "token",
+    "prefix",
+    "worker",
+    "stream",
+    "batch",
+    "queue",
+    "model",
+    "index",
+    "epoch",
+    "ray",
+)
+
+
+def make_prompts(
+    num_requests: int, num_groups: int, prefix_words: int, seed: int, *, zipf: float = 0.0
+) -> list[str]:
+    """Seeded shared-prefix prompts: ``num_groups`` system prompts of ``prefix_words`` words
+    (:func:`make_prefixes`), each request one of them plus a distinct question. The system
+    prompt is drawn uniformly, or with ``zipf`` > 0 the ``r``-th (from 0) with weight
+    ``1 / (r + 1) ** zipf`` (a few hot prefixes and a long tail, as production traffic is)."""
     rng = random.Random(seed)
-    words = [
-        "alpha",
-        "beta",
-        "gamma",
-        "delta",
-        "kernel",
-        "cache",
-        "block",
-        "route",
-        "token",
-        "prefix",
-        "worker",
-        "stream",
-        "batch",
-        "queue",
-        "model",
-        "index",
-        "epoch",
-        "ray",
-    ]
-    prefixes = [" ".join(rng.choice(words) for _ in range(prefix_words)) for _ in range(num_groups)]
-    return [
-        f"System: {prefixes[rng.randrange(num_groups)]}\nUser: question {i} "
-        f"{' '.join(rng.choice(words) for _ in range(8))}"
-        for i in range(num_requests)
-    ]
+    prefixes = _prefixes(rng, num_groups, prefix_words)
+    weights = [1.0 / (r + 1) ** zipf for r in range(num_groups)]
+    out = []
+    for i in range(num_requests):
+        g = rng.randrange(num_groups) if zipf == 0 else rng.choices(range(num_groups), weights)[0]
+        question = " ".join(rng.choice(WORDS) for _ in range(8))
+        out.append(f"System: {prefixes[g]}\nUser: question {i} {question}")
+    return out
+
+
+def make_prefixes(num_groups: int, prefix_words: int, seed: int) -> list[str]:
+    """The system prompts :func:`make_prompts` draws from with the same arguments."""
+    return _prefixes(random.Random(seed), num_groups, prefix_words)
+
+
+def _prefixes(rng: random.Random, num_groups: int, prefix_words: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(prefix_words)) for _ in range(num_groups)]
 
 
 def one_request(client: KVClusterClient, prompt: str, max_tokens: int) -> Sample:

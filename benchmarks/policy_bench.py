@@ -126,7 +126,7 @@ def cluster_config(policy: str, w: Workload, base: ClusterConfig | None = None) 
     Without ``base``: the embedded defaults sized by ``w`` (offline model of
     ``w.model_size``, ``w.num_workers`` workers with ``w.num_blocks`` KV blocks each). With
     ``base``: that config with ``policy``, and ``w.num_workers`` workers (and the offline
-    ``w.model_size`` model when set). Either way a name of its own, a free router port and no
+    ``w.model_size`` model when set). Either way a name of its own, free router ports and no
     dashboard, so it never collides with a cluster already running from the same YAML.
     """
     from worker.model.build_tiny import build_tiny_model
@@ -157,6 +157,8 @@ def cluster_config(policy: str, w: Workload, base: ClusterConfig | None = None) 
     raw["workers"]["num_workers"] = w.num_workers
     router = raw.setdefault("router", {})
     router["port"] = 0
+    if router.get("http_port", 8000) is not None:  # any free port: never another cluster's
+        router["http_port"] = 0
     router["routing"] = {**router.get("routing", {}), "policy": policy}
     return ClusterConfig.model_validate(raw)
 

@@ -169,7 +169,7 @@ def _seed_targets(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny run (seconds), for CI")
-    ap.add_argument("--trace", default=os.environ.get("KVCLUSTER_TRACE", str(DEFAULT_TRACE)))
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--workers", type=int, default=8, help="workers of the headline comparison")
     ap.add_argument("--sweep", default="4,8,16", help="worker counts for the trace sweep")
@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
         args.workers, args.sweep, args.sessions, args.jobs, args.seeds = 8, "", 24, 1, "0,1"
         args.kv_tokens = min(args.kv_tokens, 500_000)
     if not Path(args.trace).exists() and args.workload != "shared_prefix":
-        raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
+        raise SystemExit(
+            f"trace not found: {args.trace} (pass --trace; or KVCLUSTER_TRACE, KVCLUSTER_TRACES)"
+        )
 
     counts = sorted({args.workers, *(int(n) for n in args.sweep.split(",") if n)})
     seeds = [args.seed, *(int(x) for x in args.seeds.split(",") if x and int(x) != args.seed)]

@@ -14,15 +14,15 @@ from benchmarks.workloads import DEFAULT_TRACE, trace_requests
 from kvstore.blocks.hashing import block_keys
 from router import RoutingConfig
 from router.sim import SimConfig, SimRequest, replay, summarize
+from router.sim.records import RequestRecord
 from router.sim.replay import ReplayResult
 from router.sim.report import Summary
-from router.sim.worker import RequestRecord
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The arguments every tier benchmark takes (the host-tier sizes are each one's own)."""
     ap.add_argument("--smoke", action="store_true", help="tiny run (seconds), for CI")
-    ap.add_argument("--trace", default=os.environ.get("KVCLUSTER_TRACE", str(DEFAULT_TRACE)))
+    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--kv-tokens", type=int, default=1_000_000, help="device KV per worker")
@@ -42,7 +42,9 @@ def parse(
         for name, value in smoke.items():
             setattr(args, name, value)
     if not Path(args.trace).exists():
-        raise SystemExit(f"trace not found: {args.trace} (pass --trace or KVCLUSTER_TRACE)")
+        raise SystemExit(
+            f"trace not found: {args.trace} (pass --trace; or KVCLUSTER_TRACE, KVCLUSTER_TRACES)"
+        )
     return args
 
 

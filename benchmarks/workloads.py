@@ -18,14 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.trace_path import find_trace
 from kvstore.blocks.hashing import HashContext
 from router.sim import SimRequest
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake trace
 VOCAB = 32_000
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
-)
+DEFAULT_TRACE = find_trace()  # the conversation trace, wherever this checkout is (trace_path.py)
 _INTS = np.array(range(VOCAB), dtype=object)  # shared int objects: token lists cost 8 B/token
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 TRACE_CTX = HashContext("mooncake-trace")  # model id the replayed requests carry

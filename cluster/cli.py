@@ -164,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_tokenizer(args: argparse.Namespace) -> int:
     """Write the served model's tokenizer as a Hugging Face folder (for clients that count
     tokens themselves: ``vllm bench serve --tokenizer``, aiperf, lm-eval)."""
-    from cluster.launcher import resolve_model
+    from cluster.settings import resolve_model
     from worker.model.default_model import resolve_default_model
     from worker.model.tokenizer import Tokenizer
 

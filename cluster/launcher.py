@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import ray
 
@@ -36,26 +35,22 @@ from cluster.local_ray import (
     use_loopback_ray,
     use_token_auth_if_configured,
 )
-from cluster.local_redis import LocalRedis, free_port, start_detached
+from cluster.local_redis import LocalRedis, start_detached
 from cluster.ray_head import no_dashboard_process
+from cluster.settings import (
+    engine_max_model_len,
+    index_config,
+    resolve_model,
+    router_settings,
+    worker_settings,
+)
 from cluster.state import ClusterState, stop_group
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
-from worker.model.config import ModelConfig
-from worker.model.default_model import default_model_id, resolve_default_model
+from worker.model.default_model import resolve_default_model
 
 log = logging.getLogger(__name__)
-
-
-def resolve_model(cfg: ClusterConfig) -> tuple[str | None, str]:
-    """(model folder or None, model id). None stands for the default model: every worker and
-    router resolves it on its own node (the head's path would mean nothing elsewhere); its id
-    is known without resolving it."""
-    if cfg.model.path is not None:
-        path = Path(cfg.model.path).expanduser().resolve()
-        return str(path), cfg.model.model_id or (path.stem if path.is_file() else path.name)
-    return None, cfg.model.model_id or default_model_id(cfg.model.tiny_family)
 
 
 class Cluster:
@@ -122,13 +117,7 @@ class Cluster:
         self.ray_address = ray.get_runtime_context().gcs_address
 
     def index_config(self) -> IndexConfig | None:
-        if self.redis_url is None:
-            return None
-        return IndexConfig(
-            **{**self.cfg.redis.model_dump(), "url": self.redis_url},
-            cluster=self.cfg.name,
-            model_id=self.model_id,
-        )
+        return index_config(self.cfg, self.redis_url, self.model_id)
 
     @property
     def model_dir(self) -> str:
@@ -139,52 +128,22 @@ class Cluster:
         return str(resolve_default_model(self.cfg.model.tiny_family))
 
     def max_model_len(self) -> int | None:
-        """The engines' max_model_len; None: the model's own (each router reads it)."""
-        engine = self.cfg.workers.engine
-        if engine.max_model_len or self.model_path is None:
-            return engine.max_model_len
-        return ModelConfig.from_dir(self.model_path).max_position_embeddings
-
-    # The components' settings are derived from the one cluster config: each fact (model id,
-    # block size, max_model_len) is stated once there and copied into every component here.
+        return engine_max_model_len(self.cfg, self.model_path)
 
     def worker_settings(self, name: str) -> WorkerSettings:
-        return WorkerSettings(
-            worker_id=name,
-            model_dir=self.model_path,
-            model_id=self.model_id,
-            engine=self.cfg.workers.engine,
-            index=self.index_config(),
-            default_family=self.cfg.model.tiny_family,
+        return worker_settings(
+            self.cfg, name, self.model_path, self.model_id, index=self.index_config()
         )
 
     def router_settings(self, i: int) -> RouterSettings:
-        r = self.cfg.router
-        return RouterSettings(
-            router_id=f"router-{i}",
+        return router_settings(
+            self.cfg,
+            i,
+            self.model_path,
+            self.model_id,
             namespace=self.namespace,
-            model_dir=self.model_path,
-            default_family=self.cfg.model.tiny_family,
-            model_id=self.model_id,
-            max_model_len=self.max_model_len(),
-            block_size=self.cfg.workers.engine.block_size,
-            routing=r.routing,
-            # a fixed port even when none is configured: a router Ray restarts binds it again
             index=self.index_config(),
-            host=r.host,
-            port=r.port + i if r.port else free_port(),
-            max_message_bytes=r.max_message_bytes,
-            auth_tokens=dict(r.auth_tokens),
-            limits=r.limits,
-            tls_cert=r.tls_cert,
-            tls_key=r.tls_key,
-            liveness=r.liveness,
-            cors_allowed_origins=tuple(r.cors_allowed_origins),
-            http_port=None
-            if r.http_port is None
-            else r.http_port + i
-            if r.http_port
-            else free_port(),
+            max_model_len=self.max_model_len(),
         )
 
     def start_worker(self, i: int) -> ray.actor.ActorHandle:

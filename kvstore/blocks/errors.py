@@ -24,8 +24,8 @@ class InvalidRequest(EngineError, ValueError):
         msg = f"invalid {field}={value!r}: {limit}"
         super().__init__(f"{msg}; {hint}" if hint else msg)
 
-    def __reduce__(self) -> tuple:  # crosses process boundaries (Ray) intact
-        return type(self), (self.field, self.value, self.limit, self.hint)
+    def __reduce__(self) -> tuple:  # crosses process boundaries (Ray) intact, notes too
+        return type(self), (self.field, self.value, self.limit, self.hint), self.__dict__
 
 
 class EngineOverloaded(EngineError):
@@ -40,7 +40,7 @@ class EngineOverloaded(EngineError):
         )
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.num_waiting, self.max_waiting)
+        return type(self), (self.num_waiting, self.max_waiting), self.__dict__
 
 
 class EngineStopped(EngineError):
@@ -59,7 +59,7 @@ class WireMismatch(EngineError):
         )
 
     def __reduce__(self) -> tuple:
-        return type(self), (self.detail,)
+        return type(self), (self.detail,), self.__dict__
 
 
 class UnknownChannel(EngineError):

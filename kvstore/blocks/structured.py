@@ -22,6 +22,7 @@ from dataclasses import field as dc_field
 from functools import lru_cache
 from typing import Any, Literal
 
+from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.wire import ByName
 
@@ -29,6 +30,10 @@ Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema / regex / grammar text (each choice counts too)
 MAX_CHOICES = 1024
+# Nested lists / objects of a schema: above an HTTP body's own bound (a tool's parameters
+# sit inside the schema tool_choice=required wraps around them), far below the depth at
+# which parsing or compiling it would recurse out of the stack.
+MAX_SCHEMA_DEPTH = 2 * json_text.MAX_DEPTH
 # The compiled grammar's size (symbols in its productions): far above any real schema, low
 # enough that one request's compile cannot take the worker's compile thread for long.
 MAX_GRAMMAR_SYMBOLS = 200_000
@@ -73,16 +78,15 @@ class StructuredOutputs(ByName):
         if self.kind in ("regex", "grammar") and not self.value:
             raise InvalidRequest(self.field, "", f"a {self.kind} must not be empty")
         if self.kind == "json_schema":
-            try:
-                schema = json.loads(self.value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(self.field, _shown(self.value), f"not JSON: {exc}") from None
+            schema = json_text.loads(self.value, self.field, max_depth=MAX_SCHEMA_DEPTH)
             if not isinstance(schema, dict | bool):
                 raise InvalidRequest(self.field, _shown(self.value), "must be a JSON object")
         if self.kind == "choice":
-            choices = json.loads(self.value) if self.value else []
-            if not 1 <= len(choices) <= MAX_CHOICES or not all(
-                isinstance(c, str) and c for c in choices
+            choices = json_text.loads(self.value, self.field) if self.value else []
+            if (
+                not isinstance(choices, list)
+                or not 1 <= len(choices) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in choices)
             ):
                 raise InvalidRequest(
                     self.field,
@@ -96,10 +100,7 @@ class StructuredOutputs(ByName):
     def json_schema(cls, schema: Any, field: str = "structured_outputs") -> StructuredOutputs:
         """From a schema (a dict, or its JSON text)."""
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(field, _shown(schema), f"not JSON: {exc}") from None
+            schema = json_text.loads(schema, field, max_depth=MAX_SCHEMA_DEPTH)
         if not isinstance(schema, dict | bool):
             raise InvalidRequest(field, type(schema).__name__, "a JSON schema must be an object")
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)

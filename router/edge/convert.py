@@ -7,11 +7,11 @@ request with the shared validator (:func:`router.serving.request.make_spec`), wh
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import FinishReason, RequestOutput
 from kvstore.blocks.structured import StructuredOutputs
@@ -73,9 +73,14 @@ def spec_from_pb(
     if req.params.HasField("structured"):
         values["structured"] = structured_from_pb(req.params.structured)
     if which == "messages":
-        prompt["messages"] = [_message(i, m) for i, m in enumerate(req.messages.messages)]
-        if req.messages.tools:
-            prompt["chat"] = ChatOptions(tools=tools_from_pb(req.messages.tools))
+        msgs = req.messages
+        prompt["messages"] = [_message(i, m) for i, m in enumerate(msgs.messages)]
+        # what the template writes besides the contents (their JSON texts' sizes, as sent)
+        rendered = len(msgs.tools) + sum(
+            len(m.tool_calls) + len(m.tool_call_id) for m in msgs.messages
+        )
+        tools = tools_from_pb(msgs.tools) if msgs.tools else None
+        prompt["chat"] = ChatOptions(tools=tools, rendered_chars=rendered)
     elif which == "text":
         prompt["text"] = req.text
     elif which == "token_ids":
@@ -97,8 +102,8 @@ def spec_from_pb(
 
 
 def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
-    """The constraint, checked by the grammar library (a grammar it cannot compile is
-    INVALID_ARGUMENT naming the field, before the request is routed)."""
+    """The constraint, naming its field (a grammar the library cannot compile is
+    INVALID_ARGUMENT naming it: the intake checks it before the request is routed)."""
     which = msg.WhichOneof("kind")
     field = f"params.structured.{which}"
     if which is None:
@@ -111,15 +116,11 @@ def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
         spec = StructuredOutputs("json_object", "", field)
     else:
         spec = StructuredOutputs(which, getattr(msg, which), field)
-    spec.check()
     return spec
 
 
 def _json_field(field: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(field, f"<{len(text)} chars>", f"is not JSON: {exc}") from None
+    return json_text.loads(text, field)
 
 
 def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:

@@ -38,6 +38,12 @@ from worker.model.tokenizer import Tokenizer
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
 log = logging.getLogger(__name__)
+# A connection has this long to complete its HTTP/2 handshake, and one with no call under
+# way is closed (a GOAWAY: a client's channel reconnects on its next call) after IDLE_S, as
+# the HTTP edge closes idle sockets: grpc's own defaults (120 s, never) let idle sockets pile
+# up until the router's process runs out of file descriptors, the HTTP edge's included.
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_S = 30.0
 
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
@@ -65,6 +71,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     ) -> AsyncIterator[tuple[str, Any, bool]]:
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
         tenant = self.intake.tenant(context.invocation_metadata(), request.tenant)
+        self.core.check_room()  # full queues: refused before the request is validated
         spec = spec_from_pb(request, tenant=tenant, limits=self.limits)
         token_ids = await self.intake.token_ids(spec)
         async for worker, out in self.intake.generate(spec, token_ids):
@@ -179,6 +186,9 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         mapped = classify(exc)
         self.intake.metrics.failures.labels(str(mapped.http_status)).inc()
+        if mapped.retry_after_s is not None:  # honoured by gRPC's retry policy
+            pushback = str(mapped.retry_after_s * 1000)
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
         await context.abort(mapped.grpc_code, mapped.message)
 
 
@@ -219,6 +229,8 @@ async def start_server(
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(IDLE_S * 1000)),
         ],
     )
     pb_grpc.add_KVClusterServicer_to_server(servicer, server)

@@ -30,13 +30,13 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.http_api import routes
-from router.http_api.body import BodyLimits, parse_json, read_body
-from router.http_api.generation import WORKER_HEADER, Generation, error_body
+from router.http_api.body import BodyBudget, BodyLimits, parse_json, read_body
+from router.http_api.generation import WORKER_HEADER, Generation, error_response
 from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
-from router.serving.core import ServingCore
+from router.serving.core import ClusterOverloaded, ServingCore
 from router.serving.errors import NoRoute, NotAllowed
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 # could pile up until the router's process runs out of file descriptors, gRPC included.
 HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
+# Request bodies the router holds at once, all requests together (each is bounded by
+# router.max_message_bytes; the budget is at least four of those).
+BODY_BUDGET_BYTES = 256 << 20
 
 
 class _DeadlineH11(H11Protocol):
@@ -112,6 +115,7 @@ class OpenAIServer:
         self.limits = limits
         self.max_body_bytes = max_body_bytes
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
+        self.bodies = BodyBudget(max(BODY_BUDGET_BYTES, 4 * max_body_bytes))
         self._logged_fields: set[str] = set()
         middleware = []
         if cors_origins:  # off unless origins are configured (router.cors_allowed_origins)
@@ -142,7 +146,7 @@ class OpenAIServer:
         return self.intake.tokenize
 
     def body_limits(self) -> BodyLimits:
-        return BodyLimits(self.max_body_bytes, timeout_s=BODY_TIMEOUT_S)
+        return BodyLimits(self.max_body_bytes, timeout_s=BODY_TIMEOUT_S, budget=self.bodies)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -187,8 +191,7 @@ class OpenAIServer:
     # -- shared by the routes -------------------------------------------------------------
 
     def error(self, exc: BaseException, names: Any = None) -> JSONResponse:
-        status, body = error_body(exc, names, self.intake)
-        return JSONResponse(body, status_code=status)
+        return error_response(exc, names, self.intake)
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return self.error(NoRoute(f"no route {request.url.path}"))
@@ -203,15 +206,15 @@ class OpenAIServer:
         """The body, bounded before parsing; ``parse(body)`` runs where the JSON was parsed
         (a thread of its own for a large body) and its result is returned instead."""
         limits = self.body_limits()
-        chunks = await read_body(request, limits)
+        async with read_body(request, limits) as chunks:  # held until parsed
 
-        def work() -> Any:
-            body = parse_json(b"".join(chunks), limits)
-            return parse(body) if parse is not None else body
+            def work() -> Any:
+                body = parse_json(b"".join(chunks), limits)
+                return parse(body) if parse is not None else body
 
-        if sum(map(len, chunks)) <= limits.inline_bytes:
-            return work()
-        return await asyncio.get_running_loop().run_in_executor(self._parse, work)
+            if sum(map(len, chunks)) <= limits.inline_bytes:
+                return work()
+            return await asyncio.get_running_loop().run_in_executor(self._parse, work)
 
     def note_unknown(self, body: Any, chat: bool) -> None:
         """Unknown fields are ignored (as vLLM does), logged once per name and counted."""
@@ -234,6 +237,12 @@ class OpenAIServer:
         self, request: Request, chat: bool
     ) -> tuple[OpenAIRequest, list[GenerateSpec], list[list[int]]]:
         tenant = self.tenant(request)  # first: an unauthenticated caller learns nothing
+        try:  # then the cheap refusal, before any parsing
+            self.core.check_room()
+        except ClusterOverloaded:
+            async with read_body(request, self.body_limits()):  # drained unparsed: the
+                pass  # connection stays usable
+            raise
         header_rid = request.headers.get("x-request-id")
 
         def parse(body: Any) -> tuple[Any, OpenAIRequest, list[GenerateSpec]]:

@@ -3,8 +3,9 @@
 ``json.loads`` runs in C holding the GIL, so no thread keeps it off the event loop: what
 bounds its cost is the number of JSON values it builds. :func:`check_structure` counts the
 body's values and its nesting with bytes operations only (no per-byte Python), before any
-parse; large bodies are then parsed (and their requests built) in a thread of their own,
-where Python-level validation yields the GIL every few milliseconds.
+parse (:mod:`kvstore.blocks.json_text`, which bounds JSON inside string fields too); large
+bodies are then parsed (and their requests built) in a thread of their own, where
+Python-level validation yields the GIL every few milliseconds.
 """
 
 from __future__ import annotations
@@ -13,94 +14,99 @@ import asyncio
 import codecs
 import json
 import re
-from array import array
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any
 
 from starlette.requests import Request
 
+from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
-from router.serving.errors import BadBody, BodyTimeout, BodyTooLarge
+from router.serving.errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
 
-_STRUCTURE = b',[]{}"'
-_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
-_STEP = bytes(1 if c in b"[{" else 255 if c in b"]}" else 0 for c in range(256))
-SLICE_BYTES = 64 << 10
+SLICE_BYTES = json_text.SLICE_BYTES
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text
 
 
 @dataclass(frozen=True, slots=True)
 class BodyLimits:
     max_bytes: int  # router.max_message_bytes
-    # JSON values, counted from the bytes as strings + commas + brackets (a container
-    # counts twice): an upper estimate of what json.loads would build
-    max_items: int = 1 << 17
-    max_depth: int = 32  # nested lists / objects
+    max_items: int = json_text.MAX_ITEMS  # JSON values (see kvstore.blocks.json_text)
+    max_depth: int = json_text.MAX_DEPTH  # nested lists / objects
     timeout_s: float = 30.0  # for the whole body, once the head has arrived
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
+    budget: BodyBudget | None = None  # the bytes all requests' bodies may hold together
 
 
-async def read_body(request: Request, limits: BodyLimits) -> list[bytes]:
+class BodyBudget:
+    """The bytes of request bodies held at once (being read or parsed), all requests
+    together, bounded: each body is, yet a few hundred clients uploading large ones slowly
+    (each may take ``timeout_s``) would otherwise hold gigabytes of the router's memory."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.max_bytes:
+            raise BodiesBusy(
+                f"the router holds {self.held} bytes of request bodies, its limit for all "
+                f"requests together is {self.max_bytes}; retry later"
+            )
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        assert self.held >= 0, self.held
+
+
+@asynccontextmanager
+async def read_body(request: Request, limits: BodyLimits) -> AsyncIterator[list[bytes]]:
     """The body's chunks as they came (joined by the parser: for a large body, in its
-    thread; a 4 MB copy is not free on a busy machine)."""
-    limit = limits.max_bytes
+    thread; a 4 MB copy is not free on a busy machine); they count against
+    ``limits.budget`` until the block ends."""
+    limit, budget = limits.max_bytes, limits.budget
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(
             f"request body of {declared} bytes is over the limit of {limit} bytes "
             "(router.max_message_bytes)"
         )
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     try:
-        async with asyncio.timeout(limits.timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise BodyTooLarge(
-                        f"request body is over the limit of {limit} bytes "
-                        "(router.max_message_bytes)"
-                    )
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyTimeout(
-            f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
-        ) from None
-    return chunks
+        try:
+            async with asyncio.timeout(limits.timeout_s):
+                async for chunk in request.stream():
+                    if size + len(chunk) > limit:
+                        raise BodyTooLarge(
+                            f"request body is over the limit of {limit} bytes "
+                            "(router.max_message_bytes)"
+                        )
+                    if budget is not None:
+                        budget.take(len(chunk))
+                    size += len(chunk)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise BodyTimeout(
+                f"request body not received within {limits.timeout_s:g} s ({size} bytes came)"
+            ) from None
+        yield chunks
+    finally:
+        if budget is not None:
+            budget.give(size)
 
 
 def check_structure(data: bytes, limits: BodyLimits) -> None:
     """Refuse a body with more JSON values or deeper nesting than ``limits`` allow, from its
-    bytes alone (strings' contents do not count: a prompt full of commas is one value).
-
-    Bytes operations run in C holding the GIL, so the body is scanned in slices of
-    :data:`SLICE_BYTES`: in a thread, this lets the event loop run between slices."""
-    values = depth = deepest = 0
-    inside = False  # in a string at the slice's start
-    carry = b""  # a run of backslashes at a slice's end: escapes pair them left to right
-    for at in range(0, len(data), SLICE_BYTES):
-        piece = carry + data[at : at + SLICE_BYTES]
-        cut = len(piece.rstrip(b"\\"))
-        piece, carry = piece[:cut], piece[cut:]
-        # drop escaped backslashes, then escaped quotes: every '"' left opens or closes
-        piece = piece.replace(b"\\\\", b"").replace(b'\\"', b"")
-        parts = piece.translate(None, _NOT_STRUCTURE).split(b'"')
-        quotes = len(parts) - 1
-        values += (quotes + (0 if inside else 1)) // 2  # strings opened in this slice
-        outside = b"".join(parts[1 if inside else 0 :: 2])  # structure between strings
-        inside ^= quotes % 2 == 1
-        values += len(outside)  # commas and brackets: about one per value
-        if values > limits.max_items:
-            raise BodyTooLarge(
-                f"request body holds over {limits.max_items} JSON values (the limit)"
-            )
-        if len(outside) != outside.count(b","):
-            run = list(accumulate(array("b", outside.translate(_STEP)), initial=depth))
-            deepest, depth = max(deepest, max(run)), run[-1]
-            if deepest > limits.max_depth:
-                raise BodyTooLarge(
-                    f"request body nests over {limits.max_depth} levels deep (the limit)"
-                )
+    bytes alone (:func:`kvstore.blocks.json_text.check_structure`)."""
+    try:
+        json_text.check_structure(
+            data, max_items=limits.max_items, max_depth=limits.max_depth, what="request body"
+        )
+    except json_text.JSONTooLarge as exc:
+        raise BodyTooLarge(str(exc)) from None
 
 
 def decode_utf8(data: bytes) -> str:

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from kvstore.blocks.outputs import GenerationResult, RequestOutput, Usage
 from router.http_api.responses import Shaper
 from router.http_api.sse import DONE, sse_event
-from router.serving.errors import classify
+from router.serving.errors import Mapped, classify
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
 
@@ -29,11 +29,35 @@ def error_body(
     exc: BaseException, names: Any = None, intake: Intake | None = None
 ) -> tuple[int, dict[str, Any]]:
     """The answer's status and OpenAI error body (counted in the intake's metrics)."""
+    err = _counted(exc, names, intake)
+    return err.http_status, _body(err)
+
+
+def error_response(
+    exc: BaseException,
+    names: Any = None,
+    intake: Intake | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """The error as a whole answer: its body, status, and a ``Retry-After`` when retrying
+    may succeed (full queues, no live worker), which the ``openai`` client waits for."""
+    err = _counted(exc, names, intake)
+    headers = dict(headers or {})
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(err.retry_after_s)
+    return JSONResponse(_body(err), status_code=err.http_status, headers=headers)
+
+
+def _counted(exc: BaseException, names: Any, intake: Intake | None) -> Mapped:
     err = classify(exc, names)
     if intake is not None:
         intake.metrics.failures.labels(str(err.http_status)).inc()
+    return err
+
+
+def _body(err: Mapped) -> dict[str, Any]:
     body = {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
-    return err.http_status, {"error": body}
+    return {"error": body}
 
 
 async def until_disconnect(receive: Receive) -> None:
@@ -121,8 +145,7 @@ class Generation:
             first = None
         except Exception as exc:
             await outputs.aclose()
-            status, body = error_body(exc, names, self.intake)
-            return JSONResponse(body, status_code=status, headers=headers)
+            return error_response(exc, names, self.intake, headers)
         if first is None:  # client gone (or nothing produced): nothing to answer
             await outputs.aclose()
             return Response(status_code=499)
@@ -134,8 +157,7 @@ class Generation:
         try:
             result = await unless_gone(request, self._collect(first, outputs))
         except Exception as exc:
-            status, body = error_body(exc, names, self.intake)
-            return JSONResponse(body, status_code=status, headers=headers)
+            return error_response(exc, names, self.intake, headers)
         finally:
             await outputs.aclose()
         if result is None:

@@ -196,8 +196,9 @@ def parse_request(
     if chat:
         specs = [
             make_spec(
-                messages=F.messages(body),
-                chat=tools.chat_options(F.chat_options(body), tool_spec),
+                messages=(msgs := F.messages(body)),
+                chat=tools.chat_options(F.chat_options(body), tool_spec, msgs),
+                grammars=tool_spec.schemas if tool_spec is not None else (),
                 **common,  # type: ignore[arg-type]
             )
         ]

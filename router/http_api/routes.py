@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from kvstore.blocks.errors import InvalidRequest
+from router.http_api import tools
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.placement.types import NoWorkersError
 from router.serving.errors import ModelNotFound
@@ -111,9 +112,10 @@ class _Handlers:
             chat = body.get("messages") is not None
             add_special = get_bool(body, "add_special_tokens")
             if chat:
-                opts = chat_options(body)
+                msgs = messages(body)
+                opts = tools.chat_options(chat_options(body), None, msgs)  # with its size
                 spec = make_spec(
-                    messages=messages(body),
+                    messages=msgs,
                     chat=opts,
                     request_id="",
                     tenant=tenant,

@@ -10,8 +10,9 @@ Accepted spellings (at most one constraint per request):
 * ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM's older
   fields).
 
-Each constraint is checked by the grammar library here, so a schema it cannot compile is a
-400 naming the field as the client spelled it (``response_format.json_schema.schema``).
+Each constraint names the field as the client spelled it
+(``response_format.json_schema.schema``), so a schema the grammar library cannot compile
+(the intake checks it, off the event loop) is a 400 naming that field.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def _build(kind: str, value: Any, field: str) -> StructuredOutputs:
 
 
 def structured_from_body(body: dict[str, Any]) -> StructuredOutputs | None:
-    """The one constraint the body asks for (None: free text), compile-checked; raises
-    InvalidRequest naming the field."""
+    """The one constraint the body asks for (None: free text); raises InvalidRequest naming
+    the field. Its compile check is the intake's (``Intake.token_ids``)."""
     found: list[StructuredOutputs] = []
     named = [k for k in ("response_format", "structured_outputs", *GUIDED) if body.get(k)]
     if len(named) > 1:
@@ -130,9 +131,7 @@ def structured_from_body(body: dict[str, Any]) -> StructuredOutputs | None:
             found.append(_build(kind, body[name], name))
     if not found:
         return None
-    spec = found[0]
-    spec.check()
-    return spec
+    return found[0]
 
 
 def to_pb(spec: StructuredOutputs, params: pb.SamplingParams) -> None:

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,18 +39,22 @@ class ToolSpec:
     function: str | None = None  # the named function (choice "function")
     constraint: StructuredOutputs | None = None  # the grammar required / named enforce
     names: frozenset[str] = field(default=frozenset())
+    # every tool's parameters schema, for the intake's compile check (off the event loop)
+    schemas: tuple[StructuredOutputs, ...] = ()
 
     @property
     def parses(self) -> bool:
         return self.choice != "none"
 
 
-def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+def _check_tools(tools: Any) -> tuple[StructuredOutputs, ...]:
+    """The tools' parameter schemas (checked as JSON schemas; compiled by the intake)."""
     if not isinstance(tools, list) or not tools:
         raise InvalidRequest("tools", "<" + type(tools).__name__ + ">", "must be a non-empty list")
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest("tools", f"<{len(tools)} tools>", f"must hold at most {MAX_TOOLS}")
     seen: set[str] = set()
+    schemas = []
     for i, t in enumerate(tools):
         f = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function":
@@ -63,8 +68,8 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
             raise InvalidRequest(f"{f}.function.parameters", "<value>", "must be a JSON schema")
-        StructuredOutputs.json_schema(params, f"{f}.function.parameters").check()
-    return tuple(tools)
+        schemas.append(StructuredOutputs.json_schema(params, f"{f}.function.parameters"))
+    return tuple(schemas)
 
 
 def _params(tool: dict[str, Any]) -> dict[str, Any]:
@@ -73,13 +78,15 @@ def _params(tool: dict[str, Any]) -> dict[str, Any]:
 
 def tools_from_body(body: dict[str, Any], constraint: StructuredOutputs | None) -> ToolSpec | None:
     """The body's tools and tool_choice (None when it has no tools); raises InvalidRequest
-    naming the field for an unknown tool name or a schema the library cannot compile."""
+    naming the field for an unknown tool name or a schema that is not one (the intake
+    compile-checks :attr:`ToolSpec.schemas` and :attr:`ToolSpec.constraint`)."""
     choice = body.get("tool_choice")
     if body.get("tools") is None:
         if choice not in (None, "none"):
             raise InvalidRequest("tool_choice", "<set>", "needs tools")
         return None
-    tools = _check_tools(body["tools"])
+    schemas = _check_tools(body["tools"])
+    tools = tuple(body["tools"])
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise InvalidRequest("parallel_tool_calls", parallel, "must be true or false")
@@ -122,9 +129,7 @@ def tools_from_body(body: dict[str, Any], constraint: StructuredOutputs | None) 
         if not parallel:
             schema["maxItems"] = 1
         spec = StructuredOutputs.json_schema(schema, "tools")
-    if spec is not None:
-        spec.check()
-    return ToolSpec(tools, choice, function, spec, names)
+    return ToolSpec(tools, choice, function, spec, names, schemas)
 
 
 # ---- the history -------------------------------------------------------------------------
@@ -159,6 +164,14 @@ def tool_fields(m: dict[str, Any], field: str) -> dict[str, Any]:
     return out
 
 
-def chat_options(options: Any, spec: ToolSpec | None) -> Any:
-    """A request's ``ChatOptions`` with its tools for the template."""
-    return replace(options, tools=spec.tools) if spec is not None else options
+def chat_options(options: Any, spec: ToolSpec | None, messages: list[dict[str, Any]]) -> Any:
+    """A request's ``ChatOptions`` with its tools for the template, and the size of what
+    the template writes besides the contents (the tools, the history's calls and their
+    ids), which counts against the prompt's character cap before anything is rendered."""
+    calls = [m["tool_calls"] for m in messages if "tool_calls" in m]
+    ids = sum(len(m.get("tool_call_id", "")) for m in messages)
+    rendered = (len(json.dumps(calls)) if calls else 0) + ids
+    if spec is not None:
+        options = replace(options, tools=spec.tools)
+        rendered += len(json.dumps(spec.tools))
+    return replace(options, rendered_chars=rendered)

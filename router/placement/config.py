@@ -212,6 +212,13 @@ class RoutingConfig(Strict):
         description="How long the router remembers its own placements' prefixes, so siblings "
         "arriving before the worker's KV events land together. 0 disables.",
     )
+    pending_settle_s: float = Field(
+        1.0,
+        ge=0,
+        description="How long a placement's pending prefix is still remembered once its "
+        "first token came back (the worker stored its blocks; their events reach the index "
+        "within a step). At most pending_ttl_s.",
+    )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
     host_hit_weight: float = Field(
         0.5,

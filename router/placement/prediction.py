@@ -39,6 +39,8 @@ class WorkerPredictions:
     pulled_tokens: int = 0  # tokens they imported, summed
     pull_misses: int = 0  # pulls that imported less than planned (recomputed the rest)
     pull_slow: int = 0  # pulls that took longer than slow_factor x their priced time
+    pull_priced_s: float = 0.0  # the time those pulls were priced at, summed
+    pull_s: float = 0.0  # the time they took, summed
 
     def mean_abs_gap(self) -> float:
         return sum(abs(g) for g in self.recent) / len(self.recent) if self.recent else 0.0
@@ -134,6 +136,8 @@ class PredictionTracker:
         w.pulled_tokens += pulled_tokens
         w.pull_misses += pulled_tokens < planned_tokens
         w.pull_slow += seconds > slow_factor * priced_s
+        w.pull_priced_s += priced_s
+        w.pull_s += seconds
 
     def totals(self) -> dict[str, int]:
         ws = self.workers.values()
@@ -144,11 +148,13 @@ class PredictionTracker:
         }
 
     def pull_totals(self) -> dict[str, int]:
-        """The pulled column, summed over workers."""
+        """The pulled column, summed over workers (priced and taken times in ms)."""
         ws = self.workers.values()
         return {
             "pulls": sum(w.pulls for w in ws),
             "pulled_tokens": sum(w.pulled_tokens for w in ws),
             "pull_misses": sum(w.pull_misses for w in ws),
             "pull_slow": sum(w.pull_slow for w in ws),
+            "pull_time_priced_ms": round(1e3 * sum(w.pull_priced_s for w in ws)),
+            "pull_time_taken_ms": round(1e3 * sum(w.pull_s for w in ws)),
         }

@@ -146,8 +146,9 @@ class PullPlanner:
         self.block_size = block_size
         self.source_step_tokens = source_step_tokens
         self.node_of = node_of
-        # choices made: hold / pull / recompute, or no pull to price: "cold" (held nowhere)
-        # or "local" (the chosen worker holds what there is); the router's stats show them
+        # choices made: hold / pull / recompute, or no pull to price: "cold" (held nowhere),
+        # "local" (the chosen worker holds what there is) or "pending" (a placement of the
+        # prefix on the chosen worker is in flight); the router's stats show them
         self.choices: Counter[str] = Counter()
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
@@ -214,8 +215,10 @@ class PullPlanner:
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
         if pull_s is not None:
             self.choices[choice] += 1
-        else:  # nothing to pull: held nowhere, or where the request goes already
-            self.choices["cold" if total == 0 else "local"] += 1
+        elif total == 0:  # nothing to pull: held nowhere
+            self.choices["cold"] += 1
+        else:  # where the request goes already, by the index or by a placement in flight
+            self.choices["local" if held[elsewhere][1] >= total else "pending"] += 1
         priced = Priced(hold_s, pull_s, recompute_s, choice)
         if choice == "hold":
             return placement, None, priced

@@ -50,7 +50,7 @@ class Router:
         self.policy = make_policy(config, rng)
         self.prefix_source = prefix_source
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.pending = PendingPlacements(config.pending_ttl_s)
+        self.pending = PendingPlacements(config.pending_ttl_s, config.pending_settle_s)
         self._clock = clock
         self.planner: PullPlanner | None = None  # peer pulls priced per request
         self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
@@ -132,8 +132,7 @@ class Router:
                 held,
                 holder_eligible=self.policy.uses_prefix,
             )
-        if keys:
-            self.pending.record(placement.worker_id, keys, self._clock())
+        ticket = self.pending.record(placement.worker_id, keys, self._clock()) if keys else None
         decision = RouteDecision(
             worker_id=placement.worker_id,
             policy=self.policy.name,
@@ -142,9 +141,16 @@ class Router:
             decision_latency_s=time.perf_counter() - start,
             keys=keys,
             pull=pull,
+            pending=ticket,
         )
         self.metrics.observe(decision)
         return decision
+
+    def settle(self, decision: RouteDecision) -> None:
+        """``decision``'s request has its first token (its blocks are stored, the index
+        learns of them within a step), or ended without one: its pending prefix is
+        remembered only ``pending_settle_s`` longer (see :mod:`router.placement.pending`)."""
+        self.pending.settle(decision.pending, self._clock())
 
     def check_parity(
         self, request_id: str, router_keys: Sequence[BlockKey], worker_key: BlockKey | None

@@ -77,3 +77,4 @@ class RouteDecision:
     decision_latency_s: float  # hashing + index lookup + policy, wall clock
     keys: tuple[BlockKey, ...] = ()  # block keys the router computed (empty if not hashed)
     pull: PullHint | None = None  # fetch part of the prefix from a peer first (priced)
+    pending: int | None = None  # the placement's pending-prefix ticket (Router.settle ends it)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
@@ -40,6 +41,14 @@ class StreamBroken(Exception):
 
 class ClusterOverloaded(Exception):
     """Every live worker's waiting queue is full (RESOURCE_EXHAUSTED); retry later."""
+
+
+# Refused clients are told to come back in this long (Retry-After). Until then, or until one
+# of this router's requests ends (a queue slot frees), a new request meets full queues too:
+# the edges refuse it before parsing it (:meth:`ServingCore.check_room`), so a flood against
+# full queues costs one parse per second, not one per request. (Another router's requests
+# ending is not seen here: a slot it frees waits out the rest of the second.)
+FULL_RETRY_S = 1
 
 
 class ServingCore:
@@ -74,6 +83,19 @@ class ServingCore:
         self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
         self._open: Counter[str] = Counter()
         self._idle_at_placement: set[str] = set()  # requests placed on an idle worker
+        # when every live worker last refused a request for a full queue (None: since then
+        # one of this router's admitted requests ended)
+        self._full_at: float | None = None
+
+    def check_room(self) -> None:
+        """Raise :class:`ClusterOverloaded` while the workers' queues are known to be full
+        (see :data:`FULL_RETRY_S`); cheap, so the edges call it before parsing a request."""
+        at = self._full_at
+        if at is not None and time.monotonic() - at < FULL_RETRY_S:
+            raise ClusterOverloaded(
+                "not queued: every worker's queue was full moments ago (request refused "
+                "before it was read); retry later"
+            )
 
     def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
         """Route ``request`` and count it as this router's own work on the chosen worker, in
@@ -117,6 +139,15 @@ class ServingCore:
             )
         return out
 
+    def _settle(self, decision: RouteDecision) -> None:
+        """End the placement's pending claim (on the decide thread, which owns the router)."""
+        if decision.pending is None:
+            return
+        try:
+            self._decide.submit(self.router.settle, decision)
+        except RuntimeError:  # shutting down: nothing routes any more
+            pass
+
     def close(self) -> None:
         self._decide.shutdown(wait=False, cancel_futures=True)
 
@@ -153,8 +184,8 @@ class ServingCore:
                 if w not in excluded
             }
             if not candidates:
-                if full:
-                    raise self._overloaded(label, full)
+                if full:  # (the base model's candidates: every live worker, all tried)
+                    raise self._overloaded(label, full, every_worker=lora_id is None)
                 raise NoWorkersError(
                     f"no live worker for request {label!r}"
                     + (f" (tried {sorted(excluded)})" if excluded else "")
@@ -162,13 +193,14 @@ class ServingCore:
             route_req = RouteRequest(request_id, token_ids, ctx)
             decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
             worker = decision.worker_id
-            produced = finished = gone = False
+            produced = finished = gone = admitted = False
             pulled: PullReport | None = None
             sent = loop.time()
             wreq = WorkerRequest(request_id, token_ids, params, bool(decision.keys), decision.pull)
             try:
                 async for item in self.directory.stream(worker, wreq):
                     if isinstance(item, Admitted):
+                        admitted = True
                         if decision.keys:
                             self.router.check_parity(request_id, decision.keys, item.last_key)
                         pulled = item.pulled
@@ -178,6 +210,7 @@ class ServingCore:
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
                         self._prefilled(worker, request_id, done=False)
+                        self._settle(decision)
                         self._compare_prediction(decision, item, pulled)
                         self._observe_prefill(request_id, item, loop.time() - sent, pulled)
                     finished = item.finished
@@ -208,6 +241,9 @@ class ServingCore:
             finally:
                 self._idle_at_placement.discard(request_id)
                 self._prefilled(worker, request_id, done=True)
+                self._settle(decision)
+                if admitted:  # it leaves a queue slot behind
+                    self._full_at = None
                 if not finished and gone:
                     # a frozen worker would hold the retry for the abort's whole timeout; the
                     # abort still reaches it if it thaws
@@ -218,7 +254,7 @@ class ServingCore:
                     # client gone, deadline, error or death: never leave blocks behind
                     await asyncio.shield(self._abort_quietly(worker, request_id))
         if full:
-            raise self._overloaded(label, full)
+            raise self._overloaded(label, full, every_worker=False)
         raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
 
     def _observe_pull(self, decision: RouteDecision, report: PullReport) -> None:
@@ -283,7 +319,11 @@ class ServingCore:
         self._resyncs.add(task)
         task.add_done_callback(self._resyncs.discard)
 
-    def _overloaded(self, request_id: str, full: list[str]) -> ClusterOverloaded:
+    def _overloaded(
+        self, request_id: str, full: list[str], *, every_worker: bool
+    ) -> ClusterOverloaded:
+        if every_worker:  # whatever the next request is, it meets full queues
+            self._full_at = time.monotonic()
         return ClusterOverloaded(
             f"request {request_id!r} not queued: every worker tried has a "
             f"full queue; retry later. " + "; ".join(full)

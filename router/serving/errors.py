@@ -18,7 +18,7 @@ from ray.exceptions import RayTaskError
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.placement.types import NoWorkersError
-from router.serving.core import ClusterOverloaded, StreamBroken
+from router.serving.core import FULL_RETRY_S, ClusterOverloaded, StreamBroken
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class BodyTooLarge(Exception):
     """A request body over the size or structure limits, refused before it is parsed."""
 
 
+class BodiesBusy(Exception):
+    """The router holds as many request bodies' bytes as it may (all requests together)."""
+
+
 class BodyTimeout(Exception):
     """A request body that did not arrive in time."""
 
@@ -65,6 +69,15 @@ class Mapped:
     message: str
     param: str | None = None  # the field, as the client's API spells it
     code: str | None = None  # OpenAI error code
+    # when a retry may succeed: HTTP's Retry-After, gRPC's retry pushback (None: no hint)
+    retry_after_s: int | None = None
+
+
+# Full queues and a fleet without a live worker (one restarting, a heartbeat away) clear up
+# within about a second; clients that honour the hint (the openai package, gRPC's retry
+# policy) wait this long instead of their own first backoff. (The serving core refuses new
+# requests unparsed for as long, once every worker's queue was full.)
+RETRY_AFTER_S = FULL_RETRY_S
 
 
 # exception class -> (gRPC code, HTTP status, OpenAI type, OpenAI code); first match wins
@@ -81,6 +94,7 @@ _TABLE: tuple[
     ((BadBody,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     ((BodyTooLarge,), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", None),
     ((BodyTimeout,), grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error", None),
+    ((BodiesBusy,), grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", "server_busy"),
     ((InvalidRequest,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     (
         (ModelNotFound,),
@@ -118,6 +132,10 @@ _TABLE: tuple[
 )
 
 
+# errors that clear up by themselves (a version mismatch is the operator's to fix)
+_RETRYABLE = (EngineOverloaded, ClusterOverloaded, NoWorkersError, StreamBroken, BodiesBusy)
+
+
 def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:
     """``exc`` with its field as the client's API spells it."""
     name = names.get(exc.field)
@@ -143,7 +161,8 @@ def classify(exc: BaseException, names: Mapping[str, str] | None = None) -> Mapp
             message = str(exc) or type(exc).__name__
             if isinstance(exc, asyncio.TimeoutError):
                 message = "deadline exceeded"
-            return Mapped(code, status, kind, message, param, err_code)
+            retry = RETRY_AFTER_S if isinstance(exc, _RETRYABLE) else None
+            return Mapped(code, status, kind, message, param, err_code, retry)
     log.error("internal error serving a request", exc_info=exc)
     return Mapped(
         grpc.StatusCode.INTERNAL, 500, "internal_error", f"internal error: {type(exc).__name__}"

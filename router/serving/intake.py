@@ -8,8 +8,10 @@ errors map to both protocols in :mod:`router.serving.errors`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -63,6 +65,10 @@ class Intake:
         self.auth = auth
         self.limits = limits
         self.tokenize = tokenize or TokenizerPool(tokenizer)
+        # Grammar compile checks (up to a second for a hostile schema; the library releases
+        # the GIL) in a thread of their own: never on the event loop, and a flood of them
+        # queues behind itself, not behind (or in front of) tokenizing.
+        self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self.metrics = ServingMetrics(core.limits.model_id)
         self.started = int(time.time())
 
@@ -76,6 +82,7 @@ class Intake:
 
     def close(self) -> None:
         self.tokenize.close()
+        self._grammars.shutdown(wait=False, cancel_futures=True)
 
     # -- auth and models ------------------------------------------------------------------
 
@@ -113,10 +120,17 @@ class Intake:
 
     async def token_ids(self, spec: GenerateSpec) -> list[int]:
         """The prompt's token ids: off the event loop, long texts apart, and a text too
-        long for the model refused before it is tokenized."""
+        long for the model refused before it is tokenized. Every edge calls this before
+        generating, so the request's grammars are compile-checked here first (off the
+        loop too): one the library cannot compile is InvalidRequest naming its field."""
+        loop = asyncio.get_running_loop()
         try:
+            for grammar in spec.grammars:
+                await loop.run_in_executor(self._grammars, grammar.check)
             if spec.messages is not None:
-                chars = check_chat_chars(spec.messages, self.limits, self.max_model_len)
+                chars = check_chat_chars(
+                    spec.messages, self.limits, self.max_model_len, spec.chat.rendered_chars
+                )
                 ids = await self.tokenize.run(
                     chars, chat_token_ids, self.tokenizer, spec.messages, spec.chat
                 )

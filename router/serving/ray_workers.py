@@ -37,6 +37,7 @@ from router.serving.turns import TurnSlices
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
+STATUS_REUSE_S = 0.25  # how long one round of status calls answers statuses()
 
 
 def _current_actor() -> ray.actor.ActorHandle | None:
@@ -86,6 +87,8 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
         # ms; its first outputs come through the channel, already woken a slice at a time
         self.first_steps = TurnSlices(WAKE_SLICE)
+        self._status_round: asyncio.Future | None = None  # statuses() in flight
+        self._status_answer: tuple[float, list[WorkerStatus]] | None = None  # (when, what)
 
     def mark_dead(self, worker_id: str) -> None:
         super().mark_dead(worker_id)
@@ -246,7 +249,28 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
 
     async def statuses(self) -> list[WorkerStatus]:
         """Every worker Ray knows by name, asked in parallel with a per-worker timeout: one
-        that does not answer (frozen) or has no live heartbeat is listed as stale."""
+        that does not answer (frozen) or has no live heartbeat is listed as stale.
+
+        Each answer costs a GCS listing, an index read and a call to every worker, and
+        ``GET /metrics`` asks for it unauthenticated: callers at the same time share one
+        round, and an answer serves for :data:`STATUS_REUSE_S`, so a flood of them costs
+        the workers a few rounds a second, not one per call."""
+        cached = self._status_answer
+        if cached is not None and time.monotonic() - cached[0] < STATUS_REUSE_S:
+            return list(cached[1])
+        if self._status_round is None:
+            self._status_round = asyncio.ensure_future(self._status_of_all())
+        return list(await asyncio.shield(self._status_round))
+
+    async def _status_of_all(self) -> list[WorkerStatus]:
+        try:
+            out = await self._ask_statuses()
+        finally:
+            self._status_round = None
+        self._status_answer = (time.monotonic(), out)
+        return out
+
+    async def _ask_statuses(self) -> list[WorkerStatus]:
         names = sorted(await asyncio.to_thread(self._from_ray))
         live = await self._from_index()
         results = await asyncio.gather(*(self._status(n) for n in names))

@@ -17,6 +17,7 @@ from typing import Any
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from kvstore.blocks.structured import StructuredOutputs
 from router.placement.config import RequestLimits
 from router.serving.errors import renamed
 
@@ -34,6 +35,10 @@ class ChatOptions:
     continue_final_message: bool = False  # leave the last (assistant) message open
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # extra template vars
     tools: tuple[dict[str, Any], ...] | None = None  # OpenAI tool objects for the template
+    # what the template writes into the prompt besides the messages' contents (the tools
+    # and past tool calls, as JSON text, and the calls' ids): it counts against the
+    # prompt's character cap with the contents, before anything is rendered
+    rendered_chars: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,9 @@ class GenerateSpec:
     messages: tuple[dict[str, str], ...] | None = None
     chat: ChatOptions = ChatOptions()  # how ``messages`` are rendered
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    # grammars the library must compile before the request is routed (its output
+    # constraint, a chat's tool schemas); the intake checks them off the event loop
+    grammars: tuple[StructuredOutputs, ...] = ()
     # the client's spelling of the intake's field names, for errors raised after parsing
     names: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -153,10 +161,13 @@ def make_spec(
     truncate_prompt_tokens: int | None = None,
     limits: RequestLimits = DEFAULT_LIMITS,
     names: Mapping[str, str] | None = None,
+    grammars: Sequence[StructuredOutputs] = (),
 ) -> GenerateSpec:
     """Validate one request (model limits are checked once it is tokenized). ``tenant``: the
     authenticated tenant (or the client's own claim, without auth); it scopes the cache salt
-    (see :func:`tenant_salt`). Exactly one of ``text``, ``token_ids``, ``messages``."""
+    (see :func:`tenant_salt`). Exactly one of ``text``, ``token_ids``, ``messages``.
+    ``grammars``: schemas to compile-check besides the output constraint (``values``'
+    ``structured``), such as a chat's tool parameters."""
     names = dict(names or {})
     try:
         return _make_spec(
@@ -177,6 +188,7 @@ def make_spec(
             truncate_prompt_tokens,
             limits,
             names,
+            tuple(grammars),
         )
     except InvalidRequest as exc:
         raise renamed(exc, names) from None
@@ -200,6 +212,7 @@ def _make_spec(  # noqa: PLR0913 - the fields of one request
     truncate: int | None,
     limits: RequestLimits,
     names: dict[str, str],
+    grammars: tuple[StructuredOutputs, ...],
 ) -> GenerateSpec:
     check_request_id("request_id", request_id, limits)
     check_str("tenant", claimed, limits.max_tenant_chars)
@@ -253,6 +266,7 @@ def _make_spec(  # noqa: PLR0913 - the fields of one request
         messages=msgs,
         chat=chat,
         truncate_prompt_tokens=truncate,
+        grammars=(params.structured, *grammars) if params.structured else grammars,
         names=names,
     )
 

@@ -36,12 +36,17 @@ def check_text_chars(field: str, text: str, limits: RequestLimits, max_model_len
 
 
 def check_chat_chars(
-    messages: Sequence[Mapping[str, str]], limits: RequestLimits, max_model_len: int
+    messages: Sequence[Mapping[str, str]],
+    limits: RequestLimits,
+    max_model_len: int,
+    rendered_chars: int = 0,
 ) -> int:
-    """:func:`check_text_chars` for a conversation (its contents' total, before the template
-    is rendered: the template only adds to it); returns that total."""
-    chars = sum(len(m.get("content", "")) for m in messages)
-    _check_chars("messages", chars, "a conversation", " of content", limits, max_model_len)
+    """:func:`check_text_chars` for a conversation (its contents' total plus the tools and
+    tool calls the template writes, ``ChatOptions.rendered_chars``, before the template is
+    rendered: it only adds to them); returns that total."""
+    chars = sum(len(m.get("content", "")) for m in messages) + rendered_chars
+    of = " of content and tools" if rendered_chars else " of content"
+    _check_chars("messages", chars, "a conversation", of, limits, max_model_len)
     return chars
 
 

@@ -1,4 +1,5 @@
-"""A replayed request, and the record of what happened to it (what the replay reports)."""
+"""A replayed request, the record of what happened to it (what the replay reports), and its
+state while a simulated worker holds it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.blocks.hashing import HashContext
+from kvstore.blocks.hashing import BlockKey, HashContext
 
 
 @dataclass(slots=True)
@@ -36,3 +37,19 @@ class RequestRecord:
     finish_s: float = math.nan  # end of the step that produced its last token
     rejected: bool = False  # could never fit in this worker's KV cache
     pulled_tokens: int = 0  # prompt tokens imported from a peer before admission
+
+
+class ActiveRequest:
+    """A request inside a simulated worker: its progress and what the queue counted for it."""
+
+    __slots__ = ("req", "rec", "keys", "pos", "est_new", "claim", "decode_left", "ctx_len")
+
+    def __init__(self, req: SimRequest, rec: RequestRecord, keys: Sequence[BlockKey]) -> None:
+        self.req = req
+        self.rec = rec
+        self.keys = keys  # the router's block keys for this prompt (parity check)
+        self.pos = 0  # prompt tokens computed or cached so far
+        self.est_new = 0  # uncached tokens counted into the queue before admission
+        self.claim: list[BlockKey] = []  # while waiting: its prompt's full-block keys
+        self.decode_left = 0  # tokens still to decode
+        self.ctx_len = 0  # KV length while decoding

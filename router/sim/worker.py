@@ -1,4 +1,4 @@
-"""A simulated worker: a real KVCacheManager plus a step-level time model.
+"""A simulated worker: a real KVCacheManager plus a step-level time model (``steps.py``).
 
 The engine is modelled as continuous batching with chunked prefill: every step first
 decodes one token for each running sequence, then spends the rest of the token budget on
@@ -24,38 +24,21 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from kvstore.blocks.events import BlockStored, KVEvent
+from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
-from router.sim.records import RequestRecord, SimRequest
-from worker.kv import BlockClaims, KVCacheManager, KVCapacityError
+from router.sim.records import ActiveRequest, RequestRecord, SimRequest
+from router.sim.steps import ParityHook, SimSteps
+from worker.kv import BlockClaims, KVCacheManager
 from worker.kv.transfer import KVLayout, RunHeader
 
 
-class _Active:
-    """A request inside a worker."""
-
-    __slots__ = ("req", "rec", "keys", "pos", "est_new", "claim", "decode_left", "ctx_len")
-
-    def __init__(self, req: SimRequest, rec: RequestRecord, keys: Sequence[BlockKey]) -> None:
-        self.req = req
-        self.rec = rec
-        self.keys = keys  # the router's block keys for this prompt (parity check)
-        self.pos = 0  # prompt tokens computed or cached so far
-        self.est_new = 0  # uncached tokens counted into the queue before admission
-        self.claim: list[BlockKey] = []  # while waiting: its prompt's full-block keys
-        self.decode_left = 0  # tokens still to decode
-        self.ctx_len = 0  # KV length while decoding
-
-
-ParityHook = Callable[[str, Sequence[BlockKey], Sequence[BlockKey]], object]
-
-
-class SimWorker:
-    """One worker: FCFS queue, chunked-prefill steps, a real KV manager emitting events."""
+class SimWorker(SimSteps):
+    """One worker: FCFS queue, chunked-prefill steps (:class:`~router.sim.steps.SimSteps`), a
+    real KV manager emitting events."""
 
     def __init__(
         self,
@@ -75,9 +58,9 @@ class SimWorker:
         self.parity = parity  # called at admission with (request id, router keys, our keys)
         self.waiting_load = waiting_load  # see SimConfig.waiting_load
         self.clock = 0.0  # end of the last simulated step
-        self.waiting: deque[_Active] = deque()
-        self.prefilling: deque[_Active] = deque()
-        self.decoding: list[_Active] = []
+        self.waiting: deque[ActiveRequest] = deque()
+        self.prefilling: deque[ActiveRequest] = deque()
+        self.decoding: list[ActiveRequest] = []
         self.queued_prefill = 0  # uncached prompt tokens still to compute (waiting + admitted)
         self.waiting_cached = 0  # prompt tokens of waiting requests their prefix hit will skip
         self._claims = BlockClaims()  # waiting prompts' block keys (as the engine)
@@ -94,7 +77,7 @@ class SimWorker:
         self._load_s = 0.0  # host-tier loads of this step's admissions (seconds)
         # requests whose pull is in flight: (ready time, order, request, run or None), as a
         # real worker holds them before queueing; their uncached tokens count as queued
-        self.pulling: list[tuple[float, int, _Active, RunHeader | None]] = []
+        self.pulling: list[tuple[float, int, ActiveRequest, RunHeader | None]] = []
         self._pull_order = 0
         self._landing: dict[BlockKey, float] = {}  # last key of a pulled run -> when it lands
 
@@ -118,7 +101,7 @@ class SimWorker:
             req.output_len,
             expected_cached,
         )
-        active = _Active(req, rec, keys)
+        active = ActiveRequest(req, rec, keys)
         if pull is None and self._landing:
             # a pull in flight brings this prompt's prefix: queue behind it, as the worker
             # does, rather than compute the prefix alongside the import
@@ -167,7 +150,7 @@ class SimWorker:
                 self._step_events.extend(self.kv.drain_events())
             self._enqueue(active)
 
-    def _enqueue(self, active: _Active) -> None:
+    def _enqueue(self, active: ActiveRequest) -> None:
         req = active.req
         # As the engine's scheduler does: what its KV manager would hit now, or a request
         # queued ahead of it will have cached by its turn (a pure query).
@@ -222,173 +205,3 @@ class SimWorker:
                 self._fast_forward(min(until, self.pulling[0][0]) if self.pulling else until)
             else:  # blocked with nothing running: the head can never fit
                 self._reject(self._pop_waiting())
-
-    # ---- the engine step -------------------------------------------------------------------
-
-    def _step(self) -> None:
-        tm = self.tm
-        budget = tm.max_batched_tokens - len(self.decoding)
-        self._step_prefill = 0
-        busy = tm.step_overhead_s + tm.decode_s_per_ctx_token * self.decode_ctx
-        done: list[_Active] = []
-        for active in self.prefilling:
-            if budget <= 0:
-                break
-            busy, budget = self._chunk(active, budget, busy, done)
-        while budget > 0 and self.waiting and self._running() < tm.max_running:
-            admitted = self._admit(self.waiting[0])
-            if admitted is False:
-                break  # does not fit now: FCFS, wait for a sequence to finish
-            active = self._pop_waiting()
-            if admitted is None:
-                self._reject(active)
-                continue
-            self.prefilling.append(active)
-            busy, budget = self._chunk(active, budget, busy, done)
-        busy += self._load_s
-        self._load_s = 0.0
-        end = self.clock + busy
-        self._decode_steps(1, end)
-        for active in done:
-            self.prefilling.remove(active)
-            active.rec.first_token_s = end
-            active.decode_left = active.req.output_len - 1
-            if active.decode_left <= 0:
-                self._finish(active, end)
-            else:
-                active.ctx_len = len(active.req.token_ids) + 1
-                self.decode_ctx += active.ctx_len
-                self.decoding.append(active)
-        self._end_step(end, busy)
-
-    def _chunk(
-        self, active: _Active, budget: int, busy: float, done: list[_Active]
-    ) -> tuple[float, int]:
-        n = min(len(active.req.token_ids) - active.pos, budget)
-        self._step_prefill += n
-        busy += self.tm.prefill_s(active.pos, n)
-        active.pos += n
-        self.queued_prefill -= n
-        self.computed_prefill_tokens += n
-        if active.pos == len(active.req.token_ids):
-            done.append(active)
-        return busy, budget - n
-
-    def _fast_forward(self, until: float) -> None:
-        """k decode-only steps at once: up to the next finish or past ``until``."""
-        tm = self.tm
-        n = len(self.decoding)
-        self._step_prefill = 0
-        k = min(a.decode_left for a in self.decoding)
-        first = tm.step_overhead_s + tm.decode_s_per_ctx_token * self.decode_ctx
-        if until != math.inf:
-            k = min(k, max(1, math.ceil((until - self.clock) / first)))
-        busy = k * first + tm.decode_s_per_ctx_token * n * k * (k - 1) / 2
-        end = self.clock + busy
-        self._decode_steps(k, end)
-        self._end_step(end, busy)
-
-    def _decode_steps(self, k: int, end: float) -> None:
-        if not self.decoding:
-            return
-        still: list[_Active] = []
-        for active in self.decoding:
-            active.decode_left -= k
-            active.ctx_len += k
-            self.decode_ctx += k
-            if active.decode_left <= 0:
-                self.decode_ctx -= active.ctx_len
-                self._finish(active, end)
-            else:
-                still.append(active)
-        self.decoding = still
-
-    def _end_step(self, end: float, busy: float) -> None:
-        self.clock = end
-        self.busy_s += busy
-        self.kv.take_transfers()  # no tensors here: the copies' time is in the step already
-        self._step_events.extend(self.kv.drain_events())
-        if self._step_events:
-            self._events.append((end, self._step_events))
-            self._step_events = []
-
-    def _pop_waiting(self) -> _Active:
-        active = self.waiting.popleft()
-        self.waiting_cached -= len(active.req.token_ids) - active.est_new
-        self._claims.release(active.claim)
-        active.claim = []
-        return active
-
-    def _running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
-
-    # ---- admission, completion -------------------------------------------------------------
-
-    def _admit(self, active: _Active) -> bool | None:
-        """Allocate the prompt's slots: True, False (not now), None (can never fit)."""
-        req = active.req
-        hit = self.kv.lookup_prefix(req.token_ids, req.ctx)
-        try:
-            alloc = self.kv.allocate_slots(
-                req.request_id,
-                req.token_ids,
-                len(req.token_ids) - hit.num_tokens,
-                ctx=req.ctx,
-                prefix=hit,
-            )
-        except KVCapacityError:
-            return None
-        if alloc is None:
-            self._blocked = True
-            return False
-        assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
-        active.pos = alloc.num_cached_tokens
-        active.rec.cached_tokens = alloc.num_cached_tokens
-        active.rec.host_cached_tokens = alloc.num_host_tokens
-        self._load_s += alloc.num_host_tokens * self.tm.host_load_s_per_token
-        self._use_lora(req.ctx.lora_id)
-        self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
-        events = self.kv.drain_events()
-        self._step_events.extend(events)
-        if self.parity is not None and active.keys:
-            self._check_parity(active, hit.keys, events)
-        return True
-
-    def _use_lora(self, lora_id: str | None) -> None:
-        """Put the adapter in a slot (LRU eviction; a running adapter's slot is not pinned
-        here, a simplification) and charge the load to this step."""
-        if lora_id is None:
-            return
-        if lora_id in self._loras:
-            self._loras.move_to_end(lora_id)
-            return
-        if len(self._loras) >= self.max_loras:
-            self._loras.popitem(last=False)
-        self._loras[lora_id] = None
-        self._load_s += self.tm.lora_load_s
-        self.lora_loads += 1
-
-    def _check_parity(
-        self, active: _Active, hit_keys: Sequence[BlockKey], events: list[KVEvent]
-    ) -> None:
-        """Compare the router's last key with the last of the chain this allocation hit +
-        stored. Only a contiguous chain names the prompt's last block: when a block was
-        already cached under another block (so not re-stored), the chain has a gap and the
-        check is skipped.
-        """
-        chain = list(hit_keys)
-        for event in events:
-            if isinstance(event, BlockStored):
-                chain.extend(event.keys)
-        if len(chain) == len(active.req.token_ids) // self.kv.block_size:
-            assert self.parity is not None
-            self.parity(active.req.request_id, active.keys, chain[-1])
-
-    def _finish(self, active: _Active, end: float) -> None:
-        active.rec.finish_s = end
-        self.kv.free(active.req.request_id)
-        self._blocked = False
-
-    def _reject(self, active: _Active) -> None:
-        active.rec.rejected = True
-        self.queued_prefill -= active.est_new

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     head_cache, node_cache = sys.argv[1], sys.argv[2]
     os.environ["KVCLUSTER_CACHE"] = node_cache  # what Ray's processes will see
     import ray
-    from benchmarks.chaos import on_workers
+    from benchmarks.chaos_probes import on_workers
     from cluster.client import KVClusterClient
     from cluster.launcher import Cluster, use_loopback_ray
     from tests.cluster.conftest import cluster_config

@@ -17,7 +17,7 @@ import grpc
 import pytest
 import ray
 
-from benchmarks.chaos import on_workers
+from benchmarks.chaos_probes import on_workers
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config

@@ -18,11 +18,12 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+import grpc
 import openai
 import pytest
 import ray
 
-from benchmarks.chaos import on_workers, wait_idle
+from benchmarks.chaos_probes import on_workers, wait_idle
 from benchmarks.loadgen import run_bench
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
@@ -223,11 +224,47 @@ def test_full_queues_are_rate_limited(
             return "ok"
         except openai.RateLimitError as exc:
             assert "full queue" in str(exc)
+            assert exc.response.headers["retry-after"] == "1"  # the openai client waits it
             return "429"
 
     with cf.ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(send, range(12)))
     assert outcomes.count("429") >= 4 and outcomes.count("ok") >= 2, outcomes
+    assert idle_and_unheld(http_cluster)
+
+
+def test_full_queues_refuse_before_reading_the_body(
+    http_cluster: Cluster, base_url: str, model: str
+) -> None:
+    """Once every worker's queue was full, a request is refused before it is parsed (a body
+    that is not even JSON gets the 429) until a slot frees; gRPC's the same, with a pushback."""
+    long = json.dumps({"model": model, "prompt": "Fill", "max_tokens": 300, "ignore_eos": True})
+    unparsed: list[dict[str, Any]] = []
+    pushback: list[tuple[str, str]] = []
+    with (
+        cf.ThreadPoolExecutor(8) as pool,
+        KVClusterClient(http_cluster.endpoints[0], token=TOKEN) as grpc_client,
+    ):
+        burst = [
+            pool.submit(raw, base_url, "POST", "/v1/completions", long.encode()) for _ in range(8)
+        ]
+        while not all(f.done() for f in burst) and not (unparsed and pushback):
+            got, headers, answer = raw(base_url, "POST", "/v1/completions", b"{not json")
+            if got == 429:
+                unparsed.append({**json.loads(answer)["error"], "retry": headers["retry-after"]})
+            try:
+                grpc_client.unary("Fill", max_tokens=2)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                pushback += exc.trailing_metadata()
+        statuses = sorted(f.result()[0] for f in burst)
+    assert 429 in statuses and statuses.count(200) >= 2, statuses
+    assert unparsed, "no request was refused before it was read"
+    assert (unparsed[0]["code"], unparsed[0]["retry"]) == ("queues_full", "1")
+    assert "before it was read" in unparsed[0]["message"]
+    assert ("grpc-retry-pushback-ms", "1000") in pushback
+    got, _, _ = raw(base_url, "POST", "/v1/completions", b"{not json")
+    assert got == 400  # the slots freed: parsed again
     assert idle_and_unheld(http_cluster)
 
 
@@ -563,10 +600,11 @@ def test_no_live_worker_is_503_zz_last(http_cluster: Cluster, base_url: str, mod
     body = json.dumps({"model": model, "prompt": "anyone there?", "max_tokens": 2}).encode()
     deadline = time.monotonic() + 30
     while True:  # until the router sees the heartbeat lapse
-        status, _, answer = raw(base_url, "POST", "/v1/completions", body)
+        status, headers, answer = raw(base_url, "POST", "/v1/completions", body)
         if status == 503 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert status == 503 and "no live worker" in json.loads(answer)["error"]["message"]
+    assert headers["retry-after"] == "1"
     health, _, _ = raw(base_url, "GET", "/health")
     assert health == 503

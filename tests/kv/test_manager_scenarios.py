@@ -292,9 +292,9 @@ def test_stale_prefix_adopts_only_what_is_still_cached() -> None:
 
 
 def test_hash_collision_never_returns_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kv.manager as manager
+    import worker.kv.queries as queries
 
-    monkeypatch.setattr(manager, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
+    monkeypatch.setattr(queries, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
     kv = _kv(8)
     kv._pool.cache_full_blocks(kv._pool.take_new(1), [b"\0" * 16], [(1, 1, 1, 1)], None)
     assert kv.lookup_prefix([2, 2, 2, 2, 2], CTX).num_tokens == 0

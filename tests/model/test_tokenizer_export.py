@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from benchmarks.vllm_bench import vllm_command
 from cluster.cli import main
 from cluster.config import load_config
-from cluster.launcher import resolve_model
+from cluster.settings import resolve_model
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
 

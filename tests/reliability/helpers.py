@@ -1,6 +1,7 @@
 """Helpers of the reliability suite. The probes into live workers and routers and the mixed
-load live in :mod:`benchmarks.chaos` (the chaos run uses them too); this module adds what
-only tests need. Every gRPC call of the suite carries a deadline: a hang fails a test."""
+load live in :mod:`benchmarks.chaos_probes` and :mod:`benchmarks.chaos_load` (the chaos run
+uses them too); this module adds what only tests need. Every gRPC call of the suite carries
+a deadline: a hang fails a test."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 
 import grpc
 
-from benchmarks.chaos import (  # noqa: F401 - re-exported for the tests
+from benchmarks.chaos_load import MixedLoad  # noqa: F401 - re-exported for the tests
+from benchmarks.chaos_probes import (  # noqa: F401 - re-exported for the tests
     NON_UTF8_TEXT,
-    MixedLoad,
     blocks_in_use,
     decisions,
     on_workers,

@@ -5,7 +5,6 @@ rate (simulator and real CPU engine), and the engine's outputs are identical wit
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,16 @@ import pytest
 from benchmarks import host_tier_engine, host_tier_sim
 from benchmarks.workloads import DEFAULT_TRACE, trace_requests
 
-TRACE = Path(os.environ.get("KVCLUSTER_TRACE", DEFAULT_TRACE))  # as the benchmark reads it
+TRACE = DEFAULT_TRACE  # as the benchmark reads it
 
 
 def _headline(capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"no trace at {TRACE} (see benchmarks/trace_path.py)"
+)
 def test_host_tier_sim_smoke(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -61,3 +61,61 @@ def test_idle_trickling_and_slow_body_connections_are_closed(
     assert head.startswith(b"HTTP/1.1 408")
     assert "not received within 0.5 s" in json.loads(body)["error"]["message"]
     assert fresh.startswith(b"HTTP/1.1 404")
+
+
+def test_bodies_held_at_once_are_bounded_for_all_requests_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each body is bounded, yet a few hundred slow uploads of large ones held gigabytes (200
+    stalled 4 MB uploads: +1 GB of router memory for up to BODY_TIMEOUT_S). Past the budget
+    for all requests together, a body is refused (503, Retry-After); the budget comes back
+    as bodies end, however they end."""
+    monkeypatch.setattr(app_mod, "BODY_BUDGET_BYTES", 1 << 20)
+    server = OpenAIServer(
+        Core(),  # type: ignore[arg-type]
+        SpyTokenizer(),  # type: ignore[arg-type]
+        auth=None,
+        limits=LIMITS,
+        max_body_bytes=200 << 10,  # the budget: max(1 MiB, 4 x 200 KiB) = 1 MiB
+    )
+    part = b"x" * (190 << 10)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (200 << 10)
+
+    async def main() -> tuple[list[int], bytes, int, bytes]:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            stalled = []
+            for _ in range(5):  # 5 x 190 KiB held: 950 KiB of the 1 MiB
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(head + part)
+                await w.drain()
+                stalled.append((r, w))
+            while server.bodies.held < 5 * len(part):
+                await asyncio.sleep(0.01)
+            held = [server.bodies.held]
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(head + part)  # the sixth would pass the budget
+            refused = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+            length = int(refused.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            refused += await asyncio.wait_for(r.readexactly(length), 10)
+            w.close()
+            for _, w in stalled:  # clients gone mid-body: their bytes are given back
+                w.close()
+            while server.bodies.held:
+                await asyncio.sleep(0.01)
+            held.append(server.bodies.held)
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            fresh = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+            w.close()
+            return held, refused, server.bodies.held, fresh
+        finally:
+            await server.stop()
+
+    held, refused, after, fresh = asyncio.run(main())
+    assert held == [5 * len(part), 0] and after == 0
+    head_, _, body = refused.partition(b"\r\n\r\n")
+    assert head_.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head_.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "server_busy" and "all requests together" in err["message"], err
+    assert fresh.startswith(b"HTTP/1.1 400")  # served again: {} has no prompt

@@ -37,6 +37,9 @@ class Core:
     router = SimpleNamespace(metrics=RouterMetrics())  # what /metrics reads of it
     retries = broken = 0
 
+    def check_room(self) -> None:  # queues never full
+        pass
+
     async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
         d = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
         yield "w0", RequestOutput(request_id, [d], True, Usage(len(token_ids), 0, 1))

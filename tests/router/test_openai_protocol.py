@@ -144,6 +144,11 @@ def test_errors_map_to_statuses() -> None:
     mismatch = error_status(WireMismatch("SamplingParams: unknown field 'x'"))
     assert (mismatch.http_status, mismatch.code) == (503, "version_mismatch")
     assert "unknown field 'x'" in mismatch.message and "upgrade" in mismatch.message
+    # a hint to retry where retrying may succeed, none where it cannot
+    retry = [EngineOverloaded(2, 2), ClusterOverloaded("f"), NoWorkersError("n"), StreamBroken("d")]
+    assert all(error_status(e).retry_after_s == 1 for e in retry)
+    assert error_status(InvalidRequest("n", 0, "x")).retry_after_s is None
+    assert mismatch.retry_after_s is None and error_status(RuntimeError()).retry_after_s is None
 
 
 def test_chat_extras_are_type_checked_and_surrogates_are_found() -> None:
@@ -254,9 +259,11 @@ def test_structure_scan_is_exact_across_slices(
     values and the depth come out as for the whole body."""
     import json
 
+    import kvstore.blocks.json_text as json_text
     import router.http_api.body as body_mod
 
     monkeypatch.setattr(body_mod, "SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(json_text, "SLICE_BYTES", slice_bytes)  # the structure scan's
     lim = BodyLimits(1 << 20, max_items=24, max_depth=3)  # fits: 19 by this count
     text = 'a\\\\"[[[[ \\\\\\\\ " ,,,, {{{{ \\\\'
     fits = {"p": text, "q": [[1, 2], {"k": text}], "r": "]]]]"}  # 3 levels, few values

@@ -134,6 +134,9 @@ def test_prediction_table_counts_pull_misses_and_slow_pulls() -> None:
     assert (w.pulls, w.pull_planned_tokens, w.pulled_tokens) == (3, 960, 480)
     assert (w.pull_misses, w.pull_slow) == (2, 1)
     assert table.pull_totals()["pull_misses"] == 2
+    # priced 3 x 10 ms, taken 10 + 500 + 15 ms
+    assert table.pull_totals()["pull_time_priced_ms"] == 30
+    assert table.pull_totals()["pull_time_taken_ms"] == 525
 
 
 # the policy ruled the busy holder "a" out (its load bound) and chose "b": pull or recompute
@@ -207,3 +210,17 @@ def test_a_pull_soft_deadline_covers_the_holder_whole_step_in_flight() -> None:
     assert placement.worker_id == "b" and hint is not None and hint.num_blocks == 12
     assert hint.priced_s == pytest.approx(0.128 + 0.01 + 192 * 2e-6)
     assert hint.deadline_s == pytest.approx(0.256 + 0.01 + 192 * 2e-6)
+
+
+def test_nothing_to_pull_is_counted_as_local_pending_or_cold() -> None:
+    """No pull priced (a load-only policy chose b): b holds what a holds (local), a
+    placement of the prefix on b is in flight (pending: its device count covers the run,
+    its blocks do not exist yet), or no worker holds any of it (cold)."""
+    planner = _planner()
+    views, held = _views((125, 125))
+    assert planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)[1] is None
+    views, held = _views((125, 0))  # pending on b: the device count, no block held
+    assert planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)[1] is None
+    cold = {w: (0, 0) for w in held}
+    assert planner.plan(2050, views, CHOSE_B, cold, holder_eligible=False)[1] is None
+    assert planner.choices == {"local": 1, "pending": 1, "cold": 1}

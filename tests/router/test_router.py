@@ -10,6 +10,7 @@ import pytest
 
 from router import (
     NoWorkersError,
+    PendingPlacements,
     PrefixSource,
     PrefixSourceUnavailable,
     Reason,
@@ -91,6 +92,53 @@ def test_pending_placements_expire() -> None:
     cluster.now += AFFINITY.pending_ttl_s + 0.01
     assert cluster.router.pending.lookup(block_keys(doc, 16), cluster.now) == {}
     assert len(cluster.router.pending) == 0
+
+
+def test_a_settled_placement_ends_its_claim_soon_not_at_its_ttl() -> None:
+    # ttl 10 s, settle 1 s: a placement's first token ends its claim a second later, so
+    # the index (which knows by then whether the blocks stayed) decides from then on
+    cfg = RoutingConfig(policy="prefix_affinity", pending_ttl_s=10.0, pending_settle_s=1.0)
+    cluster = MiniCluster(2, cfg, deliver_events=False)
+    doc = tokens(7, 1024)
+    keys = block_keys(doc, 16)
+    first = cluster.place("a", doc)
+    cluster.now += 2.0
+    cluster.router.settle(first)
+    assert cluster.router.pending.lookup(keys, cluster.now) == {first.worker_id: 64}
+    cluster.now += 1.01
+    assert cluster.router.pending.lookup(keys, cluster.now) == {}
+    assert len(cluster.router.pending) == 0
+    cluster.router.settle(first)  # settled twice, or after its end: nothing happens
+    assert len(cluster.router.pending) == 0
+
+
+def test_a_claim_lasts_while_any_of_its_placements_is_in_flight() -> None:
+    pending = PendingPlacements(ttl_s=10.0, settle_s=1.0)
+    a, b = block_keys(tokens(1, 64), 16), block_keys(tokens(1, 32), 16)  # b: a's first half
+    t_a = pending.record("w0", a, now=0.0)
+    t_b = pending.record("w0", b, now=0.5)
+    pending.settle(t_a, now=1.0)  # b's placement keeps the first two blocks claimed
+    assert pending.lookup(a, now=2.5) == {"w0": 2}
+    pending.settle(t_b, now=3.0)
+    assert pending.lookup(a, now=3.9) == {"w0": 2}
+    assert pending.lookup(a, now=4.01) == {}
+    # an unsettled placement still ends at its TTL; settling it afterwards is a no-op, and
+    # nothing of it is left behind
+    t_c = pending.record("w1", a, now=5.0)
+    assert pending.lookup(a, now=14.9) == {"w1": 4}
+    assert pending.lookup(a, now=15.01) == {} and len(pending) == 0
+    pending.settle(t_c, now=16.0)
+    assert len(pending) == 0 and not pending._in_flight and not pending._unsettled
+
+
+def test_a_later_placement_outlives_an_earlier_ones_settle() -> None:
+    pending = PendingPlacements(ttl_s=10.0, settle_s=1.0)
+    keys = block_keys(tokens(3, 64), 16)
+    t1 = pending.record("w0", keys, now=0.0)
+    pending.settle(t1, now=0.5)
+    pending.record("w0", keys, now=1.0)  # a sibling placed after the first settled
+    assert pending.lookup(keys, now=5.0) == {"w0": 4}  # its own TTL, not t1's settle
+    assert pending.lookup(keys, now=11.01) == {}
 
 
 def test_shared_system_prompt_does_not_herd() -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
+import pytest
+
+from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.outputs import CompletionDelta, FinishReason
 from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
 from kvstore.types import WorkerLoad
 from router.placement.config import RoutingConfig
 from router.placement.router import Router
-from router.serving.core import ModelLimits, ServingCore
+from router.serving.core import ClusterOverloaded, ModelLimits, ServingCore
 from router.serving.workers import WorkerDirectory
 from worker.engine import RequestOutput, SamplingParams, Usage
 
@@ -117,3 +120,75 @@ def test_only_a_router_that_hashes_prompts_asks_for_parity_keys() -> None:
     assert asyncio.run(main("prefix_affinity")) is True
     assert asyncio.run(main("round_robin")) is False
     assert asyncio.run(main("least_loaded")) is False
+
+
+def test_a_placements_pending_claim_ends_after_its_first_token() -> None:
+    """While a request waits for its first token its prefix is claimed for its worker (its
+    siblings follow it there); once the token is back the claim ends ``pending_settle_s``
+    later, not at the TTL: the index knows by then."""
+
+    async def main() -> tuple[dict, dict]:
+        directory = HeldWorkers()
+        router = Router(RoutingConfig(pending_ttl_s=60.0, pending_settle_s=0.05), block_size=16)
+        core = ServingCore(router, directory, LIMITS)
+        assert len(router.pending) == 0
+        task = asyncio.create_task(send(core, "a", [5] * 64))
+        while not directory.placed:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.1)  # in flight, no token yet: claimed past the settle time
+        decision_keys = list(router.pending._expiry)
+        during = router.pending.lookup(decision_keys, router._clock())
+        directory.release.set()
+        await task
+        await asyncio.sleep(0.1)  # the settle ran on the decide thread; 0.05 s have passed
+        after = router.pending.lookup(decision_keys, router._clock())
+        core.close()
+        return during, after
+
+    during, after = asyncio.run(main())
+    assert during == {"w0": 4} or during == {"w1": 4}, during
+    assert after == {}
+
+
+class OneSlotWorkers(HeldWorkers):
+    """Two workers with room for one request each: a third is refused (queue full)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy: set[str] = set()
+
+    async def stream(
+        self, worker_id: str, request: WorkerRequest
+    ) -> AsyncIterator[Admitted | RequestOutput]:
+        if worker_id in self.busy:
+            raise EngineOverloaded(1, 1)
+        self.busy.add(worker_id)
+        try:
+            async for item in super().stream(worker_id, request):
+                yield item
+        finally:
+            self.busy.discard(worker_id)
+
+
+def test_full_queues_refuse_cheaply_until_a_request_ends() -> None:
+    """Once every worker refused a request, the next is refused before it is parsed (the
+    edges call ``check_room`` first), until one of the router's requests ends."""
+
+    async def main() -> None:
+        directory = OneSlotWorkers()
+        core = serving(directory)
+        core.check_room()  # room: nothing refused yet
+        held = [asyncio.create_task(send(core, f"r{i}", [i + 1] * 40)) for i in range(2)]
+        while len(directory.busy) < 2:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ClusterOverloaded, match="full queue"):
+            await send(core, "r2", [9] * 40)
+        with pytest.raises(ClusterOverloaded, match="before it was read"):
+            core.check_room()
+        directory.release.set()  # both held requests end: their slots are free
+        await asyncio.gather(*held)
+        core.check_room()
+        await send(core, "r3", [9] * 40)
+        core.close()
+
+    asyncio.run(main())

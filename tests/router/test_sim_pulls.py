@@ -5,7 +5,6 @@ computed, more are hit, nothing is left in use; and the benchmark's smoke run.""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -50,7 +49,9 @@ def test_pulls_replace_recomputing_a_hot_prefix(policy: str) -> None:
     assert s_on.parity_mismatches == 0 and on.index_gaps == 0
 
 
-@pytest.mark.skipif(not Path(DEFAULT_TRACE).exists(), reason=f"no trace at {DEFAULT_TRACE}")
+@pytest.mark.skipif(
+    not DEFAULT_TRACE.exists(), reason=f"no trace at {DEFAULT_TRACE} (see benchmarks/trace_path.py)"
+)
 def test_kv_pull_sim_smoke(capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
     head = kv_pull_sim.main(["--smoke", "--policies", "prefix_affinity"])

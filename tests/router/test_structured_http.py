@@ -33,9 +33,13 @@ TOOL = {
 
 
 def chat(**body):  # noqa: ANN003, ANN201
-    return parse_request(
+    """The parsed request, its grammars compile-checked as the intake checks them."""
+    meta, specs = parse_request(
         {"model": "m", "messages": ASK, **body}, chat=True, tenant=None, limits=LIMITS, now=0
     )
+    for grammar in specs[0].grammars:
+        grammar.check()
+    return meta, specs
 
 
 def structured(**body):  # noqa: ANN003, ANN201
@@ -212,8 +216,9 @@ def test_grpc_field_is_checked_and_named() -> None:
     req.params.structured.regex = "[a-z]+"
     assert spec_from_pb(req).params.structured.value == "[a-z]+"
     req.params.structured.regex = "[a-z"
+    (grammar,) = spec_from_pb(req).grammars  # compile-checked by the intake, off the loop
     with pytest.raises(InvalidRequest) as err:
-        spec_from_pb(req)
+        grammar.check()
     assert err.value.field == "params.structured.regex"
     req.params.structured.json_schema = "{not json"
     with pytest.raises(InvalidRequest, match="not JSON"):

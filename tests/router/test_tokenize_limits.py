@@ -65,6 +65,9 @@ class Core:
     async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
         yield "w0", None
 
+    def check_room(self) -> None:  # queues never full
+        pass
+
 
 def servicer(tok: SpyTokenizer) -> KVClusterServicer:
     return KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
@@ -211,3 +214,58 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
     for e in errors:
         assert "messages" in e and "<8194 chars>" in e and "at most 8192 characters" in e
     assert [n for n, _ in tok.calls] == [4]  # only the conversation within the limit
+
+
+def test_tools_and_calls_count_against_the_cap_before_rendering_on_both_edges() -> None:
+    """The template writes a chat's tools and past tool calls into its prompt: megabytes of
+    them beside a short message are refused before anything is rendered (they took the
+    router seconds to render and tokenize, in the pool short texts use, only to be refused
+    as too long)."""
+    import json
+
+    from router.http_api.protocol import parse_request
+
+    tok = ChatSpyTokenizer()
+    svc = KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 9000}}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * 9000}}
+    hi = {"role": "user", "content": "hi"}
+    grpc_reqs = [
+        pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(**hi)], tools=json.dumps([tool]))
+        ),
+        pb.GenerateRequest(
+            messages=pb.ChatMessages(
+                messages=[pb.ChatMessage(role="assistant", tool_calls=json.dumps([call])), hi]
+            )
+        ),
+    ]
+    bodies = [
+        {"messages": [hi], "tools": [tool]},
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [call]}, hi]},
+    ]
+    http_specs = [
+        parse_request({"model": "m", **b}, chat=True, tenant=None, limits=LIMITS, now=0)[1][0]
+        for b in bodies
+    ]
+
+    async def main() -> list[str]:
+        errors = []
+        for req in grpc_reqs:
+            try:
+                async for _ in svc._outputs(req, Context()):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - InvalidRequest, before it is mapped
+                errors.append(str(exc))
+        for spec in http_specs:
+            try:
+                await svc.intake.token_ids(spec)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(str(exc))
+        return errors
+
+    errors = asyncio.run(main())
+    assert len(errors) == 4, errors
+    for e in errors:
+        assert "invalid messages=" in e and "characters of content and tools" in e, e
+    assert tok.calls == []  # nothing rendered or tokenized

@@ -12,7 +12,9 @@ from benchmarks import trace_replay
 from benchmarks.workloads import DEFAULT_TRACE
 
 
-@pytest.mark.skipif(not Path(DEFAULT_TRACE).exists(), reason=f"no trace at {DEFAULT_TRACE}")
+@pytest.mark.skipif(
+    not DEFAULT_TRACE.exists(), reason=f"no trace at {DEFAULT_TRACE} (see benchmarks/trace_path.py)"
+)
 def test_trace_replay_smoke(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -91,6 +91,10 @@ class KVTransferUnsupported(RuntimeError):
 
     def __init__(self, executor: str) -> None:
         super().__init__(f"{executor} cannot export or import KV blocks")
+        self.executor = executor  # the executor's class name
+
+    def __reduce__(self) -> tuple:  # Ray moves it between processes: rebuilt from its fields
+        return type(self), (self.executor,), self.__dict__
 
 
 class RunnerExecutor(ModelExecutor):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from kvstore.blocks.outputs import FinishReason, RequestOutput, TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.grammar_masks import GrammarMasks, grammar_rows
@@ -28,6 +28,7 @@ from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
+from worker.engine.request_output import beam_deltas, request_output
 from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
 
@@ -287,43 +288,8 @@ class OutputProcessor:
 
     def _beam_results(self, req: Request) -> None:
         """The search ended: its best ``n`` hypotheses, decoded, as the final deltas."""
-        assert req.beam is not None
-        hyps = req.beam.results(req.params.n)
-        if not hyps:  # nothing finished (e.g. every candidate impossible): the live beams
-            req.beam.give_up([s.output_ids for s in req.seqs])
-            hyps = req.beam.results(req.params.n)
-        for rank, hyp in enumerate(hyps):
-            toks = hyp.token_ids
-            shown = toks[:-1] if hyp.hit_stop else toks
-            text = (
-                self.tokenizer.decode(shown, skip_special_tokens=req.params.skip_special_tokens)
-                if self.tokenizer is not None
-                else ""
-            )
-            reason = FinishReason.STOP if hyp.hit_stop else FinishReason.LENGTH
-            stop = toks[-1] if hyp.hit_stop and toks[-1] in req.params.stop_token_set else None
-            req.final_deltas.append(
-                CompletionDelta(rank, text, list(toks), None, reason, stop, hyp.score)
-            )
+        req.final_deltas.extend(beam_deltas(req, self.tokenizer))
 
     def output(self, req: Request, now: float | None = None) -> RequestOutput:
-        if req.final_deltas:  # beam search: results only at the end
-            deltas = req.final_deltas
-        elif len(req.seqs) + len(req.done_seqs) == 1:  # n == 1: nothing to order
-            seq = req.seqs[0] if req.seqs else req.done_seqs[0]
-            deltas = [seq.take_delta()] if seq.has_news else []
-        else:
-            seqs = sorted((*req.seqs, *req.done_seqs), key=lambda s: s.index)
-            deltas = [s.take_delta() for s in seqs if s.has_news]
-        progressed, req.progressed = req.progressed, False
-        if now is not None and progressed:
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.stats.ttft.append(now - req.arrival_time)
-            else:
-                self.stats.itl.append(now - (req.last_token_time or now))
-            req.last_token_time = now
-        prompt = None
-        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and deltas:
-            prompt, req.prompt_logprobs_sent = list(req.prompt_logprobs), True
-        return RequestOutput(req.request_id, deltas, req.finished, req.usage(), req.error, prompt)
+        """The request's news since its last output (``now``: records TTFT / ITL)."""
+        return request_output(req, self.stats, now)

@@ -31,10 +31,10 @@ it is allocated, before the forward pass writes its KV:
   once, one step later, instead of once per request.
 
 After the model, the scheduler applies what the output processor decided
-(:meth:`Scheduler.update_from_output`): it appends the tokens, forks and prunes beams (and
-forks the parallel samples of a prompt, :meth:`Scheduler.fork_samples`) with copy-on-write
-blocks, gives back the blocks of every finished sequence at once, and finishes requests; the
-engine collects them with :meth:`Scheduler.take_finished`.
+(:meth:`Scheduler.update_from_output`, ``sched_updates.py``): it appends the tokens, forks
+and prunes beams (and forks the parallel samples of a prompt, :meth:`Scheduler.fork_samples`)
+with copy-on-write blocks, gives back the blocks of every finished sequence at once, and
+finishes requests; the engine collects them with :meth:`Scheduler.take_finished`.
 """
 
 from __future__ import annotations
@@ -43,23 +43,21 @@ import math
 from collections.abc import Sequence as Seq
 from typing import Literal
 
-from kvstore.blocks.outputs import FinishReason
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import OutputText
-from worker.engine.forking import advance_beams, fork_samples
-from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.preemption import pick_victim, should_swap
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.engine.sched_updates import OutcomeUpdates
 from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
 
 
-class Scheduler:
-    """Decides, step by step, which tokens of which sequences run."""
+class Scheduler(OutcomeUpdates):
+    """Decides, step by step, which tokens of which sequences run (applying what the model
+    produced: :class:`~worker.engine.sched_updates.OutcomeUpdates`)."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
         self.config = config
@@ -114,65 +112,6 @@ class Scheduler:
     @property
     def num_running_seqs(self) -> int:
         return sum(r.num_seq_slots for r in self.running)
-
-    # ---- after the model: applying the processor's outcomes ------------------------------
-
-    def fork_samples(
-        self, req: Request, parent: Sequence, texts: Seq[OutputText | None]
-    ) -> list[Sequence]:
-        """n > 1: fork the other samples off ``parent``, whose prompt was computed once
-        (:func:`worker.engine.forking.fork_samples`)."""
-        return fork_samples(self.kv, req, parent, texts)
-
-    def update_from_output(self, out: RequestOutcome) -> None:
-        """Apply one request's outcome: append its tokens, advance its beams (forking and
-        freeing their blocks), give back the blocks of sequences that finished, and finish
-        the request when none is left (:meth:`take_finished`)."""
-        req = out.req
-        if out.beams is not None or any(o.token is not None for o in out.seqs):
-            req.protected = False
-            req.progressed = True
-        for o in out.seqs:
-            seq = o.seq
-            if o.token is not None:
-                seq.token_ids.append(o.token)
-                seq.new_tokens.append(o.token)
-                if o.logprob is not None:
-                    seq.new_logprobs.append(o.logprob)
-                    seq.cumulative_logprob += o.logprob.logprob
-            if o.finish is not None:
-                seq.finish_reason, seq.stop_reason = o.finish, o.stop_reason
-                self.free_seq(seq)  # blocks back at once, not when the request ends
-                req.seqs.remove(seq)
-                req.done_seqs.append(seq)
-        if out.beam_done:
-            for seq in req.seqs:
-                self.free_seq(seq)
-            req.seqs = []
-        elif out.beams is not None:
-            advance_beams(self.kv, req, out.beams, self.free_seq)
-        if not req.seqs:
-            self.finish(req)
-
-    def abort(self, req: Request, error: str | None) -> None:
-        """End ``req`` now, every sequence ``abort`` (``error``: why, if it failed)."""
-        req.error = error
-        for seq in req.seqs:
-            seq.finish_reason = FinishReason.ABORT
-        req.done_seqs.extend(req.seqs)
-        req.seqs = []
-        self.finish(req)
-
-    def finish(self, req: Request) -> None:
-        """Out of the queues, every block freed; the engine collects it (take_finished)."""
-        self.remove(req)
-        req.status = RequestStatus.FINISHED
-        self._finished.append(req)
-
-    def take_finished(self) -> list[Request]:
-        """Requests finished since the last call."""
-        done, self._finished = self._finished, []
-        return done
 
     # ---- the step ------------------------------------------------------------------------
 

@@ -110,7 +110,7 @@ class BlockPool:
             del self.cached[key]
             evicted.append(key)
         block.key = block.token_ids = block.tenant = block.parent = None
-        block.pulled = False
+        block.pulled = block.landing = False
 
     def _forget_evictable(self, block: KVBlock) -> None:
         if self.tenant_quota is not None:
@@ -140,6 +140,7 @@ class BlockPool:
         twin.twin_of, twin.key = None, key
         served = self.cached[key]
         twin.tenant, twin.parent, twin.pulled = served.tenant, served.parent, served.pulled
+        twin.landing = served.landing
         self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -150,6 +151,8 @@ class BlockPool:
                 if block.key is not None:
                     self.num_evictable -= 1
                     self._forget_evictable(block)
+            if block.landing:  # a landed copy in use: evicted first once free again
+                block.landing, block.pulled = False, True
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -253,7 +256,15 @@ class BlockPool:
         evicted before the blocks computed here (see :class:`FreeBlockQueue`)."""
         for block in blocks:
             if block.key is not None:
-                block.pulled = True
+                block.pulled, block.landing = True, False
+
+    def mark_landed(self, blocks: Iterable[KVBlock]) -> None:
+        """``blocks`` (cached, held only by their import) just landed from a peer for a
+        request still waiting: once free they queue with the computed blocks, and become
+        pulled copies (:meth:`mark_pulled`) when something takes them (:meth:`touch`)."""
+        for block in blocks:
+            if block.key is not None:
+                block.landing, block.pulled = True, False
 
     def num_used(self) -> int:
         return len(self.blocks) - len(self.free_queue)
@@ -266,7 +277,7 @@ class BlockPool:
             raise BlockPoolError("a twin is in use although no block is")
         for block in self.cached.values():
             block.key = block.token_ids = block.tenant = block.parent = None
-            block.pulled = False
+            block.pulled = block.landing = False
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0

@@ -28,6 +28,7 @@ class KVBlock:
         "tenant",
         "parent",
         "pulled",
+        "landing",
         "prev",
         "next",
     )
@@ -41,6 +42,7 @@ class KVBlock:
         self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
         self.parent: BlockKey | None = None  # key before ``key`` (a host tier names it)
         self.pulled = False  # cached from a peer's copy, or cached under such a block
+        self.landing = False  # pulled, not yet used by the request it was pulled for
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
@@ -63,7 +65,10 @@ class FreeBlockQueue:
     A third sentinel, ``_mid``, splits the cached blocks in two: copies pulled from peers
     (``append_pulled``, least recently used first) go before those computed here
     (``append``), so a pulled copy, which a peer still holds, is evicted before any block
-    only this worker has; blocks with nothing to keep (``appendleft``) go before both.
+    only this worker has; blocks with nothing to keep (``appendleft``) go before both. A
+    copy that has just landed queues with the computed blocks until something uses it (the
+    request it was pulled for is still waiting for its turn: evicting its pull first would
+    waste the pull and recompute the prefix after all).
     """
 
     __slots__ = ("_head", "_mid", "_tail", "_len")

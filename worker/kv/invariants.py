@@ -52,6 +52,8 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
             _fail(f"{block}: ref count != {holders[block.block_id]} tables holding it")
         if block.ref_cnt > 0 and (block.prev is not None or block.next is not None):
             _fail(f"{block} is in use but still linked into the free queue")
+        if block.landing and (block.pulled or block.ref_cnt > 1 or block.key is None):
+            _fail(f"{block} landed from a peer but is marked pulled, shared or uncached")
 
     queued: list[int] = []
     prev = pool.free_queue._head

@@ -285,7 +285,9 @@ class TransferMixin:
             self._pool.cache_full_blocks(
                 plan.blocks, plan.keys, plan.token_ids, plan.parent, plan.tenant
             )
-            self._pool.mark_pulled(plan.blocks)  # a peer holds them too: evicted first
+            # a peer holds them too: evicted first, but only once the request they were
+            # pulled for (still waiting) has taken them
+            self._pool.mark_landed(plan.blocks)
             if self._host is not None:
                 self._host.discard(plan.keys)  # tiers stay exclusive
         # (host blocks were stored, and announced, by plan_import)

@@ -15,6 +15,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvstore.blocks import json_text
+from kvstore.blocks.errors import InvalidRequest
+
 _PROMPT = (
     "You may call functions to answer. They are listed within <tools></tools>:\n<tools>\n"
     "{tools}\n</tools>\nTo call one, answer with its name and arguments as JSON within "
@@ -28,9 +31,9 @@ def _arguments(call: Mapping[str, Any]) -> dict[str, Any]:
     args = fn.get("arguments")
     if isinstance(args, str):
         try:
-            fn["arguments"] = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass  # left as text: the template shows it as it came
+            fn["arguments"] = json_text.loads(args, "arguments") if args.strip() else {}
+        except InvalidRequest:
+            pass  # not JSON, or nested too deep to walk: the template shows it as it came
     return {**call, "function": fn}
 
 

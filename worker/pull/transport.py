@@ -30,6 +30,10 @@ class PullFailed(Exception):
     def __init__(self, outcome: str, detail: str) -> None:
         super().__init__(f"{outcome}: {detail}")
         self.outcome = outcome
+        self.detail = detail
+
+    def __reduce__(self) -> tuple:  # Ray moves it between processes: rebuilt from its fields
+        return type(self), (self.outcome, self.detail), self.__dict__
 
 
 @dataclass(frozen=True, slots=True)

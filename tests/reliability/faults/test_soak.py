@@ -1,5 +1,5 @@
 """Soak: a long mixed load of streams, unary calls, cancels, disconnects, tight deadlines and
-malformed requests (see ``benchmarks.chaos.MixedLoad``) leaves nothing behind.
+malformed requests (see ``benchmarks.chaos_load.MixedLoad``) leaves nothing behind.
 
 Every request ends with a code its kind allows, none hangs, no KV block stays referenced
 and no request stays queued on any worker, and worker memory stays within
