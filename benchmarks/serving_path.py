@@ -45,6 +45,7 @@ from benchmarks.serving_probes import (
     loop_lags,
     router_cpu,
     stage_seconds,
+    submit_calls,
 )
 from benchmarks.stream_clients import run_grpc, run_http
 from benchmarks.vllm_bench import DEFAULT_VLLM_PYTHON
@@ -117,6 +118,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     busy0 = engine_busy(cluster)
     cpu0 = cpu_times(cluster)
     stages0 = stage_seconds(cluster)
+    submits0 = submit_calls(cluster)
     if api == "http":
         model = ray.get(
             next(iter(cluster.routers.values())).__ray_call__.remote(lambda r: r.settings.model_id)
@@ -131,6 +133,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
     busy1 = engine_busy(cluster)
     cpu1 = cpu_times(cluster)
     stages = stage_seconds(cluster)
+    submits = submit_calls(cluster)
     expected = len(prompts) * max_tokens
     assert run.tokens == expected, f"{api}: {run.tokens} tokens, expected {expected}"
     return {
@@ -141,6 +144,7 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
         **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in cpu0},
         "client cpu ms/tok": 1e3 * client / run.tokens,  # this process: the client's loop
+        "submits/req": None if submits is None else (submits - submits0) / len(prompts),
         "stages": None
         if stages is None or stages0 is None
         else {k: round(v, 2) for k, v in stages.minus(stages0).per_step_ms().items()},
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict:
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
     cols += ["worker lag ms", "router lag ms", "engine busy"]
     cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "client cpu ms/tok"]
-    cols += ["cpu ratio"]
+    cols += ["cpu ratio", "submits/req"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
     print_table(rows, "served vs offline (same engine config; tok/s over all streams)")
     for key, value in extra.items():
@@ -313,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
             headline[f"{key}_ratio"] = round(r["served/offline"], 3)
             headline[f"{key}_cpu_ratio"] = round(r["cpu ratio"], 3)
             headline[f"{key}_router_cpu_ms_tok"] = round(r["router cpu ms/tok"], 3)
+            if r["submits/req"] != "":
+                headline[f"{key}_submits_per_req"] = round(r["submits/req"], 3)
     served_rows = [r for r in rows if r["system"] in ("http", "grpc")]
     for side in ("worker", "router"):
         lags = [r[f"{side} lag ms"] for r in served_rows if r[f"{side} lag ms"] != ""]

@@ -71,6 +71,17 @@ def cpu_times(cluster: Cluster) -> dict[str, float]:
     return {"worker": worker, "engine": engine, "router": router_cpu(cluster)}
 
 
+def submit_calls(cluster: Cluster) -> int | None:
+    """Submit calls the (first) router sent its workers so far (a call carries the requests
+    gathered for one worker); None for a build that sends one per request."""
+    h = next(iter(cluster.routers.values()))
+    return ray.get(
+        h.__ray_call__.remote(
+            lambda r: getattr(getattr(r.directory, "submits", None), "calls", None)
+        )
+    )
+
+
 def router_cpu(cluster: Cluster) -> float:
     """CPU seconds the router's process used so far (every thread: the loop, Ray's, gRPC's)."""
     h = next(iter(cluster.routers.values()))
