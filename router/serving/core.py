@@ -86,6 +86,7 @@ class ServingCore:
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
+        self._full_detail = ""  # the workers' refusals then: each names its limit
 
     def check_room(self) -> None:
         """Raise :class:`ClusterOverloaded` while the workers' queues are known to be full
@@ -94,7 +95,7 @@ class ServingCore:
         if at is not None and time.monotonic() - at < FULL_RETRY_S:
             raise ClusterOverloaded(
                 "not queued: every worker's queue was full moments ago (request refused "
-                "before it was read); retry later"
+                f"before it was read); retry later. {self._full_detail}"
             )
 
     def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
@@ -324,6 +325,7 @@ class ServingCore:
     ) -> ClusterOverloaded:
         if every_worker:  # whatever the next request is, it meets full queues
             self._full_at = time.monotonic()
+            self._full_detail = "; ".join(full)
         return ClusterOverloaded(
             f"request {request_id!r} not queued: every worker tried has a "
             f"full queue; retry later. " + "; ".join(full)

@@ -181,10 +181,13 @@ def test_full_queues_refuse_cheaply_until_a_request_ends() -> None:
         held = [asyncio.create_task(send(core, f"r{i}", [i + 1] * 40)) for i in range(2)]
         while len(directory.busy) < 2:
             await asyncio.sleep(0.001)
-        with pytest.raises(ClusterOverloaded, match="full queue"):
+        with pytest.raises(ClusterOverloaded, match="full queue") as tried:
             await send(core, "r2", [9] * 40)
-        with pytest.raises(ClusterOverloaded, match="before it was read"):
+        with pytest.raises(ClusterOverloaded, match="before it was read") as unread:
             core.check_room()
+        # the unread refusal still names each worker's limit, as the tried one did
+        detail = str(tried.value).split("retry later. ", 1)[1]
+        assert detail and detail in str(unread.value)
         directory.release.set()  # both held requests end: their slots are free
         await asyncio.gather(*held)
         core.check_room()
