@@ -242,7 +242,8 @@ class ServingCore:
             finally:
                 self._idle_at_placement.discard(request_id)
                 self._prefilled(worker, request_id, done=True)
-                self._settle(decision)
+                if not produced:  # settled at its first token otherwise
+                    self._settle(decision)
                 if admitted:  # it leaves a queue slot behind
                     self._full_at = None
                 if not finished and gone:
