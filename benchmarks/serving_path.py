@@ -53,13 +53,17 @@ from benchmarks.vllm_serve import vllm_legs
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.cpu_threads import available_cores
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 
 
 def engine_config(streams: int, prompt: int, max_tokens: int, burst: int) -> dict:
+    """One config for the offline engine and the served worker: the same intra-op threads
+    too (a worker left to Ray's choice would run one per whole reserved CPU)."""
     per_seq = -(-(prompt + max_tokens) // 16)
     return {
+        "cpu_threads": available_cores(),
         "block_size": 16,
         "num_blocks": per_seq * (streams + burst) + 64,
         "max_num_seqs": streams,

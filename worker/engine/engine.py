@@ -24,6 +24,7 @@ from pathlib import Path
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.cpu_threads import configure_threads, current_threads
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.engine_step import EngineStep
 from worker.engine.executor import ModelExecutor, RunnerExecutor
@@ -66,6 +67,10 @@ class Engine(EngineStep):
         self.config = config
         self.model_id = model_id
         self.executor = executor
+        # the model's intra-op threads; per OS thread: the engine loop applies it on its own
+        self.cpu_threads = (
+            configure_threads(config.cpu_threads) if config.cpu_threads else current_threads()
+        )
         self.tokenizer = executor.tokenizer
         self.max_model_len = config.max_model_len or limit
         self.eos_ids = frozenset(executor.eos_token_ids)

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.cpu_threads import configure_threads
 from worker.engine.engine import Engine
 from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
@@ -241,6 +242,9 @@ class StreamingEngine:
 
     def _run(self) -> None:
         try:
+            # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
+            # from what the thread that built the engine set (worker/cpu_threads.py)
+            configure_threads(self.engine.cpu_threads)
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()
