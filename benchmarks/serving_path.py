@@ -59,9 +59,9 @@ from benchmarks.vllm_serve import vllm_legs
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.cpu_threads import available_cores
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
+from worker.model.cpu_threads import available_cores
 
 
 def engine_config(streams: int, prompt: int, max_tokens: int, burst: int) -> dict:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.cpu_threads import available_cores, configure_threads, worker_env
+from worker.cpu_threads import worker_env
+from worker.model.cpu_threads import available_cores, configure_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = (

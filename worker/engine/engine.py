@@ -24,7 +24,6 @@ from pathlib import Path
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.cpu_threads import configure_threads, current_threads
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.engine_step import EngineStep
 from worker.engine.executor import ModelExecutor, RunnerExecutor
@@ -44,6 +43,7 @@ from worker.engine.structured import GrammarCompiler
 from worker.engine.validate import validate_request
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
+from worker.model.cpu_threads import configure_threads, current_threads
 
 
 class Engine(EngineStep):

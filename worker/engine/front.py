@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.cpu_threads import configure_threads
 from worker.engine.engine import Engine
 from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
@@ -41,6 +40,7 @@ from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
+from worker.model.cpu_threads import configure_threads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
