@@ -249,6 +249,7 @@ def fanout(args: argparse.Namespace) -> dict:
     model_dir = build_tiny_model(None, "llama", "tiny", 0)
     n = args.fanout_workers * args.fanout_streams
     engine_cfg = engine_config(args.fanout_streams, args.prompt, args.max_tokens, 0)
+    engine_cfg["cpu_threads"] = 1  # the workers share the node's cores
     engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
     vocab = engine.executor.vocab_size
     one = offline(engine, make_prompts(args.fanout_streams, args.prompt, vocab, 7), args.max_tokens)
