@@ -7,12 +7,20 @@ Ray drops a gauge from its export when nothing set it for a while (~30 s), so an
 worker's gauges would vanish: the engine thread records their values after each step and a
 heartbeat thread (:meth:`WorkerTelemetry.start_heartbeat`) sets them again every few seconds.
 Totals (preemptions) are counters, increased by what changed since the last step.
+
+Latencies leave the engine thread in bulk: each step's TTFT and inter-token values go into
+one list (a float append per stream, ~50 ns), and the heartbeat thread observes them into
+Ray's histograms every ``HISTOGRAM_FLUSH_S`` (:meth:`WorkerTelemetry.flush`): an ``observe``
+costs ~1-2 us, 0.3 ms per step at 128 streams, which the engine thread no longer spends.
+Ray exports its metrics every few seconds, so the exported counts and sums are the same.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -22,6 +30,7 @@ from worker.engine import EngineSnapshot, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 GAUGE_REFRESH_S = 5.0  # well inside Ray's expiry of metrics not set for ~30 s
+HISTOGRAM_FLUSH_S = 0.5  # well inside Ray's export interval (~10 s): nothing shows late
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +45,26 @@ class GaugeValues:
 
 
 class WorkerTelemetry:
-    def __init__(self, worker_id: str, *, metrics_api: ModuleType | None = None) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        metrics_api: ModuleType | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``metrics_api``: a module with ``ray.util.metrics``'s ``Gauge``, ``Counter`` and
-        ``Histogram`` (default: Ray's own when Ray is initialized, else nothing exported)."""
+        ``Histogram`` (default: Ray's own when Ray is initialized, else nothing exported).
+        ``clock``: seconds, for arrivals and token times."""
+        self._clock = clock
         self.tags = {"worker": worker_id}
         self._arrival: dict[str, float] = {}  # request id -> arrival (until first token)
         self._last: dict[str, float] = {}  # request id -> last token time
         self.ttft_count = 0
         self.itl_count = 0
+        # per step: (ttft values, inter-token values); the engine thread appends, the
+        # flushing thread pops (deque's append and popleft are atomic: no lock)
+        self._pending: deque[tuple[list[float], list[float]]] = deque()
+        self._flush_lock = threading.Lock()  # one flusher at a time (heartbeat or stop)
         self.gauges = GaugeValues()  # replaced (never mutated) by the engine thread
         self.gauge_refreshes = 0  # times the gauges were set (steps and heartbeats)
         self._preemptions_sent = 0  # preemptions already added to the counter
@@ -83,27 +104,35 @@ class WorkerTelemetry:
             )
 
     def arrived(self, request_id: str) -> None:
-        self._arrival[request_id] = time.monotonic()
+        self._arrival[request_id] = self._clock()
 
     def after_step(self, snap: EngineSnapshot, outputs: list[RequestOutput]) -> None:
-        """Engine thread, after each step: its outputs and the engine's snapshot after it."""
-        now = time.monotonic()
+        """Engine thread, after each step: its outputs and the engine's snapshot after it.
+        Latencies are queued for :meth:`flush`, not observed here."""
+        now = self._clock()
+        ttft: list[float] = []
+        itl: list[float] = []
+        arrival_of, last = self._arrival, self._last
         for out in outputs:
             rid = out.request_id
-            if any(d.token_ids for d in out.outputs):
-                arrival = self._arrival.pop(rid, None)
-                if arrival is not None:
-                    self.ttft_count += 1
-                    if self._exported:
-                        self.ttft.observe(now - arrival, self.tags)
-                elif rid in self._last:
-                    self.itl_count += 1
-                    if self._exported:
-                        self.itl.observe(now - self._last[rid], self.tags)
-                self._last[rid] = now
+            for d in out.outputs:
+                if d.token_ids:
+                    arrival = arrival_of.pop(rid, None)
+                    if arrival is not None:
+                        ttft.append(now - arrival)
+                    else:
+                        prev = last.get(rid)
+                        if prev is not None:
+                            itl.append(now - prev)
+                    last[rid] = now
+                    break
             if out.finished:
-                self._arrival.pop(rid, None)
-                self._last.pop(rid, None)
+                arrival_of.pop(rid, None)
+                last.pop(rid, None)
+        self.ttft_count += len(ttft)
+        self.itl_count += len(itl)
+        if self._exported and (ttft or itl):
+            self._pending.append((ttft, itl))
         self.gauges = GaugeValues(
             kv_usage=snap.kv_usage,
             running=snap.num_running,
@@ -118,6 +147,22 @@ class WorkerTelemetry:
                 self.preemptions.inc(preempted, self.tags)
         self.refresh_gauges()
 
+    def flush(self) -> int:
+        """Observe the queued latencies into the histograms (any thread; the heartbeat does
+        it every ``HISTOGRAM_FLUSH_S``, and :meth:`stop_heartbeat` once more). Returns how
+        many values it observed."""
+        n = 0
+        with self._flush_lock:
+            pending, tags = self._pending, self.tags
+            while pending:
+                ttft, itl = pending.popleft()
+                for v in ttft:
+                    self.ttft.observe(v, tags)
+                for v in itl:
+                    self.itl.observe(v, tags)
+                n += len(ttft) + len(itl)
+        return n
+
     def refresh_gauges(self) -> None:
         """Set every gauge to its last recorded value (any thread)."""
         g = self.gauges
@@ -130,15 +175,23 @@ class WorkerTelemetry:
         self.hit_rate.set(g.prefix_hit_rate, self.tags)
         self.quota_evictions.set(g.tenant_quota_evictions, self.tags)
 
-    def start_heartbeat(self, interval_s: float = GAUGE_REFRESH_S) -> None:
-        """Refresh the gauges every ``interval_s`` from a daemon thread, steps or not."""
+    def start_heartbeat(
+        self, interval_s: float = GAUGE_REFRESH_S, flush_s: float = HISTOGRAM_FLUSH_S
+    ) -> None:
+        """From a daemon thread: set the gauges again every ``interval_s``, steps or not,
+        and flush the queued latencies every ``flush_s``."""
         if self._beat is not None:
             return
+        wait_s = min(interval_s, flush_s)
 
         def beat() -> None:
-            while not self._stop.wait(interval_s):
+            refreshed = time.monotonic()
+            while not self._stop.wait(wait_s):
                 try:
-                    self.refresh_gauges()
+                    self.flush()
+                    if time.monotonic() - refreshed >= interval_s:
+                        refreshed = time.monotonic()
+                        self.refresh_gauges()
                 except Exception:  # noqa: BLE001, S112 - metrics never take a worker down
                     continue
 
@@ -146,7 +199,9 @@ class WorkerTelemetry:
         self._beat.start()
 
     def stop_heartbeat(self) -> None:
+        """Stop the thread, then flush what is still queued."""
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=2.0)
             self._beat = None
+        self.flush()
