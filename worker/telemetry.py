@@ -106,6 +106,10 @@ class WorkerTelemetry:
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = self._clock()
 
+    def forget(self, request_id: str) -> None:
+        """A request that ``arrived`` but was refused: nothing to measure."""
+        self._arrival.pop(request_id, None)
+
     def after_step(self, snap: EngineSnapshot, outputs: list[RequestOutput]) -> None:
         """Engine thread, after each step: its outputs and the engine's snapshot after it.
         Latencies are queued for :meth:`flush`, not observed here."""

@@ -17,8 +17,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
+import time
 
 GIL_SWITCH_INTERVAL_S = 0.001  # the most a ready event loop waits for another thread
 
@@ -35,3 +37,25 @@ def short_gil_turns(interval_s: float = GIL_SWITCH_INTERVAL_S) -> None:
     if the interval is shorter already."""
     if sys.getswitchinterval() > interval_s:
         sys.setswitchinterval(interval_s)
+
+
+LOOP_SLICE_S = 0.002  # the most a loop-side batch of work runs before it yields
+
+
+class LoopSlices:
+    """Cut a long loop-side batch (a burst of requests checked one by one) into turns of at
+    most ``budget_s``: ``await slices.tick()`` after each item yields the event loop once the
+    turn is spent, so a ready callback (another call, a stream) never waits longer."""
+
+    __slots__ = ("budget_s", "_since", "yields")
+
+    def __init__(self, budget_s: float = LOOP_SLICE_S) -> None:
+        self.budget_s = budget_s
+        self._since = time.perf_counter()
+        self.yields = 0  # times the loop was given back
+
+    async def tick(self) -> None:
+        if time.perf_counter() - self._since >= self.budget_s:
+            await asyncio.sleep(0)
+            self.yields += 1
+            self._since = time.perf_counter()

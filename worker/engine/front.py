@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine.burst import BurstAdmission
 from worker.engine.engine import Engine
 from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class StreamingEngine:
-    """Runs ``engine.step()`` in a background thread; commands reach it through a queue."""
+class StreamingEngine(BurstAdmission):
+    """Runs ``engine.step()`` in a background thread; commands reach it through a queue.
+    A burst of requests goes in with :meth:`add_requests_async` (``burst.py``)."""
 
     def __init__(
         self,
