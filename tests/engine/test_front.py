@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from kvstore.blocks.pauses import LoopSlices
 from tests.engine.helpers import assert_no_blocks_in_use
 from worker.engine import (
     Engine,
@@ -17,6 +18,8 @@ from worker.engine import (
     SamplingParams,
     StreamingEngine,
 )
+from worker.engine.burst import Submission
+from worker.engine.streams import OutputSink
 
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 300 - i] * (i + 1) for i in range(5)]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, min_tokens=4)
@@ -151,3 +154,66 @@ def test_stop_ends_every_stream(tiny_dir) -> None:
     assert_no_blocks_in_use(front.engine)
     with pytest.raises(EngineStopped):
         front.add_request(PROMPTS[0], PARAMS)
+
+
+class _Collect(OutputSink):
+    """A sink on a loop: every item, by request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: dict[str, list] = {}
+        self.deliveries = 0
+        self.ended = asyncio.Event()
+        self.open = 0
+
+    def deliver(self, items: list) -> None:
+        self.deliveries += 1
+        for item in items:
+            self.items.setdefault(item.request_id, []).append(item)
+            if item.finished:
+                self.open -= 1
+        if self.open == 0:
+            self.ended.set()
+
+
+def test_a_burst_is_checked_in_turns_and_answered_once_each_request_alone(front, offline) -> None:
+    """``add_requests_async``: every request's answer in its place (a refused one refuses no
+    other), the check yields the loop after each request when the turn budget is 0, and the
+    requests' outputs are those of the offline engine."""
+    too_long = [1] * 5000
+
+    async def main() -> tuple:
+        sink = _Collect(asyncio.get_running_loop())
+        subs = [Submission(p, PARAMS, f"b{i}", None, sink) for i, p in enumerate(PROMPTS)]
+        subs.insert(2, Submission(too_long, PARAMS, "long", None, sink))
+        subs.append(Submission(PROMPTS[0], PARAMS, "b0", None, sink))  # a duplicate id
+        sink.open = len(PROMPTS)
+        slices = LoopSlices(0.0)
+        results = await front.add_requests_async(subs, slices)
+        await asyncio.wait_for(sink.ended.wait(), 60)
+        return results, slices.yields, sink
+
+    results, yields, sink = asyncio.run(main())
+    assert yields == len(PROMPTS) + 2  # one turn per request checked
+    assert [r is None for r in results] == [True, True, False, True, True, True, False]
+    assert isinstance(results[2], InvalidRequest) and results[2].field == "prompt"
+    assert isinstance(results[-1], InvalidRequest) and results[-1].field == "request_id"
+    for i, want in enumerate(offline):
+        got = [t for o in sink.items[f"b{i}"] for d in o.outputs for t in d.token_ids]
+        assert got == want, i
+    assert "long" not in sink.items
+    idle_and_clean(front)
+
+
+def test_a_burst_after_stop_is_refused_each(tiny_dir) -> None:
+    front = StreamingEngine(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
+    front.stop()
+
+    async def main() -> list:
+        sink = _Collect(asyncio.get_running_loop())
+        subs = [Submission(p, PARAMS, f"s{i}", None, sink) for i, p in enumerate(PROMPTS)]
+        return await front.add_requests_async(subs)
+
+    results = asyncio.run(main())
+    assert len(results) == len(PROMPTS)
+    assert all(isinstance(r, EngineStopped) for r in results), results
