@@ -11,7 +11,6 @@ loop never waits on it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ import ray
 from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
-from kvstore.blocks.pauses import LoopSlices, freeze_long_lived, short_gil_turns
+from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
     Admitted,
     PullReport,
@@ -35,10 +34,10 @@ from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.publisher import WorkerPublisher
+from worker.burst_intake import BurstIntake
 from worker.callers import CallerWatch
 from worker.channels import Channel, Channels
 from worker.engine import Engine, EngineConfig, RequestOutput
-from worker.engine.burst import Submission
 from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamEnd
 from worker.kv import block_keys
@@ -63,7 +62,7 @@ class WorkerSettings:
     default_family: str = "llama"  # family of the default model (model_dir None)
 
 
-class WorkerServer(PeerPulls):
+class WorkerServer(PeerPulls, BurstIntake):
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
@@ -179,62 +178,6 @@ class WorkerServer(PeerPulls):
                 raise UnknownChannel(f"output channel {channel_id!r} is not open on this worker")
             return ch  # type: ignore[return-value]
         return self._channel(channel_id, caller)
-
-    async def submit_many(
-        self, requests: list[WorkerRequest], caller: Any, channel_id: str
-    ) -> list[Admitted | Exception]:
-        """One router loop turn's requests for this worker, each answered on its own, in
-        order: its :class:`Admitted` or, in its place, the error that refused it (as
-        :meth:`submit` would). A burst holds this loop for no more than a slice at a time:
-        keys and checks run in turns of ``LOOP_SLICE_S``, and the engine thread takes the
-        whole burst in with one command and one answer (``worker/engine/burst.py``)."""
-        try:
-            ch = self._submit_channel(channel_id, caller)
-        except UnknownChannel as exc:
-            return [exc for _ in requests]
-        results: list[Admitted | Exception | None] = [None] * len(requests)
-        slices = LoopSlices()
-        keyed: list[tuple[int, WorkerRequest, list]] = []
-        for i, request in enumerate(requests):
-            try:
-                keyed.append((i, request, self._keys(request)))
-            except Exception as exc:  # noqa: BLE001 - this request's answer
-                results[i] = exc
-            else:
-                self.telemetry.arrived(request.request_id)
-            await slices.tick()
-        pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed])
-        subs = []
-        for _, request, keys in keyed:
-            rid = request.request_id
-            ch.open(rid)  # before the add: its first outputs may be delivered before we resume
-            self.callers.watch(rid, ch.caller)
-            subs.append(Submission(request.token_ids, request.params, rid, keys, ch))
-        try:
-            errors = await self.front.add_requests_async(subs, slices)
-        except BaseException:
-            for sub in subs:
-                self._refused(ch, sub.request_id)
-            raise
-        for (i, request, keys), pulled, error in zip(keyed, pulls, errors, strict=True):
-            if error is None:
-                results[i] = self._admitted(request, keys, pulled)
-            else:
-                self._refused(ch, request.request_id)
-                results[i] = error
-        return results  # type: ignore[return-value]
-
-    async def _pulls_for(self, keyed: list[tuple[WorkerRequest, list]]) -> list[PullReport | None]:
-        """:meth:`_pull_for` of each request: concurrently where one may wait (a pull of its
-        own, or one in flight it may land on), else in this turn (no task per request)."""
-        if self._landing or any(r.pull is not None for r, _ in keyed):
-            return list(await asyncio.gather(*(self._pull_for(r, k) for r, k in keyed)))
-        return [await self._pull_for(r, k) for r, k in keyed]
-
-    def _refused(self, ch: Channel, request_id: str) -> None:
-        ch.requests.discard(request_id)
-        self.callers.forget(request_id)
-        self.telemetry.forget(request_id)
 
     async def outputs(
         self, channel_id: str, caller: Any = None, schema: str | None = None

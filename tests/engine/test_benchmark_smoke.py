@@ -42,3 +42,14 @@ def test_engine_step_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path)
     assert 0 < head["tiny_8_host_ms"] and 0 < head["tiny_8_host_share"] < 1
     assert "schedule ms" in out and "forward ms" in out
     assert (tmp_path / "engine_step.png").stat().st_size > 0
+
+
+def test_worker_loop_smoke(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import worker_loop
+
+    head = worker_loop.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert "concurrent submit" in out and "submit_many" in out
+    assert head["hook_16_ratio"] > 0 and head["hook_16_queued_ms"] > 0
+    assert head["burst_loop_cpu_ratio"] > 0 and head["burst_max_stall_ms"] >= 0

@@ -125,3 +125,60 @@ def test_a_reader_of_another_output_layout_is_refused_and_leaves_nothing_open() 
         asyncio.run(main())
     finally:
         server.shutdown()
+
+
+def test_a_burst_is_answered_in_place_while_the_loop_keeps_answering() -> None:
+    """128 requests of 512 tokens in one ``submit_many``: each answered in its place (a
+    refused one, its own error, refuses no other), every admitted one streams to its end,
+    and a probe on the loop keeps answering within 50 ms while they are keyed, checked and
+    taken in (one answer for the burst, not 128)."""
+    from kvstore.blocks.errors import InvalidRequest
+    from kvstore.blocks.protocol import Admitted
+
+    model = build_tiny_model(None, "llama", "tiny")
+    cfg = EngineConfig(num_blocks=8192, max_waiting=256, max_num_seqs=64)
+    server = WorkerServer(WorkerSettings("worker-t", str(model), "m", cfg, None))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    burst = [
+        WorkerRequest(f"b{i}", [(i * 7 + j) % 500 + 1 for j in range(512)], params, False)
+        for i in range(128)
+    ]
+    burst[40] = WorkerRequest("bad", [1] * 5000, params, False)  # over max_model_len
+
+    async def main() -> tuple:
+        got: dict[str, int] = {}
+        done = asyncio.Event()
+
+        async def reader() -> None:
+            async for items in server.outputs("ch", None, OUTPUT_SCHEMA):
+                for item in items:
+                    out = unpack_output(item)
+                    got[out.request_id] = got.get(out.request_id, 0) + sum(
+                        len(d.token_ids) for d in out.outputs
+                    )
+                    if out.finished and len(got) == 127 and all(v == 2 for v in got.values()):
+                        done.set()
+                        return
+
+        task = asyncio.create_task(reader())
+        probe = LoopLagProbe(0.002)
+        probe.report(reset=True)
+        await asyncio.sleep(0.02)
+        probe.report(reset=True)
+        results = await server.submit_many(burst, None, "ch")
+        await asyncio.sleep(0.01)
+        lag = probe.report()["max_lag_ms"]
+        await asyncio.wait_for(done.wait(), 120)
+        await task
+        return results, lag, got
+
+    try:
+        results, lag_ms, got = asyncio.run(main())
+        assert len(results) == 128
+        assert isinstance(results[40], InvalidRequest) and results[40].field == "prompt"
+        assert all(isinstance(r, Admitted) for i, r in enumerate(results) if i != 40)
+        assert set(got) == {r.request_id for r in burst} - {"bad"}
+        assert lag_ms < 50, f"the worker's loop stalled {lag_ms:.1f} ms taking in a burst"
+        assert "bad" not in server.telemetry._arrival  # a refused request leaves nothing
+    finally:
+        server.shutdown()
