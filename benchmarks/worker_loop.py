@@ -12,6 +12,11 @@ latencies were queued: ``after_step`` then ``flush`` on the same thread) and que
 (``after_step`` alone, the engine thread's share now), plus the flush (the heartbeat
 thread's share). ``ratio`` = inline / queued engine-thread CPU.
 
+``delivery``: the worker loop's own share of a step's outputs: a channel's ``deliver``
+(``worker/channels.py``) and the packing of its next message, CPU ms per step; the rest of
+the loop's per-step cost in a served worker is Ray's streaming-generator report of the
+message (not measured here: no Ray).
+
 ``burst``: a ``WorkerServer`` (tiny model, no Ray) takes in ``--burst`` requests of
 ``--prompt`` tokens at once, through ``submit_many`` (checked in turns, taken in with one
 command) and, as the baseline, as that many concurrent ``submit`` calls (one check, one
@@ -70,6 +75,29 @@ def hook_cpu(streams: int, steps: int, metrics_api) -> dict:  # noqa: ANN001 - a
             row["flush ms/step"] = 1e3 * flush / steps
     row["ratio"] = row["inline engine ms/step"] / max(row["queued engine ms/step"], 1e-9)
     return row
+
+
+def delivery_cpu(streams: int, steps: int) -> dict:
+    from worker.channels import Channel
+
+    async def run() -> float:
+        ch = Channel("bench", asyncio.get_running_loop(), lambda rid: None)
+        batches = ch.batches()
+        usage = Usage(8, 0, 1)
+        cpu = 0.0
+        for _ in range(steps):
+            outs = [
+                RequestOutput(f"r{i}", [CompletionDelta(0, "", [7])], False, usage)
+                for i in range(streams)
+            ]
+            t0 = time.thread_time()
+            ch.deliver(outs)
+            message = await batches.__anext__()
+            cpu += time.thread_time() - t0
+            assert len(message) == streams
+        return cpu
+
+    return {"streams": streams, "loop ms/step": 1e3 * asyncio.run(run()) / steps}
 
 
 def burst_cpu(burst: int, prompt: int, rounds: int) -> list[dict]:
@@ -171,11 +199,16 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(num_cpus=1, include_dashboard=False)
     hooks = [hook_cpu(n, args.steps, metrics) for n in ((16,) if args.smoke else (128, 256))]
     print_table(hooks, "after-step telemetry: CPU ms per step of the calling thread")
+    sizes = (16,) if args.smoke else (128, 256)
+    deliveries = [delivery_cpu(n, args.steps) for n in sizes]
+    print_table(deliveries, "a step's outputs on the worker's event loop (deliver + pack)")
     bursts = burst_cpu(args.burst, args.prompt, args.rounds)
     print_table(bursts, "a burst's admission on the worker's event loop")
     headline = {f"hook_{h['streams']}_ratio": round(h["ratio"], 2) for h in hooks}
     for h in hooks:
         headline[f"hook_{h['streams']}_queued_ms"] = round(h["queued engine ms/step"], 4)
+    for d in deliveries:
+        headline[f"delivery_{d['streams']}_loop_ms"] = round(d["loop ms/step"], 4)
     old, new = bursts
     headline["burst_loop_cpu_ratio"] = round(
         old["loop cpu ms/burst"] / max(new["loop cpu ms/burst"], 1e-9), 2
