@@ -75,7 +75,11 @@ class WorkerServer(PeerPulls):
         if settings.index is not None:
             index = KVIndex(settings.index)
             self.publisher = WorkerPublisher(
-                index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}"
+                index,
+                self.worker_id,
+                self._cached_keys,
+                address=f"pid:{os.getpid()}",
+                on_spares=self._set_spares,
             )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
@@ -121,6 +125,11 @@ class WorkerServer(PeerPulls):
                 self.publisher.stop(timeout_s=0.5)
         except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
             log.exception("worker %s: clean-up before the restart failed", self.worker_id)
+
+    def _set_spares(self, spare: set) -> None:
+        """From the publisher's thread: the keys another worker keeps, evicted first here
+        (fleet-aware eviction), applied between steps."""
+        self.front.post(lambda engine: engine.kv.set_spares(spare))
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
