@@ -14,9 +14,9 @@ from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
 from router.placement.config import RoutingConfig
+from router.placement.homes import PrefixHomes
 from router.placement.metrics import RouterMetrics
 from router.placement.parity import check_parity
-from router.placement.homes import PrefixHomes
 from router.placement.pending import PendingPlacements
 from router.placement.policy import make_policy
 from router.placement.prefix_source import PrefixSource, TierCounts
