@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvstore.index import KVIndex
 
 Item = tuple[list[Op], int]  # ops recorded from one submit() call, number of events in it
+SPARES_DUTY = 20  # a spare-keys refresh waits at least this many times its own duration
 
 
 class IndexSync:
@@ -59,7 +60,7 @@ class IndexSync:
     _last_purge: float
     _on_spares: Callable[[set[BlockKey]], None] | None
     _spares_interval_s: float
-    _last_spares: float
+    _next_spares: float
 
     if TYPE_CHECKING:  # WorkerPublisher's
 
@@ -187,12 +188,17 @@ class IndexSync:
 
     def _maybe_spares(self, now: float) -> None:
         """Pass the keys another worker keeps to ``on_spares`` (after the outbox went out, so
-        the index names what this worker holds now, give or take a step)."""
-        if self._on_spares is None or now - self._last_spares < self._spares_interval_s:
+        the index names what this worker holds now, give or take a step). The call is
+        O(this worker's keys) in Redis: it runs every ``spares_interval_s``, or 20 times its
+        own duration when that is longer, so it takes at most 5 % of Redis's time per
+        worker, whatever the pool's size."""
+        if self._on_spares is None or now < self._next_spares:
             return
         assert self._epoch is not None
-        self._last_spares = now
+        t0 = time.monotonic()
         spares = self.index.spare_keys(self.worker_id, self._epoch)
+        took = time.monotonic() - t0
+        self._next_spares = now + max(self._spares_interval_s, SPARES_DUTY * took)
         self._on_spares(spares)
         self._count(spare_refreshes=1)
 

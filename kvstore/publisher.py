@@ -100,7 +100,7 @@ class WorkerPublisher(IndexSync):
         # fleet-aware eviction: called from this thread with the keys another worker keeps
         self._on_spares = on_spares
         self._spares_interval_s = spares_interval_s
-        self._last_spares = 0.0
+        self._next_spares = 0.0
         self._retry_at = 0.0
         self._backoff_s = 0.05
         self._healthy = False

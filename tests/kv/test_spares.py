@@ -7,6 +7,7 @@ from kvstore.blocks.events import BlockRemoved
 from kvstore.blocks.hashing import BlockKey
 from worker.kv.block_pool import BlockPool
 from worker.kv.invariants import check_prefix_closed, record_parents
+from worker.kv.spares import spare_verdicts
 
 BS = 2
 
@@ -135,3 +136,15 @@ def test_a_tenant_quota_keeps_one_order() -> None:
     b = _chain(pool, "b", 2)
     assert pool.set_spares(b) == 0
     assert _evicted(pool, 2) == [a[1], a[0]]
+
+
+def test_verdicts_do_not_depend_on_the_maps_order() -> None:
+    pool = BlockPool(num_blocks=4, block_size=BS)
+    seq = pool.take_new(3)
+    keys = [_key("s", 0), _key("s", 1), _key("q", 0)]
+    pool.cache_full_blocks(seq, keys, [(0, 0), (1, 1), (2, 2)], None)
+    backwards = dict(reversed(pool.cached.items()))  # children before their parents
+    want = {keys[0]: True, keys[1]: True, keys[2]: True}
+    assert spare_verdicts(backwards, [keys[1]]) == want == spare_verdicts(pool.cached, [keys[1]])
+    pool.mark_landed(seq[1:2])  # a landed block cuts the inheritance below it
+    assert spare_verdicts(backwards, [keys[0]]) == {keys[0]: True, keys[1]: False, keys[2]: False}
