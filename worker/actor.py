@@ -178,10 +178,10 @@ class WorkerServer(PeerPulls, BurstIntake):
         restarted since the router opened it). None: no caller to watch.
         """
         ch = self._submit_channel(channel_id, caller)
-        self.telemetry.arrived(request.request_id)
         keys = self._keys(request)
-        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         rid = request.request_id
+        self.telemetry.arrived(rid)
+        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
         ch.open(rid)  # before the add: its first outputs may be delivered before we resume
         self.callers.watch(rid, ch.caller)
         try:
@@ -189,8 +189,7 @@ class WorkerServer(PeerPulls, BurstIntake):
                 request.token_ids, request.params, request_id=rid, prompt_keys=keys, sink=ch
             )
         except BaseException:
-            ch.requests.discard(rid)
-            self.callers.forget(rid)
+            self._refused(ch, rid)
             raise
         return self._admitted(request, keys, pulled)
 
