@@ -56,17 +56,18 @@ def test_head_deadline_and_head_size_hold_under_both_parsers(
             huge[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (20 << 10))
             closed = [await asyncio.wait_for(r.read(), 10) for r, _ in (idle, half, huge)]
             # one that goes on sending: cut off (a reset, its unread bytes) long before 1 GiB
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            _, flooder = await asyncio.open_connection("127.0.0.1", port)
+            flooder.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
             sent = 0
             with pytest.raises(ConnectionError):
                 for _ in range(1 << 14):
-                    w.write(b"a" * (64 << 10))
-                    await asyncio.wait_for(w.drain(), 10)
+                    flooder.write(b"a" * (64 << 10))
+                    await asyncio.wait_for(flooder.drain(), 10)
                     sent += 64 << 10
             assert sent < 64 << 20, sent
-            for _, w in (idle, half, huge, (r, w)):
+            for _, w in (idle, half, huge):
                 w.close()
+            flooder.close()
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
             fresh = await asyncio.wait_for(r.readline(), 10)
