@@ -98,9 +98,10 @@ class RouterConfig(Strict):
         200.0,
         gt=0,
         le=1_000_000,
-        description="GET /health, /version, /metrics and /v1/models requests a router "
-        "serves per second (a burst of as many at once); the excess waits its turn, so "
-        "a poller in a loop cannot take the event loop that streams tokens.",
+        description="Cheap HTTP requests a router serves per second (GET /health, /version, "
+        "/metrics, /v1/models, and any wrong path or method: all but generation, /tokenize "
+        "and /detokenize), a burst of as many at once; the excess waits its turn, so a "
+        "poller in a loop cannot take the event loop that streams tokens.",
     )
     http_cheap_max_waiting: int = Field(
         128,

@@ -64,6 +64,8 @@ BODY_BUDGET_BYTES = 256 << 20
 # the cheap routes' share of the router (router.http_cheap_rate_per_s, ..._max_waiting)
 CHEAP_RATE_PER_S = 200.0
 CHEAP_MAX_WAITING = 128
+# the POST routes that do the client's work: bounded by the queues and the tokenizer's budget
+_WORK = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
 def error_status(exc: BaseException) -> Any:
@@ -188,20 +190,20 @@ class OpenAIServer:
             self.intake.close()
 
     async def _door(self, scope: Any, receive: Any, send: Any) -> None:
-        """The ASGI application: generation and the cheap routes straight to their handlers
-        (the cheap ones through the gate), the rest routed."""
+        """The ASGI application: generation straight to its handler; every request that
+        carries no work of the client's (probes, models, metrics, a wrong path or method)
+        through the cheap routes' gate first; the rest routed."""
         if scope["type"] != "http":
             return await self._routes(scope, receive, send)
         path, method = scope["path"], scope["method"]
-        handler = None
-        if method == "POST":
-            handler = self._generation.get(path)
-        elif method == "GET" and (path in self._cheap or path.startswith("/v1/models/")):
+        if method == "POST" and path in _WORK:
+            handler = self._generation.get(path)  # (tokenize, detokenize: routed)
+        else:
             try:
                 await self.cheap.admit()
             except ServerBusy as exc:
                 return await self.error(exc)(scope, receive, send)
-            handler = self._cheap.get(path)
+            handler = self._cheap.get(path) if method in ("GET", "HEAD") else None
         if handler is None:
             return await self._routes(scope, receive, send)
         response = await handler(Request(scope, receive))

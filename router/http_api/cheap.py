@@ -1,8 +1,9 @@
 """The cheap routes' two bounds: cached answers, and a share of the router they may take.
 
-``/health``, ``/version``, ``/v1/models`` and ``/metrics`` carry no work of the client's, so a
-probe or a script polling them in a loop costs the router for nothing: on a small machine a
-``/health`` flood took most of the event loop that streams tokens. Each answer that reads
+``/health``, ``/version``, ``/v1/models``, ``/metrics`` (and any wrong path or method) carry
+no work of the client's, so a probe or a script polling them in a loop costs the router for
+nothing: on a small machine a ``/health`` flood took most of the event loop that streams
+tokens. Each answer that reads
 the fleet (live workers, adapters) is computed once per :data:`ANSWER_TTL_S` and shared by the
 callers in between (one computation in flight at a time); and every cheap request passes a
 :class:`CheapGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
@@ -93,7 +94,7 @@ class CheapGate:
         if self.waiting >= self.max_waiting:
             self.refused += 1
             raise ServerBusy(
-                f"cheap routes (health, version, models, metrics) are limited to "
+                f"requests other than generation and tokenizing are limited to "
                 f"{self.rate:g} requests/s with {self.max_waiting} waiting "
                 "(router.http_cheap_rate_per_s, router.http_cheap_max_waiting); retry later"
             )

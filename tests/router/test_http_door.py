@@ -198,6 +198,7 @@ def test_a_cheap_route_flood_shares_one_answer_and_is_bounded_beside_generation(
             await asyncio.sleep(0.3)
             done = [p.done() for p in probes]
             answered = [p.result() for p in probes if p.done()]
+            answered.append(await get(port, "/no/such/path"))  # a wrong path is as cheap
             # generation passes no gate: served while two probes wait their turn
             r, w = await asyncio.open_connection("127.0.0.1", port)
             body = b'{"prompt": "hi", "max_tokens": 1}'
@@ -220,7 +221,7 @@ def test_a_cheap_route_flood_shares_one_answer_and_is_bounded_beside_generation(
     assert reads == 1  # fifty probes, one fleet read
     assert done.count(False) == 2  # the bounded wait
     statuses = sorted(s for s, _, _ in answered)
-    assert statuses == [200, 503, 503, 503]  # the bucket's one, then refusals
+    assert statuses == [200, 503, 503, 503, 503]  # the bucket's one, then refusals
     for status, headers, body in answered:
         if status == 503:
             assert headers["retry-after"] == "1" and body["error"]["code"] == "server_busy"
