@@ -13,7 +13,9 @@ Python) against httptools (C). CPU time, not wall time: robust to a busy machine
 alone, then beside ``--flood`` closed-loop keep-alive clients polling ``GET /health`` (a
 process of their own), with the cheap routes gated (the default ``http_cheap_rate_per_s``)
 and ungated (a rate no flood reaches; answers still shared): generation tok/s kept beside
-the flood, and the probes answered per second. Table, one JSON line.
+the flood, and the probes answered per second; then the flood alone: the router's CPU per
+probe and the share of a core the flood takes (CPU time, robust to a busy machine; the
+tok/s figures are not). Table, one JSON line.
 """
 
 from __future__ import annotations
@@ -230,9 +232,46 @@ def flood(args: argparse.Namespace) -> list[dict]:
                     "beside flood tok/s": beside,
                     "kept": beside / alone,
                     **probes,
+                    **flood_alone(cluster, port, args),
                 }
             )
     return rows
+
+
+def _flooder(port: int, conns: int) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-c", FLOODER, str(port), str(conns)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _counts(out: str) -> tuple[float, dict[str, int]]:
+    seconds, *pairs = out.split()
+    return float(seconds), {k: int(v) for k, v in (kv.split("=") for kv in pairs)}
+
+
+def flood_alone(cluster: Any, port: int, args: argparse.Namespace) -> dict[str, float]:
+    """The flood with no generation: the router's CPU per answered probe and the share of
+    a core the flood takes (CPU time: robust to a busy machine, unlike tok/s)."""
+    from benchmarks.serving_probes import router_cpu
+
+    proc = _flooder(port, args.flood)
+    time.sleep(0.5)
+    c0, t0 = router_cpu(cluster), time.perf_counter()
+    time.sleep(args.flood_alone_s)
+    c1, t1 = router_cpu(cluster), time.perf_counter()
+    out, _ = proc.communicate("", timeout=60)
+    seconds, counts = _counts(out)
+    rate = sum(counts.values()) / seconds
+    return {
+        "router cores (flood alone)": (c1 - c0) / (t1 - t0),
+        "router cpu ms/probe": 1e3 * (c1 - c0) / max(1.0, rate * (t1 - t0)),
+    }
 
 
 def best_tok_s(url: str, model: str, args: argparse.Namespace, seed: int) -> float:
@@ -253,31 +292,22 @@ def best_tok_s(url: str, model: str, args: argparse.Namespace, seed: int) -> flo
 def beside_flood(
     url: str, model: str, port: int, args: argparse.Namespace
 ) -> tuple[float, dict[str, Any]]:
-    import subprocess
-    import sys
-
     from benchmarks.serving_path import make_prompts
     from benchmarks.stream_clients import run_http
 
     best, answered = 0.0, {}
     for i in range(args.repeat):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", FLOODER, str(port), str(args.flood)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        proc = _flooder(port, args.flood)
         time.sleep(0.5)  # the flood is on
         prompts = make_prompts(args.streams, args.prompt, args.vocab, 50 + i)
         run = run_http(url, model, prompts, args.max_tokens)
         out, _ = proc.communicate("", timeout=60)  # the flood lasts as long as generation
-        seconds, *pairs = out.split()
-        counts = dict(kv.split("=") for kv in pairs)
+        seconds, counts = _counts(out)
         if run.tok_s > best:
             best = run.tok_s
             answered = {
-                "probes 200/s": int(counts.get("200", 0)) / float(seconds),
-                "probes 503/s": int(counts.get("503", 0)) / float(seconds),
+                "probes 200/s": counts.get("200", 0) / seconds,
+                "probes 503/s": counts.get("503", 0) / seconds,
             }
     return best, answered
 
@@ -290,13 +320,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-ms", type=float, default=20.0, help="paced core's step")
     parser.add_argument("--model", default="light")
     parser.add_argument("--flood", type=int, default=32, help="flooding connections")
+    parser.add_argument("--flood-alone-s", type=float, default=5.0, help="flood, no generation")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--skip-flood", action="store_true")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         args.streams, args.max_tokens, args.prompt, args.model = 8, 8, 16, "tiny"
-        args.flood, args.repeat = 4, 1
+        args.flood, args.repeat, args.flood_alone_s = 4, 1, 1.0
     rows = parsers(args)
     print_table(rows, f"HTTP server CPU, {args.streams} SSE streams x {args.max_tokens} tokens")
     h11, fast = rows
@@ -313,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
             key = r["cheap routes"]
             head[f"flood_{key}_kept"] = round(r["kept"], 3)
             head[f"flood_{key}_probes_per_s"] = round(r.get("probes 200/s", 0.0), 1)
+            head[f"flood_{key}_router_cores"] = round(r["router cores (flood alone)"], 3)
+            head[f"flood_{key}_router_cpu_ms_probe"] = round(r["router cpu ms/probe"], 3)
     emit_json(head)
     return head
 

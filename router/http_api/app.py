@@ -151,7 +151,11 @@ class OpenAIServer:
         ``tls_cert`` and ``tls_key`` (PEM files, both or neither): serve HTTPS."""
         tls = bool(tls_cert and tls_key)
         make_room_for(self.max_connections)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+        # so, and accepted ones inherit it; with Nagle on, an answer's second write (the
+        # body after the head, each SSE event) waited for the client's delayed ACK, 40 ms
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         config = uvicorn.Config(

@@ -226,3 +226,33 @@ def test_a_cheap_route_flood_shares_one_answer_and_is_bounded_beside_generation(
         if status == 503:
             assert headers["retry-after"] == "1" and body["error"]["code"] == "server_busy"
     assert gen_status == 200
+
+
+def test_accepted_connections_have_nagle_off() -> None:
+    """With Nagle on, an answer's second write (the body after the head, every SSE event
+    after the first) waited for the client's delayed ACK: 40 ms a request on loopback."""
+    import socket
+
+    server = _server()
+
+    async def main() -> list[int]:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+            await _answer(r)
+            assert server._server is not None
+            conns = server._server.server_state.connections
+            flags = [
+                c.transport.get_extra_info("socket").getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY
+                )
+                for c in conns
+            ]
+            w.close()
+            return flags
+        finally:
+            await server.stop()
+
+    flags = asyncio.run(main())
+    assert len(flags) == 1 and flags[0] != 0
