@@ -207,7 +207,8 @@ def flood(args: argparse.Namespace) -> list[dict]:
     model_dir = build_tiny_model(None, "llama", args.model, 0)
     args.vocab = ModelConfig.from_dir(model_dir).vocab_size
     rows = []
-    for gate, rate in (("gated", None), ("ungated", 1e6)):
+    gates = (("gated", None), ("ungated", 1e6))  # (the ungated one: a rate no flood reaches)
+    for gate, rate in gates[: 1 if args.smoke else 2]:  # (the smoke: one cluster)
         base = cluster_config(
             f"http-edge-{os.getpid()}-{gate}",
             model_dir,
