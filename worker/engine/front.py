@@ -40,6 +40,7 @@ from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
+from worker.model.cpu_threads import configure_threads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,6 +221,11 @@ class StreamingEngine:
         reads and releases cached blocks (an export). TimeoutError after ``timeout_s``."""
         return await asyncio.to_thread(self.window.run, lambda: fn(self.engine), timeout_s)
 
+    def post(self, fn: Callable[[Engine], object]) -> bool:
+        """Run ``fn(engine)`` between steps without waiting for it (any thread); False when
+        the engine is stopped. An exception in ``fn`` is the future's, never the loop's."""
+        return self._call(fn) is not None
+
     def _call(self, fn: Callable[[Engine], T]) -> Future[T] | None:
         future: Future[T] = Future()
 
@@ -241,6 +247,9 @@ class StreamingEngine:
 
     def _run(self) -> None:
         try:
+            # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
+            # from what the thread that built the engine set (worker/cpu_threads.py)
+            configure_threads(self.engine.cpu_threads)
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()
