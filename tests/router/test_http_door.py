@@ -90,8 +90,9 @@ def test_head_deadline_and_head_size_hold_under_both_parsers(
     assert fresh.startswith(b"HTTP/1.1 200")
 
 
-def test_connections_past_the_cap_get_an_openai_503_then_close() -> None:
-    server = _server(max_connections=2)
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
+def test_connections_past_the_cap_get_an_openai_503_then_close(protocol: str) -> None:
+    server = _server(max_connections=2, http_protocol=protocol)
 
     async def main() -> tuple[object, object, object, str]:
         port = await server.start("127.0.0.1", 0)
