@@ -69,6 +69,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     async def _outputs(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tuple[str, Any, bool]]:
+        await self.intake.turn()  # a burst's parsing spread over loop iterations
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
         tenant = self.intake.tenant(context.invocation_metadata(), request.tenant)
         self.core.check_room()  # full queues: refused before the request is validated
