@@ -15,8 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 
 from kvstore.blocks.errors import EngineOverloaded
@@ -27,8 +26,9 @@ from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.types import WorkerLoad
 from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
-from router.placement.router import Router
+from router.placement.router import Prepared, Router
 from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -71,7 +71,7 @@ class ServingCore:
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
-        self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
+        self._decide = DecideThread(self._place_batch, self._unplace)
         self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
@@ -98,7 +98,28 @@ class ServingCore:
                 f"before it was read); retry later. {self._full_detail}"
             )
 
-    def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
+    def _place_batch(
+        self, jobs: Sequence[tuple[RouteRequest, Mapping[str, WorkerLoad]]]
+    ) -> list[RouteDecision | Exception]:
+        """Requests placed together (decide thread): their index reads in one round trip,
+        then each placed in arrival order."""
+        out: list[RouteDecision | Exception] = []
+        for (request, heartbeats), ready in zip(jobs, self.router.prepare(jobs), strict=True):
+            if isinstance(ready, Exception):
+                out.append(ready)
+                continue
+            try:
+                out.append(self._place(request, heartbeats, ready))
+            except Exception as exc:  # noqa: BLE001 - that request's error alone
+                out.append(exc)
+        return out
+
+    def _place(
+        self,
+        request: RouteRequest,
+        heartbeats: Mapping[str, WorkerLoad],
+        prepared: Prepared | None = None,
+    ) -> RouteDecision:
         """Route ``request`` and count it as this router's own work on the chosen worker, in
         one step (decide thread). Reading the loads and recording the placement together is
         what spreads a burst: requests that arrive together are decided one after another,
@@ -107,7 +128,7 @@ class ServingCore:
         the index lookup; the event loop only takes work away.)"""
         with self._own_lock:
             loads = self._with_own_work(heartbeats)
-        decision = self.router.route(request, loads)
+        decision = self.router.route(request, loads, prepared)
         w = decision.worker_id
         load = loads.get(w)
         if load is not None and not (load.queued_prefill_tokens or load.running or load.waiting):
@@ -117,6 +138,12 @@ class ServingCore:
             uncached = len(request.token_ids) - decision.cached_tokens_expected
             self._unprefilled[w][request.request_id] = uncached
         return decision
+
+    def _unplace(self, job: tuple[RouteRequest, Mapping], decision: RouteDecision) -> None:
+        """A placement whose request left while it was being decided: never used."""
+        self._idle_at_placement.discard(job[0].request_id)
+        self._prefilled(decision.worker_id, job[0].request_id, done=True)
+        self._settle(decision)
 
     def _prefilled(self, worker: str, request_id: str, *, done: bool) -> None:
         """The request's first token came back (its prefill is done), or it ``done``."""
@@ -145,12 +172,12 @@ class ServingCore:
         if decision.pending is None:
             return
         try:
-            self._decide.submit(self.router.settle, decision)
+            self._decide.call(self.router.settle, decision)
         except RuntimeError:  # shutting down: nothing routes any more
             pass
 
     def close(self) -> None:
-        self._decide.shutdown(wait=False, cancel_futures=True)
+        self._decide.close()
 
     async def generate(
         self,
@@ -192,7 +219,7 @@ class ServingCore:
                     + (f" (tried {sorted(excluded)})" if excluded else "")
                 )
             route_req = RouteRequest(request_id, token_ids, ctx)
-            decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
+            decision = await self._decide.place(route_req, candidates)
             worker = decision.worker_id
             produced = finished = gone = admitted = False
             pulled: PullReport | None = None
