@@ -9,7 +9,8 @@ hand-off to the loop per batch), same router, same index, same bursts, in one ru
 A real ``redis-server`` (started locally) holds an index of 4 workers, one of which holds
 each burst's shared prefix; every request of a burst (a 1,024-token prompt: the shared
 prefix and its own tail) is placed by ``ServingCore``'s placement, so the policy, the own-work
-accounting and the pending placements all run. Reported: CPU per placement of this process
+accounting and the pending placements all run; a burst reaches placement as the intake lets
+it through (a slice per loop iteration). Reported: CPU per placement of this process
 (the loop, the decide thread, the Redis client: everything a router spends on it), wall time
 per burst, batches per burst; the decisions of both ways are checked equal. Table, one JSON line.
 """
@@ -34,7 +35,9 @@ from router.placement.prefix_source import KVIndexSource
 from router.placement.router import Router
 from router.placement.types import RouteRequest
 from router.serving.core import ServingCore
+from router.serving.intake import INTAKE_SLICE
 from router.serving.limits import ModelLimits
+from router.serving.turns import TurnSlices
 
 WORKERS = 4
 BLOCK = 16
@@ -59,8 +62,10 @@ def bursts(n: int, size: int, prompt: int, seed: int) -> list[list[list[int]]]:
 async def place_burst(core: ServingCore, prompts: list[list[int]], batched: bool, pool) -> list:
     loads = {f"w{i}": WorkerLoad(0, 0, 1000, 1000, 0) for i in range(WORKERS)}
     loop = asyncio.get_running_loop()
+    turns = TurnSlices(INTAKE_SLICE)
 
     async def one(i: int, p: list[int]) -> str:
+        await turns.enter()  # as the intake lets a burst through: a slice per iteration
         req = RouteRequest(f"r{i}", p, CTX)
         if batched:
             return (await core._decide.place(req, loads)).worker_id

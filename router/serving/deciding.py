@@ -1,8 +1,9 @@
 """The router's decide thread: it owns the :class:`Router` (not thread-safe, and its index
 reads block), so the event loop never waits on Redis.
 
-The loop queues placements and settles; the thread takes everything queued at once and
-works through it in arrival order: a run of placements reads the index in one round trip
+The loop gathers the placements and settles of one loop iteration and queues them as one
+(one thread wake-up per iteration, not per request); the thread takes everything queued at
+once and works through it in arrival order: a run of placements reads the index in one round trip
 (:meth:`Router.prepare`) and is then decided one by one, each seeing its predecessors'
 placements. The answers go back to the loop in one hand-off per batch, not one per request:
 a burst of 256 requests costs a few thread wake-ups and round trips, not 256 of each.
@@ -38,6 +39,7 @@ class DecideThread:
         self._dropped = dropped
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._gathered: dict[asyncio.AbstractEventLoop, list] = {}  # per loop, this iteration's
         self.batches = 0  # runs of placements decided together
         self.placed = 0  # placements decided
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -49,17 +51,38 @@ class DecideThread:
             raise RuntimeError("the decide thread is closed")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put((loop, fut, args))
+        self._gather(loop, (loop, fut, args))
         return fut
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the thread after everything queued before it (no answer)."""
         if self._closed:
             raise RuntimeError("the decide thread is closed")
-        self._queue.put((None, fn, args))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on a loop: nothing of this caller is gathered
+            self._queue.put([(None, fn, args)])
+            return
+        self._gather(loop, (None, fn, args))
+
+    def _gather(self, loop: asyncio.AbstractEventLoop, item: tuple) -> None:
+        items = self._gathered.get(loop)
+        if items is None:
+            items = self._gathered[loop] = []
+            loop.call_soon(self._hand_over, loop)
+        items.append(item)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        items = self._gathered.pop(loop, [])
+        if not self._closed:
+            self._queue.put(items)
+            return
+        for fut in (i[1] for i in items if i[0] is not None):  # closed meanwhile: refused
+            if not fut.done():
+                fut.set_exception(RuntimeError("the decide thread is closed"))
 
     def close(self) -> None:
-        """Stop after the queued work (placements still queued get no answer)."""
+        """Stop after the work handed over (placements gathered since are refused)."""
         if not self._closed:
             self._closed = True
             self._queue.put(_STOP)
@@ -67,14 +90,14 @@ class DecideThread:
     def _run(self) -> None:
         q = self._queue
         while True:
-            items = [q.get()]
+            lists = [q.get()]
             while True:
                 try:
-                    items.append(q.get_nowait())
+                    lists.append(q.get_nowait())
                 except queue.Empty:
                     break
-            stop = any(i is _STOP for i in items)
-            self._work([i for i in items if i is not _STOP])
+            stop = any(x is _STOP for x in lists)
+            self._work([i for x in lists if x is not _STOP for i in x])
             if stop:
                 return
 
