@@ -28,7 +28,7 @@ _CHILD = """
 import json, sys, time
 if sys.argv[3] == "torch default":
     import torch  # loaded before the worker package: OpenMP keeps its default (spinning)
-from worker.cpu_threads import configure_threads
+from worker.model.cpu_threads import configure_threads
 threads = configure_threads(int(sys.argv[2]) or None)
 from benchmarks.engine_throughput import run_engine
 from kvstore.blocks.sampling_params import SamplingParams

@@ -3,7 +3,9 @@ offline, on the same model, config and workload, in one run.
 
     python -m benchmarks.serving_path            # light + 32M models, 32/128/256 streams
     python -m benchmarks.serving_path --smoke    # tiny model, seconds
+    python -m benchmarks.serving_path --smoke --models 32m   # the 32M model at smoke size
     python -m benchmarks.serving_path --models light --streams 128 256
+    python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
 each (greedy, ``ignore_eos``), all at once. Systems:
@@ -20,8 +22,11 @@ Reported per run: tok/s, served / offline, messages per stream (fewer than token
 coalesced), the largest event-loop stall of the worker and of the router during the run
 (their loop-lag probes; ``--trace-stalls`` splits the router's longest stalls into its loop's
 own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
-reports the largest stall less that wait), the engine thread's busy share, and CPU per token
-of the worker, the router and the client (this process). Then: a burst of
+reports the largest stall less that wait), the engine thread's busy share, the share of the
+run it spent runnable but without a core (``engine waits``: the kernel's schedstat; what
+another process on the same cores took from it), and CPU per token of the worker, the router
+and the client (this process). The offline engine and the served worker run the same
+intra-op threads (one per core this process may use) at the same niceness. Then: a burst of
 ``--burst`` requests arriving at a busy worker (time and engine steps until all were taken
 in), the offline step split by stage (the engine's own stage timers), offline and served, and a
 ``--fanout-workers`` run on the tiny model: can one router forward that many workers'
@@ -47,6 +52,7 @@ from benchmarks.serving_probes import (
     loop_lags,
     own_lag_ms,
     router_cpu,
+    runnable_wait,
     stage_seconds,
     stall_split,
     submit_calls,
@@ -59,11 +65,15 @@ from cluster.launcher import Cluster
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
+from worker.model.cpu_threads import available_cores
 
 
 def engine_config(streams: int, prompt: int, max_tokens: int, burst: int) -> dict:
+    """One config for the offline engine and the served worker: the same intra-op threads
+    too (a worker left to Ray's choice would run one per whole reserved CPU)."""
     per_seq = -(-(prompt + max_tokens) // 16)
     return {
+        "cpu_threads": available_cores(),
         "block_size": 16,
         "num_blocks": per_seq * (streams + burst) + 64,
         "max_num_seqs": streams,
@@ -87,7 +97,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
         engine.add_request(p, params)
     tokens = 0
     stages0 = engine.snapshot().stage_seconds
-    cpu0 = time.process_time()
+    cpu0, wait0 = time.process_time(), runnable_wait()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -99,6 +109,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     return {
         "tok_s": tokens / wall,
         "engine cpu ms/tok": 1e3 * cpu / tokens,
+        "engine waits": (runnable_wait() - wait0) / wall,
         "tokens": tokens,
         "stages": {k: round(v, 2) for k, v in stages.per_step_ms().items()},
     }
@@ -151,13 +162,17 @@ def served(
         "router own lag ms": own_lag_ms(lags["router_stalls"]) if "router_stalls" in lags else None,
         "router stalls": stall_split(lags.get("router_stalls", [])),
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
-        **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in cpu0},
+        **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in CPU_SIDES},
+        "engine waits": (cpu1["engine_wait"] - cpu0["engine_wait"]) / wall,
         "client cpu ms/tok": 1e3 * client / run.tokens,  # this process: the client's loop
         "submits/req": None if submits is None else (submits - submits0) / len(prompts),
         "stages": None
         if stages is None or stages0 is None
         else {k: round(v, 2) for k, v in stages.minus(stages0).per_step_ms().items()},
     }
+
+
+CPU_SIDES = ("worker", "engine", "router")
 
 
 def match_niceness(cluster: Cluster) -> int:
@@ -247,6 +262,7 @@ def fanout(args: argparse.Namespace) -> dict:
     model_dir = build_tiny_model(None, "llama", "tiny", 0)
     n = args.fanout_workers * args.fanout_streams
     engine_cfg = engine_config(args.fanout_streams, args.prompt, args.max_tokens, 0)
+    engine_cfg["cpu_threads"] = 1  # the workers share the node's cores
     engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
     vocab = engine.executor.vocab_size
     one = offline(engine, make_prompts(args.fanout_streams, args.prompt, vocab, 7), args.max_tokens)
@@ -291,7 +307,9 @@ def plot(rows: list[dict]) -> Path:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["light", "32m"])
+    parser.add_argument(
+        "--models", nargs="+", default=None, help="default: light 32m (--smoke: tiny)"
+    )
     parser.add_argument("--streams", nargs="+", type=int, default=[32, 128, 256])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -307,9 +325,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="split each loop stall into its own CPU, GC and run-queue wait (a watchdog thread)",
     )
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.models, args.streams, args.prompt, args.max_tokens = ["tiny"], [8], 32, 8
+    if args.smoke:  # (a model named with --smoke runs at smoke size too)
+        args.models = args.models or ["tiny"]
+        args.streams, args.prompt, args.max_tokens = [8], 32, 8
         args.burst, args.fanout_workers, args.fanout_streams, args.repeat = 16, 2, 4, 1
+    args.models = args.models or ["light", "32m"]
     rows: list[dict] = []
     extra: dict = {}
     for size in args.models:
@@ -317,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fanout_workers:
         extra["fanout"] = fanout(args)
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
-    cols += ["worker lag ms", "router lag ms", "router own lag ms", "engine busy"]
+    cols += ["worker lag ms", "router lag ms", "router own lag ms", "engine busy", "engine waits"]
     cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "client cpu ms/tok"]
     cols += ["cpu ratio", "submits/req"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
@@ -335,6 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             headline[f"{key}_ratio"] = round(r["served/offline"], 3)
             headline[f"{key}_cpu_ratio"] = round(r["cpu ratio"], 3)
             headline[f"{key}_router_cpu_ms_tok"] = round(r["router cpu ms/tok"], 3)
+            headline[f"{key}_engine_waits"] = round(r["engine waits"], 3)
             if r["submits/req"] != "":
                 headline[f"{key}_submits_per_req"] = round(r["submits/req"], 3)
     served_rows = [r for r in rows if r["system"] in ("http", "grpc")]

@@ -79,18 +79,37 @@ def engine_steps(cluster: Cluster) -> int:
     return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "steps", 0)))
 
 
+def runnable_wait(native_id: int | None = None) -> float:
+    """Seconds a thread (default: the calling one) was runnable but waiting for a core (the
+    kernel's schedstat; 0.0 where there is none): CPU the machine did not give it."""
+    import os
+    import threading
+
+    tid = threading.get_native_id() if native_id is None else native_id
+    try:
+        with open(f"/proc/{os.getpid()}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def cpu_times(cluster: Cluster) -> dict[str, float]:
     """CPU seconds so far of the (first) worker's process, of its engine thread, and of the
-    (first) router's process: what a run costs whatever else shares the machine."""
+    (first) router's process: what a run costs whatever else shares the machine; and the
+    seconds the engine thread waited, runnable, for a core (``engine_wait``)."""
 
-    def times(server: object) -> tuple[float, float]:  # runs in the worker
+    def times(server: object) -> tuple[float, float, float]:  # runs in the worker
+        from benchmarks.serving_probes import runnable_wait
+
         thread = server.front._thread  # type: ignore[attr-defined]
-        clock = time.pthread_getcpuclockid(thread.ident) if thread is not None else None
-        return time.process_time(), time.clock_gettime(clock) if clock is not None else 0.0
+        if thread is None:
+            return time.process_time(), 0.0, 0.0
+        clock = time.pthread_getcpuclockid(thread.ident)
+        return time.process_time(), time.clock_gettime(clock), runnable_wait(thread.native_id)
 
     w = next(iter(cluster.workers.values()))
-    worker, engine = ray.get(w.__ray_call__.remote(times))
-    return {"worker": worker, "engine": engine, "router": router_cpu(cluster)}
+    worker, engine, wait = ray.get(w.__ray_call__.remote(times))
+    return {"worker": worker, "engine": engine, "router": router_cpu(cluster), "engine_wait": wait}
 
 
 def submit_calls(cluster: Cluster) -> int | None:

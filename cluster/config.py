@@ -50,6 +50,15 @@ class WorkersConfig(Strict):
         "autoscaling cloud cluster a worker waits for its GPU node to join first, which can "
         "take longer than loading: raise this there (deploy/cluster-aws.yaml uses 1200).",
     )
+    niceness: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="Worker processes' niceness (Ray starts actors at 15 unless told). "
+        "A worker's engine thread is a step loop the whole cluster waits on: niced below "
+        "the processes beside it (a router, a client, the Ray daemons) it loses its core to "
+        "each of them as they wake. Raise it to give a node's other work the CPU first.",
+    )
     engine: EngineConfig = Field(
         EngineConfig(num_blocks=512, max_waiting=256),
         description="Each worker's engine: block size, KV size, batch limits, policy, dtype. "
@@ -102,6 +111,14 @@ class RouterConfig(Strict):
     )
     liveness: LivenessConfig = Field(
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
+    )
+    niceness: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="Router processes' niceness (Ray starts actors at 15 unless told). "
+        "Keep it equal to workers.niceness on nodes that run both: a router niced below a "
+        "busy worker waits for a core while the worker's outputs queue behind it.",
     )
     max_restarts: int = Field(
         -1,

@@ -38,6 +38,7 @@ from cluster.local_ray import (
 from cluster.local_redis import LocalRedis, start_detached
 from cluster.ray_head import no_dashboard_process
 from cluster.settings import (
+    actor_env,
     engine_max_model_len,
     index_config,
     resolve_model,
@@ -157,6 +158,7 @@ class Cluster:
             num_cpus=w.num_cpus_per_worker,
             num_gpus=1 if w.use_gpu else 0,
             max_concurrency=1000,
+            runtime_env=actor_env(w.niceness),
         )
         if self.detached:
             opts["lifetime"] = "detached"
@@ -177,7 +179,13 @@ class Cluster:
         r = self.cfg.router
         settings = self.router_settings(i)
         name = settings.router_id
-        opts = dict(name=name, namespace=self.namespace, num_cpus=0, max_restarts=r.max_restarts)
+        opts = dict(
+            name=name,
+            namespace=self.namespace,
+            num_cpus=0,
+            max_restarts=r.max_restarts,
+            runtime_env=actor_env(r.niceness),
+        )
         if self.detached:
             opts["lifetime"] = "detached"
         handle = RouterActor.options(**opts).remote(settings)

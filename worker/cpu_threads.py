@@ -14,6 +14,8 @@ must be in the environment before that: importing the ``worker`` package applies
 :data:`effective_wait_policy` records whether it was in time. An operator's own setting wins.
 The native attention kernel's pool (``attention/native.py``) sleeps on a queue, so it needs
 no policy; it splits work finer than one piece per thread so a delayed thread holds up less.
+
+How many threads, per thread: ``worker/model/cpu_threads.py``.
 """
 
 from __future__ import annotations
@@ -54,19 +56,3 @@ def apply_wait_policy() -> str | None:
         return None
     effective_wait_policy = os.environ["OMP_WAIT_POLICY"].upper()
     return effective_wait_policy
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. under taskset or a cgroup)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def configure_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op threads (default: the cores this process may use); returns it."""
-    import torch
-
-    torch.set_num_threads(max(1, threads or available_cores()))
-    return torch.get_num_threads()

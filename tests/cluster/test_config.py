@@ -135,3 +135,18 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
     assert worker.engine.max_model_len == router.max_model_len == 256
     assert router.port == 6001 and router.http_port is None
     assert worker.engine == cfg.workers.engine  # the engine config is shipped as stated
+
+
+@pytest.mark.parametrize(("side", "bad"), [("workers", 20), ("workers", -1), ("router", 20)])
+def test_niceness_is_a_priority_ray_can_set(side: str, bad: int) -> None:
+    """0..19: lowering a process below 0 needs a privilege Ray's raylet may not have."""
+    with pytest.raises(ValueError, match="niceness"):
+        ClusterConfig.model_validate({side: {"niceness": bad}})
+
+
+def test_served_processes_run_at_normal_priority_unless_told() -> None:
+    from cluster.settings import actor_env
+
+    cfg = ClusterConfig.model_validate({})
+    assert cfg.workers.niceness == cfg.router.niceness == 0
+    assert actor_env(7) == {"env_vars": {"RAY_worker_niceness": "7"}}

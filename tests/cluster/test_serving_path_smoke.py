@@ -22,6 +22,7 @@ def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path
     for api in ("http", "grpc"):
         assert head[f"tiny_{api}_8_ratio"] > 0  # every token arrived (the run asserts it)
         assert 0 < head[f"tiny_{api}_8_submits_per_req"] <= 1  # a call carries >= 1 request
+        assert 0 <= head[f"tiny_{api}_8_engine_waits"] <= 1  # a share of the run's wall time
     assert head["max_worker_lag_ms"] >= 0 and head["max_router_lag_ms"] >= 0
     assert 0 <= head["max_router_own_lag_ms"] <= head["max_router_lag_ms"]
     burst = head["tiny_burst"]

@@ -127,8 +127,19 @@ class NativeKernels:
         argmax.argtypes = [f32p, i64, i64, i64, f32p]
         argmax.restype = None
         self._argmax = argmax
-        self.threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self.threads, "kvc-attn") if self.threads > 1 else None
+        self.threads = 1
+        self._pool: ThreadPoolExecutor | None = None
+        self.set_threads(threads)
+
+    def set_threads(self, threads: int) -> None:
+        """Split work over ``threads`` pool threads (1: run it in the caller's thread)."""
+        threads = max(1, threads)
+        if threads == self.threads and (self._pool is not None) == (threads > 1):
+            return
+        old, self.threads = self._pool, threads
+        self._pool = ThreadPoolExecutor(threads, "kvc-attn") if threads > 1 else None
+        if old is not None:
+            old.shutdown(wait=False)  # a call in flight keeps the pool it submitted to
 
     def paged_decode(
         self,
@@ -168,10 +179,11 @@ class NativeKernels:
             seq_lens.data_ptr(),
         )
         tail = (heads, kv_heads, head_dim, k_cache.shape[1], scale, window or 0)
-        if self._pool is None or len(spans) == 1:
+        pool = self._pool  # once: set_threads may swap it meanwhile
+        if pool is None or len(spans) == 1:
             results = [self._decode(*fixed, lo, hi, *tail) for lo, hi in spans]
         else:
-            futures = [self._pool.submit(self._decode, *fixed, lo, hi, *tail) for lo, hi in spans]
+            futures = [pool.submit(self._decode, *fixed, lo, hi, *tail) for lo, hi in spans]
             results = [f.result() for f in futures]
         if any(results):
             raise MemoryError("paged decode kernel could not allocate its score buffer")
@@ -230,6 +242,15 @@ def load_kernels() -> NativeKernels | None:
         log.warning("native CPU kernels unavailable: %s", _reason)
         return None
     return NativeKernels(lib, torch.get_num_threads())
+
+
+def resize_pool(threads: int) -> None:
+    """Give the loaded kernels a pool of ``threads`` (nothing to do before they load: they
+    take the loading thread's torch thread count)."""
+    if load_kernels.cache_info().currsize:
+        kernels = load_kernels()
+        if kernels is not None:
+            kernels.set_threads(threads)
 
 
 def unavailable_reason() -> str | None:

@@ -107,6 +107,18 @@ class EngineConfig(Strict):
         description="Attention backend (runner): auto, torch, cpu or triton; auto picks the "
         "fastest usable one (triton on CUDA, the native cpu kernels on the CPU).",
     )
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="torch intra-op threads (and the native CPU kernels' pool) of the "
+        "thread that runs the model (the engine loop's, in a worker). None: as torch has them "
+        "where the engine is built; in a worker actor that is Ray's choice, the whole CPUs "
+        "it reserves (workers.num_cpus_per_worker, at least 1). On CPU, a worker alone on "
+        "its node runs fastest with one per core; several workers on one node share its "
+        "cores (more threads than cores make every parallel region wait for a descheduled "
+        "thread). On CUDA the device computes: 1 is enough.",
+    )
     cuda_graphs: bool = Field(
         True,
         description="Replay decode steps from CUDA graphs captured at start-up per batch-size "

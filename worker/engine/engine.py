@@ -43,6 +43,7 @@ from worker.engine.structured import GrammarCompiler
 from worker.engine.validate import validate_request
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
+from worker.model.cpu_threads import configure_threads, current_threads
 
 
 class Engine(EngineStep):
@@ -66,6 +67,10 @@ class Engine(EngineStep):
         self.config = config
         self.model_id = model_id
         self.executor = executor
+        # the model's intra-op threads; per OS thread: the engine loop applies it on its own
+        self.cpu_threads = (
+            configure_threads(config.cpu_threads) if config.cpu_threads else current_threads()
+        )
         self.tokenizer = executor.tokenizer
         self.max_model_len = config.max_model_len or limit
         self.eos_ids = frozenset(executor.eos_token_ids)

@@ -40,6 +40,7 @@ from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
+from worker.model.cpu_threads import configure_threads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,6 +242,9 @@ class StreamingEngine:
 
     def _run(self) -> None:
         try:
+            # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
+            # from what the thread that built the engine set (worker/cpu_threads.py)
+            configure_threads(self.engine.cpu_threads)
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()

@@ -102,6 +102,25 @@ def test_worker_processes_wait_passively(cluster) -> None:
     assert set(on_workers(cluster, policy).values()) == {"PASSIVE"}
 
 
+def test_served_processes_run_at_normal_priority_with_their_engines_threads(cluster) -> None:
+    """Workers and routers run at niceness 0 (workers.niceness / router.niceness), not
+    Ray's 15, and each engine loop's thread runs its engine's intra-op threads."""
+    import os
+
+    import ray
+
+    def probe(server) -> tuple[int, int, int]:  # noqa: ANN001
+        import torch
+
+        loop_threads = server.front.with_engine(lambda e: torch.get_num_threads())
+        return os.nice(0), server.engine.cpu_threads, loop_threads
+
+    for niceness, threads, loop_threads in on_workers(cluster, probe).values():
+        assert niceness == 0 and loop_threads == threads >= 1
+    routers = [h.__ray_call__.remote(lambda r: os.nice(0)) for h in cluster.routers.values()]
+    assert set(ray.get(routers, timeout=CALL_TIMEOUT_S)) == {0}
+
+
 MARK = (497, 498, 499, 496)  # prompts starting with these token ids hit the injected bug
 
 
