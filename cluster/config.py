@@ -94,6 +94,31 @@ class RouterConfig(Strict):
         description="Origins browsers may call the HTTP API from (CORS), e.g. "
         "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
     )
+    http_max_connections: int = Field(
+        2048,
+        ge=1,
+        le=1_000_000,
+        description="Open HTTP connections a router serves at once (each streaming client "
+        "holds one). A connection accepted past it gets, for its first request, an OpenAI "
+        "503 server_busy with Retry-After: 1 and is closed. Keep it under the router "
+        "process's file-descriptor limit (ulimit -n), which its gRPC server shares.",
+    )
+    http_cheap_rate_per_s: float = Field(
+        200.0,
+        gt=0,
+        le=1_000_000,
+        description="Cheap HTTP requests a router serves per second (GET /health, /version, "
+        "/metrics, /v1/models, and any wrong path or method: all but generation, /tokenize "
+        "and /detokenize), a burst of as many at once; the excess waits its turn, so a "
+        "poller in a loop cannot take the event loop that streams tokens.",
+    )
+    http_cheap_max_waiting: int = Field(
+        128,
+        ge=0,
+        le=1_000_000,
+        description="Cheap requests (see http_cheap_rate_per_s) waiting their turn at once; "
+        "past it they are answered 503 server_busy with Retry-After: 1.",
+    )
     auth_tokens: dict[str, str] = Field(
         default_factory=dict, description="tenant -> bearer token; empty disables auth."
     )

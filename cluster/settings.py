@@ -92,6 +92,9 @@ def router_settings(
         tls_key=r.tls_key,
         liveness=r.liveness,
         cors_allowed_origins=tuple(r.cors_allowed_origins),
+        http_max_connections=r.http_max_connections,
+        http_cheap_rate_per_s=r.http_cheap_rate_per_s,
+        http_cheap_max_waiting=r.http_cheap_max_waiting,
         http_port=None if r.http_port is None else r.http_port + i if r.http_port else free_port(),
     )
 

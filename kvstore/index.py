@@ -50,6 +50,7 @@ class KVIndex:
         )
         self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
         self._scripts["LOOKUP"] = self._client.register_script(lookup_scripts.LOOKUP[config.lookup])
+        self._scripts["SPARES"] = self._client.register_script(lookup_scripts.SPARES)
         self._scripts["LOOKUP_TIERS"] = self._client.register_script(
             lookup_scripts.LOOKUP_TIERS[config.lookup]
         )
@@ -151,6 +152,13 @@ class KVIndex:
         hblob = key_blob(rec.recorded(host, host=True))
         reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob, hblob)
         return int(reply[0]) == 0
+
+    def spare_keys(self, worker_id: str, epoch: int) -> set[BlockKey]:
+        """The recorded device keys of ``worker_id`` that another live worker keeps: one
+        keeper per key (the holder with the lowest registry slot), so that every other holder
+        may evict its copy first and the fleet keeps one. Empty when ``epoch`` is stale.
+        O(keys the worker holds) in Redis."""
+        return {BlockKey(k) for k in self._run("SPARES", worker_id, epoch)}
 
     def deregister(self, worker_id: str, epoch: int) -> None:
         """End a registration: its entries are ignored at once and purged later."""

@@ -6,7 +6,9 @@ state named below and fills the outbox; each method here runs in the publisher's
 raises :class:`~kvstore.types.IndexUnavailable` when Redis does not answer (the thread backs
 off and retries). A stale epoch (this worker was purged or superseded) clears the epoch so the
 next round registers again; a gap in the batch numbers makes the pool's snapshot replace the
-buffered ops.
+buffered ops. Every ``spares_interval_s`` a round also asks which of the worker's keys another
+worker keeps (:meth:`~kvstore.index.KVIndex.spare_keys`) and hands them to ``on_spares``: the
+worker's pool evicts those first (fleet-aware eviction), with no Redis call per eviction.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from kvstore.index import KVIndex
 
 Item = tuple[list[Op], int]  # ops recorded from one submit() call, number of events in it
+SPARES_DUTY = 20  # a spare-keys refresh waits at least this many times its own duration
 
 
 class IndexSync:
@@ -55,6 +58,9 @@ class IndexSync:
     _sent_load: WorkerLoad | None
     _last_heartbeat: float
     _last_purge: float
+    _on_spares: Callable[[set[BlockKey]], None] | None
+    _spares_interval_s: float
+    _next_spares: float
 
     if TYPE_CHECKING:  # WorkerPublisher's
 
@@ -76,6 +82,7 @@ class IndexSync:
         if self._epoch is None:  # superseded three times in a row: back off and retry
             raise IndexUnavailable(f"registration of {self.worker_id!r} keeps being superseded")
         self._maybe_heartbeat(now)
+        self._maybe_spares(now)
         self._maybe_purge(now)
 
     def _register(self) -> None:
@@ -178,6 +185,22 @@ class IndexSync:
         self._sent_load = load
         self._last_heartbeat = now
         self._count(heartbeats=1)
+
+    def _maybe_spares(self, now: float) -> None:
+        """Pass the keys another worker keeps to ``on_spares`` (after the outbox went out, so
+        the index names what this worker holds now, give or take a step). The call is
+        O(this worker's keys) in Redis: it runs every ``spares_interval_s``, or 20 times its
+        own duration when that is longer, so it takes at most 5 % of Redis's time per
+        worker, whatever the pool's size."""
+        if self._on_spares is None or now < self._next_spares:
+            return
+        assert self._epoch is not None
+        t0 = time.monotonic()
+        spares = self.index.spare_keys(self.worker_id, self._epoch)
+        took = time.monotonic() - t0
+        self._next_spares = now + max(self._spares_interval_s, SPARES_DUTY * took)
+        self._on_spares(spares)
+        self._count(spare_refreshes=1)
 
     def _maybe_purge(self, now: float) -> None:
         if self._purge_interval_s is None or now - self._last_purge < self._purge_interval_s:

@@ -183,3 +183,43 @@ LOOKUP = {mode: COMMON + _LOOKUP_LIVE + walk + _DEVICE_OUT for mode, walk in _WA
 
 LOOKUP_TIERS = {mode: COMMON + _LOOKUP_LIVE + walk + _TIERS_OUT for mode, walk in _WALK.items()}
 """Per-tier lookup script of each ``IndexConfig.lookup`` mode (one call, like ``LOOKUP``)."""
+
+# ARGV: worker_id, epoch -> the worker's device keys that a live worker with a lower slot
+# also holds on its device ({} when the epoch is stale). One keeper per key: the lowest live
+# slot holding it; every other holder may evict its copy first (the workers' fleet-aware
+# eviction). O(keys the worker holds).
+SPARES = (
+    COMMON
+    + r"""
+local slot, epoch = current(ARGV[1])
+if not slot or epoch ~= ARGV[2] then return {} end
+local regs = redis.call('HGETALL', KEYS[1])
+local lower, hbkeys = {}, {}
+for i = 2, #regs, 2 do
+  local s = tonumber(string.match(regs[i], '^(%d+):'))
+  if s < slot then lower[#lower + 1] = s; hbkeys[#hbkeys + 1] = ns .. 'hb:' .. s end
+end
+if #lower == 0 then return {} end
+local hb = redis.call('MGET', unpack(hbkeys))
+local keepers = {}
+for i = 1, #lower do
+  if hb[i] then keepers[#keepers + 1] = slot_bytes(lower[i]) end
+end
+if #keepers == 0 then return {} end
+local held = redis.call('SMEMBERS', ns .. 'held:' .. slot)
+local blk, out = ns .. 'blk', {}
+for c = 1, #held, CH do
+  local last = math.min(#held, c + CH - 1)
+  local vals = redis.call('HMGET', blk, unpack(held, c, last))
+  for i = c, last do
+    local v = vals[i - c + 1]
+    if v then
+      for j = 1, #keepers do
+        if find_slot(v, keepers[j]) then out[#out + 1] = held[i]; break end
+      end
+    end
+  end
+end
+return out
+"""
+)

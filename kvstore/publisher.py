@@ -62,6 +62,8 @@ class WorkerPublisher(IndexSync):
         max_batch_keys: int = 20_000,
         purge_interval_s: float | None = 10.0,
         max_backoff_s: float = 1.0,
+        on_spares: Callable[[set[BlockKey]], None] | None = None,
+        spares_interval_s: float = 0.5,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
@@ -95,6 +97,10 @@ class WorkerPublisher(IndexSync):
         self._sent_load: WorkerLoad | None = None
         self._last_heartbeat = 0.0
         self._last_purge = time.monotonic()
+        # fleet-aware eviction: called from this thread with the keys another worker keeps
+        self._on_spares = on_spares
+        self._spares_interval_s = spares_interval_s
+        self._next_spares = 0.0
         self._retry_at = 0.0
         self._backoff_s = 0.05
         self._healthy = False

@@ -89,3 +89,4 @@ class PublisherStats:
     heartbeats: int = 0  # heartbeats accepted
     errors: int = 0  # IndexUnavailable seen by the background thread
     purged_workers: int = 0  # dead registrations this publisher purged
+    spare_refreshes: int = 0  # sets of keys another worker keeps, handed to on_spares

@@ -64,6 +64,9 @@ class RouterSettings:
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
     cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
+    http_max_connections: int = 2048  # open HTTP connections; past it: 503 server_busy
+    http_cheap_rate_per_s: float = 200.0  # /health, /version, /metrics, /v1/models per second
+    http_cheap_max_waiting: int = 128  # cheap requests waiting their turn; past it: 503
 
 
 class RouterServer:
@@ -127,6 +130,9 @@ class RouterServer:
                 max_body_bytes=settings.max_message_bytes,
                 intake=self.intake,
                 cors_origins=settings.cors_allowed_origins,
+                max_connections=settings.http_max_connections,
+                cheap_rate_per_s=settings.http_cheap_rate_per_s,
+                cheap_max_waiting=settings.http_cheap_max_waiting,
             )
         self.server = None
         self.port: int | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,10 +73,15 @@ class WorkerServer(PeerPulls):
             self.model_dir, settings.engine, model_id=settings.model_id
         )
         self.publisher: WorkerPublisher | None = None
+        self._spares_after = 0.0  # monotonic time before which a spares refresh is dropped
         if settings.index is not None:
             index = KVIndex(settings.index)
             self.publisher = WorkerPublisher(
-                index, self.worker_id, self._cached_keys, address=f"pid:{os.getpid()}"
+                index,
+                self.worker_id,
+                self._cached_keys,
+                address=f"pid:{os.getpid()}",
+                on_spares=self._set_spares,
             )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
@@ -121,6 +127,26 @@ class WorkerServer(PeerPulls):
                 self.publisher.stop(timeout_s=0.5)
         except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
             log.exception("worker %s: clean-up before the restart failed", self.worker_id)
+
+    def _set_spares(self, spare: set) -> None:
+        """From the publisher's thread: the keys another worker keeps, evicted first here
+        (fleet-aware eviction), applied between steps. Classifying is O(cached blocks) on the
+        engine thread, so a refresh is dropped until 20 times the last one's duration has
+        passed (at most 5 % of the engine's time, whatever the pool's size)."""
+        if time.monotonic() < self._spares_after:
+            return
+
+        def apply(engine: Engine) -> None:
+            t0 = time.monotonic()
+            try:
+                engine.kv.set_spares(spare)
+            finally:
+                now = time.monotonic()
+                self._spares_after = now + 20 * (now - t0)
+
+        self._spares_after = float("inf")  # one in flight at a time
+        if not self.front.post(apply):
+            self._spares_after = 0.0
 
     def _cached_keys(self) -> list:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,

@@ -22,22 +22,29 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from router.http_api import routes
 from router.http_api.body import BodyBudget, BodyLimits, parse_json, read_body
+from router.http_api.cheap import CheapGate
+from router.http_api.door import (
+    DEFAULT_MAX_CONNECTIONS,
+    MAX_HEAD_BYTES,
+    DoorLimits,
+    HttpProtocol,
+    make_room_for,
+    protocol_class,
+)
 from router.http_api.generation import WORKER_HEADER, Generation, error_response
 from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
 from router.serving.core import ClusterOverloaded, ServingCore
-from router.serving.errors import NoRoute, NotAllowed
+from router.serving.errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
 from router.serving.tokenizing import TokenizerPool
@@ -47,43 +54,18 @@ __all__ = ["WORKER_HEADER", "OpenAIServer", "error_status"]
 log = logging.getLogger(__name__)
 # A client has this long for a request's head (from connecting, or from its last answer)
 # and then for its body: uvicorn waits forever on either, so idle or trickling sockets
-# could pile up until the router's process runs out of file descriptors, gRPC included.
+# could pile up until the router's process runs out of file descriptors, gRPC included
+# (router.http_api.door).
 HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0
 # Request bodies the router holds at once, all requests together (each is bounded by
 # router.max_message_bytes; the budget is at least four of those).
 BODY_BUDGET_BYTES = 256 << 20
-
-
-class _DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection that has no request under way
-    :data:`HEAD_TIMEOUT_S` after it connected or after its last response (a request whose
-    head has arrived is past this; its body has :data:`BODY_TIMEOUT_S`)."""
-
-    _head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
-
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
-
-    def _head_late(self) -> None:
-        idle = self.cycle is None or self.cycle.response_complete
-        if idle and not self.transport.is_closing():
-            self.transport.close()
+# the cheap routes' share of the router (router.http_cheap_rate_per_s, ..._max_waiting)
+CHEAP_RATE_PER_S = 200.0
+CHEAP_MAX_WAITING = 128
+# the POST routes that do the client's work: bounded by the queues and the tokenizer's budget
+_WORK = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
 def error_status(exc: BaseException) -> Any:
@@ -107,6 +89,10 @@ class OpenAIServer:
         tokenize: TokenizerPool | None = None,
         intake: Intake | None = None,
         cors_origins: Sequence[str] = (),
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        cheap_rate_per_s: float = CHEAP_RATE_PER_S,
+        cheap_max_waiting: int = CHEAP_MAX_WAITING,
+        http_protocol: HttpProtocol = "httptools",
     ) -> None:
         self._own_intake = intake is None  # closed by stop() only if this server made it
         self.intake = intake or Intake(core, tokenizer, auth=auth, limits=limits, tokenize=tokenize)
@@ -117,26 +103,34 @@ class OpenAIServer:
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
         self.bodies = BodyBudget(max(BODY_BUDGET_BYTES, 4 * max_body_bytes))
         self._logged_fields: set[str] = set()
-        middleware = []
-        if cors_origins:  # off unless origins are configured (router.cors_allowed_origins)
-            middleware.append(
-                Middleware(
-                    CORSMiddleware,
-                    allow_origins=list(cors_origins),
-                    allow_methods=["GET", "POST", "OPTIONS"],
-                    allow_headers=["authorization", "content-type", "x-request-id"],
-                    expose_headers=[WORKER_HEADER, "x-request-id"],
-                )
-            )
-        self.app = Starlette(
+        self.max_connections = max_connections
+        self.http_protocol = http_protocol
+        self.cheap = CheapGate(cheap_rate_per_s, cheap_max_waiting)
+        self.handlers = routes.Handlers(self)
+        self._routes = Starlette(
             routes=[
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 *routes.routes(self),
             ],
-            middleware=middleware,
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+        # generation skips Starlette's routing and its two middleware layers, each of
+        # which wraps ``send``: three Python calls per streamed event
+        self._generation = {
+            "/v1/completions": self._completions,
+            "/v1/chat/completions": self._chat,
+        }
+        self._cheap = routes.cheap_routes(self)
+        self.app: Any = self._door
+        if cors_origins:  # off unless origins are configured (router.cors_allowed_origins)
+            self.app = CORSMiddleware(
+                self._door,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_headers=["authorization", "content-type", "x-request-id"],
+                expose_headers=[WORKER_HEADER, "x-request-id"],
+            )
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
         self.port: int | None = None
@@ -156,7 +150,12 @@ class OpenAIServer:
         """Serve in the running event loop; returns the bound port (``port`` 0: a free one).
         ``tls_cert`` and ``tls_key`` (PEM files, both or neither): serve HTTPS."""
         tls = bool(tls_cert and tls_key)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        make_room_for(self.max_connections)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+        # so, and accepted ones inherit it; with Nagle on, an answer's second write (the
+        # body after the head, each SSE event) waited for the client's delayed ACK, 40 ms
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         config = uvicorn.Config(
@@ -164,7 +163,13 @@ class OpenAIServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http=_DeadlineH11,
+            interface="asgi3",  # (a bound method is not recognised as one)
+            http=protocol_class(
+                self.http_protocol,
+                DoorLimits(head_timeout_s=HEAD_TIMEOUT_S, max_connections=self.max_connections),
+            ),
+            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            proxy_headers=False,  # nothing reads the client's address
             timeout_graceful_shutdown=2,
             ssl_certfile=tls_cert if tls else None,
             ssl_keyfile=tls_key if tls else None,
@@ -187,6 +192,26 @@ class OpenAIServer:
         self._parse.shutdown(wait=False, cancel_futures=True)
         if self._own_intake:
             self.intake.close()
+
+    async def _door(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI application: generation straight to its handler; every request that
+        carries no work of the client's (probes, models, metrics, a wrong path or method)
+        through the cheap routes' gate first; the rest routed."""
+        if scope["type"] != "http":
+            return await self._routes(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        if method == "POST" and path in _WORK:
+            handler = self._generation.get(path)  # (tokenize, detokenize: routed)
+        else:
+            try:
+                await self.cheap.admit()
+            except ServerBusy as exc:
+                return await self.error(exc)(scope, receive, send)
+            handler = self._cheap.get(path) if method in ("GET", "HEAD") else None
+        if handler is None:
+            return await self._routes(scope, receive, send)
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
 
     # -- shared by the routes -------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 detokenize (text or chat messages), Prometheus metrics, version, health.
 
 ``/metrics``, ``/health`` and ``/version`` are open (probes and scrapers carry no token);
-the others need the bearer token when auth is on.
+the others need the bearer token when auth is on. The cheap ones (models, health, version,
+metrics) pass the server's :class:`~router.http_api.cheap.CheapGate` first, and their fleet
+reads are shared through an :class:`~router.http_api.cheap.AnswerCache`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from starlette.routing import BaseRoute, Route
 
 from kvstore.blocks.errors import InvalidRequest
 from router.http_api import tools
+from router.http_api.cheap import AnswerCache
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.placement.types import NoWorkersError
 from router.serving.errors import ModelNotFound
@@ -48,7 +51,7 @@ def _version() -> str:
 
 
 def routes(server: OpenAIServer) -> list[BaseRoute]:
-    h = _Handlers(server)
+    h = server.handlers
     return [
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", h.model, methods=["GET"]),
@@ -60,14 +63,30 @@ def routes(server: OpenAIServer) -> list[BaseRoute]:
     ]
 
 
-class _Handlers:
+def cheap_routes(server: OpenAIServer) -> dict[str, Any]:
+    """The cheap routes by exact path (``/v1/models/{id}`` is routed, then gated)."""
+    h = server.handlers
+    return {
+        "/v1/models": h.models,
+        "/metrics": h.metrics,
+        "/version": h.version,
+        "/health": h.health,
+    }
+
+
+class Handlers:
     def __init__(self, server: OpenAIServer) -> None:
         self.s = server
         self.intake = server.intake
+        self.answers = AnswerCache()
+        self._version = JSONResponse({"version": _version()}).body  # read once: it is a file
 
     async def _cards(self, tenant: str | None) -> list[dict[str, Any]]:
         """vLLM's model cards: the base model, then every adapter a live worker serves to
-        ``tenant``."""
+        ``tenant`` (shared for :data:`~router.http_api.cheap.ANSWER_TTL_S`)."""
+        return await self.answers.get(("cards", tenant), lambda: self._read_cards(tenant))
+
+    async def _read_cards(self, tenant: str | None) -> list[dict[str, Any]]:
         base, created = self.intake.model_id, self.intake.started
         card = {"object": "model", "created": created, "owned_by": "kvcluster"}
         cards = [
@@ -188,10 +207,13 @@ class _Handlers:
         return Response(self.intake.metrics.render(statuses, routing), media_type=CONTENT_TYPE)
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": _version()})
+        return Response(self._version, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
-        live = await self.s.core.directory.candidates()
+        live = await self.answers.get("live", self._live_workers)
         if not live:
             return self.s.error(NoWorkersError("no live worker"))
-        return JSONResponse({"status": "ok", "live_workers": len(live)})
+        return JSONResponse({"status": "ok", "live_workers": live})
+
+    async def _live_workers(self) -> int:
+        return len(await self.s.core.directory.candidates())

@@ -72,6 +72,19 @@ class PrefixAffinityConfig(LoadWeights):
         "not hold its adapter in a device slot (loading it, and evicting another's). Small "
         "against a long cached prefix, so a hot adapter can still spread under load.",
     )
+    capacity_aware: bool = Field(
+        True,
+        description="Place a prefix only on a worker whose KV blocks hold it next to the other "
+        "prefixes the router homed there (router/placement/homes.py), when one has room: a "
+        "holder full of other hot prefixes spills it (pulled there when pulls are on) instead "
+        "of thrashing, and first placements spread by KV capacity.",
+    )
+    home_ttl_s: float = Field(
+        30.0,
+        gt=0,
+        description="A prefix stops counting against its home worker's KV this long after "
+        "its last placement.",
+    )
 
 
 class PullConfig(Strict):

@@ -23,6 +23,12 @@ session of a popular system prompt. So a hot prefix is replicated onto more work
 exactly when its holders are overloaded, and no worker's queue runs away from the mean.
 A prefix shared by everyone (a system prompt cached on every worker) cancels out of the
 comparison, leaving load: no herding.
+
+The load bound does not see KV capacity: a few hot prefixes can each have a modest load and
+still, together, overfill their holder's cache. With ``capacity_aware`` the router tracks each
+prefix's home and every worker's committed blocks (``router/placement/homes.py``), and only
+workers where this prefix fits are candidates (when any is): a full holder spills the prefix
+to a worker with room, and first placements spread by capacity.
 """
 
 from __future__ import annotations
@@ -117,9 +123,12 @@ class PrefixAffinity(RoutingPolicy):
             reqs = [v.load.running + v.load.waiting for v in views]
             both = set(_within_bound(reqs, cfg.balance_slack, cfg.balance_abs_requests))
             eligible = [i for i in eligible if i in both] or eligible
-        pick = self._cheapest(eligible, costs, cached)
+        roomy = [i for i in eligible if views[i].kv_fits]  # see router/placement/homes.py
+        pick = self._cheapest(roomy or eligible, costs, cached)
         if all(v.cached_tokens is None for v in views):
             reason = Reason.NO_INDEX
+        elif costs[pick] > min(costs[i] for i in eligible) * (1 + _REL_TOL):
+            reason = Reason.SPILL  # a cheaper eligible worker has no room for this prefix
         elif costs[pick] > min(costs) * (1 + _REL_TOL):
             reason = Reason.BALANCE  # a cheaper worker exists but is over the load bound
         elif cached[pick] > min(cached):

@@ -15,6 +15,7 @@ from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
 from router.placement.config import RoutingConfig
+from router.placement.homes import PrefixHomes
 from router.placement.metrics import RouterMetrics
 from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
@@ -60,6 +61,10 @@ class Router:
         self.prefix_source = prefix_source
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.pending = PendingPlacements(config.pending_ttl_s, config.pending_settle_s)
+        pa = config.prefix_affinity
+        self.homes: PrefixHomes | None = None  # prefix_affinity's KV capacity check
+        if config.policy == "prefix_affinity" and pa.capacity_aware:
+            self.homes = PrefixHomes(pa.home_ttl_s)
         self._clock = clock
         self.planner: PullPlanner | None = None  # peer pulls priced per request
         self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
@@ -163,9 +168,18 @@ class Router:
         else:
             cached = dict.fromkeys(ids)
         lora_id = request.hash_ctx.lora_id if self.config.adapter_aware else None
+        prefix, shared, now = (), 0, self._clock()
+        if self.homes is not None and keys:
+            shared = max((c or 0 for c in cached.values()), default=0) // self.block_size
+            cap = (len(request.token_ids) - 1) // self.block_size
+            prefix = self.homes.prefix_of(keys, shared, cap)
         views = [
             WorkerView(
-                w, candidates[w], cached[w], lora_id is None or lora_id in candidates[w].lora_loaded
+                w,
+                candidates[w],
+                cached[w],
+                lora_id is None or lora_id in candidates[w].lora_loaded,
+                self.homes is None or self.homes.fits(prefix, w, candidates[w].total_blocks, now),
             )
             for w in ids
         ]
@@ -180,6 +194,8 @@ class Router:
                 held,
                 holder_eligible=self.policy.uses_prefix,
             )
+        if self.homes is not None:
+            self.homes.place(prefix, placement.worker_id, now, first=shared == 0)
         ticket = self.pending.record(placement.worker_id, keys, self._clock()) if keys else None
         decision = RouteDecision(
             worker_id=placement.worker_id,

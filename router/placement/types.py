@@ -23,6 +23,7 @@ class Reason(StrEnum):
     BALANCE = "balance"  # the cheapest worker was over the load bound; next cheapest taken
     NO_INDEX = "no-index"  # no prefix data at all (index down or empty): routed by load
     PULL = "pull"  # priced: run on a less loaded worker that pulls the prefix from its holder
+    SPILL = "spill"  # the cheapest worker's KV is committed to other prefixes: placed with room
 
 
 class RoutingError(Exception):
@@ -55,6 +56,7 @@ class WorkerView:
     load: WorkerLoad  # last reported load (heartbeat)
     cached_tokens: int | None  # prompt tokens this worker would serve from cache; None: unknown
     adapter_loaded: bool = True  # the request's LoRA adapter is in a device slot (or no adapter)
+    kv_fits: bool = True  # the prompt's prefix fits its KV next to the prefixes homed there
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,10 @@ class BodiesBusy(Exception):
     """The router holds as many request bodies' bytes as it may (all requests together)."""
 
 
+class ServerBusy(Exception):
+    """An HTTP door limit was reached (cheap routes' rate, open connections); retry later."""
+
+
 class BodyTimeout(Exception):
     """A request body that did not arrive in time."""
 
@@ -94,7 +98,13 @@ _TABLE: tuple[
     ((BadBody,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     ((BodyTooLarge,), grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error", None),
     ((BodyTimeout,), grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error", None),
-    ((BodiesBusy,), grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", "server_busy"),
+    (
+        (BodiesBusy, ServerBusy),
+        grpc.StatusCode.UNAVAILABLE,
+        503,
+        "service_unavailable",
+        "server_busy",
+    ),
     ((InvalidRequest,), grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
     (
         (ModelNotFound,),
@@ -133,7 +143,14 @@ _TABLE: tuple[
 
 
 # errors that clear up by themselves (a version mismatch is the operator's to fix)
-_RETRYABLE = (EngineOverloaded, ClusterOverloaded, NoWorkersError, StreamBroken, BodiesBusy)
+_RETRYABLE = (
+    EngineOverloaded,
+    ClusterOverloaded,
+    NoWorkersError,
+    StreamBroken,
+    BodiesBusy,
+    ServerBusy,
+)
 
 
 def renamed(exc: InvalidRequest, names: Mapping[str, str]) -> InvalidRequest:

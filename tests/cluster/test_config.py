@@ -48,6 +48,10 @@ def test_gpu_example_yaml_loads() -> None:
             "router: {routing: {pull: {warm_start_share: 1.5}}}",
             "router.routing.pull.warm_start_share",
         ),
+        # the HTTP door's bounds: a positive cap, rate and wait
+        ("router: {http_max_connections: 0}", "router.http_max_connections"),
+        ("router: {http_cheap_rate_per_s: 0}", "router.http_cheap_rate_per_s"),
+        ("router: {http_cheap_max_waiting: -1}", "router.http_cheap_max_waiting"),
         # an empty token would let every caller without one in as that tenant
         ("router: {auth_tokens: {anon: ''}}", "'anon' has an empty token"),
         ("router: {auth_tokens: {a: tok-1, b: tok-1}}", "'a' and 'b' have the same token"),
@@ -122,7 +126,7 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
             "redis": {"url": "redis://127.0.0.1:1/0"},
             "model": {"model_id": "m", "tiny_family": "llama"},
             "workers": {"engine": {"block_size": 32, "max_model_len": 256}},
-            "router": {"port": 6000, "http_port": None},
+            "router": {"port": 6000, "http_port": None, "http_max_connections": 7},
         }
     )
     cluster = Cluster(cfg)
@@ -134,6 +138,7 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
     assert worker.engine.block_size == router.block_size == 32
     assert worker.engine.max_model_len == router.max_model_len == 256
     assert router.port == 6001 and router.http_port is None
+    assert router.http_max_connections == 7 and router.http_cheap_rate_per_s == 200.0
     assert worker.engine == cfg.workers.engine  # the engine config is shipped as stated
 
 

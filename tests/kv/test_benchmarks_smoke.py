@@ -33,3 +33,13 @@ def test_kv_throughput_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_pat
     assert head["kv_tp_2k_hit_rate"] == 0.5  # exactly half of every prompt is a cached prefix
     assert head["kv_tp_2k_ops_per_s"] > 0 and head["kv_tp_decode_us_per_step"] > 0
     assert (tmp_path / "kv_throughput_scaling.png").stat().st_size > 0
+
+
+def test_fleet_eviction_smoke(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import fleet_eviction
+
+    returned = fleet_eviction.main(["--smoke"])
+    head = _last_json(capsys.readouterr().out)
+    assert head == returned and head["smoke"] is True
+    for order in fleet_eviction.ORDERS:
+        assert 0 < head[f"coverage_{order}_40"] <= 1

@@ -13,14 +13,20 @@ NO_CTX = HashContext()
 
 
 def load(
-    queued: int = 0, decode: int = 0, free: int = 1000, running: int = 0, host: int = 0
+    queued: int = 0,
+    decode: int = 0,
+    free: int = 1000,
+    running: int = 0,
+    host: int = 0,
+    total: int = 1000,
 ) -> WorkerLoad:
-    """A worker's heartbeat load; ``host``: its host KV tier's size in blocks."""
+    """A worker's heartbeat load; ``host``: its host KV tier's size in blocks; ``total``:
+    its device KV blocks."""
     return WorkerLoad(
         running=running,
         waiting=0,
-        free_blocks=free,
-        total_blocks=1000,
+        free_blocks=min(free, total),
+        total_blocks=total,
         queued_prefill_tokens=queued,
         decode_tokens=decode,
         host_blocks=host,
@@ -44,6 +50,7 @@ class MiniCluster:
         deliver_events: bool = True,
         num_blocks: int = 4096,
         block_size: int = 16,
+        reported_blocks: int = 1000,
     ) -> None:
         self.kv = {f"w{i}": KVCacheManager(num_blocks, block_size) for i in range(n)}
         self.queue = dict.fromkeys(self.kv, 0)
@@ -52,9 +59,10 @@ class MiniCluster:
         self.router = Router(routing, self.index, block_size=block_size, clock=lambda: self.now)
         self.deliver_events = deliver_events
         self.held: list[tuple[str, list[KVEvent]]] = []
+        self.reported_blocks = reported_blocks  # the KV size the workers' loads report
 
     def loads(self) -> dict[str, WorkerLoad]:
-        return {w: load(self.queue[w]) for w in self.kv}
+        return {w: load(self.queue[w], total=self.reported_blocks) for w in self.kv}
 
     def place(self, rid: str, prompt: Sequence[int], ctx: HashContext = NO_CTX) -> RouteDecision:
         decision = self.router.route(RouteRequest(rid, prompt, ctx), self.loads())

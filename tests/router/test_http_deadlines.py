@@ -18,8 +18,9 @@ async def _read_until_closed(reader: asyncio.StreamReader, limit_s: float) -> by
     return await asyncio.wait_for(reader.read(), limit_s)
 
 
+@pytest.mark.parametrize("protocol", ["httptools", "h11"])
 def test_idle_trickling_and_slow_body_connections_are_closed(
-    monkeypatch: pytest.MonkeyPatch,
+    protocol: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(app_mod, "HEAD_TIMEOUT_S", 0.5)
     monkeypatch.setattr(app_mod, "BODY_TIMEOUT_S", 0.5)
@@ -29,6 +30,7 @@ def test_idle_trickling_and_slow_body_connections_are_closed(
         auth=None,
         limits=LIMITS,
         max_body_bytes=1 << 20,
+        http_protocol=protocol,  # type: ignore[arg-type]
     )
 
     async def main() -> list[bytes]:

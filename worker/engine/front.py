@@ -221,6 +221,11 @@ class StreamingEngine:
         reads and releases cached blocks (an export). TimeoutError after ``timeout_s``."""
         return await asyncio.to_thread(self.window.run, lambda: fn(self.engine), timeout_s)
 
+    def post(self, fn: Callable[[Engine], object]) -> bool:
+        """Run ``fn(engine)`` between steps without waiting for it (any thread); False when
+        the engine is stopped. An exception in ``fn`` is the future's, never the loop's."""
+        return self._call(fn) is not None
+
     def _call(self, fn: Callable[[Engine], T]) -> Future[T] | None:
         future: Future[T] = Future()
 

@@ -12,8 +12,15 @@ Free queue order (front = handed out first):
 - eviction is lazy: a cached free block keeps its key until its id is handed out again; only
   then is it removed from the map (and ``BlockRemoved`` emitted).
 
+Fleet-aware eviction: the cached blocks queue in two runs, spare copies first (a copy another
+worker keeps: pulled from a peer and used since, or named by the index through
+:meth:`BlockPool.set_spares`), then the rest, each least recently used first; so a worker
+evicts what the fleet holds elsewhere before what may be the fleet's last copy. A block cached
+under a spare is a spare too (it must go no later than its parent), even where no peer holds
+it (a question under a shared system prompt, the tail of a prefix a peer holds in part).
+
 Prefix closure: every cached key's parent key is cached too (the Redis index's bisect lookup
-relies on it, see :mod:`kvstore`). Two things keep it:
+relies on it, see :mod:`kvstore`). Three things keep it:
 
 - LRU order. A sequence releases its blocks tail-first and every holder of a block also holds
   a block for each earlier key, so a cached block reaches the free queue no later than its
@@ -27,6 +34,11 @@ relies on it, see :mod:`kvstore`). Two things keep it:
   it). A twin released to ref count 0 stops being one; its children were released just before
   it (tail-first), so the serving block, if evictable, moves to the back of the queue to stay
   newer than them.
+- A guard at eviction. The two runs order blocks by class, not by age, so a parent can queue
+  ahead of a child of the other class (a landed copy under a spare, a classification the index
+  changed); each block counts its cached children, and one reached at the front while it has
+  some (and no twin) is queued at the very back instead, behind them, and loses its spare
+  class. O(1) per such block, and it is not reached again before the blocks ahead of it.
 
 Per-tenant quota (optional, ``tenant_quota``): each tenant (a ``cache_salt``; ``None`` is the
 unsalted tenant) may keep at most that many cached *evictable* blocks. A release that takes a
@@ -45,6 +57,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
 from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
+from worker.kv.spares import spare_verdicts
 
 
 class BlockPool:
@@ -85,6 +98,9 @@ class BlockPool:
         evicted: list[BlockKey] = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            while block.children and block.key not in self.twins:  # its children go first
+                self._requeue_last(block)
+                block = self.free_queue.popleft()
             if block.key is not None:
                 self._uncache(block, evicted)
             block.ref_cnt = 1
@@ -92,6 +108,13 @@ class BlockPool:
         if evicted:
             self.events.removed(evicted)
         return taken
+
+    def _requeue_last(self, block: KVBlock) -> None:
+        """Queue a free cached block (just popped) as the newest of all (the eviction guard)."""
+        block.pulled = False
+        self.free_queue.append(block)
+        if self.tenant_quota is not None:
+            self._evictable[block.tenant].move_to_end(block.block_id)
 
     def _uncache(self, block: KVBlock, evicted: list[BlockKey]) -> None:
         """Evict an evictable cached block's key (taken out of the free queue by the caller);
@@ -109,8 +132,12 @@ class BlockPool:
                 self.on_evict(block)
             del self.cached[key]
             evicted.append(key)
+            above = self.cached.get(block.parent) if block.parent is not None else None
+            if above is not None:
+                above.children -= 1
         block.key = block.token_ids = block.tenant = block.parent = None
         block.pulled = block.landing = False
+        block.children = 0
 
     def _forget_evictable(self, block: KVBlock) -> None:
         if self.tenant_quota is not None:
@@ -140,7 +167,7 @@ class BlockPool:
         twin.twin_of, twin.key = None, key
         served = self.cached[key]
         twin.tenant, twin.parent, twin.pulled = served.tenant, served.parent, served.pulled
-        twin.landing = served.landing
+        twin.landing, twin.children = served.landing, served.children
         self.cached[key] = twin
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -245,6 +272,8 @@ class BlockPool:
             block.parent = run_keys[-1] if run_keys else run_parent
             above = self.cached.get(block.parent) if block.parent is not None else None
             block.pulled = above is not None and above.pulled  # evicted before its parent
+            if above is not None:
+                above.children += 1
             self.cached[key] = block
             run_keys.append(key)
             run_tokens.append(toks)
@@ -266,6 +295,26 @@ class BlockPool:
             if block.key is not None:
                 block.landing, block.pulled = True, False
 
+    def set_spares(self, spare: Iterable[BlockKey]) -> int:
+        """Classify every cached block by the index's answer: ``spare`` names keys another
+        worker keeps (any order; unknown keys are ignored). Those, their ancestors (a peer
+        holding a block holds its prefix) and the blocks cached under them become spares; every
+        other block stops being one; a landed copy stays as it is until it is used. Free blocks
+        whose class changed move to the back of their run, keeping their relative order (so
+        children stay ahead of parents). No-op with a tenant quota (one order per tenant).
+        O(cached blocks); returns the number of free blocks moved."""
+        if self.tenant_quota is not None:
+            return 0
+        verdict = spare_verdicts(self.cached, spare)
+        moved = [b for b in self.free_queue if b.key is not None and verdict[b.key] != b.pulled]
+        for block in self.cached.values():
+            if not block.landing:
+                block.pulled = verdict[block.key]
+        for block in moved:
+            self.free_queue.remove(block)
+            self._queue_cached(block)
+        return len(moved)
+
     def num_used(self) -> int:
         return len(self.blocks) - len(self.free_queue)
 
@@ -278,6 +327,7 @@ class BlockPool:
         for block in self.cached.values():
             block.key = block.token_ids = block.tenant = block.parent = None
             block.pulled = block.landing = False
+            block.children = 0
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0

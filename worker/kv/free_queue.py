@@ -29,6 +29,7 @@ class KVBlock:
         "parent",
         "pulled",
         "landing",
+        "children",
         "prev",
         "next",
     )
@@ -41,8 +42,11 @@ class KVBlock:
         self.token_ids: tuple[int, ...] | None = None  # tokens of a cached block or a twin
         self.tenant: str | None = None  # cache_salt of the prompt that cached it (quotas)
         self.parent: BlockKey | None = None  # key before ``key`` (a host tier names it)
-        self.pulled = False  # cached from a peer's copy, or cached under such a block
+        # a spare copy: another worker keeps this block (pulled from a peer and used, or the
+        # index says a peer keeps it), or it is cached under such a block
+        self.pulled = False
         self.landing = False  # pulled, not yet used by the request it was pulled for
+        self.children = 0  # cached blocks whose parent key is this block's key
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 
@@ -62,10 +66,11 @@ class FreeBlockQueue:
     removal from anywhere, push to either end and pop from the front are all O(1) and allocate
     nothing. Two sentinel nodes remove every edge case from the link updates.
 
-    A third sentinel, ``_mid``, splits the cached blocks in two: copies pulled from peers
-    (``append_pulled``, least recently used first) go before those computed here
-    (``append``), so a pulled copy, which a peer still holds, is evicted before any block
-    only this worker has; blocks with nothing to keep (``appendleft``) go before both. A
+    A third sentinel, ``_mid``, splits the cached blocks in two: spare copies, which another
+    worker keeps (pulled from a peer, or named by the index; ``append_pulled``, least
+    recently used first), go before the rest (``append``), so a spare is evicted before any
+    block the fleet may hold nowhere else; blocks with nothing to keep (``appendleft``) go
+    before both. A
     copy that has just landed queues with the computed blocks until something uses it (the
     request it was pulled for is still waiting for its turn: evicting its pull first would
     waste the pull and recompute the prefix after all).

@@ -55,6 +55,13 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         if block.landing and (block.pulled or block.ref_cnt > 1 or block.key is None):
             _fail(f"{block} landed from a peer but is marked pulled, shared or uncached")
 
+    children: Counter[BlockKey] = Counter(
+        b.parent for b in pool.cached.values() if b.parent is not None
+    )
+    for key, block in pool.cached.items():
+        if block.children != children[key]:
+            _fail(f"{block}: children {block.children} != {children[key]} cached under it")
+
     queued: list[int] = []
     prev = pool.free_queue._head
     mid = pool.free_queue._mid

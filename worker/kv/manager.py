@@ -26,7 +26,7 @@ write blocks the step will read).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import (
@@ -290,6 +290,11 @@ class KVCacheManager(KVQueries, TransferMixin):
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
         return self._pool.events.drain()
+
+    def set_spares(self, spare: Iterable[BlockKey]) -> int:
+        """Fleet-aware eviction: ``spare`` names keys another worker keeps (the index's
+        answer); those blocks are evicted first (:meth:`BlockPool.set_spares`)."""
+        return self._pool.set_spares(spare)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; ``False`` (nothing changes) while any block is in use."""

@@ -1,0 +1,107 @@
+"""The cheap routes' two bounds: cached answers, and a share of the router they may take.
+
+``/health``, ``/version``, ``/v1/models``, ``/metrics`` (and any wrong path or method) carry
+no work of the client's, so a probe or a script polling them in a loop costs the router for
+nothing: on a small machine a ``/health`` flood took most of the event loop that streams
+tokens. Each answer that reads
+the fleet (live workers, adapters) is computed once per :data:`ANSWER_TTL_S` and shared by the
+callers in between (one computation in flight at a time); and every cheap request passes a
+:class:`CheapGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
+its turn, without CPU, up to ``max_waiting`` requests; past those it is answered 503
+``server_busy`` with ``Retry-After`` at once. A closed-loop poller is slowed to the rate, not
+refused; generation never passes the gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+from router.serving.errors import ServerBusy
+
+# how long a fleet answer (live workers, model cards) is reused; a worker's death shows in
+# /health within this (plus the index's own liveness delay)
+ANSWER_TTL_S = 0.5
+MAX_KEYS = 1024  # cached answers (one per tenant and route); beyond, the cache starts over
+
+
+class AnswerCache:
+    """Answers by key, each computed at most once per ``ttl_s``; callers that arrive while
+    one is computed await it. An error is not cached."""
+
+    def __init__(self, ttl_s: float = ANSWER_TTL_S, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._done: dict[Hashable, tuple[float, Any]] = {}
+        self._running: dict[Hashable, asyncio.Future] = {}
+        self.computed = 0  # answers computed (not reused): what a flood costs
+
+    async def get(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
+        hit = self._done.get(key)
+        if hit is not None and self.clock() - hit[0] < self.ttl_s:
+            return hit[1]
+        running = self._running.get(key)
+        if running is None:
+            running = self._running[key] = asyncio.ensure_future(self._make(key, make))
+        return await asyncio.shield(running)
+
+    async def _make(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
+        try:
+            value = await make()
+            self.computed += 1
+            if len(self._done) >= MAX_KEYS:
+                self._done.clear()
+            self._done[key] = (self.clock(), value)
+            return value
+        finally:
+            del self._running[key]
+
+
+class CheapGate:
+    """Admits cheap requests at ``rate_per_s`` (a bucket of as many), the excess after a
+    wait, at most ``max_waiting`` at once; beyond those :class:`ServerBusy`."""
+
+    def __init__(
+        self,
+        rate_per_s: float,
+        max_waiting: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert rate_per_s > 0 and max_waiting >= 0, (rate_per_s, max_waiting)
+        self.rate = rate_per_s
+        self.burst = max(1.0, rate_per_s)
+        self.max_waiting = max_waiting
+        self.clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+        self.waiting = 0
+        self.refused = 0  # answered busy, all time
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+
+    async def admit(self) -> None:
+        """Returns when the request may be served; raises :class:`ServerBusy` when the
+        wait is full."""
+        self._refill()
+        if self._tokens >= 1 and not self.waiting:
+            self._tokens -= 1
+            return
+        if self.waiting >= self.max_waiting:
+            self.refused += 1
+            raise ServerBusy(
+                f"requests other than generation and tokenizing are limited to "
+                f"{self.rate:g} requests/s with {self.max_waiting} waiting "
+                "(router.http_cheap_rate_per_s, router.http_cheap_max_waiting); retry later"
+            )
+        # a place in the queue: the tokens owed before it are the waiters ahead of it
+        self.waiting += 1
+        try:
+            self._tokens -= 1  # taken now, repaid by the refill while it sleeps
+            await asyncio.sleep(max(0.0, -self._tokens / self.rate))
+        finally:
+            self.waiting -= 1

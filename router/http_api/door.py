@@ -1,0 +1,197 @@
+"""The HTTP door: uvicorn's connection protocols with the router's own bounds on what a
+connection may hold before the application sees a request.
+
+uvicorn waits forever for a request's head and, with httptools, buffers a head of any size;
+it caps connections only with a plain-text 503 (``limit_concurrency``). Here, per connection:
+
+* a connection with no request under way is closed :attr:`DoorLimits.head_timeout_s` after
+  it connected or after its last response (idle or trickling sockets would pile up until the
+  router's process ran out of file descriptors, gRPC included);
+* a request head over :attr:`DoorLimits.max_head_bytes` is answered 431 and the connection
+  closed (h11 has the same bound on its own, answered 400);
+* a connection accepted while :attr:`DoorLimits.max_connections` are open is answered at its
+  first request with an OpenAI-shaped 503 ``server_busy`` with ``Retry-After`` (its body
+  read first, so the answer is not lost to a reset), and closed; it has
+  :data:`BUSY_HEAD_TIMEOUT_S` to send that request.
+
+httptools (llhttp, in C) is the default parser: per streamed token it costs a fraction of
+h11's pure-Python state machine; h11 stays selectable (``http_protocol="h11"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger(__name__)
+HttpProtocol = Literal["httptools", "h11"]
+# an over-cap connection is answered if its request comes this soon, else closed unanswered
+BUSY_HEAD_TIMEOUT_S = 2.0
+_BODY_TIMEOUT_S = 30.0  # an over-cap request's body, read before the answer (then closed)
+MAX_HEAD_BYTES = 16 << 10  # request line and headers (h11's own default bound)
+DEFAULT_MAX_CONNECTIONS = 2048
+FD_RESERVE = 256  # descriptors beside the HTTP connections (gRPC, Ray, Redis, files)
+
+
+@dataclass(frozen=True, slots=True)
+class DoorLimits:
+    head_timeout_s: float = 10.0  # for a request's head, from connect or the last answer
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open ones (router.http_max_connections)
+
+
+def _busy_body(limit: int) -> bytes:
+    return json.dumps(
+        {
+            "error": {
+                "message": f"the router has {limit} open HTTP connections, its limit "
+                "(router.http_max_connections); retry later",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "server_busy",
+            }
+        }
+    ).encode()
+
+
+def _head_too_large(limit: int) -> bytes:
+    body = {
+        "error": {
+            "message": f"request head (request line and headers) is over {limit} bytes",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    data = json.dumps(body).encode()
+    head = (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(data)
+    )
+    return head + data
+
+
+class _Door:
+    """What both protocols add (mixed in before uvicorn's protocol class)."""
+
+    door: ClassVar[DoorLimits] = DoorLimits()
+    _head_timer: asyncio.TimerHandle | None = None
+    _over_cap = False
+
+    # (uvicorn's attributes, for the type checker)
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    connections: set[Any]
+    cycle: Any
+    app: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        if len(self.connections) > self.door.max_connections:
+            self._over_cap = True
+            self.app = self._busy  # every request of this connection: answered busy
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        wait = BUSY_HEAD_TIMEOUT_S if self._over_cap else self.door.head_timeout_s
+        self._head_timer = self.loop.call_later(wait, self._head_late)
+
+    def _head_late(self) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and not self.transport.is_closing():
+            self.transport.close()
+
+    async def _busy(self, scope: Any, receive: Any, send: Any) -> None:
+        """The answer of an over-cap connection, without the application: the body is read
+        (discarded) first, so closing after the answer does not reset it away."""
+        try:
+            async with asyncio.timeout(_BODY_TIMEOUT_S):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect" or not msg.get("more_body"):
+                        break
+        except TimeoutError:
+            pass
+        body = _busy_body(self.door.max_connections)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", b"1"),
+            (b"connection", b"close"),  # uvicorn closes the connection after the answer
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class DoorHttpTools(_Door, HttpToolsProtocol):
+    """uvicorn's httptools protocol with the door's bounds; a head is counted in the bytes
+    fed while it is incomplete (llhttp itself buffers header fields without a bound)."""
+
+    _in_head = False
+    _head_bytes = 0
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes = True, 0
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_head:  # all of data is head bytes: the head did not end in it
+            self._head_bytes += len(data)
+            if self._head_bytes > self.door.max_head_bytes and not self.transport.is_closing():
+                self.transport.write(_head_too_large(self.door.max_head_bytes))
+                self.transport.close()
+
+
+class DoorH11(_Door, H11Protocol):
+    """uvicorn's h11 protocol with the door's bounds (h11 bounds the head itself)."""
+
+
+def protocol_class(kind: HttpProtocol, limits: DoorLimits) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
+    base = {"httptools": DoorHttpTools, "h11": DoorH11}[kind]
+    return type(base.__name__, (base,), {"door": limits})
+
+
+def make_room_for(max_connections: int) -> int:
+    """Raise this process's soft limit on open files to fit ``max_connections`` (up to the
+    hard limit); warns when it cannot. Returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        top = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if top > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+            soft = top
+        if soft < need:
+            log.warning(
+                "router.http_max_connections=%d needs about %d open files, the process may "
+                "open %d (ulimit -n): connections past about %d fail at accept",
+                max_connections,
+                need,
+                soft,
+                soft - FD_RESERVE,
+            )
+    return soft
