@@ -20,11 +20,13 @@ each (greedy, ``ignore_eos``), all at once. Systems:
 
 Reported per run: tok/s, served / offline, messages per stream (fewer than tokens when
 coalesced), the largest event-loop stall of the worker and of the router during the run
-(their loop-lag probes), the engine thread's busy share, the share of the run it spent
-runnable but without a core (``engine waits``: the kernel's schedstat; what another process
-on the same cores took from it), and CPU per token of the worker, the router and the client
-(this process). The offline engine and the served worker run the same intra-op threads (one
-per core this process may use) at the same niceness. Then: a burst of
+(their loop-lag probes; ``--trace-stalls`` splits the router's longest stalls into its loop's
+own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
+reports the largest stall less that wait), the engine thread's busy share, the share of the
+run it spent runnable but without a core (``engine waits``: the kernel's schedstat; what
+another process on the same cores took from it), and CPU per token of the worker, the router
+and the client (this process). The offline engine and the served worker run the same
+intra-op threads (one per core this process may use) at the same niceness. Then: a burst of
 ``--burst`` requests arriving at a busy worker (time and engine steps until all were taken
 in), the offline step split by stage (the engine's own stage timers), offline and served, and a
 ``--fanout-workers`` run on the tiny model: can one router forward that many workers'
@@ -48,9 +50,11 @@ from benchmarks.serving_probes import (
     cpu_times,
     engine_busy,
     loop_lags,
+    own_lag_ms,
     router_cpu,
     runnable_wait,
     stage_seconds,
+    stall_split,
     submit_calls,
 )
 from benchmarks.stream_clients import run_grpc, run_http
@@ -123,9 +127,12 @@ def cluster_config(name: str, model_dir: Path, workers: int, engine: dict) -> Cl
     )
 
 
-def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """One served run: tok/s, messages, the loops' largest stalls, the engine's busy share."""
-    loop_lags(cluster, reset=True)
+def served(
+    cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int, trace: bool = False
+) -> dict:
+    """One served run: tok/s, messages, the loops' largest stalls (with ``trace``, each split
+    into the loop's own time and its wait for a core), the engine's busy share."""
+    loop_lags(cluster, reset=True, trace=trace)
     busy0 = engine_busy(cluster)
     cpu0 = cpu_times(cluster)
     stages0 = stage_seconds(cluster)
@@ -152,6 +159,8 @@ def served(cluster: Cluster, api: str, prompts: list[list[int]], max_tokens: int
         "msgs/stream": run.messages / len(prompts),
         "worker lag ms": lags["worker"],
         "router lag ms": lags["router"],
+        "router own lag ms": own_lag_ms(lags["router_stalls"]) if "router_stalls" in lags else None,
+        "router stalls": stall_split(lags.get("router_stalls", [])),
         "engine busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
         **{f"{k} cpu ms/tok": 1e3 * (cpu1[k] - cpu0[k]) / run.tokens for k in CPU_SIDES},
         "engine waits": (cpu1["engine_wait"] - cpu0["engine_wait"]) / wall,
@@ -201,7 +210,8 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
                 prompts = make_prompts(n, args.prompt, vocab, 1000 * rep + n)
                 runs["offline"].append(offline(engine, prompts, args.max_tokens))
                 for api in ("http", "grpc"):
-                    runs[api].append(served(cluster, api, prompts, args.max_tokens))
+                    run = served(cluster, api, prompts, args.max_tokens, args.trace_stalls)
+                    runs[api].append(run)
             base = best(runs["offline"])
             rows.append(
                 {"model": size, "streams": n, "system": "offline", **base, "served/offline": 1.0}
@@ -220,6 +230,9 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
                         "cpu ratio": base["engine cpu ms/tok"] / r["worker cpu ms/tok"],
                     }
                 )
+            for api in ("http", "grpc"):
+                if args.trace_stalls:
+                    extra[f"{size}_{api}_{n}_router_stalls"] = best(runs[api])["router stalls"]
             if n == top:  # the engine's step, offline and served (ms per step by stage)
                 extra[f"{size}_stages_offline"] = base["stages"]
                 extra[f"{size}_stages_served"] = best(runs["grpc"])["stages"]
@@ -306,6 +319,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat", type=int, default=2, help="runs per system (best kept)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
+    parser.add_argument(
+        "--trace-stalls",
+        action="store_true",
+        help="split each loop stall into its own CPU, GC and run-queue wait (a watchdog thread)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:  # (a model named with --smoke runs at smoke size too)
         args.models = args.models or ["tiny"]
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.fanout_workers:
         extra["fanout"] = fanout(args)
     cols = ["model", "streams", "system", "tok_s", "served/offline", "msgs/stream"]
-    cols += ["worker lag ms", "router lag ms", "engine busy", "engine waits"]
+    cols += ["worker lag ms", "router lag ms", "router own lag ms", "engine busy", "engine waits"]
     cols += ["engine cpu ms/tok", "worker cpu ms/tok", "router cpu ms/tok", "client cpu ms/tok"]
     cols += ["cpu ratio", "submits/req"]
     rows = [{c: "" if r.get(c) is None else r[c] for c in cols} for r in rows]
@@ -344,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     for side in ("worker", "router"):
         lags = [r[f"{side} lag ms"] for r in served_rows if r[f"{side} lag ms"] != ""]
         headline[f"max_{side}_lag_ms"] = round(max(lags), 2) if lags else None
+    own = [r["router own lag ms"] for r in served_rows if r["router own lag ms"] != ""]
+    if own:  # (--trace-stalls) the largest router stall less its wait for a core
+        headline["max_router_own_lag_ms"] = round(max(own), 2)
     headline.update({k: v for k, v in extra.items() if k.endswith("_burst") or k == "fanout"})
     emit_json(headline)
     return headline

@@ -17,22 +17,44 @@ from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 
 
-def loop_lags(cluster: Cluster, *, reset: bool) -> dict[str, float | None]:
+def loop_lags(cluster: Cluster, *, reset: bool, trace: bool = False) -> dict[str, Any]:
     """The largest event-loop stall (ms) of any worker and of any router since the last reset
-    (the first call starts the probes); None for actors without a probe."""
+    (the first call starts the probes); None for actors without a probe. ``trace``: the
+    probes attribute stalls from now on; once on, ``worker_stalls`` / ``router_stalls`` list
+    the longest stalls since the last reset (see :func:`stall_split`)."""
     try:
-        return _loop_lags(cluster, reset)
-    except AttributeError:  # an older build without the probe
+        return _loop_lags(cluster, reset, trace)
+    except (AttributeError, TypeError):  # an older build without the probe (or its trace)
         return {"worker": None, "router": None}
 
 
-def _loop_lags(cluster: Cluster, reset: bool) -> dict[str, float | None]:
-    workers = ray.get([h.loop_lag.remote(reset=reset) for h in cluster.workers.values()])
-    routers = ray.get([h.loop_lag.remote(reset=reset) for h in cluster.routers.values()])
-    return {
-        "worker": max(w["max_lag_ms"] for w in workers),
-        "router": max(r["max_lag_ms"] for r in routers),
-    }
+def _loop_lags(cluster: Cluster, reset: bool, trace: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for side, handles in (("worker", cluster.workers), ("router", cluster.routers)):
+        reports = ray.get([h.loop_lag.remote(reset=reset, trace=trace) for h in handles.values()])
+        out[side] = max(r["max_lag_ms"] for r in reports)
+        stalls = [s for r in reports for s in r.get("trace", {}).get("stalls", [])]
+        if any("trace" in r for r in reports):
+            out[f"{side}_stalls"] = sorted(stalls, key=lambda s: -s["lag_ms"])
+    return out
+
+
+def stall_split(stalls: list[dict], top: int = 3) -> str:
+    """The longest stalls as ``lag ms = loop CPU + collector + run-queue wait``: what the
+    loop's own callbacks took, what the cyclic collector took (inside that CPU), and how long
+    the OS kept the runnable loop thread off a core (other processes and threads on it)."""
+    return ", ".join(
+        f"{s['lag_ms']:.0f} (cpu {s['loop_cpu_ms']:.0f}, gc {s['gc_ms']:.0f}, "
+        f"runq {s['runq_ms']:.0f})"
+        for s in stalls[:top]
+    )
+
+
+def own_lag_ms(stalls: list[dict]) -> float:
+    """The longest stall less its run-queue wait: the part the process itself is
+    answerable for (its callbacks, its collections, its threads holding the GIL); 0 when
+    no stall reached the tracer's threshold."""
+    return max((max(0.0, s["lag_ms"] - s["runq_ms"]) for s in stalls), default=0.0)
 
 
 def engine_busy(cluster: Cluster) -> float | None:

@@ -184,6 +184,33 @@ class KVIndex:
         reply = self._run("LOOKUP_TIERS", key_blob(sampled(keys, k)))
         return decode_lookup_tiers(reply, k)
 
+    def lookup_many(
+        self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
+    ) -> list[dict[str, int] | dict[str, tuple[int, int]]]:
+        """:meth:`lookup` (or :meth:`lookup_tiers` where its flag is set) of each prompt, in
+        order, in one round trip (a pipeline): a burst's requests placed together. Each
+        answer is what its own call would have answered at that moment."""
+        if len(prompts) == 1:
+            keys, tiers = prompts[0]
+            return [self.lookup_tiers(keys) if tiers else self.lookup(keys)]
+        k = self.config.record_every
+        scripts_ = (self._scripts["LOOKUP"], self._scripts["LOOKUP_TIERS"])
+
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for keys, tiers in prompts:
+                pipe.evalsha(scripts_[tiers].sha, 1, self._reg_key, key_blob(sampled(keys, k)))
+            return pipe.execute()
+
+        try:
+            replies = guard(run)
+        except redis.exceptions.NoScriptError:  # Redis lost its scripts: each call reloads
+            return [self.lookup_tiers(p) if t else self.lookup(p) for p, t in prompts]
+        return [
+            decode_lookup_tiers(r, k) if tiers else decode_lookup(r, k)
+            for r, (_, tiers) in zip(replies, prompts, strict=True)
+        ]
+
     def live_workers(self) -> dict[str, WorkerInfo]:
         """Current registrations with a live heartbeat, with their latest load."""
         return decode_live(self._run("LIVE"))

@@ -249,10 +249,10 @@ class RouterServer:
             snap.update({f"pull_priced_{k}": v for k, v in self.router.planner.choices.items()})
         return snap
 
-    async def loop_lag(self, reset: bool = False) -> dict[str, float]:
+    async def loop_lag(self, reset: bool = False, trace: bool = False) -> dict:
         """This actor's event-loop lag: the largest stall since the last reset (the probe
-        starts on the first call)."""
-        return self.directory.loop_probe.report(reset=reset)
+        starts on the first call); ``trace``: attribute stalls from now on (a diagnostic)."""
+        return self.directory.loop_probe.report(reset=reset, trace=trace)
 
     def warm_start_results(self) -> dict[str, dict[str, int]]:
         """Per worker, what the warm start this router asked of it did (for tests)."""

@@ -277,10 +277,10 @@ class WorkerServer(PeerPulls, BurstIntake):
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
 
-    async def loop_lag(self, reset: bool = False) -> dict[str, float]:
+    async def loop_lag(self, reset: bool = False, trace: bool = False) -> dict:
         """This actor's event-loop lag: the largest stall since the last reset (the probe
-        starts on the first call)."""
-        return self.loop_probe.report(reset=reset)
+        starts on the first call); ``trace``: attribute stalls from now on (a diagnostic)."""
+        return self.loop_probe.report(reset=reset, trace=trace)
 
     def resync_index(self, reason: str) -> bool:
         """A router found this worker's index entries wrong (``reason``): replace them with

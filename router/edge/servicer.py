@@ -22,6 +22,7 @@ from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
     DEFAULT_LIMITS,
     FINISH_TO_PB,
+    GenerateSpec,
     responses_from_output,
     spec_from_pb,
 )
@@ -66,23 +67,27 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         self.index_available = index_available
         self.auth = self.intake.auth
 
-    async def _outputs(
+    async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[tuple[str, Any, bool]]:
+    ) -> tuple[GenerateSpec, list[int]]:
+        """The validated request and its prompt's token ids."""
+        await self.intake.turn()  # a burst's parsing spread over loop iterations
         # the tenant scopes the cache salt: no KV and no routing signal crosses tenants
         tenant = self.intake.tenant(context.invocation_metadata(), request.tenant)
         self.core.check_room()  # full queues: refused before the request is validated
         spec = spec_from_pb(request, tenant=tenant, limits=self.limits)
-        token_ids = await self.intake.token_ids(spec)
-        async for worker, out in self.intake.generate(spec, token_ids):
-            yield worker, out, spec.stream_text
+        return spec, await self.intake.token_ids(spec)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # each streamed message passes every generator between the worker's channel and
+        # grpc: this one iterates the intake's stream itself (no helper generator between)
         try:
-            async for worker, out, stream_text in self._outputs(request, context):
-                for msg in responses_from_output(out, worker_id=worker, stream_text=stream_text):
+            spec, token_ids = await self._start(request, context)
+            text = spec.stream_text
+            async for worker, out in self.intake.generate(spec, token_ids):
+                for msg in responses_from_output(out, worker_id=worker, stream_text=text):
                     yield msg
         except Exception as exc:
             await self._abort(context, exc)
@@ -93,7 +98,8 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         result = GenerationResult(request_id="", completions=[])
         worker = ""
         try:
-            async for worker, out, _ in self._outputs(request, context):  # noqa: B007
+            spec, token_ids = await self._start(request, context)
+            async for worker, out in self.intake.generate(spec, token_ids):  # noqa: B007
                 result.request_id = out.request_id
                 result.add(out)
         except Exception as exc:

@@ -261,6 +261,7 @@ class OpenAIServer:
     async def _prepare(
         self, request: Request, chat: bool
     ) -> tuple[OpenAIRequest, list[GenerateSpec], list[list[int]]]:
+        await self.intake.turn()  # a burst's parsing spread over loop iterations
         tenant = self.tenant(request)  # first: an unauthenticated caller learns nothing
         try:  # then the cheap refusal, before any parsing
             self.core.check_room()

@@ -42,6 +42,18 @@ class PrefixSource(ABC):
         counts = self.lookup(keys)
         return None if counts is None else {w: (n, 0) for w, n in counts.items()}
 
+    def lookup_many(
+        self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
+    ) -> list[Mapping[WorkerId, TierCounts] | None]:
+        """Per prompt ``(keys, tiers)``: :meth:`lookup_tiers` if ``tiers``, else
+        :meth:`lookup` with no host counts; sources with a round trip per call answer all
+        in one (the requests a router places together)."""
+        return [self.lookup_tiers(k) if t else _no_host(self.lookup(k)) for k, t in prompts]
+
+
+def _no_host(counts: Mapping[WorkerId, int] | None) -> dict[WorkerId, TierCounts] | None:
+    return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+
 
 class KVIndexSource(PrefixSource):
     """Adapter over the Redis index (live workers only). Reads go through ``breaker`` (shared
@@ -65,6 +77,22 @@ class KVIndexSource(PrefixSource):
             return self.breaker.call(lambda: index.lookup_tiers(keys), failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
+
+    def lookup_many(
+        self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
+    ) -> list[Mapping[WorkerId, TierCounts] | None]:
+        """One round trip for all (one read through the breaker)."""
+        index = self.index
+        try:
+            answers = self.breaker.call(
+                lambda: index.lookup_many(prompts), failures=(IndexUnavailable,)
+            )
+        except IndexUnavailable as exc:
+            raise PrefixSourceUnavailable(str(exc)) from exc
+        return [
+            a if tiers else _no_host(a)  # type: ignore[arg-type]
+            for a, (_, tiers) in zip(answers, prompts, strict=True)
+        ]
 
 
 class InMemoryPrefixIndex(PrefixSource):

@@ -9,6 +9,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.types import WorkerLoad
@@ -24,6 +25,14 @@ from router.placement.pull import PullPlanner, TransferModel
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
+
+
+class Prepared(NamedTuple):
+    """A request's placement inputs read ahead (:meth:`Router.prepare`)."""
+
+    start: float  # perf_counter when its routing began
+    keys: tuple[BlockKey, ...]  # its prompt's block keys (empty: the policy reads none)
+    index: Mapping[WorkerId, TierCounts] | None  # the index's answer (None: none)
 
 
 class Router:
@@ -75,16 +84,55 @@ class Router:
             )
 
     def route(
-        self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
+        self,
+        request: RouteRequest,
+        candidates: Mapping[WorkerId, WorkerLoad],
+        prepared: Prepared | None = None,
     ) -> RouteDecision:
-        """Choose a worker among ``candidates`` (live workers and their last load).
+        """Choose a worker among ``candidates`` (live workers and their last load);
+        ``prepared``: its keys and index answer read already (:meth:`prepare`).
 
         Never fails for the index's sake: if the prefix source raises, routes by load.
         Raises :class:`NoWorkersError` when ``candidates`` is empty.
         """
-        start, keys = self._begin(request, candidates)
-        index = self._lookup(keys, candidates) if keys else None
+        if prepared is None:
+            start, keys = self._begin(request, candidates)
+            index = self._lookup(keys, candidates) if keys else None
+        else:
+            start, keys, index = prepared
         return self._decide(request, candidates, keys, index, start)
+
+    def prepare(
+        self, batch: Sequence[tuple[RouteRequest, Mapping[WorkerId, WorkerLoad]]]
+    ) -> list[Prepared | Exception]:
+        """Hash the prompts of requests placed together and read the index for all of them
+        in one round trip; :meth:`route` then decides each, in order, with its own answer
+        (the index as it was at this read, as one lookup of its own would have seen it).
+        A request that cannot be routed gets its exception in its place."""
+        begun: list[tuple[float, tuple[BlockKey, ...]] | Exception] = []
+        for request, candidates in batch:
+            try:
+                begun.append(self._begin(request, candidates))
+            except Exception as exc:  # noqa: BLE001 - that request's error, not the batch's
+                begun.append(exc)
+        asks = [
+            (i, b[1], self._wants_tiers(batch[i][1]))
+            for i, b in enumerate(begun)
+            if not isinstance(b, Exception) and b[1]
+        ]
+        answers: dict[int, Mapping[WorkerId, TierCounts] | None] = {}
+        source = self.prefix_source
+        if asks and source is not None:
+            try:
+                got = source.lookup_many([(keys, tiers) for _, keys, tiers in asks])
+                answers = {i: a for (i, _, _), a in zip(asks, got, strict=True)}
+            except Exception as exc:  # noqa: BLE001 - degrade, never fail: route by load
+                for _ in asks:  # each request's read failed
+                    self._index_error(exc)
+        return [
+            b if isinstance(b, Exception) else Prepared(b[0], b[1], answers.get(i))
+            for i, b in enumerate(begun)
+        ]
 
     def _begin(
         self, request: RouteRequest, candidates: Mapping[WorkerId, WorkerLoad]
@@ -238,15 +286,18 @@ class Router:
         if source is None:
             return None
         try:
-            if self.config.host_hit_weight > 0 and any(
-                load.host_blocks for load in candidates.values()
-            ):
+            if self._wants_tiers(candidates):
                 return source.lookup_tiers(keys)
             counts = source.lookup(keys)
         except Exception as exc:  # degrade, never fail: route by load
             self._index_error(exc)
             return None
         return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+
+    def _wants_tiers(self, candidates: Mapping[WorkerId, WorkerLoad]) -> bool:
+        return self.config.host_hit_weight > 0 and any(
+            load.host_blocks for load in candidates.values()
+        )
 
     def _index_error(self, exc: Exception) -> None:
         if isinstance(exc, CircuitOpen):  # not asked: the index failed moments ago

@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
-from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.hashing import HashContext
@@ -27,9 +23,11 @@ from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.types import WorkerLoad
 from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
-from router.placement.router import Router
+from router.placement.router import Prepared, Router
 from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
+from router.serving.own_work import OwnWork
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -71,18 +69,12 @@ class ServingCore:
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
-        self._decide = ThreadPoolExecutor(1, thread_name_prefix="route")
+        self._decide = DecideThread(self._place_batch, self._unplace)
         self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
-        # This router's own view of the work it sent, newer than any heartbeat: prompt tokens
-        # not yet prefilled (no token back yet) and open streams, per worker. Written by the
-        # decide thread (placing) and the event loop (first token, end), hence the lock.
-        self._own_lock = threading.Lock()
-        self._unprefilled: dict[str, dict[str, int]] = defaultdict(dict)
-        self._open: Counter[str] = Counter()
-        self._idle_at_placement: set[str] = set()  # requests placed on an idle worker
+        self.own = OwnWork()  # what this router sent, newer than any heartbeat
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
@@ -98,59 +90,60 @@ class ServingCore:
                 f"before it was read); retry later. {self._full_detail}"
             )
 
-    def _place(self, request: RouteRequest, heartbeats: Mapping[str, WorkerLoad]) -> RouteDecision:
+    def _place_batch(
+        self, jobs: Sequence[tuple[RouteRequest, Mapping[str, WorkerLoad]]]
+    ) -> list[RouteDecision | Exception]:
+        """Requests placed together (decide thread): their index reads in one round trip,
+        then each placed in arrival order."""
+        out: list[RouteDecision | Exception] = []
+        for (request, heartbeats), ready in zip(jobs, self.router.prepare(jobs), strict=True):
+            if isinstance(ready, Exception):
+                out.append(ready)
+                continue
+            try:
+                out.append(self._place(request, heartbeats, ready))
+            except Exception as exc:  # noqa: BLE001 - that request's error alone
+                out.append(exc)
+        return out
+
+    def _place(
+        self,
+        request: RouteRequest,
+        heartbeats: Mapping[str, WorkerLoad],
+        prepared: Prepared | None = None,
+    ) -> RouteDecision:
         """Route ``request`` and count it as this router's own work on the chosen worker, in
         one step (decide thread). Reading the loads and recording the placement together is
         what spreads a burst: requests that arrive together are decided one after another,
         each seeing its predecessors' placements even though no heartbeat shows them yet.
-        (The decide thread is the only one that adds work, so the lock need not be held over
-        the index lookup; the event loop only takes work away.)"""
-        with self._own_lock:
-            loads = self._with_own_work(heartbeats)
-        decision = self.router.route(request, loads)
+        (The decide thread is the only one that adds work, so the loads need not stay locked
+        over the decision; the event loop only takes work away.)"""
+        loads = self.own.loads(heartbeats)
+        decision = self.router.route(request, loads, prepared)
         w = decision.worker_id
         load = loads.get(w)
-        if load is not None and not (load.queued_prefill_tokens or load.running or load.waiting):
-            self._idle_at_placement.add(request.request_id)  # its TTFT is its prefill time
-        with self._own_lock:
-            self._open[w] += 1
-            uncached = len(request.token_ids) - decision.cached_tokens_expected
-            self._unprefilled[w][request.request_id] = uncached
+        idle = load is not None and not (load.queued_prefill_tokens or load.running or load.waiting)
+        uncached = len(request.token_ids) - decision.cached_tokens_expected
+        self.own.placed(w, request.request_id, uncached, idle=idle)
         return decision
 
-    def _prefilled(self, worker: str, request_id: str, *, done: bool) -> None:
-        """The request's first token came back (its prefill is done), or it ``done``."""
-        with self._own_lock:
-            self._unprefilled[worker].pop(request_id, None)
-            if done:
-                self._open[worker] -= 1
-
-    def _with_own_work(self, loads: Mapping[str, WorkerLoad]) -> dict[str, WorkerLoad]:
-        """Heartbeat loads lag by up to a heartbeat interval; a burst routed meanwhile would
-        all see idle workers and herd. Take, per worker, the larger of the heartbeat's figure
-        and what this router alone has sent there (max, not sum: the heartbeat may already
-        include it). Caller holds ``_own_lock``."""
-        out = {}
-        for w, load in loads.items():
-            mine = sum(self._unprefilled[w].values()) if w in self._unprefilled else 0
-            out[w] = replace(
-                load,
-                queued_prefill_tokens=max(load.queued_prefill_tokens, mine),
-                running=max(load.running, self._open[w]),
-            )
-        return out
+    def _unplace(self, job: tuple[RouteRequest, Mapping], decision: RouteDecision) -> None:
+        """A placement whose request left while it was being decided: never used."""
+        self.own.idle_at_placement.discard(job[0].request_id)
+        self.own.prefilled(decision.worker_id, job[0].request_id, done=True)
+        self._settle(decision)
 
     def _settle(self, decision: RouteDecision) -> None:
         """End the placement's pending claim (on the decide thread, which owns the router)."""
         if decision.pending is None:
             return
         try:
-            self._decide.submit(self.router.settle, decision)
+            self._decide.call(self.router.settle, decision)
         except RuntimeError:  # shutting down: nothing routes any more
             pass
 
     def close(self) -> None:
-        self._decide.shutdown(wait=False, cancel_futures=True)
+        self._decide.close()
 
     async def generate(
         self,
@@ -192,7 +185,7 @@ class ServingCore:
                     + (f" (tried {sorted(excluded)})" if excluded else "")
                 )
             route_req = RouteRequest(request_id, token_ids, ctx)
-            decision = await loop.run_in_executor(self._decide, self._place, route_req, candidates)
+            decision = await self._decide.place(route_req, candidates)
             worker = decision.worker_id
             produced = finished = gone = admitted = False
             pulled: PullReport | None = None
@@ -210,7 +203,7 @@ class ServingCore:
                         continue
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
-                        self._prefilled(worker, request_id, done=False)
+                        self.own.prefilled(worker, request_id, done=False)
                         self._settle(decision)
                         self._compare_prediction(decision, item, pulled)
                         self._observe_prefill(request_id, item, loop.time() - sent, pulled)
@@ -240,8 +233,8 @@ class ServingCore:
                 full.append(f"{worker} ({exc})")
                 self.overflows += 1
             finally:
-                self._idle_at_placement.discard(request_id)
-                self._prefilled(worker, request_id, done=True)
+                self.own.idle_at_placement.discard(request_id)
+                self.own.prefilled(worker, request_id, done=True)
                 if not produced:  # settled at its first token otherwise
                     self._settle(decision)
                 if admitted:  # it leaves a queue slot behind
@@ -289,7 +282,7 @@ class ServingCore:
         """A request placed on an idle worker: its time to first token, less its pull, was
         its prefill of the uncached tokens (the prefill-rate estimate the planner uses)."""
         planner = self.router.planner
-        if planner is None or request_id not in self._idle_at_placement:
+        if planner is None or request_id not in self.own.idle_at_placement:
             return
         seconds = ttft_s - (pulled.seconds if pulled is not None else 0.0)
         planner.observe_prefill(first.usage.prompt_tokens - first.usage.cached_tokens, seconds)

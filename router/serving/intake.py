@@ -25,9 +25,14 @@ from router.serving.errors import ModelNotFound, RequestFailed, Unauthenticated,
 from router.serving.metrics import ServingMetrics
 from router.serving.request import ChatOptions, GenerateSpec
 from router.serving.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
+from router.serving.turns import TurnSlices
 from worker.model.tokenizer import Tokenizer
 
 _PLAIN_CHAT = ChatOptions()
+# requests whose intake (validation, limits, placement's hand-off: ~0.3 ms each) runs per loop
+# iteration at most: a burst of 256 arriving together otherwise runs all of theirs in one
+# iteration (~100 ms in which no stream is written, no probe answered)
+INTAKE_SLICE = 16
 
 
 def chat_token_ids(
@@ -71,6 +76,7 @@ class Intake:
         self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self.metrics = ServingMetrics(core.limits.model_id)
         self.started = int(time.time())
+        self.turns = TurnSlices(INTAKE_SLICE)
 
     @property
     def model_id(self) -> str:
@@ -116,6 +122,11 @@ class Intake:
         shown = model if len(model) <= 64 else f"<{len(model)} chars>"
         raise ModelNotFound(f"model {shown!r} does not exist; GET /v1/models lists the served ones")
 
+    async def turn(self) -> None:
+        """Wait for this request's slice of a loop iteration (see :data:`INTAKE_SLICE`); an
+        edge calls it before parsing a request, and :meth:`token_ids` before the rest."""
+        await self.turns.enter()
+
     # -- tokenizing -----------------------------------------------------------------------
 
     async def token_ids(self, spec: GenerateSpec) -> list[int]:
@@ -123,6 +134,7 @@ class Intake:
         long for the model refused before it is tokenized. Every edge calls this before
         generating, so the request's grammars are compile-checked here first (off the
         loop too): one the library cannot compile is InvalidRequest naming its field."""
+        await self.turns.enter()
         loop = asyncio.get_running_loop()
         try:
             for grammar in spec.grammars:

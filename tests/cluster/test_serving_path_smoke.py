@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
-    head = serving_path.main(["--smoke", "--vllm-python", str(tmp_path / "no-vllm")])
+    head = serving_path.main(
+        ["--smoke", "--trace-stalls", "--vllm-python", str(tmp_path / "no-vllm")]
+    )
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == head
     assert "vllm offline: skipped" in out  # (and so no served leg)
@@ -22,6 +24,7 @@ def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path
         assert 0 < head[f"tiny_{api}_8_submits_per_req"] <= 1  # a call carries >= 1 request
         assert 0 <= head[f"tiny_{api}_8_engine_waits"] <= 1  # a share of the run's wall time
     assert head["max_worker_lag_ms"] >= 0 and head["max_router_lag_ms"] >= 0
+    assert 0 <= head["max_router_own_lag_ms"] <= head["max_router_lag_ms"]
     burst = head["tiny_burst"]
     assert burst["requests"] == 16 and burst["steps"] >= 0 and burst["ms"] > 0
     fan = head["fanout"]

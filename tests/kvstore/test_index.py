@@ -291,3 +291,20 @@ def test_purge_works_in_bounded_chunks_and_spares_live_workers(index: KVIndex) -
     assert index.held_keys("b") == set(keys[:10])
     assert set(blk_slots(index)) == set(keys[:10])
     assert index.lookup(keys) == {"a": 0, "b": 10}
+
+
+def test_lookup_many_answers_as_each_lookup_would_in_one_round_trip(index: KVIndex) -> None:
+    """A burst's lookups pipelined: each answer equals its own call's (device-only or per
+    tier, as asked), in order, and a Redis that forgot its scripts (SCRIPT FLUSH) is served
+    by reloading them."""
+    keys = chain(10)
+    ea, eb = index.register("a"), index.register("b")
+    index.apply_events("a", ea, 1, [stored(keys[:4]), stored(keys[4:], keys[3])])
+    index.apply_events("b", eb, 1, [stored(keys[:6])])
+    prompts = [(keys, False), (keys[:3], True), (chain(5, salt=9), False), (keys[:7], True)]
+    expected = [index.lookup_tiers(k) if t else index.lookup(k) for k, t in prompts]
+    assert expected[0] == {"a": 10, "b": 6} and expected[1] == {"a": (3, 0), "b": (3, 0)}
+    assert index.lookup_many(prompts) == expected
+    assert index.lookup_many(prompts[:1]) == expected[:1]
+    index.client.script_flush()
+    assert index.lookup_many(prompts) == expected

@@ -118,3 +118,50 @@ def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> N
     assert 0 < most <= 2 * size, f"{most} first steps ran between two loop turns"
     assert order == list(range(STREAMS))
     assert deferred > 0
+
+
+def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
+    """256 requests whose intake starts in one loop iteration (a burst of connections read
+    together) pass the intake's turn gate a slice per iteration, in arrival order, each
+    with its own prompt: an always-ready probe sees at most two slices' intakes between two
+    of its turns, so no iteration runs a whole burst's validation and hand-off."""
+    from protos.kvcluster.v1 import kvcluster_pb2 as pb
+    from router.edge.convert import spec_from_pb
+    from router.placement.config import RequestLimits
+    from router.serving.intake import INTAKE_SLICE, Intake
+    from tests.router.test_http_hostile_bodies import Core, Tokenizer
+
+    assert 2 * INTAKE_SLICE < STREAMS
+
+    async def main() -> tuple[int, list[int], list[list[int]]]:
+        intake = Intake(Core(), Tokenizer(), auth=None, limits=RequestLimits())  # type: ignore[arg-type]
+        order: list[int] = []
+        prompts: list[list[int]] = []
+        most = 0
+        done = False
+
+        async def request(i: int) -> None:
+            spec = spec_from_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5 + i, 6])))
+            ids = await intake.token_ids(spec)
+            order.append(i)
+            prompts.append(ids)
+
+        async def probe() -> None:
+            nonlocal most
+            last = 0
+            while not done:
+                await asyncio.sleep(0)
+                most, last = max(most, len(order) - last), len(order)
+
+        spin = asyncio.create_task(probe())
+        await asyncio.sleep(0)
+        await asyncio.gather(*(request(i) for i in range(STREAMS)))
+        done = True
+        await spin
+        intake.close()
+        return most, order, prompts
+
+    most, order, prompts = asyncio.run(main())
+    assert 0 < most <= 2 * INTAKE_SLICE, f"{most} intakes ran between two loop turns"
+    assert order == list(range(STREAMS))
+    assert prompts == [[5 + i, 6] for i in range(STREAMS)]

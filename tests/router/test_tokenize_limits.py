@@ -86,8 +86,7 @@ def test_over_limit_text_is_rejected_before_tokenizing() -> None:
         except Aborted as exc:
             errors.append(exc)
         try:
-            async for _ in svc._outputs(pb.GenerateRequest(text="y" * (cap + 1)), Context()):
-                pass
+            await svc._start(pb.GenerateRequest(text="y" * (cap + 1)), Context())
         except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
             errors.append(exc)
         ok = await svc.Tokenize(pb.TokenizeRequest(text="z" * cap), Context())
@@ -198,8 +197,7 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
     async def main() -> list[str]:
         errors = []
         try:
-            async for _ in svc._outputs(chat(half, half), Context()):
-                pass
+            await svc._start(chat(half, half), Context())
         except Exception as exc:  # noqa: BLE001 - InvalidRequest, before the servicer maps it
             errors.append(str(exc))
         try:
@@ -253,8 +251,7 @@ def test_tools_and_calls_count_against_the_cap_before_rendering_on_both_edges() 
         errors = []
         for req in grpc_reqs:
             try:
-                async for _ in svc._outputs(req, Context()):
-                    pass
+                await svc._start(req, Context())
             except Exception as exc:  # noqa: BLE001 - InvalidRequest, before it is mapped
                 errors.append(str(exc))
         for spec in http_specs:
