@@ -68,12 +68,15 @@ from worker.model.build_tiny import build_tiny_model
 from worker.model.cpu_threads import available_cores
 
 
-def engine_config(streams: int, prompt: int, max_tokens: int, burst: int) -> dict:
+def engine_config(
+    streams: int, prompt: int, max_tokens: int, burst: int, threads: int | None = None
+) -> dict:
     """One config for the offline engine and the served worker: the same intra-op threads
-    too (a worker left to Ray's choice would run one per whole reserved CPU)."""
+    too (a worker left to Ray's choice would run one per whole reserved CPU); ``threads``
+    defaults to one per core this process may use."""
     per_seq = -(-(prompt + max_tokens) // 16)
     return {
-        "cpu_threads": available_cores(),
+        "cpu_threads": threads or available_cores(),
         "block_size": 16,
         "num_blocks": per_seq * (streams + burst) + 64,
         "max_num_seqs": streams,
@@ -195,7 +198,7 @@ def best(runs: list[dict]) -> dict:
 def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: dict) -> None:
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
-    engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst)
+    engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
     cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg)
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
@@ -318,6 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fanout-streams", type=int, default=64, help="streams per worker")
     parser.add_argument("--repeat", type=int, default=2, help="runs per system (best kept)")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="the engine's intra-op threads, offline and served (default: one per core)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
     parser.add_argument(
         "--trace-stalls",
