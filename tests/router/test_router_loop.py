@@ -11,6 +11,7 @@ reader gets its request's outputs of the message as one output, in order, exactl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.channels import WAKE_SLICE, Inbox, demultiplex
@@ -32,6 +33,27 @@ def message(rids: list[str], *, skip: str) -> list[tuple]:
         for s in range(STEPS)
         for rid in [*rids, skip]
     ]
+
+
+async def most_between_turns(request: Callable[[int], Awaitable[None]], order: list) -> int:
+    """Runs ``request(i)`` for each of :data:`STREAMS` at once beside an always-ready probe
+    task; the most entries ``order`` gained between two of the probe's turns."""
+    most = 0
+    done = False
+
+    async def probe() -> None:
+        nonlocal most
+        last = 0
+        while not done:
+            await asyncio.sleep(0)
+            most, last = max(most, len(order) - last), len(order)
+
+    spin = asyncio.create_task(probe())
+    await asyncio.sleep(0)
+    await asyncio.gather(*(request(i) for i in range(STREAMS)))
+    done = True
+    await spin
+    return most
 
 
 def test_a_large_channel_message_never_blocks_the_router_loop() -> None:
@@ -93,25 +115,12 @@ def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> N
     async def main() -> tuple[int, list[int], int]:
         slices = TurnSlices(size)
         order: list[int] = []
-        most = 0
-        done = False
 
         async def request(i: int) -> None:
             await slices.enter()
             order.append(i)  # its submit, on the loop
 
-        async def probe() -> None:
-            nonlocal most
-            last = 0
-            while not done:
-                await asyncio.sleep(0)
-                most, last = max(most, len(order) - last), len(order)
-
-        spin = asyncio.create_task(probe())
-        await asyncio.sleep(0)
-        await asyncio.gather(*(request(i) for i in range(STREAMS)))
-        done = True
-        await spin
+        most = await most_between_turns(request, order)
         return most, order, slices.deferred
 
     most, order, deferred = asyncio.run(main())
@@ -137,8 +146,6 @@ def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
         intake = Intake(Core(), Tokenizer(), auth=None, limits=RequestLimits())  # type: ignore[arg-type]
         order: list[int] = []
         prompts: list[list[int]] = []
-        most = 0
-        done = False
 
         async def request(i: int) -> None:
             spec = spec_from_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5 + i, 6])))
@@ -146,18 +153,7 @@ def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
             order.append(i)
             prompts.append(ids)
 
-        async def probe() -> None:
-            nonlocal most
-            last = 0
-            while not done:
-                await asyncio.sleep(0)
-                most, last = max(most, len(order) - last), len(order)
-
-        spin = asyncio.create_task(probe())
-        await asyncio.sleep(0)
-        await asyncio.gather(*(request(i) for i in range(STREAMS)))
-        done = True
-        await spin
+        most = await most_between_turns(request, order)
         intake.close()
         return most, order, prompts
 
