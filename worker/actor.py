@@ -34,6 +34,7 @@ from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
+from kvstore.index_sync import SPARES_DUTY
 from kvstore.publisher import WorkerPublisher
 from worker.burst_intake import BurstIntake
 from worker.callers import CallerWatch
@@ -142,7 +143,7 @@ class WorkerServer(PeerPulls, BurstIntake):
                 engine.kv.set_spares(spare)
             finally:
                 now = time.monotonic()
-                self._spares_after = now + 20 * (now - t0)
+                self._spares_after = now + SPARES_DUTY * (now - t0)
 
         self._spares_after = float("inf")  # one in flight at a time
         if not self.front.post(apply):

@@ -39,8 +39,7 @@ class PrefixSource(ABC):
     def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
         """Per worker, leading blocks on its device and, after those, in its host tier.
         Sources that know no host tier report the device count alone."""
-        counts = self.lookup(keys)
-        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+        return device_only(self.lookup(keys))
 
     def lookup_many(
         self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
@@ -48,10 +47,11 @@ class PrefixSource(ABC):
         """Per prompt ``(keys, tiers)``: :meth:`lookup_tiers` if ``tiers``, else
         :meth:`lookup` with no host counts; sources with a round trip per call answer all
         in one (the requests a router places together)."""
-        return [self.lookup_tiers(k) if t else _no_host(self.lookup(k)) for k, t in prompts]
+        return [self.lookup_tiers(k) if t else device_only(self.lookup(k)) for k, t in prompts]
 
 
-def _no_host(counts: Mapping[WorkerId, int] | None) -> dict[WorkerId, TierCounts] | None:
+def device_only(counts: Mapping[WorkerId, int] | None) -> dict[WorkerId, TierCounts] | None:
+    """Device counts as tier counts with nothing in the host tier."""
     return None if counts is None else {w: (n, 0) for w, n in counts.items()}
 
 
@@ -90,7 +90,7 @@ class KVIndexSource(PrefixSource):
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
         return [
-            a if tiers else _no_host(a)  # type: ignore[arg-type]
+            a if tiers else device_only(a)  # type: ignore[arg-type]
             for a, (_, tiers) in zip(answers, prompts, strict=True)
         ]
 

@@ -20,7 +20,7 @@ from router.placement.metrics import RouterMetrics
 from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
 from router.placement.policy import make_policy
-from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.prefix_source import PrefixSource, TierCounts, device_only
 from router.placement.pull import PullPlanner, TransferModel
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
@@ -196,7 +196,7 @@ class Router:
             )
         if self.homes is not None:
             self.homes.place(prefix, placement.worker_id, now, first=shared == 0)
-        ticket = self.pending.record(placement.worker_id, keys, self._clock()) if keys else None
+        ticket = self.pending.record(placement.worker_id, keys, now) if keys else None
         decision = RouteDecision(
             worker_id=placement.worker_id,
             policy=self.policy.name,
@@ -292,7 +292,7 @@ class Router:
         except Exception as exc:  # degrade, never fail: route by load
             self._index_error(exc)
             return None
-        return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+        return device_only(counts)
 
     def _wants_tiers(self, candidates: Mapping[WorkerId, WorkerLoad]) -> bool:
         return self.config.host_hit_weight > 0 and any(

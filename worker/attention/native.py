@@ -134,7 +134,7 @@ class NativeKernels:
     def set_threads(self, threads: int) -> None:
         """Split work over ``threads`` pool threads (1: run it in the caller's thread)."""
         threads = max(1, threads)
-        if threads == self.threads and (self._pool is not None) == (threads > 1):
+        if threads == self.threads:
             return
         old, self.threads = self._pool, threads
         self._pool = ThreadPoolExecutor(threads, "kvc-attn") if threads > 1 else None

@@ -11,7 +11,7 @@ whole burst with one future.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -36,12 +36,34 @@ class Submission:
     sink: OutputSink  # where its outputs go
 
 
+def refuser(future: Future) -> Callable[[BaseException], None]:
+    """A command's ``refuse`` (the engine stopped before it ran): ``future`` raises it."""
+
+    def refuse(exc: BaseException) -> None:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(exc)
+
+    return refuse
+
+
 class BurstAdmission:
     """The streaming front's burst intake (a mixin: the front owns these attributes)."""
 
     engine: Engine
     _inbox: Inbox
     _sinks: dict[str, OutputSink]
+
+    def _take_in(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_keys: Sequence[BlockKey] | None,
+        sink: OutputSink,
+    ) -> None:
+        """Engine thread: add a checked request and send its outputs to ``sink``."""
+        self.engine.add_checked(rid, prompt_ids, params, prompt_keys)
+        self._sinks[rid] = sink
 
     async def add_requests_async(
         self, subs: Sequence[Submission], slices: LoopSlices | None = None
@@ -69,19 +91,13 @@ class BurstAdmission:
             errors: dict[int, Exception] = {}
             for i, sub, prompt_ids in checked:
                 try:
-                    self.engine.add_checked(sub.request_id, prompt_ids, sub.params, sub.prompt_keys)
+                    self._take_in(sub.request_id, prompt_ids, sub.params, sub.prompt_keys, sub.sink)
                 except Exception as exc:  # noqa: BLE001 - the caller's error, raised there
                     errors[i] = exc
-                    continue
-                self._sinks[sub.request_id] = sub.sink
             future.set_result(errors)
 
-        def refuse(exc: BaseException) -> None:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
-
         try:
-            self._inbox.submit(Command(add, refuse))
+            self._inbox.submit(Command(add, refuser(future)))
             errors = await asyncio.wrap_future(future)
         except EngineStopped as exc:
             errors = {i: exc for i, _, _ in checked}

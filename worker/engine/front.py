@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
-from worker.engine.burst import BurstAdmission
+from worker.engine.burst import BurstAdmission, refuser
 from worker.engine.engine import Engine
 from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
@@ -170,18 +170,13 @@ class StreamingEngine(BurstAdmission):
             if not future.set_running_or_notify_cancel():
                 return
             try:
-                self.engine.add_checked(rid, prompt_ids, params, prompt_keys)
+                self._take_in(rid, prompt_ids, params, prompt_keys, target)
             except Exception as exc:  # noqa: BLE001 - the caller's error, raised there
                 future.set_exception(exc)
                 return
-            self._sinks[rid] = target
             future.set_result(stream)
 
-        def refuse(exc: BaseException) -> None:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
-
-        self._inbox.submit(Command(add, refuse))
+        self._inbox.submit(Command(add, refuser(future)))
         return future
 
     def abort(self, request_id: str) -> bool:
@@ -250,7 +245,7 @@ class StreamingEngine(BurstAdmission):
     def _run(self) -> None:
         try:
             # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
-            # from what the thread that built the engine set (worker/cpu_threads.py)
+            # from what the thread that built the engine set (worker/model/cpu_threads.py)
             configure_threads(self.engine.cpu_threads)
             while not self._stopping:
                 self._wake.clear()
