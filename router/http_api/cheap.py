@@ -36,7 +36,6 @@ class AnswerCache:
         self.clock = clock
         self._done: dict[Hashable, tuple[float, Any]] = {}
         self._running: dict[Hashable, asyncio.Future] = {}
-        self.computed = 0  # answers computed (not reused): what a flood costs
 
     async def get(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
         hit = self._done.get(key)
@@ -50,7 +49,6 @@ class AnswerCache:
     async def _make(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
         try:
             value = await make()
-            self.computed += 1
             if len(self._done) >= MAX_KEYS:
                 self._done.clear()
             self._done[key] = (self.clock(), value)

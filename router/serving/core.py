@@ -129,7 +129,6 @@ class ServingCore:
 
     def _unplace(self, job: tuple[RouteRequest, Mapping], decision: RouteDecision) -> None:
         """A placement whose request left while it was being decided: never used."""
-        self.own.idle_at_placement.discard(job[0].request_id)
         self.own.prefilled(decision.worker_id, job[0].request_id, done=True)
         self._settle(decision)
 
@@ -233,7 +232,6 @@ class ServingCore:
                 full.append(f"{worker} ({exc})")
                 self.overflows += 1
             finally:
-                self.own.idle_at_placement.discard(request_id)
                 self.own.prefilled(worker, request_id, done=True)
                 if not produced:  # settled at its first token otherwise
                     self._settle(decision)

@@ -41,7 +41,6 @@ class DecideThread:
         self._closed = False
         self._gathered: dict[asyncio.AbstractEventLoop, list] = {}  # per loop, this iteration's
         self.batches = 0  # runs of placements decided together
-        self.placed = 0  # placements decided
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -120,7 +119,6 @@ class DecideThread:
         if not run:
             return
         self.batches += 1
-        self.placed += len(run)
         try:
             results = self._place_batch([args for _, _, args in run])
         except Exception as exc:  # noqa: BLE001 - the batch failed as a whole: each job

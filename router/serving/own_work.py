@@ -52,6 +52,8 @@ class OwnWork:
     def prefilled(self, worker: str, request_id: str, *, done: bool) -> None:
         """The request's first token came back (its prefill is done; once), or it ``done``
         (once per placement, whether or not a token came)."""
+        if done:
+            self.idle_at_placement.discard(request_id)
         with self._lock:
             tokens = self._unprefilled.get(worker, {}).pop(request_id, None)
             if tokens is not None:
