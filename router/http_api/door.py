@@ -15,6 +15,10 @@ it caps connections only with a plain-text 503 (``limit_concurrency``). Here, pe
   so the answer is not lost to a reset), and closed; it has :data:`BUSY_HEAD_TIMEOUT_S` to
   send that request.
 
+And per request, an answer's head and its first body write (the first SSE event, a JSON
+body) leave as one packet (:class:`_HeadWithBody`): uvicorn writes them separately, and with
+Nagle off each write is a packet and a system call on both ends.
+
 httptools (llhttp, in C) is the default parser: per streamed token it costs a fraction of
 h11's pure-Python state machine; h11 stays selectable (``http_protocol="h11"``).
 """
@@ -78,6 +82,45 @@ def _head_too_large(limit: int) -> bytes:
     return head + data
 
 
+class _HeadWithBody:
+    """A request cycle's view of its connection's transport: the first write (the answer's
+    head) is held until the next write of the same loop iteration (its first body chunk)
+    and sent with it, or at the end of the iteration when none comes; later writes pass
+    straight through."""
+
+    __slots__ = ("_transport", "_held")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: bytes | None = b""  # b"": nothing written yet; None: passing through
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        elif not held:
+            self._held = bytes(data)
+            asyncio.get_running_loop().call_soon(self.flush)
+        else:
+            self._held = None
+            self._transport.write(held + data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _Door:
     """What both protocols add (mixed in before uvicorn's protocol class)."""
 
@@ -105,6 +148,13 @@ class _Door:
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
         self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        cycle = self.cycle  # a request that began in these bytes: its answer not begun yet
+        if cycle is not None and not isinstance(cycle.transport, _HeadWithBody):
+            if not cycle.response_started:
+                cycle.transport = _HeadWithBody(cycle.transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
