@@ -4,6 +4,7 @@ wrong (instead of grpc's opaque failure)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -112,6 +113,21 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             except Exception as exc:  # DecodeError; any parse failure is the client's
                 return Malformed(malformed_reason(descriptor, data, exc))
 
+        if handler.response_streaming and inspect.iscoroutinefunction(handler.unary_stream):
+            writer = handler.unary_stream
+
+            # a handler on grpc's writer API: the check is the call's start, and its
+            # messages pass nothing of the guard's
+            async def guarded_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                await writer(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                guarded_writer,
+                request_deserializer=lenient,
+                response_serializer=handler.response_serializer,
+            )
         if handler.response_streaming:
             inner = handler.unary_stream
 
