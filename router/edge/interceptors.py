@@ -42,9 +42,10 @@ def _rewrap(
     handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
 ) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind (unary or server-streaming response) running
-    ``behaviour(request, context)``: an async function for a unary response, an async
-    generator function for a stream (grpc runs it as it is: each streamed message passes
-    no generator of ours but ``behaviour``, and a streamed token's cost is mostly such hops)."""
+    ``behaviour(request, context)``: an async function for a unary response or a stream on
+    grpc's writer API (``await context.write``), an async generator function for a stream
+    of yields (grpc runs it as it is: each streamed message passes no generator of ours but
+    ``behaviour``, and a streamed token's cost is mostly such hops)."""
     make = (
         grpc.unary_stream_rpc_method_handler
         if handler.response_streaming
@@ -116,11 +117,7 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
                 await writer(request, context)
 
-            return grpc.unary_stream_rpc_method_handler(
-                guarded_writer,
-                request_deserializer=lenient,
-                response_serializer=handler.response_serializer,
-            )
+            return _rewrap(handler, guarded_writer, lenient)
         if handler.response_streaming:
             stream = handler.unary_stream
 
