@@ -15,6 +15,7 @@ from worker.callers import CallerWatch
 from worker.channels import Channel
 from worker.engine.burst import Submission
 from worker.engine.front import StreamingEngine
+from worker.live_ids import LiveIds
 from worker.telemetry import WorkerTelemetry
 
 
@@ -25,6 +26,7 @@ class BurstIntake:
     front: StreamingEngine
     callers: CallerWatch
     telemetry: WorkerTelemetry
+    live: LiveIds
     _landing: dict
 
     async def submit_many(
@@ -44,13 +46,25 @@ class BurstIntake:
         keyed: list[tuple[int, WorkerRequest, list]] = []
         for i, request in enumerate(requests):
             try:
+                self.live.claim(request.request_id)  # a duplicate leaves the live one as it was
+            except Exception as exc:  # noqa: BLE001 - this request's answer
+                results[i] = exc
+                continue
+            try:
                 keyed.append((i, request, self._keys(request)))
             except Exception as exc:  # noqa: BLE001 - this request's answer
+                self.live.release(request.request_id)
                 results[i] = exc
             else:
                 self.telemetry.arrived(request.request_id)
             await slices.tick()
-        pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed], slices)
+        try:
+            pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed], slices)
+        except BaseException:  # (cancelled: _pull_for itself never raises)
+            for _, request, _ in keyed:
+                self.live.release(request.request_id)
+                self.telemetry.forget(request.request_id)
+            raise
         subs = []
         for _, request, keys in keyed:
             rid = request.request_id
@@ -89,3 +103,4 @@ class BurstIntake:
         ch.requests.discard(request_id)
         self.callers.forget(request_id)
         self.telemetry.forget(request_id)
+        self.live.release(request_id)
