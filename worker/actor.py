@@ -23,7 +23,7 @@ import ray
 from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
-from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
+from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
     Admitted,
     PullReport,
@@ -106,6 +106,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         # collection scans the start-up heap (the engine froze the model's; this is ours)
         short_gil_turns()
         freeze_long_lived()
+        self.warm_freeze = WarmUpFreeze()  # and once more when idle after the first requests
 
     # -- engine thread hooks ---------------------------------------------------------------
 
@@ -284,6 +285,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         """A request's stream ended (its last output or StreamEnd was delivered)."""
         self.callers.forget(request_id)
         self.live.release(request_id)
+        self.warm_freeze.request_ended(idle=not self.live)
 
     def _caller_died(self, caller: Any) -> None:
         """A dead router's channels have no reader any more."""
