@@ -33,10 +33,11 @@ class BurstIntake:
         self, requests: list[WorkerRequest], caller: Any, channel_id: str
     ) -> list[Admitted | Exception]:
         """One router loop turn's requests for this worker, each answered on its own, in
-        order: its :class:`Admitted` or, in its place, the error that refused it (as
-        :meth:`submit` would). A burst holds this loop for no more than a slice at a time:
-        keys and checks run in turns of ``LOOP_SLICE_S``, and the engine thread takes the
-        whole burst in with one command and one answer (``worker/engine/burst.py``)."""
+        order: its :class:`Admitted` or, in its place, the error that refused it (what
+        :meth:`submit`, a burst of one, raises). A burst holds this loop for no more than a
+        slice at a time: keys and checks run in turns of ``LOOP_SLICE_S``, and the engine
+        thread takes the whole burst in with one command and one answer
+        (``worker/engine/burst.py``)."""
         try:
             ch = self._submit_channel(channel_id, caller)
         except UnknownChannel as exc:
@@ -44,39 +45,37 @@ class BurstIntake:
         results: list[Admitted | Exception | None] = [None] * len(requests)
         slices = LoopSlices()
         keyed: list[tuple[int, WorkerRequest, list]] = []
-        for i, request in enumerate(requests):
-            try:
-                self.live.claim(request.request_id)  # a duplicate leaves the live one as it was
-            except Exception as exc:  # noqa: BLE001 - this request's answer
-                results[i] = exc
-                continue
-            try:
-                keyed.append((i, request, self._keys(request)))
-            except Exception as exc:  # noqa: BLE001 - this request's answer
-                self.live.release(request.request_id)
-                results[i] = exc
-            else:
-                self.telemetry.arrived(request.request_id)
-            await slices.tick()
+        claimed: list[str] = []  # ids taken here: given back if this call does not answer
         try:
+            for i, request in enumerate(requests):
+                rid = request.request_id
+                try:
+                    self.live.claim(rid)  # first: a duplicate leaves the live one as it was
+                except Exception as exc:  # noqa: BLE001 - this request's answer
+                    results[i] = exc
+                    continue
+                claimed.append(rid)
+                try:
+                    keys = self._keys(request)
+                except Exception as exc:  # noqa: BLE001 - this request's answer
+                    self.live.release(claimed.pop())
+                    results[i] = exc
+                else:
+                    keyed.append((i, request, keys))
+                    self.telemetry.arrived(rid)
+                await slices.tick()
             pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed], slices)
-        except BaseException:  # (cancelled: _pull_for itself never raises)
-            for _, request, _ in keyed:
-                self.live.release(request.request_id)
-                self.telemetry.forget(request.request_id)
-            raise
-        subs = []
-        for _, request, keys in keyed:
-            rid = request.request_id
-            ch.open(rid)  # before the add: its first outputs may be delivered before we resume
-            self.callers.watch(rid, ch.caller)
-            subs.append(Submission(request.token_ids, request.params, rid, keys, ch))
-            await slices.tick()
-        try:
+            subs = []
+            for _, request, keys in keyed:
+                rid = request.request_id
+                ch.open(rid)  # before the add: its first outputs may come before we resume
+                self.callers.watch(rid, ch.caller)
+                subs.append(Submission(request.token_ids, request.params, rid, keys, ch))
+                await slices.tick()
             errors = await self.front.add_requests_async(subs, slices)
-        except BaseException:
-            for sub in subs:
-                self._refused(ch, sub.request_id)
+        except BaseException:  # (cancelled): none of these was answered
+            for rid in claimed:
+                self._refused(ch, rid)
             raise
         for (i, request, keys), pulled, error in zip(keyed, pulls, errors, strict=True):
             if error is None:

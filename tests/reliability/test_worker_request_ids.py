@@ -133,3 +133,21 @@ def test_a_duplicate_leaves_the_live_request_abortable_by_its_routers_death(serv
         return len(got)
 
     assert asyncio.run(main()) < 400
+
+
+def test_a_cancelled_burst_gives_its_ids_back(server) -> None:
+    """A ``submit_many`` cancelled while it keys its requests (its caller gave up) answers
+    none of them and holds none of their ids: the same ids are admitted afterwards."""
+    burst = [request(f"b{i}", [i % 200, *range(1, 512)], 2) for i in range(128)]
+
+    async def main() -> list:
+        task = asyncio.create_task(server.submit_many(burst, None, "ch"))
+        await asyncio.sleep(0)  # it runs to its first turn's end (2 ms of keying)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(server.live) == 0 and not server.channels.get("ch").requests
+        return await server.submit_many(burst[:2], None, "ch")
+
+    answers = asyncio.run(main())
+    assert not any(isinstance(a, Exception) for a in answers)
