@@ -83,7 +83,8 @@ class PrefixAffinityConfig(LoadWeights):
         30.0,
         gt=0,
         description="A prefix stops counting against its home worker's KV this long after "
-        "its last placement.",
+        "its last placement (a first touch, committed whole: after routing.pending_ttl_s "
+        "if shorter).",
     )
 
 

@@ -66,7 +66,9 @@ class Router:
         pa = config.prefix_affinity
         self.homes: PrefixHomes | None = None  # prefix_affinity's KV capacity check
         if config.policy == "prefix_affinity" and pa.capacity_aware:
-            self.homes = PrefixHomes(pa.home_ttl_s)
+            # a first touch's whole prompt stays committed as long as the router remembers
+            # the placement itself (its pending prefix), then the index shows what it shares
+            self.homes = PrefixHomes(pa.home_ttl_s, config.pending_ttl_s or None)
         self._clock = clock
         self.planner: PullPlanner | None = None  # peer pulls priced per request
         self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
