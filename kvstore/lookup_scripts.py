@@ -7,26 +7,16 @@ see :mod:`kvstore.scripts`.
 
 from __future__ import annotations
 
-from kvstore.scripts import COMMON
+from kvstore.scripts import COMMON, LIVE_REGISTRATIONS
 
 # Shared by every lookup script: the live registrations (current and with a heartbeat), the
 # readers of a prompt key's holders, and the candidates of a walk.
-# wids[i]: worker id; live: slot bytes -> i; counts[i]: leading blocks of a live worker.
+# wids[i]: live worker id; live: slot bytes -> i; counts[i]: leading blocks of worker i.
 _LOOKUP_LIVE = r"""
-local regs = redis.call('HGETALL', KEYS[1])
-local wids, slots, hbkeys = {}, {}, {}
-for i = 1, #regs, 2 do
-  local slot = string.match(regs[i + 1], '^(%d+):')
-  wids[#wids + 1] = regs[i]
-  slots[#slots + 1] = tonumber(slot)
-  hbkeys[#hbkeys + 1] = ns .. 'hb:' .. slot
-end
+local wids, slots = live_registrations()
 if #wids == 0 then return {} end
-local hb = redis.call('MGET', unpack(hbkeys))
 local live, counts = {}, {}
-for i = 1, #wids do
-  if hb[i] then live[slot_bytes(slots[i])] = i; counts[i] = 0 end
-end
+for i = 1, #wids do live[slot_bytes(slots[i])] = i; counts[i] = 0 end
 local blob = ARGV[1]
 local n = #blob / 16
 local blk, hblk = ns .. 'blk', ns .. 'hblk'
@@ -178,10 +168,16 @@ end
 return out
 """
 
-LOOKUP = {mode: COMMON + _LOOKUP_LIVE + walk + _DEVICE_OUT for mode, walk in _WALK.items()}
+LOOKUP = {
+    mode: COMMON + LIVE_REGISTRATIONS + _LOOKUP_LIVE + walk + _DEVICE_OUT
+    for mode, walk in _WALK.items()
+}
 """The lookup script of each ``IndexConfig.lookup`` mode."""
 
-LOOKUP_TIERS = {mode: COMMON + _LOOKUP_LIVE + walk + _TIERS_OUT for mode, walk in _WALK.items()}
+LOOKUP_TIERS = {
+    mode: COMMON + LIVE_REGISTRATIONS + _LOOKUP_LIVE + walk + _TIERS_OUT
+    for mode, walk in _WALK.items()
+}
 """Per-tier lookup script of each ``IndexConfig.lookup`` mode (one call, like ``LOOKUP``)."""
 
 # ARGV: worker_id, epoch -> the worker's device keys that a live worker with a lower slot
@@ -190,20 +186,14 @@ LOOKUP_TIERS = {mode: COMMON + _LOOKUP_LIVE + walk + _TIERS_OUT for mode, walk i
 # eviction). O(keys the worker holds).
 SPARES = (
     COMMON
+    + LIVE_REGISTRATIONS
     + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return {} end
-local regs = redis.call('HGETALL', KEYS[1])
-local lower, hbkeys = {}, {}
-for i = 2, #regs, 2 do
-  local s = tonumber(string.match(regs[i], '^(%d+):'))
-  if s < slot then lower[#lower + 1] = s; hbkeys[#hbkeys + 1] = ns .. 'hb:' .. s end
-end
-if #lower == 0 then return {} end
-local hb = redis.call('MGET', unpack(hbkeys))
+local _, slots = live_registrations()
 local keepers = {}
-for i = 1, #lower do
-  if hb[i] then keepers[#keepers + 1] = slot_bytes(lower[i]) end
+for i = 1, #slots do
+  if slots[i] < slot then keepers[#keepers + 1] = slot_bytes(slots[i]) end
 end
 if #keepers == 0 then return {} end
 local held = redis.call('SMEMBERS', ns .. 'held:' .. slot)

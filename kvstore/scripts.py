@@ -102,6 +102,32 @@ local function drop(blk, held, ks, s)
 end
 """
 
+# After COMMON in the scripts that read the live workers (LIVE, the lookups, SPARES):
+# live_registrations() -> wids, slots (numbers), records ("slot:epoch"), heartbeat payloads
+# of every current registration with a heartbeat, in the registry's order (one HGETALL and
+# one MGET).
+LIVE_REGISTRATIONS = r"""
+local function live_registrations()
+  local regs = redis.call('HGETALL', KEYS[1])
+  local hbkeys = {}
+  for i = 1, #regs, 2 do
+    hbkeys[#hbkeys + 1] = ns .. 'hb:' .. string.match(regs[i + 1], '^(%d+):')
+  end
+  local wids, slots, recs, beats = {}, {}, {}, {}
+  if #hbkeys == 0 then return wids, slots, recs, beats end
+  local hb = redis.call('MGET', unpack(hbkeys))
+  for i = 1, #hbkeys do
+    if hb[i] then
+      local rec = regs[2 * i]
+      local k = #wids + 1
+      wids[k], recs[k], beats[k] = regs[2 * i - 1], rec, hb[i]
+      slots[k] = tonumber(string.match(rec, '^(%d+):'))
+    end
+  end
+  return wids, slots, recs, beats
+end
+"""
+
 # ARGV: worker_id, ttl_ms, heartbeat payload -> {epoch (text), slot} or error KVC_FULL
 REGISTER = (
     COMMON
@@ -231,19 +257,12 @@ return redis.call('SMEMBERS', ns .. (ARGV[2] or 'held') .. ':' .. slot)
 # -> {worker_id, "slot:epoch", heartbeat payload, ...} for every live worker
 LIVE = (
     COMMON
+    + LIVE_REGISTRATIONS
     + r"""
-local regs = redis.call('HGETALL', KEYS[1])
-if #regs == 0 then return {} end
-local hbkeys = {}
-for i = 1, #regs, 2 do
-  hbkeys[#hbkeys + 1] = ns .. 'hb:' .. string.match(regs[i + 1], '^(%d+):')
-end
-local hb = redis.call('MGET', unpack(hbkeys))
+local wids, _, recs, beats = live_registrations()
 local out = {}
-for i = 1, #hbkeys do
-  if hb[i] then
-    out[#out + 1] = regs[2 * i - 1]; out[#out + 1] = regs[2 * i]; out[#out + 1] = hb[i]
-  end
+for i = 1, #wids do
+  out[#out + 1] = wids[i]; out[#out + 1] = recs[i]; out[#out + 1] = beats[i]
 end
 return out
 """

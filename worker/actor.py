@@ -177,22 +177,13 @@ class WorkerServer(PeerPulls, BurstIntake):
         (the worker keeps the ref with the channel: an actor handle costs to unpickle);
         :class:`UnknownChannel` if the channel has no such caller here (this worker was
         restarted since the router opened it). None: no caller to watch.
+
+        A burst of one: :meth:`submit_many` does the work.
         """
-        ch = self._submit_channel(channel_id, caller)
-        keys = self._keys(request)
-        rid = request.request_id
-        self.telemetry.arrived(rid)
-        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
-        ch.open(rid)  # before the add: its first outputs may be delivered before we resume
-        self.callers.watch(rid, ch.caller)
-        try:
-            await self.front.add_request_async(
-                request.token_ids, request.params, request_id=rid, prompt_keys=keys, sink=ch
-            )
-        except BaseException:
-            self._refused(ch, rid)
-            raise
-        return self._admitted(request, keys, pulled)
+        (result,) = await self.submit_many([request], caller, channel_id)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _submit_channel(self, channel_id: str, caller: Any) -> Channel:
         """The channel a submit names: a router sends only its caller's incarnation id

@@ -31,10 +31,11 @@ class BurstIntake:
         self, requests: list[WorkerRequest], caller: Any, channel_id: str
     ) -> list[Admitted | Exception]:
         """One router loop turn's requests for this worker, each answered on its own, in
-        order: its :class:`Admitted` or, in its place, the error that refused it (as
-        :meth:`submit` would). A burst holds this loop for no more than a slice at a time:
-        keys and checks run in turns of ``LOOP_SLICE_S``, and the engine thread takes the
-        whole burst in with one command and one answer (``worker/engine/burst.py``)."""
+        order: its :class:`Admitted` or, in its place, the error that refused it (what
+        :meth:`submit`, a burst of one, raises). A burst holds this loop for no more than a
+        slice at a time: keys and checks run in turns of ``LOOP_SLICE_S``, and the engine
+        thread takes the whole burst in with one command and one answer
+        (``worker/engine/burst.py``)."""
         try:
             ch = self._submit_channel(channel_id, caller)
         except UnknownChannel as exc:

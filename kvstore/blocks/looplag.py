@@ -6,7 +6,6 @@ With ``trace``, each stall is attributed too (:mod:`kvstore.blocks.stalltrace`).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 from kvstore.blocks.stalltrace import StallTracer
@@ -55,7 +54,7 @@ class LoopLagProbe:
         if self.tracer is not None:
             out["trace"] = self.tracer.report()
         elif trace:
-            self.tracer = StallTracer(threading.get_ident())
+            self.tracer = StallTracer()
         if reset:
             self.max_lag_s, self.samples, self._over_10ms = 0.0, 0, 0
             if self.tracer is not None:

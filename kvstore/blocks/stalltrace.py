@@ -46,12 +46,14 @@ class Stall:
 
 
 class StallTracer:
-    """Watches one loop (its thread ``thread_id``) through the probe's heartbeat: the probe
-    calls :meth:`expect` before each sleep (when it should wake) and :meth:`woke` after."""
+    """Watches one loop through the probe's heartbeat: made on the loop's thread (the one it
+    samples and whose scheduler clocks it reads), it is told by the probe, on that thread,
+    when it should wake (:meth:`expect`, before each sleep) and when it woke (:meth:`woke`)."""
 
-    def __init__(self, thread_id: int, *, threshold_s: float = 0.008, keep: int = 12) -> None:
-        self.thread_id = thread_id
-        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+    def __init__(self, *, threshold_s: float = 0.008, keep: int = 12) -> None:
+        loop_thread = threading.current_thread()
+        self.thread_id = loop_thread.ident  # its key in sys._current_frames()
+        self._schedstat = f"/proc/self/task/{loop_thread.native_id}/schedstat"
         self._at_expect = (0.0, 0.0, 0.0)  # (thread cpu, run-queue wait, process cpu)
         self.threshold_s = threshold_s
         self.period_s = threshold_s / 4

@@ -41,30 +41,23 @@ def _rewrap(
     handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
 ) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind (unary or server-streaming response) running
-    ``behaviour(request, context, handler)`` (an async generator for streams)."""
-    deserializer = deserializer or handler.request_deserializer
-    if handler.response_streaming:
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext):  # noqa: ANN202
-            async for item in behaviour(request, context, handler):
-                yield item
-
-        return grpc.unary_stream_rpc_method_handler(
-            stream,
-            request_deserializer=deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await behaviour(request, context, handler)
-
-    return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=deserializer, response_serializer=handler.response_serializer
+    ``behaviour(request, context)``: an async function for a unary response, an async
+    generator function for a stream (grpc runs it as it is: each streamed message passes
+    no generator of ours but ``behaviour``, and a streamed token's cost is mostly such hops)."""
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
+    return make(
+        behaviour,
+        request_deserializer=deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
     )
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext, _: Any) -> None:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED,
             "missing or invalid bearer token (metadata 'authorization')",
@@ -73,9 +66,9 @@ def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
 
         async def deny_stream(
-            request: Any, context: grpc.aio.ServicerContext, _: Any
+            request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            await deny(request, context, _)
+            await deny(request, context)
             yield  # pragma: no cover - abort raises
 
         return _rewrap(handler, deny_stream)
@@ -113,29 +106,22 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
                 return Malformed(malformed_reason(descriptor, data, exc))
 
         if handler.response_streaming:
-            inner = handler.unary_stream
+            stream = handler.unary_stream
 
-            # the check is the call's start; each message then passes one generator (this
-            # one), not also _rewrap's: a streamed token's cost is mostly such hops
             async def guarded_stream(
                 request: Any, context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
                 if isinstance(request, Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-                async for item in inner(request, context):
+                async for item in stream(request, context):
                     yield item
 
-            return grpc.unary_stream_rpc_method_handler(
-                guarded_stream,
-                request_deserializer=lenient,
-                response_serializer=handler.response_serializer,
-            )
+            return _rewrap(handler, guarded_stream, lenient)
+        unary = handler.unary_unary
 
-        async def guarded(
-            request: Any, context: grpc.aio.ServicerContext, inner: grpc.RpcMethodHandler
-        ) -> Any:
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            return await inner.unary_unary(request, context)
+            return await unary(request, context)
 
         return _rewrap(handler, guarded, lenient)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey
@@ -13,6 +14,7 @@ from kvstore.types import IndexUnavailable
 from router.placement.breaker import CircuitBreaker
 from router.placement.types import WorkerId
 
+T = TypeVar("T")
 TierCounts = tuple[int, int]
 """(leading blocks on the device, further leading blocks in the host tier) of one worker."""
 
@@ -64,31 +66,25 @@ class KVIndexSource(PrefixSource):
         self.index = index
         self.breaker = breaker if breaker is not None else CircuitBreaker()
 
-    def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
-        index = self.index
+    def _read(self, read: Callable[[], T]) -> T:
+        """``read()`` of the index through the breaker; an index that cannot answer is
+        PrefixSourceUnavailable (the router then balances by load)."""
         try:
-            return self.breaker.call(lambda: index.lookup(keys), failures=(IndexUnavailable,))
+            return self.breaker.call(read, failures=(IndexUnavailable,))
         except IndexUnavailable as exc:
             raise PrefixSourceUnavailable(str(exc)) from exc
 
+    def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
+        return self._read(lambda: self.index.lookup(keys))
+
     def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
-        index = self.index
-        try:
-            return self.breaker.call(lambda: index.lookup_tiers(keys), failures=(IndexUnavailable,))
-        except IndexUnavailable as exc:
-            raise PrefixSourceUnavailable(str(exc)) from exc
+        return self._read(lambda: self.index.lookup_tiers(keys))
 
     def lookup_many(
         self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
     ) -> list[Mapping[WorkerId, TierCounts] | None]:
         """One round trip for all (one read through the breaker)."""
-        index = self.index
-        try:
-            answers = self.breaker.call(
-                lambda: index.lookup_many(prompts), failures=(IndexUnavailable,)
-            )
-        except IndexUnavailable as exc:
-            raise PrefixSourceUnavailable(str(exc)) from exc
+        answers = self._read(lambda: self.index.lookup_many(prompts))
         return [
             a if tiers else device_only(a)  # type: ignore[arg-type]
             for a, (_, tiers) in zip(answers, prompts, strict=True)

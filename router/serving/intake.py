@@ -123,8 +123,9 @@ class Intake:
         raise ModelNotFound(f"model {shown!r} does not exist; GET /v1/models lists the served ones")
 
     async def turn(self) -> None:
-        """Wait for this request's slice of a loop iteration (see :data:`INTAKE_SLICE`); an
-        edge calls it before parsing a request, and :meth:`token_ids` before the rest."""
+        """Wait for this request's slice of a loop iteration (see :data:`INTAKE_SLICE`): an
+        edge calls it once per request, before parsing it (its validation and hand-off then
+        run in the same turn: a second entry would halve the slice)."""
         await self.turns.enter()
 
     # -- tokenizing -----------------------------------------------------------------------
@@ -134,7 +135,6 @@ class Intake:
         long for the model refused before it is tokenized. Every edge calls this before
         generating, so the request's grammars are compile-checked here first (off the
         loop too): one the library cannot compile is InvalidRequest naming its field."""
-        await self.turns.enter()
         loop = asyncio.get_running_loop()
         try:
             for grammar in spec.grammars:

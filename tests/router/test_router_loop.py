@@ -35,25 +35,25 @@ def message(rids: list[str], *, skip: str) -> list[tuple]:
     ]
 
 
-async def most_between_turns(request: Callable[[int], Awaitable[None]], order: list) -> int:
+async def gains_between_turns(request: Callable[[int], Awaitable[None]], order: list) -> list[int]:
     """Runs ``request(i)`` for each of :data:`STREAMS` at once beside an always-ready probe
-    task; the most entries ``order`` gained between two of the probe's turns."""
-    most = 0
+    task; the entries ``order`` gained between each two of the probe's turns."""
+    gains: list[int] = []
     done = False
 
     async def probe() -> None:
-        nonlocal most
         last = 0
         while not done:
             await asyncio.sleep(0)
-            most, last = max(most, len(order) - last), len(order)
+            gains.append(len(order) - last)
+            last = len(order)
 
     spin = asyncio.create_task(probe())
     await asyncio.sleep(0)
     await asyncio.gather(*(request(i) for i in range(STREAMS)))
     done = True
     await spin
-    return most
+    return gains
 
 
 def test_a_large_channel_message_never_blocks_the_router_loop() -> None:
@@ -120,7 +120,7 @@ def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> N
             await slices.enter()
             order.append(i)  # its submit, on the loop
 
-        most = await most_between_turns(request, order)
+        most = max(await gains_between_turns(request, order))
         return most, order, slices.deferred
 
     most, order, deferred = asyncio.run(main())
@@ -132,32 +132,36 @@ def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> N
 def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
     """256 requests whose intake starts in one loop iteration (a burst of connections read
     together) pass the intake's turn gate a slice per iteration, in arrival order, each
-    with its own prompt: an always-ready probe sees at most two slices' intakes between two
-    of its turns, so no iteration runs a whole burst's validation and hand-off."""
+    with its own prompt. Each takes one turn, as the gRPC edge does (the turn, the parse,
+    the token ids): an always-ready probe sees exactly one slice's intakes between two of
+    its turns whenever any ran, so no iteration runs a whole burst's validation and
+    hand-off, and none runs half a slice (a request entering the gate twice)."""
     from protos.kvcluster.v1 import kvcluster_pb2 as pb
     from router.edge.convert import spec_from_pb
     from router.placement.config import RequestLimits
     from router.serving.intake import INTAKE_SLICE, Intake
     from tests.router.test_http_hostile_bodies import Core, Tokenizer
 
-    assert 2 * INTAKE_SLICE < STREAMS
+    assert STREAMS % INTAKE_SLICE == 0 and 2 * INTAKE_SLICE < STREAMS
 
-    async def main() -> tuple[int, list[int], list[list[int]]]:
+    async def main() -> tuple[list[int], list[int], list[list[int]]]:
         intake = Intake(Core(), Tokenizer(), auth=None, limits=RequestLimits())  # type: ignore[arg-type]
         order: list[int] = []
         prompts: list[list[int]] = []
 
         async def request(i: int) -> None:
+            await intake.turn()
             spec = spec_from_pb(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5 + i, 6])))
             ids = await intake.token_ids(spec)
             order.append(i)
             prompts.append(ids)
 
-        most = await most_between_turns(request, order)
+        gains = await gains_between_turns(request, order)
         intake.close()
-        return most, order, prompts
+        return gains, order, prompts
 
-    most, order, prompts = asyncio.run(main())
-    assert 0 < most <= 2 * INTAKE_SLICE, f"{most} intakes ran between two loop turns"
+    gains, order, prompts = asyncio.run(main())
+    per_turn = [g for g in gains if g]
+    assert per_turn == [INTAKE_SLICE] * (STREAMS // INTAKE_SLICE), per_turn
     assert order == list(range(STREAMS))
     assert prompts == [[5 + i, 6] for i in range(STREAMS)]

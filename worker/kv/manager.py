@@ -36,9 +36,9 @@ from kvstore.blocks.hashing import (
     salt_owner,
 )
 from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.export_import import TransferMixin
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.queries import KVQueries
-from worker.kv.transfer import TransferMixin
 from worker.kv.types import (
     KVAllocation,
     KVCapacityError,
@@ -69,7 +69,7 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager(KVQueries, TransferMixin):
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each (its queries:
     :class:`~worker.kv.queries.KVQueries`; block runs move in and out through
-    :class:`~worker.kv.transfer.TransferMixin`)."""
+    :class:`~worker.kv.export_import.TransferMixin`)."""
 
     def __init__(
         self,
