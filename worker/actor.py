@@ -23,7 +23,7 @@ import ray
 from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
-from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
+from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
     Admitted,
     PullReport,
@@ -44,6 +44,7 @@ from worker.engine.front import StreamingEngine
 from worker.engine.streams import StreamEnd
 from worker.kv import block_keys
 from worker.lifecycle import exit_process_soon, in_ray_actor
+from worker.live_ids import LiveIds
 from worker.model.default_model import resolve_default_model
 from worker.pull.peer import PeerPulls
 from worker.status import worker_load, worker_status
@@ -93,8 +94,9 @@ class WorkerServer(PeerPulls, BurstIntake):
         self.front.start()
         self._init_pulls()
         self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
+        self.live = LiveIds()  # a second request with a live id is refused, the first unharmed
         self.channels = Channels(
-            self.front.abort, self.callers.forget, on_drop=self.callers.forget_channel
+            self.front.abort, self._stream_ended, on_drop=self.callers.forget_channel
         )
         self.loop_probe = LoopLagProbe()
         if self.publisher is not None:
@@ -104,6 +106,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         # collection scans the start-up heap (the engine froze the model's; this is ours)
         short_gil_turns()
         freeze_long_lived()
+        self.warm_freeze = WarmUpFreeze()  # and once more when idle after the first requests
 
     # -- engine thread hooks ---------------------------------------------------------------
 
@@ -230,20 +233,27 @@ class WorkerServer(PeerPulls, BurstIntake):
         ``schema``: the caller's ``OUTPUT_SCHEMA`` (outputs nest positional types).
         """
         check_schema("output stream", schema, OUTPUT_SCHEMA)
-        self.telemetry.arrived(request.request_id)
-        keys = self._keys(request)
-        pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
-        stream = await self.front.add_request_async(
-            request.token_ids, request.params, request_id=request.request_id, prompt_keys=keys
-        )
+        rid = request.request_id
+        self.live.claim(rid)  # first: a duplicate id leaves the live request as it was
+        try:
+            self.telemetry.arrived(rid)
+            keys = self._keys(request)
+            pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
+            stream = await self.front.add_request_async(
+                request.token_ids, request.params, request_id=rid, prompt_keys=keys
+            )
+        except BaseException:
+            self.live.release(rid)
+            self.telemetry.forget(rid)
+            raise
         assert stream is not None
-        self.callers.watch(request.request_id, caller)
+        self.callers.watch(rid, caller)
         try:
             yield self._admitted(request, keys, pulled)
             async for out in stream:
                 yield out
         finally:
-            self.callers.forget(request.request_id)
+            self._stream_ended(rid)
 
     def _keys(self, request: WorkerRequest) -> list:
         """The prompt's block keys, hashed once here and not by the engine thread: the
@@ -260,6 +270,12 @@ class WorkerServer(PeerPulls, BurstIntake):
         epoch = self.publisher.epoch if self.publisher is not None else None
         last = keys[-1] if request.want_keys and keys else None
         return Admitted(self.worker_id, epoch, last, pulled)
+
+    def _stream_ended(self, request_id: str) -> None:
+        """A request's stream ended (its last output or StreamEnd was delivered)."""
+        self.callers.forget(request_id)
+        self.live.release(request_id)
+        self.warm_freeze.request_ended(idle=not self.live)
 
     def _caller_died(self, caller: Any) -> None:
         """A dead router's channels have no reader any more."""

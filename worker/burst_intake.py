@@ -15,6 +15,7 @@ from worker.callers import CallerWatch
 from worker.channels import Channel
 from worker.engine.burst import Submission
 from worker.engine.front import StreamingEngine
+from worker.live_ids import LiveIds
 from worker.telemetry import WorkerTelemetry
 
 
@@ -25,6 +26,7 @@ class BurstIntake:
     front: StreamingEngine
     callers: CallerWatch
     telemetry: WorkerTelemetry
+    live: LiveIds
     _landing: dict
 
     async def submit_many(
@@ -43,27 +45,37 @@ class BurstIntake:
         results: list[Admitted | Exception | None] = [None] * len(requests)
         slices = LoopSlices()
         keyed: list[tuple[int, WorkerRequest, list]] = []
-        for i, request in enumerate(requests):
-            try:
-                keyed.append((i, request, self._keys(request)))
-            except Exception as exc:  # noqa: BLE001 - this request's answer
-                results[i] = exc
-            else:
-                self.telemetry.arrived(request.request_id)
-            await slices.tick()
-        pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed], slices)
-        subs = []
-        for _, request, keys in keyed:
-            rid = request.request_id
-            ch.open(rid)  # before the add: its first outputs may be delivered before we resume
-            self.callers.watch(rid, ch.caller)
-            subs.append(Submission(request.token_ids, request.params, rid, keys, ch))
-            await slices.tick()
+        claimed: list[str] = []  # ids taken here: given back if this call does not answer
         try:
+            for i, request in enumerate(requests):
+                rid = request.request_id
+                try:
+                    self.live.claim(rid)  # first: a duplicate leaves the live one as it was
+                except Exception as exc:  # noqa: BLE001 - this request's answer
+                    results[i] = exc
+                    continue
+                claimed.append(rid)
+                try:
+                    keys = self._keys(request)
+                except Exception as exc:  # noqa: BLE001 - this request's answer
+                    self.live.release(claimed.pop())
+                    results[i] = exc
+                else:
+                    keyed.append((i, request, keys))
+                    self.telemetry.arrived(rid)
+                await slices.tick()
+            pulls = await self._pulls_for([(r, keys) for _, r, keys in keyed], slices)
+            subs = []
+            for _, request, keys in keyed:
+                rid = request.request_id
+                ch.open(rid)  # before the add: its first outputs may come before we resume
+                self.callers.watch(rid, ch.caller)
+                subs.append(Submission(request.token_ids, request.params, rid, keys, ch))
+                await slices.tick()
             errors = await self.front.add_requests_async(subs, slices)
-        except BaseException:
-            for sub in subs:
-                self._refused(ch, sub.request_id)
+        except BaseException:  # (cancelled): none of these was answered
+            for rid in claimed:
+                self._refused(ch, rid)
             raise
         for (i, request, keys), pulled, error in zip(keyed, pulls, errors, strict=True):
             if error is None:
@@ -90,3 +102,4 @@ class BurstIntake:
         ch.requests.discard(request_id)
         self.callers.forget(request_id)
         self.telemetry.forget(request_id)
+        self.live.release(request_id)

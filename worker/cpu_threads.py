@@ -7,6 +7,11 @@ move to a free core, and every parallel region waits for it: throughput collapse
 run measured 102-446 tok/s against 568 quiet). With PASSIVE waiting a thread that finished
 its share sleeps at once, its core goes idle, and the kernel's idle balancing moves the
 delayed thread there; the cost of a busy neighbour falls to about its share of the machine.
+Served (a router and clients on the same 2 cores, light model, 256 streams), a short spin
+before sleeping loses too: ``GOMP_SPINCOUNT`` 20k / 200k took the worker's CPU per token from
+0.27-0.31 ms to 0.48-0.78 ms (the spinning thread holds the core the router needs), and
+``OMP_PROC_BIND=true`` binds the process to one core (one thread does all the work). So no
+spin and no binding; an operator's own values still win.
 
 OpenMP reads ``OMP_WAIT_POLICY`` once, when its runtime loads (at ``import torch``), so it
 must be in the environment before that: importing the ``worker`` package applies

@@ -73,3 +73,20 @@ def test_salted_and_adapter_prefixes_stay_apart() -> None:
     hot = served.hot(5)
     assert {h.ctx for h in hot} == {CTX, tenant, adapter}
     assert all(h.keys == keys(SYS_A, h.ctx) and h.uses == 2 for h in hot)
+
+
+def test_a_full_table_holds_nothing_the_collector_scans() -> None:
+    """Thousands of served prompts, each under its own context object: once collected, the
+    tables add no tracked objects (a full collection's cost does not grow with them), and
+    the hot list rebuilds the contexts and keys as they were noted."""
+    import gc
+
+    served = ServedPrefixes(max_prompts=3000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(3000):
+        served.note(HashContext("m", None, f"tenant-{i % 7}"), keys([i, i + 1] * 4))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+    top = served.hot(1)[0]
+    assert top == HotPrefix(HashContext("m", None, "tenant-3"), keys([2999, 3000] * 4), 1)

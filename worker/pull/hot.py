@@ -5,6 +5,12 @@ is hot is the shared part, not the whole prompt: :class:`ServedPrefixes` counts,
 key, the requests whose prompt held it (chained keys: a key names its whole prefix), and a
 prompt's hot prefix is its leading blocks that another request shared too. Both tables are
 bounded, least recent dropped first.
+
+The tables live as long as the worker and fill to thousands of prompts, so they hold no
+object the cyclic collector tracks: a prompt is its context's fields and its keys joined into
+one ``bytes``, in a tuple of atomic values (which the collector untracks). A full collection
+then never scans them, however long the worker has served (a ``HashContext`` and a tuple of
+keys per prompt were ~8k tracked objects at the bound).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.hashing import KEY_BYTES, BlockKey, HashContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,9 +37,10 @@ class ServedPrefixes:
     def __init__(self, max_prompts: int = 4096, max_keys: int = 1 << 16) -> None:
         self.max_prompts = max_prompts
         self.max_keys = max_keys
-        self._prompts: OrderedDict[BlockKey, tuple[HashContext, tuple[BlockKey, ...]]] = (
+        # last key of a prompt -> its context's fields and its keys joined (see the module)
+        self._prompts: OrderedDict[BlockKey, tuple[str, str | None, str | None, bytes]] = (
             OrderedDict()
-        )  # last key of a prompt -> (context, keys)
+        )
         self._uses: OrderedDict[BlockKey, int] = OrderedDict()  # key -> requests that held it
 
     def note(self, ctx: HashContext, keys: Sequence[BlockKey]) -> None:
@@ -45,8 +52,10 @@ class ServedPrefixes:
         while len(self._uses) > self.max_keys:
             self._uses.popitem(last=False)
         last = keys[-1]
+        joined = b"".join(keys)
+        assert len(joined) == KEY_BYTES * len(keys), "block keys are KEY_BYTES long"
         self._prompts.pop(last, None)
-        self._prompts[last] = (ctx, tuple(keys))
+        self._prompts[last] = (ctx.model_id, ctx.lora_id, ctx.cache_salt, joined)
         while len(self._prompts) > self.max_prompts:
             self._prompts.popitem(last=False)
 
@@ -55,16 +64,23 @@ class ServedPrefixes:
         prompt's leading blocks that at least two requests held, or the whole prompt if
         none were shared."""
         found: dict[BlockKey, tuple[HotPrefix, int]] = {}
-        for age, (ctx, keys) in enumerate(reversed(self._prompts.values())):
+        for age, (model_id, lora_id, salt, joined) in enumerate(reversed(self._prompts.values())):
+            keys = split_keys(joined)
             shared = 0
             while shared < len(keys) and self._uses.get(keys[shared], 0) >= 2:
                 shared += 1
             prefix = keys[:shared] if shared else keys
             end = prefix[-1]
             if end not in found:
+                ctx = HashContext(model_id, lora_id, salt)
                 found[end] = (HotPrefix(ctx, prefix, max(self._uses.get(end, 0), 1)), age)
         ranked = sorted(found.values(), key=lambda e: (-e[0].uses, -len(e[0].keys), e[1]))
         return [h for h, _ in ranked[: max(n, 0)]]
+
+
+def split_keys(joined: bytes) -> tuple[BlockKey, ...]:
+    """The keys that ``b"".join`` made ``joined`` of."""
+    return tuple(BlockKey(joined[i : i + KEY_BYTES]) for i in range(0, len(joined), KEY_BYTES))
 
 
 def pick_warm(

@@ -1,0 +1,76 @@
+"""A served worker's heap after warm-up is frozen once more, at its first idle moment: what
+its first requests loaded and built is never scanned again by a full collection, and no
+live request's objects are frozen with it. No Ray: the plain class."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
+from kvstore.blocks.pauses import WarmUpFreeze
+from kvstore.blocks.protocol import WorkerRequest
+from worker.actor import WorkerServer, WorkerSettings
+from worker.engine import EngineConfig, SamplingParams
+from worker.model.build_tiny import build_tiny_model
+
+PROMPT = [9, 41, 7, 300, 12, 77, 5, 18]
+
+
+def test_warm_up_freeze_waits_for_its_count_and_an_idle_moment() -> None:
+    freeze = WarmUpFreeze(after=3)
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    assert not freeze.request_ended(idle=True)  # 1 of 3
+    assert not freeze.request_ended(idle=False)
+    assert not freeze.request_ended(idle=False)  # 3 of 3, but a request is live
+    assert gc.get_freeze_count() == frozen
+    kept = [[i] for i in range(1000)]  # long-lived objects made after start-up
+    assert freeze.request_ended(idle=True)
+    assert gc.get_freeze_count() >= frozen + len(kept)
+    assert not freeze.request_ended(idle=True)  # once
+    assert freeze.done and freeze.ended == 4
+
+
+def test_a_worker_freezes_after_its_warm_up_requests_once_idle() -> None:
+    model = build_tiny_model(None, "llama", "tiny")
+    server = WorkerServer(
+        WorkerSettings("worker-t", str(model), "m", EngineConfig(num_blocks=128), None)
+    )
+    server.warm_freeze = WarmUpFreeze(after=4)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main() -> tuple[bool, int]:
+        ended: set[str] = set()
+        progress = asyncio.Event()
+
+        async def reader() -> None:
+            async for items in server.outputs("ch", None, OUTPUT_SCHEMA):
+                ended.update(i[0] for i in items if i[2])
+                progress.set()
+
+        task = asyncio.create_task(reader())
+        await server.submit(WorkerRequest("long", PROMPT, long, False), None, "ch")
+        for i in range(5):
+            await server.submit(WorkerRequest(f"s{i}", [i, *PROMPT], short, False), None, "ch")
+        while not {f"s{i}" for i in range(5)} <= ended:
+            progress.clear()
+            await progress.wait()
+        frozen_while_busy = server.warm_freeze.done  # 5 ended, "long" still live
+        while "long" not in ended:
+            progress.clear()
+            await progress.wait()
+        task.cancel()
+        return frozen_while_busy, server.warm_freeze.ended
+
+    try:
+        gc.collect()
+        before = gc.get_freeze_count()
+        frozen_while_busy, ended = asyncio.run(main())
+        assert "long" not in server.live
+        assert not frozen_while_busy
+        assert server.warm_freeze.done and ended == 6  # at the first idle moment
+        assert gc.get_freeze_count() > before
+    finally:
+        server.shutdown()
