@@ -18,8 +18,9 @@ load is past saturation for every configuration (req/s flattens). Reports req/s,
 hit rate per load, the fleet's **coverage** of the hot set (the share of its blocks held
 somewhere, sampled from the index while the load runs) and its copies per block, failures
 (must be 0), the pulls and their outcomes, their priced and taken time, the router's
-choices (hold / pull / recompute, or no pull to price: local, pending, cold) and the
-placements whose realised hit missed the prediction; the ratios with / without pulls, and
+choices (hold / pull / recompute, a pull backed off: busy, full, or no pull to price:
+local, pending, cold) and the placements whose realised hit missed the prediction (of
+them, pull_evicted: pulled ones whose import landed); the ratios with / without pulls, and
 ``kv_pull_cluster.png``. Sized for a 2-core machine (about 10 minutes): timings move with
 other jobs, so compare configurations within one run and re-run on a quiet machine.
 
@@ -41,7 +42,8 @@ from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 
 OUTCOMES = ("ok", "missing", "source-gone", "timeout", "refused")  # PeerPulls' outcomes
-PRICED = ("hold", "pull", "recompute", "local", "pending", "cold")  # PullPlanner's choices
+# PullPlanner's choices
+PRICED = ("hold", "pull", "recompute", "busy", "full", "local", "pending", "cold")
 CONFIGS = (
     ("least_loaded", False),
     ("least_loaded", True),
@@ -79,6 +81,7 @@ def _pull_counters(cluster) -> dict[str, int]:  # noqa: ANN001
                 "pulled_tokens",
                 "pull_misses",
                 "pull_slow",
+                "pull_evicted",
                 "pull_time_priced_ms",
                 "pull_time_taken_ms",
                 "prediction_placements",
@@ -158,6 +161,8 @@ def _run(policy: str, pull: bool, args: argparse.Namespace) -> list[dict]:
                     )
                     or "-",
                     "pull_slow": pulls.get("pull_slow", 0),
+                    # pulled placements whose import landed and whose hit still missed
+                    "pull_evicted": pulls.get("pull_evicted", 0),
                     # placements whose realised hit missed the router's prediction by a block
                     "missed": pulls.get("prediction_misses", 0),
                     "pull_ms": round(pulls.get("pull_time_taken_ms", 0) / n_pulls),

@@ -83,7 +83,8 @@ class PrefixAffinityConfig(LoadWeights):
         30.0,
         gt=0,
         description="A prefix stops counting against its home worker's KV this long after "
-        "its last placement.",
+        "its last placement (a first touch, committed whole: after routing.pending_ttl_s "
+        "if shorter).",
     )
 
 
@@ -148,6 +149,18 @@ class PullConfig(Strict):
         2.0,
         ge=1,
         description="A pull that takes more than this x its priced time is counted as slow.",
+    )
+    max_pulls_per_source: int = Field(
+        2,
+        ge=1,
+        description="This router's pulls in flight from one holder at most; past it a "
+        "request recomputes (each export waits for its own window of the holder's engine).",
+    )
+    survival_recovery_s: float = Field(
+        10.0,
+        gt=0,
+        description="Half-life of what a worker's missed pulls (imported blocks evicted "
+        "before their request ran) take off the price of pulling to it.",
     )
 
 

@@ -18,7 +18,10 @@ stays within the worker's KV blocks. The policy places a prefix only where it fi
 fits somewhere): a holder that is full of other prefixes spills this one to a worker with
 room, which computes it (or pulls it, the recovery path, when pulls are on), and the prefix's
 home moves, so the holder's commitment drops back and its other prefixes stay. An entry
-expires ``ttl_s`` after its last placement.
+expires ``ttl_s`` after its last placement; a first touch after ``first_ttl_s`` (at most
+``ttl_s``): the whole prompt of a first touch is committed only until the index can show
+its siblings what it shares (they then name the shared part), so prompts that are never
+asked again do not keep their whole size committed for ``ttl_s``.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ class _Home:
 class PrefixHomes:
     """Prefix (its last key) -> home worker, size and expiry; commitment per worker."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, first_ttl_s: float | None = None) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
+        self.first_ttl_s = ttl_s if first_ttl_s is None else min(max(first_ttl_s, 0.0), ttl_s)
         self._homes: dict[BlockKey, _Home] = {}
         self._in_chain: dict[BlockKey, BlockKey] = {}  # a key of a home's chain -> its name
         self._committed: dict[WorkerId, int] = {}  # blocks homed per worker
@@ -92,11 +96,12 @@ class PrefixHomes:
         if old is not None:
             self._drop(old.keys[-1])
         keys = tuple(prefix)
-        self._homes[name] = _Home(worker_id, keys, now + self.ttl_s, first)
+        until = now + (self.first_ttl_s if first else self.ttl_s)
+        self._homes[name] = _Home(worker_id, keys, until, first)
         for key in keys:
             self._in_chain.setdefault(key, name)
         self._committed[worker_id] = self._committed.get(worker_id, 0) + len(keys)
-        heapq.heappush(self._heap, (now + self.ttl_s, next(self._order), name))
+        heapq.heappush(self._heap, (until, next(self._order), name))
 
     def __len__(self) -> int:
         return len(self._homes)

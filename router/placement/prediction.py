@@ -39,6 +39,9 @@ class WorkerPredictions:
     pulled_tokens: int = 0  # tokens they imported, summed
     pull_misses: int = 0  # pulls that imported less than planned (recomputed the rest)
     pull_slow: int = 0  # pulls that took longer than slow_factor x their priced time
+    # placements whose pull imported but whose realised hit still fell a block short of
+    # the prediction (the import, or the blocks before it, evicted before the request ran)
+    pull_evicted: int = 0
     pull_priced_s: float = 0.0  # the time those pulls were priced at, summed
     pull_s: float = 0.0  # the time they took, summed
 
@@ -86,11 +89,15 @@ class PredictionTracker:
         self.workers: dict[str, WorkerPredictions] = {}
         self._streak: dict[str, deque[bool]] = {}  # worker -> last `window` miss flags
 
-    def observe(self, worker_id: str, predicted: int, realised: int) -> ResyncVerdict | None:
-        """Record one placement; a verdict when the worker's entries should be rebuilt."""
+    def observe(
+        self, worker_id: str, predicted: int, realised: int, *, pulled: bool = False
+    ) -> ResyncVerdict | None:
+        """Record one placement (``pulled``: its pull imported blocks); a verdict when the
+        worker's entries should be rebuilt."""
         w = self.workers.setdefault(worker_id, WorkerPredictions())
         gap = predicted - realised
         miss = abs(gap) >= self.miss_tokens
+        w.pull_evicted += pulled and gap >= self.miss_tokens
         w.placements += 1
         w.predicted_tokens += predicted
         w.realised_tokens += realised
@@ -155,6 +162,7 @@ class PredictionTracker:
             "pulled_tokens": sum(w.pulled_tokens for w in ws),
             "pull_misses": sum(w.pull_misses for w in ws),
             "pull_slow": sum(w.pull_slow for w in ws),
+            "pull_evicted": sum(w.pull_evicted for w in ws),
             "pull_time_priced_ms": round(1e3 * sum(w.pull_priced_s for w in ws)),
             "pull_time_taken_ms": round(1e3 * sum(w.pull_s for w in ws)),
         }

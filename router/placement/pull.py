@@ -25,6 +25,22 @@ recompute: a pull must pay for itself. A pull of fewer than ``min_pull_tokens`` 
 priced (tiny prefixes recompute). The pull's soft deadline is its break-even, the time
 recomputing the pulled tokens would take, or the transfer after the whole step in flight
 if longer (the most a live holder makes it wait): past it the worker recomputes instead.
+
+A pull pays only if its blocks are still there when its request runs, and only if it does
+not queue. So the planner backs off (the request recomputes on ``e``), reading the router's
+own pulls in flight (:class:`~router.placement.pull_ledger.PullLedger`):
+
+- **busy**: ``max_pulls_per_source`` pulls from the holder are in flight (each export waits
+  for its own window of the holder's engine); below the cap, the exports ahead of it add
+  their transfer times to the pull's price;
+- **full**: ``e``'s KV has no room for the run: its free (or evictable) blocks, less the new
+  blocks its queue will allocate and the router's pulls landing there, are fewer than the
+  run and the request's own tail — the run would evict the prefixes of the requests queued
+  ahead of it, or be evicted by them before its request runs. When every worker's KV is
+  committed so (the fleet is saturated), nothing is pulled;
+- **learned**: of a pull's gain, only the share its destination's recent pulls found cached
+  when their request ran (:meth:`PullLedger.survival`) is counted; the rest is priced as
+  recomputed: ``pull = transfer + wait(e) + prefill(n - c_h) + (1 - s) prefill(c_h - c_e)``.
 """
 
 from __future__ import annotations
@@ -34,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.protocol import PullHint
+from router.placement.pull_ledger import PullLedger
 from router.placement.types import Placement, Reason, WorkerView
 
 NodeId = str
@@ -137,6 +154,8 @@ class PullPlanner:
         min_deadline_s: float,
         block_size: int,
         source_step_tokens: int = 0,
+        max_pulls_per_source: int = 2,
+        ledger: PullLedger | None = None,
         node_of: Callable[[str], NodeId] = lambda _w: "",
     ) -> None:
         self.transfers = transfers
@@ -145,10 +164,14 @@ class PullPlanner:
         self.min_deadline_s = min_deadline_s
         self.block_size = block_size
         self.source_step_tokens = source_step_tokens
+        self.max_pulls_per_source = max_pulls_per_source
+        self.ledger = ledger if ledger is not None else PullLedger(alpha=0.2, recovery_s=10.0)
         self.node_of = node_of
-        # choices made: hold / pull / recompute, or no pull to price: "cold" (held nowhere),
-        # "local" (the chosen worker holds what there is) or "pending" (a placement of the
-        # prefix on the chosen worker is in flight); the router's stats show them
+        # choices made: hold / pull / recompute, a pull backed off ("busy": its source has
+        # its cap of pulls in flight; "full": the chosen worker's KV has no room for it), or
+        # no pull to price: "cold" (held nowhere), "local" (the chosen worker holds what
+        # there is) or "pending" (a placement of the prefix on the chosen worker is in
+        # flight); the router's stats show them
         self.choices: Counter[str] = Counter()
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
@@ -172,13 +195,15 @@ class PullPlanner:
         held: Mapping[str, tuple[int, int]],
         *,
         holder_eligible: bool,
+        now: float = 0.0,
     ) -> tuple[Placement, PullHint | None, Priced | None]:
         """``held``: per worker, (leading blocks on its device, leading blocks in either
         tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts
         past what the destination holds in either tier (it loads its own host blocks back
         at admission, cheaper than moving them again; the import continues them in its
         host tier). ``holder_eligible``: whether the policy could have chosen the holder (a
-        prefix policy did; a load-only policy never holds)."""
+        prefix policy did; a load-only policy never holds). ``now``: the router's clock (the
+        learned survival recovers with it)."""
         if len(views) < 2:
             return placement, None, None
         bs = self.block_size
@@ -202,19 +227,31 @@ class PullPlanner:
         gain = max(total - start, 0) * bs
         pull_s = xfer_s = None
         step_s = move_s = 0.0
+        backoff = None
         if elsewhere != holder and gain >= max(self.min_pull_tokens, bs):
-            # the export waits for the rest of the holder's step in flight (a step of its
-            # queued prefill, up to one step's tokens): half of it on average, all at most
-            step_s = self._prefill(
-                min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
-            )
-            move_s = self.transfers.seconds(self.node_of(holder), self.node_of(elsewhere), gain)
-            xfer_s = step_s / 2 + move_s
-            pull_s = xfer_s + self._wait(ev) + self._prefill(n_tokens - total * bs)
+            backoff = self._backoff(holder, ev, total - start, n_tokens - total * bs)
+            if backoff is None:
+                # the export waits for the rest of the holder's step in flight (a step of
+                # its queued prefill, up to one step's tokens): half of it on average, all
+                # at most; and for the exports from the holder in flight, one after another
+                step_s = self._prefill(
+                    min(by_id[holder].load.queued_prefill_tokens, self.source_step_tokens)
+                )
+                move_s = self.transfers.seconds(
+                    self.node_of(holder), self.node_of(elsewhere), gain
+                ) * (1 + self.ledger.exporting[holder])
+                xfer_s = step_s / 2 + move_s
+                lost = 1.0 - self.ledger.survival(elsewhere, now)  # learned: evicted unused
+                pull_s = (
+                    xfer_s
+                    + self._wait(ev)
+                    + self._prefill(n_tokens - total * bs)
+                    + lost * self._prefill(gain)
+                )
         options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
         choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
-        if pull_s is not None:
-            self.choices[choice] += 1
+        if backoff is not None or pull_s is not None:
+            self.choices[backoff or choice] += 1
         elif total == 0:  # nothing to pull: held nowhere
             self.choices["cold"] += 1
         else:  # where the request goes already, by the index or by a placement in flight
@@ -235,3 +272,21 @@ class PullPlanner:
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced
+
+    def _backoff(self, holder: str, dest: WorkerView, blocks: int, tail: int) -> str | None:
+        """Why a pull of ``blocks`` from ``holder`` to ``dest`` (then ``tail`` tokens to
+        compute there) would not pay, whatever it is priced at: "busy" or "full" (see the
+        module docstring); None when it may."""
+        if self.ledger.exporting[holder] >= self.max_pulls_per_source:
+            return "busy"
+        load = dest.load
+        if load.total_blocks:  # a worker reporting no KV size is not judged by it
+            bs = self.block_size
+            room = (
+                load.free_blocks
+                - -(-load.queued_prefill_tokens // bs)
+                - self.ledger.landing_blocks[dest.worker_id]
+            )
+            if blocks + -(-max(tail, 0) // bs) > room:
+                return "full"
+        return None

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from kvstore.blocks.hashing import BlockKey, block_keys
+from kvstore.blocks.protocol import PullReport
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
 from router.placement.config import RoutingConfig
@@ -22,6 +23,7 @@ from router.placement.pending import PendingPlacements
 from router.placement.policy import make_policy
 from router.placement.prefix_source import PrefixSource, TierCounts, device_only
 from router.placement.pull import PullPlanner, TransferModel
+from router.placement.pull_ledger import PullLedger
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,9 @@ class Router:
         pa = config.prefix_affinity
         self.homes: PrefixHomes | None = None  # prefix_affinity's KV capacity check
         if config.policy == "prefix_affinity" and pa.capacity_aware:
-            self.homes = PrefixHomes(pa.home_ttl_s)
+            # a first touch's whole prompt stays committed as long as the router remembers
+            # the placement itself (its pending prefix), then the index shows what it shares
+            self.homes = PrefixHomes(pa.home_ttl_s, config.pending_ttl_s or None)
         self._clock = clock
         self.planner: PullPlanner | None = None  # peer pulls priced per request
         self.nodes: dict[WorkerId, str] = {}  # worker -> node id, learned from pull reports
@@ -80,6 +84,8 @@ class Router:
                 min_deadline_s=pc.min_deadline_s,
                 block_size=block_size,
                 source_step_tokens=pc.source_step_tokens,
+                max_pulls_per_source=pc.max_pulls_per_source,
+                ledger=PullLedger(alpha=pc.alpha, recovery_s=pc.survival_recovery_s),
                 node_of=lambda w: self.nodes.get(w, ""),
             )
 
@@ -184,7 +190,7 @@ class Router:
             for w in ids
         ]
         placement = self.policy.choose(request, views)
-        pull = None
+        pull = pull_ticket = None
         if self.planner is not None and keys and index is not None:
             held = self._held_blocks(keys, len(request.token_ids), ids, index)
             placement, pull, _ = self.planner.plan(
@@ -193,7 +199,12 @@ class Router:
                 placement,
                 held,
                 holder_eligible=self.policy.uses_prefix,
+                now=now,
             )
+            if pull is not None:
+                pull_ticket = self.planner.ledger.begin(
+                    pull.source_id, placement.worker_id, pull.num_blocks
+                )
         if self.homes is not None:
             self.homes.place(prefix, placement.worker_id, now, first=shared == 0)
         ticket = self.pending.record(placement.worker_id, keys, now) if keys else None
@@ -206,6 +217,7 @@ class Router:
             keys=keys,
             pull=pull,
             pending=ticket,
+            pull_ticket=pull_ticket,
         )
         self.metrics.observe(decision)
         return decision
@@ -215,6 +227,27 @@ class Router:
         learns of them within a step), or ended without one: its pending prefix is
         remembered only ``pending_settle_s`` longer (see :mod:`router.placement.pending`)."""
         self.pending.settle(decision.pending, self._clock())
+        if self.planner is not None and decision.pull_ticket is not None:
+            self.planner.ledger.end(decision.pull_ticket)
+
+    def pull_reported(self, decision: RouteDecision, report: PullReport) -> None:
+        """The worker reported ``decision``'s pull: its source is free; a pull that brought
+        nothing counts as a miss of its destination's (nothing of it survived)."""
+        if self.planner is None or decision.pull_ticket is None:
+            return
+        self.planner.ledger.landed(decision.pull_ticket)
+        if report.outcome != "ok" or not report.tokens:
+            self.planner.ledger.observe(decision.worker_id, 0.0, self._clock())
+
+    def pull_used(self, decision: RouteDecision, report: PullReport, realised: int) -> None:
+        """``decision``'s request, whose pull imported ``report.tokens``, ran with a prefix
+        hit of ``realised`` tokens: the share of the import still cached then is what
+        pulling to that worker is worth (the learned survival)."""
+        hint = decision.pull
+        if self.planner is None or hint is None or report.outcome != "ok" or not report.tokens:
+            return
+        kept = realised - hint.start_block * self.block_size
+        self.planner.ledger.observe(decision.worker_id, kept / report.tokens, self._clock())
 
     def check_parity(
         self, request_id: str, router_keys: Sequence[BlockKey], worker_key: BlockKey | None

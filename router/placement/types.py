@@ -80,3 +80,4 @@ class RouteDecision:
     keys: tuple[BlockKey, ...] = ()  # block keys the router computed (empty if not hashed)
     pull: PullHint | None = None  # fetch part of the prefix from a peer first (priced)
     pending: int | None = None  # the placement's pending-prefix ticket (Router.settle ends it)
+    pull_ticket: int | None = None  # its pull's entry in the router's ledger (settle ends it)

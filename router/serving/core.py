@@ -134,7 +134,7 @@ class ServingCore:
 
     def _settle(self, decision: RouteDecision) -> None:
         """End the placement's pending claim (on the decide thread, which owns the router)."""
-        if decision.pending is None:
+        if decision.pending is None and decision.pull_ticket is None:
             return
         try:
             self._decide.call(self.router.settle, decision)
@@ -199,12 +199,16 @@ class ServingCore:
                         pulled = item.pulled
                         if pulled is not None:
                             self._observe_pull(decision, pulled)
+                            self._decide.call(self.router.pull_reported, decision, pulled)
                         continue
                     if not produced and any(d.token_ids for d in item.outputs):
                         produced = True
                         self.own.prefilled(worker, request_id, done=False)
                         self._settle(decision)
                         self._compare_prediction(decision, item, pulled)
+                        if pulled is not None:
+                            cached = item.usage.cached_tokens
+                            self._decide.call(self.router.pull_used, decision, pulled, cached)
                         self._observe_prefill(request_id, item, loop.time() - sent, pulled)
                     finished = item.finished
                     yield worker, relabelled(item, label)
@@ -298,7 +302,10 @@ class ServingCore:
         if decision.pull is not None:
             planned = decision.pull.num_blocks * self.router.block_size
             predicted -= planned - (pulled.tokens if pulled is not None else 0)
-        verdict = self.predictions.observe(decision.worker_id, predicted, first.usage.cached_tokens)
+        imported = pulled is not None and pulled.outcome == "ok" and pulled.tokens > 0
+        verdict = self.predictions.observe(
+            decision.worker_id, predicted, first.usage.cached_tokens, pulled=imported
+        )
         if verdict is None:
             return
         log.warning(

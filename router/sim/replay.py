@@ -94,6 +94,9 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
 
     records: list[RequestRecord] = []
     pulls: Counter[str] = Counter()
+    # (when, ticket, ticket) of each pull in flight: its ledger entry ends when it lands (the
+    # simulated worker counts the landed blocks in its load's free blocks from then on)
+    landing: list[tuple[float, int, int]] = []
     last_arrival = -math.inf
     for req in requests:
         if req.arrival_s < last_arrival:
@@ -102,6 +105,8 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
             )
         last_arrival = clock.now = req.arrival_s
         collect(req.arrival_s)
+        while landing and landing[0][0] <= req.arrival_s:  # those pulls have landed
+            router.planner.ledger.end(heapq.heappop(landing)[2])
         decision = router.route(
             RouteRequest(req.request_id, req.token_ids, req.ctx),
             {wid: w.load(req.arrival_s) for wid, w in workers.items()},
@@ -111,6 +116,8 @@ def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfi
         if decision.pull is not None:
             pull = _pull(decision.pull, decision.keys, req, workers, sim)
             pulls["ok" if pull[1] is not None else "missed"] += 1
+            assert router.planner is not None and decision.pull_ticket is not None
+            heapq.heappush(landing, (pull[0], decision.pull_ticket, decision.pull_ticket))
         records.append(worker.submit(req, decision.cached_tokens_expected, decision.keys, pull))
     collect(math.inf)
     return ReplayResult(

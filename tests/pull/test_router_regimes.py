@@ -2,7 +2,8 @@
 workers): the real index, fed by the workers' own KV events, answers who holds a prompt;
 the loads are the test's (so each regime is certain): an idle holder gets the request, a
 saturated holder's prefix is pulled to the other worker (the same tokens as computing it),
-a tiny prefix is recomputed. The router actor's start-up calibration fitted its model."""
+a saturated fleet (no room in the other worker's KV) pulls nothing, a tiny prefix is
+recomputed. The router actor's start-up calibration fitted its model."""
 
 from __future__ import annotations
 
@@ -86,6 +87,20 @@ def test_hold_pull_recompute(cluster) -> None:
     )
     assert adm.pulled.outcome == "ok" and adm.pulled.tokens == 288, adm.pulled
     assert got == want and cached == 288  # pulled, then a prefix hit: the same tokens
+    router.pull_reported(d, adm.pulled)
+    router.pull_used(d, adm.pulled, cached)
+    router.settle(d)
+    assert router.planner.ledger.in_flight() == 0
+    assert router.planner.ledger.survival(b, 0.0) == 1.0  # used whole
+
+    # the fleet is saturated: b's KV (its heartbeat's free blocks) has no room for the run
+    q = prompt(3, 300)  # held by a alone
+    generate(cluster.workers[a], WorkerRequest("q0", q + [9], GREEDY))
+    wait_held(index, router, q + [9], ctx, a, 18)
+    full = {**busy, b: replace(loads[b], free_blocks=10)}
+    d = router.route(RouteRequest("r3", q + [6], ctx), full)
+    assert (d.worker_id, d.pull) == (b, None) and d.reason != Reason.PULL
+    assert router.planner.choices["full"] == 1
 
     tiny = prompt(2, 40)  # 2 blocks: below min_pull_tokens
     generate(cluster.workers[a], WorkerRequest("t0", tiny, GREEDY))

@@ -85,3 +85,17 @@ def test_a_first_touch_home_gives_way_to_its_shared_prefix() -> None:
     homes.place(homes.prefix_of(other, 1, 3), "w0", 2.0, first=False)
     assert dict(homes.committed(2.0)) == {"w1": 4, "w0": 1}  # a shared entry never gives way
     assert dict(homes.committed(11.5)) == {"w0": 1} and dict(homes.committed(12.5)) == {}
+
+
+def test_a_first_touch_is_committed_only_for_its_shorter_ttl() -> None:
+    """A prompt nobody shares commits its whole size for ``first_ttl_s`` (the router's
+    pending memory), not the hot prefixes' ``ttl_s``; a shared prefix keeps ``ttl_s``."""
+    homes = PrefixHomes(ttl_s=30.0, first_ttl_s=10.0)
+    one_off = block_keys(tokens(4, 96), BS)
+    homes.place(homes.prefix_of(one_off, 0, 5), "w0", 0.0, first=True)
+    hot = block_keys(tokens(5, 64) + tokens(6, 16), BS)
+    homes.place(homes.prefix_of(hot, 4, 4), "w1", 0.0, first=False)
+    assert dict(homes.committed(9.5)) == {"w0": 5, "w1": 4}
+    assert dict(homes.committed(10.5)) == {"w1": 4}
+    assert dict(homes.committed(30.5)) == {}
+    assert PrefixHomes(ttl_s=5.0, first_ttl_s=10.0).first_ttl_s == 5.0  # never longer
