@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError, model_validator
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
+from router.http_api import defaults as http_defaults
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from worker.engine.config import EngineConfig
 
@@ -95,7 +96,7 @@ class RouterConfig(Strict):
         "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
     )
     http_max_connections: int = Field(
-        2048,
+        http_defaults.MAX_CONNECTIONS,
         ge=1,
         le=1_000_000,
         description="Open HTTP connections a router serves at once (each streaming client "
@@ -104,7 +105,7 @@ class RouterConfig(Strict):
         "process's file-descriptor limit (ulimit -n), which its gRPC server shares.",
     )
     http_cheap_rate_per_s: float = Field(
-        200.0,
+        http_defaults.CHEAP_RATE_PER_S,
         gt=0,
         le=1_000_000,
         description="Cheap HTTP requests a router serves per second (GET /health, /version, "
@@ -113,7 +114,7 @@ class RouterConfig(Strict):
         "poller in a loop cannot take the event loop that streams tokens.",
     )
     http_cheap_max_waiting: int = Field(
-        128,
+        http_defaults.CHEAP_MAX_WAITING,
         ge=0,
         le=1_000_000,
         description="Cheap requests (see http_cheap_rate_per_s) waiting their turn at once; "

@@ -20,6 +20,7 @@ from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_tur
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from router.edge.servicer import KVClusterServicer, start_server
+from router.http_api import defaults as http_defaults
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
 from router.placement.metrics import RouterMetrics
@@ -64,9 +65,9 @@ class RouterSettings:
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
     cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
-    http_max_connections: int = 2048  # open HTTP connections; past it: 503 server_busy
-    http_cheap_rate_per_s: float = 200.0  # /health, /version, /metrics, /v1/models per second
-    http_cheap_max_waiting: int = 128  # cheap requests waiting their turn; past it: 503
+    http_max_connections: int = http_defaults.MAX_CONNECTIONS  # open HTTP connections
+    http_cheap_rate_per_s: float = http_defaults.CHEAP_RATE_PER_S  # /health & co. per second
+    http_cheap_max_waiting: int = http_defaults.CHEAP_MAX_WAITING  # cheap requests waiting
 
 
 class RouterServer:

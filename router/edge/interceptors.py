@@ -4,6 +4,7 @@ wrong (instead of grpc's opaque failure)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,9 +42,10 @@ def _rewrap(
     handler: grpc.RpcMethodHandler, behaviour: Any, deserializer: Any = None
 ) -> grpc.RpcMethodHandler:
     """A handler of ``handler``'s kind (unary or server-streaming response) running
-    ``behaviour(request, context)``: an async function for a unary response, an async
-    generator function for a stream (grpc runs it as it is: each streamed message passes
-    no generator of ours but ``behaviour``, and a streamed token's cost is mostly such hops)."""
+    ``behaviour(request, context)``: an async function for a unary response or a stream on
+    grpc's writer API (``await context.write``), an async generator function for a stream
+    of yields (grpc runs it as it is: each streamed message passes no generator of ours but
+    ``behaviour``, and a streamed token's cost is mostly such hops)."""
     make = (
         grpc.unary_stream_rpc_method_handler
         if handler.response_streaming
@@ -105,6 +107,17 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             except Exception as exc:  # DecodeError; any parse failure is the client's
                 return Malformed(malformed_reason(descriptor, data, exc))
 
+        if handler.response_streaming and inspect.iscoroutinefunction(handler.unary_stream):
+            writer = handler.unary_stream
+
+            # a handler on grpc's writer API: the check is the call's start, and its
+            # messages pass nothing of the guard's
+            async def guarded_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+                await writer(request, context)
+
+            return _rewrap(handler, guarded_writer, lenient)
         if handler.response_streaming:
             stream = handler.unary_stream
 

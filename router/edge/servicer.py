@@ -9,7 +9,7 @@ works on dataclasses, and errors map to status codes through the one error table
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -80,15 +80,18 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        # each streamed message passes every generator between the worker's channel and
-        # grpc: this one iterates the intake's stream itself (no helper generator between)
+    ) -> None:
+        # grpc's writer API: each message is one await of grpc's own write, with no
+        # generator between the intake's stream and grpc (an async-generator handler puts
+        # grpc's loop and every wrapping generator between them); the stream is closed
+        # here, so a client gone mid-write aborts its request at once
         try:
             spec, token_ids = await self._start(request, context)
             text = spec.stream_text
-            async for worker, out in self.intake.generate(spec, token_ids):
-                for msg in responses_from_output(out, worker_id=worker, stream_text=text):
-                    yield msg
+            async with aclosing(self.intake.generate(spec, token_ids)) as outputs:
+                async for worker, out in outputs:
+                    for msg in responses_from_output(out, worker_id=worker, stream_text=text):
+                        await context.write(msg)
         except Exception as exc:
             await self._abort(context, exc)
 

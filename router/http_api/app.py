@@ -30,15 +30,22 @@ from starlette.routing import Route
 from router.http_api import routes
 from router.http_api.body import BodyBudget, BodyLimits, parse_json, read_body
 from router.http_api.cheap import CheapGate
+from router.http_api.defaults import (
+    BODY_TIMEOUT_S,
+    CHEAP_MAX_WAITING,
+    CHEAP_RATE_PER_S,
+    HEAD_TIMEOUT_S,
+    MAX_CONNECTIONS,
+)
 from router.http_api.door import (
-    DEFAULT_MAX_CONNECTIONS,
     MAX_HEAD_BYTES,
     DoorLimits,
     HttpProtocol,
+    drain,
     make_room_for,
     protocol_class,
 )
-from router.http_api.generation import WORKER_HEADER, Generation, error_response
+from router.http_api.generation import WORKER_HEADER, Generation, error_response, unless_gone
 from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.placement.config import RequestLimits
@@ -52,20 +59,10 @@ from worker.model.tokenizer import Tokenizer
 
 __all__ = ["WORKER_HEADER", "OpenAIServer", "error_status"]
 log = logging.getLogger(__name__)
-# A client has this long for a request's head (from connecting, or from its last answer)
-# and then for its body: uvicorn waits forever on either, so idle or trickling sockets
-# could pile up until the router's process runs out of file descriptors, gRPC included
-# (router.http_api.door).
-HEAD_TIMEOUT_S = 10.0
-BODY_TIMEOUT_S = 30.0
+# (HEAD_TIMEOUT_S, BODY_TIMEOUT_S: router.http_api.defaults; read here at start and per body)
 # Request bodies the router holds at once, all requests together (each is bounded by
 # router.max_message_bytes; the budget is at least four of those).
 BODY_BUDGET_BYTES = 256 << 20
-# the cheap routes' share of the router (router.http_cheap_rate_per_s, ..._max_waiting)
-CHEAP_RATE_PER_S = 200.0
-CHEAP_MAX_WAITING = 128
-# the POST routes that do the client's work: bounded by the queues and the tokenizer's budget
-_WORK = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 
 
 def error_status(exc: BaseException) -> Any:
@@ -89,7 +86,7 @@ class OpenAIServer:
         tokenize: TokenizerPool | None = None,
         intake: Intake | None = None,
         cors_origins: Sequence[str] = (),
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections: int = MAX_CONNECTIONS,
         cheap_rate_per_s: float = CHEAP_RATE_PER_S,
         cheap_max_waiting: int = CHEAP_MAX_WAITING,
         http_protocol: HttpProtocol = "httptools",
@@ -107,20 +104,25 @@ class OpenAIServer:
         self.http_protocol = http_protocol
         self.cheap = CheapGate(cheap_rate_per_s, cheap_max_waiting)
         self.handlers = routes.Handlers(self)
-        self._routes = Starlette(
-            routes=[
-                Route("/v1/completions", self._completions, methods=["POST"]),
-                Route("/v1/chat/completions", self._chat, methods=["POST"]),
-                *routes.routes(self),
-            ],
-            exception_handlers={404: self._not_found, 405: self._not_allowed},
-        )
         # generation skips Starlette's routing and its two middleware layers, each of
-        # which wraps ``send``: three Python calls per streamed event
+        # which wraps ``send``: three Python calls per streamed event (Starlette still
+        # routes its paths' other methods: 405)
         self._generation = {
             "/v1/completions": self._completions,
             "/v1/chat/completions": self._chat,
         }
+        every = [
+            *(Route(path, h, methods=["POST"]) for path, h in self._generation.items()),
+            *routes.routes(self),
+        ]
+        self._routes = Starlette(
+            routes=every, exception_handlers={404: self._not_found, 405: self._not_allowed}
+        )
+        # the POST routes do the client's work (generation, tokenize, detokenize): bounded
+        # by the queues and the tokenizer's budget, never by the cheap routes' gate
+        self._work = frozenset(
+            r.path for r in every if isinstance(r, Route) and "POST" in (r.methods or ())
+        )
         self._cheap = routes.cheap_routes(self)
         self.app: Any = self._door
         if cors_origins:  # off unless origins are configured (router.cors_allowed_origins)
@@ -167,6 +169,7 @@ class OpenAIServer:
             http=protocol_class(
                 self.http_protocol,
                 DoorLimits(head_timeout_s=HEAD_TIMEOUT_S, max_connections=self.max_connections),
+                self._over_cap,
             ),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
             proxy_headers=False,  # nothing reads the client's address
@@ -200,23 +203,41 @@ class OpenAIServer:
         if scope["type"] != "http":
             return await self._routes(scope, receive, send)
         path, method = scope["path"], scope["method"]
-        if method == "POST" and path in _WORK:
+        request = Request(scope, receive)
+        if method == "POST" and path in self._work:
             handler = self._generation.get(path)  # (tokenize, detokenize: routed)
         else:
             try:
-                await self.cheap.admit()
+                if not self.cheap.admit_now():
+                    # its turn may be seconds away: a client that leaves meanwhile is not
+                    # served (nor is its place held)
+                    if await unless_gone(request, self.cheap.admit()) is None:
+                        return None
             except ServerBusy as exc:
                 return await self.error(exc)(scope, receive, send)
             handler = self._cheap.get(path) if method in ("GET", "HEAD") else None
         if handler is None:
             return await self._routes(scope, receive, send)
-        response = await handler(Request(scope, receive))
+        response = await handler(request)
         await response(scope, receive, send)
+
+    async def _over_cap(self, scope: Any, receive: Any, send: Any) -> None:
+        """The answer to every request of a connection accepted past the connection cap
+        (:mod:`router.http_api.door`): its body read first, then a 503 ``server_busy``
+        from the error table (counted), and the connection closed."""
+        await drain(receive, BODY_TIMEOUT_S)
+        busy = ServerBusy(
+            f"the router has {self.max_connections} open HTTP connections, its limit "
+            "(router.http_max_connections); retry later"
+        )
+        await self.error(busy, headers={"connection": "close"})(scope, receive, send)
 
     # -- shared by the routes -------------------------------------------------------------
 
-    def error(self, exc: BaseException, names: Any = None) -> JSONResponse:
-        return error_response(exc, names, self.intake)
+    def error(
+        self, exc: BaseException, names: Any = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
+        return error_response(exc, names, self.intake, headers)
 
     async def _not_found(self, request: Request, exc: Exception) -> JSONResponse:
         return self.error(NoRoute(f"no route {request.url.path}"))

@@ -5,7 +5,7 @@ no work of the client's, so a probe or a script polling them in a loop costs the
 nothing: on a small machine a ``/health`` flood took most of the event loop that streams
 tokens. Each answer that reads
 the fleet (live workers, adapters) is computed once per :data:`ANSWER_TTL_S` and shared by the
-callers in between (one computation in flight at a time); and every cheap request passes a
+callers in between (:class:`~router.serving.answers.AnswerCache`); and every cheap request passes a
 :class:`CheapGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
 its turn, without CPU, up to ``max_waiting`` requests; past those it is answered 503
 ``server_busy`` with ``Retry-After`` at once. A closed-loop poller is slowed to the rate, not
@@ -16,45 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Hashable
-from typing import Any
+from collections.abc import Callable
 
 from router.serving.errors import ServerBusy
 
 # how long a fleet answer (live workers, model cards) is reused; a worker's death shows in
 # /health within this (plus the index's own liveness delay)
 ANSWER_TTL_S = 0.5
-MAX_KEYS = 1024  # cached answers (one per tenant and route); beyond, the cache starts over
-
-
-class AnswerCache:
-    """Answers by key, each computed at most once per ``ttl_s``; callers that arrive while
-    one is computed await it. An error is not cached."""
-
-    def __init__(self, ttl_s: float = ANSWER_TTL_S, clock: Callable[[], float] = time.monotonic):
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._done: dict[Hashable, tuple[float, Any]] = {}
-        self._running: dict[Hashable, asyncio.Future] = {}
-
-    async def get(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
-        hit = self._done.get(key)
-        if hit is not None and self.clock() - hit[0] < self.ttl_s:
-            return hit[1]
-        running = self._running.get(key)
-        if running is None:
-            running = self._running[key] = asyncio.ensure_future(self._make(key, make))
-        return await asyncio.shield(running)
-
-    async def _make(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
-        try:
-            value = await make()
-            if len(self._done) >= MAX_KEYS:
-                self._done.clear()
-            self._done[key] = (self.clock(), value)
-            return value
-        finally:
-            del self._running[key]
 
 
 class CheapGate:
@@ -82,13 +50,19 @@ class CheapGate:
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
 
-    async def admit(self) -> None:
-        """Returns when the request may be served; raises :class:`ServerBusy` when the
-        wait is full."""
+    def admit_now(self) -> bool:
+        """Take a token if one is free and nobody waits; False: call :meth:`admit`."""
         self._refill()
         if self._tokens >= 1 and not self.waiting:
             self._tokens -= 1
-            return
+            return True
+        return False
+
+    async def admit(self) -> bool:
+        """Returns (True) when the request may be served; raises :class:`ServerBusy` when
+        the wait is full. Cancelled (its client left), it gives its place back."""
+        if self.admit_now():
+            return True
         if self.waiting >= self.max_waiting:
             self.refused += 1
             raise ServerBusy(
@@ -101,5 +75,9 @@ class CheapGate:
         try:
             self._tokens -= 1  # taken now, repaid by the refill while it sleeps
             await asyncio.sleep(max(0.0, -self._tokens / self.rate))
+        except asyncio.CancelledError:
+            self._tokens += 1  # never served: the ones behind it need not wait for it
+            raise
         finally:
             self.waiting -= 1
+        return True

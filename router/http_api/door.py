@@ -10,9 +10,14 @@ it caps connections only with a plain-text 503 (``limit_concurrency``). Here, pe
 * a request head over :attr:`DoorLimits.max_head_bytes` is answered 431 and the connection
   closed (h11 has the same bound on its own, answered 400);
 * a connection accepted while :attr:`DoorLimits.max_connections` are open is answered at its
-  first request with an OpenAI-shaped 503 ``server_busy`` with ``Retry-After`` (its body
-  read first, so the answer is not lost to a reset), and closed; it has
-  :data:`BUSY_HEAD_TIMEOUT_S` to send that request.
+  first request by the server's busy answer (the HTTP app's: an OpenAI 503 ``server_busy``
+  with ``Retry-After``, counted in ``/metrics``; its body read first with :func:`drain`,
+  so the answer is not lost to a reset), and closed; it has :data:`BUSY_HEAD_TIMEOUT_S` to
+  send that request.
+
+And per request, an answer's head and its first body write (the first SSE event, a JSON
+body) leave as one packet (:class:`_HeadWithBody`): uvicorn writes them separately, and with
+Nagle off each write is a packet and a system call on both ends.
 
 httptools (llhttp, in C) is the default parser: per streamed token it costs a fraction of
 h11's pure-Python state machine; h11 stays selectable (``http_protocol="h11"``).
@@ -30,35 +35,34 @@ from typing import Any, ClassVar, Literal
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.http_api.defaults import HEAD_TIMEOUT_S, MAX_CONNECTIONS
+
 log = logging.getLogger(__name__)
 HttpProtocol = Literal["httptools", "h11"]
 # an over-cap connection is answered if its request comes this soon, else closed unanswered
 BUSY_HEAD_TIMEOUT_S = 2.0
-_BODY_TIMEOUT_S = 30.0  # an over-cap request's body, read before the answer (then closed)
 MAX_HEAD_BYTES = 16 << 10  # request line and headers (h11's own default bound)
-DEFAULT_MAX_CONNECTIONS = 2048
 FD_RESERVE = 256  # descriptors beside the HTTP connections (gRPC, Ray, Redis, files)
 
 
 @dataclass(frozen=True, slots=True)
 class DoorLimits:
-    head_timeout_s: float = 10.0  # for a request's head, from connect or the last answer
+    head_timeout_s: float = HEAD_TIMEOUT_S  # for a request's head, from connect or last answer
     max_head_bytes: int = MAX_HEAD_BYTES
-    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open ones (router.http_max_connections)
+    max_connections: int = MAX_CONNECTIONS  # open ones (router.http_max_connections)
 
 
-def _busy_body(limit: int) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "message": f"the router has {limit} open HTTP connections, its limit "
-                "(router.http_max_connections); retry later",
-                "type": "service_unavailable",
-                "param": None,
-                "code": "server_busy",
-            }
-        }
-    ).encode()
+async def drain(receive: Any, timeout_s: float) -> None:
+    """Read a request's body to its end (discarded), for at most ``timeout_s``: an answer
+    sent before the client's body was read, then closed, can be lost to a reset."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect" or not msg.get("more_body"):
+                    return
+    except TimeoutError:
+        pass
 
 
 def _head_too_large(limit: int) -> bytes:
@@ -78,10 +82,52 @@ def _head_too_large(limit: int) -> bytes:
     return head + data
 
 
+class _HeadWithBody:
+    """A request cycle's view of its connection's transport: the first write (the answer's
+    head) is held until the next write of the same loop iteration (its first body chunk)
+    and sent with it, or at the end of the iteration when none comes; later writes pass
+    straight through."""
+
+    __slots__ = ("_transport", "_held")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: bytes | None = b""  # b"": nothing written yet; None: passing through
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        elif not held:
+            self._held = bytes(data)
+            asyncio.get_running_loop().call_soon(self.flush)
+        else:
+            self._held = None
+            self._transport.write(held + data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _Door:
     """What both protocols add (mixed in before uvicorn's protocol class)."""
 
     door: ClassVar[DoorLimits] = DoorLimits()
+    # the ASGI app answering every request of an over-cap connection (its answer must say
+    # ``connection: close``); set by :func:`protocol_class`
+    busy: ClassVar[Any] = None
     _head_timer: asyncio.TimerHandle | None = None
     _over_cap = False
 
@@ -96,12 +142,19 @@ class _Door:
         super().connection_made(transport)  # type: ignore[misc]
         if len(self.connections) > self.door.max_connections:
             self._over_cap = True
-            self.app = self._busy  # every request of this connection: answered busy
+            self.app = self.busy  # every request of this connection: answered busy
         self._arm_head_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
         self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+        cycle = self.cycle  # a request that began in these bytes: its answer not begun yet
+        if cycle is not None and not isinstance(cycle.transport, _HeadWithBody):
+            if not cycle.response_started:
+                cycle.transport = _HeadWithBody(cycle.transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._head_timer is not None:
@@ -118,27 +171,6 @@ class _Door:
         idle = self.cycle is None or self.cycle.response_complete
         if idle and not self.transport.is_closing():
             self.transport.close()
-
-    async def _busy(self, scope: Any, receive: Any, send: Any) -> None:
-        """The answer of an over-cap connection, without the application: the body is read
-        (discarded) first, so closing after the answer does not reset it away."""
-        try:
-            async with asyncio.timeout(_BODY_TIMEOUT_S):
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect" or not msg.get("more_body"):
-                        break
-        except TimeoutError:
-            pass
-        body = _busy_body(self.door.max_connections)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"retry-after", b"1"),
-            (b"connection", b"close"),  # uvicorn closes the connection after the answer
-        ]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 class DoorHttpTools(_Door, HttpToolsProtocol):
@@ -169,10 +201,11 @@ class DoorH11(_Door, H11Protocol):
     """uvicorn's h11 protocol with the door's bounds (h11 bounds the head itself)."""
 
 
-def protocol_class(kind: HttpProtocol, limits: DoorLimits) -> type[asyncio.Protocol]:
-    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
+def protocol_class(kind: HttpProtocol, limits: DoorLimits, busy: Any) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits``;
+    ``busy``: the ASGI app that answers an over-cap connection."""
     base = {"httptools": DoorHttpTools, "h11": DoorH11}[kind]
-    return type(base.__name__, (base,), {"door": limits})
+    return type(base.__name__, (base,), {"door": limits, "busy": staticmethod(busy)})
 
 
 def make_room_for(max_connections: int) -> int:

@@ -67,17 +67,22 @@ async def until_disconnect(receive: Receive) -> None:
 
 class _EventStream(StreamingResponse):
     """SSE that also watches for the client leaving while no event is due (a request still
-    queued, a long prefill): Starlette's own response notices only when a send fails."""
+    queued, a long prefill): Starlette's own response notices only when a send fails.
+    ``gone``: the request's one disconnect watcher (from before the first output), ended
+    with the stream."""
+
+    def __init__(self, gone: asyncio.Future, content: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.gone = gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = asyncio.ensure_future(self.stream_response(send))
-        gone = asyncio.ensure_future(until_disconnect(receive))
         try:
-            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({body, self.gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (body, gone):
+            for t in (body, self.gone):
                 t.cancel()
-            await asyncio.gather(body, gone, return_exceptions=True)
+            await asyncio.gather(body, self.gone, return_exceptions=True)
 
 
 Item = tuple[int, str, RequestOutput]  # (prompt index, worker, output)
@@ -137,29 +142,38 @@ class Generation:
     async def answer(self, request: Request, headers: dict[str, str]) -> Response:
         names = self.specs[0].names
         outputs = self._outputs()
-        # the first output before any header: it names the worker, and an error before it
-        # (full queues, no worker) still gets its own status code
+        # one watcher of the client for the whole answer: the wait for the first output,
+        # then the stream (or the whole answer's collection)
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        streaming = False
         try:
-            first = await unless_gone(request, anext(outputs))
-        except StopAsyncIteration:
-            first = None
-        except Exception as exc:
-            await outputs.aclose()
-            return error_response(exc, names, self.intake, headers)
-        if first is None:  # client gone (or nothing produced): nothing to answer
-            await outputs.aclose()
-            return Response(status_code=499)
-        headers = {WORKER_HEADER: first[1], **headers}
-        if self.shaper.req.stream:
-            return _EventStream(
-                self._events(first, outputs), headers=headers, media_type="text/event-stream"
-            )
-        try:
-            result = await unless_gone(request, self._collect(first, outputs))
-        except Exception as exc:
-            return error_response(exc, names, self.intake, headers)
+            # the first output before any header: it names the worker, and an error before
+            # it (full queues, no worker) still gets its own status code
+            try:
+                first = await _unless(gone, anext(outputs))
+            except StopAsyncIteration:
+                first = None
+            except Exception as exc:
+                await outputs.aclose()
+                return error_response(exc, names, self.intake, headers)
+            if first is None:  # client gone (or nothing produced): nothing to answer
+                await outputs.aclose()
+                return Response(status_code=499)
+            headers = {WORKER_HEADER: first[1], **headers}
+            if self.shaper.req.stream:
+                streaming = True  # the stream ends the watcher
+                events = self._events(first, outputs)
+                return _EventStream(gone, events, headers=headers, media_type="text/event-stream")
+            try:
+                result = await _unless(gone, self._collect(first, outputs))
+            except Exception as exc:
+                return error_response(exc, names, self.intake, headers)
+            finally:
+                await outputs.aclose()
         finally:
-            await outputs.aclose()
+            if not streaming:
+                gone.cancel()
+                await asyncio.gather(gone, return_exceptions=True)
         if result is None:
             return Response(status_code=499)
         return JSONResponse(result, headers=headers)
@@ -223,16 +237,23 @@ class Generation:
 async def unless_gone(request: Request, awaitable: Any) -> Any:
     """``awaitable``'s result, or None when the client disconnects first (it is then
     cancelled, which aborts its requests)."""
-    work = asyncio.ensure_future(awaitable)
     gone = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        return await _unless(gone, awaitable)
+    finally:
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+
+
+async def _unless(gone: asyncio.Future, awaitable: Any) -> Any:
+    """``awaitable``'s result, or None (it cancelled) once ``gone`` is done first."""
+    work = asyncio.ensure_future(awaitable)
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not work.done():
             work.cancel()
-        gone.cancel()
-        await asyncio.gather(gone, return_exceptions=True)
-    if work.cancelled():
+    if work.cancelled() or not work.done():
         await asyncio.gather(work, return_exceptions=True)
         return None
     return work.result()

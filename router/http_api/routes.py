@@ -4,7 +4,7 @@ detokenize (text or chat messages), Prometheus metrics, version, health.
 ``/metrics``, ``/health`` and ``/version`` are open (probes and scrapers carry no token);
 the others need the bearer token when auth is on. The cheap ones (models, health, version,
 metrics) pass the server's :class:`~router.http_api.cheap.CheapGate` first, and their fleet
-reads are shared through an :class:`~router.http_api.cheap.AnswerCache`.
+reads are shared through an :class:`~router.serving.answers.AnswerCache`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from starlette.routing import BaseRoute, Route
 
 from kvstore.blocks.errors import InvalidRequest
 from router.http_api import tools
-from router.http_api.cheap import AnswerCache
+from router.http_api.cheap import ANSWER_TTL_S
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.placement.types import NoWorkersError
+from router.serving.answers import AnswerCache
 from router.serving.errors import ModelNotFound
 from router.serving.metrics import CONTENT_TYPE
 from router.serving.request import make_spec
@@ -78,7 +79,7 @@ class Handlers:
     def __init__(self, server: OpenAIServer) -> None:
         self.s = server
         self.intake = server.intake
-        self.answers = AnswerCache()
+        self.answers = AnswerCache(ANSWER_TTL_S)
         self._version = JSONResponse({"version": _version()}).body  # read once: it is a file
 
     async def _cards(self, tenant: str | None) -> list[dict[str, Any]]:

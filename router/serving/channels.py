@@ -5,6 +5,9 @@ per-request inboxes.
 The pump only appends to inboxes, so a slow client never holds up the channel, the worker or
 another client; a request's reader takes everything its inbox gathered at once and reads it
 as one output (:func:`coalesce`), so a client that lags gets several tokens per message.
+When the router itself lags (several of the worker's messages arrived while it was busy),
+the pump reads all that are there before waking anyone, so every reader gets those steps'
+tokens as one client message too.
 A message carries a step's outputs for every request of this router on that worker (several
 steps' when the router lagged): :func:`demultiplex` wakes their readers a slice at a time,
 so one loop iteration runs a bounded number of client writes, never a whole message's.
@@ -30,6 +33,8 @@ ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the act
 # readers woken per loop iteration at most: each then writes to its client (a gRPC message,
 # an SSE event: ~50-100 us), so a slice is a few ms of the loop, whatever the batch size
 WAKE_SLICE = 32
+# worker messages (steps) joined into one demultiplexed batch at most, when the router lags
+MAX_JOINED = 8
 _CLOCK_SLACK_S = 1e-3  # a timer may fire this early (the loop's clock resolution)
 _ids = itertools.count()
 
@@ -101,6 +106,9 @@ class Inbox:
         """What arrived, as one output: the outputs before the first non-output joined
         (:func:`coalesce`); a non-output (an error, a stream end) alone when it is first."""
         items = self.items
+        if len(items) == 1 and isinstance(items[0], tuple):  # (the common case: one step's)
+            self.items = []
+            return unpack_output(items[0])
         head = 0
         while head < len(items) and isinstance(items[head], tuple):
             head += 1
@@ -146,6 +154,7 @@ class WorkerChannel:
         self.error: WorkerGone | None = None  # set once the stream ended
         self.last_message = time.monotonic()  # when the worker last sent anything
         self.messages = 0
+        self.joined = 0  # worker messages read together with an earlier one (lag)
         # whether the worker holds this router's caller for the channel (a request of it
         # came back admitted): later requests go without it
         self.caller_known = False
@@ -177,9 +186,12 @@ class WorkerChannel:
             )
             async for ref in gen:
                 items = await ref
+                later = await self._join_ready(gen, items)
                 self.last_message = time.monotonic()
                 self.messages += 1
                 await demultiplex(items, self.inboxes)
+                if later is not None:  # the stream failed after the messages joined
+                    raise later
             error = WorkerGone(f"worker {self.worker_id} ended its output channel")
         except asyncio.CancelledError:
             error = WorkerGone(f"the output channel from {self.worker_id} was closed")
@@ -190,6 +202,23 @@ class WorkerChannel:
             self.error = error
             for inbox in self.inboxes.values():
                 inbox.put(error)
+
+    async def _join_ready(self, gen: Any, items: list[Any]) -> Exception | None:
+        """Append to ``items`` the worker's messages already there (this router lagged its
+        steps), up to :data:`MAX_JOINED` in all, so each reader takes its tokens of all of
+        them as one client message. Returns the stream's error if it failed meanwhile (the
+        items before it are handed out first)."""
+        try:
+            for _ in range(MAX_JOINED - 1):
+                if not gen.next_ready():
+                    break
+                items.extend(await (await gen.__anext__()))
+                self.joined += 1
+        except StopAsyncIteration:  # the stream ended after these
+            pass
+        except Exception as exc:  # noqa: BLE001 - raised once its predecessors are out
+            return exc
+        return None
 
     def stop(self) -> None:
         """Stop reading; the worker's side ends too (and aborts what still runs there)."""

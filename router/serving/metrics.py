@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import WorkerStatus
+from router.serving.loop_histograms import LoopHistogram
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -103,26 +104,26 @@ class ServingMetrics:
         r.register(self._statuses)
         self._routing = _Routing()
         r.register(self._routing)
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token, from the request's arrival at the router.",
             by_worker,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
+            r,
         )
-        self.itl = Histogram(
+        self.itl = LoopHistogram(
             "vllm:inter_token_latency_seconds",
             "Time between output tokens (a message of k tokens counts k gaps).",
             by_worker,
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            _ITL_BUCKETS,
+            r,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "vllm:e2e_request_latency_seconds",
             "Request latency, arrival to last token.",
             by_worker,
-            buckets=_E2E_BUCKETS,
-            registry=r,
+            _E2E_BUCKETS,
+            r,
         )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens served.", by_worker, registry=r
@@ -254,9 +255,7 @@ class RequestTimer:
             else:
                 k_gaps, gap_from = k, self.last
             if k_gaps:
-                gap = (now - gap_from) / k_gaps
-                for _ in range(k_gaps):
-                    s.itl.observe(gap)
+                s.itl.observe((now - gap_from) / k_gaps, k_gaps)
             self.tokens += k
             self.last = now
         if out.finished:

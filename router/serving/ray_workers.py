@@ -24,6 +24,7 @@ from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerSt
 from kvstore.index import KVIndex
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
+from router.serving.answers import AnswerCache
 from router.serving.channels import (
     ACTOR_ERRORS,
     WAKE_SLICE,
@@ -87,8 +88,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
         # ms; its first outputs come through the channel, already woken a slice at a time
         self.first_steps = TurnSlices(WAKE_SLICE)
-        self._status_round: asyncio.Future | None = None  # statuses() in flight
-        self._status_answer: tuple[float, list[WorkerStatus]] | None = None  # (when, what)
+        self._statuses = AnswerCache(STATUS_REUSE_S)  # statuses(): one round shared
 
     def mark_dead(self, worker_id: str) -> None:
         super().mark_dead(worker_id)
@@ -255,20 +255,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         ``GET /metrics`` asks for it unauthenticated: callers at the same time share one
         round, and an answer serves for :data:`STATUS_REUSE_S`, so a flood of them costs
         the workers a few rounds a second, not one per call."""
-        cached = self._status_answer
-        if cached is not None and time.monotonic() - cached[0] < STATUS_REUSE_S:
-            return list(cached[1])
-        if self._status_round is None:
-            self._status_round = asyncio.ensure_future(self._status_of_all())
-        return list(await asyncio.shield(self._status_round))
-
-    async def _status_of_all(self) -> list[WorkerStatus]:
-        try:
-            out = await self._ask_statuses()
-        finally:
-            self._status_round = None
-        self._status_answer = (time.monotonic(), out)
-        return out
+        return list(await self._statuses.get(None, self._ask_statuses))
 
     async def _ask_statuses(self) -> list[WorkerStatus]:
         names = sorted(await asyncio.to_thread(self._from_ray))

@@ -16,3 +16,12 @@ def test_edge_token_smoke(capsys: pytest.CaptureFixture) -> None:
     assert json.loads(out.strip().splitlines()[-1]) == head
     assert head["sse_completions_us_new"] > 0 and head["sse_chat_us_old"] > 0
     assert head["label_us_new"] > 0 and head["grpc_message_us"] > 0
+
+
+def test_grpc_floor_smoke(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import grpc_floor
+
+    head = grpc_floor.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    assert head["grpc_generator_us_per_msg"] > 0 and head["grpc_writer_us_per_msg"] > 0

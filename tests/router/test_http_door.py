@@ -115,11 +115,13 @@ def test_connections_past_the_cap_get_an_openai_503_then_close(protocol: str) ->
             await client.close()
             for _, w in held[1:]:
                 w.close()
-            return refused, raw, ok, base
+            return refused, raw, ok, server.intake.metrics.render([]).decode()
         finally:
             await server.stop()
 
-    refused, raw, ok, _ = asyncio.run(main())
+    refused, raw, ok, metrics = asyncio.run(main())
+    # both answers are counted with the other refusals of the error table
+    assert 'kvc_request_errors_total{status="503"} 2.0' in metrics
     assert isinstance(refused, openai.APIStatusError) and refused.status_code == 503
     assert refused.response.headers["retry-after"] == "1"
     err = refused.body if isinstance(refused.body, dict) else {}
@@ -227,6 +229,42 @@ def test_a_cheap_route_flood_shares_one_answer_and_is_bounded_beside_generation(
         if status == 503:
             assert headers["retry-after"] == "1" and body["error"]["code"] == "server_busy"
     assert gen_status == 200
+
+
+def test_a_waiting_cheap_request_whose_client_leaves_is_dropped_and_gives_its_place_back() -> None:
+    core = Core()
+    core.directory = _CountingDirectory()  # type: ignore[assignment]
+    server = _server(core, cheap_rate_per_s=0.5, cheap_max_waiting=4)  # a bucket of 1, 2 s
+
+    async def main() -> tuple[int, int, int, bool]:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # takes the bucket's one
+            await _answer(r)
+            w.close()
+            reads = core.directory.calls  # type: ignore[attr-defined]
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # waits its turn (2 s)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if server.cheap.waiting:
+                    break
+            waiting = server.cheap.waiting
+            w.close()  # the client leaves before its turn
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if not server.cheap.waiting:
+                    break
+            await asyncio.sleep(2.5)  # past the turn it had: it is never served
+            calls = core.directory.calls - reads  # type: ignore[attr-defined]
+            return waiting, server.cheap.waiting, calls, server.cheap.admit_now()
+        finally:
+            await server.stop()
+
+    waiting, after, reads, next_served = asyncio.run(main())
+    assert (waiting, after, reads) == (1, 0, 0)
+    assert next_served  # its token came back: the next caller is served at once
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

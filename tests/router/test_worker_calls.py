@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+from router.serving.answers import AnswerCache
 from router.serving.ray_workers import STATUS_REUSE_S, RayWorkerDirectory
 
 
@@ -40,7 +41,7 @@ def test_status_calls_at_once_share_one_round_and_reuse_it_briefly() -> None:
     """``GET /metrics`` is open to anyone and each round calls every worker: a flood of them
     costs one round per reuse window, not one per call."""
     d = object.__new__(RayWorkerDirectory)  # only the status round is used
-    d._status_round = d._status_answer = None
+    d._statuses = AnswerCache(STATUS_REUSE_S)
     rounds = []
 
     async def ask() -> list:
