@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     with Cluster(cfg) as cluster:
         r = next(iter(cluster.routers.values()))
         model = ray.get(r.__ray_call__.remote(lambda s: s.settings.model_id))
+        head["router_loop"] = ray.get(r.loop_lag.remote())["loop"]
         vocab = ray.get(r.__ray_call__.remote(lambda s: s.core.limits.vocab_size))
         for api in ("grpc", "http"):  # warm-up: channels opened, code paths hot
             wave(cluster, api, model, make_prompts(8, args.prompt, vocab, 1), 4)

@@ -203,6 +203,8 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
+        lags = loop_lags(cluster, reset=False)  # which loop Ray gave the actors (uvloop's?)
+        extra[f"{size}_loops"] = {side: lags.get(f"{side}_loop") for side in ("worker", "router")}
         engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
         vocab = engine.executor.vocab_size
         offline(engine, make_prompts(min(8, top), args.prompt, vocab, 99), 4)  # warm-up
@@ -374,7 +376,9 @@ def main(argv: list[str] | None = None) -> dict:
     own = [r["router own lag ms"] for r in served_rows if r["router own lag ms"] != ""]
     if own:  # (--trace-stalls) the largest router stall less its wait for a core
         headline["max_router_own_lag_ms"] = round(max(own), 2)
-    headline.update({k: v for k, v in extra.items() if k.endswith("_burst") or k == "fanout"})
+    headline.update(
+        {k: v for k, v in extra.items() if k.endswith(("_burst", "_loops")) or k == "fanout"}
+    )
     emit_json(headline)
     return headline
 

@@ -33,6 +33,7 @@ def _loop_lags(cluster: Cluster, reset: bool, trace: bool) -> dict[str, Any]:
     for side, handles in (("worker", cluster.workers), ("router", cluster.routers)):
         reports = ray.get([h.loop_lag.remote(reset=reset, trace=trace) for h in handles.values()])
         out[side] = max(r["max_lag_ms"] for r in reports)
+        out[f"{side}_loop"] = ",".join(sorted({r.get("loop", "?") for r in reports}))
         stalls = [s for r in reports for s in r.get("trace", {}).get("stalls", [])]
         if any("trace" in r for r in reports):
             out[f"{side}_stalls"] = sorted(stalls, key=lambda s: -s["lag_ms"])

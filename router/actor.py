@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ray
 
-from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
+from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from router.edge.servicer import KVClusterServicer, start_server
@@ -213,6 +213,9 @@ class RouterServer:
         _load_worker_class()
         short_gil_turns()
         freeze_long_lived()
+        # and once more when idle after the first requests: what they loaded (the edges'
+        # code paths, Ray's state for each worker) is long-lived too
+        self.core.warm_freeze = WarmUpFreeze()
         log.info(
             "router %s serving gRPC on %s:%d",
             self.settings.router_id,

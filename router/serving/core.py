@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.hashing import HashContext
 from kvstore.blocks.outputs import RequestOutput, relabelled
+from kvstore.blocks.pauses import WarmUpFreeze
 from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.types import WorkerLoad
@@ -79,6 +80,9 @@ class ServingCore:
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
         self._full_detail = ""  # the workers' refusals then: each names its limit
+        self.live_requests = 0  # generate() calls not ended
+        # the router actor's: freeze its heap once more, idle after its first requests
+        self.warm_freeze: WarmUpFreeze | None = None
 
     def check_room(self) -> None:
         """Raise :class:`ClusterOverloaded` while the workers' queues are known to be full
@@ -157,102 +161,110 @@ class ServingCore:
         unique across clients or tenants, so a reused one must never reach (or, by the abort
         in the cleanup below, stop) another client's request. ``tenant``: the caller's; an
         adapter registered for other tenants is unknown to it."""
-        check_limits(token_ids, params, self.limits)
-        label, request_id = request_id, uuid.uuid4().hex
-        lora_id = None
-        if params.lora is not None:
-            lora_id = resolve_adapter(
-                params.lora, for_tenant(await self.directory.candidates(), tenant)
-            )
-        ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
-        excluded: set[str] = set()
-        full: list[str] = []  # workers that refused the request: waiting queue full
-        loop = asyncio.get_running_loop()
-        for attempt in range(self.max_attempts):
-            candidates = {
-                w: load
-                for w, load in serving(
-                    lora_id, for_tenant(await self.directory.candidates(), tenant)
-                ).items()
-                if w not in excluded
-            }
-            if not candidates:
-                if full:  # (the base model's candidates: every live worker, all tried)
-                    raise self._overloaded(label, full, every_worker=lora_id is None)
-                raise NoWorkersError(
-                    f"no live worker for request {label!r}"
-                    + (f" (tried {sorted(excluded)})" if excluded else "")
+        self.live_requests += 1
+        try:
+            check_limits(token_ids, params, self.limits)
+            label, request_id = request_id, uuid.uuid4().hex
+            lora_id = None
+            if params.lora is not None:
+                lora_id = resolve_adapter(
+                    params.lora, for_tenant(await self.directory.candidates(), tenant)
                 )
-            route_req = RouteRequest(request_id, token_ids, ctx)
-            decision = await self._decide.place(route_req, candidates)
-            worker = decision.worker_id
-            produced = finished = gone = admitted = False
-            pulled: PullReport | None = None
-            sent = loop.time()
-            wreq = WorkerRequest(request_id, token_ids, params, bool(decision.keys), decision.pull)
-            try:
-                async for item in self.directory.stream(worker, wreq):
-                    if isinstance(item, Admitted):
-                        admitted = True
-                        if decision.keys:
-                            self.router.check_parity(request_id, decision.keys, item.last_key)
-                        pulled = item.pulled
-                        if pulled is not None:
-                            self._observe_pull(decision, pulled)
-                            self._decide.call(self.router.pull_reported, decision, pulled)
-                        continue
-                    if not produced and any(d.token_ids for d in item.outputs):
-                        produced = True
-                        self.own.prefilled(worker, request_id, done=False)
+            ctx = HashContext(self.limits.model_id, lora_id, params.cache_salt)
+            excluded: set[str] = set()
+            full: list[str] = []  # workers that refused the request: waiting queue full
+            loop = asyncio.get_running_loop()
+            for attempt in range(self.max_attempts):
+                candidates = {
+                    w: load
+                    for w, load in serving(
+                        lora_id, for_tenant(await self.directory.candidates(), tenant)
+                    ).items()
+                    if w not in excluded
+                }
+                if not candidates:
+                    if full:  # (the base model's candidates: every live worker, all tried)
+                        raise self._overloaded(label, full, every_worker=lora_id is None)
+                    raise NoWorkersError(
+                        f"no live worker for request {label!r}"
+                        + (f" (tried {sorted(excluded)})" if excluded else "")
+                    )
+                route_req = RouteRequest(request_id, token_ids, ctx)
+                decision = await self._decide.place(route_req, candidates)
+                worker = decision.worker_id
+                produced = finished = gone = admitted = False
+                pulled: PullReport | None = None
+                sent = loop.time()
+                wreq = WorkerRequest(
+                    request_id, token_ids, params, bool(decision.keys), decision.pull
+                )
+                try:
+                    async for item in self.directory.stream(worker, wreq):
+                        if isinstance(item, Admitted):
+                            admitted = True
+                            if decision.keys:
+                                self.router.check_parity(request_id, decision.keys, item.last_key)
+                            pulled = item.pulled
+                            if pulled is not None:
+                                self._observe_pull(decision, pulled)
+                                self._decide.call(self.router.pull_reported, decision, pulled)
+                            continue
+                        if not produced and any(d.token_ids for d in item.outputs):
+                            produced = True
+                            self.own.prefilled(worker, request_id, done=False)
+                            self._settle(decision)
+                            self._compare_prediction(decision, item, pulled)
+                            if pulled is not None:
+                                cached = item.usage.cached_tokens
+                                self._decide.call(self.router.pull_used, decision, pulled, cached)
+                            self._observe_prefill(request_id, item, loop.time() - sent, pulled)
+                        finished = item.finished
+                        yield worker, relabelled(item, label)
+                    return
+                except WorkerGone as exc:
+                    gone = True
+                    self.directory.mark_dead(worker)
+                    excluded.add(worker)
+                    if produced:
+                        self.broken += 1
+                        raise StreamBroken(
+                            f"worker {worker} died while streaming request {label!r}: {exc}; "
+                            "the partial output is lost, retry the request"
+                        ) from exc
+                    self.retries += 1
+                    log.warning(
+                        "worker %s died before request %s produced a token (attempt %d): "
+                        "retrying elsewhere",
+                        worker,
+                        label,
+                        attempt + 1,
+                    )
+                except EngineOverloaded as exc:  # nothing was queued: try a worker with room
+                    excluded.add(worker)
+                    full.append(f"{worker} ({exc})")
+                    self.overflows += 1
+                finally:
+                    self.own.prefilled(worker, request_id, done=True)
+                    if not produced:  # settled at its first token otherwise
                         self._settle(decision)
-                        self._compare_prediction(decision, item, pulled)
-                        if pulled is not None:
-                            cached = item.usage.cached_tokens
-                            self._decide.call(self.router.pull_used, decision, pulled, cached)
-                        self._observe_prefill(request_id, item, loop.time() - sent, pulled)
-                    finished = item.finished
-                    yield worker, relabelled(item, label)
-                return
-            except WorkerGone as exc:
-                gone = True
-                self.directory.mark_dead(worker)
-                excluded.add(worker)
-                if produced:
-                    self.broken += 1
-                    raise StreamBroken(
-                        f"worker {worker} died while streaming request {label!r}: {exc}; "
-                        "the partial output is lost, retry the request"
-                    ) from exc
-                self.retries += 1
-                log.warning(
-                    "worker %s died before request %s produced a token (attempt %d): "
-                    "retrying elsewhere",
-                    worker,
-                    label,
-                    attempt + 1,
-                )
-            except EngineOverloaded as exc:  # nothing was queued: try a worker with room
-                excluded.add(worker)
-                full.append(f"{worker} ({exc})")
-                self.overflows += 1
-            finally:
-                self.own.prefilled(worker, request_id, done=True)
-                if not produced:  # settled at its first token otherwise
-                    self._settle(decision)
-                if admitted:  # it leaves a queue slot behind
-                    self._full_at = None
-                if not finished and gone:
-                    # a frozen worker would hold the retry for the abort's whole timeout; the
-                    # abort still reaches it if it thaws
-                    task = asyncio.create_task(self._abort_quietly(worker, request_id))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-                elif not finished:
-                    # client gone, deadline, error or death: never leave blocks behind
-                    await asyncio.shield(self._abort_quietly(worker, request_id))
-        if full:
-            raise self._overloaded(label, full, every_worker=False)
-        raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
+                    if admitted:  # it leaves a queue slot behind
+                        self._full_at = None
+                    if not finished and gone:
+                        # a frozen worker would hold the retry for the abort's whole timeout; the
+                        # abort still reaches it if it thaws
+                        task = asyncio.create_task(self._abort_quietly(worker, request_id))
+                        self._background.add(task)
+                        task.add_done_callback(self._background.discard)
+                    elif not finished:
+                        # client gone, deadline, error or death: never leave blocks behind
+                        await asyncio.shield(self._abort_quietly(worker, request_id))
+            if full:
+                raise self._overloaded(label, full, every_worker=False)
+            raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
+        finally:
+            self.live_requests -= 1
+            if self.warm_freeze is not None:
+                self.warm_freeze.request_ended(idle=not self.live_requests)
 
     def _observe_pull(self, decision: RouteDecision, report: PullReport) -> None:
         """A worker reported its pull: learn the two nodes, refine the transfer model from a

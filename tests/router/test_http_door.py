@@ -267,10 +267,14 @@ def test_a_waiting_cheap_request_whose_client_leaves_is_dropped_and_gives_its_pl
     assert next_served  # its token came back: the next caller is served at once
 
 
-def test_accepted_connections_have_nagle_off() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_accepted_connections_have_nagle_off(loop: str) -> None:
     """With Nagle on, an answer's second write (the body after the head, every SSE event
-    after the first) waited for the client's delayed ACK: 40 ms a request on loopback."""
+    after the first) waited for the client's delayed ACK: 40 ms a request on loopback. On
+    both loops: the router actor's is uvloop's, a test process's asyncio's."""
     import socket
+
+    import uvloop
 
     server = _server()
 
@@ -293,5 +297,7 @@ def test_accepted_connections_have_nagle_off() -> None:
         finally:
             await server.stop()
 
-    flags = asyncio.run(main())
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        flags = runner.run(main())
     assert len(flags) == 1 and flags[0] != 0
