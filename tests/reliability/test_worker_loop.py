@@ -4,7 +4,7 @@ Steps are held in progress as long as the test needs (not timed); while one runs
 are submitted, then, during the next, one is aborted and status and block counts are asked:
 a probe on the loop keeps answering (median < 50 ms, many times per step) and the test's
 loop itself ends each step, so nothing it did waited for one. The channel then delivers
-every request's outputs, in order, in one message per step."""
+every request's outputs, in order, in one message per step at most."""
 
 from __future__ import annotations
 
@@ -79,8 +79,6 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
         assert status.running + status.waiting >= 16 and blocks > 0
         tokens: dict[str, list[int]] = {}
         for batch in batches:
-            rids = [item[0] for item in batch]
-            assert len(rids) == len(set(rids))  # one output per request per message
             for item in batch:
                 out = unpack_output(item)
                 tokens.setdefault(out.request_id, []).extend(
@@ -88,7 +86,9 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
                 )
         assert all(len(tokens[f"r{i}"]) == 6 for i in range(16))
         assert len(tokens["r16"]) < 6  # aborted
-        assert len(batches) < sum(1 for b in batches for _ in b)  # batched
+        # one message per step at most, whatever its number of requests (a slow reader
+        # gets several steps' outputs in one)
+        assert len(batches) <= server.front.steps < sum(1 for b in batches for _ in b)
     finally:
         held.free()
         server.shutdown()
