@@ -17,19 +17,28 @@ from worker.model.build_tiny import build_tiny_model
 PROMPT = [9, 41, 7, 300, 12, 77, 5, 18]
 
 
+def frozen(obj: object) -> bool:
+    """``obj`` is in the permanent generation: no collection scans it. Asked of the object
+    itself, not of ``gc.get_freeze_count()``, which drops whenever any frozen object is
+    freed (by an earlier test's leftovers, another thread)."""
+    return not any(o is obj for o in gc.get_objects())
+
+
 def test_warm_up_freeze_waits_for_its_count_and_an_idle_moment() -> None:
     freeze = WarmUpFreeze(after=3)
-    gc.collect()
-    frozen = gc.get_freeze_count()
-    assert not freeze.request_ended(idle=True)  # 1 of 3
-    assert not freeze.request_ended(idle=False)
-    assert not freeze.request_ended(idle=False)  # 3 of 3, but a request is live
-    assert gc.get_freeze_count() == frozen
     kept = [[i] for i in range(1000)]  # long-lived objects made after start-up
-    assert freeze.request_ended(idle=True)
-    assert gc.get_freeze_count() >= frozen + len(kept)
-    assert not freeze.request_ended(idle=True)  # once
-    assert freeze.done and freeze.ended == 4
+    try:
+        assert not frozen(kept[0]) and not frozen(kept[-1])
+        assert not freeze.request_ended(idle=True)  # 1 of 3
+        assert not freeze.request_ended(idle=False)
+        assert not freeze.request_ended(idle=False)  # 3 of 3, but a request is live
+        assert not frozen(kept[0]) and not frozen(kept[-1])
+        assert freeze.request_ended(idle=True)
+        assert frozen(kept[0]) and frozen(kept[-1])
+        assert not freeze.request_ended(idle=True)  # once
+        assert freeze.done and freeze.ended == 4
+    finally:
+        gc.unfreeze()  # undo this test's freeze for the tests after it
 
 
 def test_a_worker_freezes_after_its_warm_up_requests_once_idle() -> None:
@@ -64,13 +73,14 @@ def test_a_worker_freezes_after_its_warm_up_requests_once_idle() -> None:
         task.cancel()
         return frozen_while_busy, server.warm_freeze.ended
 
+    kept = [[i] for i in range(100)]  # made after the worker's start-up freeze
     try:
-        gc.collect()
-        before = gc.get_freeze_count()
+        assert not frozen(kept[0])
         frozen_while_busy, ended = asyncio.run(main())
         assert "long" not in server.live
         assert not frozen_while_busy
         assert server.warm_freeze.done and ended == 6  # at the first idle moment
-        assert gc.get_freeze_count() > before
+        assert frozen(kept[0]) and frozen(kept[-1])
     finally:
         server.shutdown()
+        gc.unfreeze()  # undo this test's freezes for the tests after it
