@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
+from typing import TypeVar
 
 import pytest
 
@@ -17,6 +19,7 @@ from router.serving.core import ClusterOverloaded, ModelLimits, ServingCore
 from router.serving.workers import WorkerDirectory
 from worker.engine import RequestOutput, SamplingParams, Usage
 
+T = TypeVar("T")
 IDLE = WorkerLoad(running=0, waiting=0, free_blocks=100, total_blocks=100, queued_prefill_tokens=0)
 
 
@@ -122,32 +125,52 @@ def test_only_a_router_that_hashes_prompts_asks_for_parity_keys() -> None:
     assert asyncio.run(main("least_loaded")) is False
 
 
+async def on_decide_thread(core: ServingCore, fn: Callable[[], T]) -> T:
+    """``fn()`` on the core's decide thread (which owns the router), after everything
+    queued there before it."""
+    done: Future[T] = Future()
+
+    def call() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the test's to see
+            done.set_exception(exc)
+
+    core._decide.call(call)
+    return await asyncio.wait_for(asyncio.wrap_future(done), 30)
+
+
 def test_a_placements_pending_claim_ends_after_its_first_token() -> None:
     """While a request waits for its first token its prefix is claimed for its worker (its
     siblings follow it there); once the token is back the claim ends ``pending_settle_s``
-    later, not at the TTL: the index knows by then."""
+    later, not at the TTL: the index knows by then. The router's clock is the test's: the
+    claim's end is exact, however late any thread runs."""
+    now = [100.0]
 
-    async def main() -> tuple[dict, dict]:
+    async def main() -> tuple[dict, dict, dict]:
         directory = HeldWorkers()
-        router = Router(RoutingConfig(pending_ttl_s=60.0, pending_settle_s=0.05), block_size=16)
+        config = RoutingConfig(pending_ttl_s=60.0, pending_settle_s=0.5)
+        router = Router(config, block_size=16, clock=lambda: now[0])
         core = ServingCore(router, directory, LIMITS)
         assert len(router.pending) == 0
         task = asyncio.create_task(send(core, "a", [5] * 64))
         while not directory.placed:
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.1)  # in flight, no token yet: claimed past the settle time
-        decision_keys = list(router.pending._expiry)
-        during = router.pending.lookup(decision_keys, router._clock())
+        keys = await on_decide_thread(core, lambda: list(router.pending._expiry))
+        now[0] += 10.0  # in flight, no token yet: claimed past the settle time
+        during = await on_decide_thread(core, lambda: router.pending.lookup(keys, now[0]))
         directory.release.set()
-        await task
-        await asyncio.sleep(0.1)  # the settle ran on the decide thread; 0.05 s have passed
-        after = router.pending.lookup(decision_keys, router._clock())
+        await task  # its first token settled the claim, on the decide thread
+        t = now[0]
+        still = await on_decide_thread(core, lambda: router.pending.lookup(keys, t + 0.49))
+        after = await on_decide_thread(core, lambda: router.pending.lookup(keys, t + 0.5))
         core.close()
-        return during, after
+        return during, still, after
 
-    during, after = asyncio.run(main())
+    during, still, after = asyncio.run(main())
     assert during == {"w0": 4} or during == {"w1": 4}, during
-    assert after == {}
+    assert still == during  # for pending_settle_s more
+    assert after == {}  # then no longer (the TTL is 60 s)
 
 
 class OneSlotWorkers(HeldWorkers):
