@@ -61,7 +61,12 @@ def test_a_router_freezes_after_its_warm_up_requests_once_idle() -> None:
 
     async def main() -> tuple[bool, int, int]:
         held = asyncio.create_task(send("long", [0, 5, 6]))
-        await asyncio.sleep(0.05)  # "long" waits on its worker
+
+        async def long_is_live() -> None:  # placed on the decide thread, then held
+            while core.live_requests < 1:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(long_is_live(), 30)
         assert core.live_requests == 1
         await asyncio.gather(*(send(f"s{i}", [i + 1, 5, 6]) for i in range(5)))
         frozen_while_busy = core.warm_freeze.done  # 5 ended, "long" still live
