@@ -74,8 +74,7 @@ def test_redis_outage_serves_everything_then_prefix_routing_recovers(cluster, cl
     time.sleep(1.0)
     cluster.redis.stop()
     served_before_stop = len(codes)
-    time.sleep(1.0)
-    assert not client.status().index_available
+    assert wait_for(lambda: not client.status().index_available, 30, 0.1)
     outage = [
         generate_code(client, PREFIXES[i % 4] + f"outage {i}", max_tokens=2) for i in range(8)
     ]
