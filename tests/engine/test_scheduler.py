@@ -128,6 +128,10 @@ def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() ->
     snap = engine.snapshot()
     assert snap.kv_waiting_pinned_blocks == 4 + 3
     assert worker_load(snap).waiting_pinned_blocks == 7
+    # a pull landed for a waiting request is the advising router's to count (its ledger)
+    (seq,) = [r.seqs[0] for r in engine.scheduler.waiting if r.seqs[0].token_ids == other + [5]]
+    engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim)
+    assert engine.snapshot().kv_waiting_pinned_blocks == 4
     run_all(engine)
     assert engine.snapshot().kv_waiting_pinned_blocks == 0
     assert_no_blocks_in_use(engine)
