@@ -35,6 +35,9 @@ class WorkerLoad:
     # size of its host KV tier (0: none, so the index holds no host-tier entry of it; a
     # router then asks the index for device counts only)
     host_blocks: int = 0
+    # of free_blocks, the evictable cached blocks the waiting requests' prefixes will pin
+    # when they start (a block several of them share counted once): room that is not free
+    waiting_pinned_blocks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

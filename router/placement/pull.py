@@ -33,11 +33,13 @@ own pulls in flight (:class:`~router.placement.pull_ledger.PullLedger`):
 - **busy**: ``max_pulls_per_source`` pulls from the holder are in flight (each export waits
   for its own window of the holder's engine); below the cap, the exports ahead of it add
   their transfer times to the pull's price;
-- **full**: ``e``'s KV has no room for the run: its free (or evictable) blocks, less the new
-  blocks its queue will allocate and the router's pulls landing there, are fewer than the
-  run and the request's own tail — the run would evict the prefixes of the requests queued
-  ahead of it, or be evicted by them before its request runs. When every worker's KV is
-  committed so (the fleet is saturated), nothing is pulled;
+- **full**: ``e``'s KV has no room for the run: its free (or evictable) blocks, less the
+  cached ones its waiting requests' prefixes will pin when they start
+  (``WorkerLoad.waiting_pinned_blocks``), the new blocks its queue will allocate and the
+  router's pulls landing there, are fewer than the run and the request's own tail — the
+  run would evict the prefixes of the requests queued ahead of it, or be evicted by them
+  before its request runs. When every worker's KV is committed so (the fleet is
+  saturated), nothing is pulled;
 - **learned**: of a pull's gain, only the share its destination's recent pulls found cached
   when their request ran (:meth:`PullLedger.survival`) is counted; the rest is priced as
   recomputed: ``pull = transfer + wait(e) + prefill(n - c_h) + (1 - s) prefill(c_h - c_e)``.
@@ -284,6 +286,7 @@ class PullPlanner:
             bs = self.block_size
             room = (
                 load.free_blocks
+                - load.waiting_pinned_blocks
                 - -(-load.queued_prefill_tokens // bs)
                 - self.ledger.landing_blocks[dest.worker_id]
             )

@@ -174,6 +174,7 @@ class SimWorker(SimSteps):
             running=len(self.prefilling) + len(self.decoding),
             waiting=len(self.waiting),
             free_blocks=self.kv.num_free_blocks(),
+            waiting_pinned_blocks=self.kv.num_evictable_of(self._claims) if self.waiting else 0,
             total_blocks=self.kv.num_blocks,
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),

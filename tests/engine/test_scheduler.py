@@ -19,6 +19,7 @@ from worker.engine import (
 )
 from worker.engine.preemption import pick_victim, should_swap
 from worker.engine.request import Request
+from worker.status import worker_load
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -102,6 +103,37 @@ def test_queued_prefill_counts_a_shared_prefix_once_per_burst() -> None:
     assert all(r.completions[0].token_ids for rid, r in results.items() if rid != first)
     assert engine.metrics().pending_prefill_tokens == 0
     assert not engine.scheduler.waiting.claims  # every claim went with its request
+    assert_no_blocks_in_use(engine)
+
+
+def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() -> None:
+    """Two waiting requests share a cached 6-block prefix, a third hits a cached 3-block
+    one, a fourth nothing: the evictable blocks they will pin are 6 + 3, the shared prefix
+    once, less the 2 the running request holds already (not free: not counted twice)."""
+    engine, _ = make(max_num_batched_tokens=64, max_num_seqs=1)
+    prefix, other = list(range(30, 54)), list(range(52, 64))  # 6 and 3 full blocks of 4
+    engine.add_request(prefix + [7, 8], SamplingParams(temperature=0, max_tokens=1))
+    engine.add_request(other + [7], SamplingParams(temperature=0, max_tokens=1))
+    run_all(engine)  # both prefixes cached, nothing in use
+    assert engine.snapshot().kv_waiting_pinned_blocks == 0
+    engine.add_request(
+        prefix[:8] + list(range(2, 12)), SamplingParams(temperature=0, max_tokens=50)
+    )
+    engine.step()  # runs, holding the prefix's first 2 blocks; the rest wait
+    engine.add_request(prefix + [9, 10, 11], GREEDY)
+    engine.add_request(prefix + [3, 4, 5, 6], GREEDY)
+    engine.add_request(other + [5], GREEDY)
+    engine.add_request(list(range(2, 15))[::-1], GREEDY)
+    assert len(engine.scheduler.waiting) == 4
+    snap = engine.snapshot()
+    assert snap.kv_waiting_pinned_blocks == 4 + 3
+    assert worker_load(snap).waiting_pinned_blocks == 7
+    # a pull landed for a waiting request is the advising router's to count (its ledger)
+    (seq,) = [r.seqs[0] for r in engine.scheduler.waiting if r.seqs[0].token_ids == other + [5]]
+    engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim)
+    assert engine.snapshot().kv_waiting_pinned_blocks == 4
+    run_all(engine)
+    assert engine.snapshot().kv_waiting_pinned_blocks == 0
     assert_no_blocks_in_use(engine)
 
 

@@ -5,6 +5,8 @@ recent pulls were evicted before their requests ran (the learned survival)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvstore.blocks.protocol import PullReport
@@ -53,6 +55,25 @@ def test_a_pull_needs_room_for_its_run_and_its_tail_beside_the_queue() -> None:
     assert plan(p, views(b_queued=32, b_free=131))[1] is not None
     assert plan(p, views(b_queued=33, b_free=131))[1] is None
     assert p.choices == {"pull": 2, "full": 2}
+
+
+def test_blocks_its_waiting_requests_will_pin_count_against_a_workers_room() -> None:
+    """b reports 7 of its free blocks as the cached prefixes of its waiting requests:
+    the boundary of the test above moves by exactly 7 (136 free pull, 135 do not)."""
+
+    def pinned(b_free: int) -> list[WorkerView]:
+        a, b = views(b_free=b_free)
+        return [
+            a,
+            dataclasses.replace(b, load=dataclasses.replace(b.load, waiting_pinned_blocks=7)),
+        ]
+
+    p = planner()
+    assert plan(p, pinned(136))[1] is not None
+    placement, hint, _ = plan(p, pinned(135))
+    assert hint is None and placement == CHOSE_B
+    assert plan(p, views(b_free=135))[1] is not None  # without them, 135 is room enough
+    assert p.choices == {"pull": 2, "full": 1}
 
 
 def test_pulls_landing_on_a_worker_count_against_its_room() -> None:

@@ -118,6 +118,9 @@ class EngineSnapshot:
     num_swap_preemptions: int = 0  # of num_preemptions, those that kept the KV (swap)
     recomputed_tokens: int = 0  # tokens resumed requests computed again (found in no tier)
     host_total_blocks: int = 0  # host KV tier size (0: none)
+    # of kv_free_blocks, the evictable cached ones the waiting requests' prefixes will pin
+    # when they start (each once)
+    kv_waiting_pinned_blocks: int = 0
     host_cached_blocks: int = 0  # blocks the host tier holds now
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier
     host_loaded_blocks: int = 0  # blocks copied host -> device

@@ -84,6 +84,13 @@ class WaitingQueue:
                     )
                     self.claims.claim(seq.claim)
 
+    def pinned_blocks(self) -> int:
+        """Evictable cached blocks the waiting sequences' prefixes will pin when they start,
+        each block once however many of them share it: the claims are the distinct keys of
+        their prompts, and by prefix closure a claimed key cached on the device lies in its
+        sequence's leading hit. O(distinct claimed keys), no hashing."""
+        return self._kv.num_evictable_of(self.claims) if self._reqs else 0
+
     def pending_tokens(self) -> int:
         """Prompt tokens the waiting sequences still have to compute, less their hints."""
         return sum(len(s.token_ids) - s.cached_hint for r in self._reqs for s in r.seqs)

@@ -9,7 +9,7 @@ compares token ids too, so a key collision can never return wrong KV.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block
@@ -116,6 +116,19 @@ class KVQueries:
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: free uncached blocks plus evictable cached ones."""
         return self._pool.num_free()
+
+    def num_evictable_of(self, keys: Iterable[BlockKey]) -> int:
+        """Of ``keys`` (distinct), how many are served by a cached device block no sequence
+        holds: counted in :meth:`num_free_blocks`, yet pinned when the queued sequence that
+        hits them starts (a pure query by key, one dict lookup each). A landed pull's
+        blocks are left out: the router that advised it counts them until its request runs
+        (``router/placement/pull_ledger.py``)."""
+        cached = self._pool.cached
+        return sum(
+            1
+            for key in keys
+            if (b := cached.get(key)) is not None and b.ref_cnt == 0 and not b.landing
+        )
 
     def can_fit(self, num_blocks_needed: int) -> bool:
         return num_blocks_needed <= self._pool.num_free()
