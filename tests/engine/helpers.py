@@ -32,9 +32,10 @@ class HeldSteps:
     thread blocked inside it, as a long model step keeps an accelerator busy) until the test
     lets it go: a test then knows a step is running for as long as it needs, however slowly
     the machine schedules anyone. A held step gives up after ``cap_s`` and holding ends:
-    :meth:`release` then says False (whoever should have released it was blocked)."""
+    :meth:`release` then says False (whoever should have released it was blocked); the cap
+    is longer than :meth:`LoopTurns.answered` waits."""
 
-    def __init__(self, engine: Engine, cap_s: float = 10.0) -> None:
+    def __init__(self, engine: Engine, cap_s: float = 20.0) -> None:
         self._step = engine.step
         engine.step = self._gated  # type: ignore[method-assign]
         self.cap_s = cap_s
