@@ -14,11 +14,11 @@ from dataclasses import replace
 import pytest
 import ray
 
-from cluster.launcher import leave_loopback_ray, use_loopback_ray
 from kvstore.blocks.hashing import block_keys
 from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
+from tests.embedded_ray import embedded_ray
 from worker.actor import WorkerActor, WorkerSettings
 from worker.engine import EngineConfig
 from worker.model.build_tiny import build_tiny_model
@@ -31,18 +31,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_ns(tmp_path_factory: pytest.TempPathFactory):
-    use_loopback_ray()  # a Ray of our own, never another's `ray start` head
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=2,
-        namespace=f"kvpull-{os.getpid()}",
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    yield build_tiny_model(tmp_path_factory.mktemp("pull") / "llama", "llama")
-    ray.shutdown()
-    leave_loopback_ray()
+    with embedded_ray(2, "kvpull"):
+        yield build_tiny_model(tmp_path_factory.mktemp("pull") / "llama", "llama")
 
 
 def start(model_dir, name: str):

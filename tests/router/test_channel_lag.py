@@ -6,15 +6,14 @@ every token exactly once, its end on the last."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
 import ray
 
-from cluster.launcher import leave_loopback_ray, use_loopback_ray
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.channels import MAX_JOINED, WorkerChannel
+from tests.embedded_ray import embedded_ray
 
 pytestmark = pytest.mark.ray
 STEPS = MAX_JOINED + 2  # more than one batch joins
@@ -48,18 +47,8 @@ class Steps:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    use_loopback_ray()
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=1,
-        namespace=f"chlag-{os.getpid()}",
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
-    leave_loopback_ray()
+    with embedded_ray(1, "chlag"):
+        yield
 
 
 def test_a_lagging_router_joins_the_messages_there_and_keeps_every_token(ray_local) -> None:
