@@ -133,7 +133,12 @@ class Cluster:
 
     def worker_settings(self, name: str) -> WorkerSettings:
         return worker_settings(
-            self.cfg, name, self.model_path, self.model_id, index=self.index_config()
+            self.cfg,
+            name,
+            self.model_path,
+            self.model_id,
+            index=self.index_config(),
+            namespace=self.namespace,
         )
 
     def router_settings(self, i: int) -> RouterSettings:

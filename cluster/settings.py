@@ -49,6 +49,7 @@ def worker_settings(
     model_id: str,
     *,
     index: IndexConfig | None,
+    namespace: str | None = None,
 ) -> WorkerSettings:
     return WorkerSettings(
         worker_id=name,
@@ -57,6 +58,7 @@ def worker_settings(
         engine=cfg.workers.engine,
         index=index,
         default_family=cfg.model.tiny_family,
+        namespace=namespace,
     )
 
 
