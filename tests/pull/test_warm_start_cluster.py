@@ -20,6 +20,7 @@ from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
 from tests.cluster.conftest import cluster_config
+from tests.embedded_ray import shared_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -57,6 +58,7 @@ def test_added_and_restarted_workers_warm_start_from_the_fleet() -> None:
         workers={"max_restarts": 1},
         router={"routing": {"policy": "least_loaded", "pull": PULL}},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as cluster:
         index = KVIndex(cluster.index_config())
         ctx = HashContext(cluster.model_id)
