@@ -113,23 +113,17 @@ class RouterServer:
         # one intake for both edges: one auth, one set of limits, one tokenizer budget
         self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=settings.limits)
         self.servicer = KVClusterServicer(
-            self.core,
-            self.tokenizer,
+            self.intake,
             policy=settings.routing.policy,
             index_available=lambda: self.directory.index_ok,
-            intake=self.intake,
         )
         self.http = None
         if settings.http_port is not None:
             from router.http_api import OpenAIServer  # HTTP stack only where it serves
 
             self.http = OpenAIServer(
-                self.core,
-                self.tokenizer,
-                auth=auth,
-                limits=settings.limits,
+                self.intake,
                 max_body_bytes=settings.max_message_bytes,
-                intake=self.intake,
                 cors_origins=settings.cors_allowed_origins,
                 max_connections=settings.http_max_connections,
                 cheap_rate_per_s=settings.http_cheap_rate_per_s,

@@ -21,21 +21,17 @@ from kvstore.blocks.protocol import WorkerStatus
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
-    DEFAULT_LIMITS,
     FINISH_TO_PB,
     GenerateSpec,
     responses_from_output,
     spec_from_pb,
 )
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
-from router.placement.config import RequestLimits
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
-from router.serving.core import ServingCore
 from router.serving.errors import RequestFailed, classify
 from router.serving.intake import Intake
 from router.serving.tokenizing import check_text_chars
-from worker.model.tokenizer import Tokenizer
 
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
@@ -50,23 +46,17 @@ IDLE_S = 30.0
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
     def __init__(
-        self,
-        core: ServingCore,
-        tokenizer: Tokenizer,
-        *,
-        policy: str,
-        index_available: Any = lambda: False,
-        auth: TokenAuth | None = None,
-        limits: RequestLimits = DEFAULT_LIMITS,
-        intake: Intake | None = None,
+        self, intake: Intake, *, policy: str, index_available: Any = lambda: False
     ) -> None:
-        self.core = core
-        self.intake = intake or Intake(core, tokenizer, auth=auth, limits=limits)
-        self.limits = self.intake.limits
-        self.tokenize = self.intake.tokenize
+        """``intake``: the router's front door (auth, limits, tokenizer), shared with its HTTP
+        edge; ``policy``: the routing policy's name (for ClusterStatus)."""
+        self.intake = intake
+        self.core = intake.core
+        self.limits = intake.limits
+        self.tokenize = intake.tokenize
         self.policy = policy
         self.index_available = index_available
-        self.auth = self.intake.auth
+        self.auth = intake.auth
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
