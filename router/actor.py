@@ -63,6 +63,7 @@ class RouterSettings:
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
+    stream_interval: int = 1  # steps' tokens per client message at least
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
     cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
     http_max_connections: int = http_defaults.MAX_CONNECTIONS  # open HTTP connections
@@ -97,7 +98,11 @@ class RouterServer:
             settings.routing, source, block_size=settings.block_size, metrics=self.metrics
         )
         self.directory = RayWorkerDirectory(
-            settings.namespace, self.index, breaker=self.breaker, liveness=settings.liveness
+            settings.namespace,
+            self.index,
+            breaker=self.breaker,
+            liveness=settings.liveness,
+            stream_interval=settings.stream_interval,
         )
         limits = ModelLimits(
             model_id=settings.model_id,
