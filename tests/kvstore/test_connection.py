@@ -150,9 +150,10 @@ class SilentServer:
             return self.peers.index(mine)
 
     def close(self) -> None:
-        self.sock.close()
-        for c in self._conns:
-            c.close()
+        for sock in (self.sock, *self._conns):  # shutdown wakes the threads blocked on them
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def test_unresponsive_server_raises_within_the_timeout() -> None:
