@@ -66,6 +66,8 @@ def _config(policy: str, pull: bool, args: argparse.Namespace) -> ClusterConfig:
     raw = cluster_config(policy, w).model_dump()
     raw["name"] = f"{raw['name']}-{'pull' if pull else 'nopull'}"
     raw["router"]["routing"]["pull"] = {"enabled": pull}
+    # the same worker scheduling in all four configurations
+    raw["workers"]["engine"]["cache_aware_admission"] = args.admission == "cache-aware"
     return ClusterConfig.model_validate(raw)
 
 
@@ -203,6 +205,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--zipf", type=float, default=0.0, help="popularity skew of the prefixes (0: uniform)"
     )
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument(
+        "--admission",
+        choices=("cache-aware", "strict"),
+        default="cache-aware",
+        help="every worker's admission order (EngineConfig.cache_aware_admission)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", choices=sorted({p for p, _ in CONFIGS}), help="one policy")
@@ -236,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "kv_pull_cluster",
         "smoke": args.smoke,
         "zipf": args.zipf,
+        "admission": args.admission,
         "hot_set_x": round(args.hot_set_x, 2),
         "loads": args.loads,
         "requests_per_load": args.requests,

@@ -387,6 +387,8 @@ class BlockPool:
             block.key = block.token_ids = block.tenant = block.parent = None
             block.pulled = block.landing = False
             block.children = 0
+            self.free_queue.remove(block)  # out of its run (the claimed one, maybe)
+            self.free_queue.appendleft(block)  # nothing to keep: reuse first
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0
