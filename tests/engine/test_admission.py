@@ -52,9 +52,7 @@ def _warm(engine: Engine, *prefixes: list[int]) -> None:
         run_all(engine)
 
 
-def test_a_claimed_prefix_outlives_an_older_unclaimed_one_when_a_request_ahead_needs_room() -> (
-    None
-):
+def test_a_claimed_prefix_outlives_an_older_unclaimed_one_when_a_request_ahead_needs_room() -> None:
     """Strict FCFS, one sequence at a time: X (uncached, 10 blocks with its output) runs
     ahead of Y (P1 + a question); X's blocks come out of P2, which no one waits for, not out
     of P1 (older), which Y was queued for."""
