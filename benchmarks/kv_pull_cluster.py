@@ -8,7 +8,9 @@ default a hot prefix set 2.5 times one worker's KV cache (6 x ~1,020 tokens, 152
 16; ``hot_set_x`` in the JSON line), so no worker can hold it all
 and where a request lands (and whether its prefix can be pulled) decides what is
 recomputed. System prompts are drawn uniformly, or Zipf-skewed with ``--zipf S`` (the
-``r``-th with weight ``1/(r+1)^S``; reported in the JSON line).
+``r``-th with weight ``1/(r+1)^S``; reported in the JSON line). Every configuration's
+workers admit the same way: cache-aware admission by default, ``--admission strict`` for
+plain policy order.
 
 First a **warm-up** of ``--warmup`` requests at the lowest load, not measured: the cluster
 starts cold, and the first touch of each prefix (which nothing can pull) is not what is
