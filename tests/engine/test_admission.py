@@ -6,6 +6,8 @@ claims go on admit, abort and preempt; nothing leaks."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.engine.fakes import FakeExecutor
 from tests.engine.helpers import assert_no_blocks_in_use, run_all
@@ -141,5 +143,50 @@ def test_claims_go_on_admit_abort_and_preempt_and_nothing_leaks(cache_aware: boo
         assert sum(engine.kv.claims.values()) == expected > 0 or not waiting
         engine.kv.check_invariants()
     assert preempted == ["sibling"]
+    assert not engine.kv.claims
+    assert_no_blocks_in_use(engine)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    k=st.integers(0, 3),
+    plan=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(0, 2)),
+        min_size=2,
+        max_size=14,
+    ),
+)
+def test_property_no_request_is_passed_more_than_max_overtakes_times(
+    k: int, plan: list[tuple[int, int, int]]
+) -> None:
+    """Requests of four prefixes (three fit the cache) arrive between steps; whatever the
+    order, a request is admitted after at most ``k`` admissions of later arrivals in earlier
+    steps, everything finishes, and no claim or block is left."""
+    engine = make(24, max_num_seqs=4, cache_aware_admission=True, admission_max_overtakes=k)
+    prefixes = [P1, P2, P3, list(range(2, 26))]
+    steps: list[list[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():  # noqa: ANN202
+        out = schedule()
+        steps.append(list(out.admitted))
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    arrival: dict[str, int] = {}
+    for i, (prefix, max_tokens, gap) in enumerate(plan):
+        rid = engine.add_request(prefixes[prefix] + [i % 60 + 2], params(max_tokens=max_tokens))
+        arrival[rid] = i
+        for _ in range(gap):
+            engine.step()
+    run_all(engine)
+    admitted_at: dict[str, int] = {}
+    for n, ids in enumerate(steps):
+        for rid in ids:
+            admitted_at.setdefault(rid, n)  # first admission (a preempted one comes back)
+    assert set(admitted_at) == set(arrival)
+    for rid, step in admitted_at.items():
+        passed_by = sum(1 for o, s in admitted_at.items() if arrival[o] > arrival[rid] and s < step)
+        assert passed_by <= k, (rid, passed_by, steps)
     assert not engine.kv.claims
     assert_no_blocks_in_use(engine)

@@ -13,7 +13,9 @@ order whenever the others cannot tell it apart.
 
 Starvation bound: a request passed by ``max_overtakes`` admissions of requests behind it, or
 waiting ``max_wait_s`` seconds, is a barrier: no request behind it is admitted before it any
-more (it runs as soon as it fits, as in strict order).
+more (it runs as soon as it fits, as in strict order). The order itself never plans more
+passes than a request has left, and a request deferred for a step (its prefix is being
+written) is passed only within its bound too.
 
 Cost per step: the first :data:`LOOKAHEAD` waiting requests at most, each an O(log prompt
 blocks) bisect over its claimed keys (the device cache is prefix-closed, so its cached keys
@@ -47,14 +49,52 @@ class CacheAwareOrder:
         self.max_wait_s = max_wait_s
 
     def order(self, waiting: Sequence[Request], now: float) -> list[Request]:
-        """The admission order of ``waiting`` (in policy order): its reordered head (the
-        requests before the first barrier, among the leading ones of the head's class),
-        longest cached prefix first, then the rest in policy order."""
+        """The admission order of ``waiting`` (in policy order): its head (the requests
+        before the first barrier, among the leading ones of the head's class) longest cached
+        prefix first, ties in policy order, then the rest in policy order. A request goes
+        before one ahead of it only while that one can still be passed: even if the whole
+        pass is admitted in this order, none is passed more than ``max_overtakes`` times.
+        O(head²), the head at most ``LOOKAHEAD``."""
         n = self._movable(waiting, now)
         if n < 2:
             return list(waiting)
-        head = sorted(waiting[:n], key=lambda r: -self._cached_blocks(r))  # stable
-        return head + list(waiting[n:])
+        cached = [self._cached_blocks(r) for r in waiting[:n]]
+        room = [self.max_overtakes - r.overtaken for r in waiting[:n]]  # >= 1 each
+        left = list(range(n))  # policy positions not placed yet
+        out: list[Request] = []
+        while left:
+            best, passable = left[0], True
+            for i in left:  # may i go next? only if every one left ahead of it can be passed
+                if passable and cached[i] > cached[best]:
+                    best = i
+                passable = passable and room[i] > 0
+            for i in left:
+                if i == best:
+                    break
+                room[i] -= 1
+            left.remove(best)
+            out.append(waiting[best])
+        return out + list(waiting[n:])
+
+    def may_pass(
+        self,
+        req: Request,
+        deferred: Sequence[Request],
+        admitted: Sequence[Request],
+        now: float,
+    ) -> bool:
+        """Whether admitting ``req`` keeps the bound of every request ahead of it deferred
+        in this pass (its prefix is being written: it waits one step, as in strict order,
+        and the requests admitted behind it meanwhile pass it). O(deferred x admitted)."""
+        key = self._policy.key
+        mine = key(req)
+        for d in deferred:
+            theirs = key(d)
+            if theirs < mine:
+                passes = d.overtaken + sum(1 for a in admitted if key(a) > theirs)
+                if passes >= self.max_overtakes or now - d.arrival_time >= self.max_wait_s:
+                    return False
+        return True
 
     def note_admitted(self, waiting: Sequence[Request], admitted: set[str]) -> None:
         """After the pass over ``waiting`` (policy order): each request still waiting counts

@@ -152,11 +152,16 @@ class Scheduler(OutcomeUpdates):
         # LoRA adapters of running requests: each holds a device slot while it runs
         adapters = {r.params.lora for r in self.running if r.params.lora is not None}
         waiting = order = list(self.waiting)
+        now = time.monotonic()
         if self._order is not None:
-            order = self._order.order(waiting, time.monotonic())
+            order = self._order.order(waiting, now)
+        deferred: list[Request] = []  # and admitted, in this pass: whom the bound protects
+        admitted: list[Request] = []
         for req in order:
             if self._budget == 0:
                 break
+            if self._order is not None and not self._order.may_pass(req, deferred, admitted, now):
+                continue  # it would pass a deferred request at its bound
             if req.awaiting_grammar:
                 continue  # its grammar is compiling: let the others pass
             if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
@@ -172,6 +177,7 @@ class Scheduler(OutcomeUpdates):
                     break
             if req.request_id not in self._touched:
                 if outcome == "defer":
+                    deferred.append(req)
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
             self.waiting.admit(req)
@@ -179,6 +185,7 @@ class Scheduler(OutcomeUpdates):
                 adapters.add(lora)
             self.running.append(req)
             out.admitted.append(req.request_id)
+            admitted.append(req)
             if req.status is RequestStatus.PREEMPTED:
                 req.protected = True
                 out.resumed.append(req.request_id)
