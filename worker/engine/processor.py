@@ -133,8 +133,14 @@ class OutputProcessor:
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
-            specs.append(SampleSpec(req.params, seq.generator, self._banned(req, seq)))
-            if req.params.has_penalties:
+            spec = seq.spec
+            if spec is None:
+                banned = self._banned(req, seq)
+                spec = SampleSpec(req.params, seq.generator, banned)
+                if not banned:  # banned only until min_tokens: the same spec from now on
+                    seq.spec = spec
+            specs.append(spec)
+            if spec.penalized:
                 penalized.append((seq, req.params))
         if not targets:
             return

@@ -121,17 +121,47 @@ class Scheduler(OutcomeUpdates):
         self._touched.clear()
         self._writing.clear()
         by_key = sorted(self.running, key=self.policy.key)
-        for decode_pass in (True, False):
-            for req in by_key:
-                if req.status is not RequestStatus.RUNNING or req.doomed:
-                    continue  # preempted earlier in this step
-                for seq in _work(req):
-                    if decode_pass != (seq.allocated and seq.num_remaining == 1):
-                        continue
-                    outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
-                    if outcome == "wait":
-                        break
-        if not out.preempted:
+        # pass 1: decodes; pass 2: the prefill work of the requests pass 1 saw with some
+        # (a sequence that is no decode in pass 1 is none in pass 2, unless its request was
+        # preempted or doomed meanwhile, and those are skipped)
+        prefilling = []
+        running = RequestStatus.RUNNING
+        for req in by_key:
+            if req.status is not running or req.doomed:
+                continue  # preempted earlier in this step
+            seqs = req.seqs
+            if len(seqs) == 1:  # n == 1: the usual request, without _work's list
+                seq = seqs[0]
+                remaining = len(seq.token_ids) - seq.num_computed
+                if remaining <= 0 or seq.pending_logits is not None:
+                    continue
+                if remaining == 1 and seq.allocated:
+                    if self._budget:
+                        self._schedule_seq(req, seq, admit=False)
+                else:
+                    prefilling.append(req)
+                continue
+            has_prefill = False
+            for seq in _work(req):
+                if not (seq.allocated and seq.num_remaining == 1):
+                    has_prefill = True
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    has_prefill = True  # (what pass 2 finds: it checks each sequence again)
+                    break
+            if has_prefill:
+                prefilling.append(req)
+        for req in prefilling:
+            if req.status is not running or req.doomed:
+                continue
+            for seq in _work(req):
+                if seq.allocated and seq.num_remaining == 1:
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    break
+        if not out.preempted and self.waiting:
             self._admit_waiting()
         out.transfers = self.kv.take_transfers()
         out.blocks_to_copy = self.kv.take_copies()
