@@ -27,11 +27,14 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    # optional: ``special_ids() -> frozenset[int]``, ids ``decode`` drops when it skips
+    # special tokens (worker.model.tokenizer.Tokenizer has it)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text")
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text", "_silent")
 
     def __init__(
         self, tokenizer: TokenizerLike, prompt_ids: Sequence[int], skip_special_tokens: bool = True
@@ -44,6 +47,12 @@ class IncrementalDetokenizer:
         # text of ids[_prefix:_read]; kept while a character is pending (those ids do not
         # change until the next emission), so a pending token costs one decode, not two
         self._prefix_text: str | None = None
+        # ids that decode to nothing wherever they stand (special tokens, when skipped): one
+        # adds no text, so it is appended without decoding (the text it would give is "")
+        special = getattr(tokenizer, "special_ids", None)
+        self._silent: frozenset[int] = (
+            special() if skip_special_tokens and special is not None else frozenset()
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -51,6 +60,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly complete text ("" if a character is pending)."""
         self._ids.append(token_id)
+        if token_id in self._silent:
+            # decode() drops it: the window decodes as before this call, to text that was
+            # pending or emitted then (a fresh window holds only emitted context): nothing new
+            return ""
         prefix_text = self._prefix_text
         if prefix_text is None:
             prefix_text = self._prefix_text = self._decode(self._ids[self._prefix : self._read])

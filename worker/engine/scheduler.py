@@ -171,12 +171,13 @@ class Scheduler(OutcomeUpdates):
         out = self._out
         # LoRA adapters of running requests: each holds a device slot while it runs
         adapters = {r.params.lora for r in self.running if r.params.lora is not None}
+        seq_slots = self.num_running_seqs  # kept up to date below: once, not per candidate
         for req in list(self.waiting):
             if self._budget == 0:
                 break
             if req.awaiting_grammar:
                 continue  # its grammar is compiling: let the others pass
-            if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
+            if seq_slots + req.num_seq_slots > self.config.max_num_seqs:
                 break
             lora = req.params.lora
             if lora is not None and lora not in adapters:
@@ -195,6 +196,7 @@ class Scheduler(OutcomeUpdates):
             if lora is not None:
                 adapters.add(lora)
             self.running.append(req)
+            seq_slots += req.num_seq_slots
             out.admitted.append(req.request_id)
             if req.status is RequestStatus.PREEMPTED:
                 req.protected = True
