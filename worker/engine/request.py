@@ -135,14 +135,14 @@ class Sequence:
     def take_delta(self) -> CompletionDelta:
         finished = self.finish_reason is not None
         self.finish_sent = finished
-        delta = CompletionDelta(
-            index=self.index,
-            text=self.text.take_delta(finished) if self.text is not None else "",
-            token_ids=self.new_tokens,
-            logprobs=self.new_logprobs or None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            cumulative_logprob=self.cumulative_logprob,
+        delta = CompletionDelta(  # positional: one per sequence per step
+            self.index,
+            self.text.take_delta(finished) if self.text is not None else "",
+            self.new_tokens,
+            self.new_logprobs or None,
+            self.finish_reason,
+            self.stop_reason,
+            self.cumulative_logprob,
         )
         self.new_tokens, self.new_logprobs = [], []
         return delta
