@@ -6,6 +6,7 @@ offline, on the same model, config and workload, in one run.
     python -m benchmarks.serving_path --smoke --models 32m   # the 32M model at smoke size
     python -m benchmarks.serving_path --models light --streams 128 256
     python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
+    python -m benchmarks.serving_path --models light --streams 128 256 --stream-interval 4
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
 each (greedy, ``ignore_eos``), all at once. Systems:
@@ -118,14 +119,16 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def cluster_config(name: str, model_dir: Path, workers: int, engine: dict) -> ClusterConfig:
+def cluster_config(
+    name: str, model_dir: Path, workers: int, engine: dict, stream_interval: int = 1
+) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
             "name": name,
             "dashboard": False,
             "model": {"path": str(model_dir)},
             "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
-            "router": {"port": 0, "http_port": 0},
+            "router": {"port": 0, "http_port": 0, "stream_interval": stream_interval},
         }
     )
 
@@ -199,7 +202,8 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
-    cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg)
+    name = f"serving-path-{size}-{os.getpid()}"
+    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval)
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
@@ -329,6 +333,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="the engine's intra-op threads, offline and served (default: one per core)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the router's stream_interval: steps' tokens per client message at least",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
     parser.add_argument(
         "--trace-stalls",
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {key}: {value}")
     png = plot(rows)
     print(f"  plot: {png}")
-    headline: dict = {}
+    headline: dict = {"stream_interval": args.stream_interval}
     for r in rows:
         if r["system"] == "vllm http":
             headline[f"{r['model']}_vllm_http_{r['streams']}_ratio"] = round(r["served/offline"], 3)
