@@ -279,6 +279,7 @@ class Engine(EngineStep):
             num_swap_preemptions=s.num_swap_preemptions,
             recomputed_tokens=s.recomputed_tokens,
             kv_waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
+            admits_cached_first=self.config.cache_aware_admission,
             host_total_blocks=kv.host_blocks,
             host_cached_blocks=kv.host_cached_blocks,
             host_hit_tokens=kv.host_hit_tokens,

@@ -181,6 +181,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
+        self.overtaken = 0  # admissions of later requests while it waited (admission.py)
         self.final_deltas: list[CompletionDelta] = []  # beam search: results at the end
         # per prompt position, filled as its chunks run (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (

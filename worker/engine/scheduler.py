@@ -9,7 +9,9 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in th
 3. admission of waiting requests, in policy order, while the budget, ``max_num_seqs`` and the
    KV cache allow (a prefix hit counts: only the uncached tail needs blocks). The first waiting
    request that does not fit stops admission (no starvation of long prompts); no admission
-   happens in a step that had to preempt.
+   happens in a step that had to preempt. With ``cache_aware_admission`` the leading
+   waiting requests of one policy class go longest cached prefix first, within a starvation
+   bound (``admission.py``).
 
 Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
 which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
@@ -40,9 +42,11 @@ finishes requests; the engine collects them with :meth:`Scheduler.take_finished`
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence as Seq
 from typing import Literal
 
+from worker.engine.admission import CacheAwareOrder
 from worker.engine.config import EngineConfig
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.preemption import pick_victim, should_swap
@@ -66,6 +70,12 @@ class Scheduler(OutcomeUpdates):
         self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
         self.running: list[Request] = []
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
+        cfg = config
+        self._order = (
+            CacheAwareOrder(kv, policy, cfg.admission_max_overtakes, cfg.admission_max_wait_s)
+            if cfg.cache_aware_admission
+            else None
+        )
         # per-step state
         self._budget = 0
         self._touched: set[str] = set()  # requests that got blocks in this step
@@ -172,9 +182,17 @@ class Scheduler(OutcomeUpdates):
         # LoRA adapters of running requests: each holds a device slot while it runs
         adapters = {r.params.lora for r in self.running if r.params.lora is not None}
         seq_slots = self.num_running_seqs  # kept up to date below: once, not per candidate
-        for req in list(self.waiting):
+        waiting = order = list(self.waiting)
+        now = time.monotonic()
+        if self._order is not None:
+            order = self._order.order(waiting, now)
+        deferred: list[Request] = []  # and admitted, in this pass: whom the bound protects
+        admitted: list[Request] = []
+        for req in order:
             if self._budget == 0:
                 break
+            if self._order is not None and not self._order.may_pass(req, deferred, admitted, now):
+                continue  # it would pass a deferred request at its bound
             if req.awaiting_grammar:
                 continue  # its grammar is compiling: let the others pass
             if seq_slots + req.num_seq_slots > self.config.max_num_seqs:
@@ -190,6 +208,7 @@ class Scheduler(OutcomeUpdates):
                     break
             if req.request_id not in self._touched:
                 if outcome == "defer":
+                    deferred.append(req)
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
             self.waiting.admit(req)
@@ -198,10 +217,13 @@ class Scheduler(OutcomeUpdates):
             self.running.append(req)
             seq_slots += req.num_seq_slots
             out.admitted.append(req.request_id)
+            admitted.append(req)
             if req.status is RequestStatus.PREEMPTED:
                 req.protected = True
                 out.resumed.append(req.request_id)
             req.status = RequestStatus.RUNNING
+        if self._order is not None and out.admitted:
+            self._order.note_admitted(waiting, set(out.admitted))
 
     def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> Outcome:
         """Allocate and schedule this step's tokens of ``seq``, or say why not."""

@@ -29,7 +29,9 @@ class WaitingQueue:
         self._kv = kv
         self._policy = policy
         self._reqs: list[Request] = []  # sorted by policy key
-        self.claims = BlockClaims()  # full-block keys of waiting sequences' prompts
+        # full-block keys of waiting sequences' prompts: the KV manager's count, so its pool
+        # evicts them last
+        self.claims = kv.claims
         self._pinned = 0  # the last count of pinned_blocks, made at monotonic _pinned_at
         self._pinned_at = -math.inf
 
@@ -54,7 +56,7 @@ class WaitingQueue:
                 seq.cached_hint, seq.claim = self._kv.expected_prefix(
                     seq.token_ids, req.ctx, self.claims, prompt_keys
                 )
-                self.claims.claim(seq.claim)
+                self._kv.claim(seq.claim)
 
     def admit(self, req: Request) -> None:
         """``req`` leaves for the running batch; its claims go (its blocks are cached now)."""
@@ -72,21 +74,22 @@ class WaitingQueue:
         self._reqs.remove(req)
         shared = False
         for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
-            shared |= self.claims.release(seq.claim)
+            shared |= self._kv.unclaim(seq.claim)
             seq.claim = []
         return shared
 
     def _reclaim(self) -> None:
-        """Recount every waiting sequence's claims and hint in queue order
-        (O(waiting prompt blocks), no hashing)."""
-        self.claims.clear()
+        """Recount every waiting sequence's hint in queue order, against the claims of the
+        sequences ahead of it (O(waiting prompt blocks), no hashing; the claims themselves
+        are unchanged)."""
+        ahead = BlockClaims()
         for req in self._reqs:
             for seq in req.seqs:
                 if seq.claim:
                     seq.cached_hint, _ = self._kv.expected_prefix(
-                        seq.token_ids, req.ctx, self.claims, seq.claim
+                        seq.token_ids, req.ctx, ahead, seq.claim
                     )
-                    self.claims.claim(seq.claim)
+                    ahead.claim(seq.claim)
 
     def pinned_blocks(self, max_age_s: float = 0.0) -> int:
         """Evictable cached blocks the waiting sequences' prefixes will pin when they start,

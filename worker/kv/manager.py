@@ -36,6 +36,7 @@ from kvstore.blocks.hashing import (
     salt_owner,
 )
 from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.claims import BlockClaims
 from worker.kv.export_import import TransferMixin
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.queries import KVQueries
@@ -295,6 +296,23 @@ class KVCacheManager(KVQueries, TransferMixin):
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
         return self._pool.events.drain()
+
+    @property
+    def claims(self) -> BlockClaims:
+        """Block key -> how many waiting sequences claim it (read only: change it through
+        :meth:`claim` and :meth:`unclaim`)."""
+        return self._pool.claims
+
+    def claim(self, keys: Sequence[BlockKey]) -> None:
+        """A waiting sequence claims the chain ``keys`` of its prompt's full blocks (from
+        :meth:`expected_prefix`): cached ones are evicted only when no unclaimed block is
+        left (:meth:`BlockPool.claim`)."""
+        self._pool.claim(keys)
+
+    def unclaim(self, keys: Sequence[BlockKey]) -> bool:
+        """The sequence that claimed ``keys`` started or left; True if another waiting
+        sequence still claims one of them."""
+        return self._pool.unclaim(keys)
 
     def set_spares(self, spare: Iterable[BlockKey]) -> int:
         """Fleet-aware eviction: ``spare`` names keys another worker keeps (the index's
