@@ -131,17 +131,47 @@ class Scheduler(OutcomeUpdates):
         self._touched.clear()
         self._writing.clear()
         by_key = sorted(self.running, key=self.policy.key)
-        for decode_pass in (True, False):
-            for req in by_key:
-                if req.status is not RequestStatus.RUNNING or req.doomed:
-                    continue  # preempted earlier in this step
-                for seq in _work(req):
-                    if decode_pass != (seq.allocated and seq.num_remaining == 1):
-                        continue
-                    outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
-                    if outcome == "wait":
-                        break
-        if not out.preempted:
+        # pass 1: decodes; pass 2: the prefill work of the requests pass 1 saw with some
+        # (a sequence that is no decode in pass 1 is none in pass 2, unless its request was
+        # preempted or doomed meanwhile, and those are skipped)
+        prefilling = []
+        running = RequestStatus.RUNNING
+        for req in by_key:
+            if req.status is not running or req.doomed:
+                continue  # preempted earlier in this step
+            seqs = req.seqs
+            if len(seqs) == 1:  # n == 1: the usual request, without _work's list
+                seq = seqs[0]
+                remaining = len(seq.token_ids) - seq.num_computed
+                if remaining <= 0 or seq.pending_logits is not None:
+                    continue
+                if remaining == 1 and seq.allocated:
+                    if self._budget:
+                        self._schedule_seq(req, seq, admit=False)
+                else:
+                    prefilling.append(req)
+                continue
+            has_prefill = False
+            for seq in _work(req):
+                if not (seq.allocated and seq.num_remaining == 1):
+                    has_prefill = True
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    has_prefill = True  # (what pass 2 finds: it checks each sequence again)
+                    break
+            if has_prefill:
+                prefilling.append(req)
+        for req in prefilling:
+            if req.status is not running or req.doomed:
+                continue
+            for seq in _work(req):
+                if seq.allocated and seq.num_remaining == 1:
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    break
+        if not out.preempted and self.waiting:
             self._admit_waiting()
         out.transfers = self.kv.take_transfers()
         out.blocks_to_copy = self.kv.take_copies()
@@ -151,6 +181,7 @@ class Scheduler(OutcomeUpdates):
         out = self._out
         # LoRA adapters of running requests: each holds a device slot while it runs
         adapters = {r.params.lora for r in self.running if r.params.lora is not None}
+        seq_slots = self.num_running_seqs  # kept up to date below: once, not per candidate
         waiting = order = list(self.waiting)
         now = time.monotonic()
         if self._order is not None:
@@ -164,7 +195,7 @@ class Scheduler(OutcomeUpdates):
                 continue  # it would pass a deferred request at its bound
             if req.awaiting_grammar:
                 continue  # its grammar is compiling: let the others pass
-            if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
+            if seq_slots + req.num_seq_slots > self.config.max_num_seqs:
                 break
             lora = req.params.lora
             if lora is not None and lora not in adapters:
@@ -184,6 +215,7 @@ class Scheduler(OutcomeUpdates):
             if lora is not None:
                 adapters.add(lora)
             self.running.append(req)
+            seq_slots += req.num_seq_slots
             out.admitted.append(req.request_id)
             admitted.append(req)
             if req.status is RequestStatus.PREEMPTED:

@@ -12,6 +12,8 @@ recounts them.
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -30,6 +32,8 @@ class WaitingQueue:
         # full-block keys of waiting sequences' prompts: the KV manager's count, so its pool
         # evicts them last
         self.claims = kv.claims
+        self._pinned = 0  # the last count of pinned_blocks, made at monotonic _pinned_at
+        self._pinned_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -87,12 +91,22 @@ class WaitingQueue:
                     )
                     ahead.claim(seq.claim)
 
-    def pinned_blocks(self) -> int:
+    def pinned_blocks(self, max_age_s: float = 0.0) -> int:
         """Evictable cached blocks the waiting sequences' prefixes will pin when they start,
         each block once however many of them share it: the claims are the distinct keys of
         their prompts, and by prefix closure a claimed key cached on the device lies in its
-        sequence's leading hit. O(distinct claimed keys), no hashing."""
-        return self._kv.num_evictable_of(self.claims) if self._reqs else 0
+        sequence's leading hit. O(distinct claimed keys), no hashing.
+
+        ``max_age_s`` > 0: a count made less than that long ago is given again instead of
+        recounting (a caller after every step, where the load it feeds is published at
+        heartbeat cadence anyway); an empty queue pins nothing, counted or not."""
+        if not self._reqs:
+            return 0
+        now = time.monotonic()
+        if max_age_s <= 0.0 or now - self._pinned_at >= max_age_s:
+            self._pinned = self._kv.num_evictable_of(self.claims)
+            self._pinned_at = now
+        return self._pinned
 
     def pending_tokens(self) -> int:
         """Prompt tokens the waiting sequences still have to compute, less their hints."""

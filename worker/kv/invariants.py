@@ -33,6 +33,8 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         if len(set(ids)) != len(ids):
             _fail(f"seq {sid!r} holds a block twice: {ids}")
         holders.update(ids)
+        if seq.table is not None and seq.table != ids:
+            _fail(f"seq {sid!r}: kept block table {seq.table} is not its blocks {ids}")
         n_full = seq.num_computed // bs
         if len(seq.blocks) != -(-seq.num_computed // bs):
             _fail(f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")

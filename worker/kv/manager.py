@@ -52,7 +52,7 @@ from worker.kv.types import (
 class _Seq:
     """Per-sequence state: its blocks, computed tokens and the chain of full-block keys."""
 
-    __slots__ = ("blocks", "num_computed", "keys", "ctx")
+    __slots__ = ("blocks", "num_computed", "keys", "ctx", "table")
 
     def __init__(
         self, ctx: HashContext, blocks: list[KVBlock], num_computed: int, keys: list[BlockKey]
@@ -61,6 +61,9 @@ class _Seq:
         self.blocks = blocks  # the block table, as block objects
         self.num_computed = num_computed  # tokens whose KV is (being) written
         self.keys = keys  # keys of full blocks 0..len-1 (empty when caching is off)
+        # ``blocks`` as ids, built on demand and dropped whenever ``blocks`` changes: a
+        # decode that stays in its last block (most steps) reuses it instead of rebuilding it
+        self.table: list[int] | None = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -218,6 +221,8 @@ class KVCacheManager(KVQueries, TransferMixin):
         for host_block, dev in zip(loads, fresh, strict=False):
             self._transfers.to_device.append((host_block.block_id, dev.block_id))
         copies: list[tuple[int, int]] = []
+        if fresh:
+            seq.table = None  # the block table changes below
         if cow:
             src, dst = seq.blocks[-1], fresh[0]
             seq.blocks[-1] = dst

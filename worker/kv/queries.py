@@ -119,7 +119,13 @@ class KVQueries:
         return lo
 
     def block_table(self, seq_id: SeqId) -> list[int]:
-        return [b.block_id for b in self._seq(seq_id).blocks]
+        """The sequence's physical block ids in logical order. The same list comes back
+        until its blocks change (a new list then): callers read it, never modify it."""
+        seq = self._seq(seq_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = [b.block_id for b in seq.blocks]
+        return table
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_computed
