@@ -56,7 +56,7 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
         header = next(i for i, line in enumerate(lines) if "predicted" in line)
         assert lines[header].split() == [
             "worker", "predicted", "realised", "placed", "misses", "gap", "now", "resyncs",
-            "pulled", "pulls", "missed", "slow",
+            "pulled", "pulls", "missed", "slow", "evicted",
         ]  # fmt: skip
         row = next(line.split() for line in lines[header:] if line.startswith("worker-0"))
         assert int(row[3]) >= 1, st.stdout
