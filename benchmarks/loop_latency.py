@@ -46,54 +46,61 @@ def _schedstat_wait_s(tid: int) -> float:
         return 0.0
 
 
-def compute(go, stop, count, intra: int, size: int, nice: int, batch: bool) -> None:  # noqa: ANN001
+class Counters:
+    """Shared with the child processes: who started, the work done while the loop probed
+    (from ``go`` to ``stop``), the compute threads' niceness in effect."""
+
+    def __init__(self, ctx) -> None:  # noqa: ANN001 - a multiprocessing context
+        self.go, self.stop = ctx.Event(), ctx.Event()
+        self.started, self.done, self.nice = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+
+    def add(self, value, n: int) -> None:  # noqa: ANN001
+        with value.get_lock():
+            value.value += n
+
+    def count_until_stop(self, step) -> None:  # noqa: ANN001
+        """``step()`` until ``stop``; what ran after ``go`` is added to ``done``."""
+        self.add(self.started, 1)
+        n = n0 = 0
+        while not self.stop.is_set():
+            step()
+            n += 1
+            if not n0 and self.go.is_set():
+                n0 = n
+        self.add(self.done, n - n0 if n0 else 0)
+
+
+def compute(c: Counters, intra: int, size: int, nice: int, batch: bool) -> None:
     """One engine thread: demoted first (its OpenMP team, made by its first matmul, inherits
-    the niceness), then matmuls until ``stop``; ``count`` gets those done after ``go``."""
+    the niceness), then matmuls until ``stop``."""
     import torch
 
     if nice:
         threadsched.set_nice(threadsched.nice() + nice)
     if batch:
         threadsched.set_policy(threadsched.SCHED_BATCH)
+    c.nice.value = threadsched.nice()
     torch.set_num_threads(intra)
     a = torch.randn(size, size)
     b = torch.randn(size, size)
     a @ b
-    with count.get_lock():
-        count.value += 1 << 40  # started: a unit of the high bits, matmuls in the low ones
-    n = n0 = 0
-    while not stop.is_set():
-        a @ b
-        n += 1
-        if not n0 and go.is_set():
-            n0 = n
-    with count.get_lock():
-        count.value += n - n0 if n0 else 0
+    c.count_until_stop(lambda: a @ b)
 
 
-def compute_process(go, stop, count, engines: int, intra: int, size: int, nice: int, batch: bool):  # noqa: ANN001, ANN201
-    threads = [
-        threading.Thread(target=compute, args=(go, stop, count, intra, size, nice, batch))
-        for _ in range(engines)
-    ]
+def compute_process(c: Counters, engines: int, *spec: object) -> None:
+    threads = [threading.Thread(target=compute, args=(c, *spec)) for _ in range(engines)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
 
 
-def spin(go, stop, count) -> None:  # noqa: ANN001
-    with count.get_lock():
-        count.value += 1 << 40
-    n = n0 = 0
-    while not stop.is_set():
+def spin(c: Counters) -> None:
+    def step() -> None:
         for _ in range(10_000):
             pass
-        n += 1
-        if not n0 and go.is_set():
-            n0 = n
-    with count.get_lock():
-        count.value += n - n0 if n0 else 0
+
+    c.count_until_stop(step)
 
 
 def probe_loop(seconds: float, slice_ms: float | None, out: dict) -> None:
@@ -101,6 +108,7 @@ def probe_loop(seconds: float, slice_ms: float | None, out: dict) -> None:
     if slice_ms is not None:
         threadsched.set_slice(slice_ms / 1e3)
     tid = threading.get_native_id()
+    out["slice_ms"] = threadsched.slice_ns() / 1e6
 
     async def run() -> list[float]:
         lates: list[float] = []
@@ -118,43 +126,42 @@ def probe_loop(seconds: float, slice_ms: float | None, out: dict) -> None:
 
 def one_run(policy: str, args: argparse.Namespace, placement: str) -> dict:
     ctx = mp.get_context("spawn")
-    go, stop, done, spins = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0)
+    comp, spins = Counters(ctx), Counters(ctx)
+    spins.go, spins.stop = comp.go, comp.stop
     nice = args.nice if policy in ("nice", "both") else 0
-    batch = policy == "batch"
-    spec = (args.engines, args.intra, args.size, nice, batch)
-    procs = [ctx.Process(target=spin, args=(go, stop, spins)) for _ in range(args.neighbours)]
+    spec = (args.intra, args.size, nice, policy == "batch")
+    procs = [ctx.Process(target=spin, args=(spins,)) for _ in range(args.neighbours)]
     threads: list[threading.Thread] = []
     if placement == "process":
-        procs.append(ctx.Process(target=compute_process, args=(go, stop, done, *spec)))
+        procs.append(ctx.Process(target=compute_process, args=(comp, args.engines, *spec)))
     else:
         threads = [
-            threading.Thread(target=compute, args=(go, stop, done, *spec[1:]))
-            for _ in range(spec[0])
+            threading.Thread(target=compute, args=(comp, *spec)) for _ in range(args.engines)
         ]
     for p in procs:
         p.start()
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
-    while (done.value >> 40, spins.value >> 40) != (args.engines, args.neighbours):
+    while (comp.started.value, spins.started.value) != (args.engines, args.neighbours):
         assert time.monotonic() < deadline, "compute threads did not start in 120 s"
         time.sleep(0.05)
     time.sleep(args.settle)  # all run: let the scheduler settle
     out: dict = {}
     slice_ms = args.slice_ms if policy in ("slice", "both") else None
     loop = threading.Thread(target=probe_loop, args=(args.seconds, slice_ms, out))
-    go.set()
+    comp.go.set()
     t0 = time.perf_counter()
     loop.start()
     loop.join()
     wall = time.perf_counter() - t0
-    stop.set()
+    comp.stop.set()
     for t in threads:
         t.join()
     for p in procs:
         p.join()
     lates = sorted(out["lates"])
-    q = statistics.quantiles(lates, n=100) if len(lates) > 1 else lates * 99
+    q = statistics.quantiles(lates, n=100, method="inclusive") if len(lates) > 1 else lates * 99
     return {
         "placement": placement,
         "policy": policy,
@@ -164,15 +171,16 @@ def one_run(policy: str, args: argparse.Namespace, placement: str) -> dict:
         "max ms": lates[-1] * 1e3,
         "over 10ms": sum(x > 0.010 for x in lates),
         "wait/wake ms": out["wait_s"] / max(len(lates), 1) * 1e3,
-        # counted from go to stop: while the loop probed
-        "matmul/s": (done.value & ((1 << 40) - 1)) / wall,
-        "spin/s": (spins.value & ((1 << 40) - 1)) / wall,
+        "loop slice ms": out["slice_ms"],
+        "compute nice": comp.nice.value,
+        "matmul/s": comp.done.value / wall,  # while the loop probed
+        "spin/s": spins.done.value / wall,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="1 s runs, one round, process only")
+    ap.add_argument("--smoke", action="store_true", help="0.3 s runs, one round, in-process")
     ap.add_argument("--seconds", type=float, default=5.0, help="probe time per run")
     ap.add_argument("--settle", type=float, default=0.5, help="all running, before the probe")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all policies")
@@ -186,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--nice", type=int, default=5, help="points added to compute niceness")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.seconds, args.settle, args.rounds = 1.0, 0.2, 1
-        args.placement = ["process"]
+        args.seconds, args.settle, args.rounds = 0.3, 0.1, 1
+        args.placement = ["thread"]
     rows = []
     for r in range(args.rounds):
         for placement in args.placement:
@@ -207,6 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
             head[f"{key}_max_ms"] = round(statistics.median(x["max ms"] for x in mine), 2)
             head[f"{key}_p99_ms"] = round(statistics.median(x["p99 ms"] for x in mine), 2)
             head[f"{key}_wait_ms"] = round(statistics.median(x["wait/wake ms"] for x in mine), 3)
+            # the policy in effect, as the kernel reported it
+            head[f"{key}_loop_slice_ms"] = mine[0]["loop slice ms"]
+            head[f"{key}_compute_nice"] = mine[0]["compute nice"]
             head[f"{key}_matmul_ratio"] = round(
                 statistics.median(x["matmul ratio"] for x in mine), 3
             )

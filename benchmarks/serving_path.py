@@ -118,7 +118,9 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def cluster_config(name: str, model_dir: Path, workers: int, engine: dict) -> ClusterConfig:
+def cluster_config(
+    name: str, model_dir: Path, workers: int, engine: dict, thread_sched: bool = True
+) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
             "name": name,
@@ -126,6 +128,7 @@ def cluster_config(name: str, model_dir: Path, workers: int, engine: dict) -> Cl
             "model": {"path": str(model_dir)},
             "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
             "router": {"port": 0, "http_port": 0},
+            "scheduling": {"enabled": thread_sched},
         }
     )
 
@@ -199,12 +202,20 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
-    cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg)
+    cfg = cluster_config(
+        f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg, not args.no_thread_sched
+    )
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
         lags = loop_lags(cluster, reset=False)  # which loop Ray gave the actors (uvloop's?)
-        extra[f"{size}_loops"] = {side: lags.get(f"{side}_loop") for side in ("worker", "router")}
+        extra[f"{size}_loops"] = {
+            **{side: lags.get(f"{side}_loop") for side in ("worker", "router")},
+            **{
+                f"{side}_sched": lags.get(f"{side}_sched")
+                for side in ("worker", "router", "engine")
+            },
+        }
         engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
         vocab = engine.executor.vocab_size
         offline(engine, make_prompts(min(8, top), args.prompt, vocab, 99), 4)  # warm-up
@@ -330,6 +341,11 @@ def main(argv: list[str] | None = None) -> dict:
         help="the engine's intra-op threads, offline and served (default: one per core)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
+    parser.add_argument(
+        "--no-thread-sched",
+        action="store_true",
+        help="the cluster's threads as the kernel starts them (scheduling.enabled: false; A/B)",
+    )
     parser.add_argument(
         "--trace-stalls",
         action="store_true",

@@ -105,3 +105,20 @@ def thread_sched(tid: int = 0) -> dict:
     except OSError:
         pass
     return out
+
+
+def custom_slices() -> bool:
+    """Whether this system honours a thread's own slice (asked in a thread of its own, which
+    ends with it)."""
+    works: list[bool] = []
+
+    def probe() -> None:
+        try:
+            works.append(threadsched.set_slice(threadsched.SLICE_MIN_NS / 1e9) > 0)
+        except OSError:
+            works.append(False)
+
+    t = threading.Thread(target=probe, name="slice-probe")
+    t.start()
+    t.join()
+    return bool(works and works[0])

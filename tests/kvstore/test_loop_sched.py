@@ -18,6 +18,7 @@ from kvstore.blocks import loop_sched, threadsched
 from kvstore.blocks.loop_sched import (
     ThreadSchedConfig,
     apply_loop_policy,
+    custom_slices,
     demote_compute,
     thread_sched,
 )
@@ -45,13 +46,6 @@ def proc_slice_ns(tid: int) -> int:
 def proc_nice(tid: int) -> int:
     with open(f"/proc/self/task/{tid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
-
-
-def custom_slices() -> bool:
-    try:
-        return in_thread(lambda: threadsched.set_slice(0.0005)) == 500_000
-    except threadsched.Unsupported:
-        return False
 
 
 needs_slices = pytest.mark.skipif(
