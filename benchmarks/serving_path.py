@@ -6,6 +6,7 @@ offline, on the same model, config and workload, in one run.
     python -m benchmarks.serving_path --smoke --models 32m   # the 32M model at smoke size
     python -m benchmarks.serving_path --models light --streams 128 256
     python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
+    python -m benchmarks.serving_path --models light --no-thread-sched   # threads' policy off
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
 each (greedy, ``ignore_eos``), all at once. Systems:
@@ -20,7 +21,9 @@ each (greedy, ``ignore_eos``), all at once. Systems:
 
 Reported per run: tok/s, served / offline, messages per stream (fewer than tokens when
 coalesced), the largest event-loop stall of the worker and of the router during the run
-(their loop-lag probes; ``--trace-stalls`` splits the router's longest stalls into its loop's
+(their loop-lag probes, with what the kernel runs each loop thread with: its slice and
+niceness, ``cluster.scheduling``; ``--no-thread-sched`` turns that policy off, for an A/B;
+``--trace-stalls`` splits the router's longest stalls into its loop's
 own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
 reports the largest stall less that wait), the engine thread's busy share, the share of the
 run it spent runnable but without a core (``engine waits``: the kernel's schedstat; what
@@ -119,7 +122,7 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def cluster_config(
-    name: str, model_dir: Path, workers: int, engine: dict, thread_sched: bool = True
+    name: str, model_dir: Path, workers: int, engine: dict, sched: dict | None = None
 ) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
@@ -128,7 +131,7 @@ def cluster_config(
             "model": {"path": str(model_dir)},
             "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
             "router": {"port": 0, "http_port": 0},
-            "scheduling": {"enabled": thread_sched},
+            "scheduling": sched or {},
         }
     )
 
@@ -202,9 +205,10 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
-    cfg = cluster_config(
-        f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg, not args.no_thread_sched
-    )
+    sched: dict = {"enabled": not args.no_thread_sched}
+    if args.compute_nice is not None:
+        sched["compute_nice"] = args.compute_nice
+    cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg, sched)
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
@@ -345,6 +349,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--no-thread-sched",
         action="store_true",
         help="the cluster's threads as the kernel starts them (scheduling.enabled: false; A/B)",
+    )
+    parser.add_argument(
+        "--compute-nice",
+        type=int,
+        default=None,
+        help="scheduling.compute_nice of the served worker (default: the config's)",
     )
     parser.add_argument(
         "--trace-stalls",

@@ -1,27 +1,29 @@
 """Which thread gets a core first when a router's or a worker's process shares its cores with
-compute: the event loops ask for a short time slice, a CPU engine's compute threads run a few
-points nicer.
+compute: the event loops ask for a short time slice; a CPU engine's compute threads may run
+a few points nicer.
 
 A loop wakes hundreds of times a second to run a short callback (a stream's output, a probe,
 a request) and sleeps again; beside it an engine thread and its OpenMP team, the native
 attention pool and a client hold every core. Under Linux's fair scheduler (EEVDF) a thread
 that wakes gets a core when its virtual deadline comes first, and with the default slice
-(0.7-3 ms, scaled by the core count) it often waits for the compute threads' slices to run
-out: the router's loop was runnable but had no core for most of its 13-19 ms stalls
-(``benchmarks/serving_path.py --trace-stalls``). Two levers, measured in
-``benchmarks/loop_latency.py``:
+(0.7-3 ms, scaled by the core count; 1.4 ms on 2 cores) it often waits for the compute
+threads' slices to run out: most of a router loop's largest stalls is time runnable without
+a core (``benchmarks/serving_path.py --trace-stalls``). Two levers
+(``benchmarks/loop_latency.py`` measures both):
 
 * the loop thread asks for a short slice (``sched_setattr``, Linux 6.12+, unprivileged): its
   deadline after a wake-up is near, so it preempts a compute thread at once; it runs its
-  callback and sleeps again, so it takes no more CPU than before;
-* the engine thread of a worker whose model runs on CPU raises its niceness before its
-  OpenMP team and attention pool exist (both inherit it): when the loop, the router or the
-  client wants a core, the compute threads yield it sooner, and alone they lose nothing. On a
-  GPU the engine thread feeds the device and is itself latency-critical: never demoted.
+  callback and sleeps again, so it takes no more CPU than before. Threads it starts later
+  inherit the slice;
+* ``compute_nice`` (off by default): the engine thread of a worker whose model runs on CPU
+  raises its niceness before its OpenMP team and attention pool exist (both inherit it), so
+  loops, routers and clients get a core sooner, and the engine yields to every other
+  process there too. On a GPU the engine thread feeds the device and is itself
+  latency-critical: never demoted.
 
-Both are per thread, need no privilege and cannot be undone by an unprivileged process (a
-niceness once raised stays), so they are applied once at start. Where the system lacks one
-(not Linux, a kernel before 6.12, a policy refused) it is skipped and said once in the log.
+Both are per thread, need no privilege, and a niceness once raised cannot be lowered again
+without one, so they are applied once at start. Where the system lacks one (not Linux, a
+kernel before 6.12, a refusal) it is skipped and said once in the log.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ class ThreadSchedConfig(Strict):
         "compute thread at once. Skipped on older kernels and other systems.",
     )
     compute_nice: int = Field(
-        5,
+        0,
         ge=0,
         le=19,
         description="Points of niceness added to a CPU worker's engine thread, its OpenMP "
         "team and attention pool (0: none), so that event loops, routers and clients on "
-        "the same cores get a core first. Never applied to a worker on a GPU.",
+        "the same cores get a core first; the engine then also yields to every other "
+        "process there (served runs measured no gain at 5). Never applied on a GPU.",
     )
 
 

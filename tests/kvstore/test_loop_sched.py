@@ -23,8 +23,8 @@ from kvstore.blocks.loop_sched import (
     thread_sched,
 )
 
-ON = ThreadSchedConfig()
-OFF = ThreadSchedConfig(enabled=False)
+ON = ThreadSchedConfig(compute_nice=5)  # both levers
+OFF = ThreadSchedConfig(enabled=False, compute_nice=5)
 
 
 def in_thread(fn: Callable[[], Any]) -> Any:
