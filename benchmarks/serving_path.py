@@ -6,7 +6,7 @@ offline, on the same model, config and workload, in one run.
     python -m benchmarks.serving_path --smoke --models 32m   # the 32M model at smoke size
     python -m benchmarks.serving_path --models light --streams 128 256
     python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
-    python -m benchmarks.serving_path --models light --no-thread-sched   # threads' policy off
+    python -m benchmarks.serving_path --models light --thread-sched   # threads' policy on
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
 each (greedy, ``ignore_eos``), all at once. Systems:
@@ -22,7 +22,7 @@ each (greedy, ``ignore_eos``), all at once. Systems:
 Reported per run: tok/s, served / offline, messages per stream (fewer than tokens when
 coalesced), the largest event-loop stall of the worker and of the router during the run
 (their loop-lag probes, with what the kernel runs each loop thread with: its slice and
-niceness, ``cluster.scheduling``; ``--no-thread-sched`` turns that policy off, for an A/B;
+niceness, ``cluster.scheduling``; ``--thread-sched`` turns that policy on, for an A/B;
 ``--trace-stalls`` splits the router's longest stalls into its loop's
 own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
 reports the largest stall less that wait), the engine thread's busy share, the share of the
@@ -205,7 +205,7 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
-    sched: dict = {"enabled": not args.no_thread_sched}
+    sched: dict = {"enabled": args.thread_sched}
     if args.compute_nice is not None:
         sched["compute_nice"] = args.compute_nice
     cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg, sched)
@@ -346,9 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
     parser.add_argument(
-        "--no-thread-sched",
+        "--thread-sched",
         action="store_true",
-        help="the cluster's threads as the kernel starts them (scheduling.enabled: false; A/B)",
+        help="short slices for the loops (scheduling.enabled: true; off by default; A/B)",
     )
     parser.add_argument(
         "--compute-nice",

@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 
 class ThreadSchedConfig(Strict):
     enabled: bool = Field(
-        True,
+        False,
         description="Apply loop_slice_ms and compute_nice (false: every thread keeps what "
-        "the kernel gives it, e.g. to compare).",
+        "the kernel gives it). Off by default: on a shared 2-core machine neither lever "
+        "lowered the served loops' stalls measurably (benchmarks/serving_path.py "
+        "--thread-sched), while the short slice alone halved a bare loop's (loop_latency).",
     )
     loop_slice_ms: float = Field(
         0.1,

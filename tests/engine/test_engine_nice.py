@@ -22,7 +22,7 @@ def pool_nices() -> set[int]:
     return {threadsched.nice(t.native_id) for t in threading.enumerate() if "kvc-attn" in t.name}
 
 
-@pytest.mark.parametrize("sched", [ThreadSchedConfig(compute_nice=4), None])
+@pytest.mark.parametrize("sched", [ThreadSchedConfig(enabled=True, compute_nice=4), None])
 def test_the_engine_thread_and_its_attention_pool_run_nicer(tiny_dir, sched) -> None:
     if native.load_kernels() is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")

@@ -23,7 +23,7 @@ from kvstore.blocks.loop_sched import (
     thread_sched,
 )
 
-ON = ThreadSchedConfig(compute_nice=5)  # both levers
+ON = ThreadSchedConfig(enabled=True, compute_nice=5)  # both levers
 OFF = ThreadSchedConfig(enabled=False, compute_nice=5)
 
 
@@ -59,7 +59,7 @@ def test_the_loop_thread_gets_its_slice_and_the_others_keep_theirs() -> None:
 
     def loop() -> tuple[int, dict, int]:
         before = threadsched.nice()
-        report = apply_loop_policy(ThreadSchedConfig(loop_slice_ms=0.25))
+        report = apply_loop_policy(ThreadSchedConfig(enabled=True, loop_slice_ms=0.25))
         return before, report, proc_slice_ns(threading.get_native_id())
 
     nice_before, report, from_proc = in_thread(loop)
@@ -81,7 +81,7 @@ def test_a_cpu_engine_thread_and_the_threads_it_starts_are_niced() -> None:
     base = threadsched.nice()
 
     def engine() -> tuple[int | None, int, int]:
-        got = demote_compute(ThreadSchedConfig(compute_nice=3), "cpu")
+        got = demote_compute(ThreadSchedConfig(enabled=True, compute_nice=3), "cpu")
         # a thread it starts later (its OpenMP team's, its attention pool's)
         child = in_thread(lambda: proc_nice(threading.get_native_id()))
         return got, proc_nice(threading.get_native_id()), child
@@ -93,7 +93,7 @@ def test_a_cpu_engine_thread_and_the_threads_it_starts_are_niced() -> None:
 
 @pytest.mark.parametrize(
     ("cfg", "device"),
-    [(OFF, "cpu"), (ThreadSchedConfig(compute_nice=0), "cpu"), (ON, "cuda"), (ON, "cuda:1")],
+    [(OFF, "cpu"), (ThreadSchedConfig(enabled=True), "cpu"), (ON, "cuda"), (ON, "cuda:1")],
 )
 def test_gpu_engines_and_the_off_switch_leave_the_engine_thread_alone(cfg, device) -> None:
     base = threadsched.nice()
