@@ -66,6 +66,7 @@ def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
     from router.placement.config import RequestLimits
     from router.placement.metrics import RouterMetrics
     from router.serving.core import ModelLimits
+    from router.serving.intake import Intake
 
     class Directory:
         async def candidates(self) -> dict:
@@ -116,12 +117,11 @@ def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
             return "x" * len(ids)
 
     async def main() -> None:
+        intake = Intake(Core(), Tokenizer(), auth=None, limits=RequestLimits())  # type: ignore[arg-type]
         server = OpenAIServer(
-            Core(),  # type: ignore[arg-type]
-            Tokenizer(),  # type: ignore[arg-type]
-            auth=None,
-            limits=RequestLimits(),
+            intake,
             max_body_bytes=1 << 20,
+            close_intake=True,
             http_protocol=protocol,  # type: ignore[arg-type]
         )
         conn.send(await server.start("127.0.0.1", 0))

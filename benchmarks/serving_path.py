@@ -6,6 +6,7 @@ offline, on the same model, config and workload, in one run.
     python -m benchmarks.serving_path --smoke --models 32m   # the 32M model at smoke size
     python -m benchmarks.serving_path --models light --streams 128 256
     python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
+    python -m benchmarks.serving_path --models light --streams 128 256 --stream-interval 4
     python -m benchmarks.serving_path --models light --thread-sched   # threads' policy on
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
@@ -122,7 +123,12 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def cluster_config(
-    name: str, model_dir: Path, workers: int, engine: dict, sched: dict | None = None
+    name: str,
+    model_dir: Path,
+    workers: int,
+    engine: dict,
+    stream_interval: int = 1,
+    sched: dict | None = None,
 ) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
@@ -130,7 +136,7 @@ def cluster_config(
             "dashboard": False,
             "model": {"path": str(model_dir)},
             "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
-            "router": {"port": 0, "http_port": 0},
+            "router": {"port": 0, "http_port": 0, "stream_interval": stream_interval},
             "scheduling": sched or {},
         }
     )
@@ -208,7 +214,8 @@ def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: di
     sched: dict = {"enabled": args.thread_sched}
     if args.compute_nice is not None:
         sched["compute_nice"] = args.compute_nice
-    cfg = cluster_config(f"serving-path-{size}-{os.getpid()}", model_dir, 1, engine_cfg, sched)
+    name = f"serving-path-{size}-{os.getpid()}"
+    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval, sched)
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
@@ -344,6 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="the engine's intra-op threads, offline and served (default: one per core)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the router's stream_interval: steps' tokens per client message at least",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
     parser.add_argument(
         "--thread-sched",
@@ -383,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {key}: {value}")
     png = plot(rows)
     print(f"  plot: {png}")
-    headline: dict = {}
+    headline: dict = {"stream_interval": args.stream_interval}
     for r in rows:
         if r["system"] == "vllm http":
             headline[f"{r['model']}_vllm_http_{r['streams']}_ratio"] = round(r["served/offline"], 3)

@@ -79,18 +79,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with KVClusterClient(_endpoint(args)) as client:
         st = client.status()
+    # pinned: cached blocks the worker's waiting requests will pin (not room for a pull)
     print(
         f"model {st.model_id}  policy {st.policy}  index {'up' if st.index_available else 'DOWN'}"
     )
     print(
         f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}{'hit rate':>10}"
-        f"{'quota evict':>13}"
+        f"{'quota evict':>13}{'pinned':>8}"
     )
     for w in st.workers:
         alive = "stale" if w.stale else str(w.alive)  # stale: no answer or no heartbeat
         print(
             f"{w.worker_id:<12}{w.epoch:>16}{alive:>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
+            f"{w.waiting_pinned_blocks:>8}"
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))
@@ -104,15 +106,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(
         f"{'worker':<12}{'predicted':>11}{'realised':>10}{'placed':>8}{'misses':>8}"
         f"{'gap now':>9}{'resyncs':>9}{'pulled':>9}{'pulls':>7}{'missed':>8}{'slow':>6}"
+        f"{'evicted':>9}"
     )
     for w in st.workers:
         # pulled: tokens imported from peers by pulls (routing.pull), missed: pulls that
-        # imported less than priced, slow: pulls slower than priced
+        # imported less than priced, slow: pulls slower than priced, evicted: pulls whose
+        # import landed but whose hit still fell short (evicted before the request ran)
         print(
             f"{w.worker_id:<12}{w.predicted_cached_tokens:>11}{w.realised_cached_tokens:>10}"
             f"{w.prediction_placements:>8}{w.prediction_misses:>8}"
             f"{w.recent_cache_gap_tokens:>9.1f}{w.index_resyncs:>9}"
             f"{w.pulled_tokens:>9}{w.pulls:>7}{w.pull_misses:>8}{w.pull_slow:>6}"
+            f"{w.pull_evicted:>9}"
         )
     if st.index_circuit_open:
         print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")

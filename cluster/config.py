@@ -139,6 +139,16 @@ class RouterConfig(Strict):
     liveness: LivenessConfig = Field(
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Engine steps whose tokens one client message (a gRPC message, an SSE "
+        "event) carries at least, on both edges: 1 sends each step's tokens as they come; "
+        "more sends fewer, larger messages (less router and client CPU per token, more "
+        "inter-token latency). The first token and the last are never held back, and a "
+        "client that lags gets several steps' tokens per message whatever this is.",
+    )
     niceness: int = Field(
         0,
         ge=0,

@@ -92,6 +92,7 @@ def router_settings(
         tls_cert=r.tls_cert,
         tls_key=r.tls_key,
         liveness=r.liveness,
+        stream_interval=r.stream_interval,
         cors_allowed_origins=tuple(r.cors_allowed_origins),
         http_max_connections=r.http_max_connections,
         http_cheap_rate_per_s=r.http_cheap_rate_per_s,

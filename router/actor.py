@@ -64,6 +64,7 @@ class RouterSettings:
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
+    stream_interval: int = 1  # steps' tokens per client message at least
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
     cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
     http_max_connections: int = http_defaults.MAX_CONNECTIONS  # open HTTP connections
@@ -99,7 +100,11 @@ class RouterServer:
             settings.routing, source, block_size=settings.block_size, metrics=self.metrics
         )
         self.directory = RayWorkerDirectory(
-            settings.namespace, self.index, breaker=self.breaker, liveness=settings.liveness
+            settings.namespace,
+            self.index,
+            breaker=self.breaker,
+            liveness=settings.liveness,
+            stream_interval=settings.stream_interval,
         )
         limits = ModelLimits(
             model_id=settings.model_id,
@@ -115,23 +120,17 @@ class RouterServer:
         # one intake for both edges: one auth, one set of limits, one tokenizer budget
         self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=settings.limits)
         self.servicer = KVClusterServicer(
-            self.core,
-            self.tokenizer,
+            self.intake,
             policy=settings.routing.policy,
             index_available=lambda: self.directory.index_ok,
-            intake=self.intake,
         )
         self.http = None
         if settings.http_port is not None:
             from router.http_api import OpenAIServer  # HTTP stack only where it serves
 
             self.http = OpenAIServer(
-                self.core,
-                self.tokenizer,
-                auth=auth,
-                limits=settings.limits,
+                self.intake,
                 max_body_bytes=settings.max_message_bytes,
-                intake=self.intake,
                 cors_origins=settings.cors_allowed_origins,
                 max_connections=settings.http_max_connections,
                 cheap_rate_per_s=settings.http_cheap_rate_per_s,

@@ -39,6 +39,7 @@ def worker_status(
         queued_prefill_tokens=snap.pending_prefill_tokens,
         prefix_hit_rate=snap.prefix_hit_rate,
         index_healthy=index_healthy,
+        waiting_pinned_blocks=snap.kv_waiting_pinned_blocks,
         tenant_quota_evictions=snap.tenant_quota_evictions,
         host_total_blocks=snap.host_total_blocks,
         host_cached_blocks=snap.host_cached_blocks,

@@ -74,6 +74,7 @@ class WorkerStatus(ByName):
     queued_prefill_tokens: int
     prefix_hit_rate: float
     index_healthy: bool
+    waiting_pinned_blocks: int = 0  # cached blocks its waiting requests will pin
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
     host_total_blocks: int = 0  # host KV tier size (0: none)
     host_cached_blocks: int = 0  # blocks the host tier holds now

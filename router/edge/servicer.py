@@ -17,24 +17,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.blocks.outputs import GenerationResult
+from kvstore.blocks.protocol import WorkerStatus
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
-    DEFAULT_LIMITS,
     FINISH_TO_PB,
     GenerateSpec,
     responses_from_output,
     spec_from_pb,
 )
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
-from router.placement.config import RequestLimits
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
-from router.serving.core import ServingCore
 from router.serving.errors import RequestFailed, classify
 from router.serving.intake import Intake
 from router.serving.tokenizing import check_text_chars
-from worker.model.tokenizer import Tokenizer
 
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
 
@@ -49,23 +46,17 @@ IDLE_S = 30.0
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
     def __init__(
-        self,
-        core: ServingCore,
-        tokenizer: Tokenizer,
-        *,
-        policy: str,
-        index_available: Any = lambda: False,
-        auth: TokenAuth | None = None,
-        limits: RequestLimits = DEFAULT_LIMITS,
-        intake: Intake | None = None,
+        self, intake: Intake, *, policy: str, index_available: Any = lambda: False
     ) -> None:
-        self.core = core
-        self.intake = intake or Intake(core, tokenizer, auth=auth, limits=limits)
-        self.limits = self.intake.limits
-        self.tokenize = self.intake.tokenize
+        """``intake``: the router's front door (auth, limits, tokenizer), shared with its HTTP
+        edge; ``policy``: the routing policy's name (for ClusterStatus)."""
+        self.intake = intake
+        self.core = intake.core
+        self.limits = intake.limits
+        self.tokenize = intake.tokenize
         self.policy = policy
         self.index_available = index_available
-        self.auth = self.intake.auth
+        self.auth = intake.auth
 
     async def _start(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -162,32 +153,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             index_available=bool(self.index_available()),
             decisions={k: int(v) for k, v in snap["decisions"].items()},  # type: ignore[union-attr]
             workers=[
-                pb.WorkerStatus(
-                    worker_id=s.worker_id,
-                    epoch=s.epoch or 0,
-                    alive=s.worker_id in live and not s.stale,
-                    running=s.running,
-                    waiting=s.waiting,
-                    free_blocks=s.free_blocks,
-                    total_blocks=s.total_blocks,
-                    kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
-                    prefix_hit_rate=s.prefix_hit_rate,
-                    queued_prefill_tokens=s.queued_prefill_tokens,
-                    tenant_quota_evictions=s.tenant_quota_evictions,
-                    stale=s.stale,
-                    heartbeat_age_s=s.heartbeat_age_s,
-                    host_total_blocks=s.host_total_blocks,
-                    host_cached_blocks=s.host_cached_blocks,
-                    host_hit_tokens=s.host_hit_tokens,
-                    swap_preemptions=s.swap_preemptions,
-                    recompute_preemptions=s.recompute_preemptions,
-                    adapters=[
-                        pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
-                        for a in s.adapters
-                        if not a.tenants or tenant in a.tenants
-                    ],
-                    **_prediction_fields(predicted.get(s.worker_id)),
-                )
+                worker_status_pb(s, s.worker_id in live, tenant, predicted.get(s.worker_id))
                 for s in statuses
             ],
         )
@@ -201,8 +167,42 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         await context.abort(mapped.grpc_code, mapped.message)
 
 
+def worker_status_pb(
+    s: WorkerStatus, live: bool, tenant: str | None, predicted: WorkerPredictions | None
+) -> pb.WorkerStatus:
+    """One worker's ClusterStatus entry: its status, whether the router counts it live, the
+    adapters ``tenant`` may see and this router's predictions for it."""
+    return pb.WorkerStatus(
+        worker_id=s.worker_id,
+        epoch=s.epoch or 0,
+        alive=live and not s.stale,
+        running=s.running,
+        waiting=s.waiting,
+        free_blocks=s.free_blocks,
+        total_blocks=s.total_blocks,
+        kv_usage=1 - s.free_blocks / s.total_blocks if s.total_blocks else 0.0,
+        prefix_hit_rate=s.prefix_hit_rate,
+        queued_prefill_tokens=s.queued_prefill_tokens,
+        waiting_pinned_blocks=s.waiting_pinned_blocks,
+        tenant_quota_evictions=s.tenant_quota_evictions,
+        stale=s.stale,
+        heartbeat_age_s=s.heartbeat_age_s,
+        host_total_blocks=s.host_total_blocks,
+        host_cached_blocks=s.host_cached_blocks,
+        host_hit_tokens=s.host_hit_tokens,
+        swap_preemptions=s.swap_preemptions,
+        recompute_preemptions=s.recompute_preemptions,
+        adapters=[
+            pb.AdapterStatus(name=a.name, adapter_id=a.adapter_id, loaded=a.loaded)
+            for a in s.adapters
+            if not a.tenants or tenant in a.tenants
+        ],
+        **_prediction_fields(predicted),
+    )
+
+
 def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
-    """WorkerStatus fields 14-19 and 26-29 from this router's predictions for one worker."""
+    """WorkerStatus fields 14-19 and 26-30 from this router's predictions for one worker."""
     if p is None:
         return {}
     return dict(
@@ -216,6 +216,7 @@ def _prediction_fields(p: WorkerPredictions | None) -> dict[str, int | float]:
         pulled_tokens=p.pulled_tokens,
         pull_misses=p.pull_misses,
         pull_slow=p.pull_slow,
+        pull_evicted=p.pull_evicted,
     )
 
 

@@ -48,14 +48,11 @@ from router.http_api.door import (
 from router.http_api.generation import WORKER_HEADER, Generation, error_response, unless_gone
 from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
-from router.placement.config import RequestLimits
-from router.serving.auth import TokenAuth
-from router.serving.core import ClusterOverloaded, ServingCore
+from router.serving.core import ClusterOverloaded
 from router.serving.errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.intake import Intake
 from router.serving.request import GenerateSpec
 from router.serving.tokenizing import TokenizerPool
-from worker.model.tokenizer import Tokenizer
 
 __all__ = ["WORKER_HEADER", "OpenAIServer", "error_status"]
 log = logging.getLogger(__name__)
@@ -77,25 +74,23 @@ class OpenAIServer:
 
     def __init__(
         self,
-        core: ServingCore,
-        tokenizer: Tokenizer,
+        intake: Intake,
         *,
-        auth: TokenAuth | None,
-        limits: RequestLimits,
         max_body_bytes: int,
-        tokenize: TokenizerPool | None = None,
-        intake: Intake | None = None,
+        close_intake: bool = False,
         cors_origins: Sequence[str] = (),
         max_connections: int = MAX_CONNECTIONS,
         cheap_rate_per_s: float = CHEAP_RATE_PER_S,
         cheap_max_waiting: int = CHEAP_MAX_WAITING,
         http_protocol: HttpProtocol = "httptools",
     ) -> None:
-        self._own_intake = intake is None  # closed by stop() only if this server made it
-        self.intake = intake or Intake(core, tokenizer, auth=auth, limits=limits, tokenize=tokenize)
-        self.core = core
-        self.tokenizer = tokenizer
-        self.limits = limits
+        """``intake``: the router's front door (auth, limits, tokenizer), shared with its gRPC
+        edge; ``close_intake``: :meth:`stop` closes it too (a server that is its only user)."""
+        self._close_intake = close_intake
+        self.intake = intake
+        self.core = intake.core
+        self.tokenizer = intake.tokenizer
+        self.limits = intake.limits
         self.max_body_bytes = max_body_bytes
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
         self.bodies = BodyBudget(max(BODY_BUDGET_BYTES, 4 * max_body_bytes))
@@ -193,7 +188,7 @@ class OpenAIServer:
             await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
         self._parse.shutdown(wait=False, cancel_futures=True)
-        if self._own_intake:
+        if self._close_intake:
             self.intake.close()
 
     async def _door(self, scope: Any, receive: Any, send: Any) -> None:

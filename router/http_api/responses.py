@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
@@ -103,24 +104,22 @@ class Shaper:
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
-        if prompt is not None and self.req.echo:
-            at = 0
-            for t, x in zip(self.prompt_ids[choice // self.n], prompt, strict=True):
+
+        def add(pairs: Iterable[tuple[int, TokenLogprob | None]], at: int) -> int:
+            """Append the tokens' columns, the first at text offset ``at``; the offset after."""
+            for t, x in pairs:
                 piece = self._piece(t)
                 tokens.append(piece)
                 values.append(None if x is None else x.logprob)
                 tops.append(None if x is None else self._top(x, k))
                 offsets.append(at)
                 at += len(piece)
+            return at
+
+        if prompt is not None and self.req.echo:
+            add(zip(self.prompt_ids[choice // self.n], prompt, strict=True), 0)
         at = self._offsets.get(choice, len(self._echo(choice)))
-        for x in lps:
-            piece = self._piece(x.token_id)
-            tokens.append(piece)
-            values.append(x.logprob)
-            tops.append(self._top(x, k))
-            offsets.append(at)
-            at += len(piece)
-        self._offsets[choice] = at
+        self._offsets[choice] = add(((x.token_id, x) for x in lps), at)
         return {
             "tokens": tokens,
             "token_logprobs": values,
@@ -150,6 +149,13 @@ class Shaper:
             out.append(entries)
         return out
 
+    def _choice(self, prompt_idx: int, out: CompletionDelta | Completion) -> tuple[int, str | None]:
+        """A sample's choice index over the request's prompts, and its finish reason's name."""
+        return (
+            prompt_idx * self.n + out.index,
+            out.finish_reason.value if out.finish_reason else None,
+        )
+
     def _echo(self, choice: int) -> str:
         if not self.req.echo:
             return ""
@@ -165,8 +171,7 @@ class Shaper:
     ) -> dict[str, Any]:
         """One stream event for one sample's new output (``usage``: the prompt's so far,
         with continuous_usage_stats; ``prompt``: its prompt logprobs, on its first event)."""
-        index = prompt_idx * self.n + d.index
-        reason = d.finish_reason.value if d.finish_reason else None
+        index, reason = self._choice(prompt_idx, d)
         lp = self.logprobs_json(d.logprobs, index, prompt if first else None)
         if self.req.chat:
             delta: dict[str, Any] = {"content": d.text}
@@ -198,8 +203,8 @@ class Shaper:
     ) -> bytes:
         """:meth:`chunk` as a server-sent event (a plain one from its pre-encoded parts)."""
         if self._plain is not None and not first:
-            reason = d.finish_reason.value if d.finish_reason else None
-            return self._plain.event(prompt_idx * self.n + d.index, d.text, reason)
+            index, reason = self._choice(prompt_idx, d)
+            return self._plain.event(index, d.text, reason)
         return sse_event(self.chunk(prompt_idx, d, first, usage, prompt))
 
     def usage_chunk(self, usages: list[Usage]) -> dict[str, Any]:
@@ -215,8 +220,7 @@ class Shaper:
         prompts = prompts or {}
         choices = []
         for prompt_idx, c in completions:
-            index = prompt_idx * self.n + c.index
-            reason = c.finish_reason.value if c.finish_reason else None
+            index, reason = self._choice(prompt_idx, c)
             prompt = prompts.get(prompt_idx)
             choice: dict[str, Any] = {
                 "index": index,

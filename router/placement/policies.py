@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
 from router.placement.policy import ROUTING_POLICIES, RoutingPolicy, load_tokens
 from router.placement.types import Placement, Reason, RouteRequest, WorkerView
@@ -44,6 +44,19 @@ if TYPE_CHECKING:  # the config imports this module to validate policy names
     from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
 
 _REL_TOL = 1e-9  # costs within this relative distance count as a tie
+
+
+class _Sectioned(RoutingPolicy):
+    """A policy with a section of the routing config of its own, named as the policy is
+    (``routing.least_loaded``, ``routing.prefix_affinity``)."""
+
+    def __init__(self, config: Any, rng: random.Random) -> None:
+        self.config = config
+        self._rng = rng
+
+    @classmethod
+    def from_config(cls, config: RoutingConfig, rng: random.Random) -> Self:
+        return cls(getattr(config, cls.name), rng)
 
 
 @ROUTING_POLICIES.register
@@ -66,7 +79,7 @@ class RoundRobin(RoutingPolicy):
 
 
 @ROUTING_POLICIES.register
-class LeastLoaded(RoutingPolicy):
+class LeastLoaded(_Sectioned):
     """Power of d choices: sample d workers, take the least loaded (first sampled on ties).
 
     Sampling instead of a global minimum keeps many routers with slightly stale loads from
@@ -74,14 +87,7 @@ class LeastLoaded(RoutingPolicy):
     """
 
     name = "least_loaded"
-
-    def __init__(self, config: LeastLoadedConfig, rng: random.Random) -> None:
-        self.config = config
-        self._rng = rng
-
-    @classmethod
-    def from_config(cls, config: RoutingConfig, rng: random.Random) -> LeastLoaded:
-        return cls(config.least_loaded, rng)
+    config: LeastLoadedConfig
 
     def choose(self, request: RouteRequest, views: Sequence[WorkerView]) -> Placement:
         d = min(self.config.choices, len(views))
@@ -92,20 +98,13 @@ class LeastLoaded(RoutingPolicy):
 
 
 @ROUTING_POLICIES.register
-class PrefixAffinity(RoutingPolicy):
+class PrefixAffinity(_Sectioned):
     """Cheapest worker by (uncached prefill + queued prefill + decode load), load-bounded."""
 
     name = "prefix_affinity"
+    config: PrefixAffinityConfig
 
     uses_prefix = True
-
-    def __init__(self, config: PrefixAffinityConfig, rng: random.Random) -> None:
-        self.config = config
-        self._rng = rng
-
-    @classmethod
-    def from_config(cls, config: RoutingConfig, rng: random.Random) -> PrefixAffinity:
-        return cls(config.prefix_affinity, rng)
 
     def choose(self, request: RouteRequest, views: Sequence[WorkerView]) -> Placement:
         cfg = self.config

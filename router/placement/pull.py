@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from kvstore.blocks.protocol import PullHint
 from router.placement.pull_ledger import PullLedger
@@ -144,37 +144,26 @@ class Priced:
     choice: str  # "hold", "pull" or "recompute"
 
 
+@dataclass(eq=False)
 class PullPlanner:
     """Turns a policy's placement into hold / pull / recompute (see the module docstring)."""
 
-    def __init__(
-        self,
-        transfers: TransferModel,
-        *,
-        prefill_tokens_per_s: float,
-        min_pull_tokens: int,
-        min_deadline_s: float,
-        block_size: int,
-        source_step_tokens: int = 0,
-        max_pulls_per_source: int = 2,
-        ledger: PullLedger | None = None,
-        node_of: Callable[[str], NodeId] = lambda _w: "",
-    ) -> None:
-        self.transfers = transfers
-        self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.min_pull_tokens = min_pull_tokens
-        self.min_deadline_s = min_deadline_s
-        self.block_size = block_size
-        self.source_step_tokens = source_step_tokens
-        self.max_pulls_per_source = max_pulls_per_source
-        self.ledger = ledger if ledger is not None else PullLedger(alpha=0.2, recovery_s=10.0)
-        self.node_of = node_of
-        # choices made: hold / pull / recompute, a pull backed off ("busy": its source has
-        # its cap of pulls in flight; "full": the chosen worker's KV has no room for it), or
-        # no pull to price: "cold" (held nowhere), "local" (the chosen worker holds what
-        # there is) or "pending" (a placement of the prefix on the chosen worker is in
-        # flight); the router's stats show them
-        self.choices: Counter[str] = Counter()
+    transfers: TransferModel  # a pull's cost per pair of nodes, refined from observed pulls
+    _: KW_ONLY
+    prefill_tokens_per_s: float  # the prefill rate estimate (refined by observe_prefill)
+    min_pull_tokens: int  # a shorter pull is never priced: the prefix is recomputed
+    min_deadline_s: float  # the shortest soft deadline a pull gets
+    block_size: int  # tokens per KV block
+    source_step_tokens: int = 0  # > 0: holders export only between steps of this many tokens
+    max_pulls_per_source: int = 2  # pulls from one holder in flight at once ("busy" past it)
+    ledger: PullLedger = field(default_factory=lambda: PullLedger(alpha=0.2, recovery_s=10.0))
+    node_of: Callable[[str], NodeId] = lambda _w: ""  # a worker's node ("": unknown)
+    # choices made: hold / pull / recompute, a pull backed off ("busy": its source has
+    # its cap of pulls in flight; "full": the chosen worker's KV has no room for it), or
+    # no pull to price: "cold" (held nowhere), "local" (the chosen worker holds what
+    # there is) or "pending" (a placement of the prefix on the chosen worker is in
+    # flight); the router's stats show them
+    choices: Counter[str] = field(default_factory=Counter, init=False)
 
     def observe_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """A prefill of ``tokens`` took ``seconds`` on a worker that had nothing queued:

@@ -15,6 +15,7 @@ from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.blocks.protocol import PullReport
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
+from router.placement.cached import cached_tokens, held_blocks
 from router.placement.config import RoutingConfig
 from router.placement.homes import PrefixHomes
 from router.placement.metrics import RouterMetrics
@@ -192,7 +193,8 @@ class Router:
         placement = self.policy.choose(request, views)
         pull = pull_ticket = None
         if self.planner is not None and keys and index is not None:
-            held = self._held_blocks(keys, len(request.token_ids), ids, index)
+            pending = self.pending.lookup(keys, self._clock())
+            held = held_blocks(ids, len(request.token_ids), self.block_size, index, pending)
             placement, pull, _ = self.planner.plan(
                 len(request.token_ids),
                 views,
@@ -262,51 +264,14 @@ class Router:
         ids: list[WorkerId],
         index: Mapping[WorkerId, TierCounts] | None,
     ) -> dict[WorkerId, int | None]:
-        """Prompt tokens each worker would serve from cache; ``None`` where nothing is known.
-
-        Index answer merged (max) with pending placements; capped like the engine caps a
-        hit (the last prompt token is always recomputed, whole blocks only). Host-tier blocks
-        count ``host_hit_weight`` of a device block (they must be loaded back).
-        """
+        """See :func:`router.placement.cached.cached_tokens`; counts the decisions the
+        router's pending placements knew more for."""
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
         pending = self.pending.lookup(keys, self._clock())
-        bs = self.block_size
-        cap = (n_tokens - 1) // bs if n_tokens else 0
-        out: dict[WorkerId, int | None] = {}
-        assisted = False
         weight = self.config.host_hit_weight
-        for w in ids:
-            known: float | None = None
-            if index is not None:
-                dev, host = index.get(w, (0, 0))
-                dev = min(dev, cap)
-                known = dev + weight * min(host, cap - dev)
-            mine = pending.get(w, 0)
-            if mine and (known is None or mine > known):
-                known, assisted = min(mine, cap), True
-            out[w] = None if known is None else int(known * bs)
+        out, assisted = cached_tokens(ids, n_tokens, self.block_size, index, pending, weight)
         self.metrics.pending_assists += assisted
-        return out
-
-    def _held_blocks(
-        self,
-        keys: Sequence[BlockKey],
-        n_tokens: int,
-        ids: list[WorkerId],
-        index: Mapping[WorkerId, TierCounts],
-    ) -> dict[WorkerId, tuple[int, int]]:
-        """Per worker, (leading blocks it will have on its device, leading blocks it holds in
-        either tier), capped like a hit, unweighted: from where a pull to it starts, and
-        what a pull can take from it. The router's pending placements count toward the first
-        (being computed or pulled there), never the second: a pull needs blocks that exist."""
-        cap = (n_tokens - 1) // self.block_size if n_tokens else 0
-        pending = self.pending.lookup(keys, self._clock())
-        out = {}
-        for w in ids:
-            dev, host = index.get(w, (0, 0))
-            dev = min(dev, cap)
-            out[w] = (max(dev, min(pending.get(w, 0), cap)), min(dev + host, cap))
         return out
 
     def _lookup(

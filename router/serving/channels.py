@@ -42,12 +42,19 @@ _ids = itertools.count()
 class Inbox:
     """One request's outputs as they arrive, read in batches; a waiter is one future (no
     task per item). Its stall timeout is one timer for the request, re-armed when it fires
-    and the reader waited less than the timeout (not one timer per wait, i.e. per token)."""
+    and the reader waited less than the timeout (not one timer per wait, i.e. per token).
 
-    __slots__ = ("items", "_waiter", "_since", "_timer", "timers")
+    ``interval`` (the router's ``stream_interval``): the reader is woken once that many
+    steps' outputs are there, so each client message carries at least that many steps'
+    tokens; the first output, the last one and anything that is not an output (an error, a
+    stream end) wake it at once, and a stall timeout hands over what has gathered."""
 
-    def __init__(self) -> None:
+    __slots__ = ("items", "interval", "_first", "_waiter", "_since", "_timer", "timers")
+
+    def __init__(self, interval: int = 1) -> None:
         self.items: list[Any] = []  # packed outputs (tuples), StreamEnd, WorkerGone, in order
+        self.interval = interval
+        self._first = True  # no output taken yet (the first token is never held back)
         self._waiter: asyncio.Future | None = None
         self._since = 0.0  # when the current wait began (loop time)
         self._timer: asyncio.TimerHandle | None = None
@@ -57,19 +64,31 @@ class Inbox:
         self.items.append(item)
         self.wake()
 
+    def ready(self) -> bool:
+        """Whether the reader has something to take now: items (it may have taken them
+        since they came: a reader woken to nothing would take nothing), as many as the
+        interval asks unless the stream starts, ends or fails with them."""
+        items = self.items
+        if not items:
+            return False
+        if self.interval == 1 or self._first or len(items) >= self.interval:
+            return True
+        last = items[-1]
+        return not isinstance(last, tuple) or bool(last[2])  # an end, an error, finished
+
     def wake(self) -> bool:
-        """Wake the reader if it waits and items are there (it may have taken them since
-        they came: a reader woken to nothing would take nothing); True if it did (it runs on
-        the loop's next iteration)."""
+        """Wake the reader if it waits and :meth:`ready`; True if it did (it runs on the
+        loop's next iteration)."""
         w = self._waiter
-        if self.items and w is not None and not w.done():
+        if w is not None and not w.done() and self.ready():
             w.set_result(True)
             return True
         return False
 
     async def wait(self, timeout_s: float) -> bool:
-        """True when items are there; False after ``timeout_s`` without any."""
-        if self.items:
+        """True when :meth:`ready`; after ``timeout_s`` True if items gathered meanwhile
+        (fewer than the interval: handed over), else False."""
+        if self.ready():
             return True
         loop = asyncio.get_running_loop()
         w = self._waiter = loop.create_future()
@@ -92,7 +111,7 @@ class Inbox:
             return  # the reader is not waiting: its next wait arms a timer
         due = self._since + timeout_s
         if loop.time() + _CLOCK_SLACK_S >= due:
-            w.set_result(False)
+            w.set_result(bool(self.items))
         else:  # this wait began after the timer was armed
             self._arm(loop, due, timeout_s)
 
@@ -108,6 +127,7 @@ class Inbox:
         items = self.items
         if len(items) == 1 and isinstance(items[0], tuple):  # (the common case: one step's)
             self.items = []
+            self._first = False
             return unpack_output(items[0])
         head = 0
         while head < len(items) and isinstance(items[head], tuple):
@@ -117,6 +137,7 @@ class Inbox:
         if head == 0:
             return items.pop(0)
         taken, self.items = items[:head], items[head:]
+        self._first = False
         return coalesce([unpack_output(p) for p in taken])
 
 
@@ -167,8 +188,8 @@ class WorkerChannel:
     def open_for_requests(self) -> bool:
         return self.error is None
 
-    def open(self, request_id: str) -> Inbox:
-        inbox = self.inboxes[request_id] = Inbox()
+    def open(self, request_id: str, interval: int = 1) -> Inbox:
+        inbox = self.inboxes[request_id] = Inbox(interval)
         if self.error is not None:
             inbox.put(self.error)
         return inbox

@@ -25,9 +25,10 @@ from kvstore.types import WorkerLoad
 from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Prepared, Router
-from router.placement.types import NoWorkersError, Reason, RouteDecision, RouteRequest
+from router.placement.types import NoWorkersError, RouteDecision, RouteRequest
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
+from router.serving.outcomes import Outcomes
 from router.serving.own_work import OwnWork
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -66,7 +67,6 @@ class ServingCore:
         self.router = router
         # predicted vs realised cached tokens per worker; None: not compared
         self.predictions = predictions
-        self._resyncs: set[asyncio.Task] = set()  # resync requests in flight
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
@@ -76,6 +76,7 @@ class ServingCore:
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         self.own = OwnWork()  # what this router sent, newer than any heartbeat
+        self.outcomes = Outcomes(router, directory, self.own, predictions)
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
@@ -206,18 +207,19 @@ class ServingCore:
                                 self.router.check_parity(request_id, decision.keys, item.last_key)
                             pulled = item.pulled
                             if pulled is not None:
-                                self._observe_pull(decision, pulled)
+                                self.outcomes.pull(decision, pulled)
                                 self._decide.call(self.router.pull_reported, decision, pulled)
                             continue
                         if not produced and any(d.token_ids for d in item.outputs):
                             produced = True
                             self.own.prefilled(worker, request_id, done=False)
                             self._settle(decision)
-                            self._compare_prediction(decision, item, pulled)
+                            self.outcomes.first_output(decision, item, pulled)
                             if pulled is not None:
                                 cached = item.usage.cached_tokens
                                 self._decide.call(self.router.pull_used, decision, pulled, cached)
-                            self._observe_prefill(request_id, item, loop.time() - sent, pulled)
+                            ttft_s = loop.time() - sent
+                            self.outcomes.prefill(request_id, item, ttft_s, pulled)
                         finished = item.finished
                         yield worker, relabelled(item, label)
                     return
@@ -265,71 +267,6 @@ class ServingCore:
             self.live_requests -= 1
             if self.warm_freeze is not None:
                 self.warm_freeze.request_ended(idle=not self.live_requests)
-
-    def _observe_pull(self, decision: RouteDecision, report: PullReport) -> None:
-        """A worker reported its pull: learn the two nodes, refine the transfer model from a
-        pull that imported, count the pull in the predicted-vs-realised table."""
-        hint = decision.pull
-        router = self.router
-        if report.node:
-            router.nodes[decision.worker_id] = report.node
-        if report.source_node:
-            router.nodes[report.source_id] = report.source_node
-        planner = router.planner
-        if planner is not None and report.outcome == "ok" and report.tokens:
-            planner.transfers.observe(
-                report.source_node, report.node, report.tokens, report.seconds
-            )
-        if self.predictions is not None and hint is not None:
-            self.predictions.observe_pull(
-                decision.worker_id,
-                hint.num_blocks * router.block_size,
-                report.tokens,
-                report.seconds,
-                hint.priced_s,
-                router.config.pull.slow_factor,
-            )
-
-    def _observe_prefill(
-        self, request_id: str, first: RequestOutput, ttft_s: float, pulled: PullReport | None
-    ) -> None:
-        """A request placed on an idle worker: its time to first token, less its pull, was
-        its prefill of the uncached tokens (the prefill-rate estimate the planner uses)."""
-        planner = self.router.planner
-        if planner is None or request_id not in self.own.idle_at_placement:
-            return
-        seconds = ttft_s - (pulled.seconds if pulled is not None else 0.0)
-        planner.observe_prefill(first.usage.prompt_tokens - first.usage.cached_tokens, seconds)
-
-    def _compare_prediction(
-        self, decision: RouteDecision, first: RequestOutput, pulled: PullReport | None = None
-    ) -> None:
-        """The first output reports the prefix hit the worker realised: compare it with the
-        hit this router predicted; a worker whose predictions keep missing resyncs. A pull
-        that imported less than planned is the pull's miss (counted with the pull), not the
-        index's: the index's prediction is what the worker held plus what it imported."""
-        if self.predictions is None or not decision.keys or decision.reason == Reason.NO_INDEX:
-            return  # nothing was predicted from the index
-        predicted = decision.cached_tokens_expected
-        if decision.pull is not None:
-            planned = decision.pull.num_blocks * self.router.block_size
-            predicted -= planned - (pulled.tokens if pulled is not None else 0)
-        imported = pulled is not None and pulled.outcome == "ok" and pulled.tokens > 0
-        verdict = self.predictions.observe(
-            decision.worker_id, predicted, first.usage.cached_tokens, pulled=imported
-        )
-        if verdict is None:
-            return
-        log.warning(
-            "worker %s's index entries look wrong; asking it to resync: %s",
-            verdict.worker_id,
-            verdict.reason,
-        )
-        task = asyncio.get_running_loop().create_task(
-            self.directory.resync(verdict.worker_id, verdict.reason)
-        )
-        self._resyncs.add(task)
-        task.add_done_callback(self._resyncs.discard)
 
     def _overloaded(
         self, request_id: str, full: list[str], *, every_worker: bool

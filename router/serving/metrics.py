@@ -46,6 +46,10 @@ class _Statuses(Collector):
                 ("kvc_worker_free_blocks", "Free KV blocks of the worker."),
                 ("kvc_worker_total_blocks", "KV blocks of the worker."),
                 ("kvc_worker_queued_prefill_tokens", "Prompt tokens still to prefill."),
+                (
+                    "kvc_worker_waiting_pinned_blocks",
+                    "Cached KV blocks the worker's waiting requests will pin when admitted.",
+                ),
                 ("kvc_worker_prefix_hit_rate", "The worker's prefix cache hit rate."),
                 ("kvc_worker_alive", "1 when the worker answered its status call."),
             )
@@ -60,6 +64,7 @@ class _Statuses(Collector):
                 ("kvc_worker_free_blocks", s.free_blocks),
                 ("kvc_worker_total_blocks", s.total_blocks),
                 ("kvc_worker_queued_prefill_tokens", s.queued_prefill_tokens),
+                ("kvc_worker_waiting_pinned_blocks", s.waiting_pinned_blocks),
                 ("kvc_worker_prefix_hit_rate", s.prefix_hit_rate),
                 ("kvc_worker_alive", 0 if s.stale else 1),
             ):

@@ -62,9 +62,12 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         liveness: LivenessConfig | None = None,
         batched: bool = True,
         caller_actor: ray.actor.ActorHandle | None = None,
+        stream_interval: int = 1,
     ) -> None:
         """``batched``: outputs come through one channel per worker (one message per step
         for all of this router's requests there); False: one Ray stream per request.
+        ``stream_interval``: steps' tokens per client message at least (the channel's
+        :class:`~router.serving.channels.Inbox`; the per-request streams ignore it).
         ``caller_actor``: the actor workers watch for this router's death (it answers
         ``incarnation()``); by default the actor this runs in, none outside one."""
         self._init_liveness(namespace, index, breaker, live_ttl_s, dead_ttl_s)
@@ -80,6 +83,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         handle = caller_actor or _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
         self.batched = batched
+        self.stream_interval = stream_interval
         self.channels = Channels(self.incarnation, self.caller)
         self.submits = SubmitBatcher(self.caller, self.incarnation)
         self._probes: dict[str, asyncio.Task] = {}  # worker -> its liveness probe in flight
@@ -129,7 +133,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
             return
         handle = await self._handle(worker_id)
         ch = self.channels.get(worker_id, handle)
-        inbox = ch.open(request.request_id)
+        inbox = ch.open(request.request_id, self.stream_interval)
         try:
             await self.first_steps.enter()
             # sent with the other requests of this loop turn for this worker, in one call

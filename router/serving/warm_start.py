@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import ray
@@ -24,28 +25,21 @@ import ray
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class WarmStarter:
     """Polls ``live_epochs`` every ``poll_s`` and starts the warm starts (see the module)."""
 
-    def __init__(
-        self,
-        namespace: str,
-        live_epochs: Callable[[], Awaitable[Mapping[str, int]]],
-        *,
-        prefixes: int,
-        share: float,
-        poll_s: float = 0.5,
-        call_timeout_s: float = 300.0,
-    ) -> None:
-        self.namespace = namespace
-        self.live_epochs = live_epochs
-        self.prefixes = prefixes
-        self.share = share
-        self.poll_s = poll_s
-        self.call_timeout_s = call_timeout_s
-        self.seen: dict[str, int] = {}  # worker -> the epoch whose warm start was asked
-        self.results: dict[str, dict[str, int]] = {}  # worker -> its last warm start's
-        self._calls: set[asyncio.Task] = set()
+    namespace: str  # the cluster's Ray namespace (the workers' actors are named in it)
+    live_epochs: Callable[[], Awaitable[Mapping[str, int]]]  # the registry: worker -> epoch
+    _: KW_ONLY
+    prefixes: int  # the fleet's hottest prefixes a new worker pulls
+    share: float  # of its device KV blocks, at most, filled by them
+    poll_s: float = 0.5
+    call_timeout_s: float = 300.0
+    seen: dict[str, int] = field(default_factory=dict, init=False)  # worker -> epoch asked
+    # worker -> what its last warm start did
+    results: dict[str, dict[str, int]] = field(default_factory=dict, init=False)
+    _calls: set[asyncio.Task] = field(default_factory=set, init=False)
 
     async def run(self) -> None:
         """Until cancelled; cancels the calls in flight when it is."""

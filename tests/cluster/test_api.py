@@ -221,6 +221,7 @@ def test_cli_generate_and_status(cluster) -> None:
     )
     assert st.returncode == 0, st.stderr
     assert "worker-0" in st.stdout and "worker-1" in st.stdout and "quota evict" in st.stdout
+    assert "pinned" in st.stdout and "evicted" in st.stdout
 
 
 def test_bench_load_generator_reports_and_routes(cluster, tmp_path, monkeypatch) -> None:

@@ -130,7 +130,12 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
             "redis": {"url": "redis://127.0.0.1:1/0"},
             "model": {"model_id": "m", "tiny_family": "llama"},
             "workers": {"engine": {"block_size": 32, "max_model_len": 256}},
-            "router": {"port": 6000, "http_port": None, "http_max_connections": 7},
+            "router": {
+                "port": 6000,
+                "http_port": None,
+                "http_max_connections": 7,
+                "stream_interval": 3,
+            },
             "scheduling": {"loop_slice_ms": 0.5, "compute_nice": 2},
         }
     )
@@ -144,9 +149,16 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
     assert worker.engine.max_model_len == router.max_model_len == 256
     assert router.port == 6001 and router.http_port is None
     assert router.http_max_connections == 7 and router.http_cheap_rate_per_s == 200.0
+    assert router.stream_interval == 3
     assert worker.engine == cfg.workers.engine  # the engine config is shipped as stated
     assert worker.sched == router.sched == cfg.scheduling  # one thread policy for both
     assert cfg.scheduling.loop_slice_ms == 0.5 and cfg.scheduling.compute_nice == 2
+
+
+@pytest.mark.parametrize("bad", [0, 65])
+def test_stream_interval_names_its_bounds(bad: int) -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        ClusterConfig.model_validate({"router": {"stream_interval": bad}})
 
 
 @pytest.mark.parametrize(("side", "bad"), [("workers", 20), ("workers", -1), ("router", 20)])

@@ -25,7 +25,7 @@ import ray
 
 from benchmarks.chaos_probes import on_workers, wait_idle
 from benchmarks.loadgen import run_bench
-from cluster.client import KVClusterClient
+from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
 from worker.model.default_model import resolve_default_model
@@ -343,6 +343,48 @@ def test_same_greedy_tokens_over_grpc_and_http(
     assert [c.token for c in chat.logprobs.content] == [
         tok.decode([t], skip_special_tokens=False) for t in chat_ids
     ]
+
+
+def test_stream_interval_joins_steps_into_fewer_messages_on_both_edges(
+    http_cluster: Cluster, client: openai.OpenAI, model: str
+) -> None:
+    """``router.stream_interval`` 4 (set on the live routers): the first token alone, then
+    at least 4 steps' tokens per gRPC message and SSE event, the same greedy tokens."""
+    prompt, n = "Streams join steps when asked", 13
+    params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+    def set_interval(k: int) -> None:
+        for h in http_cluster.routers.values():
+            ray.get(
+                h.__ray_call__.remote(lambda r, k=k: setattr(r.directory, "stream_interval", k))
+            )
+
+    def grpc_chunks() -> list[list[int]]:
+        with KVClusterClient(http_cluster.endpoints[0], token=TOKEN) as g:
+            stream = g.stream(build_request(prompt, **params), timeout=60)
+            return [list(m.token_ids) for m in stream if m.token_ids]
+
+    def sse_chunks() -> list[list[str]]:
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt,
+            stream=True,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+            **{k: v for k, v in params.items() if k != "ignore_eos"},
+        )
+        return [c.choices[0].logprobs.tokens for c in stream if c.choices and c.choices[0].logprobs]
+
+    every_step, every_event = grpc_chunks(), sse_chunks()
+    set_interval(4)
+    try:
+        joined, joined_events = grpc_chunks(), sse_chunks()
+    finally:
+        set_interval(1)
+    for chunks, base in ((joined, every_step), (joined_events, every_event)):
+        assert [t for c in chunks for t in c] == [t for c in base for t in c]
+        assert len(chunks) <= 1 + -(-(n - 1) // 4) < len(base)
+        assert all(len(c) >= 4 for c in chunks[1:-1]), chunks
 
 
 def test_client_disconnect_aborts_on_the_worker(

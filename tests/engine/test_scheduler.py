@@ -19,7 +19,7 @@ from worker.engine import (
 )
 from worker.engine.preemption import pick_victim, should_swap
 from worker.engine.request import Request
-from worker.status import worker_load
+from worker.status import worker_load, worker_status
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -128,6 +128,7 @@ def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() ->
     snap = engine.snapshot()
     assert snap.kv_waiting_pinned_blocks == 4 + 3
     assert worker_load(snap).waiting_pinned_blocks == 7
+    assert worker_status("w", snap, epoch=1, index_healthy=True).waiting_pinned_blocks == 7
     # a pull landed for a waiting request is the advising router's to count (its ledger)
     (seq,) = [r.seqs[0] for r in engine.scheduler.waiting if r.seqs[0].token_ids == other + [5]]
     engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -110,13 +112,64 @@ def test_stopped_server_raises_index_unavailable_promptly(redis_server: RedisSer
     index.close()
 
 
+class SilentServer:
+    """Accepts connections and reads what clients send, never answers; counts both."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.peers: list[tuple[str, int]] = []  # accepted, in order
+        self.received = 0  # bytes, over all connections
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self.sock.accept()
+            except OSError:  # closed
+                return
+            self._conns.append(conn)
+            self.peers.append(peer)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(65536):
+                self.received += len(data)
+
+    def connections_so_far(self) -> int:
+        """Connections made before this call: a marker connection is accepted after every
+        earlier one (the backlog is first in, first out), however late the accept thread."""
+        with socket.create_connection(("127.0.0.1", self.port)) as marker:
+            mine = marker.getsockname()
+            deadline = time.monotonic() + 30
+            while mine not in self.peers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert mine in self.peers
+            return self.peers.index(mine)
+
+    def close(self) -> None:
+        for sock in (self.sock, *self._conns):  # shutdown wakes the threads blocked on them
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
 def test_unresponsive_server_raises_within_the_timeout() -> None:
-    with socket.socket() as sink:  # accepts connections (backlog) but never answers
-        sink.bind(("127.0.0.1", 0))
-        sink.listen(8)
-        port = sink.getsockname()[1]
-        cfg = IndexConfig(url=f"redis://127.0.0.1:{port}/0", model_id="m", socket_timeout_s=0.2)
-        index = KVIndex(cfg)
-        # a timeout is not retried: about one socket timeout, never the 5 s default
-        assert 0.15 < _elapsed(lambda: index.lookup(chain(2))) < 1.5
+    """A timeout is not retried (one connection, one command sent) and is the index's own
+    socket timeout, not the slow client's (5 s at least, for resyncs and purges)."""
+    sink = SilentServer()
+    cfg = IndexConfig(url=f"redis://127.0.0.1:{sink.port}/0", model_id="m", socket_timeout_s=0.2)
+    index = KVIndex(cfg)
+    try:
+        elapsed = _elapsed(lambda: index.lookup(chain(2)))
+        assert 0.19 < elapsed < 5.0  # it waited its timeout; the slow client's is >= 5 s
+        assert sink.connections_so_far() == 1  # not retried on a new connection
+        deadline = time.monotonic() + 30
+        while not sink.received and time.monotonic() < deadline:  # its reader may lag
+            time.sleep(0.01)
+        assert sink.received > 0  # the command was sent: it timed out waiting for the answer
+    finally:
         index.close()
+        sink.close()

@@ -53,3 +53,30 @@ def hf_logits(model, ids: Sequence[int]) -> torch.Tensor:
     """float32 logits of every position of one sequence from a transformers model."""
     with torch.no_grad():
         return model(torch.tensor([list(ids)])).logits[0].float()
+
+
+def interleaved_steps(runner: ModelRunner, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Two sequences in one batch per step through the paged cache: sequence 0 prefills in
+    chunks of 5 while sequence 1 prefills 3 tokens, then decodes one per step; returns each
+    sequence's logits rows, in order."""
+    blocks = BlockHandout(runner.num_blocks, seed=3)
+    tables = [blocks.table(len(s), runner.block_size) for s in seqs]
+    got: list[list[torch.Tensor]] = [[], []]
+    done = [0, 0]
+    while done != [len(s) for s in seqs]:
+        chunks: list[SeqChunk] = []
+        owners: list[tuple[int, int]] = []
+        for i, seq in enumerate(seqs):
+            if done[i] == len(seq):
+                continue
+            step = 5 if i == 0 else (3 if done[1] == 0 else 1)
+            new = seq[done[i] : done[i] + step]
+            chunks.append(SeqChunk(new, done[i], tables[i], "all"))
+            owners.append((i, len(new)))
+            done[i] += len(new)
+        logits = runner.execute(runner.build_input(chunks))
+        row = 0
+        for i, n in owners:
+            got[i].append(logits[row : row + n])
+            row += n
+    return [torch.cat(g) for g in got]

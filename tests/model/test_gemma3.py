@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.model.gguf_writer import write_gguf
-from tests.model.helpers import BlockHandout, hf_logits
+from tests.model.helpers import BlockHandout, hf_logits, interleaved_steps
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.config import ModelConfig
 from worker.model.lora import load_adapter
@@ -56,37 +56,13 @@ def test_config_traits_and_the_transformers_5_layout(folder, hf_model):
     assert ModelConfig.from_dict(hf_model(folder).config.to_dict()) == cfg
 
 
-def _interleaved_steps(runner, seqs):
-    """Sequence 0 prefills in chunks of 5 while sequence 1 decodes token by token, both past
-    the window; returns each sequence's logits rows."""
-    blocks = BlockHandout(runner.num_blocks, seed=3)
-    tables = [blocks.table(len(s), runner.block_size) for s in seqs]
-    got, done = [[], []], [0, 0]
-    while done != [len(s) for s in seqs]:
-        chunks, owners = [], []
-        for i, seq in enumerate(seqs):
-            if done[i] == len(seq):
-                continue
-            step = 5 if i == 0 else (3 if done[1] == 0 else 1)
-            new = seq[done[i] : done[i] + step]
-            chunks.append(SeqChunk(new, done[i], tables[i], "all"))
-            owners.append((i, len(new)))
-            done[i] += len(new)
-        logits = runner.execute(runner.build_input(chunks))
-        row = 0
-        for i, n in owners:
-            got[i].append(logits[row : row + n])
-            row += n
-    return [torch.cat(g) for g in got]
-
-
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_backends_with_per_layer_windows_equal_transformers(folder, hf_model, backend):
     runner = ModelRunner(folder, block_size=4, num_blocks=64, attn_backend=backend)
     assert runner.backend.name == backend
     rng = random.Random(1)
     seqs = [[rng.randrange(5, 500) for _ in range(n)] for n in (33, 30)]
-    for seq, got in zip(seqs, _interleaved_steps(runner, seqs), strict=True):
+    for seq, got in zip(seqs, interleaved_steps(runner, seqs), strict=True):
         torch.testing.assert_close(got, hf_logits(hf_model(folder), seq), atol=1e-4, rtol=0)
 
 

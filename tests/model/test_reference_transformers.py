@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from tests.model.helpers import BlockHandout, greedy_generate, hf_logits
+from tests.model.helpers import BlockHandout, greedy_generate, hf_logits, interleaved_steps
 from worker.model.build_tiny import FAMILIES
 from worker.model.config import ModelConfig
 from worker.model.runner import ModelRunner, SeqChunk
@@ -60,31 +60,9 @@ def test_incremental_decode_matches_full_forward(family, model_dirs, hf_model):
     rng = random.Random(1)
     seq_a = [rng.randrange(5, 500) for _ in range(30)]
     seq_b = [rng.randrange(5, 500) for _ in range(30)]
-    blocks = BlockHandout(runner.num_blocks, seed=3)
-    tables = [blocks.table(30, 4), blocks.table(30, 4)]
-    got: list[list[torch.Tensor]] = [[], []]
-    done = [0, 0]
-    plan = {0: 5, 1: 1}  # new tokens per step: A in prefill chunks, B token by token
-    first_b = 3  # B starts with a 3-token prefill, then decodes
-    while done != [30, 30]:
-        chunks, owners = [], []
-        for s, seq in enumerate((seq_a, seq_b)):
-            if done[s] == 30:
-                continue
-            step = first_b if (s == 1 and done[1] == 0) else plan[s]
-            new = seq[done[s] : done[s] + step]
-            chunks.append(SeqChunk(new, done[s], tables[s], "all"))
-            owners.append((s, len(new)))
-            done[s] += len(new)
-        logits = runner.execute(runner.build_input(chunks))
-        row = 0
-        for s, n in owners:
-            got[s].append(logits[row : row + n])
-            row += n
+    got = interleaved_steps(runner, [seq_a, seq_b])
     for s, seq in enumerate((seq_a, seq_b)):
-        torch.testing.assert_close(
-            torch.cat(got[s]), hf_logits(hf_model(path), seq), atol=1e-4, rtol=0
-        )
+        torch.testing.assert_close(got[s], hf_logits(hf_model(path), seq), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

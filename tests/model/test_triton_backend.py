@@ -102,17 +102,7 @@ def test_triton_kernel_in_cpu_interpreter():
         print("ok")
         """
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).parents[2],
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "ok"
+    _interpret(["-c", script], timeout=120)
 
 
 @needs_triton
@@ -129,13 +119,18 @@ def test_split_count_follows_the_grid_and_the_context():
 
 
 def run_in_interpreter(check: str, model_dir: Path, dtype: str = "float32") -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_WAIT_POLICY="PASSIVE")
+    driver = ["-m", "tests.model.triton_cpu_driver", check, str(model_dir), dtype]
+    _interpret(driver, timeout=180, OMP_WAIT_POLICY="PASSIVE")
+
+
+def _interpret(args: list[str], *, timeout: int, **env: str) -> None:
+    """Run ``python args`` with Triton's CPU interpreter (and ``env``); it must print ok."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.model.triton_cpu_driver", check, str(model_dir), dtype],
-        env=env,
+        [sys.executable, *args],
+        env=dict(os.environ, TRITON_INTERPRET="1", **env),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         cwd=Path(__file__).parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

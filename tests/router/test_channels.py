@@ -235,3 +235,49 @@ def test_an_inbox_stall_counts_from_the_wait_not_from_the_timer() -> None:
 
     stalled, waited, timers = asyncio.run(main())
     assert not stalled and waited >= 0.2 - 1e-3 and timers == 2
+
+
+def step(t: int, finished: bool = False) -> tuple:
+    """One step's packed output of request ``r``: token ``t``."""
+    reason = FinishReason.LENGTH if finished else None
+    delta = CompletionDelta(0, str(t), [t], None, reason)
+    return pack_output(RequestOutput("r", [delta], finished, Usage(3, 0, t)))
+
+
+def test_an_interval_holds_the_reader_until_that_many_steps_came_but_never_the_first() -> None:
+    """``stream_interval`` 3: the first token goes at once; then a message per 3 steps,
+    and the last (finished) one at once with whatever came before it."""
+
+    async def main() -> list[list[int]]:
+        inbox = Inbox(3)
+        got: list[list[int]] = []
+        for t in range(1, 9):  # 8 steps, the 8th finishing
+            inbox.put(step(t, finished=t == 8))
+            if inbox.ready():
+                assert await inbox.wait(5.0)
+                got.append(inbox.take().outputs[0].token_ids)
+        return got
+
+    assert asyncio.run(main()) == [[1], [2, 3, 4], [5, 6, 7], [8]]
+
+
+def test_an_interval_never_holds_an_error_or_a_stall_back() -> None:
+    async def main() -> tuple:
+        inbox = Inbox(4)
+        inbox.put(step(1))
+        first = inbox.take()  # the first token: not held
+        waiting = asyncio.ensure_future(inbox.wait(5.0))
+        inbox.put(step(2))
+        await asyncio.sleep(0)
+        held = not waiting.done()  # one of four steps: the reader sleeps on
+        inbox.put(WorkerGone("worker died"))  # an error wakes it with what came before
+        woke = await waiting
+        merged, gone = inbox.take(), inbox.take()
+        inbox.put(step(3))  # a slow worker: the stall timeout hands over what gathered
+        timed_out = await inbox.wait(0.02)
+        return first.outputs[0].token_ids, held, woke, merged, gone, timed_out, inbox.take()
+
+    first, held, woke, merged, gone, timed_out, late = asyncio.run(main())
+    assert first == [1] and held and woke
+    assert merged.outputs[0].token_ids == [2] and isinstance(gone, WorkerGone)
+    assert timed_out and late.outputs[0].token_ids == [3]

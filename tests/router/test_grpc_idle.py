@@ -13,14 +13,15 @@ import pytest
 import router.edge.servicer as servicer_mod
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.edge.servicer import KVClusterServicer, start_server
+from router.edge.servicer import start_server
+from tests.router.edges import grpc_servicer
 from tests.router.test_tokenize_limits import LIMITS, Core, SpyTokenizer
 
 
 def test_silent_and_idle_connections_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(servicer_mod, "HANDSHAKE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(servicer_mod, "IDLE_S", 1.0)
-    svc = KVClusterServicer(Core(), SpyTokenizer(), policy="x", limits=LIMITS)  # type: ignore[arg-type]
+    svc = grpc_servicer(Core(), SpyTokenizer(), limits=LIMITS)
 
     async def main() -> tuple[list[bytes], grpc.ChannelConnectivity, list[int]]:
         server, port = await start_server(svc, host="127.0.0.1", port=0, max_message_bytes=1 << 20)

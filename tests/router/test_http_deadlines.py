@@ -10,7 +10,7 @@ import json
 import pytest
 
 import router.http_api.app as app_mod
-from router.http_api import OpenAIServer
+from tests.router.edges import http_server
 from tests.router.test_tokenize_limits import LIMITS, Core, SpyTokenizer
 
 
@@ -24,14 +24,7 @@ def test_idle_trickling_and_slow_body_connections_are_closed(
 ) -> None:
     monkeypatch.setattr(app_mod, "HEAD_TIMEOUT_S", 0.5)
     monkeypatch.setattr(app_mod, "BODY_TIMEOUT_S", 0.5)
-    server = OpenAIServer(
-        Core(),  # type: ignore[arg-type]
-        SpyTokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=LIMITS,
-        max_body_bytes=1 << 20,
-        http_protocol=protocol,  # type: ignore[arg-type]
-    )
+    server = http_server(Core(), SpyTokenizer(), limits=LIMITS, http_protocol=protocol)
 
     async def main() -> list[bytes]:
         port = await server.start("127.0.0.1", 0)
@@ -73,13 +66,8 @@ def test_bodies_held_at_once_are_bounded_for_all_requests_together(
     for all requests together, a body is refused (503, Retry-After); the budget comes back
     as bodies end, however they end."""
     monkeypatch.setattr(app_mod, "BODY_BUDGET_BYTES", 1 << 20)
-    server = OpenAIServer(
-        Core(),  # type: ignore[arg-type]
-        SpyTokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=LIMITS,
-        max_body_bytes=200 << 10,  # the budget: max(1 MiB, 4 x 200 KiB) = 1 MiB
-    )
+    # the budget: max(1 MiB, 4 x 200 KiB) = 1 MiB
+    server = http_server(Core(), SpyTokenizer(), limits=LIMITS, max_body_bytes=200 << 10)
     part = b"x" * (190 << 10)
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (200 << 10)
 

@@ -15,20 +15,13 @@ import pytest
 import router.http_api.app as app_mod
 from router.http_api import OpenAIServer
 from router.http_api.cheap import CheapGate
-from router.placement.config import RequestLimits
 from router.serving.errors import ServerBusy
+from tests.router.edges import http_server
 from tests.router.test_http_hostile_bodies import Core, Directory, Tokenizer
 
 
 def _server(core: Core | None = None, **kw: object) -> OpenAIServer:
-    return OpenAIServer(
-        core or Core(),  # type: ignore[arg-type]
-        Tokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=RequestLimits(),
-        max_body_bytes=1 << 20,
-        **kw,  # type: ignore[arg-type]
-    )
+    return http_server(core or Core(), Tokenizer(), **kw)
 
 
 async def _answer(reader: asyncio.StreamReader) -> tuple[bytes, dict]:

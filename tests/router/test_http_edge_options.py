@@ -12,8 +12,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.http_api import OpenAIServer
-from router.placement.config import RequestLimits
+from tests.router.edges import http_server
 from tests.router.test_http_hostile_bodies import Core, Tokenizer
 
 
@@ -30,14 +29,7 @@ def _ask(port: int, method: str, origin: str) -> dict[str, str]:
 
 
 def _answers(origins: tuple[str, ...]) -> list[dict[str, str]]:
-    server = OpenAIServer(
-        Core(),  # type: ignore[arg-type]
-        Tokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=RequestLimits(),
-        max_body_bytes=1 << 20,
-        cors_origins=origins,
-    )
+    server = http_server(Core(), Tokenizer(), cors_origins=origins)
 
     async def main() -> list[dict[str, str]]:
         port = await server.start("127.0.0.1", 0)
@@ -72,13 +64,7 @@ def test_cors_answers_configured_origins_only() -> None:
 def test_unknown_fields_are_accepted_logged_once_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    server = OpenAIServer(
-        Core(),  # type: ignore[arg-type]
-        Tokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=RequestLimits(),
-        max_body_bytes=1 << 20,
-    )
+    server = http_server(Core(), Tokenizer())
     body = json.dumps({"prompt": "hi", "frobnicate": 1, "zz_new_sdk_field": None}).encode()
 
     def post(port: int) -> int:

@@ -13,10 +13,9 @@ import time
 from types import SimpleNamespace
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from router.http_api import OpenAIServer
-from router.placement.config import RequestLimits
 from router.placement.metrics import RouterMetrics
 from router.serving.core import ModelLimits
+from tests.router.edges import http_server
 
 MAX_BODY = 4 << 20
 
@@ -102,13 +101,7 @@ def calm(added: float, control: float, statuses: list[int], small_times: list[fl
 
 
 def test_hostile_bodies_do_not_stall_the_event_loop() -> None:
-    server = OpenAIServer(
-        Core(),  # type: ignore[arg-type]
-        Tokenizer(),  # type: ignore[arg-type]
-        auth=None,
-        limits=RequestLimits(),
-        max_body_bytes=MAX_BODY,
-    )
+    server = http_server(Core(), Tokenizer(), max_body_bytes=MAX_BODY)
     small = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 1}).encode()
 
     async def main() -> list[tuple[float, float, list[int], list[float]]]:

@@ -4,6 +4,7 @@ metrics — with real KV managers feeding a real in-memory index."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import pytest
@@ -189,11 +190,20 @@ def test_metrics_snapshot_and_errors() -> None:
     router = Router(RoutingConfig(policy="round_robin"), block_size=16)
     with pytest.raises(NoWorkersError, match="no live worker"):
         router.route(RouteRequest("r", [1, 2, 3]), {})
+    calls = []  # each route call's own duration, measured around it
     for i in range(3):
+        t0 = time.perf_counter()
         router.route(RouteRequest(f"r{i}", [1, 2, 3]), {"a": load(), "b": load()})
+        calls.append(time.perf_counter() - t0)
     snap = router.metrics.snapshot()
     assert snap["decisions"] == {"round_robin/round-robin": 3}
-    assert 0 < snap["decision_latency_p50_s"] <= snap["decision_latency_p99_s"] < 0.1
+    # each decision's latency is measured, in seconds, within its own call
+    samples = router.metrics.latency.latest(3)
+    assert router.metrics.latency.count == 3
+    assert all(0 < s <= c for s, c in zip(samples, calls, strict=True)), (samples, calls)
+    assert snap["decision_latency_p50_s"] == sorted(samples)[1]
+    assert snap["decision_latency_p99_s"] == max(samples)
+    assert snap["decision_latency_mean_s"] == pytest.approx(sum(samples) / 3)
 
 
 def test_prompt_shorter_than_a_block_needs_no_index() -> None:

@@ -86,3 +86,33 @@ def test_plain_events_carry_the_text_index_and_reason() -> None:
         {"index": 0, "delta": {"content": "hé"}, "logprobs": None, "finish_reason": None}
     ]
     assert DONE == b"data: [DONE]\n\n"
+
+
+def test_echoed_completion_logprobs_put_the_prompt_first_and_offsets_run_on() -> None:
+    """With echo, the first event's logprobs start with the prompt's tokens (the first has
+    none: null) at offset 0; the completion's start after the echoed text and run on across
+    events."""
+    body = {"stream": False, "echo": True, "logprobs": 1, "return_tokens_as_token_ids": True}
+    meta, _ = parse_request(
+        {"model": "m", "prompt": "hi", **body},
+        chat=False,
+        tenant=None,
+        limits=RequestLimits(),
+        now=1,
+    )
+    s = Shaper(meta, 1, None, echoes=["hi"], prompt_ids=[[5, 6]])  # type: ignore[arg-type]
+    prompt = [None, TokenLogprob(6, -0.5, ((7, -0.25),))]
+    first = s.logprobs_json([TokenLogprob(8, -1.0, ((8, -1.0),))], 0, prompt)
+    assert first == {
+        "tokens": ["token_id:5", "token_id:6", "token_id:8"],
+        "token_logprobs": [None, -0.5, -1.0],
+        "top_logprobs": [None, {"token_id:7": -0.25, "token_id:6": -0.5}, {"token_id:8": -1.0}],
+        "text_offset": [0, 10, 2],  # the completion's after the echoed "hi"
+    }
+    second = s.logprobs_json([TokenLogprob(9, -2.0)], 0)
+    assert second == {
+        "tokens": ["token_id:9"],
+        "token_logprobs": [-2.0],
+        "top_logprobs": [{"token_id:9": -2.0}],
+        "text_offset": [12],  # after "hi" and "token_id:8"
+    }

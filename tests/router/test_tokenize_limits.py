@@ -19,6 +19,7 @@ from router.edge.servicer import KVClusterServicer
 from router.placement.config import RequestLimits
 from router.serving.core import ModelLimits
 from router.serving.tokenizing import SMALL_TEXT_CHARS, prompt_chars_limit
+from tests.router.edges import grpc_servicer, http_server
 
 MAX_MODEL_LEN = 512
 LIMITS = RequestLimits(max_chars_per_token=16)  # 8192 characters for max_model_len 512
@@ -70,7 +71,7 @@ class Core:
 
 
 def servicer(tok: SpyTokenizer) -> KVClusterServicer:
-    return KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
+    return grpc_servicer(Core(), tok, limits=LIMITS)
 
 
 def test_over_limit_text_is_rejected_before_tokenizing() -> None:
@@ -107,12 +108,7 @@ def test_over_limit_text_is_rejected_before_tokenizing() -> None:
 def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
     big = SMALL_TEXT_CHARS + 1
     tok = SpyTokenizer(hold_over=SMALL_TEXT_CHARS)
-    svc = KVClusterServicer(
-        Core(),
-        tok,
-        policy="x",  # type: ignore[arg-type]
-        limits=RequestLimits(max_chars_per_token=1 << 10),
-    )
+    svc = grpc_servicer(Core(), tok, limits=RequestLimits(max_chars_per_token=1 << 10))
 
     async def main() -> list[int]:
         floods = [
@@ -139,17 +135,10 @@ def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
 
 def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
     from router.edge.convert import GenerateSpec
-    from router.http_api import OpenAIServer
     from worker.engine import InvalidRequest, SamplingParams
 
     tok = SpyTokenizer()
-    server = OpenAIServer(
-        Core(),
-        tok,
-        auth=None,
-        limits=LIMITS,  # type: ignore[arg-type]
-        max_body_bytes=1 << 20,
-    )
+    server = http_server(Core(), tok, limits=LIMITS)
 
     def spec(text: str) -> GenerateSpec:
         return GenerateSpec("r", text, None, SamplingParams(max_tokens=1), "", True)
@@ -172,18 +161,11 @@ def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() ->
     """Chat messages get the text prompts' character cap (before the template is rendered
     and tokenized), over gRPC and HTTP: a megabyte of chat costs the router nothing."""
     from router.edge.convert import GenerateSpec
-    from router.http_api import OpenAIServer
     from worker.engine import SamplingParams
 
     tok = ChatSpyTokenizer()
-    svc = KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
-    server = OpenAIServer(
-        Core(),
-        tok,
-        auth=None,
-        limits=LIMITS,  # type: ignore[arg-type]
-        max_body_bytes=1 << 20,
-    )
+    svc = grpc_servicer(Core(), tok, limits=LIMITS)
+    server = http_server(Core(), tok, limits=LIMITS)
     half = "w" * 4097  # two of these: 8194 characters of content, over 8192
 
     def chat(*contents: str) -> pb.GenerateRequest:
@@ -224,7 +206,7 @@ def test_tools_and_calls_count_against_the_cap_before_rendering_on_both_edges() 
     from router.http_api.protocol import parse_request
 
     tok = ChatSpyTokenizer()
-    svc = KVClusterServicer(Core(), tok, policy="x", limits=LIMITS)  # type: ignore[arg-type]
+    svc = grpc_servicer(Core(), tok, limits=LIMITS)
     tool = {"type": "function", "function": {"name": "f", "description": "d" * 9000}}
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "a" * 9000}}
     hi = {"role": "user", "content": "hi"}
