@@ -207,15 +207,20 @@ def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["tok_s"])
 
 
+def thread_sched(args: argparse.Namespace) -> dict:
+    """The cluster's ``scheduling`` section from ``--thread-sched`` / ``--compute-nice``."""
+    sched: dict = {"enabled": args.thread_sched}
+    if args.compute_nice is not None:
+        sched["compute_nice"] = args.compute_nice
+    return sched
+
+
 def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: dict) -> None:
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
-    sched: dict = {"enabled": args.thread_sched}
-    if args.compute_nice is not None:
-        sched["compute_nice"] = args.compute_nice
     name = f"serving-path-{size}-{os.getpid()}"
-    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval, sched)
+    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval, thread_sched(args))
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
@@ -295,7 +300,11 @@ def fanout(args: argparse.Namespace) -> dict:
     one = offline(engine, make_prompts(args.fanout_streams, args.prompt, vocab, 7), args.max_tokens)
     del engine
     cfg = cluster_config(
-        f"serving-path-fanout-{os.getpid()}", model_dir, args.fanout_workers, engine_cfg
+        f"serving-path-fanout-{os.getpid()}",
+        model_dir,
+        args.fanout_workers,
+        engine_cfg,
+        sched=thread_sched(args),
     )
     with Cluster(cfg) as cluster:
         run_grpc(cluster.endpoints[0], make_prompts(8, args.prompt, vocab, 5), 4)
