@@ -204,8 +204,9 @@ class ClusterConfig(Strict):
     redis: IndexSettings = IndexSettings()
     scheduling: ThreadSchedConfig = Field(
         ThreadSchedConfig(),
-        description="How the workers' and routers' threads ask the OS for a core: short "
-        "slices for the event loops, a CPU engine's compute threads a little nicer.",
+        description="How the workers' and routers' threads ask the OS for a core (off "
+        "unless enabled): short slices for the event loops, optionally a CPU engine's "
+        "compute threads a little nicer.",
     )
 
     @model_validator(mode="after")
