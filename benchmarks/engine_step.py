@@ -19,6 +19,11 @@ timers (``EngineSnapshot.stage_seconds``) the mean ms per step of each stage: ``
 detokenization, applying tokens), ``output`` (RequestOutputs); ``host`` = all but forward,
 and its share of the step. A baseline tree without stage timers reports throughput only.
 Greedy tokens of both trees are compared cell by cell (the same ids must come out).
+
+``--host-only`` measures the engine's own per-step host work alone, robustly on a busy
+machine: the model's forward returns rows of a fixed random table (input preparation,
+sampling, stops, detokenization and outputs all run as usual), one thread, and the stage
+timers read the engine thread's CPU time instead of the wall clock.
 """
 
 from __future__ import annotations
@@ -34,12 +39,17 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("schedule", "prepare", "forward", "sample", "process", "output")
 
 
-def cell(model: str, seqs: int, prompt: int, new: int, seed: int, threads: int) -> dict:
+def cell(
+    model: str, seqs: int, prompt: int, new: int, seed: int, threads: int, host_only: bool = False
+) -> dict:
     """One measured offline run in this process (the code on ``sys.path``)."""
     import hashlib
     import importlib
     import random
     import time
+
+    if host_only:  # the stage timers read this thread's CPU time: robust to a busy machine
+        time.perf_counter = time.thread_time
 
     importlib.import_module("worker")  # before torch: the worker's OpenMP wait policy
     import torch
@@ -58,6 +68,8 @@ def cell(model: str, seqs: int, prompt: int, new: int, seed: int, threads: int) 
     )
     engine = Engine.from_model_dir(path, cfg)
     vocab = engine.executor.vocab_size
+    if host_only:
+        fixed_logits(engine)
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     warm = [[rng.randrange(5, vocab) for _ in range(prompt)] for _ in range(min(seqs, 8))]
@@ -83,6 +95,25 @@ def cell(model: str, seqs: int, prompt: int, new: int, seed: int, threads: int) 
     return out
 
 
+def fixed_logits(engine: object) -> None:
+    """Replace the model's forward by rows of a fixed random table (the input is still
+    built, sampled from, detokenized): what is left of a step is the engine's host work."""
+    import torch
+
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+    table = torch.randn(
+        4096, engine.executor.vocab_size, generator=torch.Generator().manual_seed(0)
+    )  # type: ignore[attr-defined]
+    at = [0]
+
+    def execute(batch: object, adapters: object = None) -> torch.Tensor:
+        n = batch.logits_indices.shape[0]  # type: ignore[attr-defined]
+        at[0] = (at[0] + 7) % (table.shape[0] - n)
+        return table[at[0] : at[0] + n]
+
+    runner.execute = execute
+
+
 def model_folder(model: str) -> str:
     """A model folder, or a ``build_tiny`` size built (cached) by this tree."""
     if Path(model).exists():
@@ -98,7 +129,7 @@ def run_cell(tree: Path, args: argparse.Namespace, model: str, seqs: int) -> dic
         sys.executable,
         str(Path(__file__).resolve()),
         "--cell",
-        json.dumps([model, seqs, args.prompt, args.new, args.seed, args.threads]),
+        json.dumps([model, seqs, args.prompt, args.new, args.seed, args.threads, args.host_only]),
     ]
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=tree)
@@ -150,9 +181,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", help="another checkout (e.g. main) run on the same cells")
+    parser.add_argument(
+        "--host-only",
+        action="store_true",
+        help="the forward replaced by fixed logits, stages timed in engine-thread CPU time",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.seqs, args.prompt, args.new = "tiny", "8", 16, 4
+    if args.host_only:
+        args.threads = 1  # all of the host work on the timed thread
     trees = [("this", ROOT)] + ([("baseline", Path(args.baseline))] if args.baseline else [])
     rows, head = [], {}
     for model in args.models.split(","):

@@ -8,7 +8,9 @@ default a hot prefix set 2.5 times one worker's KV cache (6 x ~1,020 tokens, 152
 16; ``hot_set_x`` in the JSON line), so no worker can hold it all
 and where a request lands (and whether its prefix can be pulled) decides what is
 recomputed. System prompts are drawn uniformly, or Zipf-skewed with ``--zipf S`` (the
-``r``-th with weight ``1/(r+1)^S``; reported in the JSON line).
+``r``-th with weight ``1/(r+1)^S``; reported in the JSON line). Every configuration's
+workers admit the same way: cache-aware admission by default, ``--admission strict`` for
+plain policy order.
 
 First a **warm-up** of ``--warmup`` requests at the lowest load, not measured: the cluster
 starts cold, and the first touch of each prefix (which nothing can pull) is not what is
@@ -66,6 +68,8 @@ def _config(policy: str, pull: bool, args: argparse.Namespace) -> ClusterConfig:
     raw = cluster_config(policy, w).model_dump()
     raw["name"] = f"{raw['name']}-{'pull' if pull else 'nopull'}"
     raw["router"]["routing"]["pull"] = {"enabled": pull}
+    # the same worker scheduling in all four configurations
+    raw["workers"]["engine"]["cache_aware_admission"] = args.admission == "cache-aware"
     return ClusterConfig.model_validate(raw)
 
 
@@ -203,6 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--zipf", type=float, default=0.0, help="popularity skew of the prefixes (0: uniform)"
     )
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument(
+        "--admission",
+        choices=("cache-aware", "strict"),
+        default="cache-aware",
+        help="every worker's admission order (EngineConfig.cache_aware_admission)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--only", choices=sorted({p for p, _ in CONFIGS}), help="one policy")
@@ -236,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "kv_pull_cluster",
         "smoke": args.smoke,
         "zipf": args.zipf,
+        "admission": args.admission,
         "hot_set_x": round(args.hot_set_x, 2),
         "loads": args.loads,
         "requests_per_load": args.requests,

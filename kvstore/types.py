@@ -38,6 +38,10 @@ class WorkerLoad:
     # of free_blocks, the evictable cached blocks the waiting requests' prefixes will pin
     # when they start (a block several of them share counted once): room that is not free
     waiting_pinned_blocks: int = 0
+    # 1: its engine admits the waiting requests whose prefix is cached first (cache-aware
+    # admission), so a request arriving with its prefix cached (pulled) runs before the
+    # queue's uncached prompts allocate their blocks
+    admits_cached_first: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

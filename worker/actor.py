@@ -53,6 +53,11 @@ from worker.telemetry import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 
+# the load published after each step may carry a waiting-pinned count this old (seconds):
+# recounting is O(waiting prompt blocks) on the engine thread, the index hears the load at
+# heartbeat cadence, and an empty queue reports 0 at once
+PINS_MAX_AGE_S = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -115,7 +120,9 @@ class WorkerServer(PeerPulls, BurstIntake):
 
     def _after_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         events = engine.drain_kv_events()
-        snap = engine.snapshot()  # one snapshot: the load published and the gauges agree
+        # one snapshot: the load published and the gauges agree; its pinned-block count is
+        # recounted at most every PINS_MAX_AGE_S (the publisher heartbeats less often)
+        snap = engine.snapshot(pins_max_age_s=PINS_MAX_AGE_S)
         if self.publisher is not None:
             self.publisher.submit(events, worker_load(snap))
         self.telemetry.after_step(snap, outputs)

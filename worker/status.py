@@ -17,6 +17,7 @@ def worker_load(snap: EngineSnapshot) -> WorkerLoad:
         total_blocks=snap.kv_total_blocks,
         queued_prefill_tokens=snap.pending_prefill_tokens,
         waiting_pinned_blocks=snap.kv_waiting_pinned_blocks,
+        admits_cached_first=int(snap.admits_cached_first),
         decode_tokens=snap.decoding_seqs,
         host_blocks=snap.host_total_blocks,
         lora_ids=snap.lora_ids,

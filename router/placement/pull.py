@@ -38,8 +38,10 @@ own pulls in flight (:class:`~router.placement.pull_ledger.PullLedger`):
   (``WorkerLoad.waiting_pinned_blocks``), the new blocks its queue will allocate and the
   router's pulls landing there, are fewer than the run and the request's own tail — the
   run would evict the prefixes of the requests queued ahead of it, or be evicted by them
-  before its request runs. When every worker's KV is committed so (the fleet is
-  saturated), nothing is pulled;
+  before its request runs. A worker whose engine admits cached prefixes first
+  (``WorkerLoad.admits_cached_first``) runs the pulled request before its queue's uncached
+  prompts allocate, so their new blocks are not counted there. When every worker's KV is
+  committed so (the fleet is saturated), nothing is pulled;
 - **learned**: of a pull's gain, only the share its destination's recent pulls found cached
   when their request ran (:meth:`PullLedger.survival`) is counted; the rest is priced as
   recomputed: ``pull = transfer + wait(e) + prefill(n - c_h) + (1 - s) prefill(c_h - c_e)``.
@@ -273,10 +275,13 @@ class PullPlanner:
         load = dest.load
         if load.total_blocks:  # a worker reporting no KV size is not judged by it
             bs = self.block_size
+            # a worker admitting cached prefixes first runs the pulled request before its
+            # queue's uncached prompts allocate: only the cached ones ahead pin room
+            queued = 0 if load.admits_cached_first else -(-load.queued_prefill_tokens // bs)
             room = (
                 load.free_blocks
                 - load.waiting_pinned_blocks
-                - -(-load.queued_prefill_tokens // bs)
+                - queued
                 - self.ledger.landing_blocks[dest.worker_id]
             )
             if blocks + -(-max(tail, 0) // bs) > room:

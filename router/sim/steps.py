@@ -17,7 +17,7 @@ from kvstore.blocks.events import BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest
-from worker.kv import BlockClaims, KVCacheManager, KVCapacityError
+from worker.kv import KVCacheManager, KVCapacityError
 
 ParityHook = Callable[[str, Sequence[BlockKey], Sequence[BlockKey]], object]
 
@@ -40,7 +40,6 @@ class SimSteps:
     busy_s: float
     max_loras: int
     lora_loads: int
-    _claims: BlockClaims
     _events: list[tuple[float, list[KVEvent]]]
     _step_events: list[KVEvent]
     _blocked: bool
@@ -140,7 +139,7 @@ class SimSteps:
     def _pop_waiting(self) -> ActiveRequest:
         active = self.waiting.popleft()
         self.waiting_cached -= len(active.req.token_ids) - active.est_new
-        self._claims.release(active.claim)
+        self.kv.unclaim(active.claim)
         active.claim = []
         return active
 

@@ -32,7 +32,7 @@ from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest, RequestRecord, SimRequest
 from router.sim.steps import ParityHook, SimSteps
-from worker.kv import BlockClaims, KVCacheManager
+from worker.kv import KVCacheManager
 from worker.kv.transfer import KVLayout, RunHeader
 
 
@@ -63,7 +63,6 @@ class SimWorker(SimSteps):
         self.decoding: list[ActiveRequest] = []
         self.queued_prefill = 0  # uncached prompt tokens still to compute (waiting + admitted)
         self.waiting_cached = 0  # prompt tokens of waiting requests their prefix hit will skip
-        self._claims = BlockClaims()  # waiting prompts' block keys (as the engine)
         self.decode_ctx = 0  # sum of KV lengths of decoding sequences
         self.computed_prefill_tokens = 0  # prompt tokens this worker actually computed
         self.busy_s = 0.0  # time spent in steps
@@ -154,8 +153,8 @@ class SimWorker(SimSteps):
         req = active.req
         # As the engine's scheduler does: what its KV manager would hit now, or a request
         # queued ahead of it will have cached by its turn (a pure query).
-        hint, active.claim = self.kv.expected_prefix(req.token_ids, req.ctx, self._claims)
-        self._claims.claim(active.claim)
+        hint, active.claim = self.kv.expected_prefix(req.token_ids, req.ctx, self.kv.claims)
+        self.kv.claim(active.claim)  # evicted last while it waits (as the engine)
         active.est_new = len(req.token_ids) - hint
         self.queued_prefill += active.est_new
         self.waiting_cached += len(req.token_ids) - active.est_new
@@ -174,7 +173,7 @@ class SimWorker(SimSteps):
             running=len(self.prefilling) + len(self.decoding),
             waiting=len(self.waiting),
             free_blocks=self.kv.num_free_blocks(),
-            waiting_pinned_blocks=self.kv.num_evictable_of(self._claims) if self.waiting else 0,
+            waiting_pinned_blocks=self.kv.num_evictable_of(self.kv.claims) if self.waiting else 0,
             total_blocks=self.kv.num_blocks,
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),

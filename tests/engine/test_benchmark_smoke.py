@@ -44,6 +44,18 @@ def test_engine_step_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path)
     assert (tmp_path / "engine_step.png").stat().st_size > 0
 
 
+def test_engine_step_host_only_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    """The forward replaced by fixed logits: host stages only, on this tree and a baseline
+    (the same tree here), which gives the same tokens."""
+    from benchmarks import engine_step
+
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    head = engine_step.main(["--smoke", "--host-only", "--baseline", str(engine_step.ROOT)])
+    capsys.readouterr()
+    assert head["tiny_8_tok_s"] > 0 and 0 < head["tiny_8_host_ms"]
+    assert head["tiny_8_same_tokens"] is True
+
+
 def test_worker_loop_smoke(capsys: pytest.CaptureFixture) -> None:
     from benchmarks import worker_loop
 

@@ -74,3 +74,40 @@ def test_hidden_tokens_add_no_text(tokenizer) -> None:
         text.add(tok, check_stops=True)
     text.add(tokenizer.encode("there", add_special_tokens=False)[0], check_stops=True, show=False)
     assert text.take_delta(finished=True) == "Hi"
+
+
+class _DecodeOnly:
+    """The same tokenizer without ``special_ids``: the detokenizer decodes every token."""
+
+    def __init__(self, tokenizer) -> None:  # noqa: ANN001
+        self._t = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._t.encode(text, add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:  # noqa: ANN001
+        return self._t.decode(ids, skip_special_tokens)
+
+
+def test_special_tokens_skip_decoding_yet_every_delta_is_the_decoded_one(tokenizer) -> None:
+    """Skipped special ids are appended without a decode (they decode to nothing): streams
+    thick with them, between multi-byte characters and after flushes, give the very deltas
+    of a detokenizer that decodes every token, with and without skipping them."""
+    special = sorted(tokenizer.special_ids())
+    assert len(special) > 4 and tokenizer.decode(special) == ""
+    rng = random.Random(3)
+    text_ids = [i for t in TEXTS for i in tokenizer.encode(t, add_special_tokens=False)]
+    for case in range(60):
+        prompt = [rng.choice(text_ids + special) for _ in range(rng.randint(0, 8))]
+        out = [
+            rng.choice(special) if rng.random() < 0.6 else rng.choice(text_ids)
+            for _ in range(rng.randint(1, 40))
+        ]
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(tokenizer, prompt, skip)
+            slow = IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt, skip)
+            for i, tok in enumerate(out):
+                assert fast.add(tok) == slow.add(tok), (case, skip, i)
+                if rng.random() < 0.05:
+                    assert fast.flush() == slow.flush(), (case, skip, i)
+            assert fast.flush() == slow.flush(), (case, skip)

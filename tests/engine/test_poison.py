@@ -37,10 +37,10 @@ def poison(monkeypatch: pytest.MonkeyPatch, victim: str, after: int = 3) -> None
     """``victim``'s processing raises once it has ``after`` tokens (a bug only it hits)."""
     original = OutputProcessor._append
 
-    def append(self, req, seq, tok, lp) -> None:  # noqa: ANN001
+    def append(self, req, seq, tok, *rest) -> None:  # noqa: ANN001
         if req.request_id == victim and seq.num_output >= after:
             raise ZeroDivisionError("injected failure of one request")
-        original(self, req, seq, tok, lp)
+        original(self, req, seq, tok, *rest)
 
     monkeypatch.setattr(OutputProcessor, "_append", append)
 

@@ -10,7 +10,10 @@ block's slots hold its recorded tokens, the key set rebuilt from the event strea
 the manager's cached keys, and that key set is PREFIX-CLOSED (every cached key's parent, as
 the events name it, is cached too) — the invariant the Redis index's bisect lookup rests on.
 ``duplicate_prefill`` computes one prompt in two sequences at once, so the same blocks are
-filled twice ("twins") and evicted in every order.
+filled twice ("twins") and evicted in every order. ``claim`` / ``unclaim`` stand for
+requests entering and leaving a waiting queue: their prompts' cached blocks queue behind
+every unclaimed one (``check_invariants`` checks each free cached block's run), and the
+claims always equal the count the model keeps.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class KVMachine(RuleBasedStateMachine):
         self.index: set[bytes] = set()  # keys rebuilt from the event stream
         self.parents: dict[bytes, bytes | None] = {}  # key -> parent, from BlockStored events
         self.next_event_seq = 0
+        self.claimed: list[list] = []  # the key chains claimed, one per waiting "request"
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -221,6 +225,22 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.free(sid)
         self._admit(tokens, chunk, None)
 
+    @rule(prefix=st.sampled_from(PREFIXES), tail=TOKENS, salt=st.sampled_from([None, "tenant"]))
+    def claim(self, prefix: list[int], tail: list[int], salt: str | None) -> None:
+        ctx = HashContext("m", cache_salt=salt)
+        _, keys = self.kv.expected_prefix((prefix + tail) or [0], ctx, self.kv.claims)
+        self.kv.claim(keys)
+        self.claimed.append(keys)
+        if any(self.kv._pool.cached.get(k) for k in keys):
+            event("cached blocks claimed")
+
+    @rule(i=PICK)
+    def unclaim(self, i: int) -> None:
+        if self.claimed:
+            keys = self.claimed.pop(i % len(self.claimed))
+            shared = self.kv.unclaim(keys)
+            assert shared == any(k in self.kv.claims for k in keys)
+
     @rule()
     def reset(self) -> None:
         in_use = any(self.kv.block_table(s) for s in self.seqs)
@@ -262,6 +282,7 @@ class KVMachine(RuleBasedStateMachine):
         assert kv.num_free_blocks() == len(queued) == kv.stats().free_blocks
         if kv.stats().tenant_quota_evictions:
             event("tenant quota evicted")
+        assert kv.claims == Counter(k for keys in self.claimed for k in keys)
 
     @invariant()
     def every_sequence_reads_back_its_tokens(self) -> None:

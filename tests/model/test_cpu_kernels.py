@@ -127,3 +127,24 @@ def test_argmax_kernel_matches_torch(width):
     got = kernels.argmax_rows(x)
     assert got.dtype == torch.long
     assert got.tolist() == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_argmax_kernel_split_over_threads_matches_torch(threads):
+    """A batch large enough to split its rows over the pool (uneven ranges, a strided view,
+    NaN / infinity rows at the cuts) gives torch's answer for every row."""
+    kernels = native.load_kernels()
+    before = kernels.threads
+    gen = torch.Generator().manual_seed(threads)
+    rows, width = 101, 8192
+    assert rows * width >= native.ARGMAX_SPLIT_ELEMENTS
+    x = torch.randn(rows, width + 5, generator=gen)[:, 3 : 3 + width]
+    for r in (0, rows // threads, rows // threads + 1, rows - 1):
+        x[r, r % width] = float("nan") if r % 2 else float("inf")
+    x[rows // 2] = float("-inf")
+    try:
+        kernels.set_threads(threads)
+        got = kernels.argmax_rows(x)
+    finally:
+        kernels.set_threads(before)
+    assert got.tolist() == x.argmax(dim=-1).tolist()

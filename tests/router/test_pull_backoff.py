@@ -76,6 +76,22 @@ def test_blocks_its_waiting_requests_will_pin_count_against_a_workers_room() -> 
     assert p.choices == {"pull": 2, "full": 1}
 
 
+def test_a_worker_admitting_cached_prefixes_first_has_room_beside_its_uncached_queue() -> None:
+    """b queues 3,200 uncached tokens (200 blocks) with 131 free: a strict engine would
+    allocate them before the pulled request runs (full); one admitting cached prefixes first
+    runs it before them, so only its own 129 blocks count."""
+
+    def cached_first(b_free: int) -> list[WorkerView]:
+        a, b = views(b_queued=3200, b_free=b_free)
+        return [a, dataclasses.replace(b, load=dataclasses.replace(b.load, admits_cached_first=1))]
+
+    p = planner()
+    assert plan(p, views(b_queued=3200, b_free=131))[1] is None
+    assert plan(p, cached_first(129))[1] is not None
+    assert plan(p, cached_first(128))[1] is None  # its own run and tail still need room
+    assert p.choices == {"pull": 1, "full": 2}
+
+
 def test_pulls_landing_on_a_worker_count_against_its_room() -> None:
     p = planner()
     first = plan(p, views(b_free=250))[1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -53,6 +54,9 @@ CFLAGS = (
 )
 _reason: str | None = None
 PIECES_PER_THREAD = 2  # work ranges per pool thread (finer balances better, each costs a call)
+# logits elements from which argmax_rows splits its rows over the pool (below that, handing
+# ranges to threads costs more than the pass: ~64 rows of a 8k vocabulary)
+ARGMAX_SPLIT_ELEMENTS = 1 << 19
 
 
 def _cpu_flags() -> str:
@@ -197,7 +201,22 @@ class NativeKernels:
         out = torch.empty(x.shape[0], dtype=torch.long)
         if x.shape[1] == 0:
             raise IndexError("argmax of an empty row")
-        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        rows, n, stride = x.shape[0], x.shape[1], x.stride(0)
+        pool = self._pool  # once: set_threads may swap it meanwhile
+        if pool is None or rows * n < ARGMAX_SPLIT_ELEMENTS:
+            self._argmax(x.data_ptr(), rows, n, stride, out.data_ptr())
+            return out
+        # rows are independent: a range per pool thread (ctypes lets go of the GIL), so a
+        # greedy step of a large batch is not one core's pass over its whole logits
+        base, dst, item = x.data_ptr(), out.data_ptr(), x.element_size()
+        cuts = [rows * i // self.threads for i in range(self.threads + 1)]
+        futures = [
+            pool.submit(self._argmax, base + lo * stride * item, hi - lo, n, stride, dst + 8 * lo)
+            for lo, hi in itertools.pairwise(cuts)
+            if hi > lo
+        ]
+        for f in futures:
+            f.result()
         return out
 
     def split(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:

@@ -99,6 +99,26 @@ class EngineConfig(Strict):
         description="Fraction of blocks kept free when admitting new "
         "requests while others run (fewer preemptions).",
     )
+    cache_aware_admission: bool = Field(
+        False,
+        description="Among the waiting requests of one policy class (one priority level; "
+        "every request under fcfs), admit those with the longest prompt prefix cached now "
+        "first, so one whose prefix is not cached does not evict the prefix a request behind "
+        "it was placed here for. Priorities still win; admission_max_overtakes and "
+        "admission_max_wait_s bound how long a request can be passed.",
+    )
+    admission_max_overtakes: int = Field(
+        4,
+        ge=0,
+        description="Cache-aware admission: most admissions of later requests a waiting "
+        "request lets pass; then nothing behind it is admitted before it.",
+    )
+    admission_max_wait_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="Cache-aware admission: seconds a request may wait before nothing behind "
+        "it is admitted before it any more.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the RNG used by requests without a seed.")
     dtype: str = Field("float32", description="Model dtype (runner).")
     device: str = Field("cpu", description="Torch device (runner).")

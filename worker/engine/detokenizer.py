@@ -27,11 +27,14 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    # optional: ``special_ids() -> frozenset[int]``, ids ``decode`` drops when it skips
+    # special tokens (worker.model.tokenizer.Tokenizer has it)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas."""
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read")
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text", "_silent")
 
     def __init__(
         self, tokenizer: TokenizerLike, prompt_ids: Sequence[int], skip_special_tokens: bool = True
@@ -41,6 +44,15 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])  # decoding window
         self._prefix = 0  # window start: context for the leading space of the next text
         self._read = len(self._ids)  # ids before this offset are already emitted
+        # text of ids[_prefix:_read]; kept while a character is pending (those ids do not
+        # change until the next emission), so a pending token costs one decode, not two
+        self._prefix_text: str | None = None
+        # ids that decode to nothing wherever they stand (special tokens, when skipped): one
+        # adds no text, so it is appended without decoding (the text it would give is "")
+        special = getattr(tokenizer, "special_ids", None)
+        self._silent: frozenset[int] = (
+            special() if skip_special_tokens and special is not None else frozenset()
+        )
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -48,7 +60,13 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly complete text ("" if a character is pending)."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        if token_id in self._silent:
+            # decode() drops it: the window decodes as before this call, to text that was
+            # pending or emitted then (a fresh window holds only emitted context): nothing new
+            return ""
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
@@ -56,6 +74,7 @@ class IncrementalDetokenizer:
         # every call decodes a window of bounded size.
         self._ids = self._ids[self._read :]
         self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
@@ -63,6 +82,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
+        self._prefix_text = ""  # the window is empty now
         return new_text[len(prefix_text) :]
 
 

@@ -254,9 +254,12 @@ class Engine(EngineStep):
 
     # ---- outputs and metrics -------------------------------------------------------------
 
-    def snapshot(self) -> EngineSnapshot:
+    def snapshot(self, *, pins_max_age_s: float = 0.0) -> EngineSnapshot:
         """The engine's figures at this moment (call between steps, in the engine's thread or
-        under the front's lock): the one source of the worker's load, status and gauges."""
+        under the front's lock): the one source of the worker's load, status and gauges.
+        ``pins_max_age_s``: ``kv_waiting_pinned_blocks`` may be a count that old
+        (:meth:`WaitingQueue.pinned_blocks`; O(waiting prompt blocks) to recount), for a
+        caller after every step."""
         kv = self.kv.stats()
         s = self.stats
         sched = self.scheduler
@@ -275,7 +278,8 @@ class Engine(EngineStep):
             num_preemptions=s.num_preemptions,
             num_swap_preemptions=s.num_swap_preemptions,
             recomputed_tokens=s.recomputed_tokens,
-            kv_waiting_pinned_blocks=sched.waiting.pinned_blocks(),
+            kv_waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
+            admits_cached_first=self.config.cache_aware_admission,
             host_total_blocks=kv.host_blocks,
             host_cached_blocks=kv.host_cached_blocks,
             host_hit_tokens=kv.host_hit_tokens,

@@ -121,6 +121,7 @@ class EngineSnapshot:
     # of kv_free_blocks, the evictable cached ones the waiting requests' prefixes will pin
     # when they start (each once)
     kv_waiting_pinned_blocks: int = 0
+    admits_cached_first: bool = False  # cache-aware admission (EngineConfig)
     host_cached_blocks: int = 0  # blocks the host tier holds now
     host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier
     host_loaded_blocks: int = 0  # blocks copied host -> device

@@ -38,4 +38,7 @@ class RequestOutcome:
     @property
     def num_tokens(self) -> int:
         """Tokens generated (sampled or chosen as beams) in this step."""
-        return sum(o.token is not None for o in self.seqs) + len(self.beams or ())
+        seqs = self.seqs
+        if len(seqs) == 1 and self.beams is None:  # n == 1: the usual outcome
+            return seqs[0].token is not None
+        return sum(o.token is not None for o in seqs) + len(self.beams or ())

@@ -2,7 +2,7 @@
 
 A policy orders requests: the scheduler serves the smallest key first (admission, decode
 order) and preempts the largest key first when KV blocks run out. Keys must be total orders
-that never tie between two requests (the arrival counter breaks ties).
+that never tie between two requests (the arrival counter, their last item, breaks ties).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ class SchedulingPolicy(ABC):
     @abstractmethod
     def key(self, req: Request) -> tuple[int | float, ...]:
         """Smaller = served first; the largest running key is the first preemption victim."""
+
+    def class_key(self, req: Request) -> tuple[int | float, ...]:
+        """The key without its arrival tie-breaker (its last item): requests of one class the
+        policy does not tell apart, which cache-aware admission may reorder
+        (``worker/engine/admission.py``)."""
+        return self.key(req)[:-1]
 
 
 SCHEDULING_POLICIES: Registry[type[SchedulingPolicy]] = Registry("policy")

@@ -133,8 +133,14 @@ class OutputProcessor:
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
-            specs.append(SampleSpec(req.params, seq.generator, self._banned(req, seq)))
-            if req.params.has_penalties:
+            spec = seq.spec
+            if spec is None:
+                banned = self._banned(req, seq)
+                spec = SampleSpec(req.params, seq.generator, banned)
+                if not banned:  # banned only until min_tokens: the same spec from now on
+                    seq.spec = spec
+            specs.append(spec)
+            if spec.penalized:
                 penalized.append((seq, req.params))
         if not targets:
             return
@@ -157,7 +163,7 @@ class OutputProcessor:
                 out.error = NonFiniteLogits(_non_finite(req))
                 continue
             try:
-                self._append(req, seq, tok, lp)
+                self._append(req, seq, tok, lp, out)
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
                 out.error = exc
 
@@ -222,9 +228,16 @@ class OutputProcessor:
         eos = () if p.ignore_eos or seq.matcher is not None else tuple(self.eos_ids)
         return (*eos, *p.stop_token_ids)
 
-    def _append(self, req: Request, seq: Sequence, tok: int, lp: TokenLogprob | None) -> None:
+    def _append(
+        self,
+        req: Request,
+        seq: Sequence,
+        tok: int,
+        lp: TokenLogprob | None,
+        out: RequestOutcome,
+    ) -> None:
         """Decide what ``tok`` does to ``seq`` (stop token, EOS, stop string, length) and
-        record it; the scheduler appends it."""
+        record it in ``out`` (``req``'s outcome); the scheduler appends it."""
         p = req.params
         num_output = seq.num_output + 1  # with tok
         check = num_output >= p.min_tokens
@@ -249,7 +262,7 @@ class OutputProcessor:
             if seq.text is not None:
                 seq.text.finish(flush=not isinstance(stop_reason, str))
             self.penalties.release(seq.seq_id)  # it samples no more
-        self._outcome(req).seqs.append(SeqOutcome(seq, tok, lp, reason, stop_reason))
+        out.seqs.append(SeqOutcome(seq, tok, lp, reason, stop_reason))
 
     def capacity(self, req: Request) -> RequestOutcome:
         """The request cannot fit the KV cache even alone: every sequence ends ``length``

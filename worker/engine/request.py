@@ -60,6 +60,7 @@ class Sequence:
         "cached_hint",
         "claim",
         "matcher",
+        "spec",
     )
 
     def __init__(
@@ -93,6 +94,9 @@ class Sequence:
         # structured outputs: this sequence's grammar state (an llguidance matcher), advanced
         # by each token it samples; it survives preemption as the output tokens do
         self.matcher: Any = None
+        # how it samples (the output processor's SampleSpec), kept once nothing is banned any
+        # more (min_tokens reached): from then on it is the same every step
+        self.spec: Any = None
 
     @property
     def num_output(self) -> int:
@@ -131,14 +135,14 @@ class Sequence:
     def take_delta(self) -> CompletionDelta:
         finished = self.finish_reason is not None
         self.finish_sent = finished
-        delta = CompletionDelta(
-            index=self.index,
-            text=self.text.take_delta(finished) if self.text is not None else "",
-            token_ids=self.new_tokens,
-            logprobs=self.new_logprobs or None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            cumulative_logprob=self.cumulative_logprob,
+        delta = CompletionDelta(  # positional: one per sequence per step
+            self.index,
+            self.text.take_delta(finished) if self.text is not None else "",
+            self.new_tokens,
+            self.new_logprobs or None,
+            self.finish_reason,
+            self.stop_reason,
+            self.cumulative_logprob,
         )
         self.new_tokens, self.new_logprobs = [], []
         return delta
@@ -177,6 +181,7 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
+        self.overtaken = 0  # admissions of later requests while it waited (admission.py)
         self.final_deltas: list[CompletionDelta] = []  # beam search: results at the end
         # per prompt position, filled as its chunks run (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
@@ -208,11 +213,15 @@ class Request:
     def completion_tokens(self) -> int:
         if self.params.use_beam_search:
             return sum(len(d.token_ids) for d in self.final_deltas)
-        return sum(s.num_output for s in (*self.seqs, *self.done_seqs))
+        seqs, done = self.seqs, self.done_seqs
+        if len(seqs) == 1 and not done:  # n == 1 running: every output of every step asks
+            seq = seqs[0]
+            return len(seq.token_ids) - seq.prompt_len
+        return sum(s.num_output for s in (*seqs, *done))
 
     def usage(self) -> Usage:
         return Usage(
-            self.prompt_len,
+            len(self.prompt_ids),
             self.num_cached_tokens or 0,
             self.completion_tokens(),
             self.num_host_cached_tokens,

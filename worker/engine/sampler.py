@@ -19,7 +19,7 @@ logprobs a request asked for) come back, through pinned memory with one synchron
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +45,13 @@ class SampleSpec:
     # read only when the request sets penalties and ``sample`` is given no PenaltyRows
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    # facts of ``params`` read for every row of every step, taken once
+    greedy: bool = field(init=False)
+    penalized: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.greedy = self.params.is_greedy
+        self.penalized = self.params.has_penalties
 
 
 @dataclass(slots=True)
@@ -108,7 +115,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(
     logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
 ) -> torch.Tensor:
-    rows = [i for i, s in enumerate(specs) if s.params.has_penalties]
+    rows = [i for i, s in enumerate(specs) if s.penalized]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[-1]
@@ -196,6 +203,31 @@ def _sample_random(
     return _argmax(probs / _race(probs, specs, default))
 
 
+def _adjust(
+    logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
+) -> torch.Tensor:
+    """Penalties, then OpenAI's ``logit_bias`` (added; logprobs stay the model's own), then
+    the banned ids of each row."""
+    device = logits.device
+    logits = _apply_penalties(logits, specs, counts)
+    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
+    if biased:
+        rows, cols, bias = zip(*biased, strict=True)
+        logits = logits.index_put(
+            tuple(to_device([list(rows), list(cols)], torch.long, device)),
+            to_device(list(bias), logits.dtype, device),
+            accumulate=True,
+        )
+    banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
+    if banned_rows:
+        cells = [banned_rows, [t for s in specs for t in s.banned]]
+        logits = logits.index_put(
+            tuple(to_device(cells, torch.long, device)),
+            torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
+        )
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     specs: Sequence[SampleSpec],
@@ -211,29 +243,25 @@ def sample(
     assert logits.shape[0] == len(specs), (logits.shape, len(specs))
     device = logits.device
     raw = logits
-    logits = _apply_penalties(logits, specs, counts)
-    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
-    if biased:  # OpenAI's logit_bias: added to the logits (logprobs stay the model's own)
-        rows, cols, bias = zip(*biased, strict=True)
-        logits = logits.index_put(
-            tuple(to_device([list(rows), list(cols)], torch.long, device)),
-            to_device(list(bias), logits.dtype, device),
-            accumulate=True,
-        )
-    banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
-    if banned_rows:
-        cells = [banned_rows, [t for s in specs for t in s.banned]]
-        logits = logits.index_put(
-            tuple(to_device(cells, torch.long, device)),
-            torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
-        )
+    # one pass over the rows for what they ask (the usual batch asks nothing special)
+    greedy: list[int] = []
+    rand: list[int] = []
+    want: list[int] = []
+    special = False  # a row with penalties, logit_bias or banned ids
+    for i, s in enumerate(specs):
+        (greedy if s.greedy else rand).append(i)
+        p = s.params
+        if p.logprobs is not None:
+            want.append(i)
+        if s.penalized or s.banned or p.logit_bias:
+            special = True
+    if special:
+        logits = _adjust(logits, specs, counts)
     if mask is not None and mask.rows is None:
         logits = logits.masked_fill(mask.banned, float("-inf"))
     elif mask is not None:
         masked = logits.index_select(0, mask.rows).masked_fill_(mask.banned, float("-inf"))
         logits = logits.index_copy(0, mask.rows, masked)
-    greedy = [i for i, s in enumerate(specs) if s.params.is_greedy]
-    rand = [i for i, s in enumerate(specs) if not s.params.is_greedy]
     if not rand:
         tokens = _argmax(logits)
     elif not greedy:
@@ -247,7 +275,6 @@ def sample(
         tokens.index_copy_(0, r_idx, picked)
     # -1 marks a row with non-finite logits (read back with the tokens: no extra sync)
     tokens = torch.where(finite_rows(raw), tokens, -1)
-    want = [i for i, s in enumerate(specs) if s.params.logprobs is not None]
     if not want:
         (host_tokens,) = _to_host(tokens)
         return [t if t >= 0 else None for t in host_tokens.tolist()], [None] * len(specs)

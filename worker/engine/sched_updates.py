@@ -47,14 +47,17 @@ class OutcomeUpdates:
         freeing their blocks), give back the blocks of sequences that finished, and finish
         the request when none is left (:meth:`take_finished`)."""
         req = out.req
-        if out.beams is not None or any(o.token is not None for o in out.seqs):
+        if out.beams is not None:
             req.protected = False
             req.progressed = True
         for o in out.seqs:
             seq = o.seq
-            if o.token is not None:
-                seq.token_ids.append(o.token)
-                seq.new_tokens.append(o.token)
+            token = o.token
+            if token is not None:
+                req.protected = False
+                req.progressed = True
+                seq.token_ids.append(token)
+                seq.new_tokens.append(token)
                 if o.logprob is not None:
                     seq.new_logprobs.append(o.logprob)
                     seq.cumulative_logprob += o.logprob.logprob

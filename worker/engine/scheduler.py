@@ -9,7 +9,9 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in th
 3. admission of waiting requests, in policy order, while the budget, ``max_num_seqs`` and the
    KV cache allow (a prefix hit counts: only the uncached tail needs blocks). The first waiting
    request that does not fit stops admission (no starvation of long prompts); no admission
-   happens in a step that had to preempt.
+   happens in a step that had to preempt. With ``cache_aware_admission`` the leading
+   waiting requests of one policy class go longest cached prefix first, within a starvation
+   bound (``admission.py``).
 
 Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
 which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
@@ -40,9 +42,11 @@ finishes requests; the engine collects them with :meth:`Scheduler.take_finished`
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence as Seq
 from typing import Literal
 
+from worker.engine.admission import CacheAwareOrder
 from worker.engine.config import EngineConfig
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.preemption import pick_victim, should_swap
@@ -66,6 +70,12 @@ class Scheduler(OutcomeUpdates):
         self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
         self.running: list[Request] = []
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
+        cfg = config
+        self._order = (
+            CacheAwareOrder(kv, policy, cfg.admission_max_overtakes, cfg.admission_max_wait_s)
+            if cfg.cache_aware_admission
+            else None
+        )
         # per-step state
         self._budget = 0
         self._touched: set[str] = set()  # requests that got blocks in this step
@@ -121,17 +131,47 @@ class Scheduler(OutcomeUpdates):
         self._touched.clear()
         self._writing.clear()
         by_key = sorted(self.running, key=self.policy.key)
-        for decode_pass in (True, False):
-            for req in by_key:
-                if req.status is not RequestStatus.RUNNING or req.doomed:
-                    continue  # preempted earlier in this step
-                for seq in _work(req):
-                    if decode_pass != (seq.allocated and seq.num_remaining == 1):
-                        continue
-                    outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
-                    if outcome == "wait":
-                        break
-        if not out.preempted:
+        # pass 1: decodes; pass 2: the prefill work of the requests pass 1 saw with some
+        # (a sequence that is no decode in pass 1 is none in pass 2, unless its request was
+        # preempted or doomed meanwhile, and those are skipped)
+        prefilling = []
+        running = RequestStatus.RUNNING
+        for req in by_key:
+            if req.status is not running or req.doomed:
+                continue  # preempted earlier in this step
+            seqs = req.seqs
+            if len(seqs) == 1:  # n == 1: the usual request, without _work's list
+                seq = seqs[0]
+                remaining = len(seq.token_ids) - seq.num_computed
+                if remaining <= 0 or seq.pending_logits is not None:
+                    continue
+                if remaining == 1 and seq.allocated:
+                    if self._budget:
+                        self._schedule_seq(req, seq, admit=False)
+                else:
+                    prefilling.append(req)
+                continue
+            has_prefill = False
+            for seq in _work(req):
+                if not (seq.allocated and seq.num_remaining == 1):
+                    has_prefill = True
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    has_prefill = True  # (what pass 2 finds: it checks each sequence again)
+                    break
+            if has_prefill:
+                prefilling.append(req)
+        for req in prefilling:
+            if req.status is not running or req.doomed:
+                continue
+            for seq in _work(req):
+                if seq.allocated and seq.num_remaining == 1:
+                    continue
+                outcome = self._schedule_seq(req, seq, admit=False) if self._budget else "wait"
+                if outcome == "wait":
+                    break
+        if not out.preempted and self.waiting:
             self._admit_waiting()
         out.transfers = self.kv.take_transfers()
         out.blocks_to_copy = self.kv.take_copies()
@@ -141,12 +181,21 @@ class Scheduler(OutcomeUpdates):
         out = self._out
         # LoRA adapters of running requests: each holds a device slot while it runs
         adapters = {r.params.lora for r in self.running if r.params.lora is not None}
-        for req in list(self.waiting):
+        seq_slots = self.num_running_seqs  # kept up to date below: once, not per candidate
+        waiting = order = list(self.waiting)
+        now = time.monotonic()
+        if self._order is not None:
+            order = self._order.order(waiting, now)
+        deferred: list[Request] = []  # and admitted, in this pass: whom the bound protects
+        admitted: list[Request] = []
+        for req in order:
             if self._budget == 0:
                 break
+            if self._order is not None and not self._order.may_pass(req, deferred, admitted, now):
+                continue  # it would pass a deferred request at its bound
             if req.awaiting_grammar:
                 continue  # its grammar is compiling: let the others pass
-            if self.num_running_seqs + req.num_seq_slots > self.config.max_num_seqs:
+            if seq_slots + req.num_seq_slots > self.config.max_num_seqs:
                 break
             lora = req.params.lora
             if lora is not None and lora not in adapters:
@@ -159,17 +208,22 @@ class Scheduler(OutcomeUpdates):
                     break
             if req.request_id not in self._touched:
                 if outcome == "defer":
+                    deferred.append(req)
                     continue  # its prefix is being computed right now: admit it next step
                 break  # the head of the queue does not fit: wait (no overtaking)
             self.waiting.admit(req)
             if lora is not None:
                 adapters.add(lora)
             self.running.append(req)
+            seq_slots += req.num_seq_slots
             out.admitted.append(req.request_id)
+            admitted.append(req)
             if req.status is RequestStatus.PREEMPTED:
                 req.protected = True
                 out.resumed.append(req.request_id)
             req.status = RequestStatus.RUNNING
+        if self._order is not None and out.admitted:
+            self._order.note_admitted(waiting, set(out.admitted))
 
     def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> Outcome:
         """Allocate and schedule this step's tokens of ``seq``, or say why not."""

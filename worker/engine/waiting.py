@@ -12,6 +12,8 @@ recounts them.
 from __future__ import annotations
 
 import bisect
+import math
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
@@ -27,7 +29,11 @@ class WaitingQueue:
         self._kv = kv
         self._policy = policy
         self._reqs: list[Request] = []  # sorted by policy key
-        self.claims = BlockClaims()  # full-block keys of waiting sequences' prompts
+        # full-block keys of waiting sequences' prompts: the KV manager's count, so its pool
+        # evicts them last
+        self.claims = kv.claims
+        self._pinned = 0  # the last count of pinned_blocks, made at monotonic _pinned_at
+        self._pinned_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -50,7 +56,7 @@ class WaitingQueue:
                 seq.cached_hint, seq.claim = self._kv.expected_prefix(
                     seq.token_ids, req.ctx, self.claims, prompt_keys
                 )
-                self.claims.claim(seq.claim)
+                self._kv.claim(seq.claim)
 
     def admit(self, req: Request) -> None:
         """``req`` leaves for the running batch; its claims go (its blocks are cached now)."""
@@ -68,28 +74,39 @@ class WaitingQueue:
         self._reqs.remove(req)
         shared = False
         for seq in (*req.seqs, *req.done_seqs):  # an abort has moved its seqs to done_seqs
-            shared |= self.claims.release(seq.claim)
+            shared |= self._kv.unclaim(seq.claim)
             seq.claim = []
         return shared
 
     def _reclaim(self) -> None:
-        """Recount every waiting sequence's claims and hint in queue order
-        (O(waiting prompt blocks), no hashing)."""
-        self.claims.clear()
+        """Recount every waiting sequence's hint in queue order, against the claims of the
+        sequences ahead of it (O(waiting prompt blocks), no hashing; the claims themselves
+        are unchanged)."""
+        ahead = BlockClaims()
         for req in self._reqs:
             for seq in req.seqs:
                 if seq.claim:
                     seq.cached_hint, _ = self._kv.expected_prefix(
-                        seq.token_ids, req.ctx, self.claims, seq.claim
+                        seq.token_ids, req.ctx, ahead, seq.claim
                     )
-                    self.claims.claim(seq.claim)
+                    ahead.claim(seq.claim)
 
-    def pinned_blocks(self) -> int:
+    def pinned_blocks(self, max_age_s: float = 0.0) -> int:
         """Evictable cached blocks the waiting sequences' prefixes will pin when they start,
         each block once however many of them share it: the claims are the distinct keys of
         their prompts, and by prefix closure a claimed key cached on the device lies in its
-        sequence's leading hit. O(distinct claimed keys), no hashing."""
-        return self._kv.num_evictable_of(self.claims) if self._reqs else 0
+        sequence's leading hit. O(distinct claimed keys), no hashing.
+
+        ``max_age_s`` > 0: a count made less than that long ago is given again instead of
+        recounting (a caller after every step, where the load it feeds is published at
+        heartbeat cadence anyway); an empty queue pins nothing, counted or not."""
+        if not self._reqs:
+            return 0
+        now = time.monotonic()
+        if max_age_s <= 0.0 or now - self._pinned_at >= max_age_s:
+            self._pinned = self._kv.num_evictable_of(self.claims)
+            self._pinned_at = now
+        return self._pinned
 
     def pending_tokens(self) -> int:
         """Prompt tokens the waiting sequences still have to compute, less their hints."""

@@ -19,6 +19,16 @@ evicts what the fleet holds elsewhere before what may be the fleet's last copy. 
 under a spare is a spare too (it must go no later than its parent), even where no peer holds
 it (a question under a shared system prompt, the tail of a prefix a peer holds in part).
 
+Claimed blocks last: a cached block whose key a waiting request's prompt names (the claims,
+``worker/kv/claims.py``, counted here through :meth:`BlockPool.claim` / :meth:`BlockPool.unclaim`)
+queues behind every unclaimed one, so a request's prefix is not evicted by the requests
+admitted before it while it waits (it still can be when nothing else is left). The claims
+of one prompt are a chain of keys, so a claimed key's parent is claimed too: the claimed run
+never holds a parent whose child queues in an earlier run. Within it, blocks claimed most
+recently (the requests queued last, which run last) go first. A block whose last claim goes
+moves back to its run as the newest of its kind. O(1) per claimed or released key, nothing
+per step. No-op with a tenant quota (one order per tenant), as spares are.
+
 Prefix closure: every cached key's parent key is cached too (the Redis index's bisect lookup
 relies on it, see :mod:`kvstore`). Three things keep it:
 
@@ -56,6 +66,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
+from worker.kv.claims import BlockClaims
 from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
 from worker.kv.spares import spare_verdicts
 
@@ -78,6 +89,7 @@ class BlockPool:
         self.twins: dict[BlockKey, list[KVBlock]] = {}
         self.events = EventLog()
         self.num_evictable = 0  # cached blocks with ref count 0 (kept O(1) for stats)
+        self.claims = BlockClaims()  # keys waiting requests' prompts name (evicted last)
         # called with each evicted cached block before its key is cleared (KV still intact
         # until the block is handed out and written): the host tier's offload hook
         self.on_evict: Callable[[KVBlock], None] | None = None
@@ -110,7 +122,11 @@ class BlockPool:
         return taken
 
     def _requeue_last(self, block: KVBlock) -> None:
-        """Queue a free cached block (just popped) as the newest of all (the eviction guard)."""
+        """Queue a free cached block (just popped) as the newest of its run (the eviction
+        guard): its cached children, ahead of it, go first."""
+        if self._claimed(block):  # popped from the claimed run: every other run is empty
+            self.free_queue.append_claimed(block)
+            return
         block.pulled = False
         self.free_queue.append(block)
         if self.tenant_quota is not None:
@@ -185,6 +201,7 @@ class BlockPool:
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one ref on each block, in the given order (callers pass tail-first)."""
         evicted: list[BlockKey] = []
+        claimed: list[KVBlock] = []  # tail-first: queued after the loop, children first
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise BlockPoolError(f"{block} released more often than taken")
@@ -194,12 +211,47 @@ class BlockPool:
                     self._untwin(block)
                 if block.key is None:
                     self.free_queue.appendleft(block)  # nothing to keep: reuse first
+                elif self._claimed(block):  # a waiting request wants it: evicted last
+                    claimed.append(block)
+                    self.num_evictable += 1
                 else:  # keep cached, evict least recently used (a peer's copy first)
                     self._queue_cached(block)
                     self.num_evictable += 1
                     evicted += self._evictable_again(block)
+        for block in reversed(claimed):
+            self.free_queue.appendleft_claimed(block)
         if evicted:
             self.events.removed(evicted)
+
+    def _claimed(self, block: KVBlock) -> bool:
+        """Whether free cached ``block`` queues in the claimed run."""
+        return self.tenant_quota is None and block.key in self.claims
+
+    def claim(self, keys: Sequence[BlockKey]) -> None:
+        """A waiting sequence claims ``keys`` (its prompt's chain of full-block keys): those
+        cached and free that no one claimed before move to the front of the claimed run,
+        children first. O(len(keys))."""
+        first = self.claims.claim(keys)
+        if self.tenant_quota is not None:
+            return
+        for key in first:  # each pushed to the front: the chain's tail ends up first
+            block = self.cached.get(key)
+            if block is not None and block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.free_queue.appendleft_claimed(block)
+
+    def unclaim(self, keys: Sequence[BlockKey]) -> bool:
+        """Drop one claim on each of ``keys``; a free cached block no one claims any more
+        moves back to its run as the newest of its kind, children first. True if another
+        waiting sequence still claims one of them. O(len(keys))."""
+        shared, gone = self.claims.release_keys(keys)
+        if self.tenant_quota is None:
+            for key in reversed(gone):
+                block = self.cached.get(key)
+                if block is not None and block.ref_cnt == 0:
+                    self.free_queue.remove(block)
+                    self._queue_cached(block)
+        return shared
 
     def _queue_cached(self, block: KVBlock) -> None:
         """Queue a free cached block as the newest of its kind (with a tenant quota, whose
@@ -226,7 +278,10 @@ class BlockPool:
         served = self.cached[key]
         if served.ref_cnt == 0:
             self.free_queue.remove(served)
-            self._queue_cached(served)
+            if self._claimed(served):
+                self.free_queue.append_claimed(served)
+            else:
+                self._queue_cached(served)
             if self.tenant_quota is not None:
                 self._evictable[served.tenant].move_to_end(served.block_id)
 
@@ -306,7 +361,11 @@ class BlockPool:
         if self.tenant_quota is not None:
             return 0
         verdict = spare_verdicts(self.cached, spare)
-        moved = [b for b in self.free_queue if b.key is not None and verdict[b.key] != b.pulled]
+        moved = [
+            b
+            for b in self.free_queue
+            if b.key is not None and verdict[b.key] != b.pulled and b.key not in self.claims
+        ]
         for block in self.cached.values():
             if not block.landing:
                 block.pulled = verdict[block.key]
@@ -328,6 +387,8 @@ class BlockPool:
             block.key = block.token_ids = block.tenant = block.parent = None
             block.pulled = block.landing = False
             block.children = 0
+            self.free_queue.remove(block)  # out of its run (the claimed one, maybe)
+            self.free_queue.appendleft(block)  # nothing to keep: reuse first
         self.cached.clear()
         self._evictable.clear()
         self.num_evictable = 0

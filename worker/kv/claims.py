@@ -2,9 +2,11 @@
 
 A sequence queued behind another that claims the same block will find it cached when its
 turn comes (the one ahead computes it), so a load report counts only the rest of its prompt.
-The engine's waiting queue owns one (``worker/engine/waiting.py``), the trace-replay
-simulator another; the KV manager only answers which blocks are cached
-(:meth:`KVCacheManager.expected_prefix`).
+The KV manager keeps the one count (:attr:`KVCacheManager.claims`, changed through
+:meth:`KVCacheManager.claim` / :meth:`KVCacheManager.unclaim`): its pool evicts a claimed
+block only when no unclaimed one is left, so the prefix a request was queued for survives
+until it runs. The engine's waiting queue (``worker/engine/waiting.py``) and the trace-replay
+simulator claim through it; a caller counting claims of its own (hints) uses a bare one.
 """
 
 from __future__ import annotations
@@ -18,18 +20,35 @@ from kvstore.blocks.hashing import BlockKey
 class BlockClaims(Counter[BlockKey]):
     """Block key -> how many queued sequences claim it."""
 
-    def claim(self, keys: Iterable[BlockKey]) -> None:
-        self.update(keys)
+    def claim(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """One more claim on each of ``keys``; returns those no sequence claimed before, in
+        the given order."""
+        first: list[BlockKey] = []
+        for key in keys:
+            n = self[key]
+            if not n:
+                first.append(key)
+            self[key] = n + 1
+        return first
 
     def release(self, keys: Iterable[BlockKey]) -> bool:
         """Drop one claim on each of ``keys``; True if another queued sequence still claims
         one of them (they share a prefix)."""
+        return self.release_keys(keys)[0]
+
+    def release_keys(self, keys: Iterable[BlockKey]) -> tuple[bool, list[BlockKey]]:
+        """:meth:`release`, also returning the keys no sequence claims any more, in the given
+        order."""
         shared = False
+        gone: list[BlockKey] = []
         for key in keys:
             left = self[key] - 1
-            if left:
+            if left > 0:
                 self[key] = left
                 shared = True
-            else:
+            elif left == 0:
                 del self[key]
-        return shared
+                gone.append(key)
+            else:
+                raise ValueError(f"release of unclaimed block key {key.hex()[:16]}")
+        return shared, gone

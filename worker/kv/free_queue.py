@@ -64,26 +64,32 @@ class FreeBlockQueue:
     deque that is an O(n) scan per hit block — a 2k-token prompt hitting 128 blocks in a pool of
     100k blocks would scan millions of entries. With the links stored on the blocks themselves,
     removal from anywhere, push to either end and pop from the front are all O(1) and allocate
-    nothing. Two sentinel nodes remove every edge case from the link updates.
+    nothing. Sentinel nodes at both ends remove every edge case from the link updates.
 
     A third sentinel, ``_mid``, splits the cached blocks in two: spare copies, which another
     worker keeps (pulled from a peer, or named by the index; ``append_pulled``, least
     recently used first), go before the rest (``append``), so a spare is evicted before any
     block the fleet may hold nowhere else; blocks with nothing to keep (``appendleft``) go
-    before both. A
-    copy that has just landed queues with the computed blocks until something uses it (the
-    request it was pulled for is still waiting for its turn: evicting its pull first would
-    waste the pull and recompute the prefix after all).
+    before both. A copy that has just landed queues with the computed blocks until something
+    uses it (the request it was pulled for is still waiting for its turn: evicting its pull
+    first would waste the pull and recompute the prefix after all).
+
+    A fourth sentinel, ``_keep``, ends the rest: behind it queue the *claimed* blocks, whose
+    keys a waiting request's prompt names (``append_claimed`` at the back,
+    ``appendleft_claimed`` at the front of that run), evicted only when nothing else is left:
+    the prefix a request was queued for survives until it runs.
     """
 
-    __slots__ = ("_head", "_mid", "_tail", "_len")
+    __slots__ = ("_head", "_mid", "_keep", "_tail", "_len")
 
     def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
         self._head = KVBlock(-1)
         self._mid = KVBlock(-1)
+        self._keep = KVBlock(-1)
         self._tail = KVBlock(-1)
-        self._head.next, self._mid.prev = self._mid, self._head
-        self._mid.next, self._tail.prev = self._tail, self._mid
+        chain = (self._head, self._mid, self._keep, self._tail)
+        for a, b in zip(chain, chain[1:], strict=False):
+            a.next, b.prev = b, a
         self._len = 0
         for block in blocks:  # never used: before every cached block
             self.append_pulled(block)
@@ -103,11 +109,22 @@ class FreeBlockQueue:
         self._len += 1
 
     def append(self, block: KVBlock) -> None:
-        """Push to the back (evicted last)."""
-        tail_prev = self._tail.prev
-        if tail_prev is None:  # pragma: no cover - the sentinels are always linked
-            raise BlockPoolError("free queue's tail sentinel is unlinked")
-        self._link_after(tail_prev, block)
+        """Push to the back of the unclaimed blocks (evicted after every other of them)."""
+        self._link_before(self._keep, block)
+
+    def append_claimed(self, block: KVBlock) -> None:
+        """Push to the back of the claimed blocks (evicted last of all)."""
+        self._link_before(self._tail, block)
+
+    def appendleft_claimed(self, block: KVBlock) -> None:
+        """Push to the front of the claimed blocks (after every unclaimed block)."""
+        self._link_after(self._keep, block)
+
+    def _link_before(self, node: KVBlock, block: KVBlock) -> None:
+        before = node.prev
+        if before is None:  # pragma: no cover - the sentinels are always linked
+            raise BlockPoolError("free queue's sentinels are unlinked")
+        self._link_after(before, block)
 
     def appendleft(self, block: KVBlock) -> None:
         """Push to the front (handed out first)."""
@@ -116,10 +133,7 @@ class FreeBlockQueue:
     def append_pulled(self, block: KVBlock) -> None:
         """Push to the back of the pulled copies (after them, before every other cached
         block)."""
-        mid_prev = self._mid.prev
-        if mid_prev is None:  # pragma: no cover - the sentinels are always linked
-            raise BlockPoolError("free queue's middle sentinel is unlinked")
-        self._link_after(mid_prev, block)
+        self._link_before(self._mid, block)
 
     def remove(self, block: KVBlock) -> None:
         """Take ``block`` out from anywhere in the queue in O(1)."""
@@ -133,8 +147,8 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVBlock:
         block = self._head.next
-        if block is self._mid:
-            block = self._mid.next
+        while block is self._mid or block is self._keep:
+            block = block.next
         if block is None or block is self._tail:
             raise BlockPoolError("popleft from an empty free queue")
         self.remove(block)
@@ -143,6 +157,6 @@ class FreeBlockQueue:
     def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next
         while node is not None and node is not self._tail:
-            if node is not self._mid:
+            if node is not self._mid and node is not self._keep:
                 yield node
             node = node.next

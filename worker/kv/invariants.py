@@ -33,6 +33,8 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
         if len(set(ids)) != len(ids):
             _fail(f"seq {sid!r} holds a block twice: {ids}")
         holders.update(ids)
+        if seq.table is not None and seq.table != ids:
+            _fail(f"seq {sid!r}: kept block table {seq.table} is not its blocks {ids}")
         n_full = seq.num_computed // bs
         if len(seq.blocks) != -(-seq.num_computed // bs):
             _fail(f"seq {sid!r}: {len(seq.blocks)} blocks for {seq.num_computed} tokens")
@@ -63,23 +65,37 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
             _fail(f"{block}: children {block.children} != {children[key]} cached under it")
 
     queued: list[int] = []
-    prev = pool.free_queue._head
-    mid = pool.free_queue._mid
-    pulled_region = True  # the queue's cached blocks: pulled copies, then the rest
-    for block in pool.free_queue:
-        if block.prev is not prev and not (block.prev is mid and mid.prev is prev):
-            _fail(f"free queue link broken before {block}")
-        if block.prev is mid:
-            pulled_region = False
-        if block.key is not None and block.pulled and not pulled_region:
+    fq = pool.free_queue
+    prev = fq._head
+    region = 0  # the queue's runs: pulled copies, then the rest, then the claimed blocks
+    node = fq._head.next
+    while node is not fq._tail:
+        if node is None or node.prev is not prev:
+            _fail(f"free queue link broken before {node}")
+        assert node is not None
+        prev = node
+        if node is fq._mid or node is fq._keep:
+            if region != (0 if node is fq._mid else 1):
+                _fail("free queue sentinels out of order")
+            region += 1
+            node = node.next
+            continue
+        block, node = node, node.next
+        claimed = block.key is not None and block.key in pool.claims
+        if region == 2 and not claimed:
+            _fail(f"unclaimed {block} queued among the claimed blocks")
+        if region < 2 and claimed and pool.tenant_quota is None:
+            _fail(f"claimed {block} queued before unclaimed blocks")
+        if region == 1 and block.key is not None and block.pulled:
             if pool.tenant_quota is None:
                 _fail(f"pulled {block} queued among the blocks computed here")
-        if block.key is not None and not block.pulled and pulled_region:
+        if region == 0 and block.key is not None and not block.pulled:
             _fail(f"{block} queued among the pulled copies")
         if block.ref_cnt != 0:
             _fail(f"referenced {block} is in the free queue")
         queued.append(block.block_id)
-        prev = block
+    if region != 2:
+        _fail("free queue sentinels missing")
     unreferenced = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
     if len(queued) != len(pool.free_queue):
         _fail("free queue length counter is wrong")

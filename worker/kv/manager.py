@@ -36,6 +36,7 @@ from kvstore.blocks.hashing import (
     salt_owner,
 )
 from worker.kv.block_pool import BlockPool, KVBlock
+from worker.kv.claims import BlockClaims
 from worker.kv.export_import import TransferMixin
 from worker.kv.host_tier import HostBlock, HostTier
 from worker.kv.queries import KVQueries
@@ -51,7 +52,7 @@ from worker.kv.types import (
 class _Seq:
     """Per-sequence state: its blocks, computed tokens and the chain of full-block keys."""
 
-    __slots__ = ("blocks", "num_computed", "keys", "ctx")
+    __slots__ = ("blocks", "num_computed", "keys", "ctx", "table")
 
     def __init__(
         self, ctx: HashContext, blocks: list[KVBlock], num_computed: int, keys: list[BlockKey]
@@ -60,6 +61,9 @@ class _Seq:
         self.blocks = blocks  # the block table, as block objects
         self.num_computed = num_computed  # tokens whose KV is (being) written
         self.keys = keys  # keys of full blocks 0..len-1 (empty when caching is off)
+        # ``blocks`` as ids, built on demand and dropped whenever ``blocks`` changes: a
+        # decode that stays in its last block (most steps) reuses it instead of rebuilding it
+        self.table: list[int] | None = None
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -217,6 +221,8 @@ class KVCacheManager(KVQueries, TransferMixin):
         for host_block, dev in zip(loads, fresh, strict=False):
             self._transfers.to_device.append((host_block.block_id, dev.block_id))
         copies: list[tuple[int, int]] = []
+        if fresh:
+            seq.table = None  # the block table changes below
         if cow:
             src, dst = seq.blocks[-1], fresh[0]
             seq.blocks[-1] = dst
@@ -290,6 +296,23 @@ class KVCacheManager(KVQueries, TransferMixin):
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
         return self._pool.events.drain()
+
+    @property
+    def claims(self) -> BlockClaims:
+        """Block key -> how many waiting sequences claim it (read only: change it through
+        :meth:`claim` and :meth:`unclaim`)."""
+        return self._pool.claims
+
+    def claim(self, keys: Sequence[BlockKey]) -> None:
+        """A waiting sequence claims the chain ``keys`` of its prompt's full blocks (from
+        :meth:`expected_prefix`): cached ones are evicted only when no unclaimed block is
+        left (:meth:`BlockPool.claim`)."""
+        self._pool.claim(keys)
+
+    def unclaim(self, keys: Sequence[BlockKey]) -> bool:
+        """The sequence that claimed ``keys`` started or left; True if another waiting
+        sequence still claims one of them."""
+        return self._pool.unclaim(keys)
 
     def set_spares(self, spare: Iterable[BlockKey]) -> int:
         """Fleet-aware eviction: ``spare`` names keys another worker keeps (the index's

@@ -104,8 +104,28 @@ class KVQueries:
             hit += 1
         return hit * bs, list(keys)
 
+    def cached_run(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading keys of the chain ``keys`` are cached on the device: by prefix
+        closure a leading run, found by bisection in O(log len(keys)) lookups by key (no token
+        comparison: an estimate for ordering, never for adoption)."""
+        cached = self._pool.cached
+        lo, hi = 0, len(keys)  # keys[:lo] cached; keys[hi:] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keys[mid] in cached:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def block_table(self, seq_id: SeqId) -> list[int]:
-        return [b.block_id for b in self._seq(seq_id).blocks]
+        """The sequence's physical block ids in logical order. The same list comes back
+        until its blocks change (a new list then): callers read it, never modify it."""
+        seq = self._seq(seq_id)
+        table = seq.table
+        if table is None:
+            table = seq.table = [b.block_id for b in seq.blocks]
+        return table
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_computed

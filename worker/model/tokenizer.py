@@ -179,7 +179,18 @@ class Tokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = ids if isinstance(ids, list) else list(ids)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens: ``decode(..., skip_special_tokens=True)`` drops
+        them before decoding, so they never change a decoded text (the detokenizer skips
+        its work for them)."""
+        special = getattr(self, "_special_ids", None)
+        if special is None:
+            added = self._tok.get_added_tokens_decoder()
+            special = self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        return special
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

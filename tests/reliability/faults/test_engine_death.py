@@ -128,10 +128,10 @@ def _inject_bug(server) -> None:  # noqa: ANN001 - runs inside each worker actor
     proc = server.engine.processor
     original = type(proc)._append
 
-    def append(req, seq, tok, lp) -> None:  # noqa: ANN001
+    def append(req, seq, tok, *rest) -> None:  # noqa: ANN001
         if tuple(req.prompt_ids[: len(MARK)]) == MARK and seq.num_output >= 2:
             raise ZeroDivisionError("injected bug hit by one request")
-        original(proc, req, seq, tok, lp)
+        original(proc, req, seq, tok, *rest)
 
     proc._append = append
 
