@@ -91,7 +91,8 @@ class Cluster:
             self.redis_url = self.redis.url
 
     def _start_ray(self) -> None:
-        if ray.is_initialized():
+        if ray.is_initialized():  # this process's Ray (a test session's, another cluster's)
+            self.ray_address = ray.get_runtime_context().gcs_address
             return
         self._owns_ray = True
         if self.ray_address is None:  # a Ray of our own: loopback only
@@ -133,7 +134,12 @@ class Cluster:
 
     def worker_settings(self, name: str) -> WorkerSettings:
         return worker_settings(
-            self.cfg, name, self.model_path, self.model_id, index=self.index_config()
+            self.cfg,
+            name,
+            self.model_path,
+            self.model_id,
+            index=self.index_config(),
+            namespace=self.namespace,
         )
 
     def router_settings(self, i: int) -> RouterSettings:

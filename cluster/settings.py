@@ -49,6 +49,7 @@ def worker_settings(
     model_id: str,
     *,
     index: IndexConfig | None,
+    namespace: str | None = None,
 ) -> WorkerSettings:
     return WorkerSettings(
         worker_id=name,
@@ -58,6 +59,7 @@ def worker_settings(
         index=index,
         default_family=cfg.model.tiny_family,
         sched=cfg.scheduling,
+        namespace=namespace,
     )
 
 

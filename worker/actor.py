@@ -70,12 +70,16 @@ class WorkerSettings:
     index: IndexConfig | None  # None: do not publish (no Redis)
     default_family: str = "llama"  # family of the default model (model_dir None)
     sched: ThreadSchedConfig = ThreadSchedConfig()  # the loop's slice, the engine's niceness
+    # Ray namespace of the cluster's actors, where peers are looked up (None: the job's own;
+    # a cluster sharing a driver's Ray has a namespace other than the job's)
+    namespace: str | None = None
 
 
 class WorkerServer(PeerPulls, BurstIntake):
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
+        self.namespace = settings.namespace
         # the default model is resolved on this worker's node, never sent as a head's path
         self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
         self.engine = Engine.from_model_dir(

@@ -9,6 +9,7 @@ import pytest
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
+from tests.embedded_ray import shared_ray
 
 ENGINE = {
     "num_blocks": 128,
@@ -40,6 +41,7 @@ def cluster_config(name: str, **overrides: object) -> ClusterConfig:
 
 @pytest.fixture(scope="package")
 def cluster() -> Cluster:
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cluster_config(f"test-{os.getpid()}")) as c:
         yield c
 

@@ -13,7 +13,7 @@ from tests.cluster.conftest import cluster_config
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
-def test_demo_answers_in_english_with_prefix_hits(capsys) -> None:
+def test_demo_answers_in_english_with_prefix_hits(capsys, ray_shared) -> None:
     cfg = cluster_config("demo-test", model={"tiny_family": None})
     assert run_demo(cfg, num_requests=4, max_tokens=24) == 0
     out = capsys.readouterr().out

@@ -13,7 +13,7 @@ from benchmarks import http_edge
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 
-def test_http_edge_smoke(capsys: pytest.CaptureFixture) -> None:
+def test_http_edge_smoke(capsys: pytest.CaptureFixture, ray_shared) -> None:
     head = http_edge.main(["--smoke"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == head

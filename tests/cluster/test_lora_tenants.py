@@ -21,6 +21,7 @@ from benchmarks.chaos_probes import on_workers
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.default_model import resolve_default_model
 
@@ -47,6 +48,7 @@ def owned(tmp_path_factory) -> Cluster:
         workers={"num_workers": 1, "engine": engine},
         router={"auth_tokens": {"alice": ALICE, "bob": BOB}},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         (worker,) = c.workers.values()
         ray.get(worker.add_lora.remote("bobs", paths["bobs"], ["bob"]), timeout=60)

@@ -28,6 +28,7 @@ from benchmarks.loadgen import run_bench
 from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
 
@@ -46,6 +47,7 @@ def http_cluster() -> Cluster:
         workers={"num_workers": 1, "engine": {**ENGINE, "max_num_seqs": 2, "max_waiting": 2}},
         router={"auth_tokens": {"alice": TOKEN, "bob": BOB}, "max_message_bytes": MAX_BODY},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         yield c
 

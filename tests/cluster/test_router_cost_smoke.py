@@ -12,7 +12,7 @@ from benchmarks import router_cost
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 
-def test_router_cost_smoke(capsys: pytest.CaptureFixture) -> None:
+def test_router_cost_smoke(capsys: pytest.CaptureFixture, ray_shared) -> None:
     head = router_cost.main(["--smoke"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == head
     for api in ("grpc", "http"):

@@ -11,7 +11,9 @@ from benchmarks import serving_path
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 
-def test_serving_path_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+def test_serving_path_smoke(
+    capsys: pytest.CaptureFixture, monkeypatch, tmp_path, ray_shared
+) -> None:
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
     head = serving_path.main(
         ["--smoke", "--trace-stalls", "--vllm-python", str(tmp_path / "no-vllm")]

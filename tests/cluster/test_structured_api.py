@@ -22,6 +22,7 @@ from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -68,6 +69,7 @@ def cluster() -> Cluster:
     """One worker with room for tool prompts (the tiny model's 8k vocabulary spends about
     200 tokens on the tools prompt and 180 per tool)."""
     engine = {**ENGINE, "max_model_len": 1024, "num_blocks": 256}
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(
         cluster_config(f"structured-{os.getpid()}", workers={"num_workers": 1, "engine": engine})
     ) as c:

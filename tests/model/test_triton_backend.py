@@ -76,6 +76,8 @@ def test_triton_kernel_in_cpu_interpreter():
         """
         import torch
         from tests.model.test_paged_attention import MIXED, dense_reference, make_scenario
+        from tests.model.triton_cpu_driver import patch_once_per_launch
+        patch_once_per_launch()
         from worker.attention.base import write_kv
         from worker.attention.triton_kernel import paged_attention
         cases = [(16, None, 1), (16, 6, 1), (32, None, 1),

@@ -26,6 +26,36 @@ TOL = {"float32": 1e-4, "float16": 2e-2}
 SPLITS: list[int] = []  # split-K counts the kernel chose, to show split-K ran
 
 
+def patch_once_per_launch() -> None:
+    """Triton's interpreter re-patches ``triton.language`` (``inspect.getmembers`` over its
+    modules) on every call of a jit'd helper (``tl.max``, ``tl.sum``, ...), once per program
+    of the grid: most of a small kernel's interpreted time. Within one launch the first such
+    patch of a module's globals already holds for the rest (the launch restores its own patches
+    at its end), so later ones are skipped; the kernel runs the same interpreted operations."""
+    from triton.runtime import interpreter
+
+    real = interpreter._patch_lang
+    patched: set[int] = set()  # id(fn.__globals__) patched during the current launch
+    launch = interpreter.GridExecutor.__call__
+
+    def _patch_lang(fn):  # noqa: ANN001, ANN202 - Triton's signature
+        key = id(fn.__globals__)
+        if key in patched:
+            return interpreter._LangPatchScope()  # nothing to restore
+        patched.add(key)
+        return real(fn)
+
+    def call(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        patched.clear()  # a launch patches again (the previous one restored its patches)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = call
+
+
 def allow_cpu() -> None:
     """Let ``triton`` and the decode graphs run on the CPU (interpreter) in this process."""
     assert TritonAttentionBackend.unavailable_reason(torch.device("cpu"), BLOCK) is not None
@@ -158,6 +188,7 @@ CHECKS = {"runner": check_runner, "graphs": check_graphs}
 if __name__ == "__main__":
     name, model_dir = sys.argv[1], sys.argv[2]
     DTYPE = sys.argv[3] if len(sys.argv) > 3 else DTYPE
+    patch_once_per_launch()
     allow_cpu()
     CHECKS[name](model_dir)
     print("ok")

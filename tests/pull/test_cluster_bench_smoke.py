@@ -12,7 +12,9 @@ from benchmarks import kv_pull_cluster
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.slow]
 
 
-def test_kv_pull_cluster_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+def test_kv_pull_cluster_smoke(
+    capsys: pytest.CaptureFixture, monkeypatch, tmp_path, ray_shared
+) -> None:
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
     head = kv_pull_cluster.main(["--smoke"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == head

@@ -19,6 +19,7 @@ from cluster.launcher import Cluster
 from kvstore.blocks.protocol import PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 from tests.pull.streams import generate
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.default_model import resolve_default_model
@@ -41,6 +42,7 @@ def cluster(tmp_path_factory) -> Cluster:
         workers={"engine": {**ENGINE, "lora_adapters": paths}},
         router={"routing": {"pull": {"enabled": True, "warm_start_prefixes": 1}}},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         yield c
 

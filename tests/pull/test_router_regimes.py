@@ -22,6 +22,7 @@ from kvstore.index import KVIndex
 from router import Reason, Router, RouteRequest, RoutingConfig
 from router.placement.prefix_source import KVIndexSource
 from tests.cluster.conftest import cluster_config
+from tests.embedded_ray import shared_ray
 from tests.pull.streams import generate
 from worker.kv import HashContext
 
@@ -44,6 +45,7 @@ def cluster():
         f"pull-{os.getpid()}",
         router={"routing": {"policy": "prefix_affinity", "pull": PULL}},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         yield c
 

@@ -19,6 +19,7 @@ from router.edge.convert import malformed_reason, spec_from_pb, tenant_salt
 from router.edge.interceptors import DecodeGuard
 from router.serving.core import ModelLimits, check_limits
 from tests.cluster.conftest import cluster_config
+from tests.embedded_ray import no_ray
 from tests.reliability.helpers import raw_string_field
 from worker.engine import InvalidRequest, SamplingParams
 
@@ -134,6 +135,7 @@ def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monk
 def test_a_cluster_that_fails_to_start_leaves_nothing_running(tmp_path) -> None:
     """Workers cannot load a model from an empty folder: up() fails after Redis and Ray
     started, and the context manager stops both."""
+    no_ray()  # the cluster starts (and must stop) a Ray of its own
     cluster = launcher.Cluster(cluster_config("rel-broken", model={"path": str(tmp_path)}))
     with pytest.raises(Exception, match="creation task"):
         with cluster:
@@ -150,6 +152,7 @@ def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() ->
     """Workers asking for a GPU on this CPU-only Ray stay pending (as on a cloud cluster whose
     GPU nodes have not joined yet): up() gives up after workers.start_timeout_s, names the
     pending workers and the setting, and stops what it started."""
+    no_ray()  # the cluster starts (and must stop) a Ray of its own
     cfg = cluster_config("rel-no-gpu", workers={"use_gpu": True, "start_timeout_s": 3})
     cluster = launcher.Cluster(cfg)
     with pytest.raises(TimeoutError) as info:
@@ -167,6 +170,7 @@ def test_workers_that_cannot_be_placed_time_out_naming_them_and_the_setting() ->
 def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeypatch) -> None:
     """`kvcluster up` (detached) starts its own Ray head and redis-server as separate process
     groups; when workers then fail to start, both are stopped, not left behind."""
+    no_ray()  # the cluster starts (and must stop) a Ray of its own
     monkeypatch.setattr(cluster_state, "STATE_DIR", tmp_path / "state")
     model_dir = tmp_path / "empty-model"
     model_dir.mkdir()

@@ -45,13 +45,14 @@ EXPORT_WAIT_S = 10.0  # an export that finds no window by then fails (the puller
 
 
 class PeerPulls(WarmStarts):
-    """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``
-    and ``self.worker_id``; call :meth:`_init_pulls` once the front runs. Its warm start
-    (:class:`WarmStarts`) pulls through the same calls."""
+    """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``,
+    ``self.worker_id`` and ``self.namespace``; call :meth:`_init_pulls` once the front runs.
+    Its warm start (:class:`WarmStarts`) pulls through the same calls."""
 
     front: Any
     engine: Engine
     worker_id: str
+    namespace: str | None  # the cluster's Ray namespace (None: the job's)
 
     def _init_pulls(self, transport: KVTransport | None = None) -> None:
         self.transport = transport or RayObjectStoreTransport()
@@ -227,7 +228,9 @@ class PeerPulls(WarmStarts):
         handle = self._peers.get(worker_id)
         if handle is None:
             loop = asyncio.get_running_loop()
-            handle = await loop.run_in_executor(self._lookups, ray.get_actor, worker_id)
+            handle = await loop.run_in_executor(
+                self._lookups, lambda: ray.get_actor(worker_id, namespace=self.namespace)
+            )
             self._peers[worker_id] = handle
         return handle
 

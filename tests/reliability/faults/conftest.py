@@ -13,6 +13,7 @@ import pytest
 from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 from tests.reliability.helpers import wait_workers_alive
 
 # 4 running sequences per worker: a burst queues requests that have produced no token yet
@@ -28,6 +29,7 @@ def cluster() -> Cluster:
         router={"num_routers": 2, "liveness": LIVENESS},
         workers={"engine": FAULTS_ENGINE},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         yield c
 

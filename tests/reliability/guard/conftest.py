@@ -19,6 +19,7 @@ from cluster.client import KVClusterClient
 from cluster.launcher import Cluster
 from cluster.local_redis import LocalRedis
 from tests.cluster.conftest import ENGINE, cluster_config
+from tests.embedded_ray import shared_ray
 from tests.redis_server import make_tls_files
 
 TOKENS = {"alice": secrets.token_urlsafe(24), "bob": secrets.token_urlsafe(24)}
@@ -76,6 +77,7 @@ def secure(log_records, tls, redis_server) -> Cluster:  # noqa: ANN001
         },
         redis={"url": redis_server.url},
     )
+    shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
         yield c
 
