@@ -7,6 +7,7 @@ offline, on the same model, config and workload, in one run.
     python -m benchmarks.serving_path --models light --streams 128 256
     python -m benchmarks.serving_path --models 32m --streams 128 256 --fanout-workers 0
     python -m benchmarks.serving_path --models light --streams 128 256 --stream-interval 4
+    python -m benchmarks.serving_path --models light --thread-sched   # threads' policy on
 
 Workload: ``--streams`` prompts of ``--prompt`` random token ids, ``--max-tokens`` tokens
 each (greedy, ``ignore_eos``), all at once. Systems:
@@ -21,7 +22,9 @@ each (greedy, ``ignore_eos``), all at once. Systems:
 
 Reported per run: tok/s, served / offline, messages per stream (fewer than tokens when
 coalesced), the largest event-loop stall of the worker and of the router during the run
-(their loop-lag probes; ``--trace-stalls`` splits the router's longest stalls into its loop's
+(their loop-lag probes, with what the kernel runs each loop thread with: its slice and
+niceness, ``cluster.scheduling``; ``--thread-sched`` turns that policy on, for an A/B;
+``--trace-stalls`` splits the router's longest stalls into its loop's
 own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
 reports the largest stall less that wait), the engine thread's busy share, the share of the
 run it spent runnable but without a core (``engine waits``: the kernel's schedstat; what
@@ -120,7 +123,12 @@ def offline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def cluster_config(
-    name: str, model_dir: Path, workers: int, engine: dict, stream_interval: int = 1
+    name: str,
+    model_dir: Path,
+    workers: int,
+    engine: dict,
+    stream_interval: int = 1,
+    sched: dict | None = None,
 ) -> ClusterConfig:
     return ClusterConfig.model_validate(
         {
@@ -129,6 +137,7 @@ def cluster_config(
             "model": {"path": str(model_dir)},
             "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
             "router": {"port": 0, "http_port": 0, "stream_interval": stream_interval},
+            "scheduling": sched or {},
         }
     )
 
@@ -198,17 +207,31 @@ def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["tok_s"])
 
 
+def thread_sched(args: argparse.Namespace) -> dict:
+    """The cluster's ``scheduling`` section from ``--thread-sched`` / ``--compute-nice``."""
+    sched: dict = {"enabled": args.thread_sched}
+    if args.compute_nice is not None:
+        sched["compute_nice"] = args.compute_nice
+    return sched
+
+
 def bench_model(size: str, args: argparse.Namespace, rows: list[dict], extra: dict) -> None:
     model_dir = build_tiny_model(None, "llama", size, 0)
     top = max(args.streams)
     engine_cfg = engine_config(top, args.prompt, args.max_tokens, args.burst, args.threads)
     name = f"serving-path-{size}-{os.getpid()}"
-    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval)
+    cfg = cluster_config(name, model_dir, 1, engine_cfg, args.stream_interval, thread_sched(args))
     with Cluster(cfg) as cluster:
         if not args.smoke:  # (a test's process keeps its own priority)
             extra["niceness"] = match_niceness(cluster)
         lags = loop_lags(cluster, reset=False)  # which loop Ray gave the actors (uvloop's?)
-        extra[f"{size}_loops"] = {side: lags.get(f"{side}_loop") for side in ("worker", "router")}
+        extra[f"{size}_loops"] = {
+            **{side: lags.get(f"{side}_loop") for side in ("worker", "router")},
+            **{
+                f"{side}_sched": lags.get(f"{side}_sched")
+                for side in ("worker", "router", "engine")
+            },
+        }
         engine = Engine.from_model_dir(model_dir, EngineConfig(**engine_cfg))
         vocab = engine.executor.vocab_size
         offline(engine, make_prompts(min(8, top), args.prompt, vocab, 99), 4)  # warm-up
@@ -277,7 +300,11 @@ def fanout(args: argparse.Namespace) -> dict:
     one = offline(engine, make_prompts(args.fanout_streams, args.prompt, vocab, 7), args.max_tokens)
     del engine
     cfg = cluster_config(
-        f"serving-path-fanout-{os.getpid()}", model_dir, args.fanout_workers, engine_cfg
+        f"serving-path-fanout-{os.getpid()}",
+        model_dir,
+        args.fanout_workers,
+        engine_cfg,
+        sched=thread_sched(args),
     )
     with Cluster(cfg) as cluster:
         run_grpc(cluster.endpoints[0], make_prompts(8, args.prompt, vocab, 5), 4)
@@ -340,6 +367,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="the router's stream_interval: steps' tokens per client message at least",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")
+    parser.add_argument(
+        "--thread-sched",
+        action="store_true",
+        help="short slices for the loops (scheduling.enabled: true; off by default; A/B)",
+    )
+    parser.add_argument(
+        "--compute-nice",
+        type=int,
+        default=None,
+        help="scheduling.compute_nice of the served worker (default: the config's)",
+    )
     parser.add_argument(
         "--trace-stalls",
         action="store_true",

@@ -34,10 +34,23 @@ def _loop_lags(cluster: Cluster, reset: bool, trace: bool) -> dict[str, Any]:
         reports = ray.get([h.loop_lag.remote(reset=reset, trace=trace) for h in handles.values()])
         out[side] = max(r["max_lag_ms"] for r in reports)
         out[f"{side}_loop"] = ",".join(sorted({r.get("loop", "?") for r in reports}))
+        out[f"{side}_sched"] = sched_summary([r.get("sched") for r in reports])
+        if side == "worker":  # the engine threads' (kvstore/blocks/loop_sched.py)
+            out["engine_sched"] = sched_summary([r.get("engine_sched") for r in reports])
         stalls = [s for r in reports for s in r.get("trace", {}).get("stalls", [])]
         if any("trace" in r for r in reports):
             out[f"{side}_stalls"] = sorted(stalls, key=lambda s: -s["lag_ms"])
     return out
+
+
+def sched_summary(reports: list[dict | None]) -> str:
+    """The loop (or engine) threads' slice and niceness, e.g. ``slice 0.1 ms nice 0``."""
+    seen = {
+        f"slice {r['slice_ms']:g} ms nice {r['nice']}" if r.get("slice_ms") else f"nice {r['nice']}"
+        for r in reports
+        if r
+    }
+    return ",".join(sorted(seen)) or "?"
 
 
 def stall_split(stalls: list[dict], top: int = 3) -> str:

@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
+from kvstore.blocks.loop_sched import ThreadSchedConfig
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
 from router.http_api import defaults as http_defaults
@@ -201,6 +202,12 @@ class ClusterConfig(Strict):
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
     redis: IndexSettings = IndexSettings()
+    scheduling: ThreadSchedConfig = Field(
+        ThreadSchedConfig(),
+        description="How the workers' and routers' threads ask the OS for a core (off "
+        "unless enabled): short slices for the event loops, optionally a CPU engine's "
+        "compute threads a little nicer.",
+    )
 
     @model_validator(mode="after")
     def _adapter_owners_are_tenants(self) -> ClusterConfig:

@@ -58,6 +58,7 @@ def worker_settings(
         engine=cfg.workers.engine,
         index=index,
         default_family=cfg.model.tiny_family,
+        sched=cfg.scheduling,
         namespace=namespace,
     )
 
@@ -98,6 +99,7 @@ def router_settings(
         http_max_connections=r.http_max_connections,
         http_cheap_rate_per_s=r.http_cheap_rate_per_s,
         http_cheap_max_waiting=r.http_cheap_max_waiting,
+        sched=cfg.scheduling,
         http_port=None if r.http_port is None else r.http_port + i if r.http_port else free_port(),
     )
 

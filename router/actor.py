@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy
 from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
@@ -69,6 +70,7 @@ class RouterSettings:
     http_max_connections: int = http_defaults.MAX_CONNECTIONS  # open HTTP connections
     http_cheap_rate_per_s: float = http_defaults.CHEAP_RATE_PER_S  # /health & co. per second
     http_cheap_max_waiting: int = http_defaults.CHEAP_MAX_WAITING  # cheap requests waiting
+    sched: ThreadSchedConfig = field(default_factory=ThreadSchedConfig)  # the loop's slice
 
 
 class RouterServer:
@@ -212,6 +214,8 @@ class RouterServer:
         _load_worker_class()
         short_gil_turns()
         freeze_long_lived()
+        # and a core soon after each wake-up (this is the loop's thread)
+        apply_loop_policy(self.settings.sched)
         # and once more when idle after the first requests: what they loaded (the edges'
         # code paths, Ray's state for each worker) is long-lived too
         self.core.warm_freeze = WarmUpFreeze()

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from kvstore.blocks.errors import UnknownChannel
+from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy, thread_sched
 from kvstore.blocks.looplag import LoopLagProbe
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
 from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
@@ -68,6 +69,7 @@ class WorkerSettings:
     engine: EngineConfig  # block size, KV size, limits, policy
     index: IndexConfig | None  # None: do not publish (no Redis)
     default_family: str = "llama"  # family of the default model (model_dir None)
+    sched: ThreadSchedConfig = ThreadSchedConfig()  # the loop's slice, the engine's niceness
     # Ray namespace of the cluster's actors, where peers are looked up (None: the job's own;
     # a cluster sharing a driver's Ray has a namespace other than the job's)
     namespace: str | None = None
@@ -98,7 +100,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         self.telemetry.start_heartbeat()
         self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
         self.front = StreamingEngine(
-            self.engine, on_step=self._after_step, on_death=self._engine_died
+            self.engine, on_step=self._after_step, on_death=self._engine_died, sched=settings.sched
         )
         self.front.start()
         self._init_pulls()
@@ -116,6 +118,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         short_gil_turns()
         freeze_long_lived()
         self.warm_freeze = WarmUpFreeze()  # and once more when idle after the first requests
+        self._loop_sched = False  # the loop's thread asked for its slice (on its first call)
 
     # -- engine thread hooks ---------------------------------------------------------------
 
@@ -179,8 +182,17 @@ class WorkerServer(PeerPulls, BurstIntake):
 
     # -- API (called by routers through Ray) -----------------------------------------------
 
-    def ready(self) -> str:
+    async def ready(self) -> str:
+        self._on_loop()
         return self.worker_id
+
+    def _on_loop(self) -> None:
+        """On the actor's event loop (Ray builds the actor on another thread): its thread's
+        scheduling policy, once; by the launcher's ``ready`` and by every channel opened (a
+        worker Ray restarted gets a new one from each router before its first request)."""
+        if not self._loop_sched:
+            self._loop_sched = True
+            apply_loop_policy(self.settings.sched)
 
     async def submit(self, request: WorkerRequest, caller: Any, channel_id: str) -> Admitted:
         """Queue ``request``; its outputs go to the caller's channel ``channel_id`` (read
@@ -232,6 +244,7 @@ class WorkerServer(PeerPulls, BurstIntake):
         if ch.caller is None and caller is not None:
             ch.caller = caller
             self.callers.watch_channel(channel_id, caller)
+            self._on_loop()
         return ch
 
     async def generate(
@@ -298,8 +311,13 @@ class WorkerServer(PeerPulls, BurstIntake):
 
     async def loop_lag(self, reset: bool = False, trace: bool = False) -> dict:
         """This actor's event-loop lag: the largest stall since the last reset (the probe
-        starts on the first call); ``trace``: attribute stalls from now on (a diagnostic)."""
-        return self.loop_probe.report(reset=reset, trace=trace)
+        starts on the first call); ``trace``: attribute stalls from now on (a diagnostic).
+        ``engine_sched``: what the kernel runs the engine thread with, beside the loop's."""
+        out = self.loop_probe.report(reset=reset, trace=trace)
+        tid = self.front.thread_id
+        if tid is not None:
+            out["engine_sched"] = thread_sched(tid)
+        return out
 
     def resync_index(self, reason: str) -> bool:
         """A router found this worker's index entries wrong (``reason``): replace them with

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvstore.blocks.loop_sched import thread_sched
 from kvstore.blocks.stalltrace import StallTracer
 
 
@@ -42,14 +43,16 @@ class LoopLagProbe:
 
     def report(self, *, reset: bool = False, trace: bool = False) -> dict:
         """The largest lag (ms) and the count of wake-ups later than 10 ms since the last
-        reset, and the loop's class (``uvloop.Loop`` where Ray found uvloop); call on the
-        loop being watched. ``trace``: from now on also attribute each
+        reset, the loop's class (``uvloop.Loop`` where Ray found uvloop) and what the kernel
+        runs its thread with (``sched``: slice and niceness, ``kvstore/blocks/loop_sched.py``);
+        call on the loop being watched. ``trace``: from now on also attribute each
         stall (its stacks, the collector's pauses), reported under ``trace``."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
         out: dict = {
             "loop": f"{type(loop).__module__}.{type(loop).__qualname__}",
+            "sched": thread_sched(),
             "max_lag_ms": self.max_lag_s * 1e3,
             "samples": float(self.samples),
             "over_10ms": float(self._over_10ms),

@@ -39,6 +39,10 @@ def test_gpu_example_yaml_loads() -> None:
         ("redis: {url: 'http://x'}", "redis.url"),
         ("router: {routing: {policy: best}}", "best"),
         ("workers: {num_workers: 0}", "workers.num_workers"),
+        # the kernel's range of a slice, a niceness, and no unknown key
+        ("scheduling: {loop_slice_ms: 0.01}", "scheduling.loop_slice_ms"),
+        ("scheduling: {compute_nice: 25}", "scheduling.compute_nice"),
+        ("scheduling: {loop_slice: 1}", "scheduling.loop_slice"),
         # a warm start is bounded: how many prefixes, and what share of the KV cache
         (
             "router: {routing: {pull: {warm_start_prefixes: 5000}}}",
@@ -132,6 +136,7 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
                 "http_max_connections": 7,
                 "stream_interval": 3,
             },
+            "scheduling": {"loop_slice_ms": 0.5, "compute_nice": 2},
         }
     )
     cluster = Cluster(cfg)
@@ -146,6 +151,8 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
     assert router.http_max_connections == 7 and router.http_cheap_rate_per_s == 200.0
     assert router.stream_interval == 3
     assert worker.engine == cfg.workers.engine  # the engine config is shipped as stated
+    assert worker.sched == router.sched == cfg.scheduling  # one thread policy for both
+    assert cfg.scheduling.loop_slice_ms == 0.5 and cfg.scheduling.compute_nice == 2
 
 
 @pytest.mark.parametrize("bad", [0, 65])

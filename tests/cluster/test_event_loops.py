@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.request
+from dataclasses import replace
 
 import pytest
 import ray
+
+from kvstore.blocks.loop_sched import ThreadSchedConfig, custom_slices, thread_sched
+from router.actor import RouterActor
+from worker.actor import WorkerActor
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -39,6 +45,46 @@ def test_router_and_worker_actors_serve_on_uvloop(cluster, client) -> None:
         json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e).get("choices")
     )
     assert text == out.text
+
+
+def test_by_default_every_thread_runs_as_the_kernel_starts_it(cluster) -> None:
+    """``cluster.scheduling`` is off unless enabled: each actor's loop thread and each
+    worker's engine thread report the kernel's own slice at their process's niceness."""
+    assert not cluster.cfg.scheduling.enabled
+    handles = [*cluster.routers.values(), *cluster.workers.values()]
+    reports = ray.get([h.loop_lag.remote() for h in handles], timeout=30)
+    nices = ray.get([h.__ray_call__.remote(lambda _: os.nice(0)) for h in handles], timeout=30)
+    default = thread_sched()["slice_ms"]  # this driver's thread: the kernel's default
+    assert [r["sched"] for r in reports] == [{"slice_ms": default, "nice": n} for n in nices]
+    engines = [r["engine_sched"] for r in reports[len(cluster.routers) :]]
+    assert engines == [{"slice_ms": default, "nice": n} for n in nices[len(cluster.routers) :]]
+
+
+def test_enabled_the_loop_threads_get_short_slices_and_cpu_engines_run_nicer(cluster) -> None:
+    """A worker and a router beside the cluster's (no index: nobody routes to them) with
+    the policy on: their loop threads run with the slice at their process's niceness, the
+    worker's engine thread ``compute_nice`` points nicer."""
+    on = ThreadSchedConfig(enabled=True, compute_nice=3)
+    ns = f"sched-{os.getpid()}"
+    worker = WorkerActor.options(name="worker-sched", namespace=ns, max_concurrency=100).remote(
+        replace(cluster.worker_settings("worker-sched"), index=None, sched=on)
+    )
+    router = RouterActor.options(name="router-sched", namespace=ns).remote(
+        replace(cluster.router_settings(9), index=None, namespace=ns, sched=on)
+    )
+    try:
+        ray.get([worker.ready.remote(), router.start.remote()], timeout=120)
+        w, r = ray.get([worker.loop_lag.remote(), router.loop_lag.remote()], timeout=30)
+        nice_w, nice_r = ray.get(
+            [h.__ray_call__.remote(lambda _: os.nice(0)) for h in (worker, router)], timeout=30
+        )
+        want = on.loop_slice_ms if custom_slices() else None
+        assert w["sched"] == {"slice_ms": want, "nice": nice_w}
+        assert r["sched"] == {"slice_ms": want, "nice": nice_r}
+        assert w["engine_sched"]["nice"] == min(nice_w + 3, 19)
+    finally:
+        for h in (worker, router):
+            ray.kill(h)
 
 
 def test_the_drivers_own_loops_stay_asyncios() -> None:

@@ -65,3 +65,21 @@ def test_worker_loop_smoke(capsys: pytest.CaptureFixture) -> None:
     assert "concurrent submit" in out and "submit_many" in out
     assert head["hook_16_ratio"] > 0 and head["hook_16_queued_ms"] > 0
     assert head["burst_loop_cpu_ratio"] > 0 and head["burst_max_stall_ms"] >= 0
+
+
+def test_loop_latency_smoke(capsys: pytest.CaptureFixture) -> None:
+    from benchmarks import loop_latency
+    from kvstore.blocks.loop_sched import custom_slices
+    from kvstore.blocks.threadsched import nice
+
+    head = loop_latency.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == head
+    for policy in loop_latency.POLICIES:
+        assert head[f"thread_{policy}_max_ms"] >= head[f"thread_{policy}_p99_ms"] >= 0
+        assert head[f"thread_{policy}_matmul_ratio"] > 0
+        # each run's policy was in effect: the loop's slice, the compute threads' niceness
+        short = policy in ("slice", "both") and custom_slices()
+        assert (head[f"thread_{policy}_loop_slice_ms"] == 0.1) == short
+        demoted = nice() + (5 if policy in ("nice", "both") else 0)
+        assert head[f"thread_{policy}_compute_nice"] == min(demoted, 19)

@@ -135,10 +135,11 @@ class NativeKernels:
         self._pool: ThreadPoolExecutor | None = None
         self.set_threads(threads)
 
-    def set_threads(self, threads: int) -> None:
-        """Split work over ``threads`` pool threads (1: run it in the caller's thread)."""
+    def set_threads(self, threads: int, fresh: bool = False) -> None:
+        """Split work over ``threads`` pool threads (1: run it in the caller's thread);
+        ``fresh``: a new pool even at the same size (its threads start from the next caller)."""
         threads = max(1, threads)
-        if threads == self.threads:
+        if threads == self.threads and not fresh:
             return
         old, self.threads = self._pool, threads
         self._pool = ThreadPoolExecutor(threads, "kvc-attn") if threads > 1 else None
@@ -263,13 +264,14 @@ def load_kernels() -> NativeKernels | None:
     return NativeKernels(lib, torch.get_num_threads())
 
 
-def resize_pool(threads: int) -> None:
-    """Give the loaded kernels a pool of ``threads`` (nothing to do before they load: they
-    take the loading thread's torch thread count)."""
+def resize_pool(threads: int, fresh: bool = False) -> None:
+    """Give the loaded kernels a pool of ``threads``, a new one if ``fresh`` (nothing to do
+    before they load: they take the loading thread's torch thread count, and their pool's
+    threads start from the first thread that calls them)."""
     if load_kernels.cache_info().currsize:
         kernels = load_kernels()
         if kernels is not None:
-            kernels.set_threads(threads)
+            kernels.set_threads(threads, fresh)
 
 
 def unavailable_reason() -> str | None:

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvstore.blocks.errors import EngineStopped
+from kvstore.blocks.loop_sched import ThreadSchedConfig, demote_compute
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.burst import BurstAdmission, refuser
@@ -58,12 +59,17 @@ class StreamingEngine(BurstAdmission):
         on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
         on_death: Callable[[BaseException], None] | None = None,
         idle_wait_s: float = 0.5,
+        sched: ThreadSchedConfig | None = None,
     ) -> None:
         """``on_step(engine, outputs)`` runs in the engine thread after every step: it may
         read the engine (drain KV events, metrics) but must not block on this front's
         queue; if it raises, the error is logged and the loop goes on. ``on_death(exc)`` runs
-        in the engine thread once, after the loop died and every stream was ended."""
+        in the engine thread once, after the loop died and every stream was ended.
+        ``sched``: the engine thread (on CPU) demotes itself and its compute threads
+        (``kvstore/blocks/loop_sched.py``); None: it runs as it was started."""
         self.engine = engine
+        self._sched = sched
+        self.compute_nice: int | None = None  # the engine thread's niceness once demoted
         self._on_step = on_step
         self._on_death = on_death
         self._idle_wait = idle_wait_s
@@ -244,9 +250,13 @@ class StreamingEngine(BurstAdmission):
 
     def _run(self) -> None:
         try:
+            # before the first parallel region: this thread's OpenMP team and the attention
+            # pool's threads (made anew) inherit the niceness
+            if self._sched is not None:
+                self.compute_nice = demote_compute(self._sched, self.engine.config.device)
             # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
             # from what the thread that built the engine set (worker/model/cpu_threads.py)
-            configure_threads(self.engine.cpu_threads)
+            configure_threads(self.engine.cpu_threads, fresh_pool=self.compute_nice is not None)
             while not self._stopping:
                 self._wake.clear()
                 t0 = time.perf_counter()
@@ -275,6 +285,12 @@ class StreamingEngine(BurstAdmission):
             self._end_all(EngineStopped(died))
             if self._on_death is not None:
                 self._on_death(exc)
+
+    @property
+    def thread_id(self) -> int | None:
+        """The engine thread's OS id while it runs (its scheduling is read by it)."""
+        thread = self._thread
+        return thread.native_id if thread is not None and thread.is_alive() else None
 
     @property
     def alive(self) -> bool:

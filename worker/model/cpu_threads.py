@@ -21,15 +21,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def configure_threads(threads: int | None = None) -> int:
+def configure_threads(threads: int | None = None, *, fresh_pool: bool = False) -> int:
     """Set torch's intra-op threads *for the calling thread* (default: the cores this
-    process may use) and size the native kernels' pool to match; returns the count."""
+    process may use) and size the native kernels' pool to match; returns the count.
+    ``fresh_pool``: a new pool even at the same size, its threads started from this thread
+    (they inherit its niceness; a pool used before kept its first user's)."""
     import torch
 
     from worker.attention import native
 
     torch.set_num_threads(max(1, threads or available_cores()))
-    native.resize_pool(torch.get_num_threads())
+    native.resize_pool(torch.get_num_threads(), fresh=fresh_pool)
     return torch.get_num_threads()
 
 
