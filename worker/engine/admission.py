@@ -92,7 +92,7 @@ class CacheAwareOrder:
             theirs = key(d)
             if theirs < mine:
                 passes = d.overtaken + sum(1 for a in admitted if key(a) > theirs)
-                if passes >= self.max_overtakes or now - d.arrival_time >= self.max_wait_s:
+                if self._at_bound(d, passes, now):
                     return False
         return True
 
@@ -116,10 +116,14 @@ class CacheAwareOrder:
         for req in waiting[:LOOKAHEAD]:
             if key(req) != cls:
                 break
-            if req.overtaken >= self.max_overtakes or now - req.arrival_time >= self.max_wait_s:
+            if self._at_bound(req, req.overtaken, now):
                 break  # a barrier: nothing behind it goes first
             n += 1
         return n
+
+    def _at_bound(self, req: Request, passes: int, now: float) -> bool:
+        """Whether ``req``, passed ``passes`` times, may be passed no more."""
+        return passes >= self.max_overtakes or now - req.arrival_time >= self.max_wait_s
 
     def _cached_blocks(self, req: Request) -> int:
         if req.prompt_logprobs is not None or not req.seqs:
