@@ -156,6 +156,13 @@ class PullConfig(Strict):
         description="This router's pulls in flight from one holder at most; past it a "
         "request recomputes (each export waits for its own window of the holder's engine).",
     )
+    hold_max_extra_requests: int = Field(
+        8,
+        ge=0,
+        description="Under a load-only policy (least_loaded, round_robin), the prefix's "
+        "holder is priced as a choice while it runs at most this many requests (running + "
+        "waiting) more than the policy's choice (the bound keeps holds from herding).",
+    )
     survival_recovery_s: float = Field(
         10.0,
         gt=0,

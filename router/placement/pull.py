@@ -2,13 +2,18 @@
 
 Per request, once the policy has chosen, the planner compares (in seconds):
 
-- **hold**: the policy chose the worker holding the longest prefix (``h``; ``c_w``: the
-  leading prompt tokens worker ``w`` holds in either tier or has pending, a host block
-  counted whole — loading it back costs ~1 % of computing it): it keeps the request,
-  unpriced — affinity stays primary, the pull is the recovery path (moving a request off
-  its holder copies the prefix into another worker's cache, evicting that worker's own
-  prefixes: when KV capacity is the bottleneck, that loses to affinity); a holder the
-  policy ruled out (its load bound) stays ruled out, so pulls never bring back herding;
+- **hold**: run on the worker holding the longest prefix (``h``; ``c_w``: the leading
+  prompt tokens worker ``w`` holds in either tier or has pending, a host block counted
+  whole — loading it back costs ~1 % of computing it): ``wait(h) + prefill(n - c_h)``.
+  A holder a prefix policy chose keeps the request, unpriced — affinity stays primary, the
+  pull is the recovery path (moving a request off its holder copies the prefix into
+  another worker's cache, evicting that worker's own prefixes: when KV capacity is the
+  bottleneck, that loses to affinity); a holder a prefix policy ruled out (its load bound)
+  stays ruled out, so pulls never bring back herding. Under a load-only policy, which
+  never looks at prefixes, the hold is priced while the holder runs at most
+  ``hold_max_extra_requests`` more requests than the policy's choice (that bound keeps
+  holds from herding onto one worker), and wins whenever it ends no later than the
+  recompute, however cheap the pull: the same primacy, as a price;
 - **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
   ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
   queue on ``e``, so the two add up);
@@ -158,6 +163,7 @@ class PullPlanner:
     block_size: int  # tokens per KV block
     source_step_tokens: int = 0  # > 0: holders export only between steps of this many tokens
     max_pulls_per_source: int = 2  # pulls from one holder in flight at once ("busy" past it)
+    hold_max_extra_requests: int = 8  # a load-only policy's holder: requests over its choice's
     ledger: PullLedger = field(default_factory=lambda: PullLedger(alpha=0.2, recovery_s=10.0))
     node_of: Callable[[str], NodeId] = lambda _w: ""  # a worker's node ("": unknown)
     # choices made: hold / pull / recompute, a pull backed off ("busy": its source has
@@ -176,6 +182,10 @@ class PullPlanner:
 
     def _wait(self, view: WorkerView) -> float:
         return view.load.queued_prefill_tokens / self.prefill_tokens_per_s
+
+    @staticmethod
+    def _requests(view: WorkerView) -> int:
+        return view.load.running + view.load.waiting
 
     def _prefill(self, tokens: int) -> float:
         return max(tokens, 0) / self.prefill_tokens_per_s
@@ -215,6 +225,12 @@ class PullPlanner:
             return placement, None, None
         elsewhere, hold_s = chosen, None
         ev = by_id[elsewhere]
+        if not holder_eligible and hit[holder] > hit[elsewhere]:
+            hv = by_id[holder]
+            if hv.adapter_loaded and self._requests(hv) <= (
+                self._requests(ev) + self.hold_max_extra_requests
+            ):
+                hold_s = self._wait(hv) + self._prefill(n_tokens - hit[holder])
         recompute_s = self._wait(ev) + self._prefill(n_tokens - hit[elsewhere])
         start, total = max(held[elsewhere]), held[holder][1]
         gain = max(total - start, 0) * bs
@@ -241,9 +257,14 @@ class PullPlanner:
                     + self._prefill(n_tokens - total * bs)
                     + lost * self._prefill(gain)
                 )
-        options = [("hold", hold_s), ("recompute", recompute_s), ("pull", pull_s)]
-        choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
-        if backoff is not None or pull_s is not None:
+        if hold_s is not None and hold_s <= recompute_s:
+            choice = "hold"  # affinity stays primary: a pull's copy costs capacity unpriced
+        else:
+            options = [("recompute", recompute_s), ("pull", pull_s)]
+            choice = min((o for o in options if o[1] is not None), key=lambda o: o[1])[0]
+        if choice == "hold":
+            self.choices["hold"] += 1
+        elif backoff is not None or pull_s is not None:
             self.choices[backoff or choice] += 1
         elif total == 0:  # nothing to pull: held nowhere
             self.choices["cold"] += 1
@@ -251,7 +272,7 @@ class PullPlanner:
             self.choices["local" if held[elsewhere][1] >= total else "pending"] += 1
         priced = Priced(hold_s, pull_s, recompute_s, choice)
         if choice == "hold":
-            return placement, None, priced
+            return Placement(holder, Reason.PREFIX, cached[holder]), None, priced
         if choice == "recompute":
             if elsewhere == chosen:
                 return placement, None, priced

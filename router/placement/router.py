@@ -86,6 +86,7 @@ class Router:
                 block_size=block_size,
                 source_step_tokens=pc.source_step_tokens,
                 max_pulls_per_source=pc.max_pulls_per_source,
+                hold_max_extra_requests=pc.hold_max_extra_requests,
                 ledger=PullLedger(alpha=pc.alpha, recovery_s=pc.survival_recovery_s),
                 node_of=lambda w: self.nodes.get(w, ""),
             )

@@ -24,4 +24,6 @@ def test_grpc_floor_smoke(capsys: pytest.CaptureFixture) -> None:
     head = grpc_floor.main(["--smoke"])
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1]) == head
-    assert head["grpc_generator_us_per_msg"] > 0 and head["grpc_writer_us_per_msg"] > 0
+    # every message arrived (``run`` checks the count); the server's CPU is read in clock
+    # ticks (10 ms), which the smoke's 128 messages may not reach
+    assert head["grpc_generator_us_per_msg"] >= 0 and head["grpc_writer_us_per_msg"] >= 0

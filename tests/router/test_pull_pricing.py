@@ -224,3 +224,38 @@ def test_nothing_to_pull_is_counted_as_local_pending_or_cold() -> None:
     cold = {w: (0, 0) for w in held}
     assert planner.plan(2050, views, CHOSE_B, cold, holder_eligible=False)[1] is None
     assert planner.choices == {"local": 1, "pending": 1, "cold": 1}
+
+
+def test_a_load_only_policy_holds_at_a_holder_whose_wait_beats_recomputing() -> None:
+    """least_loaded picks the idle worker, but the holder's 300 ms queue and 20-token tail
+    end before a 1 s recompute there: hold, although the pull (2 ms) is priced cheaper —
+    affinity stays primary (a pull's copy costs the destination capacity its price omits)."""
+    cluster = MiniCluster(2, routing("least_loaded", fixed_s=0.0, source_step_tokens=0))
+    prompt = tokens(1, 1000)
+    holder = warm(cluster, prompt)
+    cluster.queue[holder] = 300
+    d = cluster.router.route(RouteRequest("r", prompt + tokens(2, 20)), cluster.loads())
+    assert (d.worker_id, d.reason, d.pull) == (holder, Reason.PREFIX, None)
+    assert d.cached_tokens_expected == 992  # 62 whole blocks of the 1000 cached tokens
+    assert cluster.router.planner is not None
+    assert cluster.router.planner.choices["hold"] == 1
+
+
+def test_a_load_only_policy_holds_only_within_its_request_bound() -> None:
+    """The same cheap hold, but the holder runs 9 requests more than least_loaded's choice
+    (bound 8): holding would herd, so the request pulls to the chosen worker."""
+    planner = _planner()
+    views = [
+        WorkerView("a", load(100, running=9), 2000),
+        WorkerView("b", load(0), 0),
+    ]
+    held = {"a": (125, 125), "b": (0, 0)}
+    placement, hint, priced = planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)
+    assert priced is not None and priced.hold_s is None and priced.choice == "pull"
+    assert placement.worker_id == "b" and hint is not None and hint.source_id == "a"
+    views[0] = WorkerView("a", load(100, running=8), 2000)
+    placement, hint, priced = planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)
+    assert priced is not None and priced.choice == "hold"
+    assert priced.hold_s == pytest.approx((100 + 50) / RATE)
+    assert (placement.worker_id, placement.reason, hint) == ("a", Reason.PREFIX, None)
+    assert planner.choices == {"pull": 1, "hold": 1}
