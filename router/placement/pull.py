@@ -12,7 +12,8 @@ Per request, once the policy has chosen, the planner compares (in seconds):
   stays ruled out, so pulls never bring back herding. Under a load-only policy, which
   never looks at prefixes, the hold is priced while the holder runs at most
   ``hold_max_extra_requests`` more requests than the policy's choice (that bound keeps
-  holds from herding onto one worker), and wins whenever it ends no later than the
+  holds from herding onto one worker; of several holders, the one whose queue and
+  uncached tail end first), and wins whenever it ends no later than the
   recompute, however cheap the pull: the same primacy, as a price;
 - **pull**: run on another worker ``e`` after fetching blocks ``c_e .. c_h`` from ``h``:
   ``transfer(h -> e, c_h - c_e) + wait(e) + prefill(n - c_h)`` (the pull precedes the
@@ -223,14 +224,11 @@ class PullPlanner:
             # would copy the prefix onto another worker's cache, evicting what that one holds)
             self.choices["hold"] += 1
             return placement, None, None
-        elsewhere, hold_s = chosen, None
+        elsewhere = chosen
         ev = by_id[elsewhere]
-        if not holder_eligible and hit[holder] > hit[elsewhere]:
-            hv = by_id[holder]
-            if hv.adapter_loaded and self._requests(hv) <= (
-                self._requests(ev) + self.hold_max_extra_requests
-            ):
-                hold_s = self._wait(hv) + self._prefill(n_tokens - hit[holder])
+        hold_at, hold_s = None, None  # a prefix policy weighed the holders itself
+        if not holder_eligible:
+            hold_at, hold_s = self._best_hold(n_tokens, views, ev, hit)
         recompute_s = self._wait(ev) + self._prefill(n_tokens - hit[elsewhere])
         start, total = max(held[elsewhere]), held[holder][1]
         gain = max(total - start, 0) * bs
@@ -272,7 +270,8 @@ class PullPlanner:
             self.choices["local" if held[elsewhere][1] >= total else "pending"] += 1
         priced = Priced(hold_s, pull_s, recompute_s, choice)
         if choice == "hold":
-            return Placement(holder, Reason.PREFIX, cached[holder]), None, priced
+            assert hold_at is not None
+            return Placement(hold_at, Reason.PREFIX, cached[hold_at]), None, priced
         if choice == "recompute":
             if elsewhere == chosen:
                 return placement, None, priced
@@ -286,6 +285,24 @@ class PullPlanner:
             priced_s=xfer_s,
         )
         return Placement(elsewhere, Reason.PULL, total * bs), hint, priced
+
+    def _best_hold(
+        self, n_tokens: int, views: Sequence[WorkerView], ev: WorkerView, hit: Mapping[str, int]
+    ) -> tuple[str | None, float | None]:
+        """Under a load-only policy: the worker holding more of the prompt than ``ev`` (the
+        policy's choice) whose queue and uncached tail end first, among those running at most
+        ``hold_max_extra_requests`` more requests than ``ev`` with the request's adapter
+        loaded; (None, None) when there is none."""
+        bound = self._requests(ev) + self.hold_max_extra_requests
+        best: tuple[float, str] | None = None
+        for v in views:
+            w = v.worker_id
+            if hit[w] <= hit[ev.worker_id] or not v.adapter_loaded or self._requests(v) > bound:
+                continue
+            price = self._wait(v) + self._prefill(n_tokens - hit[w])
+            if best is None or price < best[0]:
+                best = (price, w)
+        return (None, None) if best is None else (best[1], best[0])
 
     def _backoff(self, holder: str, dest: WorkerView, blocks: int, tail: int) -> str | None:
         """Why a pull of ``blocks`` from ``holder`` to ``dest`` (then ``tail`` tokens to

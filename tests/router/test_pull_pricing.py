@@ -259,3 +259,20 @@ def test_a_load_only_policy_holds_only_within_its_request_bound() -> None:
     assert priced.hold_s == pytest.approx((100 + 50) / RATE)
     assert (placement.worker_id, placement.reason, hint) == ("a", Reason.PREFIX, None)
     assert planner.choices == {"pull": 1, "hold": 1}
+
+
+def test_a_load_only_policy_holds_at_the_holder_that_ends_first() -> None:
+    """a holds the whole prefix but has 3 s of queue; c holds 100 of its 125 blocks with an
+    empty queue: holding at c (recompute 450 tokens) ends before holding at a or recomputing
+    all of it on b."""
+    planner = _planner()
+    views = [
+        WorkerView("a", load(3000), 2000),
+        WorkerView("b", load(0), 0),
+        WorkerView("c", load(0), 1600),
+    ]
+    held = {"a": (125, 125), "b": (0, 0), "c": (100, 100)}
+    placement, hint, priced = planner.plan(2050, views, CHOSE_B, held, holder_eligible=False)
+    assert priced is not None and priced.choice == "hold"
+    assert priced.hold_s == pytest.approx((2050 - 1600) / RATE)
+    assert (placement.worker_id, placement.cached_tokens_expected, hint) == ("c", 1600, None)
