@@ -1,6 +1,6 @@
 """Faults that Ray does not report, with recovery times: a frozen worker, a killed router.
 
-Each function injects one fault into a running cluster, measures how long the clients were
+Each function injects one fault into a running cluster, measures how long the clients are
 affected, heals it and returns one row (plain numbers and lists, so the reliability tests can
 assert on the same runs that ``benchmarks/chaos.py`` prints).
 

@@ -1,4 +1,5 @@
-"""The router's own CPU per streamed token at its edges, old path against new in one run:
+"""The router's own CPU per streamed token at its edges, the generic path against the one the
+edges take, in one run:
 the SSE event of a plain stream chunk (the chunk object through ``json.dumps`` against the
 pre-encoded parts of :class:`router.http_api.sse.PlainChunks`), the client's label put on
 each output (``dataclasses.replace`` against :func:`relabelled`), and, for scale, the gRPC

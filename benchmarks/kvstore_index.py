@@ -40,7 +40,7 @@ k=4 (245,760 entries, 23.9 B per cached (block, worker)): bisect 2k 0.51/0.71 ms
 8k 0.72/0.99; scan 2k 0.90/1.25, 8k 2.32/2.92; staggered bisect 0.84/1.36, scan 0.87/1.20
 (with n/k = 512 keys and 16 breakpoints, scan's linear read costs what bisect's probes do).
 Client p99 moves with the machine's load: 0.74-2.41 ms for bisect 2k over six runs (300 or
-1000 lookups each) at load 1.4-3.5, while in Redis it stayed at 0.41-0.47 ms.
+1000 lookups each) at load 1.4-3.5, while in Redis it stays at 0.41-0.47 ms.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Two namespaces of one Redis are populated: *tiered* (as above) and *device-only*
 union depths, all on the device: what an index without host tiers holds). Measured per lookup
 mode (bisect, scan), client end to end and inside Redis (SLOWLOG), every answer checked:
 
-* ``lookup`` on device-only: today's cost (the baseline of the ratios);
+* ``lookup`` on device-only: the device-only lookup's cost (the baseline of the ratios);
 * ``lookup_tiers`` on device-only: what a router would pay when no worker has a host tier
   (one EXISTS more; the router asks ``lookup`` then, as no candidate's load reports one);
 * ``lookup_tiers`` on tiered: the union walk reads both hashes per probe.

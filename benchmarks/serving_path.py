@@ -28,10 +28,10 @@ niceness, ``cluster.scheduling``; ``--thread-sched`` turns that policy on, for a
 own CPU, the collector's pauses and the time the OS kept the loop thread off a core, and
 reports the largest stall less that wait), the engine thread's busy share, the share of the
 run it spent runnable but without a core (``engine waits``: the kernel's schedstat; what
-another process on the same cores took from it), and CPU per token of the worker, the router
+another process on the same cores takes from it), and CPU per token of the worker, the router
 and the client (this process). The offline engine and the served worker run the same
 intra-op threads (one per core this process may use) at the same niceness. Then: a burst of
-``--burst`` requests arriving at a busy worker (time and engine steps until all were taken
+``--burst`` requests arriving at a busy worker (time and engine steps until all are taken
 in), the offline step split by stage (the engine's own stage timers), offline and served, and a
 ``--fanout-workers`` run on the tiny model: can one router forward that many workers'
 output (its CPU share while doing it, and the rate one core would carry). Prefix caching is

@@ -18,8 +18,8 @@ Measured (full trace, 8 workers, seeds 0..4; ``--seeds``): prefix_affinity hit r
 ratio of the seed means 0.489 (target met); per seed 0.503, 0.482, 0.488, 0.494, 0.478.
 least_loaded's two random choices alone move its mean TTFT by +-2.3 % between seeds, more
 than the margin, so the target is judged on the seed means (prefix_affinity's own spread is
-+-0.5 %). ``--waiting-load whole`` replays the engine's load report before it subtracted a
-waiting prompt's cached prefix: hit 0.321-0.324, ratios 0.512, 0.498, 0.497, 0.507, 0.496 —
++-0.5 %). ``--waiting-load whole`` replays with a load report that counts a waiting prompt whole,
+its cached prefix included: hit 0.321-0.324, ratios 0.512, 0.498, 0.497, 0.507, 0.496 —
 counting a holder's queued hits whole pushes their siblings away from it. Reweighting the
 cost (attention- and decode-aware terms, near-tie cache preference, other weights and bounds)
 moves the mean TTFT by less than the seed-to-seed spread; an oracle that knows every worker's

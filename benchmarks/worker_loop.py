@@ -7,10 +7,10 @@
 ``hook``: the telemetry's after-step hook (``WorkerTelemetry.after_step``) on synthetic
 outputs, one token per stream per step, with Ray's real ``ray.util.metrics`` histograms; CPU
 seconds of the calling thread (``time.thread_time``) per step, measured twice in the same
-process: observing every latency in the step (``inline``: what the engine thread did before
-latencies were queued: ``after_step`` then ``flush`` on the same thread) and queued
-(``after_step`` alone, the engine thread's share now), plus the flush (the heartbeat
-thread's share). ``ratio`` = inline / queued engine-thread CPU.
+process: observing every latency in the step (``inline``: ``after_step`` then ``flush`` on
+the same thread) and queued (``after_step`` alone: the engine thread's share in a served
+worker), plus the flush (the heartbeat thread's share). ``ratio`` = inline / queued
+engine-thread CPU.
 
 ``delivery``: the worker loop's own share of a step's outputs: a channel's ``deliver``
 (``worker/channels.py``) and the packing of its next message, CPU ms per step; the rest of
@@ -21,7 +21,7 @@ message (not measured here: no Ray).
 ``--prompt`` tokens at once, through ``submit_many`` (checked in turns, taken in with one
 command) and, as the baseline, as that many concurrent ``submit`` calls (one check, one
 command and one answer each). Per path: the event loop's CPU seconds until every request
-was admitted, its longest turn in CPU time (``max turn cpu ms``: the loop thread's CPU
+is admitted, its longest turn in CPU time (``max turn cpu ms``: the loop thread's CPU
 between two wake-ups of a probe task sleeping 0 s, so what a ready callback waited for,
 whatever the machine's load) and its largest stall in wall time (a 1 ms probe: noisy on a
 busy machine).
