@@ -3,7 +3,8 @@ workers): the real index, fed by the workers' own KV events, answers who holds a
 the loads are the test's (so each regime is certain): an idle holder gets the request, a
 saturated holder's prefix is pulled to the other worker (the same tokens as computing it),
 a saturated fleet (no room in the other worker's KV) pulls nothing, a tiny prefix is
-recomputed. The router actor's start-up calibration fitted its model."""
+recomputed; under a load-only policy the hold is priced too. The router actor's start-up
+calibration fitted its model."""
 
 from __future__ import annotations
 
@@ -128,3 +129,37 @@ def test_router_actor_calibrated_its_transfer_model(cluster) -> None:
     assert len(fitted) == 1, fitted  # one node: one pair
     ((fixed, per_token),) = fitted.values()
     assert fixed >= 0 and per_token > 0
+
+
+def test_a_load_only_policy_holds_at_an_idle_holder_and_pulls_from_a_saturated_one(
+    cluster,
+) -> None:
+    """least_loaded never looks at prefixes; with pulls on, the planner prices the hold: a
+    holder whose short queue ends before recomputing gets the request, a saturated one has
+    its prefix pulled to least_loaded's choice (the same tokens)."""
+    a, b = sorted(cluster.workers)
+    index = KVIndex(cluster.index_config())
+    routing = RoutingConfig(policy="least_loaded", pull=PULL, pending_ttl_s=0)
+    router = Router(routing, KVIndexSource(index), block_size=16)
+    ctx = HashContext(cluster.model_id)
+    loads = {w: info.load for w, info in index.live_workers().items()}
+    p = prompt(4, 300)
+    _, want, _ = generate(cluster.workers[a], WorkerRequest("l0", p + [9], GREEDY))
+    wait_held(index, router, p + [9], ctx, a, 18)
+
+    # 1 s of queue on a, none on b: least_loaded picks b, where recomputing takes 3 s
+    short = {**loads, a: replace(loads[a], queued_prefill_tokens=100)}
+    d = router.route(RouteRequest("l1", p + [7, 8], ctx), short)
+    assert (d.worker_id, d.reason, d.pull) == (a, Reason.PREFIX, None)
+    assert d.cached_tokens_expected == 288
+
+    busy = {**loads, a: replace(loads[a], queued_prefill_tokens=50_000)}  # 500 s of queue
+    d = router.route(RouteRequest("l2", p + [9], ctx), busy)
+    assert d.worker_id == b and d.reason == Reason.PULL and d.pull.source_id == a
+    adm, got, cached = generate(
+        cluster.workers[b], WorkerRequest("l2", p + [9], GREEDY, pull=d.pull)
+    )
+    assert adm.pulled.outcome == "ok" and got == want and cached == 288
+    assert router.planner.choices["hold"] == 1 and router.planner.choices["pull"] == 1
+    for w in cluster.workers.values():
+        assert ray.get(w.kv_blocks_in_use.remote(), timeout=30) == 0
