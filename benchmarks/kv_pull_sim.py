@@ -15,8 +15,8 @@ reference replay the requests the device cache fits (as ``host_tier_sim``).
 
 Measured (full trace, 8 workers, 1M device + 8M host tokens each, seed 0; simulated time):
 prefix_affinity + pulls 0.369 vs shared pool 0.373 (gap 1.18 %), without pulls 0.338; mean
-TTFT 1.594 s vs 1.620 s (0.984x); least_loaded 0.134 -> 0.369 with pulls (the hold priced
-at the holder), mean TTFT 0.61x (1.95 vs 3.20 s). Of the prompt tokens the pool hits and
+TTFT 1.594 s vs 1.620 s (0.984x); least_loaded 0.134 -> 0.368 with pulls (the hold priced
+at the holder), mean TTFT 0.60x (1.92 vs 3.20 s). Of the prompt tokens the pool hits and
 prefix_affinity + pulls does not (0.57 % of all), 0.35 %
 are prefixes a peer held that the pricing recomputed (a few blocks, cheaper than waiting
 for a busy holder's step), 0.11 % pulls past their soft deadline (a holder's step longer
