@@ -67,7 +67,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from cluster.launcher import down_detached
+    from cluster.ray_session import down_detached
 
     st = down_detached(args.name)
     print(f"kvcluster {st.name!r} is down")

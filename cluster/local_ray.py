@@ -1,5 +1,5 @@
 """The Ray this launcher starts itself: a head of our own on loopback, in Ray's single-node
-mode (see :mod:`cluster.launcher` for why), and the driver settings that must agree with it."""
+mode (see :mod:`cluster.ray_session` for why), and the driver settings that must agree with it."""
 
 from __future__ import annotations
 

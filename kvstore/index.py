@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from kvstore import lookup_scripts, scripts
+from kvstore import lookup_scripts, registry_scripts, scripts
 from kvstore.blocks.hashing import BlockKey
 from kvstore.codec import (
     check_worker_id,
@@ -37,18 +37,20 @@ class KVIndex:
         self.config = config
         self._client = make_client(config)
         self._reg_key = config.namespace + "reg"
-        names = (
-            "REGISTER",
-            "HEARTBEAT",
-            "DEREGISTER",
-            "APPLY",
-            "RESYNC",
-            "HELD",
-            "LIVE",
-            "PURGE_SCAN",
-            "PURGE_SLOT",
-        )
-        self._scripts = {n: self._client.register_script(getattr(scripts, n)) for n in names}
+        names = {
+            "REGISTER": registry_scripts,
+            "HEARTBEAT": registry_scripts,
+            "DEREGISTER": registry_scripts,
+            "APPLY": scripts,
+            "RESYNC": scripts,
+            "HELD": scripts,
+            "LIVE": registry_scripts,
+            "PURGE_SCAN": registry_scripts,
+            "PURGE_SLOT": registry_scripts,
+        }
+        self._scripts = {
+            n: self._client.register_script(getattr(mod, n)) for n, mod in names.items()
+        }
         self._scripts["LOOKUP"] = self._client.register_script(lookup_scripts.LOOKUP[config.lookup])
         self._scripts["SPARES"] = self._client.register_script(lookup_scripts.SPARES)
         self._scripts["LOOKUP_TIERS"] = self._client.register_script(
@@ -59,7 +61,7 @@ class KVIndex:
         slow = {"socket_timeout_s": max(5.0, 10 * config.socket_timeout_s)}
         self._slow_client = make_client(config.model_copy(update=slow))
         for n in ("RESYNC", "PURGE_SLOT"):
-            self._scripts[n] = self._slow_client.register_script(getattr(scripts, n))
+            self._scripts[n] = self._slow_client.register_script(getattr(names[n], n))
         self._recorders: dict[str, Recorder] = {}
         self._addresses: dict[str, str | None] = {}  # published with each heartbeat
         self._lock = threading.Lock()

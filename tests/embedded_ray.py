@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import ray
 
-from cluster.launcher import leave_loopback_ray, use_loopback_ray
+from cluster.local_ray import leave_loopback_ray, use_loopback_ray
 from cluster.ray_head import no_dashboard_process
 
 _shared: list[bool] = []  # [True] while the session's shared Ray is the connected one

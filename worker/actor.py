@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy, thread_sched
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
+from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.blocks.protocol import (
     Admitted,
@@ -33,16 +31,15 @@ from kvstore.blocks.protocol import (
 )
 from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
-from kvstore.events import TierKeys
 from kvstore.index import KVIndex
-from kvstore.index_sync import SPARES_DUTY
 from kvstore.publisher import WorkerPublisher
 from worker.burst_intake import BurstIntake
 from worker.callers import CallerWatch
-from worker.channels import Channel, Channels
+from worker.channel_calls import ChannelCalls
+from worker.channels import Channels
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.front import StreamingEngine
-from worker.engine.streams import StreamEnd
+from worker.index_hooks import IndexHooks
 from worker.kv import block_keys
 from worker.lifecycle import exit_process_soon, in_ray_actor
 from worker.live_ids import LiveIds
@@ -75,7 +72,7 @@ class WorkerSettings:
     namespace: str | None = None
 
 
-class WorkerServer(PeerPulls, BurstIntake):
+class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
@@ -146,40 +143,6 @@ class WorkerServer(PeerPulls, BurstIntake):
         except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
             log.exception("worker %s: clean-up before the restart failed", self.worker_id)
 
-    def _set_spares(self, spare: set) -> None:
-        """From the publisher's thread: the keys another worker keeps, evicted first here
-        (fleet-aware eviction), applied between steps. Classifying is O(cached blocks) on the
-        engine thread, so a refresh is dropped until 20 times the last one's duration has
-        passed (at most 5 % of the engine's time, whatever the pool's size)."""
-        if time.monotonic() < self._spares_after:
-            return
-
-        def apply(engine: Engine) -> None:
-            t0 = time.monotonic()
-            try:
-                engine.kv.set_spares(spare)
-            finally:
-                now = time.monotonic()
-                self._spares_after = now + SPARES_DUTY * (now - t0)
-
-        self._spares_after = float("inf")  # one in flight at a time
-        if not self.front.post(apply):
-            self._spares_after = 0.0
-
-    def _cached_keys(self) -> list:
-        """For a resync: the pool's cached keys, read between steps. Under the engine lock,
-        where ``_after_step`` submits, so the publisher learns exactly which submitted events
-        the snapshot already holds (``mark_snapshot``) and does not replay them on it."""
-
-        def snapshot(engine: Engine) -> list:
-            if self.publisher is not None:
-                self.publisher.mark_snapshot()
-            if engine.kv.has_host_tier:
-                return TierKeys(engine.kv.cached_keys(), engine.kv.host_cached_keys())
-            return engine.kv.cached_keys()
-
-        return self.front.with_engine(snapshot)
-
     # -- API (called by routers through Ray) -----------------------------------------------
 
     async def ready(self) -> str:
@@ -210,42 +173,6 @@ class WorkerServer(PeerPulls, BurstIntake):
         if isinstance(result, Exception):
             raise result
         return result
-
-    def _submit_channel(self, channel_id: str, caller: Any) -> Channel:
-        """The channel a submit names: a router sends only its caller's incarnation id
-        once a request with the ref came back admitted (UnknownChannel if not this one)."""
-        if isinstance(caller, str):
-            ch = self.channels.find(channel_id)
-            known = None if ch is None else ch.caller
-            if getattr(known, "incarnation", None) != caller:
-                raise UnknownChannel(f"output channel {channel_id!r} is not open on this worker")
-            return ch  # type: ignore[return-value]
-        return self._channel(channel_id, caller)
-
-    async def outputs(
-        self, channel_id: str, caller: Any = None, schema: str | None = None
-    ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
-        """The channel's outputs, one list per message: every output of each request sent
-        with this ``channel_id``, in order (packed: ``unpack_output``); a
-        :class:`StreamEnd` ends a request whose engine stopped. Ends when the caller stops
-        reading or dies, idle or not (its open requests are aborted).
-
-        ``schema``: the caller's ``OUTPUT_SCHEMA``; a router of another packed layout is
-        refused with :class:`WireMismatch`."""
-        check_schema("output channel", schema, OUTPUT_SCHEMA)  # refused: nothing is opened
-        if caller is not None:
-            self._channel(channel_id, caller)
-        async for items in self.channels.serve(channel_id, schema):
-            yield items
-
-    def _channel(self, channel_id: str, caller: Any) -> Channel:
-        """The channel ``channel_id`` of ``caller``, watched while it is open."""
-        ch = self.channels.get(channel_id)
-        if ch.caller is None and caller is not None:
-            ch.caller = caller
-            self.callers.watch_channel(channel_id, caller)
-            self._on_loop()
-        return ch
 
     async def generate(
         self, request: WorkerRequest, caller: Any = None, schema: str | None = None
@@ -295,17 +222,6 @@ class WorkerServer(PeerPulls, BurstIntake):
         last = keys[-1] if request.want_keys and keys else None
         return Admitted(self.worker_id, epoch, last, pulled)
 
-    def _stream_ended(self, request_id: str) -> None:
-        """A request's stream ended (its last output or StreamEnd was delivered)."""
-        self.callers.forget(request_id)
-        self.live.release(request_id)
-        self.warm_freeze.request_ended(idle=not self.live)
-
-    def _caller_died(self, caller: Any) -> None:
-        """A dead router's channels have no reader any more."""
-        for channel_id in self.channels.of_caller(caller):
-            self.channels.drop(channel_id)
-
     def abort(self, request_id: str) -> bool:
         return self.front.abort(request_id)
 
@@ -318,15 +234,6 @@ class WorkerServer(PeerPulls, BurstIntake):
         if tid is not None:
             out["engine_sched"] = thread_sched(tid)
         return out
-
-    def resync_index(self, reason: str) -> bool:
-        """A router found this worker's index entries wrong (``reason``): replace them with
-        the pool's cached keys. False when this worker publishes no index."""
-        if self.publisher is None:
-            return False
-        log.warning("worker %s: resyncing its index entries: %s", self.worker_id, reason)
-        self.publisher.request_resync()
-        return True
 
     async def status(self) -> WorkerStatus:
         snap = await self.front.with_engine_async(Engine.snapshot)

@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from router.http_api import routes
@@ -45,13 +43,10 @@ from router.http_api.door import (
     make_room_for,
     protocol_class,
 )
-from router.http_api.generation import WORKER_HEADER, Generation, error_response, unless_gone
-from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
-from router.http_api.responses import Shaper
-from router.serving.core import ClusterOverloaded
+from router.http_api.generation import WORKER_HEADER, error_response, unless_gone
+from router.http_api.generation_routes import GenerationRoutes
 from router.serving.errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.intake import Intake
-from router.serving.request import GenerateSpec
 from router.serving.tokenizing import TokenizerPool
 
 __all__ = ["WORKER_HEADER", "OpenAIServer", "error_status"]
@@ -94,17 +89,17 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="http-parse")
         self.bodies = BodyBudget(max(BODY_BUDGET_BYTES, 4 * max_body_bytes))
-        self._logged_fields: set[str] = set()
         self.max_connections = max_connections
         self.http_protocol = http_protocol
         self.cheap = CheapGate(cheap_rate_per_s, cheap_max_waiting)
         self.handlers = routes.Handlers(self)
+        generation = GenerationRoutes(self)
         # generation skips Starlette's routing and its two middleware layers, each of
         # which wraps ``send``: three Python calls per streamed event (Starlette still
         # routes its paths' other methods: 405)
         self._generation = {
-            "/v1/completions": self._completions,
-            "/v1/chat/completions": self._chat,
+            "/v1/completions": generation.completions,
+            "/v1/chat/completions": generation.chat,
         }
         every = [
             *(Route(path, h, methods=["POST"]) for path, h in self._generation.items()),
@@ -256,72 +251,3 @@ class OpenAIServer:
             if sum(map(len, chunks)) <= limits.inline_bytes:
                 return work()
             return await asyncio.get_running_loop().run_in_executor(self._parse, work)
-
-    def note_unknown(self, body: Any, chat: bool) -> None:
-        """Unknown fields are ignored (as vLLM does), logged once per name and counted."""
-        if not isinstance(body, dict):
-            return
-        for name in set(body) - known_fields(chat):
-            shown = name.encode("unicode_escape").decode()[:64]
-            if self.intake.metrics.unknown_field(shown):
-                log.warning("ignoring unknown request field %r (logged once per name)", shown)
-
-    # -- generation ---------------------------------------------------------------------
-
-    async def _completions(self, request: Request) -> Response:
-        return await self._generate(request, chat=False)
-
-    async def _chat(self, request: Request) -> Response:
-        return await self._generate(request, chat=True)
-
-    async def _prepare(
-        self, request: Request, chat: bool
-    ) -> tuple[OpenAIRequest, list[GenerateSpec], list[list[int]]]:
-        await self.intake.turn()  # a burst's parsing spread over loop iterations
-        tenant = self.tenant(request)  # first: an unauthenticated caller learns nothing
-        try:  # then the cheap refusal, before any parsing
-            self.core.check_room()
-        except ClusterOverloaded:
-            async with read_body(request, self.body_limits()):  # drained unparsed: the
-                pass  # connection stays usable
-            raise
-        header_rid = request.headers.get("x-request-id")
-
-        def parse(body: Any) -> tuple[Any, OpenAIRequest, list[GenerateSpec]]:
-            meta, specs = parse_request(
-                body,
-                chat=chat,
-                tenant=tenant,
-                limits=self.limits,
-                now=int(time.time()),
-                header_request_id=header_rid,
-            )
-            return body, meta, specs
-
-        body, meta, specs = await self.json_body(request, parse)
-        self.note_unknown(body, chat)
-        lora = await self.intake.lora_of(meta.model or None, tenant)
-        if not meta.model:
-            meta = replace(meta, model=self.intake.model_id)
-        if lora is not None:
-            specs = [replace(s, params=replace(s.params, lora=lora)) for s in specs]
-        token_lists = [await self.intake.token_ids(s) for s in specs]
-        if chat and not meta.max_tokens_set:  # OpenAI's chat default: what the context allows
-            specs = [self.intake.with_room(specs[0], token_lists[0])]
-        return meta, specs, token_lists
-
-    async def _generate(self, request: Request, chat: bool) -> Response:
-        try:
-            meta, specs, token_lists = await self._prepare(request, chat)
-        except Exception as exc:
-            return self.error(exc, {"text": "prompt", "token_ids": "prompt"})
-        echoes = None
-        if meta.echo:  # the prompt as the client sent it (token ids: their text)
-            echoes = [
-                s.text if s.text is not None else self.tokenizer.decode(ids)
-                for s, ids in zip(specs, token_lists, strict=True)
-            ]
-        shaper = Shaper(meta, specs[0].params.n, self.tokenizer, echoes, token_lists)
-        # the client's X-Request-Id comes back as it was sent; else the answer's id
-        headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
-        return await Generation(self.intake, shaper, specs, token_lists).answer(request, headers)

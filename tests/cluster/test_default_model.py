@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent(
     import ray
     from benchmarks.chaos_probes import on_workers
     from cluster.client import KVClusterClient
-    from cluster.launcher import Cluster, use_loopback_ray
+    from cluster.launcher import Cluster
+    from cluster.local_ray import use_loopback_ray
     from tests.cluster.conftest import cluster_config
     use_loopback_ray()
     ray.init(address="local", include_dashboard=False, log_to_driver=False,

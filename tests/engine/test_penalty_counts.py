@@ -16,9 +16,9 @@ import torch
 from tests.engine.helpers import assert_no_blocks_in_use, run_all
 from tests.engine.test_host_tier import make
 from worker.engine import Engine, SamplingParams
+from worker.engine.logit_adjust import PenaltyRows, token_counts
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Sequence
-from worker.engine.sampler import PenaltyRows, _token_counts
 
 VOCAB = 64
 CPU = torch.device("cpu")
@@ -26,8 +26,8 @@ CPU = torch.device("cpu")
 
 def recount(seqs: list[tuple[Sequence, SamplingParams]], vocab: int) -> PenaltyRows:
     """The counts the sampler computed every step before: from the token ids."""
-    out = _token_counts([s.output_ids for s, _ in seqs], vocab, CPU)
-    seen = _token_counts([s.token_ids[: s.prompt_len] for s, _ in seqs], vocab, CPU) > 0
+    out = token_counts([s.output_ids for s, _ in seqs], vocab, CPU)
+    seen = token_counts([s.token_ids[: s.prompt_len] for s, _ in seqs], vocab, CPU) > 0
     return PenaltyRows(out, seen)
 
 

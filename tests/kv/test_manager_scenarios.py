@@ -424,9 +424,9 @@ def test_block_claims_count_queued_sequences_and_say_when_a_prefix_is_shared() -
     claims.claim(keys)
     claims.claim(keys[:1])  # a sibling sharing the first block
     assert dict(claims) == {keys[0]: 2, keys[1]: 1, keys[2]: 1}
-    assert claims.release(keys) is True  # the sibling still claims block 0
+    assert claims.release_keys(keys) == (True, keys[1:])  # the sibling still claims block 0
     assert dict(claims) == {keys[0]: 1}
-    assert claims.release(keys[:1]) is False and not claims
+    assert claims.release_keys(keys[:1]) == (False, keys[:1]) and not claims
 
 
 def test_tenant_quota_evicts_the_tenants_own_lru_blocks_and_keeps_prefixes() -> None:

@@ -10,7 +10,7 @@ import pytest
 import ray
 import redis
 
-from cluster import launcher
+from cluster import launcher, ray_session
 from cluster import state as cluster_state
 from cluster.config import redact_url
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
@@ -178,7 +178,7 @@ def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeyp
         cluster_config("rel-broken-detached", model={"path": str(model_dir)}), detached=True
     )
     started: list[int] = []
-    real_head, real_redis = launcher.start_ray_head, launcher.start_detached
+    real_head, real_redis = ray_session.start_ray_head, launcher.start_detached
 
     def head(*args: object, **kwargs: object):  # noqa: ANN202 - records the pid it started
         address, pid, dash = real_head(*args, **kwargs)
@@ -190,7 +190,7 @@ def test_a_detached_up_that_fails_stops_its_ray_head_and_redis(tmp_path, monkeyp
         started.append(pid)
         return url, pid
 
-    monkeypatch.setattr(launcher, "start_ray_head", head)
+    monkeypatch.setattr(ray_session, "start_ray_head", head)
     monkeypatch.setattr(launcher, "start_detached", detached_redis)
     with pytest.raises(Exception, match="creation task"):
         cluster.up()

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 from kvstore.blocks.errors import EngineStopped
 from kvstore.blocks.loop_sched import ThreadSchedConfig, demote_compute
@@ -36,21 +36,21 @@ from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.burst import BurstAdmission, refuser
 from worker.engine.engine import Engine
+from worker.engine.engine_calls import EngineCalls
 from worker.engine.inbox import Command, Inbox
 from worker.engine.intake import Prompt
-from worker.engine.metrics import EngineMetrics
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
 from worker.model.cpu_threads import configure_threads
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-class StreamingEngine(BurstAdmission):
+class StreamingEngine(BurstAdmission, EngineCalls):
     """Runs ``engine.step()`` in a background thread; commands reach it through a queue.
-    A burst of requests goes in with :meth:`add_requests_async` (``burst.py``)."""
+    A burst of requests goes in with :meth:`add_requests_async` (``burst.py``); calls on the
+    engine between steps, :meth:`with_engine` and its kin (``engine_calls.py``)."""
 
     def __init__(
         self,
@@ -194,57 +194,6 @@ class StreamingEngine(BurstAdmission):
         except EngineStopped:
             return False
         return live
-
-    def metrics(self) -> EngineMetrics:
-        return self.with_engine(Engine.metrics)
-
-    def with_engine(self, fn: Callable[[Engine], T]) -> T:
-        """Run ``fn(engine)`` between steps and return its result; blocks the calling thread
-        (up to one step) while the loop runs. From asyncio code use
-        :meth:`with_engine_async`."""
-        if self._on_engine_thread():
-            return fn(self.engine)
-        future = self._call(fn)
-        if future is None:  # no loop to ask: the engine is the caller's to read
-            with self._lock, self.window.held():
-                return fn(self.engine)
-        return future.result()
-
-    async def with_engine_async(self, fn: Callable[[Engine], T]) -> T:
-        """:meth:`with_engine` for asyncio code: awaits, never blocks the loop."""
-        future = self._call(fn)
-        if future is None:
-            with self._lock, self.window.held():
-                return fn(self.engine)
-        return await asyncio.wrap_future(future)
-
-    async def with_cached_kv_async(self, fn: Callable[[Engine], T], timeout_s: float) -> T:
-        """``fn(engine)`` in a helper thread as soon as the engine is idle or computing a
-        forward (``window.py``), not after the step in flight: only for code that pins,
-        reads and releases cached blocks (an export). TimeoutError after ``timeout_s``."""
-        return await asyncio.to_thread(self.window.run, lambda: fn(self.engine), timeout_s)
-
-    def post(self, fn: Callable[[Engine], object]) -> bool:
-        """Run ``fn(engine)`` between steps without waiting for it (any thread); False when
-        the engine is stopped. An exception in ``fn`` is the future's, never the loop's."""
-        return self._call(fn) is not None
-
-    def _call(self, fn: Callable[[Engine], T]) -> Future[T] | None:
-        future: Future[T] = Future()
-
-        def call() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as exc:  # noqa: BLE001 - the caller's to see
-                future.set_exception(exc)
-
-        try:
-            self._inbox.submit(Command(call))
-        except EngineStopped:
-            return None
-        return future
 
     # ---- the loop ------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.blocks.sampling_params import SamplingParams
+from worker.engine.host_copies import to_device
+from worker.engine.logit_adjust import PenaltyRows
 from worker.engine.request import Sequence
-from worker.engine.sampler import PenaltyRows, to_device
 
 _MIN_ROWS = 8
 

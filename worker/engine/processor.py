@@ -24,12 +24,13 @@ from kvstore.blocks.outputs import FinishReason, RequestOutput, TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.grammar_masks import GrammarMasks, grammar_rows
+from worker.engine.logit_adjust import PenaltyRows
 from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
 from worker.engine.request_output import beam_deltas, request_output
-from worker.engine.sampler import PenaltyRows, SampleSpec, finite_rows, sample
+from worker.engine.sampler import SampleSpec, finite_rows, sample
 from worker.engine.sched_output import SchedulerOutput
 
 

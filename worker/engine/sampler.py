@@ -4,9 +4,10 @@ Greedy rows take the argmax. Random rows go through temperature, top-k, top-p an
 then draw with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw
 from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``: the
 tokens of a seeded request therefore do not depend on what else is in the batch.
-Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions) adjust the
-logits first, for every row that sets them, greedy rows included; the engine passes their
-token counts from device tables it updates incrementally (``penalties.py``).
+Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions), ``logit_bias``
+and banned ids adjust the logits first, for every row that sets them, greedy rows included
+(``logit_adjust.py``); the engine passes the penalties' token counts from device tables it
+updates incrementally (``penalties.py``).
 Logprobs are those of the raw model distribution (before penalties, temperature and filters).
 A row whose raw logits are not all finite (a model or adapter that overflowed) samples no
 token: its token is ``None`` and its logprobs too, so no NaN ever reaches a client.
@@ -27,12 +28,11 @@ import torch
 from kvstore.blocks.outputs import TokenLogprob
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.attention import native
+from worker.engine.host_copies import to_device, to_host
+from worker.engine.logit_adjust import PenaltyRows, adjust
 
 if TYPE_CHECKING:
     from worker.engine.grammar_masks import TokenMask
-
-# finite logits after penalties, even divided by GREEDY_EPS (float32 max is ~3.4e38)
-_LOGIT_BOUND = 1e30
 
 
 @dataclass(slots=True)
@@ -54,47 +54,6 @@ class SampleSpec:
         self.penalized = self.params.has_penalties
 
 
-@dataclass(slots=True)
-class PenaltyRows:
-    """Token counts of a batch's rows that set penalties, in row order, on the logits'
-    device (the engine keeps them across steps: ``worker.engine.penalties``)."""
-
-    output: torch.Tensor  # [rows, vocab] float32: occurrences of each token in the output
-    prompt_seen: torch.Tensor  # [rows, vocab] bool: the token is in the prompt (read only
-    # for rows with a repetition penalty)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on ``device`` in one (non-blocking, pinned on CUDA) copy."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Device tensors on the host with one synchronisation (pinned buffers on CUDA)."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return list(tensors)
-    out = []
-    for t in tensors:
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        buf.copy_(t, non_blocking=True)
-        out.append(buf)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return out
-
-
-def _token_counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[len(rows), vocab]`` occurrence counts of each row's ids (one padded copy over)."""
-    width = max((len(r) for r in rows), default=0)
-    ids = to_device([list(r) + [vocab] * (width - len(r)) for r in rows], torch.long, device)
-    counts = torch.zeros((len(rows), vocab + 1), dtype=torch.float32, device=device)
-    if width:
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]  # the last column took the padding
-
-
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
     """Per row of ``x`` [rows, n]: whether it is all finite. A row's sum is NaN or infinite
     when one value is (a sum is one pass, 30x cheaper on the CPU than ``isfinite().all()``);
@@ -110,39 +69,6 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
         if kernels is not None and x.stride(1) == 1:
             return kernels.argmax_rows(x)
     return x.argmax(dim=-1)
-
-
-def _apply_penalties(
-    logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
-) -> torch.Tensor:
-    rows = [i for i, s in enumerate(specs) if s.penalized]
-    if not rows:
-        return logits
-    device, vocab = logits.device, logits.shape[-1]
-    chosen = [specs[i] for i in rows]
-    idx = to_device(rows, torch.long, device)
-    sub = logits.index_select(0, idx)
-    if counts is not None:
-        assert counts.output.shape == sub.shape, (counts.output.shape, sub.shape)
-        out_counts = counts.output
-    else:
-        out_counts = _token_counts([s.output_ids for s in chosen], vocab, device)
-    if any(s.params.repetition_penalty != 1.0 for s in chosen):
-        if counts is not None:
-            in_prompt = counts.prompt_seen
-        else:
-            in_prompt = _token_counts([s.prompt_ids for s in chosen], vocab, device) > 0
-        seen = (out_counts > 0) | in_prompt
-        rep = to_device([s.params.repetition_penalty for s in chosen], sub.dtype, device)
-        rep = rep.unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = to_device([s.params.frequency_penalty for s in chosen], sub.dtype, device)
-    pres = to_device([s.params.presence_penalty for s in chosen], sub.dtype, device)
-    sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0).to(sub.dtype)
-    # a tiny repetition penalty divides a logit into inf (softmax of infs is NaN, and the
-    # sample an arbitrary token): clamp so that even / temperature stays finite
-    sub = sub.clamp(-_LOGIT_BOUND, _LOGIT_BOUND)
-    return logits.index_copy(0, idx, sub)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
@@ -203,31 +129,6 @@ def _sample_random(
     return _argmax(probs / _race(probs, specs, default))
 
 
-def _adjust(
-    logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
-) -> torch.Tensor:
-    """Penalties, then OpenAI's ``logit_bias`` (added; logprobs stay the model's own), then
-    the banned ids of each row."""
-    device = logits.device
-    logits = _apply_penalties(logits, specs, counts)
-    biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
-    if biased:
-        rows, cols, bias = zip(*biased, strict=True)
-        logits = logits.index_put(
-            tuple(to_device([list(rows), list(cols)], torch.long, device)),
-            to_device(list(bias), logits.dtype, device),
-            accumulate=True,
-        )
-    banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
-    if banned_rows:
-        cells = [banned_rows, [t for s in specs for t in s.banned]]
-        logits = logits.index_put(
-            tuple(to_device(cells, torch.long, device)),
-            torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
-        )
-    return logits
-
-
 def sample(
     logits: torch.Tensor,
     specs: Sequence[SampleSpec],
@@ -256,7 +157,7 @@ def sample(
         if s.penalized or s.banned or p.logit_bias:
             special = True
     if special:
-        logits = _adjust(logits, specs, counts)
+        logits = adjust(logits, specs, counts)
     if mask is not None and mask.rows is None:
         logits = logits.masked_fill(mask.banned, float("-inf"))
     elif mask is not None:
@@ -276,13 +177,13 @@ def sample(
     # -1 marks a row with non-finite logits (read back with the tokens: no extra sync)
     tokens = torch.where(finite_rows(raw), tokens, -1)
     if not want:
-        (host_tokens,) = _to_host(tokens)
+        (host_tokens,) = to_host(tokens)
         return [t if t >= 0 else None for t in host_tokens.tolist()], [None] * len(specs)
     w_idx = to_device(want, torch.long, device)
     lp = raw.index_select(0, w_idx).log_softmax(dim=-1)
     chosen = lp.gather(1, tokens.index_select(0, w_idx).clamp(min=0).unsqueeze(1)).squeeze(1)
     top_v, top_i = lp.topk(max(specs[i].params.logprobs for i in want))
-    host_tokens, chosen, top_v, top_i = _to_host(tokens, chosen, top_v, top_i)
+    host_tokens, chosen, top_v, top_i = to_host(tokens, chosen, top_v, top_i)
     token_list: list[int | None] = [t if t >= 0 else None for t in host_tokens.tolist()]
     chosen_l, top_vl, top_il = chosen.tolist(), top_v.tolist(), top_i.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(specs)
@@ -304,7 +205,7 @@ def token_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list
     idx = to_device(list(targets), torch.long, logits.device)
     chosen = lp.gather(1, idx.unsqueeze(1)).squeeze(1)
     top_v, top_i = lp.topk(k) if k else (chosen[:0], idx[:0])
-    chosen_h, top_vh, top_ih = _to_host(chosen, top_v, top_i)
+    chosen_h, top_vh, top_ih = to_host(chosen, top_v, top_i)
     values, alt_v, alt_i = chosen_h.tolist(), top_vh.tolist(), top_ih.tolist()
     return [
         TokenLogprob(t, v, tuple(zip(alt_i[i], alt_v[i], strict=True)) if k else ())

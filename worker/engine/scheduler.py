@@ -15,13 +15,8 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in th
 
 Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
 which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
-scheduler preempts: the victim (largest policy key: lowest priority, latest arrival) loses
-all its blocks and goes back to the waiting queue, where the prefix cache gives back whatever
-survived when it is resumed. With a host KV tier the victim's blocks are *swapped* (kept: the
-device evicts them into the host tier, and its resumption loads them back) or dropped for
-*recompute*, whichever the estimate says is cheaper (``preemption_mode``). A resumed
-request is *protected* until it produces a token, so two requests cannot keep preempting
-each other without progress.
+scheduler preempts a victim, its KV swapped to the host tier or dropped for recompute
+(``preemption.py``).
 
 Two rules keep the KV cache honest, because a block is registered in the prefix cache when
 it is allocated, before the forward pass writes its KV:
@@ -49,7 +44,7 @@ from typing import Literal
 from worker.engine.admission import CacheAwareOrder
 from worker.engine.config import EngineConfig
 from worker.engine.policy import SchedulingPolicy
-from worker.engine.preemption import pick_victim, should_swap
+from worker.engine.preemption import Preemption
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
 from worker.engine.sched_updates import OutcomeUpdates
@@ -59,9 +54,10 @@ from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
 
 
-class Scheduler(OutcomeUpdates):
+class Scheduler(OutcomeUpdates, Preemption):
     """Decides, step by step, which tokens of which sequences run (applying what the model
-    produced: :class:`~worker.engine.sched_updates.OutcomeUpdates`)."""
+    produced: :class:`~worker.engine.sched_updates.OutcomeUpdates`; preempting:
+    :class:`~worker.engine.preemption.Preemption`)."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
         self.config = config
@@ -302,45 +298,6 @@ class Scheduler(OutcomeUpdates):
     def _fits_watermark(self, seq: Sequence, total: int, hit: PrefixHit | None) -> bool:
         need = self.kv.blocks_needed(None, total, prefix=hit)
         return self.kv.can_fit(need + self._watermark)
-
-    # ---- preemption ----------------------------------------------------------------------
-
-    def _make_room(self, req: Request) -> bool:
-        """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
-        victim = pick_victim(req, self.running, self._touched, self.policy.key)
-        if victim is None:
-            return False
-        if victim is req and len(self.running) == 1:
-            self._doom(req)  # alone and still too big: it can never fit
-            return False
-        self._preempt(victim)
-        return victim is not req
-
-    def _preempt(self, req: Request) -> None:
-        assert req.request_id not in self._touched, "preempting a request scheduled this step"
-        self.running.remove(req)
-        cfg = self.config
-        swap = should_swap(
-            req,
-            mode=cfg.preemption_mode,
-            has_host_tier=self.kv.has_host_tier,
-            block_size=self.kv.block_size,
-            block_cost=cfg.host_load_block_cost,
-        )
-        for seq in req.seqs:
-            self.free_seq(seq, offload=swap)
-        if swap:
-            self._out.swapped.append(req.request_id)
-        req.status = RequestStatus.PREEMPTED
-        req.protected = False
-        req.num_preemptions += 1
-        self.add(req)
-        self._out.preempted.append(req.request_id)
-
-    def _doom(self, req: Request) -> None:
-        if not req.doomed:
-            req.doomed = True
-            self._out.doomed.append(req)
 
 
 def _work(req: Request) -> list[Sequence]:

@@ -2,7 +2,8 @@
 
 Layering: pool -> manager -> scheduler. The pool knows blocks, never sequences; the manager
 (``manager.py``) owns block tables and calls the pool. The blocks and their free queue (an
-intrusive doubly linked list) are in ``free_queue.py``.
+intrusive doubly linked list) are in ``free_queue.py``; which run of the queue a free cached
+block joins (spares first, claimed blocks last) is in ``eviction_order.py``.
 
 Free queue order (front = handed out first):
 - uncached free blocks (never used, partial, or caching off) go to the FRONT: reusing them
@@ -11,23 +12,6 @@ Free queue order (front = handed out first):
   evictable, least-recently-used first;
 - eviction is lazy: a cached free block keeps its key until its id is handed out again; only
   then is it removed from the map (and ``BlockRemoved`` emitted).
-
-Fleet-aware eviction: the cached blocks queue in two runs, spare copies first (a copy another
-worker keeps: pulled from a peer and used since, or named by the index through
-:meth:`BlockPool.set_spares`), then the rest, each least recently used first; so a worker
-evicts what the fleet holds elsewhere before what may be the fleet's last copy. A block cached
-under a spare is a spare too (it must go no later than its parent), even where no peer holds
-it (a question under a shared system prompt, the tail of a prefix a peer holds in part).
-
-Claimed blocks last: a cached block whose key a waiting request's prompt names (the claims,
-``worker/kv/claims.py``, counted here through :meth:`BlockPool.claim` / :meth:`BlockPool.unclaim`)
-queues behind every unclaimed one, so a request's prefix is not evicted by the requests
-admitted before it while it waits (it still can be when nothing else is left). The claims
-of one prompt are a chain of keys, so a claimed key's parent is claimed too: the claimed run
-never holds a parent whose child queues in an earlier run. Within it, blocks claimed most
-recently (the requests queued last, which run last) go first. A block whose last claim goes
-moves back to its run as the newest of its kind. O(1) per claimed or released key, nothing
-per step. No-op with a tenant quota (one order per tenant), as spares are.
 
 Prefix closure: every cached key's parent key is cached too (the Redis index's bisect lookup
 relies on it, see :mod:`kvstore`). Three things keep it:
@@ -44,11 +28,12 @@ relies on it, see :mod:`kvstore`). Three things keep it:
   it). A twin released to ref count 0 stops being one; its children were released just before
   it (tail-first), so the serving block, if evictable, moves to the back of the queue to stay
   newer than them.
-- A guard at eviction. The two runs order blocks by class, not by age, so a parent can queue
-  ahead of a child of the other class (a landed copy under a spare, a classification the index
-  changed); each block counts its cached children, and one reached at the front while it has
-  some (and no twin) is queued at the very back instead, behind them, and loses its spare
-  class. O(1) per such block, and it is not reached again before the blocks ahead of it.
+- A guard at eviction. The spare and computed runs (``eviction_order.py``) order blocks by
+  class, not by age, so a parent can queue ahead of a child of the other class (a landed copy
+  under a spare, a classification the index changed); each block counts its cached children,
+  and one reached at the front while it has some (and no twin) is queued at the very back
+  instead, behind them, and loses its spare class. O(1) per such block, and it is not reached
+  again before the blocks ahead of it.
 
 Per-tenant quota (optional, ``tenant_quota``): each tenant (a ``cache_salt``; ``None`` is the
 unsalted tenant) may keep at most that many cached *evictable* blocks. A release that takes a
@@ -67,11 +52,11 @@ from collections.abc import Callable, Iterable, Sequence
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
 from worker.kv.claims import BlockClaims
+from worker.kv.eviction_order import EvictionOrder
 from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
-from worker.kv.spares import spare_verdicts
 
 
-class BlockPool:
+class BlockPool(EvictionOrder):
     """``num_blocks`` blocks, their ref counts, the free queue and the key -> block map."""
 
     def __init__(self, num_blocks: int, block_size: int, tenant_quota: int | None = None) -> None:
@@ -120,17 +105,6 @@ class BlockPool:
         if evicted:
             self.events.removed(evicted)
         return taken
-
-    def _requeue_last(self, block: KVBlock) -> None:
-        """Queue a free cached block (just popped) as the newest of its run (the eviction
-        guard): its cached children, ahead of it, go first."""
-        if self._claimed(block):  # popped from the claimed run: every other run is empty
-            self.free_queue.append_claimed(block)
-            return
-        block.pulled = False
-        self.free_queue.append(block)
-        if self.tenant_quota is not None:
-            self._evictable[block.tenant].move_to_end(block.block_id)
 
     def _uncache(self, block: KVBlock, evicted: list[BlockKey]) -> None:
         """Evict an evictable cached block's key (taken out of the free queue by the caller);
@@ -223,44 +197,6 @@ class BlockPool:
         if evicted:
             self.events.removed(evicted)
 
-    def _claimed(self, block: KVBlock) -> bool:
-        """Whether free cached ``block`` queues in the claimed run."""
-        return self.tenant_quota is None and block.key in self.claims
-
-    def claim(self, keys: Sequence[BlockKey]) -> None:
-        """A waiting sequence claims ``keys`` (its prompt's chain of full-block keys): those
-        cached and free that no one claimed before move to the front of the claimed run,
-        children first. O(len(keys))."""
-        first = self.claims.claim(keys)
-        if self.tenant_quota is not None:
-            return
-        for key in first:  # each pushed to the front: the chain's tail ends up first
-            block = self.cached.get(key)
-            if block is not None and block.ref_cnt == 0:
-                self.free_queue.remove(block)
-                self.free_queue.appendleft_claimed(block)
-
-    def unclaim(self, keys: Sequence[BlockKey]) -> bool:
-        """Drop one claim on each of ``keys``; a free cached block no one claims any more
-        moves back to its run as the newest of its kind, children first. True if another
-        waiting sequence still claims one of them. O(len(keys))."""
-        shared, gone = self.claims.release_keys(keys)
-        if self.tenant_quota is None:
-            for key in reversed(gone):
-                block = self.cached.get(key)
-                if block is not None and block.ref_cnt == 0:
-                    self.free_queue.remove(block)
-                    self._queue_cached(block)
-        return shared
-
-    def _queue_cached(self, block: KVBlock) -> None:
-        """Queue a free cached block as the newest of its kind (with a tenant quota, whose
-        per-tenant lists follow the queue's order, pulled copies queue like the rest)."""
-        if block.pulled and self.tenant_quota is None:
-            self.free_queue.append_pulled(block)
-        else:
-            self.free_queue.append(block)
-
     def _untwin(self, block: KVBlock) -> None:
         """A twin released to ref count 0 becomes a plain free block.
 
@@ -334,45 +270,6 @@ class BlockPool:
             run_tokens.append(toks)
         if run_keys:
             self.events.stored(run_keys, run_parent, run_tokens, self.block_size)
-
-    def mark_pulled(self, blocks: Iterable[KVBlock]) -> None:
-        """``blocks`` (cached, in use) hold a copy pulled from a peer: once free they are
-        evicted before the blocks computed here (see :class:`FreeBlockQueue`)."""
-        for block in blocks:
-            if block.key is not None:
-                block.pulled, block.landing = True, False
-
-    def mark_landed(self, blocks: Iterable[KVBlock]) -> None:
-        """``blocks`` (cached, held only by their import) just landed from a peer for a
-        request still waiting: once free they queue with the computed blocks, and become
-        pulled copies (:meth:`mark_pulled`) when something takes them (:meth:`touch`)."""
-        for block in blocks:
-            if block.key is not None:
-                block.landing, block.pulled = True, False
-
-    def set_spares(self, spare: Iterable[BlockKey]) -> int:
-        """Classify every cached block by the index's answer: ``spare`` names keys another
-        worker keeps (any order; unknown keys are ignored). Those, their ancestors (a peer
-        holding a block holds its prefix) and the blocks cached under them become spares; every
-        other block stops being one; a landed copy stays as it is until it is used. Free blocks
-        whose class changed move to the back of their run, keeping their relative order (so
-        children stay ahead of parents). No-op with a tenant quota (one order per tenant).
-        O(cached blocks); returns the number of free blocks moved."""
-        if self.tenant_quota is not None:
-            return 0
-        verdict = spare_verdicts(self.cached, spare)
-        moved = [
-            b
-            for b in self.free_queue
-            if b.key is not None and verdict[b.key] != b.pulled and b.key not in self.claims
-        ]
-        for block in self.cached.values():
-            if not block.landing:
-                block.pulled = verdict[block.key]
-        for block in moved:
-            self.free_queue.remove(block)
-            self._queue_cached(block)
-        return len(moved)
 
     def num_used(self) -> int:
         return len(self.blocks) - len(self.free_queue)

@@ -31,14 +31,10 @@ class BlockClaims(Counter[BlockKey]):
             self[key] = n + 1
         return first
 
-    def release(self, keys: Iterable[BlockKey]) -> bool:
-        """Drop one claim on each of ``keys``; True if another queued sequence still claims
-        one of them (they share a prefix)."""
-        return self.release_keys(keys)[0]
-
     def release_keys(self, keys: Iterable[BlockKey]) -> tuple[bool, list[BlockKey]]:
-        """:meth:`release`, also returning the keys no sequence claims any more, in the given
-        order."""
+        """Drop one claim on each of ``keys``. Returns whether another queued sequence still
+        claims one of them (they share a prefix), and the keys no sequence claims any more,
+        in the given order."""
         shared = False
         gone: list[BlockKey] = []
         for key in keys:

@@ -16,17 +16,13 @@ Typical use by a scheduler::
     kv.free(rid)                                              # finish / abort / preempt
     publish(kv.drain_events())                                # once per engine step
 
-Host tier (``host_num_blocks`` > 0, see ``host_tier.py``): a cached block the pool evicts is
-offloaded to host memory (a device -> host copy), and a prefix hit continues into the host
-tier: adopting it takes fresh device blocks for those keys and loads them (host -> device).
-``take_transfers`` hands both copy lists to the runner; it must run them before the step's
-copy-on-write copies and forward pass (offloads read blocks the step will overwrite, loads
-write blocks the step will read).
+The host tier's side (offloads on eviction, the copies for the runner) is in
+``host_offload.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import (
@@ -36,16 +32,16 @@ from kvstore.blocks.hashing import (
     salt_owner,
 )
 from worker.kv.block_pool import BlockPool, KVBlock
-from worker.kv.claims import BlockClaims
+from worker.kv.eviction_hints import EvictionHints
 from worker.kv.export_import import TransferMixin
-from worker.kv.host_tier import HostBlock, HostTier
+from worker.kv.host_offload import HostOffload
+from worker.kv.host_tier import HostBlock
 from worker.kv.queries import KVQueries
 from worker.kv.types import (
     KVAllocation,
     KVCapacityError,
     PrefixHit,
     SeqId,
-    TierTransfers,
 )
 
 
@@ -70,10 +66,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager(KVQueries, TransferMixin):
+class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
     """Paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots each (its queries:
     :class:`~worker.kv.queries.KVQueries`; block runs move in and out through
-    :class:`~worker.kv.export_import.TransferMixin`)."""
+    :class:`~worker.kv.export_import.TransferMixin`; its host tier is
+    :class:`~worker.kv.host_offload.HostOffload`'s; the claims and spares that order its
+    evictions go through :class:`~worker.kv.eviction_hints.EvictionHints`)."""
 
     def __init__(
         self,
@@ -101,17 +99,7 @@ class KVCacheManager(KVQueries, TransferMixin):
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._host_hit_tokens = 0
-        self._host: HostTier | None = None
-        self._transfers = TierTransfers()
-        self._no_offload: set[int] = set()  # released blocks to drop, not offload, on eviction
-        if host_num_blocks < 0:
-            raise ValueError(f"host_num_blocks must be >= 0, got {host_num_blocks}")
-        if host_num_blocks and enable_prefix_caching:
-            quota = None
-            if tenant_quota_blocks is not None:
-                quota = tenant_quota_blocks * host_num_blocks // num_blocks
-            self._host = HostTier(host_num_blocks, block_size, self._pool.events, quota)
-            self._pool.on_evict = self._offload
+        self._init_host(host_num_blocks, tenant_quota_blocks)
 
     # ---- planning and mutations ------------------------------------------------------------
 
@@ -274,20 +262,6 @@ class KVCacheManager(KVQueries, TransferMixin):
                 self._no_offload.update(b.block_id for b in seq.blocks if b.ref_cnt == 1)
             self._pool.release(reversed(seq.blocks))
 
-    def take_transfers(self) -> TierTransfers:
-        """Pending host-tier copies: offloads (device -> host) first, then loads (host ->
-        device); the caller runs them before the next copy-on-write or forward pass. Host
-        blocks read by these loads become reusable now."""
-        transfers, self._transfers = self._transfers, TierTransfers()
-        # A host block may be stored into, evicted and stored into again before the copies
-        # run: only its last offload counts (a batched copy with repeated targets is undefined).
-        last = {host: dev for dev, host in transfers.to_host}
-        if len(last) < len(transfers.to_host):
-            transfers.to_host = [(dev, host) for host, dev in last.items()]
-        if self._host is not None:
-            self._host.release_pinned()
-        return transfers
-
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""
         copies, self._copies = self._copies, []
@@ -296,28 +270,6 @@ class KVCacheManager(KVQueries, TransferMixin):
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
         return self._pool.events.drain()
-
-    @property
-    def claims(self) -> BlockClaims:
-        """Block key -> how many waiting sequences claim it (read only: change it through
-        :meth:`claim` and :meth:`unclaim`)."""
-        return self._pool.claims
-
-    def claim(self, keys: Sequence[BlockKey]) -> None:
-        """A waiting sequence claims the chain ``keys`` of its prompt's full blocks (from
-        :meth:`expected_prefix`): cached ones are evicted only when no unclaimed block is
-        left (:meth:`BlockPool.claim`)."""
-        self._pool.claim(keys)
-
-    def unclaim(self, keys: Sequence[BlockKey]) -> bool:
-        """The sequence that claimed ``keys`` started or left; True if another waiting
-        sequence still claims one of them."""
-        return self._pool.unclaim(keys)
-
-    def set_spares(self, spare: Iterable[BlockKey]) -> int:
-        """Fleet-aware eviction: ``spare`` names keys another worker keeps (the index's
-        answer); those blocks are evicted first (:meth:`BlockPool.set_spares`)."""
-        return self._pool.set_spares(spare)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; ``False`` (nothing changes) while any block is in use."""
@@ -342,17 +294,6 @@ class KVCacheManager(KVQueries, TransferMixin):
         cow = int(total > computed and computed % self.block_size != 0 and blocks[-1].ref_cnt > 1)
         evictable = sum(1 for b in blocks if b.ref_cnt == 0) if is_new else 0
         return n_new, cow, evictable
-
-    def _offload(self, block: KVBlock) -> None:
-        """Pool eviction hook: keep the evicted block's KV in the host tier (copy pending)."""
-        assert self._host is not None and block.key is not None and block.token_ids is not None
-        if block.block_id in self._no_offload:
-            self._no_offload.discard(block.block_id)
-            if not self._host.has_children(block.key):  # else dropping it leaves a hole
-                return
-        host_id = self._host.store(block.key, block.parent, block.token_ids, block.tenant)
-        if host_id is not None:
-            self._transfers.to_host.append((block.block_id, host_id))
 
     @staticmethod
     def _hit_keys(prefix: PrefixHit | None, n: int) -> list[BlockKey]:
