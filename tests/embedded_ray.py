@@ -6,8 +6,6 @@
   uses that Ray and leaves it up; its actors live in a namespace of their own and are killed
   when it goes down). Starting Ray costs seconds per cluster on CI's two cores; started once,
   it costs them once.
-* :func:`embedded_ray`: a Ray of a test module's own (its actors in the job's namespace, all
-  gone with it); the shared one is stopped first and started again by its next user.
 * :func:`no_ray`: for tests of a cluster that owns its Ray (it must start and stop it).
 """
 
@@ -15,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import ray
 
@@ -62,22 +58,3 @@ def no_ray() -> None:
         ray.shutdown()
         leave_loopback_ray()
     assert not ray.is_initialized(), "a Ray other than the shared one is still connected"
-
-
-@contextmanager
-def embedded_ray(num_cpus: int, namespace: str) -> Iterator[None]:
-    no_ray()
-    use_loopback_ray()
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=num_cpus,
-        namespace=f"{namespace}-{os.getpid()}",
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        leave_loopback_ray()

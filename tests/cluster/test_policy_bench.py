@@ -1,18 +1,17 @@
 """``kvcluster bench --compare-policies``: the per-policy cluster config and figures (pure),
-and the whole command on real clusters (local Ray, real redis-server, real gRPC)."""
+and the benchmark's command line on real clusters (local Ray, real redis-server, real gRPC)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
+from benchmarks import cluster_bench
 from benchmarks.loadgen import Sample
 from benchmarks.policy_bench import (
     SMOKE,
@@ -113,17 +112,18 @@ def test_seeds_flag_parses_and_rejects_with_the_value() -> None:
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
+def test_cli_compare_policies_on_tiny_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, ray_shared
+) -> None:
     """Two real clusters in turn (round_robin, prefix_affinity), two seeds of 6 requests
-    each on each."""
+    each on each: ``kvcluster bench``'s benchmark in this process, its clusters on the
+    session's Ray (that ``kvcluster bench`` hands its arguments to it: test_cli_bench.py)."""
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"redis": {"heartbeat_ttl_s": 2.0}}))
-    env = {**os.environ, "KVCLUSTER_RESULTS_DIR": str(tmp_path)}
-    run = subprocess.run(
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # compare() sets them if unset
+        monkeypatch.setenv(var, os.environ.get(var, "1"))
+    code = cluster_bench.main(
         [
-            sys.executable,
-            "-m",
-            "cluster.cli",
-            "bench",
             "--compare-policies",
             "--config",
             str(tmp_path / "base.yaml"),
@@ -143,19 +143,16 @@ def test_cli_compare_policies_on_tiny_model(tmp_path: Path) -> None:
             "round_robin,prefix_affinity",
             "--seeds",
             "0,1",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=560,
+        ]
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
+    run = capsys.readouterr()
+    assert code == 0, run.err[-3000:]
+    lines = run.out.strip().splitlines()
     head = json.loads(lines[-1])
     for policy in ("round_robin", "prefix_affinity"):
         assert {f"{policy}_ttft_mean_s", f"{policy}_req_s", f"{policy}_hit_rate"} <= set(head)
-        assert f"{policy}: 12/12 ok" in run.stdout  # both seeds, one cluster
-    assert "  seed 1: 6/6 ok" in run.stdout
+        assert f"{policy}: 12/12 ok" in run.out  # both seeds, one cluster
+    assert "  seed 1: 6/6 ok" in run.out
     assert {"ttft_ratio_vs_rr", "throughput_ratio_vs_rr", "targets_met"} <= set(head)
     assert head["seeds"] == [0, 1] and len(head["ttft_ratio_per_seed"]) == 2
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["policy", "ok"])

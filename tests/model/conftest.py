@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.model.gguf_reference import ParsedOnce, reader_cache
 from worker.model.build_tiny import FAMILIES, build_tiny_model
 
 
@@ -29,3 +31,12 @@ def hf_model():
         return cache[key]
 
     return load
+
+
+@pytest.fixture(scope="package")
+def gguf_reader() -> Iterator[ParsedOnce]:
+    """``gguf_reader(path)``: the package's one ``gguf.GGUFReader`` of a real GGUF file
+    (tests/model/gguf_reference.py); the readers go with the package."""
+    reader, clear = reader_cache()
+    yield reader
+    clear()

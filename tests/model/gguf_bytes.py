@@ -53,10 +53,11 @@ def _flat(value):
     return [value]
 
 
-def assert_same_as_gguf_reader(path: Path) -> None:
+def assert_same_as_gguf_reader(path: Path, theirs: GGUFReader | None = None) -> None:
     """Every metadata value, type and tensor of ``read_gguf(path)`` equals GGUFReader's
-    (which flattens nested arrays: ours keep their structure, flattened they are equal)."""
-    ours, theirs = read_gguf(path), GGUFReader(path)
+    (which flattens nested arrays: ours keep their structure, flattened they are equal);
+    ``theirs``: the file's GGUFReader if one was parsed already."""
+    ours, theirs = read_gguf(path), theirs or GGUFReader(path)
     header = {k: f.contents() for k, f in theirs.fields.items() if k.startswith("GGUF.")}
     assert header == {
         "GGUF.version": ours.version,

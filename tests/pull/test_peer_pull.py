@@ -18,7 +18,7 @@ from kvstore.blocks.hashing import block_keys
 from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
-from tests.embedded_ray import embedded_ray
+from tests.embedded_ray import shared_ray
 from worker.actor import WorkerActor, WorkerSettings
 from worker.engine import EngineConfig
 from worker.model.build_tiny import build_tiny_model
@@ -31,8 +31,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_ns(tmp_path_factory: pytest.TempPathFactory):
-    with embedded_ray(2, "kvpull"):
-        yield build_tiny_model(tmp_path_factory.mktemp("pull") / "llama", "llama")
+    """The session's Ray (the workers are named in its job's namespace) and a model."""
+    shared_ray()
+    return build_tiny_model(tmp_path_factory.mktemp("pull") / "llama", "llama")
 
 
 def start(model_dir, name: str):

@@ -13,7 +13,7 @@ import ray
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.channels import MAX_JOINED, WorkerChannel
-from tests.embedded_ray import embedded_ray
+from tests.embedded_ray import shared_ray
 
 pytestmark = pytest.mark.ray
 STEPS = MAX_JOINED + 2  # more than one batch joins
@@ -46,9 +46,8 @@ class Steps:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    with embedded_ray(1, "chlag"):
-        yield
+def ray_local() -> None:
+    shared_ray()
 
 
 def test_a_lagging_router_joins_the_messages_there_and_keeps_every_token(ray_local) -> None:
