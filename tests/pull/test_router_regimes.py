@@ -68,16 +68,24 @@ def wait_held(index: KVIndex, router: Router, p: list[int], ctx, worker: str, bl
     raise AssertionError(f"{worker} never showed {blocks} blocks in the index")
 
 
-def test_hold_pull_recompute(cluster) -> None:
+def held_by_a(cluster, policy: str, seed: int):  # noqa: ANN001, ANN201
+    """A router of ``policy`` over the cluster's real index, and a 300-token prompt (18 full
+    blocks of prefix) computed on the first worker ``a`` and shown by the index there:
+    (a, b, index, router, ctx, heartbeat loads, prompt, its greedy tokens)."""
     a, b = sorted(cluster.workers)
     index = KVIndex(cluster.index_config())
-    routing = RoutingConfig(policy="prefix_affinity", pull=PULL, pending_ttl_s=0)
+    routing = RoutingConfig(policy=policy, pull=PULL, pending_ttl_s=0)
     router = Router(routing, KVIndexSource(index), block_size=16)
     ctx = HashContext(cluster.model_id)
     loads = {w: info.load for w, info in index.live_workers().items()}
-    p = prompt(1, 300)  # 18 full blocks of prefix
-    _, want, _ = generate(cluster.workers[a], WorkerRequest("p0", p + [9], GREEDY))
+    p = prompt(seed, 300)
+    _, want, _ = generate(cluster.workers[a], WorkerRequest(f"s{seed}", p + [9], GREEDY))
     wait_held(index, router, p + [9], ctx, a, 18)
+    return a, b, index, router, ctx, loads, p, want
+
+
+def test_hold_pull_recompute(cluster) -> None:
+    a, b, index, router, ctx, loads, p, want = held_by_a(cluster, "prefix_affinity", 1)
 
     idle = router.route(RouteRequest("r1", p + [7, 8], ctx), loads)  # holder idle
     assert (idle.worker_id, idle.reason, idle.pull) == (a, Reason.PREFIX, None)
@@ -137,15 +145,7 @@ def test_a_load_only_policy_holds_at_an_idle_holder_and_pulls_from_a_saturated_o
     """least_loaded never looks at prefixes; with pulls on, the planner prices the hold: a
     holder whose short queue ends before recomputing gets the request, a saturated one has
     its prefix pulled to least_loaded's choice (the same tokens)."""
-    a, b = sorted(cluster.workers)
-    index = KVIndex(cluster.index_config())
-    routing = RoutingConfig(policy="least_loaded", pull=PULL, pending_ttl_s=0)
-    router = Router(routing, KVIndexSource(index), block_size=16)
-    ctx = HashContext(cluster.model_id)
-    loads = {w: info.load for w, info in index.live_workers().items()}
-    p = prompt(4, 300)
-    _, want, _ = generate(cluster.workers[a], WorkerRequest("l0", p + [9], GREEDY))
-    wait_held(index, router, p + [9], ctx, a, 18)
+    a, b, _, router, ctx, loads, p, want = held_by_a(cluster, "least_loaded", 4)
 
     # 1 s of queue on a, none on b: least_loaded picks b, where recomputing takes 3 s
     short = {**loads, a: replace(loads[a], queued_prefill_tokens=100)}
