@@ -31,7 +31,7 @@ from cluster.settings import (
     router_settings,
     worker_settings,
 )
-from cluster.state import ClusterState, stop_group
+from cluster.state import RAY_HEAD_GRACE_S, ClusterState, stop_group
 from kvstore.config import IndexConfig
 from router.actor import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
@@ -234,9 +234,10 @@ class Cluster(RaySession):
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)
-        for pid in (self.ray_pid, self.redis_pid):
-            if pid is not None:
-                stop_group(pid)
+        if self.ray_pid is not None:
+            stop_group(self.ray_pid, RAY_HEAD_GRACE_S)
+        if self.redis_pid is not None:
+            stop_group(self.redis_pid)
         self.ray_pid = self.redis_pid = None
 
     def __enter__(self) -> Cluster:

@@ -97,7 +97,7 @@ def start_ray_head(
                 return f"127.0.0.1:{port}", proc.pid, url
         except OSError:
             time.sleep(0.2)
-    stop_group(proc.pid)
+    stop_group(proc.pid, state.RAY_HEAD_GRACE_S)
     raise RuntimeError(f"Ray head did not listen on {port} within {timeout_s}s")
 
 

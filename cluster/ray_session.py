@@ -28,7 +28,7 @@ from cluster.local_ray import (
     use_token_auth_if_configured,
 )
 from cluster.ray_head import no_dashboard_process
-from cluster.state import ClusterState, stop_group
+from cluster.state import RAY_HEAD_GRACE_S, ClusterState, stop_group
 
 log = logging.getLogger("cluster.launcher")  # the launcher's log, as its other lines
 
@@ -116,7 +116,7 @@ def down_detached(name: str) -> ClusterState:
     except Exception as exc:  # Ray already gone: nothing to kill
         log.warning("could not reach Ray at %s: %s", st.ray_address, exc)
     if st.ray_pid:
-        stop_group(st.ray_pid)
+        stop_group(st.ray_pid, RAY_HEAD_GRACE_S)
     if st.redis_pid:
         stop_group(st.redis_pid)
     (cluster_state.STATE_DIR / f"{name}.json").unlink(missing_ok=True)

@@ -72,6 +72,12 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+# A Ray head that has served a driver keeps its ``ray start``, gcs_server and log monitor
+# past SIGTERM (Ray 2.60; a fresh head exits in ~0.2 s). Its actors are killed before it is
+# stopped, so nothing is lost by the SIGKILL that follows this grace.
+RAY_HEAD_GRACE_S = 2.0
+
+
 def stop_group(pgid: int, grace_s: float = 10.0) -> None:
     """SIGTERM a process group we started (Ray head, detached redis-server); SIGKILL what is
     left after ``grace_s`` (``ray start --block`` does not always exit on SIGTERM)."""
