@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -10,6 +11,12 @@ import grpc
 
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+
+# A streamed call still open this long past its deadline is cancelled by the client itself:
+# grpcio's sync streams with retries enabled can miss their deadline when the server dies
+# and comes back on the same port (seen as a 5 s call blocked for minutes after a router
+# restart), and a caller's timeout must hold.
+DEADLINE_GUARD_S = 2.0
 
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
@@ -140,7 +147,16 @@ class KVClusterClient:
     def stream(
         self, request: pb.GenerateRequest, timeout: float | None = None
     ) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        """The call's messages; with ``timeout``, a call still open ``DEADLINE_GUARD_S``
+        past it is cancelled here (its reader gets ``CANCELLED``), whatever gRPC's own
+        deadline did."""
+        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        if timeout is not None:
+            guard = threading.Timer(timeout + DEADLINE_GUARD_S, call.cancel)
+            guard.daemon = True
+            guard.start()
+            call.add_done_callback(lambda _call: guard.cancel())
+        return call
 
     def generate(
         self, prompt: Prompt, *, timeout: float | None = 120.0, **kwargs: object
