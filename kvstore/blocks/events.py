@@ -1,10 +1,10 @@
 """KV events: what the block index (Redis) must learn about this worker's prefix cache.
 
 Every block that becomes cached emits :class:`BlockStored`, every eviction :class:`BlockRemoved`,
-a cache reset :class:`AllBlocksCleared` (every tier). With a host-memory tier
-(:mod:`worker.kv.host_tier`) stored/removed events carry ``tier``: ``"device"`` for the paged
-KV cache, ``"host"`` for blocks kept in host memory after their eviction from the device; a key
-is held by at most one tier; the device's key set is prefix-closed, and so is the union of both.
+a cache reset :class:`AllBlocksCleared` (every tier). Stored/removed events carry
+the :class:`~kvstore.blocks.tiers.Tier` the blocks entered or left (``DEVICE`` for the paged KV
+cache, lower tiers for blocks kept after their eviction from the one above); a key is held by at
+most one tier; the device's key set is prefix-closed, and so is the union of all tiers.
 Events carry a monotonically increasing ``seq`` so a
 consumer can detect gaps and apply batches in order. Events are batched per call site: one
 allocation that fills five chained blocks emits one ``BlockStored`` with five keys, and the
@@ -16,10 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.blocks.hashing import BlockKey
-
-DEVICE = "device"  # the paged KV cache the model computes in
-HOST = "host"  # host memory: evicted blocks kept for a later load back (see host_tier.py)
-TIERS = (DEVICE, HOST)
+from kvstore.blocks.tiers import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +28,7 @@ class BlockStored:
     parent: BlockKey | None  # key of the block before keys[0]; None when keys[0] is block 0
     token_ids: tuple[tuple[int, ...], ...]  # token ids of each stored block
     block_size: int  # tokens per block
-    tier: str = DEVICE  # which tier now holds them: "device" or "host"
+    tier: Tier = Tier.DEVICE  # which tier now holds them
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +37,7 @@ class BlockRemoved:
 
     seq: int  # position in the event stream
     keys: tuple[BlockKey, ...]  # keys evicted, in eviction order
-    tier: str = DEVICE  # the tier they left: "device" or "host"
+    tier: Tier = Tier.DEVICE  # the tier they left
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +70,13 @@ class EventLog:
         parent: BlockKey | None,
         token_ids: list[tuple[int, ...]],
         block_size: int,
-        tier: str = DEVICE,
+        tier: Tier = Tier.DEVICE,
     ) -> None:
         self._events.append(
             BlockStored(self._take_seq(), tuple(keys), parent, tuple(token_ids), block_size, tier)
         )
 
-    def removed(self, keys: list[BlockKey], tier: str = DEVICE) -> None:
+    def removed(self, keys: list[BlockKey], tier: Tier = Tier.DEVICE) -> None:
         self._events.append(BlockRemoved(self._take_seq(), tuple(keys), tier))
 
     def cleared(self) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.blocks.events import DEVICE, HOST, BlockStored
+from kvstore.blocks.events import BlockStored
+from kvstore.blocks.tiers import Tier
 from tests.engine.helpers import assert_no_blocks_in_use
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.kv_pull import export_run, import_run
@@ -62,7 +63,7 @@ def pulled(src: Engine, p: list[int], params: SamplingParams = GREEDY) -> BlockR
     return run
 
 
-@pytest.mark.parametrize("tier", [DEVICE, HOST, None])
+@pytest.mark.parametrize("tier", [Tier.DEVICE, Tier.HOST, None])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pulled_prefix_gives_the_recomputed_tokens(family_dirs, family: str, tier) -> None:
     path = family_dirs[family]
@@ -73,12 +74,12 @@ def test_pulled_prefix_gives_the_recomputed_tokens(family_dirs, family: str, tie
     assert len(run.header) == (len(p) - 1) // BS == 4
     assert_no_blocks_in_use(src)  # the export's pins are gone
 
-    dst = host_engine(path, 8) if tier != DEVICE else engine(path)
+    dst = host_engine(path, 8) if tier != Tier.DEVICE else engine(path)
     ctx = dst.hash_context(GREEDY)
     dst.drain_kv_events()
     res = import_run(dst, run, p, ctx, tier=tier)
     assert res.blocks == 4 and res.hit_tokens == 64
-    assert res.tier == (HOST if tier == HOST else DEVICE)
+    assert res.tier == (Tier.HOST if tier == Tier.HOST else Tier.DEVICE)
     stored = [e for e in dst.drain_kv_events() if isinstance(e, BlockStored)]
     assert [k for e in stored for k in e.keys] == list(run.header.keys)
     assert {e.tier for e in stored} == {res.tier}
@@ -179,7 +180,7 @@ def test_import_evicting_cached_blocks_offloads_them_first(family_dirs) -> None:
     dst = host_engine(path, 16, num_blocks=8)
     want_a, _ = tokens(dst, a)  # a's 6 blocks fill most of dst's device pool
     ctx = dst.hash_context(GREEDY)
-    res = import_run(dst, pulled(src, b), b, ctx, tier=DEVICE)
+    res = import_run(dst, pulled(src, b), b, ctx, tier=Tier.DEVICE)
     assert res.blocks == 6
     assert dst.kv.stats().host_cached_blocks >= 4  # a's blocks went to the host tier
     assert tokens(dst, b) == (want_b, 96)

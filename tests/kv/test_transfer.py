@@ -3,7 +3,8 @@ what an import takes, caches, announces or gives back, in both tiers."""
 
 from __future__ import annotations
 
-from kvstore.blocks.events import DEVICE, HOST, BlockRemoved, BlockStored
+from kvstore.blocks.events import BlockRemoved, BlockStored
+from kvstore.blocks.tiers import Tier
 from worker.kv import HashContext, KVCacheManager, block_keys
 from worker.kv.transfer import KVLayout, RunHeader
 
@@ -51,7 +52,7 @@ def test_export_pins_device_then_host_blocks_until_released() -> None:
 def test_device_import_caches_only_on_commit_and_abort_leaves_nothing() -> None:
     kv = KVCacheManager(16, BS)
     plan = kv.plan_import(PROMPT, CTX, header(PROMPT))
-    assert (plan.tier, plan.offset, len(plan)) == (DEVICE, 0, 5)
+    assert (plan.tier, plan.offset, len(plan)) == (Tier.DEVICE, 0, 5)
     assert kv.stats().cached_blocks == 0 and kv.stats().used_blocks == 5
     kv.abort_import(plan)
     assert kv.stats().used_blocks == 0 and kv.stats().cached_blocks == 0
@@ -60,7 +61,7 @@ def test_device_import_caches_only_on_commit_and_abort_leaves_nothing() -> None:
     kv.commit_import(plan)
     (stored,) = kv.drain_events()
     assert isinstance(stored, BlockStored) and stored.keys == header(PROMPT).keys
-    assert stored.parent is None and stored.tier == DEVICE
+    assert stored.parent is None and stored.tier == Tier.DEVICE
     assert kv.lookup_prefix(PROMPT, CTX).num_tokens == 20
     assert kv.stats().used_blocks == 0
     kv.check_invariants()
@@ -83,14 +84,16 @@ def test_import_skips_what_is_held_and_refuses_a_gap() -> None:
 def test_host_import_stores_announces_and_an_abort_forgets() -> None:
     kv = KVCacheManager(2, BS, host_num_blocks=6)
     plan = kv.plan_import(PROMPT, CTX, header(PROMPT))  # 5 blocks, 2 on the device: host
-    assert plan.tier == HOST and len(plan) == 5  # host size - 1: never evicts its own start
+    assert plan.tier == Tier.HOST and len(plan) == 5  # host size - 1: never evicts its own start
     events = kv.drain_events()
-    assert [e.tier for e in events] == [HOST] * 5 and all(
+    assert [e.tier for e in events] == [Tier.HOST] * 5 and all(
         isinstance(e, BlockStored) for e in events
     )
     kv.abort_import(plan)
     (removed,) = kv.drain_events()
-    assert isinstance(removed, BlockRemoved) and removed.tier == HOST and len(removed.keys) == 5
+    assert (
+        isinstance(removed, BlockRemoved) and removed.tier == Tier.HOST and len(removed.keys) == 5
+    )
     assert kv.stats().host_cached_blocks == 0
     plan = kv.plan_import(PROMPT, CTX, header(PROMPT))
     kv.commit_import(plan)
@@ -109,15 +112,15 @@ def test_host_import_continues_a_host_held_part_of_the_prefix() -> None:
     assert (local.num_tokens, local.num_host_tokens) == (12, 4)  # device 0-1, host 2
     keys = block_keys(PROMPT, BS, CTX)
     # the device cannot continue a host-held part: a device import past it is refused
-    assert len(kv.plan_import(PROMPT, CTX, header(PROMPT, start=3), DEVICE)) == 0
+    assert len(kv.plan_import(PROMPT, CTX, header(PROMPT, start=3), Tier.DEVICE)) == 0
     for start in (0, 3):  # from the start, or from where the local prefix ends
         plan = kv.plan_import(PROMPT, CTX, header(PROMPT, start=start))
-        assert (plan.tier, len(plan), plan.parent) == (HOST, 2, keys[2])
+        assert (plan.tier, len(plan), plan.parent) == (Tier.HOST, 2, keys[2])
         assert plan.offset == 3 - start and plan.keys == keys[3:5]
         events = kv.drain_events()  # one per block, each naming its parent
         assert [(e.keys, e.parent, e.tier) for e in events] == [
-            ((keys[3],), keys[2], HOST),
-            ((keys[4],), keys[3], HOST),
+            ((keys[3],), keys[2], Tier.HOST),
+            ((keys[4],), keys[3], Tier.HOST),
         ]
         kv.commit_import(plan)
         hit = kv.lookup_prefix(PROMPT, CTX)
@@ -140,7 +143,7 @@ def test_host_import_never_evicts_the_host_part_it_continues() -> None:
     before = kv.lookup_prefix(PROMPT, CTX)
     assert before.num_host_tokens >= 4  # block 2 (at least) continues the prefix in host
     plan = kv.plan_import(PROMPT, CTX, header(PROMPT))
-    assert plan.tier == HOST and len(plan) >= 1
+    assert plan.tier == Tier.HOST and len(plan) >= 1
     kv.commit_import(plan)
     after = kv.lookup_prefix(PROMPT, CTX)
     assert after.num_tokens == before.num_tokens + 4 * len(plan)

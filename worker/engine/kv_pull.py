@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.blocks.events import HOST
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys
+from kvstore.blocks.tiers import Tier
 from worker.engine.engine import Engine
 from worker.kv.transfer import BlockRun, ImportRefused, RunHeader, check_header
 
@@ -81,7 +81,7 @@ def import_run(
             transfers = kv.take_transfers()  # offloads of blocks the plan evicted: first
             if transfers:
                 engine.executor.swap(transfers)
-            engine.executor.write_run(plan.tier == HOST, plan.block_ids, payload, plan.offset)
+            engine.executor.write_run(plan.tier == Tier.HOST, plan.block_ids, payload, plan.offset)
         except BaseException:
             kv.abort_import(plan)
             raise

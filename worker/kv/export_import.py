@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstore.blocks.events import DEVICE, HOST
 from kvstore.blocks.hashing import BlockKey, HashContext, hash_block, salt_owner
+from kvstore.blocks.tiers import Tier
 from worker.kv.transfer import RunHeader
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class ExportPin:
 class ImportPlan:
     """Where the runner writes the part of a run the importer lacks (see ``plan_import``)."""
 
-    tier: str  # DEVICE or HOST
+    tier: Tier  # the tier the imported blocks land in
     offset: int  # index into the run of the first block to write
     block_ids: list[int]  # destination block ids (device or host), one per written block
     keys: list[BlockKey]  # their keys
@@ -127,7 +127,7 @@ class TransferMixin:
         A device import starts past the device hit (a host-held part is imported over: the
         device cannot continue a host chain); a host import starts past the whole local
         prefix and continues its chain (its host part is refreshed first, so the stores
-        never evict it). ``tier``: DEVICE, HOST, or None (device if enough never-used or
+        never evict it). ``tier``: Tier.DEVICE, Tier.HOST, or None (device if enough never-used or
         uncached free blocks and the run reaches back to the device hit, else the host tier
         if there is one, else the device's LRU blocks). The device hit is pinned until the
         commit (the blocks taken must not evict the parent of the run). Takes as many blocks
@@ -137,17 +137,17 @@ class TransferMixin:
         have = len(local.block_ids)  # device blocks
         local_n = len(local.keys)  # device blocks, then the host blocks they continue in
         end = header.start + len(header)
-        plan = ImportPlan(DEVICE, 0, [], [], [], None, salt_owner(ctx.cache_salt))
+        plan = ImportPlan(Tier.DEVICE, 0, [], [], [], None, salt_owner(ctx.cache_salt))
         if header.start > local_n or end <= local_n:
             return plan  # a gap before the run, or nothing the prompt lacks
         uncached_free = self._pool.num_free() - self._pool.num_evictable
         if tier is None:
             fits_device = header.start <= have and uncached_free >= end - have
-            tier = HOST if not fits_device and self._host is not None else DEVICE
-        if tier == HOST and self._host is None:
+            tier = Tier.HOST if not fits_device and self._host is not None else Tier.DEVICE
+        if tier == Tier.HOST and self._host is None:
             return plan
-        first = local_n if tier == HOST else max(have, header.start)
-        if first > have and tier == DEVICE:
+        first = local_n if tier == Tier.HOST else max(have, header.start)
+        if first > have and tier == Tier.DEVICE:
             return plan  # the device cannot continue a host-held part past its gap
         n_want = end - first
         off = first - header.start
@@ -158,7 +158,7 @@ class TransferMixin:
         held = [self._pool.cached[k] for k in local.keys[:have]]
         self._pool.touch(held)
         plan.held = held
-        if tier == HOST:
+        if tier == Tier.HOST:
             assert self._host is not None
             local_host = list(local.keys[have:local_n])
             self._host.refresh(local_host)
@@ -185,7 +185,7 @@ class TransferMixin:
     def commit_import(self, plan: ImportPlan) -> None:
         """The runner wrote the plan's blocks: cache them (``BlockStored``), refs back to 0."""
         assert not plan.done, "import committed twice"
-        if plan.tier == DEVICE and plan.blocks:
+        if plan.tier == Tier.DEVICE and plan.blocks:
             self._pool.cache_full_blocks(
                 plan.blocks, plan.keys, plan.token_ids, plan.parent, plan.tenant
             )
@@ -201,7 +201,7 @@ class TransferMixin:
         """The write failed: give the destinations back uncached (host: forget the keys)."""
         if plan.done:
             return
-        if plan.tier == HOST and self._host is not None:
+        if plan.tier == Tier.HOST and self._host is not None:
             self._host.discard(plan.keys)
         self._finish(plan)
 

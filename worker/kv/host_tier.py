@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from kvstore.blocks.events import HOST, EventLog
+from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier
 
 
 class HostBlock:
@@ -103,7 +104,7 @@ class HostTier:
         self.lru[key] = block
         self._children[parent] += 1
         self.num_stored += 1
-        self.events.stored([key], parent, [token_ids], self.block_size, HOST)
+        self.events.stored([key], parent, [token_ids], self.block_size, Tier.HOST)
         if self.tenant_quota is not None:
             mine = self._by_tenant.setdefault(tenant, OrderedDict())
             mine[key] = None
@@ -132,7 +133,7 @@ class HostTier:
             self._forget(block)
             self.pinned.append(block.block_id)
         self.num_loaded += len(blocks)
-        self.events.removed([b.key for b in blocks], HOST)
+        self.events.removed([b.key for b in blocks], Tier.HOST)
 
     def discard(self, keys: list[BlockKey]) -> None:
         """Drop host copies of keys the device caches now (recomputed): tiers stay exclusive."""
@@ -141,7 +142,7 @@ class HostTier:
             self._forget(block)
             self.free.append(block.block_id)
         if gone:
-            self.events.removed([b.key for b in gone], HOST)
+            self.events.removed([b.key for b in gone], Tier.HOST)
 
     def release_pinned(self) -> None:
         self.free.extend(self.pinned)
@@ -168,7 +169,7 @@ class HostTier:
         self._forget(block)
         self.free.append(block.block_id)
         self.num_evicted += 1
-        self.events.removed([block.key], HOST)
+        self.events.removed([block.key], Tier.HOST)
         return True
 
     def _forget(self, block: HostBlock) -> None:
