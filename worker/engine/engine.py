@@ -1,12 +1,17 @@
 """The engine of one worker: requests in, tokens out, one ``step`` at a time.
 
-A step (``engine_step.py``): the scheduler picks chunks (decodes, prefill chunks,
-admissions) under the token budget and the KV manager's blocks; the executor runs
-copy-on-write copies and the model; the output processor turns logits into tokens and stop
-decisions (sampler, stop rules, detokenizer, beam search) and the scheduler applies them
+A step: the scheduler picks chunks (decodes, prefill chunks, admissions) under the token
+budget and the KV manager's blocks; the executor runs host-tier swaps, copy-on-write copies
+and the model; the output processor turns logits into tokens and stop decisions (sampler,
+stop rules, detokenizer, beam search) and the scheduler applies them
 (``update_from_output``): appends the tokens, forks and frees blocks, finishes requests;
-finished sequences give their blocks back at once. ``generate`` runs prompts to completion
-offline (``offline.py``).
+finished sequences give their blocks back at once. Whatever one request's processing raises
+ends that request alone with an error; a failure outside any one request fails the running
+requests and the engine goes on serving.
+
+Between steps, :meth:`Engine.snapshot` is the one record of the engine's state (the source of
+the worker's load, status and gauges); :meth:`Engine.metrics` adds latency percentiles.
+``generate`` runs prompts to completion offline (``offline.py``).
 
 The engine is single-threaded and knows nothing about Ray, Redis or gRPC; the streaming
 front (``front.py``) runs it in a thread, and the worker actor wraps that.
@@ -14,9 +19,12 @@ front (``front.py``) runs it in a thread, and the worker actor wraps that.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -24,29 +32,29 @@ from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
-from worker.engine.engine_step import EngineStep
 from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.figures import EngineFigures
 from worker.engine.intake import Prompt, new_request, prompt_token_ids
-from worker.engine.metrics import (
-    MetricsRecorder,
-)
+from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary, MetricsRecorder
 from worker.engine.offline import run_to_completion
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
 from worker.engine.processor import OutputProcessor
-from worker.engine.request import Request
+from worker.engine.request import Request, Sequence
+from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
-from worker.engine.structured import GrammarCompiler
+from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.validate import validate_request
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
 from worker.model.cpu_threads import configure_threads, current_threads
 
+log = logging.getLogger(__name__)
 
-class Engine(EngineStep, EngineFigures):
-    """Continuous-batching engine over one model executor and one KV block pool (its
-    ``step`` and the failure handling around it: :class:`~worker.engine.engine_step.EngineStep`;
-    its snapshot and metrics: :class:`~worker.engine.figures.EngineFigures`)."""
+
+class Engine:
+    """Continuous-batching engine over one model executor and one KV block pool: admits
+    requests, runs ``step`` (containing one request's failure within it), and reports its
+    state (``snapshot``, ``metrics``)."""
 
     def __init__(
         self, executor: ModelExecutor, config: EngineConfig | None = None, *, model_id: str = ""
@@ -247,6 +255,240 @@ class Engine(EngineStep, EngineFigures):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + model step; return the news of every request that changed.
+
+        Never raises for one request's sake: a request whose processing fails ends with an
+        error (see ``OutputProcessor.fail``); an error outside any one request (the scheduler,
+        the model) fails the running requests and the engine goes on serving. Only an error
+        while failing them propagates (the engine's state cannot be trusted then)."""
+        outputs, self._pending = self._pending, []
+        try:
+            return self._step(outputs)
+        except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
+            log.exception("engine step failed; aborting the running requests")
+            return outputs + self._fail_running(f"engine step failed: {type(exc).__name__}: {exc}")
+
+    def _install_grammars(self) -> None:
+        """Compiles that ended: their requests may be admitted, or fail with the message."""
+        self._compiling, failed = install_ready(self._compiling)
+        for req, error in failed:
+            self.scheduler.abort(req, error)
+            self._pending.append(self.processor.output(req))
+        self._reap()
+
+    def idle_on_grammars(self) -> bool:
+        """Nothing can run until a grammar compile ends (the front sleeps until one does)."""
+        return (
+            bool(self._compiling)
+            and not self._pending
+            and not self.scheduler.running
+            and all(r.awaiting_grammar for r in self.scheduler.waiting)
+        )
+
+    def wait_on_grammars(self, timeout: float) -> None:
+        """Sleep until a grammar compile ends or ``timeout`` seconds pass (offline use)."""
+        assert self.grammars is not None
+        self.grammars.wait_any([r.grammar for r in self._compiling], timeout)  # type: ignore[misc]
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self._compiling:
+            self._install_grammars()
+            outputs += self._pending
+            self._pending = []
+        timer = self.stats.stages
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        self.stats.num_swap_preemptions += len(sched.swapped)
+        self.stats.recomputed_tokens += sched.recomputed_tokens
+        self.stats.num_partial_prefills += sched.num_partial_prefills
+        changed: dict[str, Request] = {}
+        t1 = time.perf_counter()
+        timer.schedule += t1 - t0
+        sampled_before = timer.sample
+        if sched.chunks or sched.transfers:
+            prepared_before = self.executor.prepare_seconds
+            try:
+                if sched.transfers:  # even without chunks: a host block is promised its data
+                    self.executor.swap(sched.transfers)
+                logits = None
+                if sched.chunks:
+                    if sched.blocks_to_copy:
+                        self.executor.copy_blocks(sched.blocks_to_copy)
+                    if self._num_constrained:  # their masks fill while the model runs
+                        self.processor.start_masks(sched, self.executor.vocab_size)
+                    if self.window is None:
+                        logits = self.executor.execute(sched.chunks)
+                    else:  # cached blocks may be exported meanwhile (window.py)
+                        with self.window.open():
+                            logits = self.executor.execute(sched.chunks)
+            except Exception as exc:  # noqa: BLE001 - the engine must survive a failed step
+                log.exception("model step failed; aborting running requests")
+                return outputs + self._fail_running(f"model step failed: {exc!r}")
+            prepared = self.executor.prepare_seconds - prepared_before
+            t2 = time.perf_counter()
+            timer.prepare += prepared
+            timer.forward += t2 - t1 - prepared
+            t1 = t2
+            if logits is not None:
+                timer.steps += 1
+                self.stats.num_steps += 1
+                self.stats.computed_tokens += sched.num_batched_tokens
+                self.processor.masks.wait()  # (forks copy matchers)
+                forks = self._fork_samples(sched, changed)
+                for out in self.processor.process(sched, logits, forks):
+                    changed[out.req.request_id] = out.req
+                    self._apply(out)
+        for req in sched.doomed:
+            if not req.finished:
+                changed[req.request_id] = req
+                self._guarded(req, lambda r=req: self._apply(self.processor.capacity(r)))
+        self._reap()
+        t2 = time.perf_counter()
+        timer.process += t2 - t1 - (timer.sample - sampled_before)
+        now = time.monotonic()
+        for req in changed.values():
+            outputs.append(self._output(req, now))
+        timer.output += time.perf_counter() - t2
+        return outputs
+
+    def _fork_samples(
+        self, sched: SchedulerOutput, changed: dict[str, Request]
+    ) -> dict[int, list[Sequence]]:
+        """n > 1: a prompt's first logits fork its other samples (parent seq_id -> them)."""
+        forks: dict[int, list[Sequence]] = {}
+        for chunk in sched.chunks:
+            req = chunk.req
+            if not chunk.wants_logits or req.forked or req.doomed or req.finished:
+                continue
+            changed[req.request_id] = req
+
+            def fork(r: Request = req, seq: Sequence = chunk.seq) -> None:
+                texts = [self.processor.new_text(r) for _ in range(1, r.params.n)]
+                forks[seq.seq_id] = self.scheduler.fork_samples(r, seq, texts)
+
+            self._guarded(req, fork)
+        return forks
+
+    def _apply(self, out: RequestOutcome) -> None:
+        """Hand one request's outcome to the scheduler (or fail the request it broke)."""
+        req = out.req
+        if out.error is not None:
+            self._fail(req, out.error)
+        elif not req.finished:  # (one that failed earlier in this step has nothing to apply)
+            try:
+                self.scheduler.update_from_output(out)
+            except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+                self._fail(req, exc)
+            else:
+                self.stats.generation_tokens += out.num_tokens
+
+    def _guarded(self, req: Request, fn: Callable[[], object]) -> bool:
+        """Run one request's piece of work; False (and the request failed) if it raised."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
+            self._fail(req, exc)
+            return False
+        return True
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Processing ``req`` raised: end it (and only it) with an error, blocks freed."""
+        log.exception(
+            "request %s failed inside the engine; it is aborted, the engine goes on",
+            req.request_id,
+            exc_info=exc,
+        )
+        if not req.finished:
+            req.final_deltas.clear()
+            error = f"internal error processing the request: {type(exc).__name__}: {exc}"
+            self.scheduler.abort(req, error)
+            self._reap()
+
+    def _reap(self) -> None:
+        """Forget the requests the scheduler finished; count them."""
+        for req in self.scheduler.take_finished():
+            self.processor.release(req)
+            self.requests.pop(req.request_id, None)
+            self._num_constrained -= req.params.structured is not None
+            self.stats.num_finished += 1
+            self.stats.prompt_tokens += req.prompt_len
+
+    def _output(self, req: Request, now: float) -> RequestOutput:
+        try:
+            return self.processor.output(req, now)
+        except Exception as exc:  # noqa: BLE001 - fail this request, not the step
+            self._fail(req, exc)
+            error = req.error or f"{type(exc).__name__}: {exc}"
+            return RequestOutput(req.request_id, [], True, req.usage(), error)
+
+    def _fail_running(self, error: str) -> list[RequestOutput]:
+        failed = []
+        for req in list(self.scheduler.running):
+            self.scheduler.abort(req, error)
+            failed.append(self.processor.output(req))
+        self._reap()
+        # Blocks of the failed step were registered in the prefix cache but never written.
+        self.kv.reset_prefix_cache()
+        return failed
+
+    # ---- snapshot and metrics ------------------------------------------------------------
+
+    def snapshot(self, *, pins_max_age_s: float = 0.0) -> EngineSnapshot:
+        """The engine's figures at this moment (call between steps, in the engine's thread or
+        under the front's lock): the one source of the worker's load, status and gauges.
+        ``pins_max_age_s``: ``kv_waiting_pinned_blocks`` may be a count that old
+        (:meth:`WaitingQueue.pinned_blocks`; O(waiting prompt blocks) to recount), for a
+        caller after every step."""
+        kv = self.kv.stats()
+        s = self.stats
+        sched = self.scheduler
+        loaded = set(self.executor.loaded_loras()) if self.loras else set()
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            pending_prefill_tokens=sched.pending_prefill_tokens(),
+            decoding_seqs=sched.num_decoding_seqs(),
+            kv_usage=kv.usage,
+            kv_used_blocks=kv.used_blocks,
+            kv_free_blocks=kv.free_blocks,
+            kv_total_blocks=kv.num_blocks,
+            prefix_hit_rate=kv.prefix_hit_rate,
+            tenant_quota_evictions=kv.tenant_quota_evictions,
+            num_preemptions=s.num_preemptions,
+            num_swap_preemptions=s.num_swap_preemptions,
+            recomputed_tokens=s.recomputed_tokens,
+            kv_waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
+            admits_cached_first=self.config.cache_aware_admission,
+            host_total_blocks=kv.host_blocks,
+            host_cached_blocks=kv.host_cached_blocks,
+            host_hit_tokens=kv.host_hit_tokens,
+            host_loaded_blocks=kv.host_loaded_blocks,
+            host_stored_blocks=kv.host_stored_blocks,
+            num_partial_prefills=s.num_partial_prefills,
+            num_steps=s.num_steps,
+            computed_tokens=s.computed_tokens,
+            prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            num_finished=s.num_finished,
+            lora_ids=tuple(sorted(self.loras.values())),
+            lora_loaded=tuple(sorted(i for n, i in self.loras.items() if n in loaded)),
+            lora_owners=tuple(
+                sorted(f"{self.loras[n]}={t}" for n, ts in self.lora_tenants.items() for t in ts)
+            ),
+            stage_seconds=s.stages.snapshot(),
+        )
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot plus TTFT / inter-token latency percentiles."""
+        snap = self.snapshot()
+        fields = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap)}
+        s = self.stats
+        return EngineMetrics(**fields, ttft=LatencySummary.of(s.ttft), itl=LatencySummary.of(s.itl))
 
     # ---- outputs -------------------------------------------------------------------------
 
