@@ -10,8 +10,8 @@ cheaper (``preemption_mode``). A resumed request is *protected* until it produce
 two requests cannot keep preempting each other without progress.
 
 The decisions (:func:`pick_victim`, :func:`should_swap`) are pure functions over the
-scheduler's state; :class:`Preemption`, mixed into
-:class:`~worker.engine.scheduler.Scheduler`, carries them out.
+scheduler's state; :class:`Preemption`, which the scheduler holds, takes them with the
+engine's config and carries them out.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from worker.engine.config import EngineConfig
     from worker.engine.policy import SchedulingPolicy
     from worker.engine.sched_output import SchedulerOutput
+    from worker.engine.waiting import WaitingQueue
     from worker.kv import KVCacheManager
 
 
@@ -81,49 +82,57 @@ def should_swap(
 
 
 class Preemption:
-    """Preempting and dooming requests (state set up by ``Scheduler.__init__``; needs its
-    ``free_seq`` and ``add``)."""
+    """One scheduler's preemption policy: picks the victim, swaps or drops its KV, requeues it.
 
-    config: EngineConfig
-    kv: KVCacheManager
-    policy: SchedulingPolicy
-    running: list[Request]
-    _touched: set[str]  # requests that got blocks in this step
-    _out: SchedulerOutput
+    The scheduler owns the running list and the step's state and passes them in; this class
+    keeps only its collaborators: the KV manager, the waiting queue the victims go back to and
+    the scheduler's ``free_seq`` (which gives a sequence's blocks back)."""
 
-    def _make_room(self, req: Request) -> bool:
-        """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
-        victim = pick_victim(req, self.running, self._touched, self.policy.key)
-        if victim is None:
-            return False
-        if victim is req and len(self.running) == 1:
-            self._doom(req)  # alone and still too big: it can never fit
-            return False
-        self._preempt(victim)
-        return victim is not req
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        waiting: WaitingQueue,
+        free_seq: Callable[..., None],
+    ) -> None:
+        self.mode = config.preemption_mode
+        self.block_cost = config.host_load_block_cost  # see EngineConfig.host_load_block_cost
+        self.kv = kv
+        self.key = policy.key
+        self.waiting = waiting
+        self.free_seq = free_seq
 
-    def _preempt(self, req: Request) -> None:
-        assert req.request_id not in self._touched, "preempting a request scheduled this step"
-        self.running.remove(req)
-        cfg = self.config
+    def victim(
+        self, req: Request, running: Iterable[Request], touched: Collection[str]
+    ) -> Request | None:
+        """Whom to preempt so ``req`` can grow (see :func:`pick_victim`)."""
+        return pick_victim(req, running, touched, self.key)
+
+    def preempt(
+        self,
+        req: Request,
+        running: list[Request],
+        touched: Collection[str],
+        out: SchedulerOutput,
+    ) -> None:
+        """Take ``req`` out of ``running``, its KV swapped to the host tier or dropped for
+        recompute (:func:`should_swap`), and queue it again; recorded in ``out``."""
+        assert req.request_id not in touched, "preempting a request scheduled this step"
+        running.remove(req)
         swap = should_swap(
             req,
-            mode=cfg.preemption_mode,
+            mode=self.mode,
             has_host_tier=self.kv.has_host_tier,
             block_size=self.kv.block_size,
-            block_cost=cfg.host_load_block_cost,
+            block_cost=self.block_cost,
         )
         for seq in req.seqs:
             self.free_seq(seq, offload=swap)
         if swap:
-            self._out.swapped.append(req.request_id)
+            out.swapped.append(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.protected = False
         req.num_preemptions += 1
-        self.add(req)
-        self._out.preempted.append(req.request_id)
-
-    def _doom(self, req: Request) -> None:
-        if not req.doomed:
-            req.doomed = True
-            self._out.doomed.append(req)
+        self.waiting.add(req)
+        out.preempted.append(req.request_id)

@@ -15,8 +15,8 @@ Each step gets a budget of ``max_num_batched_tokens`` tokens and is filled in th
 
 Work is scheduled per sequence; every sequence's allocation goes through the KV manager,
 which either succeeds or leaves the pool unchanged. When a running request cannot grow, the
-scheduler preempts a victim, its KV swapped to the host tier or dropped for recompute
-(``preemption.py``).
+scheduler preempts a victim, its KV swapped to the host tier or dropped for recompute: the
+policy it holds (:class:`~worker.engine.preemption.Preemption`) chooses and carries it out.
 
 Two rules keep the KV cache honest, because a block is registered in the prefix cache when
 it is allocated, before the forward pass writes its KV:
@@ -28,7 +28,7 @@ it is allocated, before the forward pass writes its KV:
   once, one step later, instead of once per request.
 
 After the model, the scheduler applies what the output processor decided
-(:meth:`Scheduler.update_from_output`, ``sched_updates.py``): it appends the tokens, forks
+(:meth:`Scheduler.update_from_output`): it appends the tokens, forks
 and prunes beams (and forks the parallel samples of a prompt, :meth:`Scheduler.fork_samples`)
 with copy-on-write blocks, gives back the blocks of every finished sequence at once, and
 finishes requests; the engine collects them with :meth:`Scheduler.take_finished`.
@@ -41,23 +41,25 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Literal
 
+from kvstore.blocks.outputs import FinishReason
 from worker.engine.admission import CacheAwareOrder
 from worker.engine.config import EngineConfig
+from worker.engine.detokenizer import OutputText
+from worker.engine.forking import advance_beams, fork_samples
+from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import SchedulingPolicy
 from worker.engine.preemption import Preemption
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
-from worker.engine.sched_updates import OutcomeUpdates
 from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
 
 
-class Scheduler(OutcomeUpdates, Preemption):
-    """Decides, step by step, which tokens of which sequences run (applying what the model
-    produced: :class:`~worker.engine.sched_updates.OutcomeUpdates`; preempting:
-    :class:`~worker.engine.preemption.Preemption`)."""
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run, and applies what the model
+    produced (preempting through the :class:`~worker.engine.preemption.Preemption` it holds)."""
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
         self.config = config
@@ -65,6 +67,7 @@ class Scheduler(OutcomeUpdates, Preemption):
         self.policy = policy
         self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
         self.running: list[Request] = []
+        self.preemption = Preemption(config, kv, policy, self.waiting, self.free_seq)
         self._watermark = math.ceil(config.admission_watermark * kv.num_blocks)
         cfg = config
         self._order = (
@@ -295,9 +298,87 @@ class Scheduler(OutcomeUpdates, Preemption):
             out.num_prefill_tokens += n
             out.num_partial_prefills += not wants_logits
 
+    def _make_room(self, req: Request) -> bool:
+        """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
+        victim = self.preemption.victim(req, self.running, self._touched)
+        if victim is None:
+            return False
+        if victim is req and len(self.running) == 1:
+            self._doom(req)  # alone and still too big: it can never fit
+            return False
+        self.preemption.preempt(victim, self.running, self._touched, self._out)
+        return victim is not req
+
+    def _doom(self, req: Request) -> None:
+        if not req.doomed:
+            req.doomed = True
+            self._out.doomed.append(req)
+
     def _fits_watermark(self, seq: Sequence, total: int, hit: PrefixHit | None) -> bool:
         need = self.kv.blocks_needed(None, total, prefix=hit)
         return self.kv.can_fit(need + self._watermark)
+
+    # ---- after the model -----------------------------------------------------------------
+
+    def fork_samples(
+        self, req: Request, parent: Sequence, texts: Seq[OutputText | None]
+    ) -> list[Sequence]:
+        """n > 1: fork the other samples off ``parent``, whose prompt was computed once
+        (:func:`worker.engine.forking.fork_samples`)."""
+        return fork_samples(self.kv, req, parent, texts)
+
+    def update_from_output(self, out: RequestOutcome) -> None:
+        """Apply one request's outcome: append its tokens, advance its beams (forking and
+        freeing their blocks), give back the blocks of sequences that finished, and finish
+        the request when none is left (:meth:`take_finished`)."""
+        req = out.req
+        if out.beams is not None:
+            req.protected = False
+            req.progressed = True
+        for o in out.seqs:
+            seq = o.seq
+            token = o.token
+            if token is not None:
+                req.protected = False
+                req.progressed = True
+                seq.token_ids.append(token)
+                seq.new_tokens.append(token)
+                if o.logprob is not None:
+                    seq.new_logprobs.append(o.logprob)
+                    seq.cumulative_logprob += o.logprob.logprob
+            if o.finish is not None:
+                seq.finish_reason, seq.stop_reason = o.finish, o.stop_reason
+                self.free_seq(seq)  # blocks back at once, not when the request ends
+                req.seqs.remove(seq)
+                req.done_seqs.append(seq)
+        if out.beam_done:
+            for seq in req.seqs:
+                self.free_seq(seq)
+            req.seqs = []
+        elif out.beams is not None:
+            advance_beams(self.kv, req, out.beams, self.free_seq)
+        if not req.seqs:
+            self.finish(req)
+
+    def abort(self, req: Request, error: str | None) -> None:
+        """End ``req`` now, every sequence ``abort`` (``error``: why, if it failed)."""
+        req.error = error
+        for seq in req.seqs:
+            seq.finish_reason = FinishReason.ABORT
+        req.done_seqs.extend(req.seqs)
+        req.seqs = []
+        self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        """Out of the queues, every block freed; the engine collects it (take_finished)."""
+        self.remove(req)
+        req.status = RequestStatus.FINISHED
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call."""
+        done, self._finished = self._finished, []
+        return done
 
 
 def _work(req: Request) -> list[Sequence]:
