@@ -676,6 +676,10 @@ class DiskKVStore:
         self._index.clear()
         self._files.clear()
         self._pending.clear()
+        for f in self._doomed.values():
+            f.doomed = False  # left on disk with the rest: the next open verifies them all
+        self._doomed.clear()
+        self._usage = 0  # the gauge counts what the store serves; the files stay on disk
 
 
 def _bytes_view(payload: object) -> memoryview:
