@@ -22,12 +22,14 @@ from worker.kv.disk_format import (
     SUFFIX,
     decode_header,
     encode_header,
+    fingerprint_of,
     header_length,
     run_file_name,
 )
 from worker.kv.disk_read_rate import ReadRate
 from worker.kv.disk_store import DiskKVStore
 from worker.kv.disk_types import DiskRemoved, DiskRun
+from worker.kv.transfer import KVLayout
 
 BS = 4  # tokens per block
 BB = 64  # payload bytes per block
@@ -549,3 +551,66 @@ def test_calibration_at_open_times_the_scan_when_it_reads_enough(tmp_path):
     again = _open(tmp_path, probe_bytes=8 * BB)
     assert again.rate.bytes_per_s > 0 and not list(tmp_path.glob("*.tmp"))
     again.close()
+
+
+# ---- concurrency ---------------------------------------------------------------------------
+
+
+def _payload_of(keys) -> np.ndarray:
+    """Bytes determined by each key, so any read can be checked."""
+    return np.stack([np.resize(np.frombuffer(k, dtype=np.uint8), BB) for k in keys])
+
+
+def test_concurrent_stores_reads_pins_and_discards_serve_only_right_bytes(tmp_path):
+    size = _one_block_file_bytes(tmp_path)
+    store = _open(tmp_path / "d", capacity=12 * size, max_blocks_per_file=2, max_queued_runs=4)
+    prompts = [_prompt(1000 * i, 4) for i in range(12)]
+    rng = np.random.default_rng(7)
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def reader() -> None:
+        r = np.random.default_rng(8)
+        while not stop.is_set():
+            keys, toks = prompts[int(r.integers(len(prompts)))]
+            a = int(r.integers(4))
+            keys, toks = keys[a:], toks[a:]
+            pin = store.pin(keys, toks)
+            n = len(pin)
+            got = store.read(keys[:n], toks[:n]) if n else None
+            if got is not None and not np.array_equal(got, _payload_of(keys[:n])):
+                failures.append("wrong bytes served")
+            store.release(pin)
+            if r.random() < 0.1:
+                store.discard(keys[int(r.integers(4)) :][:1])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(200):
+            keys, toks = prompts[int(rng.integers(len(prompts)))]
+            a = int(rng.integers(0, 4))
+            store.store_run(keys[a:], keys[a - 1] if a else None, toks[a:], _payload_of(keys[a:]))
+            if rng.random() < 0.2:
+                store.check_invariants()
+                store.drain(10)  # let the disk keep up now and then (most stores still queue)
+    finally:
+        stop.set()
+        t.join(10)
+    assert store.drain(10) and not failures
+    store.check_invariants()
+    s = store.stats()
+    on_disk = _files(tmp_path / "d")
+    assert s.usage_bytes == sum(p.stat().st_size for p in on_disk) <= 12 * size
+    assert s.files == len(on_disk) and s.writes > 12 and s.evictions > 0 and s.reads > 0
+    for keys, toks in prompts:
+        n = store.lookup(keys, toks)
+        if n:
+            assert np.array_equal(store.read(keys[:n], toks[:n]), _payload_of(keys[:n]))
+    store.close()
+
+
+def test_fingerprint_names_model_and_layout():
+    a = fingerprint_of("m", KVLayout(16, 2, 2, 4, "float32"))
+    assert a != fingerprint_of("m", KVLayout(16, 2, 2, 4, "bfloat16"))
+    assert a != fingerprint_of("n", KVLayout(16, 2, 2, 4, "float32"))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.hashing import KEY_BYTES, BlockKey
+from worker.kv.transfer import KVLayout
 
 MAGIC = b"KVDRUN1\x00"
 SUFFIX = ".kvrun"  # run files; anything else in the directory is not the store's
@@ -64,6 +65,15 @@ class RunFileHeader:
     def file_bytes(self) -> int:
         """The exact size of an intact file with this header."""
         return self.payload_offset + len(self.keys) * self.block_bytes
+
+
+def fingerprint_of(model_id: str, layout: KVLayout) -> str:
+    """The fingerprint a worker's store is opened with: its model and KV layout (the keys
+    fold in the model too; the layout is what they do not name)."""
+    return (
+        f"{model_id}|bs={layout.block_size}|layers={layout.num_layers}|"
+        f"kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|{layout.dtype}"
+    )
 
 
 def block_checksum(fingerprint: str, key: BlockKey, token_ids: Sequence[int], payload) -> bytes:

@@ -252,6 +252,23 @@ class DiskKVStore:
                 **self._c,
             )
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant (used by the tests):
+        the index and the files agree, and the usage gauge is the bytes of the files held."""
+        with self._lock:
+            for key, (f, pos) in self._index.items():
+                assert self._files.get(f.name) is f, f"{key.hex()[:8]}: file {f.name} not held"
+                assert f.header.keys[pos] == key and key in f.live, f"{key.hex()[:8]}: bad slot"
+            for f in self._files.values():
+                assert f.live and not f.doomed, f"{f.name}: held with no live block"
+                assert all(self._index[k][0] is f for k in f.live), f"{f.name}: live key elsewhere"
+            assert all(f.doomed and f.pins for f in self._doomed.values()), "doomed unpinned"
+            assert not self._pending & self._index.keys(), "a queued key is already held"
+            files = [*self._files.values(), *self._doomed.values()]
+            if self._enabled:
+                assert self._usage >= sum(f.size for f in files), "usage below the files held"
+                assert self._usage <= self.capacity_bytes, "usage over the budget"
+
     def drain_changes(self) -> list[DiskRun | DiskRemoved]:
         """Runs that became durable and keys that left, in order, since the last call."""
         with self._lock:
