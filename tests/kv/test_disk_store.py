@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys
-from worker.kv import disk_store
+from worker.kv import disk_files
 from worker.kv.disk_format import (
     SUFFIX,
     decode_header,
@@ -364,7 +364,7 @@ def _block_writer(monkeypatch, *, before_rename: bool = False) -> SimpleNamespac
     """Hold the writer thread inside its next durable write until ``gate.go`` is set
     (after writing the temp file if ``before_rename``)."""
     gate = SimpleNamespace(entered=threading.Event(), go=threading.Event())
-    real = disk_store._write_durably
+    real = disk_files.write_durably
 
     def held(tmp, final, directory, head, payload):
         if before_rename:
@@ -373,7 +373,7 @@ def _block_writer(monkeypatch, *, before_rename: bool = False) -> SimpleNamespac
         assert gate.go.wait(10)
         real(tmp, final, directory, head, payload)
 
-    monkeypatch.setattr(disk_store, "_write_durably", held)
+    monkeypatch.setattr(disk_files, "write_durably", held)
     return gate
 
 
@@ -461,7 +461,7 @@ def test_disk_full_turns_the_store_off_once_and_reports_its_keys_removed(
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_store, "_write_durably", full)
+    monkeypatch.setattr(disk_files, "write_durably", full)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for i in (1, 2):
             k, t = _prompt(100 * i, 1)

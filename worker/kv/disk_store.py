@@ -39,7 +39,6 @@ and no I/O happens under it except unlinking a dead file.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -51,14 +50,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.blocks.hashing import BlockKey
+from worker.kv import disk_files
 from worker.kv.disk_format import (
     SUFFIX,
     CorruptRunFile,
     RunFileHeader,
     block_checksum,
-    decode_header,
     encode_header,
-    header_length,
     run_file_name,
 )
 from worker.kv.disk_read_rate import ReadRate
@@ -67,7 +65,6 @@ from worker.kv.disk_writer import DiskWriter
 
 log = logging.getLogger(__name__)
 
-TMP_SUFFIX = ".tmp"  # files being written; any left at open are from an interrupted write
 SEEN_KEYS_MAX = 1 << 20  # admission memory bound (keys offered once)
 DEFAULT_READ_BYTES_PER_S = 200e6  # used only if the store opens with nothing to time
 
@@ -415,7 +412,7 @@ class DiskKVStore:
         try:
             for f, lo, hi, first in _contiguous(where):
                 bad = f
-                _pread_into(os.path.join(self.path, f.name), out[lo:hi], f.header, first)
+                disk_files.pread_into(os.path.join(self.path, f.name), out[lo:hi], f.header, first)
                 for i in range(lo, hi):
                     pos = first + i - lo
                     want = f.header.checksums[pos]
@@ -477,16 +474,16 @@ class DiskKVStore:
                 return
             self._usage += size  # reserved while the file is written
         final = os.path.join(self.path, name)
-        tmp = final + TMP_SUFFIX
+        tmp = final + disk_files.TMP_SUFFIX
         try:
-            _write_durably(tmp, final, self.path, head, job.payload)
+            disk_files.write_durably(tmp, final, self.path, head, job.payload)
         except OSError as exc:
             with self._lock:
                 self._usage -= size
                 self._pending.difference_update(job.keys)
                 self._c["errors"] += 1
-                self._turn_off(_describe_write_error(self.path, exc))
-            _unlink_quietly(tmp)
+                self._turn_off(disk_files.describe_write_error(self.path, exc))
+            disk_files.unlink_quietly(tmp)
             return
         header = RunFileHeader(
             self.fingerprint,
@@ -506,7 +503,7 @@ class DiskKVStore:
             self._c["written_bytes"] += size
             if not self._enabled or not f.live:
                 self._usage -= size
-                _unlink_quietly(final)
+                disk_files.unlink_quietly(final)
                 return
             self._register(f)
             self._changes.extend(self._live_runs(f))
@@ -517,8 +514,8 @@ class DiskKVStore:
         """Scan the directory: index intact run files, delete the rest; time the reads."""
         found: list[tuple[float, str]] = []
         for entry in os.scandir(self.path):
-            if entry.name.endswith(TMP_SUFFIX):
-                _unlink_quietly(entry.path)  # an interrupted write
+            if entry.name.endswith(disk_files.TMP_SUFFIX):
+                disk_files.unlink_quietly(entry.path)  # an interrupted write
             elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
                 found.append((entry.stat().st_mtime, entry.name))
         found.sort()  # oldest first: the LRU order the files had, as far as the disk knows
@@ -527,17 +524,19 @@ class DiskKVStore:
         for _, name in found:
             t0 = time.perf_counter()
             try:
-                header, size, payload_bytes = self._load(name)
+                header, size, payload_bytes = disk_files.load_run_file(
+                    self.path, name, self.fingerprint, self.block_bytes, verify=self.verify_at_open
+                )
             except CorruptRunFile as exc:
                 bad.append(f"{name} ({exc.reason})")
-                _unlink_quietly(os.path.join(self.path, name))
+                disk_files.unlink_quietly(os.path.join(self.path, name))
                 continue
             read_s += time.perf_counter() - t0
             read_bytes += payload_bytes
             f = _RunFile(name, header, size)
             f.live = {k for k in header.keys if k not in self._index}
             if not f.live:
-                _unlink_quietly(os.path.join(self.path, name))
+                disk_files.unlink_quietly(os.path.join(self.path, name))
                 continue
             self._usage += size
             self._register(f)
@@ -556,7 +555,9 @@ class DiskKVStore:
         if read_bytes >= probe_bytes > 0:
             self.rate = ReadRate(read_bytes / max(read_s, 1e-6), alpha=self.rate.alpha)
         elif probe_bytes > 0:
-            self.rate = ReadRate(_probe_read_rate(self.path, probe_bytes), alpha=self.rate.alpha)
+            self.rate = ReadRate(
+                disk_files.probe_read_rate(self.path, probe_bytes), alpha=self.rate.alpha
+            )
         log.info(
             "disk KV tier at %s: %d block(s) in %d file(s), %d of %d bytes; reads ~%.0f MB/s",
             self.path,
@@ -566,38 +567,6 @@ class DiskKVStore:
             self.capacity_bytes,
             self.rate.bytes_per_s / 1e6,
         )
-
-    def _load(self, name: str) -> tuple[RunFileHeader, int, int]:
-        """The header, size and payload bytes read of an intact run file of ours; raises
-        :class:`CorruptRunFile` otherwise (an unreadable file counts as corrupt)."""
-        try:
-            with open(os.path.join(self.path, name), "rb") as fh:
-                prefix = fh.read(12)
-                head = prefix + fh.read(header_length(prefix) - len(prefix))
-                header = decode_header(head)
-                if header.fingerprint != self.fingerprint:
-                    raise CorruptRunFile(f"foreign fingerprint {header.fingerprint!r}")
-                if header.block_bytes != self.block_bytes:
-                    raise CorruptRunFile(
-                        f"block_bytes {header.block_bytes} (ours {self.block_bytes})"
-                    )
-                if run_file_name(header.keys) != name:
-                    raise CorruptRunFile("file name does not match its keys")
-                size = os.fstat(fh.fileno()).st_size
-                if size != header.file_bytes:
-                    raise CorruptRunFile(f"{size} bytes, expected {header.file_bytes} (torn write)")
-                if not self.verify_at_open:
-                    return header, size, 0
-                payload = fh.read()
-        except OSError as exc:
-            raise CorruptRunFile(f"unreadable: {exc}") from None
-        bb = self.block_bytes
-        view = memoryview(payload)
-        for i, (key, toks) in enumerate(zip(header.keys, header.token_ids, strict=True)):
-            got = block_checksum(self.fingerprint, key, toks, view[i * bb : (i + 1) * bb])
-            if got != header.checksums[i]:
-                raise CorruptRunFile(f"block {i}: checksum mismatch")
-        return header, size, len(payload)
 
     # ---- bookkeeping (under the lock) ------------------------------------------------------
 
@@ -679,7 +648,7 @@ class DiskKVStore:
 
     def _unlink(self, f: _RunFile) -> None:
         self._usage -= f.size
-        _unlink_quietly(os.path.join(self.path, f.name))
+        disk_files.unlink_quietly(os.path.join(self.path, f.name))
 
     def _turn_off(self, reason: str) -> None:
         """Stop serving and writing, once: one log line, every held key reported removed."""
@@ -716,71 +685,3 @@ def _contiguous(
         if i == len(where) or where[i][0] is not where[lo][0] or where[i][1] != where[i - 1][1] + 1:
             yield where[lo][0], lo, i, where[lo][1]
             lo = i
-
-
-def _pread_into(path: str, out: np.ndarray, header: RunFileHeader, first: int) -> None:
-    offset = header.payload_offset + first * header.block_bytes
-    want = out.nbytes
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = os.preadv(fd, [memoryview(out).cast("B")], offset)
-    finally:
-        os.close(fd)
-    if got != want:
-        raise CorruptRunFile(f"short read of {os.path.basename(path)}: {got} of {want} bytes")
-
-
-def _write_durably(tmp: str, final: str, directory: str, head: bytes, payload: bytes) -> None:
-    with open(tmp, "wb") as fh:
-        fh.write(head)
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a crash
-    finally:
-        os.close(fd)
-
-
-def _describe_write_error(path: str, exc: OSError) -> str:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"disk full writing to {path} ({exc.strerror})"
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{path} is not writable ({exc.strerror})"
-    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
-        return f"{path} is gone ({exc.strerror})"
-    return f"writing to {path} failed: {exc}"
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.debug("disk KV tier: could not delete %s: %s", path, exc)
-
-
-def _probe_read_rate(directory: str, nbytes: int) -> float:
-    """Bytes/s of a timed read of a freshly written file, dropped from the page cache first
-    where the OS allows (so the figure is the disk's, not memory's). Raises OSError if the
-    directory is not writable."""
-    path = os.path.join(directory, "calibrate" + TMP_SUFFIX)
-    data = os.urandom(nbytes)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            got = len(os.pread(fd, nbytes, 0))
-            elapsed = time.perf_counter() - t0
-        finally:
-            os.close(fd)
-    finally:
-        _unlink_quietly(path)
-    return got / max(elapsed, 1e-6)
