@@ -17,26 +17,26 @@ if TYPE_CHECKING:
 class EvictionHints:
     """Mixin of :class:`~worker.kv.manager.KVCacheManager`: needs its ``_pool``."""
 
-    _pool: BlockPool
+    pool: BlockPool
 
     @property
     def claims(self) -> BlockClaims:
         """Block key -> how many waiting sequences claim it (read only: change it through
         :meth:`claim` and :meth:`unclaim`)."""
-        return self._pool.claims
+        return self.pool.order.claims
 
     def claim(self, keys: Sequence[BlockKey]) -> None:
         """A waiting sequence claims the chain ``keys`` of its prompt's full blocks (from
         :meth:`expected_prefix`): cached ones are evicted only when no unclaimed block is
-        left (:meth:`BlockPool.claim`)."""
-        self._pool.claim(keys)
+        left (:meth:`EvictionOrder.claim`)."""
+        self.pool.order.claim(keys)
 
     def unclaim(self, keys: Sequence[BlockKey]) -> bool:
         """The sequence that claimed ``keys`` started or left; True if another waiting
         sequence still claims one of them."""
-        return self._pool.unclaim(keys)
+        return self.pool.order.unclaim(keys)
 
     def set_spares(self, spare: Iterable[BlockKey]) -> int:
         """Fleet-aware eviction: ``spare`` names keys another worker keeps (the index's
-        answer); those blocks are evicted first (:meth:`BlockPool.set_spares`)."""
-        return self._pool.set_spares(spare)
+        answer); those blocks are evicted first (:meth:`EvictionOrder.set_spares`)."""
+        return self.pool.order.set_spares(spare)

@@ -71,7 +71,7 @@ class TransferMixin:
     failed — before the next step.
     """
 
-    _pool: BlockPool
+    pool: BlockPool
     _host: HostTier | None
     block_size: int
     enable_prefix_caching: bool
@@ -87,7 +87,7 @@ class TransferMixin:
             return pin
         device: list[KVBlock] = []
         for key in keys:
-            block = None if pin.host_ids else self._pool.cached.get(key)
+            block = None if pin.host_ids else self.pool.cached.get(key)
             if block is not None:
                 device.append(block)
                 toks = block.token_ids
@@ -104,7 +104,7 @@ class TransferMixin:
         if pin.keys and start == 0 and ctx is not None:
             if hash_block(None, pin.token_ids[0], ctx.first_block_extra()) != pin.keys[0]:
                 return ExportPin([], [], [], [])
-        self._pool.touch(device)
+        self.pool.touch(device)
         pin.blocks = device
         return pin
 
@@ -112,7 +112,7 @@ class TransferMixin:
         """Drop an export's refs (tail-first, as a sequence would); idempotent."""
         if not pin.released:
             pin.released = True
-            self._pool.release(reversed(pin.blocks))
+            self.pool.release(reversed(pin.blocks))
 
     def plan_import(
         self,
@@ -140,7 +140,7 @@ class TransferMixin:
         plan = ImportPlan(Tier.DEVICE, 0, [], [], [], None, salt_owner(ctx.cache_salt))
         if header.start > local_n or end <= local_n:
             return plan  # a gap before the run, or nothing the prompt lacks
-        uncached_free = self._pool.num_free() - self._pool.num_evictable
+        uncached_free = self.pool.num_free() - self.pool.num_evictable
         if tier is None:
             fits_device = header.start <= have and uncached_free >= end - have
             tier = Tier.HOST if not fits_device and self._host is not None else Tier.DEVICE
@@ -155,8 +155,8 @@ class TransferMixin:
         plan.keys = list(header.keys[off : off + n_want])
         plan.token_ids = [tuple(t) for t in header.token_ids[off : off + n_want]]
         plan.parent = local.keys[first - 1] if first else None
-        held = [self._pool.cached[k] for k in local.keys[:have]]
-        self._pool.touch(held)
+        held = [self.pool.cached[k] for k in local.keys[:have]]
+        self.pool.touch(held)
         plan.held = held
         if tier == Tier.HOST:
             assert self._host is not None
@@ -173,8 +173,8 @@ class TransferMixin:
                 plan.block_ids.append(host_id)
                 parent = key
         else:
-            n = min(n_want, self._pool.num_free())
-            plan.blocks = self._pool.take_new(n) if n else []
+            n = min(n_want, self.pool.num_free())
+            plan.blocks = self.pool.take_new(n) if n else []
             plan.block_ids = [b.block_id for b in plan.blocks]
         del plan.keys[len(plan.block_ids) :]
         del plan.token_ids[len(plan.block_ids) :]
@@ -186,12 +186,12 @@ class TransferMixin:
         """The runner wrote the plan's blocks: cache them (``BlockStored``), refs back to 0."""
         assert not plan.done, "import committed twice"
         if plan.tier == Tier.DEVICE and plan.blocks:
-            self._pool.cache_full_blocks(
+            self.pool.cache_full_blocks(
                 plan.blocks, plan.keys, plan.token_ids, plan.parent, plan.tenant
             )
             # a peer holds them too: evicted first, but only once the request they were
             # pulled for (still waiting) has taken them
-            self._pool.mark_landed(plan.blocks)
+            self.pool.order.mark_landed(plan.blocks)
             if self._host is not None:
                 self._host.discard(plan.keys)  # tiers stay exclusive
         # (host blocks were stored, and announced, by plan_import)
@@ -208,4 +208,4 @@ class TransferMixin:
     def _finish(self, plan: ImportPlan) -> None:
         """Refs back: the written (or given-back) blocks, then the pinned hit, tail-first."""
         plan.done = True
-        self._pool.release([*reversed(plan.blocks), *reversed(plan.held)])
+        self.pool.release([*reversed(plan.blocks), *reversed(plan.held)])

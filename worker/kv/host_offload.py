@@ -26,7 +26,7 @@ class HostOffload:
     ``num_blocks``, ``block_size`` and ``enable_prefix_caching``; call :meth:`_init_host`
     once the pool exists."""
 
-    _pool: BlockPool
+    pool: BlockPool
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
@@ -43,8 +43,8 @@ class HostOffload:
             quota = None
             if tenant_quota_blocks is not None:
                 quota = tenant_quota_blocks * host_num_blocks // self.num_blocks
-            self._host = HostTier(host_num_blocks, self.block_size, self._pool.events, quota)
-            self._pool.on_evict = self._offload
+            self._host = HostTier(host_num_blocks, self.block_size, self.pool.events, quota)
+            self.pool.on_evict = self._offload
 
     def take_transfers(self) -> TierTransfers:
         """Pending host-tier copies: offloads (device -> host) first, then loads (host ->

@@ -81,7 +81,7 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
             node = node.next
             continue
         block, node = node, node.next
-        claimed = block.key is not None and block.key in pool.claims
+        claimed = block.key is not None and block.key in pool.order.claims
         if region == 2 and not claimed:
             _fail(f"unclaimed {block} queued among the claimed blocks")
         if region < 2 and claimed and pool.tenant_quota is None:
@@ -181,7 +181,7 @@ def _check_tenant_quota(pool: BlockPool) -> None:
     for block in pool.free_queue:
         if block.key is not None:
             expected.setdefault(block.tenant, []).append(block.block_id)
-    got = {t: list(blocks) for t, blocks in pool._evictable.items() if blocks}
+    got = {t: list(blocks) for t, blocks in pool.order.by_tenant.items() if blocks}
     if got != expected:
         _fail(f"per-tenant evictable lists {got} != free-queue order {expected}")
     for tenant, ids in got.items():

@@ -93,7 +93,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._pool = BlockPool(num_blocks, block_size, tenant_quota_blocks)
+        self.pool = BlockPool(num_blocks, block_size, tenant_quota_blocks)
         self._seqs: dict[SeqId, _Seq] = {}
         self._copies: list[tuple[int, int]] = []
         self._queried_tokens = 0
@@ -181,7 +181,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
                 f"the pool has only {self.num_blocks}; shorten the request or add KV blocks"
             )
         n_new, cow, evictable = self._count(blocks, computed, total, is_new)
-        if n_new + cow + evictable > self._pool.num_free():
+        if n_new + cow + evictable > self.pool.num_free():
             return None
         # Hash before mutating anything: a bad token id raises with the pool untouched.
         # Loaded host blocks are cached on the device like newly computed ones (keys known).
@@ -195,7 +195,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
             new_toks += more_toks
 
         if seq is None:
-            self._pool.touch(blocks)
+            self.pool.touch(blocks)
             self._no_offload.difference_update(b.block_id for b in blocks)
             seq = self._seqs[seq_id] = _Seq(ctx, list(blocks), computed, keys)
             self._queried_tokens += len(token_ids)
@@ -204,7 +204,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
             if loads:
                 assert self._host is not None
                 self._host.checkout(loads)  # pinned: take_new's offloads cannot reuse them
-        fresh = self._pool.take_new(n_new + cow) if n_new + cow else []
+        fresh = self.pool.take_new(n_new + cow) if n_new + cow else []
         self._no_offload.difference_update(b.block_id for b in fresh)
         for host_block, dev in zip(loads, fresh, strict=False):
             self._transfers.to_device.append((host_block.block_id, dev.block_id))
@@ -214,7 +214,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
         if cow:
             src, dst = seq.blocks[-1], fresh[0]
             seq.blocks[-1] = dst
-            self._pool.release([src])
+            self.pool.release([src])
             copies.append((src.block_id, dst.block_id))
             self._copies.append(copies[0])
             seq.blocks.extend(fresh[1:])
@@ -227,7 +227,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
             stored = seq.blocks[start : start + len(new_keys)]
             # quota by the salt's owner: a tenant's many cache_salts share its one quota
             owner = salt_owner(seq.ctx.cache_salt)
-            self._pool.cache_full_blocks(stored, new_keys, new_toks, parent, owner)
+            self.pool.cache_full_blocks(stored, new_keys, new_toks, parent, owner)
             seq.keys.extend(new_keys)
             if self._host is not None:
                 self._host.discard(new_keys)  # recomputed here: drop a stale host copy
@@ -243,7 +243,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
         parent = self._seq(parent_seq_id)
         if child_seq_id in self._seqs:
             raise ValueError(f"fork: sequence {child_seq_id!r} already exists")
-        self._pool.touch(parent.blocks)
+        self.pool.touch(parent.blocks)
         self._seqs[child_seq_id] = _Seq(
             parent.ctx, list(parent.blocks), parent.num_computed, list(parent.keys)
         )
@@ -260,7 +260,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
         if seq is not None:
             if not offload and self._host is not None:
                 self._no_offload.update(b.block_id for b in seq.blocks if b.ref_cnt == 1)
-            self._pool.release(reversed(seq.blocks))
+            self.pool.release(reversed(seq.blocks))
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies (src, dst) to execute before the next forward pass."""
@@ -269,11 +269,11 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
 
     def drain_events(self) -> list[KVEvent]:
         """Events since the last drain, in ``seq`` order (the engine drains once per step)."""
-        return self._pool.events.drain()
+        return self.pool.events.drain()
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; ``False`` (nothing changes) while any block is in use."""
-        if not self._pool.reset_cache():
+        if not self.pool.reset_cache():
             return False
         if self._host is not None:
             self._host.clear()

@@ -28,7 +28,7 @@ class KVQueries:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool
-    _pool: BlockPool
+    pool: BlockPool
     _host: HostTier | None
     _seqs: dict[SeqId, _Seq]
     _queried_tokens: int  # prompt tokens looked up by new sequences
@@ -61,7 +61,7 @@ class KVQueries:
                 key = known_keys[i]
             else:
                 key = hash_block(parent, toks, ctx.first_block_extra() if i == 0 else b"")
-            block = None if n_host else self._pool.lookup(key, toks)
+            block = None if n_host else self.pool.lookup(key, toks)
             if block is not None:
                 ids.append(block.block_id)
             elif self._host is not None and self._host.lookup(key, toks) is not None:
@@ -98,7 +98,7 @@ class KVQueries:
         hit = 0
         for i, key in enumerate(keys):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            if key not in queued and self._pool.lookup(key, toks) is None:
+            if key not in queued and self.pool.lookup(key, toks) is None:
                 if self._host is None or self._host.lookup(key, toks) is None:
                     break
             hit += 1
@@ -108,7 +108,7 @@ class KVQueries:
         """How many leading keys of the chain ``keys`` are cached on the device: by prefix
         closure a leading run, found by bisection in O(log len(keys)) lookups by key (no token
         comparison: an estimate for ordering, never for adoption)."""
-        cached = self._pool.cached
+        cached = self.pool.cached
         lo, hi = 0, len(keys)  # keys[:lo] cached; keys[hi:] not
         while lo < hi:
             mid = (lo + hi) // 2
@@ -135,7 +135,7 @@ class KVQueries:
 
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: free uncached blocks plus evictable cached ones."""
-        return self._pool.num_free()
+        return self.pool.num_free()
 
     def num_evictable_of(self, keys: Iterable[BlockKey]) -> int:
         """Of ``keys`` (distinct), how many are served by a cached device block no sequence
@@ -143,7 +143,7 @@ class KVQueries:
         hits them starts (a pure query by key, one dict lookup each). A landed pull's
         blocks are left out: the router that advised it counts them until its request runs
         (``router/placement/pull_ledger.py``)."""
-        cached = self._pool.cached
+        cached = self.pool.cached
         return sum(
             1
             for key in keys
@@ -151,7 +151,7 @@ class KVQueries:
         )
 
     def can_fit(self, num_blocks_needed: int) -> bool:
-        return num_blocks_needed <= self._pool.num_free()
+        return num_blocks_needed <= self.pool.num_free()
 
     @property
     def has_host_tier(self) -> bool:
@@ -168,14 +168,14 @@ class KVQueries:
         One C-level copy of the key map: under the GIL it is atomic with respect to an engine
         thread mutating the pool, so a publisher thread may call it without the engine's lock.
         """
-        return list(self._pool.cached)
+        return list(self.pool.cached)
 
     def host_cached_keys(self) -> list[BlockKey]:
         """Keys the host tier holds (empty without one)."""
         return list(self._host.lru) if self._host is not None else []
 
     def stats(self) -> KVStats:
-        pool = self._pool
+        pool = self.pool
         used = pool.num_used()
         q, h = self._queried_tokens, self._hit_tokens
         return KVStats(
@@ -208,9 +208,9 @@ class KVQueries:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant (used by the tests)."""
-        check_invariants(self._pool, self._seqs, self.enable_prefix_caching)
+        check_invariants(self.pool, self._seqs, self.enable_prefix_caching)
         if self._host is not None:
-            check_host_tier(self._host, self._pool)
+            check_host_tier(self._host, self.pool)
 
     def _seq(self, seq_id: SeqId) -> _Seq:
         try:
@@ -233,7 +233,7 @@ class KVQueries:
         blocks: list[KVBlock] = []
         loads: list[HostBlock] = []
         for i, key in enumerate(prefix.keys):
-            block = None if loads else self._pool.cached.get(key)
+            block = None if loads else self.pool.cached.get(key)
             held = block if block is not None else self._host.lru.get(key) if self._host else None
             if held is None:
                 break
