@@ -19,7 +19,7 @@ def _check_kept_state(engine: Engine) -> None:
         for seq in req.seqs:
             if seq.allocated:
                 table = engine.kv.block_table(seq.seq_id)
-                assert table == [b.block_id for b in engine.kv._seqs[seq.seq_id].blocks]
+                assert table == [b.block_id for b in engine.kv.seqs[seq.seq_id].blocks]
             if seq.spec is not None:  # kept only once nothing is banned: what a rebuild gives
                 rebuilt = SampleSpec(req.params, seq.generator, engine.processor._banned(req, seq))
                 assert seq.spec == rebuilt, (req.request_id, seq.spec, rebuilt)

@@ -200,13 +200,13 @@ def test_salts_isolate_tenants() -> None:
 def _snapshot(kv: KVCacheManager) -> tuple:
     pool = kv.pool
     return (
-        {sid: kv.block_table(sid) for sid in kv._seqs},
-        {sid: kv.num_computed_tokens(sid) for sid in kv._seqs},
+        {sid: kv.block_table(sid) for sid in kv.seqs},
+        {sid: kv.num_computed_tokens(sid) for sid in kv.seqs},
         [(b.ref_cnt, b.key) for b in pool.blocks],
         _free_order(kv),
         dict(pool.cached),
         len(pool.events),
-        list(kv._copies),
+        list(kv.pending_copies),
         kv.stats(),
     )
 
@@ -292,9 +292,9 @@ def test_stale_prefix_adopts_only_what_is_still_cached() -> None:
 
 
 def test_hash_collision_never_returns_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kv.queries as queries
+    import worker.kv.manager as manager
 
-    monkeypatch.setattr(queries, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
+    monkeypatch.setattr(manager, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
     kv = _kv(8)
     kv.pool.cache_full_blocks(kv.pool.take_new(1), [b"\0" * 16], [(1, 1, 1, 1)], None)
     assert kv.lookup_prefix([2, 2, 2, 2, 2], CTX).num_tokens == 0
