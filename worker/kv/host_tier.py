@@ -14,10 +14,11 @@ removes a key none of whose descendants is held here. (Tiers are exclusive, so a
 arrives while an older copy of it waits here.) A tier below (``on_evict``) receives the
 evicted blocks in the same order.
 
-Hazard the caller must respect: a host block read by a pending load (or by a pending copy into
-the tier below) must not be the target of a pending store. Such blocks are *pinned* (not
-reusable) until :meth:`release_pinned`, which the manager calls when it hands the step's copies
-to the runner.
+Hazard the caller must respect: a host block read by a pending load must not be the target of
+a pending store. Checked-out blocks are *pinned* (not reusable) until :meth:`release_pinned`,
+which the manager calls when it hands the step's copies to the runner. A block evicted into the
+tier below is free at once: the copy out of it runs before any store into it (see
+:class:`~worker.kv.types.TierTransfers`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,11 @@ class HostTier(TierBackend):
         self.block_size = block_size
         self.tenant_quota = tenant_quota
         self.events = events  # the device pool's log: one ordered stream for every tier
-        self.on_evict: Callable[[TierBlock], bool] | None = None  # the tier below, if any
+        self.on_evict: Callable[[TierBlock], None] | None = None  # the tier below, if any
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
         self.lru: OrderedDict[BlockKey, TierBlock] = OrderedDict()  # oldest first
         self._by_tenant: dict[str | None, OrderedDict[BlockKey, None]] = {}
-        # ids a pending copy reads (a load back, a copy into the tier below); freed by
-        # release_pinned
-        self.pinned: list[int] = []
+        self.pinned: list[int] = []  # checked out for a pending load; freed by release_pinned
         self._children: Counter[BlockKey | None] = Counter()  # parent -> its children here
         self.num_stored = 0  # blocks copied in from the device (eviction or swap-out)
         self.num_loaded = 0  # blocks loaded back into the device
@@ -95,9 +94,8 @@ class HostTier(TierBackend):
         copy it into, or None (no tier, or every block pinned). Evicts the LRU block if full."""
         if key in self.lru or self.tenant_quota == 0:  # (the first: not with exclusive tiers)
             return None
-        while not self.free:  # more than one only while the tier below pins what it takes
-            if not self._evict_oldest():
-                return None
+        if not self.free and not self._evict_oldest():
+            return None
         block = TierBlock(self.free.pop(), key, parent, token_ids, tenant)
         self.lru[key] = block
         self._children[parent] += 1
@@ -182,11 +180,10 @@ class HostTier(TierBackend):
         block = self.lru[key]
         self._forget(block)
         self.num_evicted += 1
+        self.free.append(block.block_id)
         self.events.removed([block.key], Tier.HOST)
-        if self.on_evict is not None and self.on_evict(block):
-            self.pinned.append(block.block_id)  # the copy into the tier below reads it
-        else:
-            self.free.append(block.block_id)
+        if self.on_evict is not None:
+            self.on_evict(block)  # the tier below keeps it (its copy runs before reuse)
         return True
 
     def _forget(self, block: TierBlock) -> None:

@@ -43,15 +43,15 @@ class TierBackend(ABC):
     - Prefix closure of the union: it evicts a block only when none of its descendants is
       held here (e.g. LRU order: blocks arrive children first); a held key's parent is on the
       device or in some tier.
-    - Ids: a block id handed out by :meth:`store` or read by a pending load is not reused
-      before :meth:`release_pinned` (the runner's copies of the step may still touch it).
+    - Ids: a block read by a pending load (:meth:`checkout`) is not reused before
+      :meth:`release_pinned` (the runner's copies of the step may still read it).
 
     What the caller (the manager) does:
 
-    - store a run of evicted blocks: :meth:`store` each, parents before children, and copy the
-      block's KV into the returned id; a block this tier evicts to make room is passed to
-      ``on_evict`` (set by the manager: the tier below), which returns True if it took it
-      (the evicted id then stays pinned until :meth:`release_pinned`);
+    - store a run of evicted blocks: :meth:`store` each, in the order they were evicted
+      (children first), and copy the block's KV into the returned id; a block this tier
+      evicts to make room is passed to ``on_evict`` (set by the manager: the tier below) after
+      its ``BlockRemoved``, before its id is reused;
     - find the longest chained prefix held: walk the chain key by key with :meth:`lookup`
       (token ids compared, so a collision can never load wrong KV); ask
       :meth:`load_seconds` whether loading beats recomputing;
@@ -66,7 +66,7 @@ class TierBackend(ABC):
     tier: ClassVar[Tier]  # the tier its events carry
 
     num_blocks: int  # capacity in blocks
-    on_evict: Callable[[TierBlock], bool] | None  # the tier below's intake (None: drop)
+    on_evict: Callable[[TierBlock], None] | None  # the tier below's intake (None: drop)
 
     @abstractmethod
     def __len__(self) -> int:

@@ -37,6 +37,9 @@ class TierChain:
         self.transfers = TierTransfers()  # copies pending until take_transfers
         self.no_offload: set[int] = set()  # released device blocks to drop, not store, on eviction
         self.hit_tokens = {b.tier: 0 for b in self.backends}  # prompt tokens adopted from each
+        # (lower tier, block id) -> the device block its KV is copied from in this batch: a
+        # block evicted further down before that copy ran is copied from the device instead
+        self._from_device: dict[tuple[Tier, int], int] = {}
         for i, backend in enumerate(self.backends):
             backend.on_evict = partial(self._store_below, i) if i + 1 < len(self.backends) else None
 
@@ -126,16 +129,25 @@ class TierChain:
         first = self.backends[0]
         dst = first.store(block.key, block.parent, block.token_ids, block.tenant)
         if dst is not None:
-            self.transfers.add(Tier.DEVICE, block.block_id, first.tier, dst)
+            self._copy(Tier.DEVICE, block.block_id, first.tier, dst)
 
-    def _store_below(self, i: int, block: TierBlock) -> bool:
-        """Tier ``i`` evicted ``block``: store it into tier ``i + 1``; True if kept there."""
-        src, dst_tier = self.backends[i], self.backends[i + 1]
-        dst = dst_tier.store(block.key, block.parent, block.token_ids, block.tenant)
-        if dst is None:
-            return False
-        self.transfers.add(src.tier, block.block_id, dst_tier.tier, dst)
-        return True
+    def _store_below(self, i: int, block: TierBlock) -> None:
+        """Tier ``i`` evicted ``block``: store it into tier ``i + 1`` (the copy pending)."""
+        below = self.backends[i + 1]
+        dst = below.store(block.key, block.parent, block.token_ids, block.tenant)
+        if dst is not None:
+            self._copy(self.backends[i].tier, block.block_id, below.tier, dst)
+
+    def _copy(self, src: Tier, src_id: int, dst: Tier, dst_id: int) -> None:
+        """Record a store into ``dst``; a source whose KV is itself still pending from the
+        device (stored this batch) is read on the device instead."""
+        dev = src_id if src is Tier.DEVICE else self._from_device.get((src, src_id))
+        if dev is not None:
+            self.transfers.add(Tier.DEVICE, dev, dst, dst_id)
+            self._from_device[dst, dst_id] = dev
+        else:
+            self.transfers.add(src, src_id, dst, dst_id)
+            self._from_device.pop((dst, dst_id), None)
 
     def keep_off(self, blocks: Iterable[KVBlock]) -> None:
         """Released device ``blocks`` (a recompute preemption): dropped, not stored, when the
@@ -171,6 +183,7 @@ class TierChain:
         """Pending copies (see :class:`TierTransfers` for the order); blocks they read become
         reusable now."""
         transfers, self.transfers = self.transfers, TierTransfers()
+        self._from_device.clear()
         # A host block may be stored into, evicted and stored into again before the copies
         # run: only its last offload counts (a batched copy with repeated targets is undefined).
         last = {host: dev for dev, host in transfers.to_host}

@@ -55,28 +55,38 @@ class KVAllocation:
 @dataclass(slots=True)
 class TierTransfers:
     """Copies between tiers the model runner must make before the step's copy-on-write
-    copies and forward pass (see ``KVCacheManager.take_transfers``), in this order:
-    ``to_host``, then ``moves`` one by one, then ``to_device``.
+    copies and forward pass (see ``KVCacheManager.take_transfers``), in three phases:
 
-    Device <-> host copies have their own lists (the runner batches each into one copy);
-    every other copy (a block stored into a tier below the host, a load from one) is a
-    :data:`TierCopy` in ``moves``, in the order the manager made them. A block a tier
-    evicted into the tier below stays pinned in its tier until the copies ran, so no copy in
-    one batch overwrites a block another copy reads."""
+    1. ``moves``, one by one in order: copies between two lower tiers (a block the host tier
+       evicted into the tier below it); they read blocks phase 2 may overwrite;
+    2. ``to_host`` and ``stores``: blocks the device evicted, stored into a lower tier (a
+       block evicted again further down in the same batch is copied from the device);
+    3. ``to_device`` and ``loads``: lower-tier blocks loaded back into fresh device blocks.
+
+    Device <-> host copies have their own lists of id pairs (the runner batches each into one
+    copy); the others are :data:`TierCopy` tuples naming both tiers."""
 
     to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host): offloads
     to_device: list[tuple[int, int]] = field(default_factory=list)  # (host, device): loads
-    moves: list[TierCopy] = field(default_factory=list)  # every other copy, in order
+    moves: list[TierCopy] = field(default_factory=list)  # lower tier -> lower tier
+    stores: list[TierCopy] = field(default_factory=list)  # device -> a tier below the host
+    loads: list[TierCopy] = field(default_factory=list)  # a tier below the host -> device
 
     def __bool__(self) -> bool:
-        return bool(self.to_host or self.to_device or self.moves)
+        return bool(self.to_host or self.to_device or self.moves or self.stores or self.loads)
 
     def add(self, src: Tier, src_id: int, dst: Tier, dst_id: int) -> None:
         """Record one block copy from ``src`` block ``src_id`` to ``dst`` block ``dst_id``."""
-        if src is Tier.DEVICE and dst is Tier.HOST:
-            self.to_host.append((src_id, dst_id))
-        elif src is Tier.HOST and dst is Tier.DEVICE:
-            self.to_device.append((src_id, dst_id))
+        if src is Tier.DEVICE:
+            if dst is Tier.HOST:
+                self.to_host.append((src_id, dst_id))
+            else:
+                self.stores.append((src, src_id, dst, dst_id))
+        elif dst is Tier.DEVICE:
+            if src is Tier.HOST:
+                self.to_device.append((src_id, dst_id))
+            else:
+                self.loads.append((src, src_id, dst, dst_id))
         else:
             self.moves.append((src, src_id, dst, dst_id))
 
