@@ -6,7 +6,7 @@ order, with the index's answer applied at once (no staleness).
 system prompts of ``--prefix-tokens`` tokens plus a question of its own each; ``--concurrency``
 requests are in flight at a time (their blocks pinned), the oldest finishes when a new one
 starts. Eviction orders: ``lru`` (every block alike), ``keeper`` (what the workers do: a
-block a lower-slot worker also holds is a spare, evicted first, ``BlockPool.set_spares``),
+block a lower-slot worker also holds is a spare, evicted first, ``EvictionOrder.set_spares``),
 ``any`` (a block any other worker holds is a spare; two holders may then both drop it at
 once, which the keeper rule prevents). Reports the fleet's coverage of the hot set (its
 blocks held somewhere, sampled after every request past the first 50) and the local hit rate.

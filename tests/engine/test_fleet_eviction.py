@@ -42,7 +42,7 @@ def held(server: WorkerServer, p: list[int]) -> int:
 
 
 def spares(server: WorkerServer) -> int:
-    return server.front.with_engine(lambda e: sum(b.pulled for b in e.kv._pool.cached.values()))
+    return server.front.with_engine(lambda e: sum(b.pulled for b in e.kv.pool.cached.values()))
 
 
 def test_a_duplicate_is_evicted_before_the_fleets_last_copy(redis_server) -> None:  # noqa: ANN001

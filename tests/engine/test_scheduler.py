@@ -131,7 +131,7 @@ def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() ->
     assert worker_status("w", snap, epoch=1, index_healthy=True).waiting_pinned_blocks == 7
     # a pull landed for a waiting request is the advising router's to count (its ledger)
     (seq,) = [r.seqs[0] for r in engine.scheduler.waiting if r.seqs[0].token_ids == other + [5]]
-    engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim)
+    engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim)
     assert engine.snapshot().kv_waiting_pinned_blocks == 4
     run_all(engine)
     assert engine.snapshot().kv_waiting_pinned_blocks == 0

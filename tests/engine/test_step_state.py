@@ -19,7 +19,7 @@ def _check_kept_state(engine: Engine) -> None:
         for seq in req.seqs:
             if seq.allocated:
                 table = engine.kv.block_table(seq.seq_id)
-                assert table == [b.block_id for b in engine.kv._seqs[seq.seq_id].blocks]
+                assert table == [b.block_id for b in engine.kv.seqs[seq.seq_id].blocks]
             if seq.spec is not None:  # kept only once nothing is banned: what a rebuild gives
                 rebuilt = SampleSpec(req.params, seq.generator, engine.processor._banned(req, seq))
                 assert seq.spec == rebuilt, (req.request_id, seq.spec, rebuilt)
@@ -108,11 +108,11 @@ def test_pinned_blocks_recount_at_most_every_max_age_and_zero_once_the_queue_emp
     assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 6
     engine.add_request(list(range(30, 42)) + [5], greedy)  # claims 3 of those blocks again
     seq = waiting._reqs[0].seqs[0]
-    engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim[:2])
+    engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim[:2])
     assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 6  # the last count
     assert engine.snapshot().kv_waiting_pinned_blocks == 4  # exact: 2 landed are the router's
     assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 4  # just counted
-    engine.kv._pool.mark_landed(engine.kv._pool.cached[k] for k in seq.claim[2:3])
+    engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim[2:3])
     time.sleep(0.03)
     assert engine.snapshot(pins_max_age_s=0.02).kv_waiting_pinned_blocks == 3  # old: recounted
     for req in list(waiting):

@@ -147,7 +147,7 @@ def test_check_invariants_detects_corruption() -> None:
         "b", [1, 2, 3], 1, ctx=HashContext(), prefix=kv.lookup_prefix([1, 2, 3], HashContext())
     )
     kv.check_invariants()
-    pool = kv._pool
+    pool = kv.pool
     pool.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError, match="ref count"):
         kv.check_invariants()

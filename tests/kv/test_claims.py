@@ -39,7 +39,7 @@ def test_claimed_blocks_are_evicted_after_every_unclaimed_one() -> None:
     a = _chain(pool, 10, 2)  # prefix A: blocks 0, 1 (older)
     b = _chain(pool, 20, 2)  # prefix B: blocks 2, 3
     assert _ids(pool) == [4, 5, 1, 0, 3, 2]  # uncached, then LRU: A's tail, A, B's tail, B
-    pool.claim([_key(10), _key(11), _key(99)])  # a waiting prompt: A and a block not cached
+    pool.order.claim([_key(10), _key(11), _key(99)])  # a waiting prompt: A and a block not cached
     assert _ids(pool) == [4, 5, 3, 2, 1, 0]  # A behind B now, its tail first
     _check(pool)
     taken = pool.take_new(4)  # the uncached two, then B (unclaimed), not A
@@ -57,25 +57,25 @@ def test_a_block_whose_last_claim_goes_moves_back_as_the_newest_of_its_kind() ->
     _chain(pool, 10, 2)  # 0, 1
     _chain(pool, 20, 2)  # 2, 3
     chain = [_key(10), _key(11)]
-    pool.claim(chain)
-    pool.claim(chain[:1])  # a sibling sharing A's first block
-    pool.claim([_key(20), _key(21)])  # B, claimed last: first of the claimed run
+    pool.order.claim(chain)
+    pool.order.claim(chain[:1])  # a sibling sharing A's first block
+    pool.order.claim([_key(20), _key(21)])  # B, claimed last: first of the claimed run
     assert _ids(pool) == [4, 5, 3, 2, 1, 0]
-    assert pool.unclaim(chain) is True  # the sibling still claims block 0
+    assert pool.order.unclaim(chain) is True  # the sibling still claims block 0
     assert _ids(pool) == [4, 5, 1, 3, 2, 0]  # A's tail back as the newest unclaimed block
     _check(pool)
-    assert pool.unclaim(chain[:1]) is False
+    assert pool.order.unclaim(chain[:1]) is False
     assert _ids(pool) == [4, 5, 1, 0, 3, 2]  # block 0 back too, behind its child
     _check(pool)
     with pytest.raises(ValueError, match="unclaimed"):
-        pool.unclaim(chain[:1])  # released more often than claimed
+        pool.order.unclaim(chain[:1])  # released more often than claimed
 
 
 def test_blocks_released_while_claimed_queue_claimed_children_first() -> None:
     """A running sequence holds a prefix a waiting one claims (a key it computes counts
     too): released, its blocks go to the claimed run, tail first."""
     pool = BlockPool(num_blocks=5, block_size=2)
-    pool.claim([_key(1), _key(2), _key(3)])  # claimed before any is cached
+    pool.order.claim([_key(1), _key(2), _key(3)])  # claimed before any is cached
     blocks = pool.take_new(3)
     pool.cache_full_blocks(blocks, [_key(1), _key(2), _key(3)], [(1, 1), (2, 2), (3, 3)], None)
     other = pool.take_new(1)  # another prefix, released after them: newer, yet unclaimed
@@ -92,8 +92,8 @@ def test_within_the_claimed_run_the_latest_claim_goes_first() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     _chain(pool, 10, 2)  # 0, 1
     _chain(pool, 20, 2)  # 2, 3
-    pool.claim([_key(20), _key(21)])  # queued first
-    pool.claim([_key(10), _key(11)])  # queued behind it
+    pool.order.claim([_key(20), _key(21)])  # queued first
+    pool.order.claim([_key(10), _key(11)])  # queued behind it
     assert _ids(pool) == [1, 0, 3, 2]
     _check(pool)
 
@@ -102,10 +102,10 @@ def test_a_claimed_spare_stays_claimed_and_returns_to_the_spares() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     _chain(pool, 10, 2)  # 0, 1
     _chain(pool, 20, 2)  # 2, 3
-    pool.claim([_key(10), _key(11)])
-    assert pool.set_spares([_key(11)]) == 0  # claimed: reclassified in place
+    pool.order.claim([_key(10), _key(11)])
+    assert pool.order.set_spares([_key(11)]) == 0  # claimed: reclassified in place
     assert _ids(pool) == [3, 2, 1, 0] and pool.blocks[1].pulled
-    pool.unclaim([_key(10), _key(11)])
+    pool.order.unclaim([_key(10), _key(11)])
     assert _ids(pool) == [1, 0, 3, 2]  # spares first again
     _check(pool)
 
@@ -115,8 +115,8 @@ def test_with_a_tenant_quota_claims_count_but_order_nothing() -> None:
     _chain(pool, 10, 2)
     _chain(pool, 20, 2)
     before = _ids(pool)
-    pool.claim([_key(10), _key(11)])
-    assert _ids(pool) == before and pool.claims == BlockClaims({_key(10): 1, _key(11): 1})
+    pool.order.claim([_key(10), _key(11)])
+    assert _ids(pool) == before and pool.order.claims == BlockClaims({_key(10): 1, _key(11): 1})
     _check(pool)
 
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 
+from kvstore.blocks.tiers import Tier
 from tests.kv.test_properties import PICK, KVMachine
 from worker.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheManager
 from worker.kv.invariants import check_prefix_closed, record_parents
@@ -94,7 +95,9 @@ class HostTierMachine(KVMachine):
     def host_blocks_hold_their_tokens(self) -> None:
         self._run_transfers()  # pending offloads read device blocks nothing has overwritten
         bs = self.bs
-        for block in self.kv._host.lru.values():
+        host = self.kv.tiers.get(Tier.HOST)
+        assert host is not None
+        for block in host.lru.values():
             slots = self.host_mem[block.block_id * bs : (block.block_id + 1) * bs]
             assert tuple(slots) == block.token_ids, f"host {block} holds other tokens"
 

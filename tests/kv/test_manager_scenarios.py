@@ -35,11 +35,11 @@ def _prefill(kv: KVCacheManager, sid: str, tokens: list[int], ctx: HashContext =
 
 
 def _ref(kv: KVCacheManager, block_id: int) -> int:
-    return kv._pool.blocks[block_id].ref_cnt
+    return kv.pool.blocks[block_id].ref_cnt
 
 
 def _free_order(kv: KVCacheManager) -> list[int]:
-    return [b.block_id for b in kv._pool.free_queue]
+    return [b.block_id for b in kv.pool.free_queue]
 
 
 A = list(range(100, 110))  # 10 tokens: blocks [100..103] [104..107] [108 109]
@@ -198,15 +198,15 @@ def test_salts_isolate_tenants() -> None:
 
 
 def _snapshot(kv: KVCacheManager) -> tuple:
-    pool = kv._pool
+    pool = kv.pool
     return (
-        {sid: kv.block_table(sid) for sid in kv._seqs},
-        {sid: kv.num_computed_tokens(sid) for sid in kv._seqs},
+        {sid: kv.block_table(sid) for sid in kv.seqs},
+        {sid: kv.num_computed_tokens(sid) for sid in kv.seqs},
         [(b.ref_cnt, b.key) for b in pool.blocks],
         _free_order(kv),
         dict(pool.cached),
         len(pool.events),
-        list(kv._copies),
+        list(kv.pending_copies),
         kv.stats(),
     )
 
@@ -292,11 +292,11 @@ def test_stale_prefix_adopts_only_what_is_still_cached() -> None:
 
 
 def test_hash_collision_never_returns_wrong_kv(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kv.queries as queries
+    import worker.kv.manager as manager
 
-    monkeypatch.setattr(queries, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
+    monkeypatch.setattr(manager, "hash_block", lambda parent, toks, extra=b"": b"\0" * 16)
     kv = _kv(8)
-    kv._pool.cache_full_blocks(kv._pool.take_new(1), [b"\0" * 16], [(1, 1, 1, 1)], None)
+    kv.pool.cache_full_blocks(kv.pool.take_new(1), [b"\0" * 16], [(1, 1, 1, 1)], None)
     assert kv.lookup_prefix([2, 2, 2, 2, 2], CTX).num_tokens == 0
     assert kv.lookup_prefix([1, 1, 1, 1, 2], CTX).num_tokens == 4
 
@@ -345,7 +345,7 @@ def _twin_setup(kv: KVCacheManager) -> tuple[list[int], list[int]]:
         BlockStored(0, tuple(ka), None, (tuple(A[0:4]), tuple(A[4:8])), BS),
         BlockStored(1, (kb[2],), kb[1], ((7, 7, 7, 7),), BS),
     ]
-    pool = kv._pool
+    pool = kv.pool
     assert {k: [b.block_id for b in t] for k, t in pool.twins.items()} == {ka[0]: [1], ka[1]: [4]}
     kv.check_invariants()
     return ka, kb
@@ -364,13 +364,13 @@ def test_twin_is_promoted_when_its_key_is_evicted() -> None:
     assert _prefill(kv, "x", list(range(50, 62))) == KVAllocation([3, 7, 2], 0, [])
     # Block 2 (key 1) was evicted, but b's twin 4 holds the same tokens: it now serves key 1,
     # with no BlockRemoved; key 0 (block 0) is still cached and its twin still waits.
-    assert kv._pool.cached[ka[1]].block_id == 4 and kv._pool.cached[ka[0]].block_id == 0
+    assert kv.pool.cached[ka[1]].block_id == 4 and kv.pool.cached[ka[0]].block_id == 0
     assert not any(isinstance(e, BlockRemoved) for e in kv.drain_events())
-    assert {k: [b.block_id for b in t] for k, t in kv._pool.twins.items()} == {ka[0]: [1]}
+    assert {k: [b.block_id for b in t] for k, t in kv.pool.twins.items()} == {ka[0]: [1]}
     kv.free("x")
     assert _free_order(kv) == [0, 2, 7, 3]
     assert _prefill(kv, "y", list(range(60, 76))).new_block_ids == [0, 2, 7, 3]
-    assert kv._pool.cached[ka[0]].block_id == 1 and kv._pool.twins == {}
+    assert kv.pool.cached[ka[0]].block_id == 1 and kv.pool.twins == {}
     kx = _keys(list(range(50, 62)))
     assert kv.drain_events()[0] == BlockRemoved(3, (kx[2], kx[1], kx[0]))
     # The worker's own prefix match still reaches b's child block through the promoted twins.
@@ -386,7 +386,7 @@ def test_released_twin_moves_its_served_block_behind_the_children() -> None:
     assert _free_order(kv) == [3, 7, 2, 0]
     kv.free("b")  # 6 partial to the front; 5 (child) back; twins 4, 1 free: 2 then 0 move back
     assert _free_order(kv) == [1, 4, 6, 3, 7, 5, 2, 0]
-    assert kv._pool.twins == {} and kv._pool.blocks[4].token_ids is None
+    assert kv.pool.twins == {} and kv.pool.blocks[4].token_ids is None
     # Evicting in that order drops the child (kb[2]) before its parents: no hole.
     x = list(range(300, 325))  # 7 blocks, the last one partial
     assert _prefill(kv, "x", x).new_block_ids == [1, 4, 6, 3, 7, 5, 2]

@@ -73,7 +73,7 @@ class KVMachine(RuleBasedStateMachine):
     # ---- helpers ---------------------------------------------------------------------------
 
     def _snapshot(self) -> tuple:
-        kv, pool = self.kv, self.kv._pool
+        kv, pool = self.kv, self.kv.pool
         return (
             {s: (kv.block_table(s), kv.num_computed_tokens(s)) for s in self.seqs},
             [(b.ref_cnt, b.key) for b in pool.blocks],
@@ -178,7 +178,7 @@ class KVMachine(RuleBasedStateMachine):
             seq = self.seqs.get(sid)
             if seq is not None and seq.computed < len(seq.tokens):
                 self._allocate(sid, seq.tokens, min(chunk, len(seq.tokens) - seq.computed))
-        if self.kv._pool.twins:
+        if self.kv.pool.twins:
             event("twins")
         for i in finish:
             if sids[i] in self.seqs:
@@ -231,7 +231,7 @@ class KVMachine(RuleBasedStateMachine):
         _, keys = self.kv.expected_prefix((prefix + tail) or [0], ctx, self.kv.claims)
         self.kv.claim(keys)
         self.claimed.append(keys)
-        if any(self.kv._pool.cached.get(k) for k in keys):
+        if any(self.kv.pool.cached.get(k) for k in keys):
             event("cached blocks claimed")
 
     @rule(i=PICK)
@@ -272,7 +272,7 @@ class KVMachine(RuleBasedStateMachine):
 
     @invariant()
     def pool_is_consistent(self) -> None:
-        kv, pool = self.kv, self.kv._pool
+        kv, pool = self.kv, self.kv.pool
         kv.check_invariants()
         holders = Counter(b for s in self.seqs for b in kv.block_table(s))
         assert all(b.ref_cnt == holders[b.block_id] for b in pool.blocks)
@@ -292,7 +292,7 @@ class KVMachine(RuleBasedStateMachine):
             assert len(table) == -(-seq.computed // bs)
             got = [self.mem[table[p // bs] * bs + p % bs] for p in range(seq.computed)]
             assert got == seq.tokens[: seq.computed], f"seq {sid} reads back wrong tokens"
-        for block in self.kv._pool.cached.values():
+        for block in self.kv.pool.cached.values():
             slots = self.mem[block.block_id * bs : (block.block_id + 1) * bs]
             assert tuple(slots) == block.token_ids, f"cached {block} holds other tokens"
 

@@ -48,7 +48,7 @@ def test_a_spare_chain_goes_before_an_older_last_copy() -> None:
     pool = BlockPool(num_blocks=4, block_size=BS)
     a = _chain(pool, "a", 2)
     b = _chain(pool, "b", 2)
-    assert pool.set_spares([b[1]]) == 2  # b1 named; b0 (its prefix) too: both free, moved
+    assert pool.order.set_spares([b[1]]) == 2  # b1 named; b0 (its prefix) too: both free, moved
     assert [blk.pulled for blk in pool.cached.values()] == [False, False, True, True]
     assert _evicted(pool, 1) == [b[1]]  # the tail first: prefix-closed
     assert _evicted(pool, 2) == [b[0], a[1]]  # then the last copy, least recent first
@@ -64,7 +64,7 @@ def test_blocks_under_a_spare_are_spares_and_go_first_leaf_first() -> None:
     parents: dict = {}
     for e in pool.events.drain():
         record_parents(e, parents)
-    pool.set_spares(s)  # a peer keeps s, nobody else has q
+    pool.order.set_spares(s)  # a peer keeps s, nobody else has q
     assert pool.cached[q[0]].pulled and pool.cached[s[0]].children == 1
     assert _evicted(pool, 4) == [q[0], s[1], s[0]]  # after the never-used block
     _closed(pool, parents)
@@ -75,8 +75,8 @@ def test_an_unnamed_block_stops_being_a_spare() -> None:
     pool = BlockPool(num_blocks=4, block_size=BS)
     a = _chain(pool, "a", 2)
     b = _chain(pool, "b", 2)
-    pool.set_spares(b)
-    assert pool.set_spares([]) == 2  # its peer evicted b: b is the fleet's last copy again
+    pool.order.set_spares(b)
+    assert pool.order.set_spares([]) == 2  # its peer evicted b: b is the fleet's last copy again
     assert not any(blk.pulled for blk in pool.cached.values())
     assert _evicted(pool, 2) == [a[1], a[0]]  # back to least recently used
 
@@ -87,7 +87,7 @@ def test_blocks_in_use_are_classified_and_queue_by_class_on_release() -> None:
     held = pool.take_new(2)
     b = [_key("b", 0), _key("b", 1)]
     pool.cache_full_blocks(held, b, [(0, 0), (1, 1)], None)
-    assert pool.set_spares(b) == 0  # in use: nothing free moved, but flagged
+    assert pool.order.set_spares(b) == 0  # in use: nothing free moved, but flagged
     pool.release(reversed(held))  # released after a, yet evicted before it
     assert _evicted(pool, 4) == [b[1], b[0], a[1], a[0]]
 
@@ -98,9 +98,9 @@ def test_a_landed_copy_is_no_spare_until_used() -> None:
     blocks = pool.take_new(2)
     b = [_key("b", 0), _key("b", 1)]
     pool.cache_full_blocks(blocks, b, [(0, 0), (1, 1)], None)
-    pool.mark_landed(blocks)
+    pool.order.mark_landed(blocks)
     pool.release(reversed(blocks))
-    pool.set_spares(b)  # a peer keeps b, but the request it landed for has not run yet
+    pool.order.set_spares(b)  # a peer keeps b, but the request it landed for has not run yet
     assert not any(blk.pulled for blk in pool.cached.values())
     assert _evicted(pool, 2) == [a[1], a[0]]
 
@@ -111,14 +111,14 @@ def test_a_parent_queued_ahead_of_its_child_waits_behind_it() -> None:
     pool = BlockPool(num_blocks=3, block_size=BS)
     a = _chain(pool, "a", 1)
     p = _chain(pool, "p", 1)
-    pool.set_spares(p)
+    pool.order.set_spares(p)
     held = pool.lookup(p[0], (0, 0))
     assert held is not None and held.pulled
     pool.touch([held])
     landed = pool.take_new(1)
     c = _key("c", 0)
     pool.cache_full_blocks(landed, [c], [(5, 5)], p[0])
-    pool.mark_landed(landed)
+    pool.order.mark_landed(landed)
     pool.release([*landed, held])  # p: a spare; c: landed, queued with the last copies
     assert held.children == 1
     parents: dict = {}
@@ -134,7 +134,7 @@ def test_a_tenant_quota_keeps_one_order() -> None:
     pool = BlockPool(num_blocks=4, block_size=BS, tenant_quota=4)
     a = _chain(pool, "a", 2)
     b = _chain(pool, "b", 2)
-    assert pool.set_spares(b) == 0
+    assert pool.order.set_spares(b) == 0
     assert _evicted(pool, 2) == [a[1], a[0]]
 
 
@@ -146,5 +146,5 @@ def test_verdicts_do_not_depend_on_the_maps_order() -> None:
     backwards = dict(reversed(pool.cached.items()))  # children before their parents
     want = {keys[0]: True, keys[1]: True, keys[2]: True}
     assert spare_verdicts(backwards, [keys[1]]) == want == spare_verdicts(pool.cached, [keys[1]])
-    pool.mark_landed(seq[1:2])  # a landed block cuts the inheritance below it
+    pool.order.mark_landed(seq[1:2])  # a landed block cuts the inheritance below it
     assert spare_verdicts(backwards, [keys[0]]) == {keys[0]: True, keys[1]: False, keys[2]: False}

@@ -128,7 +128,7 @@ def test_host_import_continues_a_host_held_part_of_the_prefix() -> None:
         kv.check_invariants()
         kv.abort_import(kv.plan_import(PROMPT, CTX, header(PROMPT)))  # nothing new: no-op
         assert len(kv.plan_import(PROMPT, CTX, header(PROMPT))) == 0 and not kv.drain_events()
-        kv._host.discard(keys[3:5])  # forget the import for the next round
+        kv.tiers.discard(keys[3:5])  # forget the import for the next round
         kv.drain_events()
 
 

@@ -66,7 +66,7 @@ class _Worker:
             record_parents(event, self.parents)
             if isinstance(event, BlockRemoved):
                 self.evicted += len(event.keys)
-        self.twins += sum(len(t) for t in self.kv._pool.twins.values())
+        self.twins += sum(len(t) for t in self.kv.pool.twins.values())
         self.batch += 1
         assert self.index.apply_events(self.name, self.epoch, self.batch, events).applied
         check_prefix_closed(set(self.kv.cached_keys()), self.parents)

@@ -3,7 +3,9 @@
 Layering: pool -> manager -> scheduler. The pool knows blocks, never sequences; the manager
 (``manager.py``) owns block tables and calls the pool. The blocks and their free queue (an
 intrusive doubly linked list) are in ``free_queue.py``; which run of the queue a free cached
-block joins (spares first, claimed blocks last) is in ``eviction_order.py``.
+block joins (spares first, claimed blocks last) is decided by the pool's
+:class:`~worker.kv.eviction_order.EvictionOrder` (``pool.order``), which owns the claims and
+the per-tenant LRU lists.
 
 Free queue order (front = handed out first):
 - uncached free blocks (never used, partial, or caching off) go to the FRONT: reusing them
@@ -46,17 +48,15 @@ one tenant's: the salt is in its first key): prefix closure holds.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
-from worker.kv.claims import BlockClaims
 from worker.kv.eviction_order import EvictionOrder
 from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
 
 
-class BlockPool(EvictionOrder):
+class BlockPool:
     """``num_blocks`` blocks, their ref counts, the free queue and the key -> block map."""
 
     def __init__(self, num_blocks: int, block_size: int, tenant_quota: int | None = None) -> None:
@@ -64,8 +64,6 @@ class BlockPool(EvictionOrder):
             raise ValueError(f"tenant_quota must be >= 0 or None, got {tenant_quota}")
         self.block_size = block_size
         self.tenant_quota = tenant_quota
-        # tenant -> its evictable cached blocks, least recently used first (quota only)
-        self._evictable: dict[str | None, OrderedDict[int, KVBlock]] = {}
         self.quota_evictions = 0  # blocks evicted because their tenant was over its quota
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -74,7 +72,8 @@ class BlockPool(EvictionOrder):
         self.twins: dict[BlockKey, list[KVBlock]] = {}
         self.events = EventLog()
         self.num_evictable = 0  # cached blocks with ref count 0 (kept O(1) for stats)
-        self.claims = BlockClaims()  # keys waiting requests' prompts name (evicted last)
+        # the run each free cached block joins: claims, spares, per-tenant LRU lists
+        self.order = EvictionOrder(self.free_queue, self.cached, tenant_quota)
         # called with each evicted cached block before its key is cleared (KV still intact
         # until the block is handed out and written): the host tier's offload hook
         self.on_evict: Callable[[KVBlock], None] | None = None
@@ -96,7 +95,7 @@ class BlockPool(EvictionOrder):
         for _ in range(n):
             block = self.free_queue.popleft()
             while block.children and block.key not in self.twins:  # its children go first
-                self._requeue_last(block)
+                self.order.requeue_last(block)
                 block = self.free_queue.popleft()
             if block.key is not None:
                 self._uncache(block, evicted)
@@ -113,7 +112,7 @@ class BlockPool(EvictionOrder):
         if key is None or block.ref_cnt != 0:
             raise BlockPoolError(f"{block} is not an evictable cached block")
         self.num_evictable -= 1
-        self._forget_evictable(block)
+        self.order.forget_evictable(block)
         twins = self.twins.get(key)
         if twins:
             self._promote(key, twins)
@@ -129,20 +128,14 @@ class BlockPool(EvictionOrder):
         block.pulled = block.landing = False
         block.children = 0
 
-    def _forget_evictable(self, block: KVBlock) -> None:
-        if self.tenant_quota is not None:
-            del self._evictable[block.tenant][block.block_id]
-
     def _evictable_again(self, block: KVBlock) -> list[BlockKey]:
         """``block`` (cached) just became the newest evictable one: over its tenant's quota,
         that tenant's least recently used evictable blocks go. Returns the evicted keys."""
         if self.tenant_quota is None:
             return []
-        mine = self._evictable.setdefault(block.tenant, OrderedDict())
-        mine[block.block_id] = block
+        self.order.add_evictable(block)
         evicted: list[BlockKey] = []
-        while len(mine) > self.tenant_quota:
-            oldest = next(iter(mine.values()))
+        while (oldest := self.order.over_quota(block.tenant)) is not None:
             self.free_queue.remove(oldest)
             self._uncache(oldest, evicted)
             self.free_queue.appendleft(oldest)  # nothing to keep: reuse first
@@ -167,7 +160,7 @@ class BlockPool(EvictionOrder):
                 self.free_queue.remove(block)
                 if block.key is not None:
                     self.num_evictable -= 1
-                    self._forget_evictable(block)
+                    self.order.forget_evictable(block)
             if block.landing:  # a landed copy in use: evicted first once free again
                 block.landing, block.pulled = False, True
             block.ref_cnt += 1
@@ -185,11 +178,11 @@ class BlockPool(EvictionOrder):
                     self._untwin(block)
                 if block.key is None:
                     self.free_queue.appendleft(block)  # nothing to keep: reuse first
-                elif self._claimed(block):  # a waiting request wants it: evicted last
+                elif self.order.claimed(block):  # a waiting request wants it: evicted last
                     claimed.append(block)
                     self.num_evictable += 1
                 else:  # keep cached, evict least recently used (a peer's copy first)
-                    self._queue_cached(block)
+                    self.order.queue_cached(block)
                     self.num_evictable += 1
                     evicted += self._evictable_again(block)
         for block in reversed(claimed):
@@ -213,13 +206,7 @@ class BlockPool(EvictionOrder):
         block.twin_of = block.token_ids = None
         served = self.cached[key]
         if served.ref_cnt == 0:
-            self.free_queue.remove(served)
-            if self._claimed(served):
-                self.free_queue.append_claimed(served)
-            else:
-                self._queue_cached(served)
-            if self.tenant_quota is not None:
-                self._evictable[served.tenant].move_to_end(served.block_id)
+            self.order.requeue_newest(served)
 
     def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> KVBlock | None:
         """The cached block for ``key`` if its token ids also match (no collision can hit)."""
@@ -287,7 +274,7 @@ class BlockPool(EvictionOrder):
             self.free_queue.remove(block)  # out of its run (the claimed one, maybe)
             self.free_queue.appendleft(block)  # nothing to keep: reuse first
         self.cached.clear()
-        self._evictable.clear()
+        self.order.forget_all_evictable()
         self.num_evictable = 0
         self.events.cleared()
         return True

@@ -1,17 +1,17 @@
 """The eviction order of free cached blocks: which run of the pool's free queue a block
 queues in, and the calls that move blocks between runs (claims, spares, landed copies).
-:class:`~worker.kv.block_pool.BlockPool` inherits it; the runs themselves are
-:class:`~worker.kv.free_queue.FreeBlockQueue`'s.
+:class:`~worker.kv.block_pool.BlockPool` holds one (``pool.order``) and asks it where each free
+cached block goes; the runs themselves are :class:`~worker.kv.free_queue.FreeBlockQueue`'s.
 
 Fleet-aware eviction: the cached blocks queue in two runs, spare copies first (a copy another
 worker keeps: pulled from a peer and used since, or named by the index through
-:meth:`BlockPool.set_spares`), then the rest, each least recently used first; so a worker
+:meth:`EvictionOrder.set_spares`), then the rest, each least recently used first; so a worker
 evicts what the fleet holds elsewhere before what may be the fleet's last copy. A block cached
 under a spare is a spare too (it must go no later than its parent), even where no peer holds
 it (a question under a shared system prompt, the tail of a prefix a peer holds in part).
 
 Claimed blocks last: a cached block whose key a waiting request's prompt names (the claims,
-``worker/kv/claims.py``, counted here through :meth:`BlockPool.claim` / :meth:`BlockPool.unclaim`)
+``worker/kv/claims.py``, counted here through :meth:`claim` / :meth:`unclaim`)
 queues behind every unclaimed one, so a request's prefix is not evicted by the requests
 admitted before it while it waits (it still can be when nothing else is left). The claims
 of one prompt are a chain of keys, so a claimed key's parent is claimed too: the claimed run
@@ -24,7 +24,7 @@ per step. No-op with a tenant quota (one order per tenant), as spares are.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvstore.blocks.hashing import BlockKey
 from worker.kv.claims import BlockClaims
@@ -33,28 +33,75 @@ from worker.kv.spares import spare_verdicts
 
 
 class EvictionOrder:
-    """The pool's eviction-order methods; the state is the pool's (declared here)."""
+    """Where each free cached block of a pool queues, and the state that decides it: the claims
+    of waiting prompts and, with a tenant quota, each tenant's evictable blocks in LRU order.
 
-    free_queue: FreeBlockQueue
-    cached: dict[BlockKey, KVBlock]
-    claims: BlockClaims
-    tenant_quota: int | None
-    _evictable: dict[str | None, OrderedDict[int, KVBlock]]
+    The pool (the owner of ``free_queue`` and ``cached``, passed in) calls :meth:`queue_cached`,
+    :meth:`requeue_newest` and :meth:`requeue_last` for a free cached block, and the
+    ``*_evictable`` methods as blocks enter and leave the evictable set."""
 
-    def _requeue_last(self, block: KVBlock) -> None:
+    def __init__(
+        self,
+        free_queue: FreeBlockQueue,
+        cached: Mapping[BlockKey, KVBlock],
+        tenant_quota: int | None,
+    ) -> None:
+        self.free_queue = free_queue  # the pool's queue: this class picks the run a block joins
+        self.cached = cached  # the pool's key -> block map (read here, never changed)
+        self.tenant_quota = tenant_quota
+        self.claims = BlockClaims()  # keys waiting requests' prompts name (evicted last)
+        # tenant -> its evictable cached blocks, least recently used first (quota only)
+        self.by_tenant: dict[str | None, OrderedDict[int, KVBlock]] = {}
+
+    def requeue_last(self, block: KVBlock) -> None:
         """Queue a free cached block (just popped) as the newest of its run (the eviction
         guard): its cached children, ahead of it, go first."""
-        if self._claimed(block):  # popped from the claimed run: every other run is empty
+        if self.claimed(block):  # popped from the claimed run: every other run is empty
             self.free_queue.append_claimed(block)
             return
         block.pulled = False
         self.free_queue.append(block)
         if self.tenant_quota is not None:
-            self._evictable[block.tenant].move_to_end(block.block_id)
+            self.by_tenant[block.tenant].move_to_end(block.block_id)
 
-    def _claimed(self, block: KVBlock) -> bool:
+    def requeue_newest(self, block: KVBlock) -> None:
+        """Move a queued free cached block to the back of its run (claimed or not), and to
+        the back of its tenant's LRU list."""
+        self.free_queue.remove(block)
+        if self.claimed(block):
+            self.free_queue.append_claimed(block)
+        else:
+            self.queue_cached(block)
+        if self.tenant_quota is not None:
+            self.by_tenant[block.tenant].move_to_end(block.block_id)
+
+    def claimed(self, block: KVBlock) -> bool:
         """Whether free cached ``block`` queues in the claimed run."""
         return self.tenant_quota is None and block.key in self.claims
+
+    def add_evictable(self, block: KVBlock) -> None:
+        """``block`` (cached) just became the newest evictable block of its tenant."""
+        if self.tenant_quota is not None:
+            self.by_tenant.setdefault(block.tenant, OrderedDict())[block.block_id] = block
+
+    def forget_evictable(self, block: KVBlock) -> None:
+        """``block`` stopped being evictable (taken again, or evicted)."""
+        if self.tenant_quota is not None:
+            del self.by_tenant[block.tenant][block.block_id]
+
+    def over_quota(self, tenant: str | None) -> KVBlock | None:
+        """The least recently used evictable block of ``tenant`` while it keeps more than its
+        quota (the pool evicts it), else None."""
+        if self.tenant_quota is None:
+            return None
+        mine = self.by_tenant.get(tenant)
+        if mine is None or len(mine) <= self.tenant_quota:
+            return None
+        return next(iter(mine.values()))
+
+    def forget_all_evictable(self) -> None:
+        """The pool dropped every key: no tenant keeps an evictable block (claims stay)."""
+        self.by_tenant.clear()
 
     def claim(self, keys: Sequence[BlockKey]) -> None:
         """A waiting sequence claims ``keys`` (its prompt's chain of full-block keys): those
@@ -79,10 +126,10 @@ class EvictionOrder:
                 block = self.cached.get(key)
                 if block is not None and block.ref_cnt == 0:
                     self.free_queue.remove(block)
-                    self._queue_cached(block)
+                    self.queue_cached(block)
         return shared
 
-    def _queue_cached(self, block: KVBlock) -> None:
+    def queue_cached(self, block: KVBlock) -> None:
         """Queue a free cached block as the newest of its kind (with a tenant quota, whose
         per-tenant lists follow the queue's order, pulled copies queue like the rest)."""
         if block.pulled and self.tenant_quota is None:
@@ -126,5 +173,5 @@ class EvictionOrder:
                 block.pulled = verdict[block.key]
         for block in moved:
             self.free_queue.remove(block)
-            self._queue_cached(block)
+            self.queue_cached(block)
         return len(moved)

@@ -1,56 +1,45 @@
 """The host-memory tier: cached blocks evicted from the device, kept for a later load back.
 
-Pure bookkeeping (no tensors): host block ids, their keys, parents, tokens and tenants, an LRU
-order and per-tenant quotas. The KV manager calls :meth:`HostTier.store` when the device pool
-evicts a cached block (the model runner then copies device -> host) and :meth:`checkout` when a
-prompt's prefix continues here (the runner copies host -> device). Tiers are exclusive: a key
-leaves the host tier when it is loaded back or recomputed on the device.
+A :class:`~worker.kv.tier_backend.TierBackend` registered as ``"host"``. Pure bookkeeping (no
+tensors): host block ids, their keys, parents, tokens and tenants, an LRU order and per-tenant
+quotas. The KV manager calls :meth:`HostTier.store` when the device pool evicts a cached block
+(the model runner then copies device -> host) and :meth:`checkout` when a prompt's prefix
+continues here (the runner copies host -> device). Tiers are exclusive: a key leaves the host
+tier when it is loaded back or recomputed on the device.
 
 Prefix closure: the device's keys are closed (see ``block_pool.py``); the host tier keeps the
-*union* closed — a host key's parent is on the device or in the host tier. The device evicts
+*union* closed — a host key's parent is on the device or in a tier. The device evicts
 children before parents, so they arrive here first; evicting the oldest host block therefore
-removes a key none of whose descendants is held anywhere. (Tiers are exclusive, so a key never
-arrives while an older copy of it waits here.)
+removes a key none of whose descendants is held here. (Tiers are exclusive, so a key never
+arrives while an older copy of it waits here.) A tier below (``on_evict``) receives the
+evicted blocks in the same order.
 
 Hazard the caller must respect: a host block read by a pending load must not be the target of
 a pending store. Checked-out blocks are *pinned* (not reusable) until :meth:`release_pinned`,
-which the manager calls when it hands the step's copies to the runner.
+which the manager calls when it hands the step's copies to the runner. A block evicted into the
+tier below is free at once: the copy out of it runs before any store into it (see
+:class:`~worker.kv.types.TierTransfers`).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Container, Sequence
 
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.tiers import Tier
+from worker.kv.tier_backend import TIER_BACKENDS, TierBackend
+from worker.kv.tier_block import TierBlock
+from worker.kv.types import TierStats
 
 
-class HostBlock:
-    """One host block: id (index into the runner's host tensors) and what it caches."""
-
-    __slots__ = ("block_id", "key", "parent", "token_ids", "tenant")
-
-    def __init__(
-        self,
-        block_id: int,
-        key: BlockKey,
-        parent: BlockKey | None,
-        token_ids: tuple[int, ...],
-        tenant: str | None,
-    ) -> None:
-        self.block_id = block_id
-        self.key = key
-        self.parent = parent  # key of the block before it (events name it for the index)
-        self.token_ids = token_ids  # compared on a hit: a collision can never load wrong KV
-        self.tenant = tenant  # cache_salt of the prompt that cached it (quotas)
-
-    def __repr__(self) -> str:
-        return f"HostBlock(id={self.block_id}, key={self.key.hex()[:8]})"
-
-
-class HostTier:
+@TIER_BACKENDS.register
+class HostTier(TierBackend):
     """``num_blocks`` host blocks; LRU over cached ones; per-tenant quota (optional)."""
+
+    name = "host"
+    tier = Tier.HOST
 
     def __init__(
         self, num_blocks: int, block_size: int, events: EventLog, tenant_quota: int | None = None
@@ -60,15 +49,16 @@ class HostTier:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.tenant_quota = tenant_quota
-        self.events = events  # the device pool's log: one ordered stream for both tiers
+        self.events = events  # the device pool's log: one ordered stream for every tier
+        self.on_evict: Callable[[TierBlock], None] | None = None  # the tier below, if any
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: low ids first
-        self.lru: OrderedDict[BlockKey, HostBlock] = OrderedDict()  # oldest first
+        self.lru: OrderedDict[BlockKey, TierBlock] = OrderedDict()  # oldest first
         self._by_tenant: dict[str | None, OrderedDict[BlockKey, None]] = {}
         self.pinned: list[int] = []  # checked out for a pending load; freed by release_pinned
         self._children: Counter[BlockKey | None] = Counter()  # parent -> its children here
         self.num_stored = 0  # blocks copied in from the device (eviction or swap-out)
         self.num_loaded = 0  # blocks loaded back into the device
-        self.num_evicted = 0  # blocks dropped from the host tier (LRU or quota)
+        self.num_evicted = 0  # blocks dropped (or passed below) from the host tier (LRU or quota)
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -76,11 +66,17 @@ class HostTier:
     def __contains__(self, key: object) -> bool:
         return key in self.lru
 
+    def get(self, key: BlockKey) -> TierBlock | None:
+        return self.lru.get(key)
+
+    def keys(self) -> list[BlockKey]:
+        return list(self.lru)
+
     def has_children(self, key: BlockKey) -> bool:
         """Whether a block here continues ``key`` (then dropping ``key`` would leave a hole)."""
         return key in self._children
 
-    def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> HostBlock | None:
+    def lookup(self, key: BlockKey, token_ids: tuple[int, ...]) -> TierBlock | None:
         """The host block caching ``key`` if its token ids match too (pure query)."""
         block = self.lru.get(key)
         if block is None or block.token_ids != token_ids:
@@ -100,7 +96,7 @@ class HostTier:
             return None
         if not self.free and not self._evict_oldest():
             return None
-        block = HostBlock(self.free.pop(), key, parent, token_ids, tenant)
+        block = TierBlock(self.free.pop(), key, parent, token_ids, tenant)
         self.lru[key] = block
         self._children[parent] += 1
         self.num_stored += 1
@@ -112,7 +108,7 @@ class HostTier:
                 self._evict_oldest(tenant, of_tenant=True)
         return block.block_id
 
-    def refresh(self, keys: list[BlockKey]) -> None:
+    def refresh(self, keys: Sequence[BlockKey]) -> None:
         """Make ``keys`` (a chain, parents first) the most recent, so blocks stored next to
         continue it evict others first. Parents end up younger than their other children
         here, which only lets those go first: closure holds."""
@@ -124,7 +120,7 @@ class HostTier:
             if self.tenant_quota is not None:
                 self._by_tenant[block.tenant].move_to_end(key)
 
-    def checkout(self, blocks: list[HostBlock]) -> None:
+    def checkout(self, blocks: Sequence[TierBlock]) -> None:
         """Take ``blocks`` out of the tier for a load back; their ids stay pinned until
         :meth:`release_pinned` (the load reads them at the next copy)."""
         if not blocks:
@@ -135,7 +131,7 @@ class HostTier:
         self.num_loaded += len(blocks)
         self.events.removed([b.key for b in blocks], Tier.HOST)
 
-    def discard(self, keys: list[BlockKey]) -> None:
+    def discard(self, keys: Sequence[BlockKey]) -> None:
         """Drop host copies of keys the device caches now (recomputed): tiers stay exclusive."""
         gone = [self.lru[k] for k in keys if k in self.lru]
         for block in gone:
@@ -147,6 +143,22 @@ class HostTier:
     def release_pinned(self) -> None:
         self.free.extend(self.pinned)
         self.pinned.clear()
+
+    def num_unpinned(self) -> int:
+        return self.num_blocks - len(self.pinned)
+
+    def load_seconds(self, num_blocks: int) -> float:
+        return 0.0  # a host -> device copy always beats recomputing
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            self.tier,
+            self.num_blocks,
+            len(self.lru),
+            self.num_stored,
+            self.num_loaded,
+            self.num_evicted,
+        )
 
     def clear(self) -> None:
         """Forget every block (the device pool's reset emits the one ``AllBlocksCleared``)."""
@@ -167,12 +179,14 @@ class HostTier:
                 return False
         block = self.lru[key]
         self._forget(block)
-        self.free.append(block.block_id)
         self.num_evicted += 1
+        self.free.append(block.block_id)
         self.events.removed([block.key], Tier.HOST)
+        if self.on_evict is not None:
+            self.on_evict(block)  # the tier below keeps it (its copy runs before reuse)
         return True
 
-    def _forget(self, block: HostBlock) -> None:
+    def _forget(self, block: TierBlock) -> None:
         del self.lru[block.key]
         left = self._children[block.parent] - 1
         if left:
@@ -184,3 +198,35 @@ class HostTier:
             del mine[block.key]
             if not mine:
                 del self._by_tenant[block.tenant]
+
+    def check_invariants(self, device_keys: Container[BlockKey]) -> None:
+        """Every block free, cached or pinned exactly once; never over its size; no key on
+        the device too; per-tenant order and quota."""
+        ids = [b.block_id for b in self.lru.values()] + self.free + self.pinned
+        if sorted(ids) != list(range(self.num_blocks)):
+            _fail(f"host blocks lost or duplicated: {sorted(ids)} of {self.num_blocks}")
+        if len(self.lru) > self.num_blocks:
+            _fail(f"host tier holds {len(self.lru)} blocks, size {self.num_blocks}")
+        for key, block in self.lru.items():
+            if block.key != key:
+                _fail(f"host map entry {key.hex()} points at {block}")
+            if len(block.token_ids) != self.block_size:
+                _fail(f"host {block} lacks its {self.block_size} token ids")
+            if key in device_keys:
+                _fail(f"key {key.hex()} is cached in both tiers")
+        children = Counter(b.parent for b in self.lru.values())
+        if children != self._children:
+            _fail("host children counts differ from the parents of its blocks")
+        if self.tenant_quota is not None:
+            expected: dict[str | None, list[BlockKey]] = {}
+            for key, block in self.lru.items():
+                expected.setdefault(block.tenant, []).append(key)
+            got = {t: list(keys) for t, keys in self._by_tenant.items()}
+            if got != expected:
+                _fail("host per-tenant lists != host LRU order")
+            if any(len(keys) > self.tenant_quota for keys in got.values()):
+                _fail(f"a tenant keeps more than {self.tenant_quota} host blocks")
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(message)

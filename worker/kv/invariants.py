@@ -20,11 +20,10 @@ from kvstore.blocks.hashing import BlockKey
 from worker.kv.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from worker.kv.host_tier import HostTier
-    from worker.kv.manager import _Seq
+    from worker.kv.seq_blocks import SeqBlocks
 
 
-def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool) -> None:
+def check_invariants(pool: BlockPool, seqs: Mapping[object, SeqBlocks], caching: bool) -> None:
     """Raise ``AssertionError`` naming the first broken invariant."""
     bs = pool.block_size
     holders: Counter[int] = Counter()
@@ -81,7 +80,7 @@ def check_invariants(pool: BlockPool, seqs: Mapping[object, _Seq], caching: bool
             node = node.next
             continue
         block, node = node, node.next
-        claimed = block.key is not None and block.key in pool.claims
+        claimed = block.key is not None and block.key in pool.order.claims
         if region == 2 and not claimed:
             _fail(f"unclaimed {block} queued among the claimed blocks")
         if region < 2 and claimed and pool.tenant_quota is None:
@@ -181,7 +180,7 @@ def _check_tenant_quota(pool: BlockPool) -> None:
     for block in pool.free_queue:
         if block.key is not None:
             expected.setdefault(block.tenant, []).append(block.block_id)
-    got = {t: list(blocks) for t, blocks in pool._evictable.items() if blocks}
+    got = {t: list(blocks) for t, blocks in pool.order.by_tenant.items() if blocks}
     if got != expected:
         _fail(f"per-tenant evictable lists {got} != free-queue order {expected}")
     for tenant, ids in got.items():
@@ -190,29 +189,3 @@ def _check_tenant_quota(pool: BlockPool) -> None:
     for block in pool.blocks:
         if block.key is None and block.tenant is not None:
             _fail(f"uncached {block} still names tenant {block.tenant!r}")
-
-
-def check_host_tier(host: HostTier, pool: BlockPool) -> None:
-    """The host tier: every block free, cached or pinned exactly once; never over its size;
-    no key in both tiers; per-tenant order and quota (see ``host_tier.py``)."""
-    ids = [b.block_id for b in host.lru.values()] + host.free + host.pinned
-    if sorted(ids) != list(range(host.num_blocks)):
-        _fail(f"host blocks lost or duplicated: {sorted(ids)} of {host.num_blocks}")
-    if len(host.lru) > host.num_blocks:
-        _fail(f"host tier holds {len(host.lru)} blocks, size {host.num_blocks}")
-    for key, block in host.lru.items():
-        if block.key != key:
-            _fail(f"host map entry {key.hex()} points at {block}")
-        if len(block.token_ids) != pool.block_size:
-            _fail(f"host {block} lacks its {pool.block_size} token ids")
-        if key in pool.cached:
-            _fail(f"key {key.hex()} is cached in both tiers")
-    if host.tenant_quota is not None:
-        expected: dict[str | None, list[BlockKey]] = {}
-        for key, block in host.lru.items():
-            expected.setdefault(block.tenant, []).append(key)
-        got = {t: list(keys) for t, keys in host._by_tenant.items()}
-        if got != expected:
-            _fail("host per-tenant lists != host LRU order")
-        if any(len(keys) > host.tenant_quota for keys in got.values()):
-            _fail(f"a tenant keeps more than {host.tenant_quota} host blocks")

@@ -1,5 +1,5 @@
 """Which cached blocks are spares: copies another worker keeps, evicted before the rest (the
-block pool's fleet-aware order, :meth:`~worker.kv.block_pool.BlockPool.set_spares`)."""
+block pool's fleet-aware order, :meth:`~worker.kv.eviction_order.EvictionOrder.set_spares`)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A worker *exports* the leading run of some chained keys it holds (device blocks, then the
 host blocks the run continues in) and another *imports* it instead of recomputing those
 tokens. This module holds what both sides agree on; what the KV manager does for them is
-:mod:`worker.kv.export_import`, the bytes are the model runner's (``worker/model/kv_run.py``),
+:mod:`worker.kv.run_transfers`, the bytes are the model runner's (``worker/model/kv_run.py``),
 the transport the worker's.
 
 - :class:`KVLayout` and the :class:`~kvstore.blocks.hashing.HashContext` of the keys form the

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.tiers import Tier
+
+if TYPE_CHECKING:
+    from worker.kv.free_queue import KVBlock
 
 SeqId = Hashable
 """A sequence's id (request id, or request id + sample index): any hashable, e.g. str or int."""
@@ -25,10 +30,11 @@ class PrefixHit:
     """Result of :meth:`KVCacheManager.lookup_prefix`: cached leading blocks of a prompt."""
 
     block_ids: tuple[int, ...]  # physical ids of the device hit blocks, logical order
-    keys: tuple[BlockKey, ...]  # chained keys of the whole hit: device blocks, then host ones
+    keys: tuple[BlockKey, ...]  # chained keys of the whole hit: device blocks, then lower ones
     num_tokens: int  # tokens covered = len(keys) * block_size; <= len(prompt) - 1
     ctx: HashContext | None = None  # context the keys were computed with (checked on adoption)
     num_host_tokens: int = 0  # of num_tokens, those in the host tier (loaded on adoption)
+    num_lower_tokens: int = 0  # of num_tokens, those in any tier below the device (host too)
 
     @staticmethod
     def empty(ctx: HashContext | None = None) -> PrefixHit:
@@ -43,18 +49,106 @@ class KVAllocation:
     num_cached_tokens: int  # prefix-hit tokens adopted in this call (0 for running sequences)
     copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) of this call
     num_host_tokens: int = 0  # of num_cached_tokens, those loaded back from the host tier
+    num_lower_tokens: int = 0  # of num_cached_tokens, those loaded from any lower tier
 
 
 @dataclass(slots=True)
 class TierTransfers:
-    """Copies between the device and host tiers the model runner must make, in this order,
-    before the step's copy-on-write copies and forward pass (see ``KVCacheManager``)."""
+    """Copies between tiers the model runner must make before the step's copy-on-write
+    copies and forward pass (see ``KVCacheManager.take_transfers``), in three phases:
+
+    1. ``moves``, one by one in order: copies between two lower tiers (a block the host tier
+       evicted into the tier below it); they read blocks phase 2 may overwrite;
+    2. ``to_host`` and ``stores``: blocks the device evicted, stored into a lower tier (a
+       block evicted again further down in the same batch is copied from the device);
+    3. ``to_device`` and ``loads``: lower-tier blocks loaded back into fresh device blocks.
+
+    Device <-> host copies have their own lists of id pairs (the runner batches each into one
+    copy); the others are :data:`TierCopy` tuples naming both tiers."""
 
     to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host): offloads
     to_device: list[tuple[int, int]] = field(default_factory=list)  # (host, device): loads
+    moves: list[TierCopy] = field(default_factory=list)  # lower tier -> lower tier
+    stores: list[TierCopy] = field(default_factory=list)  # device -> a tier below the host
+    loads: list[TierCopy] = field(default_factory=list)  # a tier below the host -> device
 
     def __bool__(self) -> bool:
-        return bool(self.to_host or self.to_device)
+        return bool(self.to_host or self.to_device or self.moves or self.stores or self.loads)
+
+    def add(self, src: Tier, src_id: int, dst: Tier, dst_id: int) -> None:
+        """Record one block copy from ``src`` block ``src_id`` to ``dst`` block ``dst_id``."""
+        if src is Tier.DEVICE:
+            if dst is Tier.HOST:
+                self.to_host.append((src_id, dst_id))
+            else:
+                self.stores.append((src, src_id, dst, dst_id))
+        elif dst is Tier.DEVICE:
+            if src is Tier.HOST:
+                self.to_device.append((src_id, dst_id))
+            else:
+                self.loads.append((src, src_id, dst, dst_id))
+        else:
+            self.moves.append((src, src_id, dst, dst_id))
+
+
+TierCopy = tuple[Tier, int, Tier, int]
+"""One copy between tiers: (source tier, its block id, destination tier, its block id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One lower tier a KV manager stacks below the device: a backend picked by name."""
+
+    name: str  # a name registered in ``worker.kv.tier_backend.TIER_BACKENDS``, e.g. "host"
+    num_blocks: int  # capacity in blocks (0: the tier is left out)
+    options: Mapping[str, Any] = field(default_factory=dict)  # backend-specific keywords
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One lower tier's figures (all counts in blocks unless named tokens)."""
+
+    tier: Tier  # the tier its events carry
+    num_blocks: int  # capacity
+    cached_blocks: int  # blocks it holds now
+    stored_blocks: int  # blocks stored into it so far (evictions from above, swap-outs, imports)
+    loaded_blocks: int  # blocks loaded back to the device so far
+    evicted_blocks: int  # blocks it dropped (or passed down) so far
+    hit_tokens: int = 0  # prompt tokens adopted from it (loaded on adoption)
+
+
+@dataclass(slots=True)
+class ExportPin:
+    """The leading run of the asked keys this worker holds, pinned for the runner's copy."""
+
+    keys: list[BlockKey]  # the run's keys (a prefix of those asked)
+    token_ids: list[tuple[int, ...]]  # their tokens
+    device_ids: list[int]  # device blocks of the run's first part
+    host_ids: list[int]  # host blocks of the rest (read before the next engine step)
+    blocks: list[KVBlock] = field(default_factory=list)  # device blocks with a ref taken
+    released: bool = False
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
+class ImportPlan:
+    """Where the runner writes the part of a run the importer lacks (see ``plan_import``)."""
+
+    tier: Tier  # the tier the imported blocks land in
+    offset: int  # index into the run of the first block to write
+    block_ids: list[int]  # destination block ids (device or host), one per written block
+    keys: list[BlockKey]  # their keys
+    token_ids: list[tuple[int, ...]]  # their tokens
+    parent: BlockKey | None  # key before keys[0]
+    tenant: str | None  # quota owner of the prompt's salt
+    blocks: list[KVBlock] = field(default_factory=list)  # device destinations (ref 1 each)
+    held: list[KVBlock] = field(default_factory=list)  # the prompt's device hit, pinned
+    done: bool = False
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +172,4 @@ class KVStats:
     host_stored_blocks: int = 0  # blocks copied device -> host so far
     host_loaded_blocks: int = 0  # blocks copied host -> device so far
     host_evicted_blocks: int = 0  # blocks dropped from the host tier so far
+    tiers: tuple[TierStats, ...] = ()  # every lower tier's figures, fastest first (host too)

@@ -1,67 +1,35 @@
-"""The KV manager's side of block runs moved between workers (pure Python; the runs'
+"""Block runs moved between workers, the KV manager's side (pure Python; the runs'
 vocabulary and checks are :mod:`worker.kv.transfer`).
 
-:class:`TransferMixin` gives the manager its two sides. An export pins the device blocks
-of the run (one ref each) only while the runner copies them out (:meth:`pin_export` then
-:meth:`release_export`); an import takes fresh blocks (device) or host blocks for the part
-of the run the importer does not hold yet (:meth:`plan_import`), and caches them under
-their keys only once the runner wrote them (:meth:`commit_import`), so a failed write
-leaves nothing cached (:meth:`abort_import`). Cached imports emit ``BlockStored`` like
-computed blocks; their refs drop to 0 at once, and the request that pulled them finds
-them as a prefix hit.
+An export pins the device blocks of the run (one ref each) only while the runner copies
+them out (:meth:`RunTransfers.pin_export` then :meth:`RunTransfers.release_export`); an
+import takes fresh blocks (device) or host blocks for the part of the run the importer does
+not hold yet (:meth:`RunTransfers.plan_import`), and caches them under their keys only once
+the runner wrote them (:meth:`RunTransfers.commit_import`), so a failed write leaves nothing
+cached (:meth:`RunTransfers.abort_import`). Cached imports emit ``BlockStored`` like computed
+blocks; their refs drop to 0 at once, and the request that pulled them finds them as a
+prefix hit. The runner reads and writes device and host blocks, so runs reach into the host
+tier only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.blocks.hashing import BlockKey, HashContext, hash_block, salt_owner
 from kvstore.blocks.tiers import Tier
 from worker.kv.transfer import RunHeader
+from worker.kv.types import ExportPin, ImportPlan
 
 if TYPE_CHECKING:
-    from worker.kv.block_pool import BlockPool, KVBlock
-    from worker.kv.host_tier import HostTier
+    from worker.kv.free_queue import KVBlock
+    from worker.kv.manager import KVCacheManager
 
 
-@dataclass(slots=True)
-class ExportPin:
-    """The leading run of the asked keys this worker holds, pinned for the runner's copy."""
-
-    keys: list[BlockKey]  # the run's keys (a prefix of those asked)
-    token_ids: list[tuple[int, ...]]  # their tokens
-    device_ids: list[int]  # device blocks of the run's first part
-    host_ids: list[int]  # host blocks of the rest (read before the next engine step)
-    blocks: list[KVBlock] = field(default_factory=list)  # device blocks with a ref taken
-    released: bool = False
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-
-@dataclass(slots=True)
-class ImportPlan:
-    """Where the runner writes the part of a run the importer lacks (see ``plan_import``)."""
-
-    tier: Tier  # the tier the imported blocks land in
-    offset: int  # index into the run of the first block to write
-    block_ids: list[int]  # destination block ids (device or host), one per written block
-    keys: list[BlockKey]  # their keys
-    token_ids: list[tuple[int, ...]]  # their tokens
-    parent: BlockKey | None  # key before keys[0]
-    tenant: str | None  # quota owner of the prompt's salt
-    blocks: list[KVBlock] = field(default_factory=list)  # device destinations (ref 1 each)
-    held: list[KVBlock] = field(default_factory=list)  # the prompt's device hit, pinned
-    done: bool = False
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-
-class TransferMixin:
-    """Export and import of block runs for :class:`~worker.kv.manager.KVCacheManager`.
+class RunTransfers:
+    """Export and import planning of block runs over one KV manager (passed in: its pool,
+    tiers and prefix lookup).
 
     Caller's obligations: between :meth:`pin_export` and :meth:`release_export` (one engine
     critical section, between steps) the runner copies the pinned device blocks and the
@@ -71,10 +39,8 @@ class TransferMixin:
     failed — before the next step.
     """
 
-    _pool: BlockPool
-    _host: HostTier | None
-    block_size: int
-    enable_prefix_caching: bool
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
 
     def pin_export(
         self, keys: Sequence[BlockKey], ctx: HashContext | None = None, start: int = 0
@@ -82,18 +48,20 @@ class TransferMixin:
         """Pin the leading run of ``keys`` held here: device blocks (ref taken), then the host
         blocks it continues in. ``start == 0`` with ``ctx``: block 0 must hash to ``keys[0]``
         under ``ctx`` (the run is of that model, adapter and salt), else the run is empty."""
+        kv = self.kv
         pin = ExportPin([], [], [], [])
-        if not self.enable_prefix_caching:
+        if not kv.enable_prefix_caching:
             return pin
+        host = kv.tiers.get(Tier.HOST)
         device: list[KVBlock] = []
         for key in keys:
-            block = None if pin.host_ids else self._pool.cached.get(key)
+            block = None if pin.host_ids else kv.pool.cached.get(key)
             if block is not None:
                 device.append(block)
                 toks = block.token_ids
                 pin.device_ids.append(block.block_id)
             else:
-                held = self._host.lru.get(key) if self._host is not None else None
+                held = host.get(key) if host is not None else None
                 if held is None:
                     break
                 toks = held.token_ids
@@ -104,7 +72,7 @@ class TransferMixin:
         if pin.keys and start == 0 and ctx is not None:
             if hash_block(None, pin.token_ids[0], ctx.first_block_extra()) != pin.keys[0]:
                 return ExportPin([], [], [], [])
-        self._pool.touch(device)
+        kv.pool.touch(device)
         pin.blocks = device
         return pin
 
@@ -112,7 +80,7 @@ class TransferMixin:
         """Drop an export's refs (tail-first, as a sequence would); idempotent."""
         if not pin.released:
             pin.released = True
-            self._pool.release(reversed(pin.blocks))
+            self.kv.pool.release(reversed(pin.blocks))
 
     def plan_import(
         self,
@@ -133,18 +101,20 @@ class TransferMixin:
         commit (the blocks taken must not evict the parent of the run). Takes as many blocks
         as fit; an empty plan when the run brings nothing new (or starts past a gap).
         """
-        local = self.lookup_prefix(token_ids, ctx)  # type: ignore[attr-defined]
+        kv, pool = self.kv, self.kv.pool
+        host = kv.tiers.get(Tier.HOST)
+        local = kv.lookup_prefix(token_ids, ctx)
         have = len(local.block_ids)  # device blocks
         local_n = len(local.keys)  # device blocks, then the host blocks they continue in
         end = header.start + len(header)
         plan = ImportPlan(Tier.DEVICE, 0, [], [], [], None, salt_owner(ctx.cache_salt))
         if header.start > local_n or end <= local_n:
             return plan  # a gap before the run, or nothing the prompt lacks
-        uncached_free = self._pool.num_free() - self._pool.num_evictable
+        uncached_free = pool.num_free() - pool.num_evictable
         if tier is None:
             fits_device = header.start <= have and uncached_free >= end - have
-            tier = Tier.HOST if not fits_device and self._host is not None else Tier.DEVICE
-        if tier == Tier.HOST and self._host is None:
+            tier = Tier.HOST if not fits_device and host is not None else Tier.DEVICE
+        if tier == Tier.HOST and host is None:
             return plan
         first = local_n if tier == Tier.HOST else max(have, header.start)
         if first > have and tier == Tier.DEVICE:
@@ -155,26 +125,26 @@ class TransferMixin:
         plan.keys = list(header.keys[off : off + n_want])
         plan.token_ids = [tuple(t) for t in header.token_ids[off : off + n_want]]
         plan.parent = local.keys[first - 1] if first else None
-        held = [self._pool.cached[k] for k in local.keys[:have]]
-        self._pool.touch(held)
+        held = [pool.cached[k] for k in local.keys[:have]]
+        pool.touch(held)
         plan.held = held
         if tier == Tier.HOST:
-            assert self._host is not None
+            assert host is not None
             local_host = list(local.keys[have:local_n])
-            self._host.refresh(local_host)
+            host.refresh(local_host)
             # short of the tier by the local host part and one block: storing never evicts
             # the run's own first block nor the chain it continues
-            room = self._host.num_blocks - len(self._host.pinned) - len(local_host) - 1
+            room = host.num_unpinned() - len(local_host) - 1
             parent = plan.parent
             for key, toks in zip(plan.keys[: max(room, 0)], plan.token_ids, strict=False):
-                host_id = self._host.store(key, parent, toks, plan.tenant)
+                host_id = host.store(key, parent, toks, plan.tenant)
                 if host_id is None:
                     break
                 plan.block_ids.append(host_id)
                 parent = key
         else:
-            n = min(n_want, self._pool.num_free())
-            plan.blocks = self._pool.take_new(n) if n else []
+            n = min(n_want, pool.num_free())
+            plan.blocks = pool.take_new(n) if n else []
             plan.block_ids = [b.block_id for b in plan.blocks]
         del plan.keys[len(plan.block_ids) :]
         del plan.token_ids[len(plan.block_ids) :]
@@ -186,14 +156,13 @@ class TransferMixin:
         """The runner wrote the plan's blocks: cache them (``BlockStored``), refs back to 0."""
         assert not plan.done, "import committed twice"
         if plan.tier == Tier.DEVICE and plan.blocks:
-            self._pool.cache_full_blocks(
+            self.kv.pool.cache_full_blocks(
                 plan.blocks, plan.keys, plan.token_ids, plan.parent, plan.tenant
             )
             # a peer holds them too: evicted first, but only once the request they were
             # pulled for (still waiting) has taken them
-            self._pool.mark_landed(plan.blocks)
-            if self._host is not None:
-                self._host.discard(plan.keys)  # tiers stay exclusive
+            self.kv.pool.order.mark_landed(plan.blocks)
+            self.kv.tiers.discard(plan.keys)  # tiers stay exclusive
         # (host blocks were stored, and announced, by plan_import)
         self._finish(plan)
 
@@ -201,11 +170,12 @@ class TransferMixin:
         """The write failed: give the destinations back uncached (host: forget the keys)."""
         if plan.done:
             return
-        if plan.tier == Tier.HOST and self._host is not None:
-            self._host.discard(plan.keys)
+        host = self.kv.tiers.get(Tier.HOST)
+        if plan.tier == Tier.HOST and host is not None:
+            host.discard(plan.keys)
         self._finish(plan)
 
     def _finish(self, plan: ImportPlan) -> None:
         """Refs back: the written (or given-back) blocks, then the pinned hit, tail-first."""
         plan.done = True
-        self._pool.release([*reversed(plan.blocks), *reversed(plan.held)])
+        self.kv.pool.release([*reversed(plan.blocks), *reversed(plan.held)])
