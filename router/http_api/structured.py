@@ -21,7 +21,6 @@ from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.structured import StructuredOutputs
-from protos.kvcluster.v1 import kvcluster_pb2 as pb
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
@@ -132,16 +131,3 @@ def structured_from_body(body: dict[str, Any]) -> StructuredOutputs | None:
     if not found:
         return None
     return found[0]
-
-
-def to_pb(spec: StructuredOutputs, params: pb.SamplingParams) -> None:
-    """Set ``params.structured`` to ``spec``."""
-    msg = params.structured
-    if spec.kind == "json_object":
-        msg.json_object = True
-    elif spec.kind == "choice":
-        import json
-
-        msg.choice.choices.extend(json.loads(spec.value))
-    else:
-        setattr(msg, spec.kind, spec.value)
