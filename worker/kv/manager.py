@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import (
+    DEFAULT_BLOCK_SIZE,
     BlockKey,
     HashContext,
     hash_full_blocks,
@@ -76,7 +77,7 @@ class KVCacheManager(KVQueries, TransferMixin, HostOffload, EvictionHints):
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         enable_prefix_caching: bool = True,
         tenant_quota_blocks: int | None = None,
