@@ -25,6 +25,7 @@ from router.edge.convert import (
     GenerateSpec,
     responses_from_output,
     spec_from_pb,
+    top_logprobs_pb,
 )
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
 from router.placement.prediction import WorkerPredictions
@@ -109,9 +110,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     token_ids=c.token_ids,
                     text=c.text,
                     finish_reason=FINISH_TO_PB[c.finish_reason],
+                    logprobs=top_logprobs_pb(c.logprobs or ()),
                 )
                 for c in result.completions
             ],
+            prompt_logprobs=top_logprobs_pb(result.prompt_logprobs or ()),
             usage=pb.Usage(
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,

@@ -165,6 +165,12 @@ def unserved(body: dict, chat: bool) -> None:
             raise InvalidRequest(name, "<set>", "is not supported (send tools / tool_choice)")
     if chat and body.get("echo"):
         raise InvalidRequest("echo", True, "is not supported on chat completions")
+    beams = "beam search is served on the gRPC API (params.beam_width)"
+    if body.get("use_beam_search"):
+        raise InvalidRequest("use_beam_search", body["use_beam_search"], f"must be false: {beams}")
+    for name, off in (("length_penalty", 1), ("early_stopping", False)):
+        if body.get(name) not in (None, off):
+            raise InvalidRequest(name, shown(body[name]), f"must be null or {off}: {beams}")
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
