@@ -103,7 +103,7 @@ def spec_from_pb(
         prompt["messages"] = [_message(i, m) for i, m in enumerate(msgs.messages)]
         # what the template writes besides the contents (their JSON texts' sizes, as sent)
         rendered = len(msgs.tools) + sum(
-            len(m.tool_calls) + len(m.tool_call_id) for m in msgs.messages
+            len(m.tool_calls) + len(m.tool_call_id) + len(m.name) for m in msgs.messages
         )
         tools = tools_from_pb(msgs.tools) if msgs.tools else None
         prompt["chat"] = ChatOptions(tools=tools, rendered_chars=rendered)
@@ -163,6 +163,8 @@ def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
         out["tool_calls"] = calls
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.name:  # the author's name, for templates that render it
+        out["name"] = m.name
     return out
 
 

@@ -12,8 +12,8 @@ from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import MAX_SEED
 from router.http_api.tools import tool_fields
 from router.serving.request import ChatOptions
+from worker.model.tokenizer import CHAT_ROLES
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows about 300)
 
 
@@ -104,8 +104,10 @@ def messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad_type(name, m, "an object with role and content")
         role = m.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"{name}.role", shown(role), f"must be one of {', '.join(ROLES)}")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"{name}.role", shown(role), f"must be one of {', '.join(CHAT_ROLES)}"
+            )
         content = m.get("content")
         extras = tool_fields(m, name)  # tool_calls, tool_call_id (router/http_api/tools.py)
         if content is None and extras.get("tool_calls"):
@@ -129,6 +131,8 @@ def messages(body: dict) -> list[dict[str, str]]:
             raise bad_type(f"{name}.content", content, "a string or a list of text parts")
         if not isinstance(m.get("name") or "", str):
             raise bad_type(f"{name}.name", m["name"], "a string")
+        if m.get("name"):  # the author's name, for templates that render it
+            extras["name"] = m["name"]
         extra = sorted(k for k, v in m.items() if v is not None)
         extra = [k for k in extra if k not in ("role", "content", "name", *extras)]
         if extra:

@@ -200,3 +200,17 @@ def test_beam_search_fields_are_refused_over_http(field: str, value: object) -> 
     # their "off" values are accepted
     off = {"use_beam_search": False, "length_penalty": 1, "early_stopping": False}[field]
     parse_request({"prompt": "hi", field: off}, chat=False, tenant=None, limits=LIMITS, now=0)
+
+
+def test_a_message_authors_name_reaches_the_template_on_both_apis() -> None:
+    _, (spec,) = parse_request(
+        {"messages": [{"role": "user", "content": "hi", "name": "ann"}]},
+        chat=True,
+        tenant=None,
+        limits=LIMITS,
+        now=0,
+    )
+    assert spec.messages[0]["name"] == "ann" and spec.chat.rendered_chars == 3
+    msgs = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi", name="ann")])
+    spec = spec_from_pb(pb.GenerateRequest(messages=msgs))
+    assert spec.messages[0]["name"] == "ann" and spec.chat.rendered_chars == 3
