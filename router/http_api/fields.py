@@ -9,12 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import MAX_SEED
+from kvstore.blocks.sampling_params import MAX_LOGIT_BIAS, MAX_SEED
 from router.http_api.tools import tool_fields
 from router.serving.request import ChatOptions
 from worker.model.tokenizer import CHAT_ROLES
-
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows about 300)
 
 
 def shown(value: Any, limit: int = 64) -> Any:
