@@ -8,9 +8,10 @@ in :func:`worker.engine.validate.validate_request`.
 
 Each field also says where it travels (:class:`Wire`, in its metadata; :data:`WIRE` by name):
 the gRPC conversion (``router/edge/convert.py``) and the OpenAI field list
-(``router/http_api/protocol.py``) are derived from it, and ``tests/router/test_sampling_wire.py``
-fails when a field is on one side and not the other. Adding a sampling parameter: a field
-here, its proto field, and (when the HTTP API takes it) its OpenAI name.
+(``router/http_api/openai_request.py``) are derived from it, and
+``tests/router/test_sampling_wire.py`` fails when a field is on one side and not the other.
+Adding a sampling parameter: a field here, its proto field, and (when the HTTP API takes it)
+its OpenAI name.
 """
 
 from __future__ import annotations

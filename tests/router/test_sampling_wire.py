@@ -11,8 +11,8 @@ from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import DEFAULTS, WIRE
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import PARAMS_FIELDS, REQUEST_FIELDS, spec_from_pb
-from router.http_api import protocol
-from router.http_api.protocol import CHAT_FIELDS, COMPLETION_FIELDS, parse_request
+from router.http_api import openai_request
+from router.http_api.openai_request import CHAT_FIELDS, COMPLETION_FIELDS, parse_request
 from router.placement.config import RequestLimits
 from router.serving.request import tenant_salt
 
@@ -174,13 +174,15 @@ HTTP_ELSEWHERE = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(protocol.SAMPLING_FIELDS | protocol.SAMPLING_CHAT_FIELDS))
+@pytest.mark.parametrize(
+    "name", sorted(openai_request.SAMPLING_FIELDS | openai_request.SAMPLING_CHAT_FIELDS)
+)
 def test_every_openai_sampling_field_is_honoured(name: str) -> None:
     if name in HTTP_ELSEWHERE:
         return
     assert name in HTTP_VALUES, f"add {name} to HTTP_VALUES"
     body, field, expected = HTTP_VALUES[name]
-    chat = name in protocol.SAMPLING_CHAT_FIELDS
+    chat = name in openai_request.SAMPLING_CHAT_FIELDS
     prompt = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     _, (spec,) = parse_request({**prompt, **body}, chat=chat, tenant=None, limits=LIMITS, now=0)
     got = getattr(spec.params, field)

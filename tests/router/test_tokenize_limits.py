@@ -203,7 +203,7 @@ def test_tools_and_calls_count_against_the_cap_before_rendering_on_both_edges() 
     as too long)."""
     import json
 
-    from router.http_api.protocol import parse_request
+    from router.http_api.openai_request import parse_request
 
     tok = ChatSpyTokenizer()
     svc = grpc_servicer(Core(), tok, limits=LIMITS)

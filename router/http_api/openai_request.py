@@ -17,7 +17,7 @@ from typing import Any
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import WIRE, SamplingParams
 from router.http_api import fields as F
-from router.http_api import structured, tools
+from router.http_api import structured_fields, tools
 from router.placement.config import RequestLimits
 from router.serving.request import GenerateSpec, check_request_id, make_spec
 
@@ -36,7 +36,7 @@ _OWN_PARSER = frozenset(
         "priority",
         "cache_salt",  # scoped by the tenant
         "lora",  # the model's name
-        "structured",  # router.http_api.structured
+        "structured",  # router.http_api.structured_fields
     }
 )
 _GETTERS = {"int": F.get_int, "int | None": F.get_int, "float": F.get_float, "bool": F.get_bool}
@@ -159,7 +159,7 @@ def parse_request(
     wanted = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
     if wanted:  # the engine computes the prompt whole, with the most alternatives asked
         values["prompt_logprobs"] = max(wanted)
-    constraint = structured.structured_from_body(body)
+    constraint = structured_fields.structured_from_body(body)
     tool_spec = tools.tools_from_body(body, constraint) if chat else None
     if tool_spec is not None and tool_spec.constraint is not None:
         constraint = tool_spec.constraint
