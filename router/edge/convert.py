@@ -19,15 +19,7 @@ from kvstore.blocks.sampling_params import WIRE
 from kvstore.blocks.structured import StructuredOutputs
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
-from router.serving.request import (
-    DEFAULT_LIMITS,
-    ChatOptions,
-    GenerateSpec,
-    make_spec,
-    tenant_salt,
-)
-
-__all__ = ["DEFAULT_LIMITS", "GenerateSpec", "spec_from_pb", "tenant_salt"]
+from router.serving.request import DEFAULT_LIMITS, ChatOptions, GenerateSpec, make_spec
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,

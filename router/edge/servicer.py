@@ -1,7 +1,7 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services; auth and
 the decode guard are interceptors (``interceptors.py``).
 
-Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
+Protobuf stops here: requests become :class:`router.serving.request.GenerateSpec`, the serving core
 works on dataclasses, and errors map to status codes through the one error table
 (:func:`router.serving.errors.classify`).
 """
@@ -22,7 +22,6 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
     FINISH_TO_PB,
-    GenerateSpec,
     responses_from_output,
     spec_from_pb,
     top_logprobs_pb,
@@ -32,6 +31,7 @@ from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
 from router.serving.errors import RequestFailed, classify
 from router.serving.intake import Intake
+from router.serving.request import GenerateSpec
 from router.serving.tokenizing import check_text_chars
 
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
