@@ -5,7 +5,8 @@ This parser checks only what JSON adds (an object, JSON types, OpenAI's spelling
 validator (:func:`router.serving.request.make_spec`), which names a field as this API
 spells it. ``null`` means "not set" for every optional field. Fields this server does not
 know are accepted and ignored, as vLLM does (the caller logs and counts them); fields it
-knows but cannot honour with the value given are a 400.
+knows but cannot honour with the value given are a 400. The sampling fields it knows, and
+their OpenAI names, are SamplingParams' (:data:`kvstore.blocks.sampling_params.WIRE`).
 """
 
 from __future__ import annotations
