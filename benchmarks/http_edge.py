@@ -1,4 +1,4 @@
-"""The HTTP door's own cost, and what a cheap-route flood takes from generation, in one run.
+"""The HTTP edge's own cost, and what a cheap-route flood takes from generation, in one run.
 
     .venv/bin/python -m benchmarks.http_edge            # light model, 256 streams; minutes
     .venv/bin/python -m benchmarks.http_edge --smoke    # tiny sizes, well under a minute

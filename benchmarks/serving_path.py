@@ -67,6 +67,7 @@ from benchmarks.vllm_serve import vllm_legs
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from kvstore.blocks.sampling_params import SamplingParams
+from router.placement.config import STREAM_INTERVAL
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.cpu_threads import available_cores
@@ -127,7 +128,7 @@ def cluster_config(
     model_dir: Path,
     workers: int,
     engine: dict,
-    stream_interval: int = 1,
+    stream_interval: int = STREAM_INTERVAL,
     sched: dict | None = None,
 ) -> ClusterConfig:
     return ClusterConfig.model_validate(
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--stream-interval",
         type=int,
-        default=1,
+        default=STREAM_INTERVAL,
         help="the router's stream_interval: steps' tokens per client message at least",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model, a few streams")

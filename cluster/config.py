@@ -19,7 +19,12 @@ from kvstore.blocks.loop_sched import ThreadSchedConfig
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
 from router.http_api import defaults as http_defaults
-from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
+from router.placement.config import (
+    STREAM_INTERVAL,
+    LivenessConfig,
+    RequestLimits,
+    RoutingConfig,
+)
 from worker.engine.config import EngineConfig
 
 
@@ -140,7 +145,7 @@ class RouterConfig(Strict):
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
     )
     stream_interval: int = Field(
-        1,
+        STREAM_INTERVAL,
         ge=1,
         le=64,
         description="Engine steps whose tokens one client message (a gRPC message, an SSE "

@@ -21,7 +21,12 @@ from router.edge.servicer import KVClusterServicer
 from router.http_api import defaults as http_defaults
 from router.lifecycle import RouterLifecycle, start_again_if_restarted
 from router.placement.breaker import CircuitBreaker
-from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
+from router.placement.config import (
+    STREAM_INTERVAL,
+    LivenessConfig,
+    RequestLimits,
+    RoutingConfig,
+)
 from router.placement.metrics import RouterMetrics
 from router.placement.prediction import PredictionTracker
 from router.placement.prefix_source import KVIndexSource
@@ -58,7 +63,7 @@ class RouterSettings:
     tls_key: str | None
     default_family: str = "llama"  # family of the default model (model_dir None)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # frozen-worker timeouts
-    stream_interval: int = 1  # steps' tokens per client message at least
+    stream_interval: int = STREAM_INTERVAL  # steps' tokens per client message at least
     http_port: int | None = None  # OpenAI HTTP API port (0: any free port; None: no HTTP)
     cors_allowed_origins: tuple[str, ...] = ()  # HTTP API's CORS origins (none: CORS off)
     http_max_connections: int = http_defaults.MAX_CONNECTIONS  # open HTTP connections

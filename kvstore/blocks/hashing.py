@@ -27,6 +27,7 @@ BlockKey = NewType("BlockKey", bytes)
 """16-byte chained hash of a full block and everything before it."""
 
 KEY_BYTES = 16
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (workers.engine.block_size) unless configured
 _VERSION = b"kvc1"  # bump when the encoding changes: keys of different versions never match
 
 

@@ -1,15 +1,23 @@
-"""Per-request sampling parameters, validated on construction.
+"""Per-request sampling parameters, validated on construction: the one declaration of the
+sampling fields.
 
 Every rule violation raises :class:`InvalidRequest` naming the field, the value and the limit,
 so the gRPC layer can return ``INVALID_ARGUMENT`` with a message a user can act on. Limits that
 depend on the model or the engine (vocabulary size, ``max_num_seqs``) are checked by the engine
 in :func:`worker.engine.validate.validate_request`.
+
+Each field also says where it travels (:class:`Wire`, in its metadata; :data:`WIRE` by name):
+the gRPC conversion (``router/edge/convert.py``) and the OpenAI field list
+(``router/http_api/openai_request.py``) are derived from it, and
+``tests/router/test_sampling_wire.py`` fails when a field is on one side and not the other.
+Adding a sampling parameter: a field here, its proto field, and (when the HTTP API takes it)
+its OpenAI name.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
 
 from kvstore.blocks.errors import InvalidRequest
@@ -31,6 +39,51 @@ MAX_ABS_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """Where a sampling field travels on each API."""
+
+    # the GenerateRequest field that sets it ("params.top_k"; a request-level field such as
+    # "priority"); None: not on the gRPC API (``note`` says why)
+    proto: str | None
+    # the OpenAI / vLLM body fields that set it, on both /v1/completions and
+    # /v1/chat/completions; (): not on the HTTP API (``note`` says why)
+    openai: tuple[str, ...]
+    chat: tuple[str, ...] = ()  # names only /v1/chat/completions takes
+    note: str = ""  # why a side is missing, or what a name's spelling means
+
+
+_SAME = "<the field's own name>"
+_BEAMS = (
+    "beam search is served on the gRPC API (params.beam_width); the HTTP API refuses "
+    "vLLM's use_beam_search, length_penalty and early_stopping"
+)
+
+
+def _wire(
+    default: Any,
+    *,
+    proto: str | None = _SAME,
+    openai: tuple[str, ...] | str = _SAME,
+    chat: tuple[str, ...] = (),
+    note: str = "",
+) -> Any:
+    """A field's default and its :class:`Wire` (by default: ``params.<name>`` on gRPC and
+    ``<name>`` in OpenAI bodies)."""
+    meta = {"wire": (proto, openai, chat, note)}
+    return field(default=default, metadata=meta)
+
+
+def _wire_of(f: Field) -> Wire:
+    proto, openai, chat, note = f.metadata["wire"]
+    return Wire(
+        proto=f"params.{f.name}" if proto is _SAME else proto,
+        openai=(f.name,) if openai is _SAME else tuple(openai),
+        chat=chat,
+        note=note,
+    )
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -43,37 +96,58 @@ def _is_num(value: Any) -> bool:
 class SamplingParams(ByName):
     """How to turn logits into tokens and when to stop; immutable once validated."""
 
-    max_tokens: int = 16  # completion tokens per sample, >= 1 (also capped by max_model_len)
-    min_tokens: int = 0  # EOS / stop tokens / stop strings are ignored before this many tokens
-    temperature: float = 1.0  # 0 = greedy; > 0 divides logits before softmax
-    top_k: int | None = None  # keep the k most likely tokens; None (or 0 / -1) = all
-    top_p: float = 1.0  # nucleus: smallest set with cumulative probability >= top_p, (0, 1]
-    min_p: float = 0.0  # drop tokens with prob < min_p * max prob, [0, 1]
-    presence_penalty: float = 0.0  # minus this on each already generated token's logit
-    frequency_penalty: float = 0.0  # minus this times each generated token's count
-    repetition_penalty: float = 1.0  # prompt/output tokens: logit / p if > 0 else logit * p
-    seed: int | None = None  # per-request RNG: same seed -> same output whatever the batch
-    n: int = 1  # parallel samples sharing the prompt's KV blocks (one prefill)
-    beam_width: int = 1  # > 1 = beam search (deterministic; sampling fields are ignored)
-    length_penalty: float = 1.0  # beam search: score = logprob / generated_len ** length_penalty
-    early_stopping: bool | Literal["never"] = False  # beam search stop rule, as in transformers
-    stop: tuple[str, ...] = ()  # stop strings (not included in the text unless asked)
-    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end a sample
-    ignore_eos: bool = False  # keep generating past EOS
-    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
-    logprobs: int | None = None  # None = no logprobs; k >= 0: sampled token + top-k alternatives
+    # completion tokens per sample, >= 1 (also capped by max_model_len)
+    max_tokens: int = _wire(16, chat=("max_completion_tokens",))
+    # EOS / stop tokens / stop strings are ignored before this many tokens
+    min_tokens: int = _wire(0)
+    temperature: float = _wire(1.0)  # 0 = greedy; > 0 divides logits before softmax
+    top_k: int | None = _wire(None)  # keep the k most likely tokens; None (or 0 / -1) = all
+    top_p: float = _wire(1.0)  # nucleus: smallest set with cumulative probability >= top_p, (0, 1]
+    min_p: float = _wire(0.0)  # drop tokens with prob < min_p * max prob, [0, 1]
+    presence_penalty: float = _wire(0.0)  # minus this on each already generated token's logit
+    frequency_penalty: float = _wire(0.0)  # minus this times each generated token's count
+    repetition_penalty: float = _wire(1.0)  # prompt/output tokens: logit / p if > 0 else logit * p
+    seed: int | None = _wire(None)  # per-request RNG: same seed -> same output whatever the batch
+    n: int = _wire(1)  # parallel samples sharing the prompt's KV blocks (one prefill)
+    # > 1 = beam search (deterministic; sampling fields are ignored)
+    beam_width: int = _wire(1, openai=(), note=_BEAMS)
+    # beam search: score = logprob / generated_len ** length_penalty
+    length_penalty: float = _wire(1.0, openai=(), note=_BEAMS)
+    # beam search stop rule, as in transformers
+    early_stopping: bool | Literal["never"] = _wire(False, openai=(), note=_BEAMS)
+    stop: tuple[str, ...] = _wire(())  # stop strings (not included in the text unless asked)
+    stop_token_ids: tuple[int, ...] = _wire(())  # extra token ids that end a sample
+    ignore_eos: bool = _wire(False)  # keep generating past EOS
+    include_stop_str_in_output: bool = _wire(False)  # keep the matched stop string in the text
+    # None = no logprobs; k >= 0: sampled token + top-k alternatives (chat: logprobs=true
+    # with top_logprobs=k)
+    logprobs: int | None = _wire(None, chat=("top_logprobs",))
     # None = none; k >= 0: each prompt token's logprob and its top-k alternatives (the
     # prompt is then computed whole: a prefix cache hit would skip positions)
-    prompt_logprobs: int | None = None
-    priority: int = 0  # smaller = more important (priority policy); ties go by arrival
-    cache_salt: str | None = None  # tenant salt: requests with different salts share no KV
-    skip_special_tokens: bool = True  # drop special tokens from the text
-    lora: str | None = None  # LoRA adapter name (None: the base model); the worker checks it
+    prompt_logprobs: int | None = _wire(None)
+    priority: int = _wire(0, proto="priority")  # smaller = more important; ties go by arrival
+    # tenant salt: requests with different salts share no KV (the edges fold the tenant in)
+    cache_salt: str | None = _wire(None, proto="cache_salt")
+    skip_special_tokens: bool = _wire(True)  # drop special tokens from the text
+    # LoRA adapter name (None: the base model); the worker checks it. OpenAI's ``model``
+    # names an adapter the same way
+    lora: str | None = _wire(None, proto="lora", openai=("model",))
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias:
     # -100 all but bans a token, 100 all but forces it); token ids are checked per model
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = _wire(())
     # grammar the output must follow (JSON schema, regex, choice, ...); None: free text
-    structured: StructuredOutputs | None = None
+    structured: StructuredOutputs | None = _wire(
+        None,
+        openai=(
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+        ),
+        note="OpenAI's response_format, vLLM's structured_outputs and its older guided_*",
+    )
     # stop_token_ids as a set, for the per-token check on the engine's hot path
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
@@ -201,7 +275,7 @@ class SamplingParams(ByName):
             if self.prompt_logprobs is not None:
                 raise bad("prompt_logprobs", "prompt logprobs are not supported with beam search")
             for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-                if getattr(self, name) != SamplingParams.__dataclass_fields__[name].default:
+                if getattr(self, name) != DEFAULTS[name]:
                     raise bad(name, "penalties are not supported with beam search")
 
     @property
@@ -232,3 +306,8 @@ class SamplingParams(ByName):
             field = unknown[0]
             raise InvalidRequest(field, values[field], f"unknown field; valid: {sorted(known)}")
         return cls(**values)
+
+
+# where each field travels, by name (init fields only: ``stop_token_set`` is derived)
+WIRE: dict[str, Wire] = {f.name: _wire_of(f) for f in fields(SamplingParams) if f.init}
+DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SamplingParams) if f.init}

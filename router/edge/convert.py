@@ -7,25 +7,19 @@ request with the shared validator (:func:`router.serving.request.make_spec`), wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import FinishReason, RequestOutput
+from kvstore.blocks.outputs import FinishReason, RequestOutput, TokenLogprob
+from kvstore.blocks.sampling_params import WIRE
 from kvstore.blocks.structured import StructuredOutputs
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
-from router.serving.request import (
-    DEFAULT_LIMITS,
-    ChatOptions,
-    GenerateSpec,
-    make_spec,
-    tenant_salt,
-)
-
-__all__ = ["DEFAULT_LIMITS", "GenerateSpec", "spec_from_pb", "tenant_salt"]
+from router.serving.request import DEFAULT_LIMITS, ChatOptions, GenerateSpec, make_spec
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -34,28 +28,52 @@ FINISH_TO_PB = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
-_OPTIONAL_PARAMS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "seed",
-    "n",
-    "beam_width",
-    "length_penalty",
-    "ignore_eos",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+_PARAMS = pb.SamplingParams.DESCRIPTOR
+EARLY_STOPPING_FROM_PB = {
+    pb.EARLY_STOPPING_UNSPECIFIED: None,  # not set: SamplingParams' default
+    pb.EARLY_STOPPING_FALSE: False,
+    pb.EARLY_STOPPING_TRUE: True,
+    pb.EARLY_STOPPING_NEVER: "never",
+}
+# the sampling fields of pb.SamplingParams, by proto name: SamplingParams' name (from its
+# declaration, kvstore.blocks.sampling_params.WIRE)
+PARAMS_FIELDS = {
+    wire.proto.removeprefix("params."): name
+    for name, wire in WIRE.items()
+    if wire.proto is not None and wire.proto.startswith("params.")
+}
+# the GenerateRequest fields that carry a sampling field (priority, cache_salt, lora): read
+# by spec_from_pb by name, as make_spec takes them
+REQUEST_FIELDS = {
+    wire.proto: name
+    for name, wire in WIRE.items()
+    if wire.proto is not None and not wire.proto.startswith("params.")
+}
+
+
+def _field_value(msg: pb.SamplingParams, fd: FieldDescriptor) -> Any:
+    """The value ``msg`` sets in ``fd`` as SamplingParams takes it; None: not set."""
+    name = fd.name
+    if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+        items = getattr(msg, name).items()
+        return tuple(sorted(items)) if items else None
+    if fd.is_repeated:
+        return list(getattr(msg, name)) or None
+    if fd.message_type is not None:
+        return _MESSAGES[name](getattr(msg, name)) if msg.HasField(name) else None
+    if fd.enum_type is not None:
+        return _ENUMS[name][getattr(msg, name)]
+    return getattr(msg, name) if msg.HasField(name) else None
 
 
 def _values(msg: pb.SamplingParams) -> dict[str, object]:
-    """The sampling fields the client set (proto3 ``optional``: HasField)."""
-    values = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS if msg.HasField(name)}
+    """The sampling fields the client set, by SamplingParams' names (proto3 ``optional``:
+    HasField; repeated and map fields: non-empty; enums: not UNSPECIFIED)."""
+    values = {}
+    for proto_name, name in PARAMS_FIELDS.items():
+        value = _field_value(msg, _PARAMS.fields_by_name[proto_name])
+        if value is not None:
+            values[name] = value
     if values.get("logprobs") == 0:  # the API's "no logprobs"
         values.pop("logprobs")
     return values
@@ -70,14 +88,14 @@ def spec_from_pb(
     which = req.WhichOneof("prompt")
     prompt: dict[str, object] = {}
     values = _values(req.params)
-    if req.params.HasField("structured"):
-        values["structured"] = structured_from_pb(req.params.structured)
+    stop = values.pop("stop", [])  # checked by make_spec against the router's limits
+    stop_token_ids = values.pop("stop_token_ids", [])
     if which == "messages":
         msgs = req.messages
         prompt["messages"] = [_message(i, m) for i, m in enumerate(msgs.messages)]
         # what the template writes besides the contents (their JSON texts' sizes, as sent)
         rendered = len(msgs.tools) + sum(
-            len(m.tool_calls) + len(m.tool_call_id) for m in msgs.messages
+            len(m.tool_calls) + len(m.tool_call_id) + len(m.name) for m in msgs.messages
         )
         tools = tools_from_pb(msgs.tools) if msgs.tools else None
         prompt["chat"] = ChatOptions(tools=tools, rendered_chars=rendered)
@@ -91,8 +109,8 @@ def spec_from_pb(
         claimed_tenant=req.tenant,
         cache_salt=req.cache_salt,
         values=values,
-        stop=list(req.params.stop),
-        stop_token_ids=req.params.stop_token_ids,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
         priority=req.priority,
         lora=req.lora or None,
         stream_text=req.stream_text if req.HasField("stream_text") else True,
@@ -119,6 +137,11 @@ def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:
     return spec
 
 
+# per message-typed and enum-typed field of pb.SamplingParams: its converter
+_MESSAGES = {"structured": structured_from_pb}
+_ENUMS = {"early_stopping": EARLY_STOPPING_FROM_PB}
+
+
 def _json_field(field: str, text: str) -> Any:
     return json_text.loads(text, field)
 
@@ -132,6 +155,8 @@ def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
         out["tool_calls"] = calls
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.name:  # the author's name, for templates that render it
+        out["name"] = m.name
     return out
 
 
@@ -157,14 +182,14 @@ def responses_from_output(
             worker_id=worker_id,
         )
         if d.logprobs:
-            for lp in d.logprobs:
-                entries = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob)]
-                entries += [pb.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top]
-                msg.logprobs.append(pb.TopLogprobs(entries=entries))
+            msg.logprobs.extend(top_logprobs_pb(d.logprobs))
         msgs.append(msg)
-    if out.finished:
+    if out.prompt_logprobs is not None or out.finished:
         if not msgs:
             msgs.append(pb.GenerateResponse(request_id=out.request_id, worker_id=worker_id))
+    if out.prompt_logprobs is not None:  # (on the request's first output only)
+        msgs[0].prompt_logprobs.extend(top_logprobs_pb(out.prompt_logprobs))
+    if out.finished:
         u = out.usage
         msgs[-1].usage.CopyFrom(
             pb.Usage(
@@ -175,6 +200,20 @@ def responses_from_output(
             )
         )
     return msgs
+
+
+def top_logprobs_pb(lps: Sequence[TokenLogprob | None]) -> list[pb.TopLogprobs]:
+    """Per token: its own log-probability, then its alternatives' (None: an empty entry,
+    the first prompt token's)."""
+    out = []
+    for lp in lps:
+        if lp is None:
+            out.append(pb.TopLogprobs())
+            continue
+        entries = [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob)]
+        entries += [pb.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top]
+        out.append(pb.TopLogprobs(entries=entries))
+    return out
 
 
 def malformed_reason(descriptor: Descriptor, data: bytes, error: Exception) -> str:

@@ -1,7 +1,7 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services; auth and
 the decode guard are interceptors (``interceptors.py``).
 
-Protobuf stops here: requests become :class:`router.edge.convert.GenerateSpec`, the serving core
+Protobuf stops here: requests become :class:`router.serving.request.GenerateSpec`, the serving core
 works on dataclasses, and errors map to status codes through the one error table
 (:func:`router.serving.errors.classify`).
 """
@@ -22,15 +22,16 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
     FINISH_TO_PB,
-    GenerateSpec,
     responses_from_output,
     spec_from_pb,
+    top_logprobs_pb,
 )
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
 from router.serving.errors import RequestFailed, classify
 from router.serving.intake import Intake
+from router.serving.request import GenerateSpec
 from router.serving.tokenizing import check_text_chars
 
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]
@@ -109,9 +110,11 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                     token_ids=c.token_ids,
                     text=c.text,
                     finish_reason=FINISH_TO_PB[c.finish_reason],
+                    logprobs=top_logprobs_pb(c.logprobs or ()),
                 )
                 for c in result.completions
             ],
+            prompt_logprobs=top_logprobs_pb(result.prompt_logprobs or ()),
             usage=pb.Usage(
                 prompt_tokens=u.prompt_tokens,
                 cached_tokens=u.cached_tokens,

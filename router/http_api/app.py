@@ -27,7 +27,14 @@ from starlette.routing import Route
 
 from router.http_api import routes
 from router.http_api.body import BodyBudget, BodyLimits, parse_json, read_body
-from router.http_api.cheap import CheapGate
+from router.http_api.connections import (
+    MAX_HEAD_BYTES,
+    ConnectionLimits,
+    HttpProtocol,
+    drain,
+    make_room_for,
+    protocol_class,
+)
 from router.http_api.defaults import (
     BODY_TIMEOUT_S,
     CHEAP_MAX_WAITING,
@@ -35,16 +42,9 @@ from router.http_api.defaults import (
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,
 )
-from router.http_api.door import (
-    MAX_HEAD_BYTES,
-    DoorLimits,
-    HttpProtocol,
-    drain,
-    make_room_for,
-    protocol_class,
-)
 from router.http_api.generation import WORKER_HEADER, error_response, unless_gone
 from router.http_api.generation_routes import GenerationRoutes
+from router.http_api.probe_gate import ProbeGate
 from router.serving.errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.intake import Intake
 from router.serving.tokenizing import TokenizerPool
@@ -91,7 +91,7 @@ class OpenAIServer:
         self.bodies = BodyBudget(max(BODY_BUDGET_BYTES, 4 * max_body_bytes))
         self.max_connections = max_connections
         self.http_protocol = http_protocol
-        self.cheap = CheapGate(cheap_rate_per_s, cheap_max_waiting)
+        self.probe_gate = ProbeGate(cheap_rate_per_s, cheap_max_waiting)
         self.handlers = routes.Handlers(self)
         generation = GenerationRoutes(self)
         # generation skips Starlette's routing and its two middleware layers, each of
@@ -113,11 +113,11 @@ class OpenAIServer:
         self._work = frozenset(
             r.path for r in every if isinstance(r, Route) and "POST" in (r.methods or ())
         )
-        self._cheap = routes.cheap_routes(self)
-        self.app: Any = self._door
+        self._probes = routes.probe_routes(self)
+        self.app: Any = self._dispatch
         if cors_origins:  # off unless origins are configured (router.cors_allowed_origins)
             self.app = CORSMiddleware(
-                self._door,
+                self._dispatch,
                 allow_origins=list(cors_origins),
                 allow_methods=["GET", "POST", "OPTIONS"],
                 allow_headers=["authorization", "content-type", "x-request-id"],
@@ -158,7 +158,9 @@ class OpenAIServer:
             interface="asgi3",  # (a bound method is not recognised as one)
             http=protocol_class(
                 self.http_protocol,
-                DoorLimits(head_timeout_s=HEAD_TIMEOUT_S, max_connections=self.max_connections),
+                ConnectionLimits(
+                    head_timeout_s=HEAD_TIMEOUT_S, max_connections=self.max_connections
+                ),
                 self._over_cap,
             ),
             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
@@ -186,7 +188,7 @@ class OpenAIServer:
         if self._close_intake:
             self.intake.close()
 
-    async def _door(self, scope: Any, receive: Any, send: Any) -> None:
+    async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI application: generation straight to its handler; every request that
         carries no work of the client's (probes, models, metrics, a wrong path or method)
         through the cheap routes' gate first; the rest routed."""
@@ -198,14 +200,14 @@ class OpenAIServer:
             handler = self._generation.get(path)  # (tokenize, detokenize: routed)
         else:
             try:
-                if not self.cheap.admit_now():
+                if not self.probe_gate.admit_now():
                     # its turn may be seconds away: a client that leaves meanwhile is not
                     # served (nor is its place held)
-                    if await unless_gone(request, self.cheap.admit()) is None:
+                    if await unless_gone(request, self.probe_gate.admit()) is None:
                         return None
             except ServerBusy as exc:
                 return await self.error(exc)(scope, receive, send)
-            handler = self._cheap.get(path) if method in ("GET", "HEAD") else None
+            handler = self._probes.get(path) if method in ("GET", "HEAD") else None
         if handler is None:
             return await self._routes(scope, receive, send)
         response = await handler(request)
@@ -213,7 +215,7 @@ class OpenAIServer:
 
     async def _over_cap(self, scope: Any, receive: Any, send: Any) -> None:
         """The answer to every request of a connection accepted past the connection cap
-        (:mod:`router.http_api.door`): its body read first, then a 503 ``server_busy``
+        (:mod:`router.http_api.connections`): its body read first, then a 503 ``server_busy``
         from the error table (counted), and the connection closed."""
         await drain(receive, BODY_TIMEOUT_S)
         busy = ServerBusy(

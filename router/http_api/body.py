@@ -23,6 +23,7 @@ from starlette.requests import Request
 
 from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
+from router.http_api.defaults import BODY_TIMEOUT_S
 from router.serving.errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
 
 SLICE_BYTES = json_text.SLICE_BYTES
@@ -34,7 +35,7 @@ class BodyLimits:
     max_bytes: int  # router.max_message_bytes
     max_items: int = json_text.MAX_ITEMS  # JSON values (see kvstore.blocks.json_text)
     max_depth: int = json_text.MAX_DEPTH  # nested lists / objects
-    timeout_s: float = 30.0  # for the whole body, once the head has arrived
+    timeout_s: float = BODY_TIMEOUT_S  # for the whole body, once the head has arrived
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
     budget: BodyBudget | None = None  # the bytes all requests' bodies may hold together
 

@@ -9,12 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import MAX_SEED
+from kvstore.blocks.sampling_params import MAX_LOGIT_BIAS, MAX_SEED
 from router.http_api.tools import tool_fields
 from router.serving.request import ChatOptions
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows about 300)
+from worker.model.tokenizer import CHAT_ROLES
 
 
 def shown(value: Any, limit: int = 64) -> Any:
@@ -104,8 +102,10 @@ def messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad_type(name, m, "an object with role and content")
         role = m.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"{name}.role", shown(role), f"must be one of {', '.join(ROLES)}")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"{name}.role", shown(role), f"must be one of {', '.join(CHAT_ROLES)}"
+            )
         content = m.get("content")
         extras = tool_fields(m, name)  # tool_calls, tool_call_id (router/http_api/tools.py)
         if content is None and extras.get("tool_calls"):
@@ -129,6 +129,8 @@ def messages(body: dict) -> list[dict[str, str]]:
             raise bad_type(f"{name}.content", content, "a string or a list of text parts")
         if not isinstance(m.get("name") or "", str):
             raise bad_type(f"{name}.name", m["name"], "a string")
+        if m.get("name"):  # the author's name, for templates that render it
+            extras["name"] = m["name"]
         extra = sorted(k for k, v in m.items() if v is not None)
         extra = [k for k in extra if k not in ("role", "content", "name", *extras)]
         if extra:
@@ -165,6 +167,12 @@ def unserved(body: dict, chat: bool) -> None:
             raise InvalidRequest(name, "<set>", "is not supported (send tools / tool_choice)")
     if chat and body.get("echo"):
         raise InvalidRequest("echo", True, "is not supported on chat completions")
+    beams = "beam search is served on the gRPC API (params.beam_width)"
+    if body.get("use_beam_search"):
+        raise InvalidRequest("use_beam_search", body["use_beam_search"], f"must be false: {beams}")
+    for name, off in (("length_penalty", 1), ("early_stopping", False)):
+        if body.get(name) not in (None, off):
+            raise InvalidRequest(name, shown(body[name]), f"must be null or {off}: {beams}")
 
 
 def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from router.http_api.body import read_body
 from router.http_api.generation import Generation
-from router.http_api.protocol import OpenAIRequest, known_fields, parse_request
+from router.http_api.openai_request import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.serving.core import ClusterOverloaded
 from router.serving.request import GenerateSpec

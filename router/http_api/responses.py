@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
-from router.http_api.protocol import OpenAIRequest
+from router.http_api.openai_request import OpenAIRequest
 from router.http_api.sse import PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta
 from worker.model.tokenizer import Tokenizer
@@ -46,7 +46,12 @@ class Shaper:
         self._offsets: dict[int, int] = {}  # choice -> characters of text before its next token
         self._tool_streams: dict[int, ToolStream] = {}  # chat with tools: per choice
         # the events that differ only in their text, index and finish reason: pre-encoded
-        plain = req.top_logprobs is None and req.tools is None and not req.continuous_usage
+        plain = (
+            req.top_logprobs is None
+            and req.tools is None
+            and not req.continuous_usage
+            and not req.return_token_ids
+        )
         self._plain = (
             PlainChunks(self._head(True), chat=req.chat, usage_null=req.include_usage)
             if plain
@@ -156,6 +161,10 @@ class Shaper:
             out.finish_reason.value if out.finish_reason else None,
         )
 
+    def _prompt_ids(self, choice: int) -> list[int]:
+        """The token ids of ``choice``'s prompt (vLLM's ``prompt_token_ids``)."""
+        return list(self.prompt_ids[choice // self.n])
+
     def _echo(self, choice: int) -> str:
         if not self.req.echo:
             return ""
@@ -187,6 +196,10 @@ class Shaper:
         if first and (plp := self.prompt_logprobs_json(prompt)) is not None:
             choice["prompt_logprobs"] = plp
         out = {**self._head(True), "choices": [choice]}
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(d.token_ids)
+            if first:  # the prompt's ids: on the choice (completions) or the chunk (chat)
+                (out if self.req.chat else choice)["prompt_token_ids"] = self._prompt_ids(index)
         if self.req.continuous_usage and usage is not None:
             out["usage"] = usage_json([usage])
         elif self.req.include_usage:
@@ -235,6 +248,13 @@ class Shaper:
                 choice["text"] = self._echo(index) + c.text
             if (plp := self.prompt_logprobs_json(prompt)) is not None:
                 choice["prompt_logprobs"] = plp
+            if self.req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                if not self.req.chat:
+                    choice["prompt_token_ids"] = self._prompt_ids(index)
             choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
-        return {**self._head(False), "choices": choices, "usage": usage_json(usages)}
+        out = {**self._head(False), "choices": choices, "usage": usage_json(usages)}
+        if self.req.return_token_ids and self.req.chat:  # (chat: one prompt)
+            out["prompt_token_ids"] = self._prompt_ids(0)
+        return out

@@ -3,7 +3,7 @@ detokenize (text or chat messages), Prometheus metrics, version, health.
 
 ``/metrics``, ``/health`` and ``/version`` are open (probes and scrapers carry no token);
 the others need the bearer token when auth is on. The cheap ones (models, health, version,
-metrics) pass the server's :class:`~router.http_api.cheap.CheapGate` first, and their fleet
+metrics) pass the server's :class:`~router.http_api.probe_gate.ProbeGate` first, and their fleet
 reads are shared through an :class:`~router.serving.answers.AnswerCache`.
 """
 
@@ -18,8 +18,8 @@ from starlette.routing import BaseRoute, Route
 
 from kvstore.blocks.errors import InvalidRequest
 from router.http_api import tools
-from router.http_api.cheap import ANSWER_TTL_S
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
+from router.http_api.probe_gate import ANSWER_TTL_S
 from router.placement.types import NoWorkersError
 from router.serving.answers import AnswerCache
 from router.serving.errors import ModelNotFound
@@ -64,7 +64,7 @@ def routes(server: OpenAIServer) -> list[BaseRoute]:
     ]
 
 
-def cheap_routes(server: OpenAIServer) -> dict[str, Any]:
+def probe_routes(server: OpenAIServer) -> dict[str, Any]:
     """The cheap routes by exact path (``/v1/models/{id}`` is routed, then gated)."""
     h = server.handlers
     return {
@@ -84,7 +84,7 @@ class Handlers:
 
     async def _cards(self, tenant: str | None) -> list[dict[str, Any]]:
         """vLLM's model cards: the base model, then every adapter a live worker serves to
-        ``tenant`` (shared for :data:`~router.http_api.cheap.ANSWER_TTL_S`)."""
+        ``tenant`` (shared for :data:`~router.http_api.probe_gate.ANSWER_TTL_S`)."""
         return await self.answers.get(("cards", tenant), lambda: self._read_cards(tenant))
 
     async def _read_cards(self, tenant: str | None) -> list[dict[str, Any]]:

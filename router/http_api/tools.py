@@ -166,10 +166,11 @@ def tool_fields(m: dict[str, Any], field: str) -> dict[str, Any]:
 
 def chat_options(options: Any, spec: ToolSpec | None, messages: list[dict[str, Any]]) -> Any:
     """A request's ``ChatOptions`` with its tools for the template, and the size of what
-    the template writes besides the contents (the tools, the history's calls and their
-    ids), which counts against the prompt's character cap before anything is rendered."""
+    the template writes besides the contents (the tools, the history's calls, their ids and
+    the authors' names), which counts against the prompt's character cap before anything
+    is rendered."""
     calls = [m["tool_calls"] for m in messages if "tool_calls" in m]
-    ids = sum(len(m.get("tool_call_id", "")) for m in messages)
+    ids = sum(len(m.get("tool_call_id", "")) + len(m.get("name", "")) for m in messages)
     rendered = (len(json.dumps(calls)) if calls else 0) + ids
     if spec is not None:
         options = replace(options, tools=spec.tools)

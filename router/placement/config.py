@@ -8,6 +8,9 @@ from kvstore.blocks import sampling_params as hard
 from kvstore.blocks.strict import Strict
 from router.placement.policies import ROUTING_POLICIES
 
+# engine steps whose tokens one client message carries at least (router.stream_interval)
+STREAM_INTERVAL = 1
+
 
 class LoadWeights(Strict):
     """How a worker's reported load converts into one number, in prefill-token units."""

@@ -26,6 +26,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from kvstore.blocks.errors import EngineStopped, UnknownChannel
 from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput, coalesce, unpack_output
+from router.placement.config import STREAM_INTERVAL
 from router.serving.workers import WorkerGone
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Inbox:
 
     __slots__ = ("items", "interval", "_first", "_waiter", "_since", "_timer", "timers")
 
-    def __init__(self, interval: int = 1) -> None:
+    def __init__(self, interval: int = STREAM_INTERVAL) -> None:
         self.items: list[Any] = []  # packed outputs (tuples), StreamEnd, WorkerGone, in order
         self.interval = interval
         self._first = True  # no output taken yet (the first token is never held back)
@@ -188,7 +189,7 @@ class WorkerChannel:
     def open_for_requests(self) -> bool:
         return self.error is None
 
-    def open(self, request_id: str, interval: int = 1) -> Inbox:
+    def open(self, request_id: str, interval: int = STREAM_INTERVAL) -> Inbox:
         inbox = self.inboxes[request_id] = Inbox(interval)
         if self.error is not None:
             inbox.put(self.error)

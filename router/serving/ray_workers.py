@@ -23,7 +23,7 @@ from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
 from router.placement.breaker import CircuitBreaker
-from router.placement.config import LivenessConfig
+from router.placement.config import STREAM_INTERVAL, LivenessConfig
 from router.serving.answers import AnswerCache
 from router.serving.channels import (
     ACTOR_ERRORS,
@@ -62,7 +62,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         liveness: LivenessConfig | None = None,
         batched: bool = True,
         caller_actor: ray.actor.ActorHandle | None = None,
-        stream_interval: int = 1,
+        stream_interval: int = STREAM_INTERVAL,
     ) -> None:
         """``batched``: outputs come through one channel per worker (one message per step
         for all of this router's requests there); False: one Ray stream per request.

@@ -22,8 +22,9 @@ from router.placement.config import RequestLimits
 from router.serving.errors import renamed
 
 DEFAULT_LIMITS = RequestLimits()
-# what a chat message may carry to the template (tool calls and results with their ids)
-_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")
+# what a chat message may carry to the template (tool calls and results with their ids, the
+# author's name)
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs, as JSON: flags, not content
 
 

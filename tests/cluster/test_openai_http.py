@@ -611,7 +611,10 @@ def test_bad_inputs_get_4xx_naming_the_problem(
         base_url,
         "POST",
         "/v1/completions",
-        json.dumps({"model": model, "prompt": "still", "max_tokens": 2}).encode(),
+        # (ignore_eos: a sampled EOS would end it after one token)
+        json.dumps(
+            {"model": model, "prompt": "still", "max_tokens": 2, "ignore_eos": True}
+        ).encode(),
     )
     assert ok == 200 and json.loads(answer)["usage"]["completion_tokens"] == 2
     # an escaped surrogate pair is one valid character; a printable request_id is echoed

@@ -74,3 +74,18 @@ def test_final_usage_carries_host_tier_cached_tokens() -> None:
     out = RequestOutput("r", [CompletionDelta(0, "", [5])], True, Usage(40, 32, 1, 16))
     (msg,) = responses_from_output(out, worker_id="w0", stream_text=False)
     assert (msg.usage.cached_tokens, msg.usage.host_cached_tokens) == (32, 16)
+
+
+def test_prompt_logprobs_ride_the_first_response() -> None:
+    from kvstore.blocks.outputs import TokenLogprob
+    from router.edge.convert import responses_from_output
+    from worker.engine import CompletionDelta, RequestOutput, Usage
+
+    prompt = [None, TokenLogprob(4, -0.5, ((4, -0.5), (9, -1.0)))]
+    first = RequestOutput("r", [CompletionDelta(0, "", [5])], False, Usage(2, 0, 1), None, prompt)
+    (msg,) = responses_from_output(first, worker_id="w0", stream_text=False)
+    assert [len(t.entries) for t in msg.prompt_logprobs] == [0, 3]  # own + 2 alternatives
+    assert (msg.prompt_logprobs[1].entries[0].token_id, msg.token_ids) == (4, [5])
+    later = RequestOutput("r", [CompletionDelta(0, "", [6])], True, Usage(2, 0, 2))
+    (msg,) = responses_from_output(later, worker_id="w0", stream_text=False)
+    assert not msg.prompt_logprobs

@@ -8,7 +8,7 @@ import pytest
 from kvstore.blocks.errors import WireMismatch
 from router.http_api import error_status
 from router.http_api.body import BodyLimits, parse_json, surrogate_path
-from router.http_api.protocol import parse_request
+from router.http_api.openai_request import parse_request
 from router.placement.config import RequestLimits
 from router.placement.types import NoWorkersError
 from router.serving.core import ClusterOverloaded, StreamBroken

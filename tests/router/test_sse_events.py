@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
-from router.http_api.protocol import parse_request
+from router.http_api.openai_request import parse_request
 from router.http_api.responses import Shaper
 from router.http_api.sse import DONE, sse_event
 from router.placement.config import RequestLimits

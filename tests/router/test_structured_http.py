@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.blocks.errors import InvalidRequest
 from router.edge.convert import spec_from_pb
-from router.http_api.protocol import parse_request
+from router.http_api.openai_request import parse_request
 from router.http_api.tool_calls import ToolStream, parse_calls, tool_chunk_delta
 from router.placement.config import RequestLimits
 from worker.model.build_tiny import build_tiny_model

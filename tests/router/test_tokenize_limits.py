@@ -134,7 +134,7 @@ def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
 
 
 def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
-    from router.edge.convert import GenerateSpec
+    from router.serving.request import GenerateSpec
     from worker.engine import InvalidRequest, SamplingParams
 
     tok = SpyTokenizer()
@@ -160,7 +160,7 @@ class ChatSpyTokenizer(SpyTokenizer):
 def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() -> None:
     """Chat messages get the text prompts' character cap (before the template is rendered
     and tokenized), over gRPC and HTTP: a megabyte of chat costs the router nothing."""
-    from router.edge.convert import GenerateSpec
+    from router.serving.request import GenerateSpec
     from worker.engine import SamplingParams
 
     tok = ChatSpyTokenizer()
@@ -203,7 +203,7 @@ def test_tools_and_calls_count_against_the_cap_before_rendering_on_both_edges() 
     as too long)."""
     import json
 
-    from router.http_api.protocol import parse_request
+    from router.http_api.openai_request import parse_request
 
     tok = ChatSpyTokenizer()
     svc = grpc_servicer(Core(), tok, limits=LIMITS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
 from kvstore.blocks.registry import Registry
 from worker.attention.base import AttentionBackend
 
@@ -25,7 +26,9 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
     return BACKENDS.get(name, also_valid=[AUTO])
 
 
-def available_backends(device: str | torch.device, block_size: int = 16) -> list[str]:
+def available_backends(
+    device: str | torch.device, block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[str]:
     """Names of the backends that can run on ``device`` with ``block_size``."""
     dev = torch.device(device)
     usable = [n for n, c in BACKENDS.items() if c.unavailable_reason(dev, block_size) is None]
@@ -36,7 +39,9 @@ AUTO = "auto"
 _PREFERENCE = {"cuda": ("triton", "torch"), "cpu": ("cpu", "torch")}
 
 
-def resolve_backend_name(name: str, device: str | torch.device, block_size: int = 16) -> str:
+def resolve_backend_name(
+    name: str, device: str | torch.device, block_size: int = DEFAULT_BLOCK_SIZE
+) -> str:
     """``name`` itself, or for ``auto`` the fastest backend usable here (``triton`` on CUDA,
     the native ``cpu`` kernels on the CPU, else the ``torch`` reference)."""
     if name != AUTO:

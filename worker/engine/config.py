@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
 from kvstore.blocks.strict import Strict
 from worker.engine.policy import SCHEDULING_POLICIES, policy_names
+from worker.model.lora_config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 
 
 def check_tenants(adapter: str, tenants: object) -> tuple[str, ...]:
@@ -49,7 +51,7 @@ class EngineConfig(Strict):
         ge=1,
         description="Waiting-queue bound; beyond it add_request raises EngineOverloaded.",
     )
-    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="Tokens per KV block.")
     num_blocks: int | None = Field(
         None, ge=1, description="KV blocks (None = from kv_memory_bytes or the runner's default)."
     )
@@ -146,13 +148,15 @@ class EngineConfig(Strict):
     )
 
     max_loras: int = Field(
-        4,
+        DEFAULT_MAX_LORAS,
         ge=1,
         description="LoRA adapter slots on the device: adapters that can run in one batch. "
         "Requests of an adapter that finds every slot used by running requests wait.",
     )
     max_lora_rank: int = Field(
-        16, ge=1, description="Largest LoRA rank r served; slots are sized for it."
+        DEFAULT_MAX_LORA_RANK,
+        ge=1,
+        description="Largest LoRA rank r served; slots are sized for it.",
     )
     lora_adapters: dict[str, str] = Field(
         default_factory=dict,

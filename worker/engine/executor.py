@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
 from worker.engine.detokenizer import TokenizerLike
 from worker.engine.sampler import token_logprobs
 from worker.engine.sched_output import ScheduledChunk
 from worker.kv import TierTransfers
 from worker.kv.transfer import KVLayout
+from worker.model.lora_config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 
 if TYPE_CHECKING:
     from worker.model.lora import LoraAdapter
@@ -105,8 +107,8 @@ class RunnerExecutor(ModelExecutor):
         runner: ModelRunner,
         tokenizer: TokenizerLike | None,
         *,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
+        max_loras: int = DEFAULT_MAX_LORAS,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> None:
         from worker.engine.input_batch import InputBatch  # local: keep engine imports light
 
@@ -134,14 +136,14 @@ class RunnerExecutor(ModelExecutor):
         *,
         dtype: str = "float32",
         device: str = "cpu",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
         host_kv_bytes: int = 0,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
+        max_loras: int = DEFAULT_MAX_LORAS,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> RunnerExecutor:
         from kvstore.blocks.pauses import freeze_long_lived
         from worker.model.runner import ModelRunner

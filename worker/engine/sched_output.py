@@ -26,10 +26,6 @@ class ScheduledChunk:
     def token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start > 0
-
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -54,7 +50,3 @@ class SchedulerOutput:
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
         return cls()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks and not self.doomed

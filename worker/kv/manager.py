@@ -32,6 +32,7 @@ from types import MappingProxyType
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import (
+    DEFAULT_BLOCK_SIZE,
     BlockKey,
     HashContext,
     block_keys,
@@ -74,7 +75,7 @@ class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         enable_prefix_caching: bool = True,
         tenant_quota_blocks: int | None = None,

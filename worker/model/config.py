@@ -60,10 +60,6 @@ class ModelConfig:
     multimodal: str | None = None
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def attention_scale(self) -> float:
         """The factor of q.k in attention (1/sqrt(head_dim) unless the checkpoint says)."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5

@@ -30,6 +30,8 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 # peft's own defaults for a LoraConfig without these keys
 PEFT_DEFAULT_R, PEFT_DEFAULT_ALPHA = 8, 8
+DEFAULT_MAX_LORAS = 4  # adapter slots on the device (workers.engine.max_loras)
+DEFAULT_MAX_LORA_RANK = 16  # largest rank a slot holds (workers.engine.max_lora_rank)
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # peft's mapping for Llama, Mistral, Qwen2/3
 ALL_LINEAR = "all-linear"
 

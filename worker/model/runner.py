@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
 from worker.attention import create_backend
 from worker.attention.base import AttentionMetadata
 from worker.kv.transfer import KVLayout
@@ -49,7 +50,7 @@ class ModelRunner:
         *,
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
         attn_backend: str = "auto",

@@ -5,71 +5,85 @@ This parser checks only what JSON adds (an object, JSON types, OpenAI's spelling
 validator (:func:`router.serving.request.make_spec`), which names a field as this API
 spells it. ``null`` means "not set" for every optional field. Fields this server does not
 know are accepted and ignored, as vLLM does (the caller logs and counts them); fields it
-knows but cannot honour with the value given are a 400.
+knows but cannot honour with the value given are a 400. The sampling fields it knows, and
+their OpenAI names, are SamplingParams' (:data:`kvstore.blocks.sampling_params.WIRE`).
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.sampling_params import WIRE, SamplingParams
 from router.http_api import fields as F
-from router.http_api import structured, tools
+from router.http_api import structured_fields, tools
 from router.placement.config import RequestLimits
 from router.serving.request import GenerateSpec, check_request_id, make_spec
 
-_INT_PARAMS = ("top_k", "n", "min_tokens")
-_FLOAT_PARAMS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
+# SamplingParams' fields read from OpenAI bodies by the code below, each in its own way
+# (OpenAI's spelling, type or range differs from the field's); every other field that the
+# HTTP API takes (its Wire has OpenAI names) is read by its type, under its own name
+_OWN_PARSER = frozenset(
+    {
+        "max_tokens",  # or max_completion_tokens (chat)
+        "seed",  # any 64-bit integer
+        "logprobs",  # chat: logprobs (bool) + top_logprobs
+        "prompt_logprobs",  # also implied by echo with logprobs
+        "stop",  # a string or a list
+        "stop_token_ids",
+        "logit_bias",  # an object of token id -> bias
+        "priority",
+        "cache_salt",  # scoped by the tenant
+        "lora",  # the model's name
+        "structured",  # router.http_api.structured_fields
+    }
 )
-_BOOL_PARAMS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_GETTERS = {"int": F.get_int, "int | None": F.get_int, "float": F.get_float, "bool": F.get_bool}
+# by type: SamplingParams' name -> the getter of its annotation's JSON type
+_TYPED = {
+    f.name: _GETTERS[str(f.type)]
+    for f in fields(SamplingParams)
+    if f.init and WIRE[f.name].openai and f.name not in _OWN_PARSER
+}
+# the OpenAI names of the sampling fields (plus the chat-only ones)
+SAMPLING_FIELDS = frozenset(n for w in WIRE.values() for n in w.openai)
+SAMPLING_CHAT_FIELDS = frozenset(n for w in WIRE.values() for n in w.chat)
+# vLLM's beam search fields: refused unless off (F.unserved), beam search is gRPC's
+BEAM_FIELDS = frozenset({"use_beam_search", "length_penalty", "early_stopping"})
 # known fields that do not change the output (accepted as sent)
-_ACCEPTED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+_ACCEPTED = ("user", "store", "metadata", "service_tier")
+# the request's other fields: its prompt, the answer's shape, its id
 _COMMON = frozenset(
     {
-        "model",
         "stream",
         "stream_options",
-        "max_tokens",
-        "stop",
-        "cache_salt",
-        "stop_token_ids",
-        "priority",
         "request_id",
-        "logprobs",
         "best_of",
-        "logit_bias",
-        "seed",
         "truncate_prompt_tokens",
         "return_tokens_as_token_ids",
-        "prompt_logprobs",
-        *structured.FIELDS,
+        "return_token_ids",
+        *BEAM_FIELDS,
         *_ACCEPTED,
-        *_INT_PARAMS,
-        *_FLOAT_PARAMS,
-        *_BOOL_PARAMS,
+        *SAMPLING_FIELDS,
     }
 )
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = _COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    *tools.FIELDS,
-    "functions",
-    "function_call",
-    "echo",
-}
+CHAT_FIELDS = (
+    _COMMON
+    | SAMPLING_CHAT_FIELDS
+    | {
+        "messages",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        *tools.FIELDS,
+        "functions",
+        "function_call",
+        "echo",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +102,9 @@ class OpenAIRequest:
     # its tokens' logprobs before the completion's, as lm-eval's log-likelihoods read them)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     token_ids_as_text: bool = False  # return_tokens_as_token_ids: "token_id:<id>" strings
+    # vLLM's return_token_ids: each choice's token ids (a chunk's: its new ones) and the
+    # prompt's (completions: on each choice; chat: on the answer; streamed: the first chunk)
+    return_token_ids: bool = False
     max_tokens_set: bool = True  # chat without max_tokens: as long as the context allows
     tools: tools.ToolSpec | None = None  # chat: the request's tools and tool_choice
 
@@ -125,14 +142,8 @@ def parse_request(
         names["max_tokens"] = "max_completion_tokens"
     if (newer or legacy) is not None:
         values["max_tokens"] = newer or legacy
-    for name in _INT_PARAMS:
-        if (v := F.get_int(body, name)) is not None:
-            values[name] = v
-    for name in _FLOAT_PARAMS:
-        if (v := F.get_float(body, name)) is not None:
-            values[name] = v
-    for name in _BOOL_PARAMS:
-        if (v := F.get_bool(body, name)) is not None:
+    for name, get in _TYPED.items():
+        if (v := get(body, name)) is not None:
             values[name] = v
     if (seed := F.seed(body)) is not None:
         values["seed"] = seed
@@ -149,7 +160,7 @@ def parse_request(
     wanted = [k for k in (prompt_logprobs, top_logprobs if echo else None) if k is not None]
     if wanted:  # the engine computes the prompt whole, with the most alternatives asked
         values["prompt_logprobs"] = max(wanted)
-    constraint = structured.structured_from_body(body)
+    constraint = structured_fields.structured_from_body(body)
     tool_spec = tools.tools_from_body(body, constraint) if chat else None
     if tool_spec is not None and tool_spec.constraint is not None:
         constraint = tool_spec.constraint
@@ -169,8 +180,7 @@ def parse_request(
         continuous = bool(F.get_bool(opts, "continuous_usage_stats"))
     for name in ("user", "service_tier"):
         F.get_str(body, name)
-    for name in ("store", "parallel_tool_calls"):
-        F.get_bool(body, name)
+    F.get_bool(body, "store")
     F.get_typed(body, "metadata", lambda v: isinstance(v, dict), "an object")
     truncate = F.get_int(body, "truncate_prompt_tokens")
     if header_request_id is not None:  # echoed in the answer's header too
@@ -236,6 +246,7 @@ def parse_request(
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
+        return_token_ids=bool(F.get_bool(body, "return_token_ids")),
         max_tokens_set="max_tokens" in values,
         tools=tool_spec,
     )

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.blocks.errors import InvalidRequest
+from kvstore.blocks.sampling_params import WIRE
 from kvstore.blocks.structured import StructuredOutputs
-from protos.kvcluster.v1 import kvcluster_pb2 as pb
 
-GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
+FIELDS = WIRE["structured"].openai  # (SamplingParams' declaration)
+GUIDED = tuple(name for name in FIELDS if name.startswith("guided_"))
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
@@ -114,7 +114,7 @@ def structured_from_body(body: dict[str, Any]) -> StructuredOutputs | None:
     """The one constraint the body asks for (None: free text); raises InvalidRequest naming
     the field. Its compile check is the intake's (``Intake.token_ids``)."""
     found: list[StructuredOutputs] = []
-    named = [k for k in ("response_format", "structured_outputs", *GUIDED) if body.get(k)]
+    named = [k for k in FIELDS if body.get(k)]
     if len(named) > 1:
         raise InvalidRequest(named[1], "<set>", f"cannot be combined with {named[0]}")
     if body.get("response_format") is not None:
@@ -132,16 +132,3 @@ def structured_from_body(body: dict[str, Any]) -> StructuredOutputs | None:
     if not found:
         return None
     return found[0]
-
-
-def to_pb(spec: StructuredOutputs, params: pb.SamplingParams) -> None:
-    """Set ``params.structured`` to ``spec``."""
-    msg = params.structured
-    if spec.kind == "json_object":
-        msg.json_object = True
-    elif spec.kind == "choice":
-        import json
-
-        msg.choice.choices.extend(json.loads(spec.value))
-    else:
-        setattr(msg, spec.kind, spec.value)

@@ -1,15 +1,15 @@
-"""The HTTP door: uvicorn's connection protocols with the router's own bounds on what a
+"""HTTP connections: uvicorn's connection protocols with the router's own bounds on what a
 connection may hold before the application sees a request.
 
 uvicorn waits forever for a request's head and, with httptools, buffers a head of any size;
 it caps connections only with a plain-text 503 (``limit_concurrency``). Here, per connection:
 
-* a connection with no request under way is closed :attr:`DoorLimits.head_timeout_s` after
+* a connection with no request under way is closed :attr:`ConnectionLimits.head_timeout_s` after
   it connected or after its last response (idle or trickling sockets would pile up until the
   router's process ran out of file descriptors, gRPC included);
-* a request head over :attr:`DoorLimits.max_head_bytes` is answered 431 and the connection
+* a request head over :attr:`ConnectionLimits.max_head_bytes` is answered 431 and the connection
   closed (h11 has the same bound on its own, answered 400);
-* a connection accepted while :attr:`DoorLimits.max_connections` are open is answered at its
+* a connection accepted while :attr:`ConnectionLimits.max_connections` are open is answered at its
   first request by the server's busy answer (the HTTP app's: an OpenAI 503 ``server_busy``
   with ``Retry-After``, counted in ``/metrics``; its body read first with :func:`drain`,
   so the answer is not lost to a reset), and closed; it has :data:`BUSY_HEAD_TIMEOUT_S` to
@@ -46,7 +46,7 @@ FD_RESERVE = 256  # descriptors beside the HTTP connections (gRPC, Ray, Redis, f
 
 
 @dataclass(frozen=True, slots=True)
-class DoorLimits:
+class ConnectionLimits:
     head_timeout_s: float = HEAD_TIMEOUT_S  # for a request's head, from connect or last answer
     max_head_bytes: int = MAX_HEAD_BYTES
     max_connections: int = MAX_CONNECTIONS  # open ones (router.http_max_connections)
@@ -121,10 +121,10 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
-class _Door:
+class _Bounds:
     """What both protocols add (mixed in before uvicorn's protocol class)."""
 
-    door: ClassVar[DoorLimits] = DoorLimits()
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
     # the ASGI app answering every request of an over-cap connection (its answer must say
     # ``connection: close``); set by :func:`protocol_class`
     busy: ClassVar[Any] = None
@@ -140,7 +140,7 @@ class _Door:
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
-        if len(self.connections) > self.door.max_connections:
+        if len(self.connections) > self.limits.max_connections:
             self._over_cap = True
             self.app = self.busy  # every request of this connection: answered busy
         self._arm_head_timer()
@@ -164,7 +164,7 @@ class _Door:
     def _arm_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
-        wait = BUSY_HEAD_TIMEOUT_S if self._over_cap else self.door.head_timeout_s
+        wait = BUSY_HEAD_TIMEOUT_S if self._over_cap else self.limits.head_timeout_s
         self._head_timer = self.loop.call_later(wait, self._head_late)
 
     def _head_late(self) -> None:
@@ -173,8 +173,8 @@ class _Door:
             self.transport.close()
 
 
-class DoorHttpTools(_Door, HttpToolsProtocol):
-    """uvicorn's httptools protocol with the door's bounds; a head is counted in the bytes
+class BoundedHttpTools(_Bounds, HttpToolsProtocol):
+    """uvicorn's httptools protocol with the connection bounds; a head is counted in the bytes
     fed while it is incomplete (llhttp itself buffers header fields without a bound)."""
 
     _in_head = False
@@ -192,20 +192,22 @@ class DoorHttpTools(_Door, HttpToolsProtocol):
         super().data_received(data)
         if self._in_head:  # all of data is head bytes: the head did not end in it
             self._head_bytes += len(data)
-            if self._head_bytes > self.door.max_head_bytes and not self.transport.is_closing():
-                self.transport.write(_head_too_large(self.door.max_head_bytes))
+            if self._head_bytes > self.limits.max_head_bytes and not self.transport.is_closing():
+                self.transport.write(_head_too_large(self.limits.max_head_bytes))
                 self.transport.close()
 
 
-class DoorH11(_Door, H11Protocol):
-    """uvicorn's h11 protocol with the door's bounds (h11 bounds the head itself)."""
+class BoundedH11(_Bounds, H11Protocol):
+    """uvicorn's h11 protocol with the connection bounds (h11 bounds the head itself)."""
 
 
-def protocol_class(kind: HttpProtocol, limits: DoorLimits, busy: Any) -> type[asyncio.Protocol]:
+def protocol_class(
+    kind: HttpProtocol, limits: ConnectionLimits, busy: Any
+) -> type[asyncio.Protocol]:
     """The protocol class uvicorn instantiates per connection, bound to ``limits``;
     ``busy``: the ASGI app that answers an over-cap connection."""
-    base = {"httptools": DoorHttpTools, "h11": DoorH11}[kind]
-    return type(base.__name__, (base,), {"door": limits, "busy": staticmethod(busy)})
+    base = {"httptools": BoundedHttpTools, "h11": BoundedH11}[kind]
+    return type(base.__name__, (base,), {"limits": limits, "busy": staticmethod(busy)})
 
 
 def make_room_for(max_connections: int) -> int:

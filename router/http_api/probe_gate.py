@@ -6,7 +6,7 @@ nothing: on a small machine a ``/health`` flood took most of the event loop that
 tokens. Each answer that reads
 the fleet (live workers, adapters) is computed once per :data:`ANSWER_TTL_S` and shared by the
 callers in between (:class:`~router.serving.answers.AnswerCache`); and every cheap request passes a
-:class:`CheapGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
+:class:`ProbeGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
 its turn, without CPU, up to ``max_waiting`` requests; past those it is answered 503
 ``server_busy`` with ``Retry-After`` at once. A closed-loop poller is slowed to the rate, not
 refused; generation never passes the gate.
@@ -25,7 +25,7 @@ from router.serving.errors import ServerBusy
 ANSWER_TTL_S = 0.5
 
 
-class CheapGate:
+class ProbeGate:
     """Admits cheap requests at ``rate_per_s`` (a bucket of as many), the excess after a
     wait, at most ``max_waiting`` at once; beyond those :class:`ServerBusy`."""
 

@@ -1,4 +1,4 @@
-"""The HTTP door's bounds, on a real uvicorn server over a small serving core: the head
+"""The HTTP connection bounds, on a real uvicorn server over a small serving core: the head
 deadlines and the head size under both parsers (httptools, h11), the connection cap answered
 the OpenAI way (the ``openai`` client sees a 503 ``server_busy`` with Retry-After), and the
 cheap routes' gate and shared answers (a flood of them costs one fleet read, and past the
@@ -14,7 +14,7 @@ import pytest
 
 import router.http_api.app as app_mod
 from router.http_api import OpenAIServer
-from router.http_api.cheap import CheapGate
+from router.http_api.probe_gate import ProbeGate
 from router.serving.errors import ServerBusy
 from tests.router.edges import http_server
 from tests.router.test_http_hostile_bodies import Core, Directory, Tokenizer
@@ -135,7 +135,7 @@ class _Clock:
 
 def test_cheap_gate_admits_the_rate_queues_a_bounded_wait_and_refuses_the_rest() -> None:
     clock = _Clock()
-    gate = CheapGate(2.0, 3, clock=clock)  # a bucket of 2, 3 may wait
+    gate = ProbeGate(2.0, 3, clock=clock)  # a bucket of 2, 3 may wait
 
     async def main() -> tuple[list[str], int]:
         async def one() -> str:
@@ -241,17 +241,17 @@ def test_a_waiting_cheap_request_whose_client_leaves_is_dropped_and_gives_its_pl
             w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # waits its turn (2 s)
             for _ in range(100):
                 await asyncio.sleep(0.01)
-                if server.cheap.waiting:
+                if server.probe_gate.waiting:
                     break
-            waiting = server.cheap.waiting
+            waiting = server.probe_gate.waiting
             w.close()  # the client leaves before its turn
             for _ in range(100):
                 await asyncio.sleep(0.01)
-                if not server.cheap.waiting:
+                if not server.probe_gate.waiting:
                     break
             await asyncio.sleep(2.5)  # past the turn it had: it is never served
             calls = core.directory.calls - reads  # type: ignore[attr-defined]
-            return waiting, server.cheap.waiting, calls, server.cheap.admit_now()
+            return waiting, server.probe_gate.waiting, calls, server.probe_gate.admit_now()
         finally:
             await server.stop()
 
