@@ -384,8 +384,9 @@ class EngineLoop:
                 self._wake.clear()
                 t0 = time.perf_counter()
                 with self._lock, self.window.held():
-                    for command, future in self._inbox.drain():
-                        self._answer(command, future)
+                    if self._inbox:
+                        for command, future in self._inbox.drain():
+                            self._answer(command, future)
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
                     if busy:
