@@ -24,7 +24,7 @@ class WorkerOutputs:
 
     def __init__(self, abort: Callable[[str], object], on_loop: Callable[[], None]) -> None:
         self._on_loop = on_loop
-        self.callers = CallerWatch(abort, on_dead=self._caller_died)
+        self.callers = CallerWatch(abort, on_dead=self.caller_died)
         self.live = LiveIds()  # a second request with a live id is refused, the first unharmed
         self.channels = Channels(abort, self.stream_ended, on_drop=self.callers.forget_channel)
         self.warm_freeze = WarmUpFreeze()  # once more when idle after the first requests
@@ -76,7 +76,7 @@ class WorkerOutputs:
         self.live.release(request_id)
         self.warm_freeze.request_ended(idle=not self.live)
 
-    def _caller_died(self, caller: Any) -> None:
+    def caller_died(self, caller: Any) -> None:
         """A dead router's channels have no reader any more."""
         for channel_id in self.channels.of_caller(caller):
             self.channels.drop(channel_id)

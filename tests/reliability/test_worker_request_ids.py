@@ -119,7 +119,7 @@ def test_a_duplicate_leaves_the_live_request_abortable_by_its_routers_death(serv
         with pytest.raises(InvalidRequest):
             await server.submit(request("r0", [3, *PROMPT], 4), "inc-1", cid)
         await asyncio.sleep(5 * SLOW_STEP_S)
-        server.streams._caller_died(caller)  # what the caller watch does for a dead router
+        server.streams.caller_died(caller)  # what the caller watch does for a dead router
         for _ in range(500):
             if not server.engine_loop.is_live("r0"):
                 break
