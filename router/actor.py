@@ -97,7 +97,7 @@ class RouterServer(RouterLifecycle):
             settings.namespace,
             self.index,
             breaker=self.breaker,
-            liveness=settings.liveness,
+            timeouts=settings.liveness,
             stream_interval=settings.stream_interval,
         )
         limits = ModelLimits(

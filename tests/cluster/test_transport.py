@@ -182,26 +182,6 @@ def test_closing_a_channel_ends_it_on_the_worker(cluster) -> None:
     assert not running(rid)
 
 
-def test_the_per_request_stream_fallback_gives_the_same_tokens(cluster) -> None:
-    worker = sorted(cluster.workers)[1]
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, ignore_eos=True)
-
-    async def main():
-        batched = RayWorkerDirectory(cluster.namespace, None)
-        own = RayWorkerDirectory(cluster.namespace, None, batched=False)
-        try:
-            return await read(batched, worker, params, lag_s=0), await read(
-                own, worker, params, lag_s=0
-            )
-        finally:
-            batched.channels.close()
-
-    via_channel, via_own = asyncio.run(main())
-    a, b = result_of(via_channel), result_of(via_own)
-    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
-    assert b.usage.completion_tokens == 40 and via_own[-1].finished
-
-
 def test_a_burst_for_one_worker_goes_in_one_call_each_request_answered_alone(cluster) -> None:
     """Requests placed on one worker in the same loop turn go in one Ray call, not one
     each; a refused one (its own InvalidRequest, in its place) refuses no other."""
