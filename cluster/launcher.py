@@ -33,7 +33,7 @@ from cluster.settings import (
 )
 from cluster.state import RAY_HEAD_GRACE_S, ClusterState, stop_group
 from kvstore.config import IndexConfig
-from router.actor import RouterActor, RouterSettings
+from router.server import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.default_model import resolve_default_model
 
