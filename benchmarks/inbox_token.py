@@ -18,7 +18,7 @@ import time
 
 from benchmarks.common import emit_json, print_table
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
-from router.serving.channels import Inbox, demultiplex
+from router.serving.output_channels import Inbox, demultiplex
 
 STALL_S = 30.0  # a stall timeout that never passes here: only its bookkeeping costs
 

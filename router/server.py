@@ -27,17 +27,17 @@ from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from router.edge.servicer import KVClusterServicer, start_server
 from router.placement.breaker import CircuitBreaker
-from router.placement.metrics import RouterMetrics
 from router.placement.prediction import PredictionTracker
 from router.placement.prefix_source import KVIndexSource
 from router.placement.router import Router
+from router.placement.router_metrics import RouterMetrics
 from router.server_config import RouterConfig
 from router.serving.auth import TokenAuth
 from router.serving.core import ModelLimits, ServingCore
-from router.serving.intake import Intake
+from router.serving.edge_intake import Intake
+from router.serving.metrics_exporter import start_exporter
 from router.serving.pull_calibration import calibrate_transfers
 from router.serving.ray_workers import RayWorkerDirectory
-from router.serving.telemetry import start_exporter
 from router.serving.warm_start import WarmStarter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model

@@ -11,7 +11,7 @@ from typing import Any
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import MAX_SEED
 from router.http_api.tools import tool_fields
-from router.serving.request import ChatOptions
+from router.serving.generate_spec import ChatOptions
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias (OpenAI allows about 300)

@@ -1,6 +1,6 @@
 """The Ray-backed :class:`WorkerDirectory`: named worker actors, their liveness
 (:class:`~router.serving.worker_liveness.WorkerLiveness`), requests and their outputs through
-one channel per worker (:mod:`router.serving.channels`).
+one channel per worker (:mod:`router.serving.output_channels`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
-from router.serving.answers import AnswerCache
-from router.serving.channels import (
+from router.serving.answer_cache import AnswerCache
+from router.serving.iteration_slices import IterationSlices
+from router.serving.output_channels import (
     ACTOR_ERRORS,
     WAKE_SLICE,
     Channels,
     WorkerChannel,
 )
 from router.serving.submits import SubmitBatcher
-from router.serving.turns import TurnSlices
 from router.serving.worker_liveness import WorkerLiveness
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -65,7 +65,7 @@ class RayWorkerDirectory(WorkerDirectory):
     ) -> None:
         """Outputs come through one channel per worker (one message per step for all of
         this router's requests there). ``stream_interval``: steps' tokens per client
-        message at least (the channel's :class:`~router.serving.channels.Inbox`).
+        message at least (the channel's :class:`~router.serving.output_channels.Inbox`).
         ``caller_actor``: the actor workers watch for this router's death (it answers
         ``incarnation()``); by default the actor this runs in, none outside one."""
         self.namespace = namespace
@@ -91,7 +91,7 @@ class RayWorkerDirectory(WorkerDirectory):
         # a burst's submits and admissions, a slice per loop iteration: 256 of them landing
         # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
         # ms; its first outputs come through the channel, already woken a slice at a time
-        self.first_steps = TurnSlices(WAKE_SLICE)
+        self.first_steps = IterationSlices(WAKE_SLICE)
         self._statuses = AnswerCache(STATUS_REUSE_S)  # statuses(): one round shared
 
     @property

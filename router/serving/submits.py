@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest
-from router.serving.channels import WAKE_SLICE, WorkerChannel, call_result, own_error
+from router.serving.output_channels import WAKE_SLICE, WorkerChannel, call_result, own_error
 from router.serving.workers import WorkerGone
 
 # the shortest time between two submit calls to one worker while requests keep coming: a few

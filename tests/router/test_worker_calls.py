@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from router.serving.answers import AnswerCache
+from router.serving.answer_cache import AnswerCache
 from router.serving.ray_workers import STATUS_REUSE_S, RayWorkerDirectory
 
 
