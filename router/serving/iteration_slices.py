@@ -4,7 +4,7 @@ same step at once (256 submits serialised to Ray in one iteration: tens of ms).
 :class:`IterationSlices` lets at most ``size`` callers through per loop iteration; the rest wait
 in arrival order and are let through a slice per iteration, so a probe, a heartbeat or
 another stream's write runs between two slices, as
-:func:`~router.serving.output_channels.demultiplex` does for wake-ups. A waiting caller costs
+:func:`~router.serving.worker_channel.demultiplex` does for wake-ups. A waiting caller costs
 nothing per iteration (one future, woken once), so a burst of n costs O(n), not a re-queue
 per waiter per iteration.
 """

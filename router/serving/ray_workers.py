@@ -27,13 +27,10 @@ from router.placement.breaker import CircuitBreaker
 from router.placement.config import LivenessConfig
 from router.serving.answer_cache import AnswerCache
 from router.serving.iteration_slices import IterationSlices
-from router.serving.output_channels import (
-    ACTOR_ERRORS,
-    WAKE_SLICE,
-    Channels,
-    WorkerChannel,
-)
+from router.serving.output_channels import Channels
 from router.serving.submits import SubmitBatcher
+from router.serving.worker_call_errors import ACTOR_ERRORS
+from router.serving.worker_channel import WAKE_SLICE, WorkerChannel
 from router.serving.worker_liveness import WorkerLiveness
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -65,7 +62,7 @@ class RayWorkerDirectory(WorkerDirectory):
     ) -> None:
         """Outputs come through one channel per worker (one message per step for all of
         this router's requests there). ``stream_interval``: steps' tokens per client
-        message at least (the channel's :class:`~router.serving.output_channels.Inbox`).
+        message at least (the channel's :class:`~router.serving.request_inbox.Inbox`).
         ``caller_actor``: the actor workers watch for this router's death (it answers
         ``incarnation()``); by default the actor this runs in, none outside one."""
         self.namespace = namespace

@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.iteration_slices import IterationSlices
-from router.serving.output_channels import WAKE_SLICE, Inbox, demultiplex
+from router.serving.request_inbox import Inbox
+from router.serving.worker_channel import WAKE_SLICE, demultiplex
 
 STREAMS = 256
 STEPS = 4  # steps gathered in the message
