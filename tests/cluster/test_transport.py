@@ -18,8 +18,9 @@ from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import GenerationResult
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.serving.channels import WAKE_SLICE, call_result
 from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.worker_call_errors import call_result
+from router.serving.worker_channel import WAKE_SLICE
 from router.serving.workers import WorkerGone
 from tests.cluster.conftest import ENGINE
 from worker.engine import SamplingParams
