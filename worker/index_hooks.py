@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kvstore.blocks.tiers import Tier
 from kvstore.events import TierKeys
 from kvstore.index_sync import SPARES_DUTY
 from kvstore.publisher import WorkerPublisher
@@ -47,16 +48,19 @@ class IndexHooks:
         if not self.front.post(apply):
             self._spares_after = 0.0
 
-    def _cached_keys(self) -> list:
+    def _cached_keys(self) -> list | TierKeys:
         """For a resync: the pool's cached keys, read between steps. Under the engine lock,
         where ``_after_step`` submits, so the publisher learns exactly which submitted events
         the snapshot already holds (``mark_snapshot``) and does not replay them on it."""
 
-        def snapshot(engine: Engine) -> list:
+        def snapshot(engine: Engine) -> list | TierKeys:
             if self.publisher is not None:
                 self.publisher.mark_snapshot()
             if engine.kv.has_host_tier:
-                return TierKeys(engine.kv.cached_keys(), engine.kv.host_cached_keys())
+                return {
+                    Tier.DEVICE: engine.kv.cached_keys(),
+                    Tier.HOST: engine.kv.host_cached_keys(),
+                }
             return engine.kv.cached_keys()
 
         return self.front.with_engine(snapshot)

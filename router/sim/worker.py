@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.tiers import Tier
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest, RequestRecord, SimRequest
@@ -178,7 +179,7 @@ class SimWorker(SimSteps):
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
             lora_loaded=tuple(self._loras),
-            host_blocks=self.kv.host_num_blocks,
+            tier_blocks={Tier.HOST: self.kv.host_num_blocks} if self.kv.host_num_blocks else {},
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:

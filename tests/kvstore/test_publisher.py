@@ -175,8 +175,8 @@ def test_sequence_gap_triggers_resync(
     resyncs = publisher.stats.resyncs
     slot = index.client.hget(index.config.namespace + "reg", "w").split(b":")[0]
     index.client.hset(index.config.namespace + "seq", slot, 0)  # the server "lost" batches
-    index.client.srem(index.config.namespace + "held:" + slot.decode(), keys[0])  # and lost
-    index.client.hdel(index.config.namespace + "blk", keys[0])  # an entry (consistently)
+    index.client.srem(index.config.namespace + "held:device:" + slot.decode(), keys[0])  # and lost
+    index.client.hdel(index.config.namespace + "blk:device", keys[0])  # an entry (consistently)
     publisher.submit(pool.store(keys[3:], keys[2]), LOAD)
     assert publisher.flush()
     assert publisher.stats.resyncs == resyncs + 1
