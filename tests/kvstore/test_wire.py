@@ -151,9 +151,7 @@ def _required(cls: type) -> list[str]:
     return [
         f.name
         for f in dataclasses.fields(cls)
-        if f.init
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
 
 
