@@ -249,22 +249,22 @@ def test_a_marked_resync_snapshot_is_not_overwritten_by_older_events(
 
     pub = WorkerPublisher(index, "w", snapshot, purge_interval_s=None)
     pub.submit(pool.store([k0, p, c]), LOAD)
-    pub._drain()
-    pub._sync(time.monotonic())  # registered; [k0, p, c] published
+    pub.sync.drain()
+    pub.sync.sync(time.monotonic())  # registered; [k0, p, c] published
     assert index.lookup([k0, p, c]) == {"w": 3}
     pub.submit(pool.evict(c, p), LOAD)  # step 1
-    pub._drain()  # into the outbox (not sent yet: Redis is slow, say)
+    pub.sync.drain()  # into the outbox (not sent yet: Redis is slow, say)
     pub.submit(pool.store([p], k0) + pool.store([d], p), LOAD)  # step 2, still in the inbox
-    pub._resync_due = True
-    pub._sync(time.monotonic())  # resync, then whatever is left in the outbox
+    pub.sync.want_resync()
+    pub.sync.sync(time.monotonic())  # resync, then whatever is left in the outbox
     after = index.held_keys("w")
     if marked:
         assert cut_taken and after == {k0, p, d}  # the snapshot, exactly
         assert pub.stats.events_applied == pub.stats.events_submitted  # nothing lost
     else:
         assert after == {k0, d}  # the hole: d without its parent p
-    pub._drain()
-    pub._sync(time.monotonic())
+    pub.sync.drain()
+    pub.sync.sync(time.monotonic())
     assert index.held_keys("w") == {k0, p, d}  # either way it converges
     assert index.lookup([k0, p, d]) == {"w": 3}
     pub.stop()
