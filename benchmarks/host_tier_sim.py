@@ -4,7 +4,7 @@ Replays the Mooncake conversation trace (``../shared/traces/conversation_trace.j
 through the real router (prefix_affinity) against 8 simulated workers, each a real
 ``KVCacheManager`` with a small device cache (``--kv-tokens``, default 1M tokens) plus a host
 tier of 0..16x that size, and an unbounded-cache run for reference. Host blocks are loaded
-back at ``TimeModel.host_load_s_per_token`` (200 GB/s per node for a 70B-class model, see
+back at ``TimeModel.tier_load_s_per_token[host]`` (200 GB/s per node for a 70B-class model, see
 ``router/sim/config.py``); the router counts a host block as ``tier_hit_weights["host"]`` of a
 device block. Targets, host tier 8x the device: hit rate within 5 % of the unbounded run's,
 mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png`` (hit rate, mean TTFT
@@ -55,6 +55,7 @@ from pathlib import Path
 
 from benchmarks import trace_sim
 from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
+from kvstore.blocks.tiers import Tier
 from router import RoutingConfig
 
 TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
@@ -70,10 +71,10 @@ def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     row = trace_sim.replay_row(trace_sim.replayed_requests(args), routing, sim)
     served, s, tm = row.served, row.summary, sim.time
     prompt = row.prompt_tokens
-    host_hits = sum(r.host_cached_tokens for r in served)
+    host_hits = sum(r.tier_cached_tokens.get(Tier.HOST, 0) for r in served)
     # TTFT = the request's own prefill alone on an idle worker (incl. its load-back) + waiting.
-    alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.host_cached_tokens) for r in served)
-    load = host_hits * tm.host_load_s_per_token
+    alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.tier_cached_tokens) for r in served)
+    load = host_hits * tm.tier_load_s_per_token[Tier.HOST]
     makespan = max(r.finish_s for r in served)
     return {
         "device_tokens": "unbounded" if unbounded else device,

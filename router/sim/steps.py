@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.blocks.events import BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest
 from worker.kv import KVCacheManager, KVCapacityError
@@ -168,8 +169,9 @@ class SimSteps:
         assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
         active.pos = alloc.num_cached_tokens
         active.rec.cached_tokens = alloc.num_cached_tokens
-        active.rec.host_cached_tokens = alloc.num_host_tokens
-        self._load_s += alloc.num_host_tokens * self.tm.host_load_s_per_token
+        hosted = alloc.num_host_tokens
+        active.rec.tier_cached_tokens = {Tier.HOST: hosted} if hosted else {}
+        self._load_s += self.tm.load_s(active.rec.tier_cached_tokens)
         self._use_lora(req.ctx.lora_id)
         self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
         events = self.kv.drain_events()
