@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from kvstore.blocks.protocol import WorkerStatus
+from kvstore.types import WorkerLoad
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_scheduler import prompts
 from tests.engine.test_telemetry import FAKE_METRICS
@@ -153,3 +155,16 @@ def test_stage_seconds_sum_the_steps_that_ran_the_model() -> None:
     per_step = stages.per_step_ms()
     assert per_step["total"] == pytest.approx(stages.total * 1e3 / stages.steps)
     assert set(per_step) == {*STEP_STAGES, "total", "host"}
+
+
+def test_load_and_status_fields_are_named_as_the_snapshots() -> None:
+    """The load and the status are derived by field name: each of their fields is a
+    snapshot's (or the load's) of the same name, or one of the few given explicitly, so a
+    figure renamed on one side fails here instead of silently taking its default."""
+    snap = {f.name for f in dataclasses.fields(EngineSnapshot)}
+    load = {f.name for f in dataclasses.fields(WorkerLoad)}
+    status = {f.name for f in dataclasses.fields(WorkerStatus)}
+    assert load - snap == {"tier_blocks"}  # the tiers' sizes, from snap.tiers
+    given = {"worker_id", "epoch", "index_healthy", "swap_preemptions", "recompute_preemptions"}
+    by_router = {"stale", "heartbeat_age_s"}
+    assert status - snap - load == given | {"adapters"} | by_router
