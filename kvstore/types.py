@@ -40,7 +40,7 @@ class WorkerLoad:
     # of free_blocks, the evictable cached blocks the waiting requests' prefixes will pin
     # when they start (a block several of them share counted once): room that is not free
     waiting_pinned_blocks: int = 0
-    # 1: its engine admits the waiting requests whose prefix is cached first (cache-aware
+    # its engine admits the waiting requests whose prefix is cached first (cache-aware
     # admission), so a request arriving with its prefix cached (pulled) runs before the
     # queue's uncached prompts allocate their blocks
     admits_cached_first: bool = False

@@ -103,7 +103,7 @@ class InMemoryPrefixIndex(PrefixSource):
     """
 
     def __init__(self) -> None:
-        self._tiers = {tier: _TierKeys() for tier in HELD_TIERS}
+        self._tiers = {tier: _TierHolders() for tier in HELD_TIERS}
         self._next_seq: dict[WorkerId, int] = {}
         self.events_applied = 0  # events applied since creation
         self.gaps = 0  # event batches whose first seq skipped ahead (lost events)
@@ -158,7 +158,7 @@ class InMemoryPrefixIndex(PrefixSource):
         return {w: {t: n for t, n in counts.items() if n} for w, counts in out.items()}
 
 
-class _TierKeys:
+class _TierHolders:
     """Key -> workers holding it in one KV tier, and each worker's keys there."""
 
     def __init__(self) -> None:
