@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvstore.blocks.tiers import Tier, TierBlocks
+from kvstore.blocks.tiers import HELD_TIERS, Tier, TierBlocks
 from router.placement.types import WorkerId
 
 
@@ -63,10 +63,11 @@ def weighted_blocks(counts: TierBlocks, cap: int, tier_weights: Mapping[Tier, fl
     """A worker's leading blocks, each weighed by its tier, fastest tier first, up to ``cap``
     blocks in all."""
     total, left = 0.0, cap
-    for tier in sorted(counts, key=lambda t: Tier(t).rank):
-        n = min(counts[tier], left)
-        total += tier_weights.get(tier, 0.0) * n
-        left -= n
+    for tier in HELD_TIERS:
+        n = min(counts.get(tier, 0), left)
+        if n:
+            total += tier_weights.get(tier, 0.0) * n
+            left -= n
     return total
 
 
