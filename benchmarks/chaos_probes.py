@@ -83,7 +83,7 @@ def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
 
     def counts(w: Any) -> tuple[int, int]:
         snap = w.engine_loop.call(Snapshot())
-        return snap.num_running, snap.num_waiting
+        return snap.running, snap.waiting
 
     return on_workers(cluster, counts)
 

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.common import emit_json, print_table
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.tiers import Tier
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 
@@ -67,7 +68,7 @@ def _run(model_dir, args: argparse.Namespace, host_bytes: int, prompts) -> tuple
         "ttft_mean_s": m.ttft.mean,
         "ttft_p90_s": m.ttft.p90,
         "hit_rate": m.prefix_hit_rate,
-        "host_hit_tok": m.host_hit_tokens,
+        "host_hit_tok": m.tiers[Tier.HOST].hit_tokens if Tier.HOST in m.tiers else 0,
         "computed_tok": m.computed_tokens,
     }
     return row, [r.completions[0].token_ids for r in results]

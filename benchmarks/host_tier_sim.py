@@ -4,11 +4,11 @@ Replays the Mooncake conversation trace (``../shared/traces/conversation_trace.j
 through the real router (prefix_affinity) against 8 simulated workers, each a real
 ``KVCacheManager`` with a small device cache (``--kv-tokens``, default 1M tokens) plus a host
 tier of 0..16x that size, and an unbounded-cache run for reference. Host blocks are loaded
-back at ``TimeModel.host_load_s_per_token`` (200 GB/s per node for a 70B-class model, see
-``router/sim/config.py``); the router counts a host block as ``host_hit_weight`` of a device
-block. Targets, host tier 8x the device: hit rate within 5 % of the unbounded
-run's, mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png`` (hit rate, mean
-TTFT and its no-waiting part vs host-tier size).
+back at ``TimeModel.tier_load_s_per_token[host]`` (200 GB/s per node for a 70B-class model, see
+``router/sim/config.py``); the router counts a host block as ``tier_hit_weights["host"]`` of a
+device block. Targets, host tier 8x the device: hit rate within 5 % of the unbounded run's,
+mean TTFT <= 0.7x the device-only run's. Writes ``host_tier_sim.png`` (hit rate, mean TTFT
+and its no-waiting part vs host-tier size).
 
 Every row (the unbounded one too) replays the same requests: those larger than the device
 cache, which every device-limited row would reject, are left out of all of them, and the
@@ -55,6 +55,7 @@ from pathlib import Path
 
 from benchmarks import trace_sim
 from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
+from kvstore.blocks.tiers import Tier
 from router import RoutingConfig
 
 TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
@@ -64,16 +65,16 @@ TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
 def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     device, host, unbounded, args = task
     routing = RoutingConfig(
-        policy="prefix_affinity", seed=args.seed, host_hit_weight=args.host_weight
+        policy="prefix_affinity", seed=args.seed, tier_hit_weights={"host": args.host_weight}
     )
     sim = trace_sim.sim_config(args, device, host)
     row = trace_sim.replay_row(trace_sim.replayed_requests(args), routing, sim)
     served, s, tm = row.served, row.summary, sim.time
     prompt = row.prompt_tokens
-    host_hits = sum(r.host_cached_tokens for r in served)
+    host_hits = sum(r.tier_cached_tokens.get(Tier.HOST, 0) for r in served)
     # TTFT = the request's own prefill alone on an idle worker (incl. its load-back) + waiting.
-    alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.host_cached_tokens) for r in served)
-    load = host_hits * tm.host_load_s_per_token
+    alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.tier_cached_tokens) for r in served)
+    load = host_hits * tm.tier_load_s_per_token[Tier.HOST]
     makespan = max(r.finish_s for r in served)
     return {
         "device_tokens": "unbounded" if unbounded else device,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     trace_sim.add_args(ap)
     ap.add_argument("--host-x", default="0,1,2,4,8,16", help="host tier sizes, x device")
-    ap.add_argument("--host-weight", type=float, default=0.5, help="router host_hit_weight")
+    ap.add_argument("--host-weight", type=float, default=0.5, help="router tier_hit_weights[host]")
     args = trace_sim.parse(ap, argv, host_x="0,8")
     sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
     # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).

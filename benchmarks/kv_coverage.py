@@ -51,7 +51,7 @@ class CoverageSampler:
         held = copies = 0
         for keys in self.keys:
             counts = self.index.lookup_tiers(keys) or {}
-            per = [min(d + h, len(keys)) for d, h in counts.values()]
+            per = [min(sum(held.values()), len(keys)) for held in counts.values()]
             held += max(per, default=0)
             copies += sum(per)
         return held / total, copies / total

@@ -56,6 +56,7 @@ from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.stats import quantile
 from kvstore.config import IndexConfig
+from kvstore.events import Op
 from kvstore.index import KVIndex
 
 TARGET_LOOKUP_P99_MS = 2.0
@@ -85,7 +86,7 @@ def populate(index: KVIndex, args: argparse.Namespace, rng: random.Random) -> di
         for w in holders[c]:
             for start in range(0, len(recorded), args.batch):
                 seq[w] += 1
-                ops = [("S", tuple(recorded[start : start + args.batch]))]
+                ops = [Op("S", tuple(recorded[start : start + args.batch]))]
                 result = index.apply_ops(w, epochs[w], seq[w], ops)
                 assert result.applied, result
                 entries += result.added
@@ -109,10 +110,10 @@ def churn(index: KVIndex, state: dict, args: argparse.Namespace, rng: random.Ran
     t0 = time.perf_counter()
     for keys in fresh:
         seq += 1
-        assert index.apply_ops(w, epoch, seq, [("S", tuple(keys))]).applied
+        assert index.apply_ops(w, epoch, seq, [Op("S", tuple(keys))]).applied
     for keys in fresh:
         seq += 1
-        assert index.apply_ops(w, epoch, seq, [("R", tuple(keys))]).applied
+        assert index.apply_ops(w, epoch, seq, [Op("R", tuple(keys))]).applied
     state["seq"][w] = seq
     return 2 * n_batches * args.small_batch / (time.perf_counter() - t0)
 
@@ -196,7 +197,7 @@ def staggered(
             recorded = chain[k - 1 : depth : k]
             for start in range(0, len(recorded), args.batch):
                 state["seq"][w] += 1
-                ops = [("S", tuple(recorded[start : start + args.batch]))]
+                ops = [Op("S", tuple(recorded[start : start + args.batch]))]
                 assert index.apply_ops(w, state["epochs"][w], state["seq"][w], ops).applied
         cases.append((chain, {w: d // k * k for w, d in zip(holders, depths, strict=True)}))
     return cases

@@ -44,6 +44,7 @@ from benchmarks.common import emit_json, print_table
 from benchmarks.kvstore_index import ServerTimer, latency_summary
 from kvstore.blocks.events import BlockStored
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 
@@ -69,11 +70,16 @@ def populate(
         if tiered:
             events = [BlockStored(0, tuple(chain[:d]), None, (), 16)]
             events.append(
-                BlockStored(1, tuple(chain[d:u]), chain[d - 1] if d else None, (), 16, "host")
+                BlockStored(1, tuple(chain[d:u]), chain[d - 1] if d else None, (), 16, Tier.HOST)
             )
         else:
             events = [BlockStored(0, tuple(chain[:u]), None, (), 16)]
         assert index.apply_events(w, epoch, 1, events).applied
+
+
+def _tiers(device: int, host: int) -> dict[Tier, int]:
+    """A lookup_tiers answer of one worker: its leading blocks per tier holding any."""
+    return {t: n for t, n in ((Tier.DEVICE, device), (Tier.HOST, host)) if n}
 
 
 def measure(call: Callable[[], dict], expect: dict, reps: int, timer: ServerTimer) -> dict:
@@ -114,14 +120,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                 populate(idx[tiered, "bisect"], chain, layout, tiered)
             timer = ServerTimer(idx[False, "bisect"])
             union = {f"w{i}": u for i, (_, u) in enumerate(layout)}
-            split = {f"w{i}": (d, u - d) for i, (d, u) in enumerate(layout)}
+            split = {f"w{i}": _tiers(d, u - d) for i, (d, u) in enumerate(layout)}
             for mode in MODES:
                 dev, tier = idx[False, mode], idx[True, mode]
                 cases = {
                     "lookup, device-only index": (lambda i=dev: i.lookup(chain), union),
                     "lookup_tiers, device-only index": (
                         lambda i=dev: i.lookup_tiers(chain),
-                        {w: (u, 0) for w, u in union.items()},
+                        {w: _tiers(u, 0) for w, u in union.items()},
                     ),
                     "lookup_tiers, tiered index": (lambda i=tier: i.lookup_tiers(chain), split),
                 }

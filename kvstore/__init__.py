@@ -16,11 +16,11 @@ multi-key scripts run on Redis Cluster too (scale out by model, not within one).
 =====================  ======  ===========================================================
 key                    type    content
 =====================  ======  ===========================================================
-``<ns>blk``            hash    field: a recorded 16-byte block key (raw bytes);
+``<ns>blk:<tier>``     hash    field: a recorded 16-byte block key (raw bytes) in that tier;
                                value: the slots holding it, 2 big-endian bytes each, sorted
-``<ns>held:<slot>``    set     the 16-byte keys one registration holds (resync, clear, purge)
-``<ns>hblk``           hash    as ``blk``, for blocks in workers' host KV tiers
-``<ns>hheld:<slot>``   set     as ``held``, for the registration's host-tier keys
+``<ns>held:<tier>:<slot>``
+                       set     the 16-byte keys one registration holds in that tier (resync,
+                               clear, purge)
 ``<ns>reg``            hash    worker id -> ``"<slot>:<epoch>"``, its current registration
 ``<ns>slots``          hash    slot -> ``"<epoch>:<worker id>"`` for every registration not yet
                                purged (current, superseded or dead)
@@ -31,16 +31,20 @@ key                    type    content
 ``<ns>free``           set     purged slots ready for reuse
 =====================  ======  ===========================================================
 
+``<tier>`` is the value of a :class:`~kvstore.blocks.tiers.Tier` in
+:data:`~kvstore.blocks.tiers.HELD_TIERS` (``device``, ``host``, ``disk``); the scripts list
+those tiers from ``HELD_TIERS``, so a tier added there is indexed with no edit here.
+
 A *slot* (0..65535) names one registration (worker id, epoch). Registering again gives a new
 epoch and a new slot and deletes the old slot's heartbeat, so the old entries are ignored at
 once: a lookup only counts slots that are some worker's current registration *and* have a
 live heartbeat. Entries of dead slots stay until :meth:`KVIndex.purge_dead` walks ``slots``
 (the registry, never the keyspace) and empties their ``held`` sets in bounded chunks; only
-then is a slot reused, so a ``blk`` value never names a reused slot's stale entries.
+then is a slot reused, so a ``blk:<tier>`` value never names a reused slot's stale entries.
 
 Memory (Redis 7.0, jemalloc; ``MEMORY USAGE`` and ``benchmarks/kvstore_index.py``):
 
-* ``blk`` field: ~80 B per distinct recorded block (dict entry, 16-byte field, value) plus
+* ``blk:device`` field: ~80 B per distinct recorded block (dict entry, 16-byte field, value) plus
   2 B per holder;
 * ``held`` member: ~72 B per recorded (block, worker) entry;
 * so one (block, worker) entry costs ~72 + 80/h B where h is the number of workers holding
@@ -90,14 +94,17 @@ block j, blocks 0..j-1"). Every writer keeps it so:
   under-count; counts are routing hints (a worker reuses only what its own prefix match
   finds), so it would cost routing quality only.
 
-Host tier. ``KVIndex.lookup_tiers`` returns per live worker (device depth d, host depth h) in
-one script call (``lookup_scripts.LOOKUP_TIERS``): the device lookup of the configured mode,
-then the same walk (bisect or scan) over values naming a key's holders in either tier, giving
-the depth u of each worker's device-or-host prefix; h = u - d. Exact under the same condition,
-since the host tier keeps each worker's union of both tiers prefix-closed
-(``worker/kv/host_tier.py``), so keys d..u-1 are all in its host tier. Without any host entry
-it costs one EXISTS more than ``lookup``. A resync passes both tiers
-(``kvstore.events.TierKeys``); a clear and a purge empty both.
+Tiers. ``KVIndex.lookup_tiers`` returns per live worker its leading blocks per tier
+(``TierBlocks``: ``{DEVICE: d, HOST: h, ...}``, the tiers holding none left out) in one script
+call (``lookup_scripts.LOOKUP_TIERS``): the device lookup of the configured mode, then for each
+lower tier with any entry the same walk (bisect or scan) over values naming a key's holders in
+that tier or a faster one, giving the depth of each worker's prefix held in those tiers; a
+tier's count is how far it extends the faster tiers' depth (h = u - d for the host tier).
+Exact under the same condition, since the KV manager keeps each worker's union of tiers
+prefix-closed (``worker/kv/``), so the keys past the faster tiers' depth are all in that tier.
+Each lower tier without any entry costs one EXISTS. A resync passes the keys per tier
+(``kvstore.events.TierKeys``, a mapping Tier -> keys; a tier not named is emptied); a clear
+and a purge empty every tier.
 
 Use ``scan`` when a publisher is not this engine, or its cache may hold a block without its
 parent (another eviction policy, hand-written events): scan is exact for any index.

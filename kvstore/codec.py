@@ -10,6 +10,7 @@ from typing import TypeVar
 import redis
 
 from kvstore.blocks.hashing import KEY_BYTES, BlockKey
+from kvstore.blocks.tiers import HELD_TIERS, Tier
 from kvstore.events import Op
 from kvstore.types import ApplyResult, IndexUnavailable, WorkerInfo, WorkerLoad
 
@@ -28,18 +29,20 @@ def key_blob(keys: Sequence[BlockKey]) -> bytes:
 
 
 def encode_ops(ops: Iterable[Op]) -> list[bytes]:
-    """Script arguments for ops: (kind, blob) pairs, consecutive ops of a kind merged."""
+    """Script arguments for ops: (op, blob) pairs, op being ``C`` or the kind followed by the
+    tier's value (``Sdevice``); consecutive ops of a kind and tier merged."""
     args: list[bytes] = []
-    run_kind: str | None = None
+    run_op: str | None = None
     run: list[BlockKey] = []
-    for kind, keys in ops:
-        if kind != run_kind or kind == "C":
-            if run_kind is not None:
-                args += [run_kind.encode(), key_blob(run)]
-            run_kind, run = kind, []
+    for kind, keys, tier in ops:
+        op = kind if tier is None else kind + tier.value
+        if op != run_op or kind == "C":
+            if run_op is not None:
+                args += [run_op.encode(), key_blob(run)]
+            run_op, run = op, []
         run.extend(keys)
-    if run_kind is not None:
-        args += [run_kind.encode(), key_blob(run)]
+    if run_op is not None:
+        args += [run_op.encode(), key_blob(run)]
     return args
 
 
@@ -47,12 +50,14 @@ def decode_lookup(reply: list, record_every: int) -> dict[str, int]:
     return {reply[i].decode(): int(reply[i + 1]) * record_every for i in range(0, len(reply), 2)}
 
 
-def decode_lookup_tiers(reply: list, record_every: int) -> dict[str, tuple[int, int]]:
-    k = record_every
-    return {
-        reply[i].decode(): (int(reply[i + 1]) * k, int(reply[i + 2]) * k)
-        for i in range(0, len(reply), 3)
-    }
+def decode_lookup_tiers(reply: list, record_every: int) -> dict[str, dict[Tier, int]]:
+    """Per worker, its leading blocks per tier (the tiers holding none left out)."""
+    k, n = record_every, len(HELD_TIERS)
+    out: dict[str, dict[Tier, int]] = {}
+    for i in range(0, len(reply), n + 1):
+        counts = zip(HELD_TIERS, reply[i + 1 : i + 1 + n], strict=True)
+        out[reply[i].decode()] = {tier: int(c) * k for tier, c in counts if int(c)}
+    return out
 
 
 def decode_live(reply: list) -> dict[str, WorkerInfo]:

@@ -2,7 +2,7 @@
 
 Events are the block vocabulary's (:mod:`kvstore.blocks.events`), as the KV manager emits them.
 
-A :class:`Recorder` turns events into :data:`Op` s on the keys the index records. With
+A :class:`Recorder` turns events into :class:`Op` s on the keys the index records. With
 ``record_every == 1`` that is every key. With ``k > 1`` it records the key of block ``j`` only
 when ``(j + 1) % k == 0``: since keys are chained, holding that key means holding blocks
 ``0..j``, so a lookup stays exact at multiples of ``k``. Events do not carry block positions,
@@ -10,10 +10,10 @@ so the recorder derives them from ``parent`` (``None`` is block 0) and remembers
 of every cached key of its worker (one dict entry per cached block). A stored key whose parent
 it never saw is not recorded (a lookup may under-count, never over-count).
 
-Host tier: events with ``tier="host"`` (see :mod:`kvstore.blocks.events`) become ops ``"s"``
-(stored in the host tier) and ``"r"`` (removed from it) on a second set of entries; a clear
-("C") drops both tiers. Positions are remembered per tier (a key moving between tiers may
-leave one after it entered the other); a host key's parent may be in either tier.
+Tiers: a stored or removed event's :class:`~kvstore.blocks.tiers.Tier` becomes its op's tier,
+so the index keeps one set of entries per tier; a clear ("C") drops every tier. Positions are
+remembered per tier (a key moving between tiers may leave one after it entered the other); a
+key's parent may be in any tier.
 
 Recording is idempotent: replaying events already seen yields the same ops and state, so a
 caller may retry ``apply_events`` with the same batch after an outage.
@@ -28,23 +28,29 @@ the blocks cached before the loss until they are stored again (``k > 1`` only).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import HELD_TIERS, Tier
 
-OpKind = Literal["S", "R", "s", "r", "C"]  # stored, removed (device; lower case: host), cleared
-Op = tuple[OpKind, tuple[BlockKey, ...]]
-"""One recorded change: ("S", keys) stored, ("R", keys) removed, ("C", ()) all cleared; "s"
-and "r" are the same for the host tier."""
+OpKind = Literal["S", "R", "C"]  # stored, removed, all cleared
 
 
-class TierKeys(NamedTuple):
-    """A worker's cached keys per tier (a resync snapshot of a worker with a host tier)."""
+class Op(NamedTuple):
+    """One recorded change: ``("S", keys, tier)`` stored in ``tier``, ``("R", keys, tier)``
+    removed from it, ``("C", (), None)`` every tier cleared."""
 
-    device: Sequence[BlockKey]
-    host: Sequence[BlockKey]
+    kind: OpKind
+    keys: tuple[BlockKey, ...]
+    tier: Tier | None = Tier.DEVICE
+
+
+CLEARED = Op("C", (), None)
+
+TierKeys = Mapping[Tier, Iterable[BlockKey]]
+"""A worker's cached keys per tier (a resync snapshot); a tier it does not name is empty."""
 
 
 _KINDS: dict[type, OpKind] = {BlockStored: "S", BlockRemoved: "R", AllBlocksCleared: "C"}
@@ -63,13 +69,13 @@ def event_kind(event: object) -> OpKind:
 class Recorder:
     """Per-worker conversion of KV events into ops on recorded keys. Not thread-safe."""
 
-    __slots__ = ("record_every", "_pos", "_hpos")
+    __slots__ = ("record_every", "_pos")
 
     def __init__(self, record_every: int = 1) -> None:
         assert record_every >= 1
         self.record_every = record_every
-        self._pos: dict[BlockKey, int] = {}  # position of each device key (k > 1 only)
-        self._hpos: dict[BlockKey, int] = {}  # position of each host-tier key (k > 1 only)
+        # position of each key, per tier that holds it (k > 1 only)
+        self._pos: dict[Tier, dict[BlockKey, int]] = {tier: {} for tier in HELD_TIERS}
 
     def _recorded_position(self, pos: int | None) -> bool:
         return pos is not None and (pos + 1) % self.record_every == 0
@@ -80,12 +86,11 @@ class Recorder:
         for event in events:
             kind = event_kind(event)
             if kind == "C":
-                self._pos.clear()
-                self._hpos.clear()
-                ops.append(("C", ()))
+                self.forget()
+                ops.append(CLEARED)
                 continue
-            host = getattr(event, "tier", "device") != "device"
-            pos = self._hpos if host else self._pos
+            tier = Tier(event.tier)  # type: ignore[attr-defined]
+            pos = self._pos[tier]
             keys: Sequence[BlockKey] = event.keys  # type: ignore[attr-defined]
             if k == 1:
                 out = tuple(keys)
@@ -94,16 +99,14 @@ class Recorder:
             else:
                 # Unknown keys are sent too: they may have been recorded before a replay.
                 out = tuple(key for key in keys if pos.pop(key, -1) % k == k - 1)
-            ops.append((kind.lower() if host else kind, out))  # type: ignore[arg-type]
-        return [op for op in ops if op[0] == "C" or op[1]]
+            if out:
+                ops.append(Op(kind, out, tier))
+        return ops
 
     def _stored(
         self, parent: BlockKey | None, keys: Sequence[BlockKey], into: dict[BlockKey, int]
     ) -> tuple[BlockKey, ...]:
-        if parent is None:
-            pos: int | None = -1
-        else:
-            pos = self._pos.get(parent, self._hpos.get(parent))
+        pos: int | None = -1 if parent is None else self._position(parent)
         out = []
         for key in keys:
             pos = None if pos is None else pos + 1
@@ -115,18 +118,25 @@ class Recorder:
                 out.append(key)
         return tuple(out)
 
+    def _position(self, key: BlockKey) -> int | None:
+        """The key's position in whichever tier holds it (fastest first), or None."""
+        for pos in self._pos.values():
+            found = pos.get(key)
+            if found is not None:
+                return found
+        return None
+
     def forget(self) -> None:
         """Forget every position: only keys stored from now on under a known parent (or as
         block 0) are recorded. For after lost events (see the module docstring)."""
-        self._pos.clear()
-        self._hpos.clear()
+        for pos in self._pos.values():
+            pos.clear()
 
-    def recorded(self, keys: Iterable[BlockKey], *, host: bool = False) -> list[BlockKey]:
-        """The subset of a worker's cached keys (of the host tier if ``host``) that the index
-        records."""
+    def recorded(self, keys: Iterable[BlockKey], tier: Tier = Tier.DEVICE) -> list[BlockKey]:
+        """The subset of a worker's cached keys in ``tier`` that the index records."""
         if self.record_every == 1:
             return list(keys)
-        pos = self._hpos if host else self._pos
+        pos = self._pos[tier]
         return [key for key in keys if self._recorded_position(pos.get(key))]
 
 

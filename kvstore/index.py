@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
 
 from kvstore import lookup_scripts, registry_scripts, scripts
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier, TierBlocks
 from kvstore.codec import (
     check_worker_id,
     decode_apply,
@@ -143,16 +144,15 @@ class KVIndex:
     ) -> bool:
         """Replace the worker's whole key set atomically; later batches continue at batch_seq+1.
 
-        ``keys``: its device keys, or a :class:`TierKeys` with its host-tier keys too (plain
-        keys empty its host-tier entries). Returns False when ``epoch`` is stale.
+        ``keys``: its device keys, or its keys per tier (:data:`TierKeys`); a tier not given
+        is emptied. Returns False when ``epoch`` is stale.
         """
         rec = self.recorder(worker_id)
-        host: Iterable[BlockKey] = ()
-        if isinstance(keys, TierKeys):
-            keys, host = keys.device, keys.host
-        blob = key_blob(rec.recorded(keys))
-        hblob = key_blob(rec.recorded(host, host=True))
-        reply = self._run("RESYNC", worker_id, epoch, batch_seq, blob, hblob)
+        tiers: TierKeys = keys if isinstance(keys, Mapping) else {Tier.DEVICE: keys}
+        args: list[object] = []
+        for tier, held in tiers.items():
+            args += [Tier(tier).value, key_blob(rec.recorded(held, tier))]
+        reply = self._run("RESYNC", worker_id, epoch, batch_seq, *args)
         return int(reply[0]) == 0
 
     def spare_keys(self, worker_id: str, epoch: int) -> set[BlockKey]:
@@ -178,17 +178,17 @@ class KVIndex:
         reply = self._run("LOOKUP", key_blob(sampled(keys, k)))
         return decode_lookup(reply, k)
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> dict[str, tuple[int, int]]:
-        """Like :meth:`lookup`, per live worker (leading blocks on its device, further leading
-        blocks in its host tier), in one round trip. The host count continues the device
-        count: blocks ``d .. d+h-1`` of ``keys`` are in the worker's host tier."""
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> dict[str, TierBlocks]:
+        """Like :meth:`lookup`, per live worker its leading blocks per tier (see
+        :data:`~kvstore.blocks.tiers.TierBlocks`: each tier's count continues the faster
+        tiers'), in one round trip."""
         k = self.config.record_every
         reply = self._run("LOOKUP_TIERS", key_blob(sampled(keys, k)))
         return decode_lookup_tiers(reply, k)
 
     def lookup_many(
         self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
-    ) -> list[dict[str, int] | dict[str, tuple[int, int]]]:
+    ) -> list[dict[str, int] | dict[str, TierBlocks]]:
         """:meth:`lookup` (or :meth:`lookup_tiers` where its flag is set) of each prompt, in
         order, in one round trip (a pipeline): a burst's requests placed together. Each
         answer is what its own call would have answered at that moment."""
@@ -234,10 +234,10 @@ class KVIndex:
             done += left == 0
         return done
 
-    def held_keys(self, worker_id: str, *, host: bool = False) -> set[BlockKey]:
-        """The recorded keys the worker's current registration holds on its device (in its
-        host tier if ``host``); for tests and operators."""
-        return {BlockKey(k) for k in self._run("HELD", worker_id, "hheld" if host else "held")}
+    def held_keys(self, worker_id: str, tier: Tier = Tier.DEVICE) -> set[BlockKey]:
+        """The recorded keys the worker's current registration holds in ``tier``; for tests
+        and operators."""
+        return {BlockKey(k) for k in self._run("HELD", worker_id, tier.value)}
 
     def ping(self) -> None:
         guard(self._client.ping)

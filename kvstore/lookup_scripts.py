@@ -1,8 +1,8 @@
 """Lua scripts of the prefix lookup: per live worker, how many leading blocks of a prompt it
-holds (device, or per tier), in one atomic call. One script per ``IndexConfig.lookup`` mode:
-the same live-registration preamble and output, with the walk of that mode (``scan``: every
-key in growing chunks; ``bisect``: gallop and binary-search to each breakpoint). Conventions:
-see :mod:`kvstore.scripts`.
+holds (on its device, or per tier of ``TIERS``), in one atomic call. One script per
+``IndexConfig.lookup`` mode: the same live-registration preamble and output, with the walk
+of that mode (``scan``: every key in growing chunks; ``bisect``: gallop and binary-search to
+each breakpoint). Conventions: see :mod:`kvstore.scripts`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ local live, counts = {}, {}
 for i = 1, #wids do live[slot_bytes(slots[i])] = i; counts[i] = 0 end
 local blob = ARGV[1]
 local n = #blob / 16
-local blk, hblk = ns .. 'blk', ns .. 'hblk'
--- Readers of a prompt key's holders (a value of slot bytes; false: none): key i alone (one)
--- or keys from..to-1 (many), 0-based; on the device, or in either tier (union). A worker
--- holds a key in at most one tier; a transient double is named once.
+-- Readers of a prompt key's holders (a value of slot bytes; false: none) in the union of the
+-- tier hashes hs: key i alone (one) or keys from..to-1 (many), 0-based. A worker holds a key
+-- in at most one tier; a transient double is named once.
 local function key(i) return sub(blob, i * 16 + 1, i * 16 + 16) end
 local function either(a, b)
   if not (a and b) then return a or b end
@@ -32,22 +31,27 @@ local function either(a, b)
   end
   return a
 end
-local dev = {
-  one = function(i) return redis.call('HGET', blk, key(i)) end,
-  many = function(from, to) return redis.call('HMGET', blk, unpack(split(blob, from, to))) end,
-}
-local union = {
-  one = function(i)
-    local k = key(i)
-    return either(redis.call('HGET', blk, k), redis.call('HGET', hblk, k))
-  end,
-  many = function(from, to)
-    local ks = split(blob, from, to)
-    local dv, hv = redis.call('HMGET', blk, unpack(ks)), redis.call('HMGET', hblk, unpack(ks))
-    for i = 1, to - from do dv[i] = either(dv[i], hv[i]) end
-    return dv
-  end,
-}
+local function reader(hs)
+  local h1 = hs[1]
+  return {
+    one = function(i)
+      local k = key(i)
+      local v = redis.call('HGET', h1, k)
+      for t = 2, #hs do v = either(v, redis.call('HGET', hs[t], k)) end
+      return v
+    end,
+    many = function(from, to)
+      local ks = split(blob, from, to)
+      local vs = redis.call('HMGET', h1, unpack(ks))
+      for t = 2, #hs do
+        local more = redis.call('HMGET', hs[t], unpack(ks))
+        for i = 1, to - from do vs[i] = either(vs[i], more[i]) end
+      end
+      return vs
+    end,
+  }
+end
+local dev = reader({blk_of(TIERS[1])})
 -- A walk's candidates: live slots holding every key read so far (slot bytes -> true).
 local active, nactive = {}, 0
 local function start(v)  -- v: holders of the first key; every live count restarts at 0
@@ -69,7 +73,7 @@ end
 """
 
 # walk(read): counts[i] = leading prompt keys live worker i holds, reading holders with read
-# (dev or union). One walk per IndexConfig.lookup mode.
+# (a reader of one tier or of a union of tiers). One walk per IndexConfig.lookup mode.
 #
 # Scan: read every key in growing chunks (1, 64, 256, 1024, 1024, ...) until no candidate is
 # left; a candidate's count is the index of the first key it lacks. Exact for any index.
@@ -148,21 +152,33 @@ end
 return out
 """
 
-# Tiers: the device walk (each worker's device depth d), then the same walk on the holders in
-# either tier, giving the depth u of its device-or-host prefix. Exact because each worker's
-# union is prefix-closed too (worker/kv/host_tier.py), and its device set is: so keys d..u-1
-# are all in its host tier. -> {worker_id, d, u - d, ...}. Without any host-tier entry it
-# costs one EXISTS more than the device lookup.
+# Tiers: the device walk (each worker's device depth), then for each lower tier that has any
+# entry the same walk on the holders in that tier or any faster one, giving the depth of each
+# worker's prefix held in those tiers; a tier's count is how far it extends the depth of the
+# faster ones. Exact because each worker's union of tiers is prefix-closed too (the KV
+# manager's tiers keep it so), and its device set is: so the keys past the faster tiers'
+# depth are all in that tier. -> {worker_id, one count per tier of TIERS, ...}. Each lower
+# tier without any entry costs one EXISTS.
 _TIERS_OUT = r"""
+local hs = {blk_of(TIERS[1])}
 walk(dev)
-local dev = {}
-for i, c in pairs(counts) do dev[i] = c end
-if n > 0 and redis.call('EXISTS', hblk) == 1 then walk(union) end
+local per, depth = {}, {}
+for i, c in pairs(counts) do per[i] = {c}; depth[i] = c end
+for t = 2, #TIERS do
+  local h = blk_of(TIERS[t])
+  local deeper = n > 0 and redis.call('EXISTS', h) == 1
+  if deeper then hs[#hs + 1] = h; walk(reader(hs)) end
+  for i in pairs(per) do
+    local d = deeper and math.max(depth[i], counts[i]) or depth[i]
+    per[i][t] = d - depth[i]
+    depth[i] = d
+  end
+end
 local out = {}
 for i = 1, #wids do
-  if dev[i] then
-    out[#out + 1] = wids[i]; out[#out + 1] = dev[i]
-    out[#out + 1] = math.max(0, counts[i] - dev[i])
+  if per[i] then
+    out[#out + 1] = wids[i]
+    for t = 1, #TIERS do out[#out + 1] = per[i][t] end
   end
 end
 return out
@@ -196,8 +212,8 @@ for i = 1, #slots do
   if slots[i] < slot then keepers[#keepers + 1] = slot_bytes(slots[i]) end
 end
 if #keepers == 0 then return {} end
-local held = redis.call('SMEMBERS', ns .. 'held:' .. slot)
-local blk, out = ns .. 'blk', {}
+local held = redis.call('SMEMBERS', held_of(TIERS[1], slot))
+local blk, out = blk_of(TIERS[1]), {}
 for c = 1, #held, CH do
   local last = math.min(#held, c + CH - 1)
   local vals = redis.call('HMGET', blk, unpack(held, c, last))

@@ -1,7 +1,9 @@
 """WorkerPublisher: ships a worker's KV events and load to the index from a background thread.
 
 The engine's step loop only calls :meth:`WorkerPublisher.submit`, which appends to an inbox
-under a lock held for O(1) and never touches Redis. The thread:
+(:class:`~kvstore.publisher_inbox.PublisherInbox`) under a lock held for O(1) and never
+touches Redis. The publisher owns the thread and its backoff; the thread's rounds against
+Redis are an :class:`~kvstore.index_sync.IndexSync`'s. The thread:
 
 1. drains the inbox through the worker's :class:`~kvstore.events.Recorder` into an outbox
    of ops (always, even during an outage, so recorded positions stay right);
@@ -31,31 +33,29 @@ snapshot holds), until the events that follow them arrive.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.events import TierKeys
 from kvstore.index import KVIndex
-from kvstore.index_sync import IndexSync, Item
+from kvstore.index_sync import IndexSync
+from kvstore.publisher_inbox import PublisherInbox
 from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
 
 _log = logging.getLogger(__name__)
 
 
-class WorkerPublisher(IndexSync):
-    """Publishes one worker's KV events and load; see the module docstring (its rounds
-    against Redis: :class:`~kvstore.index_sync.IndexSync`)."""
+class WorkerPublisher:
+    """Publishes one worker's KV events and load; see the module docstring."""
 
     def __init__(
         self,
         index: KVIndex,
         worker_id: str,
-        list_cached_keys: Callable[[], Sequence[BlockKey] | TierKeys],
+        list_cached_keys: Callable[[], Iterable[BlockKey] | TierKeys],
         *,
         address: str | None = None,
         max_buffer_events: int = 100_000,
@@ -67,40 +67,24 @@ class WorkerPublisher(IndexSync):
     ) -> None:
         self.index = index
         self.worker_id = worker_id
-        self.address = address
-        self._list_cached_keys = list_cached_keys
-        self._max_buffer = max_buffer_events
-        self._max_batch_keys = max_batch_keys
-        self._purge_interval_s = purge_interval_s
-        self._max_backoff_s = max_backoff_s
-        self._heartbeat_interval_s = index.config.heartbeat_ttl_s / 4
-        self._recorder = index.recorder(worker_id)
-        # shared between submit() and the thread, under _lock
-        self._lock = threading.Lock()
-        self._inbox: list[tuple[int, Sequence[object]]] = []  # (submit number, events)
-        self._inbox_events = 0
-        self._submits = 0  # submit() calls so far
-        self._cut: int | None = None  # submits covered by the snapshot being taken
-        self._inbox_overflow = False
-        self._load = _IDLE
-        self._stats = PublisherStats()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._resync_asked = threading.Event()  # request_resync() was called
-        # owned by the thread
-        self._outbox: deque[Item] = deque()
-        self._outbox_events = 0
-        self._inflight: tuple[int, list[Item]] | None = None  # (batch_seq, items) being sent
-        self._resync_due = False
-        self._seq = 0
-        self._epoch: int | None = None
-        self._sent_load: WorkerLoad | None = None
-        self._last_heartbeat = 0.0
-        self._last_purge = time.monotonic()
-        # fleet-aware eviction: called from this thread with the keys another worker keeps
-        self._on_spares = on_spares
-        self._spares_interval_s = spares_interval_s
-        self._next_spares = 0.0
+        self.inbox = PublisherInbox(max_buffer_events)
+        self.sync = IndexSync(
+            index,
+            worker_id,
+            self.inbox,
+            list_cached_keys,
+            wake=self._wake.set,
+            address=address,
+            max_buffer_events=max_buffer_events,
+            max_batch_keys=max_batch_keys,
+            purge_interval_s=purge_interval_s,
+            on_spares=on_spares,
+            spares_interval_s=spares_interval_s,
+        )
+        self._max_backoff_s = max_backoff_s
         self._retry_at = 0.0
         self._backoff_s = 0.05
         self._healthy = False
@@ -110,17 +94,7 @@ class WorkerPublisher(IndexSync):
 
     def submit(self, events: Sequence[object], load: WorkerLoad) -> None:
         """Queue a step's events and current load. Never waits on Redis."""
-        with self._lock:
-            self._load = load
-            self._submits += 1
-            self._stats.events_submitted += len(events)
-            if events:
-                if self._inbox_events + len(events) > self._max_buffer:
-                    self._stats.events_dropped += len(events)
-                    self._inbox_overflow = True
-                else:
-                    self._inbox.append((self._submits, events))
-                    self._inbox_events += len(events)
+        self.inbox.submit(events, load)
         self._wake.set()
 
     def request_resync(self) -> None:
@@ -133,13 +107,12 @@ class WorkerPublisher(IndexSync):
         """Called by ``list_cached_keys`` at the moment of its snapshot, where no ``submit``
         can run concurrently: every event submitted so far is in the snapshot (see the module
         docstring)."""
-        with self._lock:
-            self._cut = self._submits
+        self.inbox.mark()
 
     @property
     def epoch(self) -> int | None:
         """Current registration epoch, None before the first successful register()."""
-        return self._epoch
+        return self.sync.epoch
 
     @property
     def healthy(self) -> bool:
@@ -149,8 +122,7 @@ class WorkerPublisher(IndexSync):
     @property
     def stats(self) -> PublisherStats:
         """A copy of the counters."""
-        with self._lock:
-            return dataclasses.replace(self._stats)
+        return self.inbox.stats
 
     def start(self) -> None:
         assert self._thread is None, "start() called twice"
@@ -167,31 +139,21 @@ class WorkerPublisher(IndexSync):
         self._wake.set()
         self._thread.join(timeout_s)
         self._thread = None
-        if deregister and self._epoch is not None:
+        if deregister:
             with contextlib.suppress(IndexUnavailable):
-                self.index.deregister(self.worker_id, self._epoch)
+                self.sync.deregister()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until everything submitted so far (events and load) is in Redis; False on
         timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            with self._lock:
-                pending = self._inbox or self._inbox_overflow or self._load != self._sent_load
-            if not pending and self._synced():
+            pending = self.inbox.pending(self.sync.sent_load)
+            if not pending and self._healthy and self.sync.synced():
                 return True
             self._wake.set()
             time.sleep(0.005)
         return False
-
-    def _synced(self) -> bool:
-        return (
-            self._healthy
-            and self._epoch is not None
-            and not self._resync_due
-            and not self._outbox
-            and self._inflight is None
-        )
 
     # -- the thread --------------------------------------------------------------------
 
@@ -201,21 +163,24 @@ class WorkerPublisher(IndexSync):
             now = time.monotonic()
             if now >= self._retry_at or stopping:
                 try:
-                    self._drain()
-                    self._sync(now)
+                    self.sync.drain()
+                    if self._resync_asked.is_set():
+                        self._resync_asked.clear()
+                        self.sync.want_resync()
+                    self.sync.sync(now)
                     self._healthy = True
                     self._backoff_s = 0.05
                 except IndexUnavailable as exc:
                     self._failed(exc)
                 except Exception as exc:  # a bug or a bad event must not kill the publisher
                     _log.exception("kv publisher %s: unexpected error", self.worker_id)
-                    self._drop_outbox()
+                    self.sync.drop_outbox()
                     self._failed(exc)
             else:
-                self._drain()  # keep recorded positions current during an outage
+                self.sync.drain()  # keep recorded positions current during an outage
             if stopping:
                 return
-            wait = self._heartbeat_interval_s
+            wait = self.sync.heartbeat_interval_s
             if not self._healthy:
                 wait = max(0.0, self._retry_at - time.monotonic())
             self._wake.wait(wait)
@@ -225,48 +190,6 @@ class WorkerPublisher(IndexSync):
         if self._healthy:
             _log.warning("kv publisher %s: index unavailable (%s); buffering", self.worker_id, exc)
         self._healthy = False
-        self._count(errors=1)
+        self.inbox.count(errors=1)
         self._retry_at = time.monotonic() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
-
-    def _drain(self) -> None:
-        """Inbox -> recorder -> outbox. Runs whatever Redis's state, so positions stay right."""
-        with self._lock:
-            submitted = [events for _, events in self._inbox]
-            self._inbox, self._inbox_events = [], 0
-            overflow, self._inbox_overflow = self._inbox_overflow, False
-        if overflow:
-            # Events were lost before the recorder saw them. The resync's snapshot supersedes
-            # everything up to now, and a remembered position may have outlived a removal it
-            # missed (it could later record a key whose ancestor it does not: a hole that a
-            # bisect lookup would read past), so the recorder starts afresh.
-            self._count(events_dropped=sum(len(events) for events in submitted))
-            submitted = []
-            self._recorder.forget()
-            self._drop_outbox()
-        applied = 0
-        for events in submitted:
-            ops = self._recorder.record(events)
-            if ops:
-                self._outbox.append((ops, len(events)))
-                self._outbox_events += len(events)
-            else:
-                applied += len(events)  # nothing recorded: nothing to send
-        self._count(events_applied=applied)
-        if self._outbox_events > self._max_buffer:
-            self._drop_outbox()
-
-    def _drop_outbox(self) -> None:
-        """Forget buffered ops: the next sync replaces the worker's key set from its pool."""
-        self._count(events_dropped=self._outbox_events)
-        self._outbox.clear()
-        self._outbox_events = 0
-        self._resync_due = True
-
-    def _count(self, **increments: int) -> None:
-        with self._lock:
-            for name, n in increments.items():
-                setattr(self._stats, name, getattr(self._stats, name) + n)
-
-
-_IDLE = WorkerLoad(running=0, waiting=0, free_blocks=0, total_blocks=0, queued_prefill_tokens=0)

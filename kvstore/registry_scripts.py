@@ -33,7 +33,7 @@ end
 redis.call('HSET', KEYS[1], wid, slot .. ':' .. epoch)
 redis.call('HSET', ns .. 'slots', slot, epoch .. ':' .. wid)
 redis.call('HSET', ns .. 'seq', slot, 0)
-redis.call('DEL', ns .. 'held:' .. slot, ns .. 'hheld:' .. slot)
+for _, t in ipairs(TIERS) do redis.call('DEL', held_of(t, slot)) end
 redis.call('SET', ns .. 'hb:' .. slot, ARGV[3], 'PX', ARGV[2])
 return {epoch, slot}
 """
@@ -111,13 +111,13 @@ if redis.call('HGET', ns .. 'slots', slot) ~= rec then return -1 end
 local wid = string.match(rec, '^%d+:(.*)$')
 local cur = current(wid)
 if cur and tostring(cur) == slot then return -1 end
-local held, hheld = ns .. 'held:' .. slot, ns .. 'hheld:' .. slot
-local sb = slot_bytes(tonumber(slot))
-drop(ns .. 'blk', held, redis.call('SPOP', held, tonumber(ARGV[3])), sb)
-local left = redis.call('SCARD', held)
-if left == 0 then  -- then the host tier's entries, in chunks too
-  drop(ns .. 'hblk', hheld, redis.call('SPOP', hheld, tonumber(ARGV[3])), sb)
-  left = redis.call('SCARD', hheld)
+local sb, chunk = slot_bytes(tonumber(slot)), tonumber(ARGV[3])
+local left = 0
+for _, t in ipairs(TIERS) do  -- tier by tier, fastest first, a chunk at a time
+  local held = held_of(t, slot)
+  drop(blk_of(t), held, redis.call('SPOP', held, chunk), sb)
+  left = redis.call('SCARD', held)
+  if left > 0 then break end
 end
 if left == 0 then
   redis.call('HDEL', ns .. 'slots', slot)

@@ -7,9 +7,11 @@ Conventions shared by all scripts (see the schema in :mod:`kvstore`):
 * A slot id travels as decimal text between scripts and as 2 big-endian bytes inside ``blk``
   values, which are kept sorted so that two blocks held by the same slots have equal values
   (Lua interns strings, so comparing them is O(1)).
-* Invariant kept by every script: key in ``held:<slot>`` iff slot in ``blk[key]``, so
-  membership is tested on ``blk`` (which the lookup reads anyway). The host tier has the same
-  pair, ``hblk`` and ``hheld:<slot>``.
+* Every tier of :data:`~kvstore.blocks.tiers.HELD_TIERS` has its pair of entries, named by
+  the tier's value: ``blk:<tier>`` and ``held:<tier>:<slot>`` (``TIERS`` below lists them,
+  fastest first). Invariant kept by every script: key in ``held:<tier>:<slot>`` iff slot in
+  ``blk:<tier>[key]``, so membership is tested on ``blk:<tier>`` (which the lookup reads
+  anyway).
 * Block keys travel as one blob of concatenated 16-byte keys per argument.
 * Batches are cut into chunks of at most ``CH`` keys so ``unpack`` stays under Lua's C stack.
 
@@ -21,9 +23,22 @@ keys); the registry's (register, heartbeat, deregister, the live workers, purges
 
 from __future__ import annotations
 
-COMMON = r"""
+from kvstore.blocks.tiers import HELD_TIERS
+
+_TIER_LIST = ", ".join(f"'{tier.value}'" for tier in HELD_TIERS)
+
+COMMON = (
+    f"""
+local TIERS = {{{_TIER_LIST}}}
+"""
+    + r"""
 local ns = string.sub(KEYS[1], 1, -4)
 local CH = 2000
+local IS_TIER = {}
+for _, t in ipairs(TIERS) do IS_TIER[t] = true end
+-- the entries of one tier: key -> holders (hash), and one slot's keys there (set)
+local function blk_of(tier) return ns .. 'blk:' .. tier end
+local function held_of(tier, slot) return ns .. 'held:' .. tier .. ':' .. slot end
 local function slot_bytes(slot) return string.char(math.floor(slot / 256), slot % 256) end
 -- current registration of a worker: slot (number), epoch (string), or nil
 local function current(wid)
@@ -104,6 +119,7 @@ local function drop(blk, held, ks, s)
   return removed
 end
 """
+)
 
 # After COMMON in the scripts that read the live workers (LIVE, the lookups, SPARES):
 # live_registrations() -> wids, slots (numbers), records ("slot:epoch"), heartbeat payloads
@@ -131,7 +147,8 @@ local function live_registrations()
 end
 """
 
-# ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs with op in S/R/s/r/C (s, r: host)
+# ARGV: worker_id, epoch, batch_seq, then (op, blob) pairs; op is "C" (clear every tier) or
+# "S"/"R" (stored, removed) followed by a tier's value, e.g. "Sdevice"
 # -> {0, added, removed} applied | {-1} stale epoch | {-2} duplicate | {-3, last} gap
 APPLY = (
     COMMON
@@ -142,22 +159,30 @@ local last = tonumber(redis.call('HGET', ns .. 'seq', slot) or '0')
 local bseq = tonumber(ARGV[3])
 if bseq <= last then return {-2} end
 if bseq ~= last + 1 then return {-3, last} end
-local blk, held, s = ns .. 'blk', ns .. 'held:' .. slot, slot_bytes(slot)
-local hblk, hheld = ns .. 'hblk', ns .. 'hheld:' .. slot
+for a = 4, #ARGV, 2 do  -- checked before any write: a script is not rolled back
+  local op = ARGV[a]
+  if op ~= 'C' and not IS_TIER[sub(op, 2)] then
+    return redis.error_reply('KVC_TIER unknown op or tier ' .. op)
+  end
+end
+local s = slot_bytes(slot)
 local added, removed = 0, 0
 for a = 4, #ARGV, 2 do
   local op, blob = ARGV[a], ARGV[a + 1]
-  if op == 'C' then
-    removed = removed + drop(blk, held, redis.call('SMEMBERS', held), s)
-    removed = removed + drop(hblk, hheld, redis.call('SMEMBERS', hheld), s)
-  elseif op == 'S' then
-    added = added + store(blk, held, split(blob, 0, #blob / 16), s, slot)
-  elseif op == 'R' then
-    removed = removed + drop(blk, held, split(blob, 0, #blob / 16), s)
-  elseif op == 's' then
-    added = added + store(hblk, hheld, split(blob, 0, #blob / 16), s, slot)
+  local kind = sub(op, 1, 1)
+  if kind == 'C' then
+    for _, t in ipairs(TIERS) do
+      local held = held_of(t, slot)
+      removed = removed + drop(blk_of(t), held, redis.call('SMEMBERS', held), s)
+    end
   else
-    removed = removed + drop(hblk, hheld, split(blob, 0, #blob / 16), s)
+    local t = sub(op, 2)
+    local ks = split(blob, 0, #blob / 16)
+    if kind == 'S' then
+      added = added + store(blk_of(t), held_of(t, slot), ks, s, slot)
+    else
+      removed = removed + drop(blk_of(t), held_of(t, slot), ks, s)
+    end
   end
 end
 redis.call('HSET', ns .. 'seq', slot, bseq)
@@ -165,13 +190,18 @@ return {0, added, removed}
 """
 )
 
-# ARGV: worker_id, epoch, batch_seq, blob of every recorded key the worker holds on its
-# device, blob of those in its host tier -> {0, added, removed} | {-1} stale epoch
+# ARGV: worker_id, epoch, batch_seq, then (tier, blob) pairs: every recorded key the worker
+# holds in that tier; a tier not named holds none -> {0, added, removed} | {-1} stale epoch
 RESYNC = (
     COMMON
     + r"""
 local slot, epoch = current(ARGV[1])
 if not slot or epoch ~= ARGV[2] then return {-1} end
+local blobs = {}
+for a = 4, #ARGV, 2 do
+  if not IS_TIER[ARGV[a]] then return redis.error_reply('KVC_TIER unknown tier ' .. ARGV[a]) end
+  blobs[ARGV[a]] = ARGV[a + 1]
+end
 local s = slot_bytes(slot)
 local added, removed = 0, 0
 local function replace(blk, held, blob)
@@ -185,19 +215,18 @@ local function replace(blk, held, blob)
   removed = removed + drop(blk, held, gone, s)
   added = added + store(blk, held, want, s, slot)
 end
-replace(ns .. 'blk', ns .. 'held:' .. slot, ARGV[4])
-replace(ns .. 'hblk', ns .. 'hheld:' .. slot, ARGV[5] or '')
+for _, t in ipairs(TIERS) do replace(blk_of(t), held_of(t, slot), blobs[t] or '') end
 redis.call('HSET', ns .. 'seq', slot, ARGV[3])
 return {0, added, removed}
 """
 )
 
-# ARGV: worker_id, tier ('held' or 'hheld') -> every key its current registration holds there
+# ARGV: worker_id, tier -> every key its current registration holds in that tier
 HELD = (
     COMMON
     + r"""
 local slot = current(ARGV[1])
-if not slot then return {} end
-return redis.call('SMEMBERS', ns .. (ARGV[2] or 'held') .. ':' .. slot)
+if not slot or not IS_TIER[ARGV[2]] then return {} end
+return redis.call('SMEMBERS', held_of(ARGV[2], slot))
 """
 )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from kvstore.blocks.tiers import Tier
 
 
 class IndexUnavailable(Exception):
@@ -32,33 +34,36 @@ class WorkerLoad:
     # "adapter_id=tenant" for each tenant an adapter is registered for; an adapter without
     # any serves every tenant (ids never hold "=", tenant names may)
     lora_owners: tuple[str, ...] = ()
-    # size of its host KV tier (0: none, so the index holds no host-tier entry of it; a
-    # router then asks the index for device counts only)
-    host_blocks: int = 0
+    # size in blocks of each KV tier below the device (a tier not named: none, so the index
+    # holds no entry of it in that tier; a router then asks for device counts only)
+    tier_blocks: dict[Tier, int] = field(default_factory=dict)
     # of free_blocks, the evictable cached blocks the waiting requests' prefixes will pin
     # when they start (a block several of them share counted once): room that is not free
     waiting_pinned_blocks: int = 0
-    # 1: its engine admits the waiting requests whose prefix is cached first (cache-aware
+    # its engine admits the waiting requests whose prefix is cached first (cache-aware
     # admission), so a request arriving with its prefix cached (pulled) runs before the
     # queue's uncached prompts allocate their blocks
-    admits_cached_first: int = 0
+    admits_cached_first: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> WorkerLoad:
-        return cls(
-            **{
-                name: tuple(map(str, data[name])) if name in _TUPLE_FIELDS else int(data[name])
-                for name in _LOAD_FIELDS
-                if name in data
-            }
-        )
+        return cls(**{name: _PARSE[name](data[name]) for name in _PARSE if name in data})
 
 
-_LOAD_FIELDS = tuple(WorkerLoad.__dataclass_fields__)
-_TUPLE_FIELDS = ("lora_ids", "lora_loaded", "lora_owners")
+def _strings(value: Any) -> tuple[str, ...]:
+    return tuple(map(str, value))
+
+
+def _tier_blocks(value: Any) -> dict[Tier, int]:
+    return {Tier.parse(name): int(n) for name, n in value.items()}
+
+
+_PARSE: dict[str, Any] = dict.fromkeys(WorkerLoad.__dataclass_fields__, int)
+_PARSE |= dict.fromkeys(("lora_ids", "lora_loaded", "lora_owners"), _strings)
+_PARSE |= {"tier_blocks": _tier_blocks, "admits_cached_first": bool}
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,8 +84,7 @@ class IndexLink:
         where no step's events are submitted, so the publisher learns exactly which
         submitted events the snapshot already holds (``mark_snapshot``)."""
         mark = self.publisher.mark_snapshot if self.publisher is not None else None
-        device, host = self._engine_loop.call(CachedKeys(mark))
-        return device if host is None else TierKeys(device, host)
+        return self._engine_loop.call(CachedKeys(mark))
 
     def resync(self, reason: str) -> bool:
         """A router found this worker's index entries wrong (``reason``): replace them with

@@ -26,6 +26,7 @@ from types import ModuleType
 
 import ray
 
+from kvstore.blocks.derive import derived
 from worker.engine import EngineSnapshot, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -137,13 +138,7 @@ class WorkerTelemetry:
         self.itl_count += len(itl)
         if self._exported and (ttft or itl):
             self._pending.append((ttft, itl))
-        self.gauges = GaugeValues(
-            kv_usage=snap.kv_usage,
-            running=snap.num_running,
-            waiting=snap.num_waiting,
-            prefix_hit_rate=snap.prefix_hit_rate,
-            tenant_quota_evictions=snap.tenant_quota_evictions,
-        )
+        self.gauges = derived(GaugeValues, snap)
         preempted = snap.num_preemptions - self._preemptions_sent
         if preempted > 0:
             self._preemptions_sent += preempted

@@ -3,11 +3,12 @@ name: see wire.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.tiers import Tier
 from kvstore.blocks.wire import ByName
 
 
@@ -62,6 +63,17 @@ class Admitted(ByName):
 
 
 @dataclass(frozen=True, slots=True)
+class TierFigures(ByName):
+    """One KV tier below a worker's device, as its snapshot and status report it."""
+
+    total_blocks: int  # the tier's size
+    cached_blocks: int = 0  # blocks it holds now
+    hit_tokens: int = 0  # prompt tokens loaded back from it since start
+    loaded_blocks: int = 0  # blocks copied from it to the device since start
+    stored_blocks: int = 0  # blocks copied into it (evictions, swap-outs) since start
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus(ByName):
     """A worker's state for ClusterStatus and the dashboard."""
 
@@ -76,9 +88,8 @@ class WorkerStatus(ByName):
     index_healthy: bool
     waiting_pinned_blocks: int = 0  # cached blocks its waiting requests will pin
     tenant_quota_evictions: int = 0  # idle cached blocks evicted over their tenant's quota
-    host_total_blocks: int = 0  # host KV tier size (0: none)
-    host_cached_blocks: int = 0  # blocks the host tier holds now
-    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier since start
+    # its KV tiers below the device (a tier not named: none)
+    tiers: dict[Tier, TierFigures] = field(default_factory=dict)
     swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
     recompute_preemptions: int = 0  # preemptions that dropped it
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker

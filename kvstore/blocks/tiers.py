@@ -12,6 +12,7 @@ evicted from the tier above (store on eviction) and back to ``DEVICE`` when a re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 
 
@@ -42,3 +43,9 @@ _RANK = {tier: i for i, tier in enumerate(Tier)}
 
 # The tiers a worker's own KV manager can hold a block in, fastest first.
 HELD_TIERS: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+
+TierBlocks = Mapping[Tier, int]
+"""Leading blocks of one prompt that a worker holds, per tier (an index lookup's answer per
+worker). Tiers in rank order each continue the faster ones: with ``{DEVICE: d, HOST: h}``
+blocks ``0..d-1`` are on its device and ``d..d+h-1`` in its host tier. A tier not named holds
+none of them."""

@@ -17,7 +17,7 @@ Two forms instead:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import MISSING, fields, is_dataclass
+from dataclasses import MISSING, Field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
@@ -31,12 +31,17 @@ _SPECS: dict[type, tuple[tuple[str, Any], ...]] = {}
 def _spec(cls: type) -> tuple[tuple[str, Any], ...]:
     spec = _SPECS.get(cls)
     if spec is None:
-        spec = _SPECS[cls] = tuple(
-            (f.name, f.default if f.default is not MISSING else _NO_DEFAULT)
-            for f in fields(cls)
-            if f.init
-        )
+        spec = _SPECS[cls] = tuple((f.name, _default(f)) for f in fields(cls) if f.init)
     return spec
+
+
+def _default(f: Field) -> Any:
+    """A field's default (a factory's value, compared by equality), or ``_NO_DEFAULT``."""
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return _NO_DEFAULT
 
 
 class ByName:

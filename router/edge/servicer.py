@@ -17,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.blocks.outputs import GenerationResult
-from kvstore.blocks.protocol import WorkerStatus
+from kvstore.blocks.protocol import TierFigures, WorkerStatus
+from kvstore.blocks.tiers import Tier
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (
@@ -170,11 +171,15 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         await context.abort(mapped.grpc_code, mapped.message)
 
 
+_NO_TIER = TierFigures(0)
+
+
 def worker_status_pb(
     s: WorkerStatus, live: bool, tenant: str | None, predicted: WorkerPredictions | None
 ) -> pb.WorkerStatus:
     """One worker's ClusterStatus entry: its status, whether the router counts it live, the
     adapters ``tenant`` may see and this router's predictions for it."""
+    host = s.tiers.get(Tier.HOST, _NO_TIER)
     return pb.WorkerStatus(
         worker_id=s.worker_id,
         epoch=s.epoch or 0,
@@ -190,9 +195,9 @@ def worker_status_pb(
         tenant_quota_evictions=s.tenant_quota_evictions,
         stale=s.stale,
         heartbeat_age_s=s.heartbeat_age_s,
-        host_total_blocks=s.host_total_blocks,
-        host_cached_blocks=s.host_cached_blocks,
-        host_hit_tokens=s.host_hit_tokens,
+        host_total_blocks=host.total_blocks,
+        host_cached_blocks=host.cached_blocks,
+        host_hit_tokens=host.hit_tokens,
         swap_preemptions=s.swap_preemptions,
         recompute_preemptions=s.recompute_preemptions,
         adapters=[

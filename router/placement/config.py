@@ -6,10 +6,16 @@ from pydantic import Field, field_validator
 
 from kvstore.blocks import sampling_params as hard
 from kvstore.blocks.strict import Strict
+from kvstore.blocks.tiers import HELD_TIERS, Tier
 from router.placement.policies import ROUTING_POLICIES
 
 # engine steps whose tokens one client message carries at least (router.stream_interval)
 STREAM_INTERVAL = 1
+
+TIER_HIT_WEIGHTS: dict[Tier, float] = {Tier.DEVICE: 1.0, Tier.HOST: 0.5, Tier.DISK: 0.25}
+"""Default weight of a hit per tier, relative to a device hit: a host block is copied back
+over PCIe, a disk block read from local storage first (slower, still cheaper than computing
+it)."""
 
 
 class LoadWeights(Strict):
@@ -256,13 +262,12 @@ class RoutingConfig(Strict):
         "within a step). At most pending_ttl_s.",
     )
     seed: int = Field(0, description="Seed of the policies' tie-breaking / sampling RNG.")
-    host_hit_weight: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="A block a worker holds in its host KV tier counts as this fraction of a "
-        "device hit (it must be loaded back): routing prefers a device hit but still beats "
-        "recomputing. 0 ignores the host tier.",
+    tier_hit_weights: dict[Tier, float] = Field(
+        default_factory=lambda: dict(TIER_HIT_WEIGHTS),
+        description="Per KV tier, the fraction of a device hit that a block a worker holds "
+        "there counts as (a lower tier's block must be loaded back first): routing prefers a "
+        "device hit but still beats recomputing. Each in [0, 1]; 0 ignores that tier; a tier "
+        "not given keeps its default (device 1.0, host 0.5, disk 0.25).",
     )
     index_timeout_s: float = Field(
         0.2,
@@ -285,6 +290,22 @@ class RoutingConfig(Strict):
     least_loaded: LeastLoadedConfig = LeastLoadedConfig()
     prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
     pull: PullConfig = PullConfig()
+
+    @field_validator("tier_hit_weights", mode="before")
+    @classmethod
+    def _weights_per_held_tier(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        weights = dict(TIER_HIT_WEIGHTS)
+        for name, weight in value.items():
+            tier = Tier.parse(str(name))
+            if tier not in HELD_TIERS:
+                held = ", ".join(HELD_TIERS)
+                raise ValueError(f"tier_hit_weights: {tier} holds no block; give one of {held}")
+            if not 0.0 <= float(weight) <= 1.0:
+                raise ValueError(f"tier_hit_weights[{tier}] = {weight} must be in [0, 1]")
+            weights[tier] = float(weight)
+        return weights
 
     @field_validator("policy")
     @classmethod

@@ -9,14 +9,13 @@ from typing import TypeVar
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import HELD_TIERS, Tier, TierBlocks
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
 from router.placement.breaker import CircuitBreaker
 from router.placement.placement_types import WorkerId
 
 T = TypeVar("T")
-TierCounts = tuple[int, int]
-"""(leading blocks on the device, further leading blocks in the host tier) of one worker."""
 
 
 class PrefixSourceUnavailable(Exception):
@@ -38,23 +37,23 @@ class PrefixSource(ABC):
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         """Leading blocks of ``keys`` held per worker."""
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
-        """Per worker, leading blocks on its device and, after those, in its host tier.
-        Sources that know no host tier report the device count alone."""
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierBlocks] | None:
+        """Per worker, its leading blocks per tier (:data:`TierBlocks`: each tier continues
+        the faster ones). Sources that know no tier but the device report its count alone."""
         return device_only(self.lookup(keys))
 
     def lookup_many(
         self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
-    ) -> list[Mapping[WorkerId, TierCounts] | None]:
+    ) -> list[Mapping[WorkerId, TierBlocks] | None]:
         """Per prompt ``(keys, tiers)``: :meth:`lookup_tiers` if ``tiers``, else
-        :meth:`lookup` with no host counts; sources with a round trip per call answer all
+        :meth:`lookup` (device counts only); sources with a round trip per call answer all
         in one (the requests a router places together)."""
         return [self.lookup_tiers(k) if t else device_only(self.lookup(k)) for k, t in prompts]
 
 
-def device_only(counts: Mapping[WorkerId, int] | None) -> dict[WorkerId, TierCounts] | None:
-    """Device counts as tier counts with nothing in the host tier."""
-    return None if counts is None else {w: (n, 0) for w, n in counts.items()}
+def device_only(counts: Mapping[WorkerId, int] | None) -> dict[WorkerId, TierBlocks] | None:
+    """Device counts as tier counts with nothing in a lower tier."""
+    return None if counts is None else {w: {Tier.DEVICE: n} if n else {} for w, n in counts.items()}
 
 
 class KVIndexSource(PrefixSource):
@@ -77,12 +76,12 @@ class KVIndexSource(PrefixSource):
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         return self._read(lambda: self.index.lookup(keys))
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierBlocks] | None:
         return self._read(lambda: self.index.lookup_tiers(keys))
 
     def lookup_many(
         self, prompts: Sequence[tuple[Sequence[BlockKey], bool]]
-    ) -> list[Mapping[WorkerId, TierCounts] | None]:
+    ) -> list[Mapping[WorkerId, TierBlocks] | None]:
         """One round trip for all (one read through the breaker)."""
         answers = self._read(lambda: self.index.lookup_many(prompts))
         return [
@@ -97,14 +96,14 @@ class InMemoryPrefixIndex(PrefixSource):
     Fed exactly the events a real worker publishes (``KVCacheManager.drain_events``), so a
     simulation exercises event-driven index maintenance (including evictions and event
     delay), not an oracle view of the workers' caches. Lookup walks the chain and stops when
-    no worker holds the next key: O(matched blocks x holders). Events of a host KV tier are
-    kept in a second map: :meth:`lookup` answers for the device tier, :meth:`lookup_tiers`
-    for both.
+    no worker holds the next key: O(matched blocks x holders). Each tier's events are kept in
+    a map of their own: :meth:`lookup` answers for the device tier, :meth:`lookup_tiers` for
+    every tier, as the Redis index does (each tier's count is how far the union with it
+    extends the faster tiers' prefix).
     """
 
     def __init__(self) -> None:
-        self._device = _TierKeys()
-        self._host = _TierKeys()
+        self._tiers = {tier: _TierHolders() for tier in HELD_TIERS}
         self._next_seq: dict[WorkerId, int] = {}
         self.events_applied = 0  # events applied since creation
         self.gaps = 0  # event batches whose first seq skipped ahead (lost events)
@@ -119,39 +118,47 @@ class InMemoryPrefixIndex(PrefixSource):
             self.events_applied += 1
             if isinstance(event, AllBlocksCleared):
                 self.remove_worker(worker_id)
-            elif getattr(event, "tier", "device") != "device":
-                self._host.apply(worker_id, event)
             else:
-                self._device.apply(worker_id, event)
+                self._tiers[Tier(event.tier)].apply(worker_id, event)
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget every key of a worker (it died, restarted, or cleared its cache)."""
-        self._device.remove_worker(worker_id)
-        self._host.remove_worker(worker_id)
+        for keys in self._tiers.values():
+            keys.remove_worker(worker_id)
 
     def num_keys(self, worker_id: WorkerId) -> int:
-        return len(self._device.keys_of.get(worker_id, ()))
+        return len(self._tiers[Tier.DEVICE].keys_of.get(worker_id, ()))
 
     def lookup(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, int] | None:
         if self.events_applied == 0:
             return None
-        return leading_counts(keys, self._device.holders.get)
+        return leading_counts(keys, self._tiers[Tier.DEVICE].holders.get)
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierBlocks] | None:
         device = self.lookup(keys)
-        if device is None or not self._host.holders:
-            return None if device is None else {w: (n, 0) for w, n in device.items()}
+        if device is None:
+            return None
+        depth = dict(device)  # each worker's prefix in the tiers walked so far
+        out: dict[WorkerId, dict[Tier, int]] = {w: {Tier.DEVICE: n} for w, n in device.items()}
+        maps = [self._tiers[Tier.DEVICE].holders]
         empty: set[WorkerId] = set()
-        dev, host = self._device.holders, self._host.holders
+        for tier in HELD_TIERS[1:]:
+            if not self._tiers[tier].holders:
+                continue
+            maps.append(self._tiers[tier].holders)
 
-        def either(key: BlockKey) -> set[WorkerId]:
-            return dev.get(key, empty) | host.get(key, empty)
+            def any_of(key: BlockKey, maps: list = maps) -> set[WorkerId]:
+                return set().union(*(m.get(key, empty) for m in maps))
 
-        both = leading_counts(keys, either)
-        return {w: (device.get(w, 0), n - device.get(w, 0)) for w, n in both.items()}
+            for w, n in leading_counts(keys, any_of).items():
+                extra = n - depth.get(w, 0)
+                if extra > 0:
+                    out.setdefault(w, {})[tier] = extra
+                    depth[w] = n
+        return {w: {t: n for t, n in counts.items() if n} for w, counts in out.items()}
 
 
-class _TierKeys:
+class _TierHolders:
     """Key -> workers holding it in one KV tier, and each worker's keys there."""
 
     def __init__(self) -> None:

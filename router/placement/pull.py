@@ -3,8 +3,8 @@
 Per request, once the policy has chosen, the planner compares (in seconds):
 
 - **hold**: run on the worker holding the longest prefix (``h``; ``c_w``: the leading
-  prompt tokens worker ``w`` holds in either tier or has pending, a host block counted
-  whole — loading it back costs ~1 % of computing it): ``wait(h) + prefill(n - c_h)``.
+  prompt tokens worker ``w`` holds in any tier or has pending, a lower tier's block
+  counted whole — loading it back costs ~1 % of computing it): ``wait(h) + prefill(n - c_h)``.
   A holder a prefix policy chose keeps the request, unpriced — affinity stays primary, the
   pull is the recovery path (moving a request off its holder copies the prefix into
   another worker's cache, evicting that worker's own prefixes: when KV capacity is the
@@ -201,9 +201,9 @@ class PullPlanner:
         holder_eligible: bool,
         now: float = 0.0,
     ) -> tuple[Placement, PullHint | None, Priced | None]:
-        """``held``: per worker, (leading blocks on its device, leading blocks in either
-        tier) of the prompt — a pull takes the holder's whole run (both tiers) and starts
-        past what the destination holds in either tier (it loads its own host blocks back
+        """``held``: per worker, (leading blocks on its device, leading blocks in any tier)
+        of the prompt — a pull takes the holder's whole run (every tier) and starts
+        past what the destination holds in any tier (it loads its own lower-tier blocks back
         at admission, cheaper than moving them again; the import continues them in its
         host tier). ``holder_eligible``: whether the policy could have chosen the holder (a
         prefix policy did; a load-only policy never holds). ``now``: the router's clock (the
@@ -212,9 +212,9 @@ class PullPlanner:
             return placement, None, None
         bs = self.block_size
         cached = {v.worker_id: min(v.cached_tokens or 0, n_tokens) for v in views}
-        # The prices count every block a worker holds (either tier, or pending there) as a
-        # hit: loading a host block back costs ~1 % of computing it. (``cached`` weighs host
-        # blocks by the routing's preference for device hits, no time.)
+        # The prices count every block a worker holds (any tier, or pending there) as a hit:
+        # loading a host block back costs ~1 % of computing it. (``cached`` weighs a lower
+        # tier's blocks by the routing's preference for device hits, no time.)
         hit = {w: max(h) * bs for w, h in held.items()}
         by_id = {v.worker_id: v for v in views}
         holder = max(views, key=lambda v: (held[v.worker_id][1], -self._wait(v))).worker_id

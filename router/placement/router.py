@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.blocks.protocol import PullReport
+from kvstore.blocks.tiers import Tier, TierBlocks
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
 from router.placement.cached import cached_tokens, held_blocks
@@ -27,7 +28,7 @@ from router.placement.placement_types import (
     WorkerView,
 )
 from router.placement.prefix_homes import PrefixHomes
-from router.placement.prefix_source import PrefixSource, TierCounts, device_only
+from router.placement.prefix_source import PrefixSource, device_only
 from router.placement.pull import PullPlanner, TransferModel
 from router.placement.pull_ledger import PullLedger
 from router.placement.router_metrics import RouterMetrics
@@ -41,7 +42,7 @@ class Prepared(NamedTuple):
 
     start: float  # perf_counter when its routing began
     keys: tuple[BlockKey, ...]  # its prompt's block keys (empty: the policy reads none)
-    index: Mapping[WorkerId, TierCounts] | None  # the index's answer (None: none)
+    index: Mapping[WorkerId, TierBlocks] | None  # the index's answer (None: none)
 
 
 class Router:
@@ -134,7 +135,7 @@ class Router:
             for i, b in enumerate(begun)
             if not isinstance(b, Exception) and b[1]
         ]
-        answers: dict[int, Mapping[WorkerId, TierCounts] | None] = {}
+        answers: dict[int, Mapping[WorkerId, TierBlocks] | None] = {}
         source = self.prefix_source
         if asks and source is not None:
             try:
@@ -173,7 +174,7 @@ class Router:
         request: RouteRequest,
         candidates: Mapping[WorkerId, WorkerLoad],
         keys: tuple[BlockKey, ...],
-        index: Mapping[WorkerId, TierCounts] | None,
+        index: Mapping[WorkerId, TierBlocks] | None,
         start: float,
     ) -> RouteDecision:
         ids = sorted(candidates)
@@ -269,23 +270,23 @@ class Router:
         keys: Sequence[BlockKey],
         n_tokens: int,
         ids: list[WorkerId],
-        index: Mapping[WorkerId, TierCounts] | None,
+        index: Mapping[WorkerId, TierBlocks] | None,
     ) -> dict[WorkerId, int | None]:
         """See :func:`router.placement.cached.cached_tokens`; counts the decisions the
         router's pending placements knew more for."""
         if not keys:  # shorter than one block: nothing can hit anywhere
             return dict.fromkeys(ids, 0)
         pending = self.pending.lookup(keys, self._clock())
-        weight = self.config.host_hit_weight
-        out, assisted = cached_tokens(ids, n_tokens, self.block_size, index, pending, weight)
+        weights = self.config.tier_hit_weights
+        out, assisted = cached_tokens(ids, n_tokens, self.block_size, index, pending, weights)
         self.metrics.pending_assists += assisted
         return out
 
     def _lookup(
         self, keys: Sequence[BlockKey], candidates: Mapping[WorkerId, WorkerLoad]
-    ) -> Mapping[WorkerId, TierCounts] | None:
-        """Per-tier counts; from the cheaper device-only lookup when no candidate has a host
-        tier (its load says so: ``host_blocks``) or host blocks weigh nothing: the host
+    ) -> Mapping[WorkerId, TierBlocks] | None:
+        """Per-tier counts; from the cheaper device-only lookup when no candidate has a lower
+        tier whose hits weigh anything (its load names its tiers' sizes): the lower tiers'
         counts are all 0 or unused then, so the decision is the same."""
         source = self.prefix_source
         if source is None:
@@ -300,8 +301,12 @@ class Router:
         return device_only(counts)
 
     def _wants_tiers(self, candidates: Mapping[WorkerId, WorkerLoad]) -> bool:
-        return self.config.host_hit_weight > 0 and any(
-            load.host_blocks for load in candidates.values()
+        weights = self.config.tier_hit_weights
+        return any(
+            weights.get(tier, 0.0) > 0
+            for load in candidates.values()
+            for tier, n in load.tier_blocks.items()
+            if n and tier != Tier.DEVICE
         )
 
     def _index_error(self, exc: Exception) -> None:

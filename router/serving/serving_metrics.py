@@ -70,6 +70,25 @@ class _Statuses(Collector):
             ):
                 fams[name].add_metric(v, float(value))
         yield from fams.values()
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[GaugeMetricFamily]:
+        """Each worker's KV tiers below the device, labelled by the tier's value."""
+        labels = ["model_name", "worker", "tier"]
+        fams = {
+            name: GaugeMetricFamily(f"kvc_worker_tier_{name}", help_, labels=labels)
+            for name, help_ in (
+                ("total_blocks", "KV blocks of the worker's tier."),
+                ("cached_blocks", "KV blocks the worker's tier holds now."),
+                ("hit_tokens", "Prompt tokens the worker loaded back from the tier since start."),
+            )
+        }
+        for s in self.statuses:
+            for tier, figures in s.tiers.items():
+                for name, fam in fams.items():
+                    value = getattr(figures, name)
+                    fam.add_metric([self.model, s.worker_id, str(tier)], float(value))
+        yield from fams.values()
 
 
 class _Routing(Collector):

@@ -16,19 +16,23 @@ Every step pays the fixed weight-read cost, prefill chunks and decodes share ste
   source pays for reading the blocks out of its KV cache in its next step (HBM, ~1 TB/s
   effective for a gather -> 3.3e-7 s per token), the destination for writing them in
   (the same) in the step that admits the request;
-- host KV tier (when ``host_kv_tokens_per_worker`` > 0): loading a block back reads its
+- KV tiers below the device (``tier_load_s_per_token``; the host tier when
+  ``host_kv_tokens_per_worker`` > 0): loading a block back from the host tier reads its
   327 KB per token over the node's host links, 8 x PCIe Gen5 at ~25 GB/s effective each
-  = 200 GB/s -> 1.6e-6 s per token, paid in the step that admits the request (not
+  = 200 GB/s -> 1.6e-6 s per token; from a disk tier, 8 NVMe Gen5 drives at ~6 GB/s each
+  = 50 GB/s -> 6.5e-6 s per token; paid in the step that admits the request (not
   overlapped with compute: a conservative bound).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvstore.blocks.strict import Strict
+from kvstore.blocks.tiers import HELD_TIERS, Tier
 
 
 class TimeModel(Strict):
@@ -42,8 +46,10 @@ class TimeModel(Strict):
     decode_s_per_ctx_token: float = Field(
         3.4e-8, ge=0, description="Per context token of each decoding sequence, per step."
     )
-    host_load_s_per_token: float = Field(
-        1.6e-6, ge=0, description="Loading one token's KV back from the host tier (bandwidth)."
+    tier_load_s_per_token: dict[Tier, float] = Field(
+        default_factory=lambda: {Tier.HOST: 1.6e-6, Tier.DISK: 6.5e-6},
+        description="Per KV tier below the device, loading one token's KV back from it "
+        "(bandwidth).",
     )
     lora_load_s: float = Field(
         0.02,
@@ -64,24 +70,40 @@ class TimeModel(Strict):
     max_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_running: int = Field(128, ge=1, description="Sequences in the running batch at most.")
 
+    @field_validator("tier_load_s_per_token")
+    @classmethod
+    def _lower_tiers(cls, value: dict[Tier, float]) -> dict[Tier, float]:
+        for tier, seconds in value.items():
+            if tier not in HELD_TIERS[1:] or seconds < 0:
+                lower = ", ".join(HELD_TIERS[1:])
+                raise ValueError(
+                    f"tier_load_s_per_token[{tier}] = {seconds}: give seconds >= 0 for {lower}"
+                )
+        return value
+
+    def load_s(self, tier_tokens: Mapping[Tier, int]) -> float:
+        """Loading the tokens found in each lower tier back to the device."""
+        return sum(n * self.tier_load_s_per_token[t] for t, n in tier_tokens.items())
+
     def prefill_s(self, start: int, n: int) -> float:
         """Compute time of prompt tokens ``start .. start+n-1`` (attending to all before)."""
         pairs = n * start + n * (n - 1) // 2
         return n * self.prefill_s_per_token + pairs * self.attn_s_per_token_pair
 
-    def idle_ttft_s(self, prompt: int, cached: int, host_cached: int = 0) -> float:
+    def idle_ttft_s(
+        self, prompt: int, cached: int, tier_cached: Mapping[Tier, int] | None = None
+    ) -> float:
         """TTFT of a prompt alone on an idle worker: its prefill steps (chunks of the token
         budget after the ``cached`` prefix, each paying the step overhead; one step if all of
-        it is cached) plus loading ``host_cached`` tokens back. No scheduler beats it."""
+        it is cached) plus loading the ``tier_cached`` tokens of each lower tier back. No
+        scheduler beats it."""
         steps, pos, busy = 0, cached, 0.0
         while pos < prompt:
             n = min(self.max_batched_tokens, prompt - pos)
             busy += self.prefill_s(pos, n)
             pos += n
             steps += 1
-        return (
-            max(steps, 1) * self.step_overhead_s + busy + host_cached * self.host_load_s_per_token
-        )
+        return max(steps, 1) * self.step_overhead_s + busy + self.load_s(tier_cached or {})
 
 
 class SimConfig(Strict):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.tiers import Tier
 
 
 @dataclass(slots=True)
@@ -32,7 +33,8 @@ class RequestRecord:
     output_len: int  # generated tokens
     expected_cached: int  # prompt tokens the router expected to hit
     cached_tokens: int = 0  # prompt tokens actually served from the prefix cache
-    host_cached_tokens: int = 0  # of those, loaded back from the host KV tier
+    # of those, the ones loaded back from each KV tier below the device
+    tier_cached_tokens: dict[Tier, int] = field(default_factory=dict)
     first_token_s: float = math.nan  # end of the step that finished its prefill
     finish_s: float = math.nan  # end of the step that produced its last token
     rejected: bool = False  # could never fit in this worker's KV cache

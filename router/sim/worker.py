@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.blocks.events import BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext
+from kvstore.blocks.tiers import Tier
 from kvstore.types import WorkerLoad
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest, RequestRecord, SimRequest
@@ -180,7 +181,7 @@ class SimWorker:
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
             lora_loaded=tuple(self._loras),
-            host_blocks=self.kv.host_num_blocks,
+            tier_blocks={Tier.HOST: self.kv.host_num_blocks} if self.kv.host_num_blocks else {},
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:
@@ -329,8 +330,9 @@ class SimWorker:
         assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
         active.pos = alloc.num_cached_tokens
         active.rec.cached_tokens = alloc.num_cached_tokens
-        active.rec.host_cached_tokens = alloc.num_host_tokens
-        self._load_s += alloc.num_host_tokens * self.tm.host_load_s_per_token
+        hosted = alloc.num_host_tokens
+        active.rec.tier_cached_tokens = {Tier.HOST: hosted} if hosted else {}
+        self._load_s += self.tm.load_s(active.rec.tier_cached_tokens)
         self._use_lora(req.ctx.lora_id)
         self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
         events = self.kv.drain_events()

@@ -68,7 +68,7 @@ def test_a_step_in_progress_never_blocks_the_event_loop(tiny_dir) -> None:
         held.free()
         probe.stop()
         snap = await front.call_async(Snapshot())
-        assert snap.num_waiting + snap.num_running == 33
+        assert snap.waiting + snap.running == 33
         assert front.abort(streams[0].request_id)
         results = await asyncio.gather(first.acollect(), *(s.acollect() for s in streams))
         return lags, steps_to_admit, results

@@ -80,7 +80,7 @@ def test_queued_prefill_counts_only_the_uncached_part_of_waiting_prompts() -> No
     engine.add_request(prefix + [9, 10, 11], GREEDY)  # 24 cached of 27
     engine.add_request(list(range(2, 15))[::-1], GREEDY)  # 13, nothing cached
     assert len(engine.scheduler.waiting) == 2
-    assert engine.metrics().pending_prefill_tokens == (27 - 24) + 13
+    assert engine.metrics().queued_prefill_tokens == (27 - 24) + 13
     run_all(engine)
     assert_no_blocks_in_use(engine)
 
@@ -95,13 +95,13 @@ def test_queued_prefill_counts_a_shared_prefix_once_per_burst() -> None:
     first = engine.add_request(prefix + [7, 8], GREEDY)
     engine.add_request(prefix + [9, 10, 11], GREEDY)
     engine.add_request(prefix[:8] + [5, 6, 7, 8, 9], GREEDY)  # shares 2 blocks of it
-    assert engine.metrics().pending_prefill_tokens == 26 + (27 - 24) + (13 - 8)
+    assert engine.metrics().queued_prefill_tokens == 26 + (27 - 24) + (13 - 8)
     engine.abort(first)  # the second now computes the prefix, the third still shares 2
-    assert engine.metrics().pending_prefill_tokens == 27 + (13 - 8)
+    assert engine.metrics().queued_prefill_tokens == 27 + (13 - 8)
     assert sum(engine.scheduler.waiting.claims.values()) == 6 + 3  # the aborted one's claims went
     results = run_all(engine)
     assert all(r.completions[0].token_ids for rid, r in results.items() if rid != first)
-    assert engine.metrics().pending_prefill_tokens == 0
+    assert engine.metrics().queued_prefill_tokens == 0
     assert not engine.scheduler.waiting.claims  # every claim went with its request
     assert_no_blocks_in_use(engine)
 
@@ -115,7 +115,7 @@ def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() ->
     engine.add_request(prefix + [7, 8], SamplingParams(temperature=0, max_tokens=1))
     engine.add_request(other + [7], SamplingParams(temperature=0, max_tokens=1))
     run_all(engine)  # both prefixes cached, nothing in use
-    assert engine.snapshot().kv_waiting_pinned_blocks == 0
+    assert engine.snapshot().waiting_pinned_blocks == 0
     engine.add_request(
         prefix[:8] + list(range(2, 12)), SamplingParams(temperature=0, max_tokens=50)
     )
@@ -126,15 +126,15 @@ def test_load_reports_the_cached_blocks_waiting_prefixes_will_pin_each_once() ->
     engine.add_request(list(range(2, 15))[::-1], GREEDY)
     assert len(engine.scheduler.waiting) == 4
     snap = engine.snapshot()
-    assert snap.kv_waiting_pinned_blocks == 4 + 3
+    assert snap.waiting_pinned_blocks == 4 + 3
     assert worker_load(snap).waiting_pinned_blocks == 7
     assert worker_status("w", snap, epoch=1, index_healthy=True).waiting_pinned_blocks == 7
     # a pull landed for a waiting request is the advising router's to count (its ledger)
     (seq,) = [r.seqs[0] for r in engine.scheduler.waiting if r.seqs[0].token_ids == other + [5]]
     engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim)
-    assert engine.snapshot().kv_waiting_pinned_blocks == 4
+    assert engine.snapshot().waiting_pinned_blocks == 4
     run_all(engine)
-    assert engine.snapshot().kv_waiting_pinned_blocks == 0
+    assert engine.snapshot().waiting_pinned_blocks == 0
     assert_no_blocks_in_use(engine)
 
 
@@ -144,9 +144,9 @@ def test_decodes_first_then_prefill_chunks() -> None:
     engine.add_request(list(range(2, 6)), short)
     engine.step()  # prefill of the short request
     engine.add_request(list(range(30, 50)), GREEDY)  # 20-token prompt: chunks of 5
-    assert engine.metrics().pending_prefill_tokens == 20
+    assert engine.metrics().queued_prefill_tokens == 20
     engine.step()
-    assert engine.metrics().pending_prefill_tokens == 15
+    assert engine.metrics().queued_prefill_tokens == 15
     engine.step()
     # decode (start 4 then 5) first, then a 5-token chunk of the long prompt, no logits
     assert ex.batches[1] == [(4, 1, True), (0, 5, False)]
@@ -382,7 +382,7 @@ def test_prompt_keys_hashed_by_the_caller_claim_the_same_blocks() -> None:
             keys = block_keys(p, 4, engine.hash_context(GREEDY)) if hashed else None
             engine.add_request(p, GREEDY, prompt_keys=keys)
         counts.append(
-            (engine.metrics().pending_prefill_tokens, dict(engine.scheduler.waiting.claims))
+            (engine.metrics().queued_prefill_tokens, dict(engine.scheduler.waiting.claims))
         )
         run_all(engine)
         assert_no_blocks_in_use(engine)

@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 
+from kvstore.blocks.protocol import WorkerStatus
+from kvstore.types import WorkerLoad
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_scheduler import prompts
 from tests.engine.test_telemetry import FAKE_METRICS
@@ -30,13 +32,13 @@ def from_internals(engine: Engine) -> dict[str, object]:
     waiting = sum(len(s.token_ids) - s.cached_hint for r in sched.waiting for s in r.seqs)
     prefilling = sum(s.num_remaining for s in running if s.num_remaining > 1)
     return {
-        "num_running": len(sched.running),
-        "num_waiting": len(sched.waiting),
-        "pending_prefill_tokens": waiting + prefilling,
-        "decoding_seqs": sum(1 for s in running if s.num_remaining <= 1),
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "queued_prefill_tokens": waiting + prefilling,
+        "decode_tokens": sum(1 for s in running if s.num_remaining <= 1),
         "kv_used_blocks": kv.used_blocks,
-        "kv_free_blocks": engine.kv.num_free_blocks(),
-        "kv_total_blocks": engine.kv.num_blocks,
+        "free_blocks": engine.kv.num_free_blocks(),
+        "total_blocks": engine.kv.num_blocks,
         "kv_usage": kv.used_blocks / engine.kv.num_blocks,
         "prefix_hit_rate": kv.prefix_hit_rate,
         "num_preemptions": engine.stats.num_preemptions,
@@ -49,14 +51,15 @@ def assert_derived_agree(snap: EngineSnapshot, tel: WorkerTelemetry) -> None:
     load = worker_load(snap)
     status = worker_status("w-0", snap, epoch=3, index_healthy=True)
     g = tel.gauges
-    assert load.running == status.running == g.running == snap.num_running
-    assert load.waiting == status.waiting == g.waiting == snap.num_waiting
-    assert load.free_blocks == status.free_blocks == snap.kv_free_blocks
-    assert load.total_blocks == status.total_blocks == snap.kv_total_blocks
+    assert load.running == status.running == g.running == snap.running
+    assert load.waiting == status.waiting == g.waiting == snap.waiting
+    assert load.free_blocks == status.free_blocks == snap.free_blocks
+    assert load.total_blocks == status.total_blocks == snap.total_blocks
     assert load.queued_prefill_tokens == status.queued_prefill_tokens
-    assert load.queued_prefill_tokens == snap.pending_prefill_tokens
-    assert load.decode_tokens == snap.decoding_seqs
-    assert load.host_blocks == status.host_total_blocks == snap.host_total_blocks
+    assert load.queued_prefill_tokens == snap.queued_prefill_tokens
+    assert load.decode_tokens == snap.decode_tokens
+    sizes = {t: f.total_blocks for t, f in snap.tiers.items()}
+    assert load.tier_blocks == sizes and status.tiers == snap.tiers
     assert status.prefix_hit_rate == g.prefix_hit_rate == snap.prefix_hit_rate
     assert g.kv_usage == snap.kv_usage
     assert status.recompute_preemptions + status.swap_preemptions == snap.num_preemptions
@@ -69,22 +72,22 @@ def test_snapshot_figures_through_admission_chunked_prefill_and_decode() -> None
     a = engine.add_request(list(range(2, 12)), GREEDY)  # 10 tokens: two chunks
     engine.add_request(list(range(20, 26)), GREEDY)  # 6 tokens: waits behind a's first chunk
     snap = engine.snapshot()
-    assert (snap.num_running, snap.num_waiting, snap.pending_prefill_tokens) == (0, 2, 16)
-    assert (snap.kv_used_blocks, snap.kv_free_blocks, snap.decoding_seqs) == (0, 12, 0)
+    assert (snap.running, snap.waiting, snap.queued_prefill_tokens) == (0, 2, 16)
+    assert (snap.kv_used_blocks, snap.free_blocks, snap.decode_tokens) == (0, 12, 0)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        snap.num_running = 5  # type: ignore[misc]
+        snap.running = 5  # type: ignore[misc]
 
     engine.step()  # a's first chunk (8 of 10 tokens) takes the whole budget
     snap = engine.snapshot()
-    assert (snap.num_running, snap.num_waiting) == (1, 1)
-    assert snap.pending_prefill_tokens == (10 - 8) + 6
-    assert (snap.kv_used_blocks, snap.kv_free_blocks, snap.decoding_seqs) == (2, 10, 0)
+    assert (snap.running, snap.waiting) == (1, 1)
+    assert snap.queued_prefill_tokens == (10 - 8) + 6
+    assert (snap.kv_used_blocks, snap.free_blocks, snap.decode_tokens) == (2, 10, 0)
     assert snap.num_partial_prefills == 1 and snap.computed_tokens == 8
 
     engine.step()  # a's last 2 tokens (first token sampled) and b's whole prompt
     snap = engine.snapshot()
-    assert (snap.num_running, snap.num_waiting, snap.pending_prefill_tokens) == (2, 0, 0)
-    assert snap.decoding_seqs == 2 and snap.generation_tokens == 2
+    assert (snap.running, snap.waiting, snap.queued_prefill_tokens) == (2, 0, 0)
+    assert snap.decode_tokens == 2 and snap.generation_tokens == 2
     assert snap.kv_used_blocks == 3 + 2 and snap.computed_tokens == 16
 
     while engine.has_unfinished_requests():
@@ -112,13 +115,13 @@ def test_snapshot_matches_the_engine_and_load_status_gauges_agree_through_preemp
             assert getattr(snap, name) == want, name
         tel.after_step(snap, outputs)
         assert_derived_agree(snap, tel)
-        seen["waiting"] |= snap.num_waiting > 0
-        seen["prefill"] |= snap.pending_prefill_tokens > 0 and snap.num_running > 0
-        seen["decode"] |= snap.decoding_seqs > 0
+        seen["waiting"] |= snap.waiting > 0
+        seen["prefill"] |= snap.queued_prefill_tokens > 0 and snap.running > 0
+        seen["decode"] |= snap.decode_tokens > 0
         seen["preempted"] |= snap.num_preemptions > 0
     assert all(seen.values()), seen
     snap = engine.snapshot()
-    assert (snap.num_running, snap.num_waiting, snap.kv_used_blocks) == (0, 0, 0)
+    assert (snap.running, snap.waiting, snap.kv_used_blocks) == (0, 0, 0)
     assert snap.num_finished == 8 and snap.generation_tokens == 8 * 20
     m = engine.metrics()  # the snapshot plus latencies
     assert EngineSnapshot(**{f.name: getattr(m, f.name) for f in dataclasses.fields(snap)}) == snap
@@ -152,3 +155,16 @@ def test_stage_seconds_sum_the_steps_that_ran_the_model() -> None:
     per_step = stages.per_step_ms()
     assert per_step["total"] == pytest.approx(stages.total * 1e3 / stages.steps)
     assert set(per_step) == {*STEP_STAGES, "total", "host"}
+
+
+def test_load_and_status_fields_are_named_as_the_snapshots() -> None:
+    """The load and the status are derived by field name: each of their fields is a
+    snapshot's (or the load's) of the same name, or one of the few given explicitly, so a
+    figure renamed on one side fails here instead of silently taking its default."""
+    snap = {f.name for f in dataclasses.fields(EngineSnapshot)}
+    load = {f.name for f in dataclasses.fields(WorkerLoad)}
+    status = {f.name for f in dataclasses.fields(WorkerStatus)}
+    assert load - snap == {"tier_blocks"}  # the tiers' sizes, from snap.tiers
+    given = {"worker_id", "epoch", "index_healthy", "swap_preemptions", "recompute_preemptions"}
+    by_router = {"stale", "heartbeat_age_s"}
+    assert status - snap - load == given | {"adapters"} | by_router

@@ -105,16 +105,16 @@ def test_pinned_blocks_recount_at_most_every_max_age_and_zero_once_the_queue_emp
     engine.step()  # it runs (max_num_seqs=1): the next ones wait
     engine.add_request(prefix + [9], greedy)
     waiting = engine.scheduler.waiting
-    assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 6
+    assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 6
     engine.add_request(list(range(30, 42)) + [5], greedy)  # claims 3 of those blocks again
     seq = waiting._reqs[0].seqs[0]
     engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim[:2])
-    assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 6  # the last count
-    assert engine.snapshot().kv_waiting_pinned_blocks == 4  # exact: 2 landed are the router's
-    assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 4  # just counted
+    assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 6  # the last count
+    assert engine.snapshot().waiting_pinned_blocks == 4  # exact: 2 landed are the router's
+    assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 4  # just counted
     engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim[2:3])
     time.sleep(0.03)
-    assert engine.snapshot(pins_max_age_s=0.02).kv_waiting_pinned_blocks == 3  # old: recounted
+    assert engine.snapshot(pins_max_age_s=0.02).waiting_pinned_blocks == 3  # old: recounted
     for req in list(waiting):
         engine.abort(req.request_id)
-    assert engine.snapshot(pins_max_age_s=30.0).kv_waiting_pinned_blocks == 0
+    assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 0

@@ -6,6 +6,12 @@ import threading
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.blocks.hashing import BlockKey, block_keys
+from kvstore.blocks.tiers import Tier
+
+
+def tiers(device: int, host: int = 0) -> dict[Tier, int]:
+    """A per-tier lookup answer of one worker (the tiers holding nothing left out)."""
+    return {t: n for t, n in ((Tier.DEVICE, device), (Tier.HOST, host)) if n}
 
 
 def chain(n: int, salt: int = 0) -> list[BlockKey]:

@@ -17,12 +17,13 @@ import time
 
 import pytest
 
+from kvstore.blocks.tiers import Tier
 from kvstore.config import IndexConfig
-from kvstore.events import TierKeys
 from kvstore.index import KVIndex
+from tests.kvstore.helpers import tiers
 from tests.kvstore.test_lookup_modes import CTX, _prompts, _round, _Worker
 from tests.redis_server import RedisServer
-from worker.kv import BlockStored, KVCacheManager, block_keys
+from worker.kv import BlockRemoved, BlockStored, KVCacheManager, block_keys
 from worker.kv.invariants import check_prefix_closed, record_parents
 from worker.kv.types import KVCapacityError
 
@@ -62,10 +63,10 @@ class _TierWorker(_Worker):
         """A new registration, resynced from a snapshot of both tiers (the old one is dead)."""
         self.epoch = self.index.register(self.name)
         self.batch = 1
-        snap = TierKeys(self.kv.cached_keys(), self.kv.host_cached_keys())
+        snap = {Tier.DEVICE: self.kv.cached_keys(), Tier.HOST: self.kv.host_cached_keys()}
         assert self.index.resync(self.name, self.epoch, 1, snap)
 
-    def truth(self, keys: list[bytes], k: int) -> tuple[int, int]:
+    def truth(self, keys: list[bytes], k: int) -> dict[Tier, int]:
         device, host = set(self.kv.cached_keys()), set(self.kv.host_cached_keys())
         d = 0
         while d < len(keys) and keys[d] in device:
@@ -73,7 +74,7 @@ class _TierWorker(_Worker):
         u = d
         while u < len(keys) and keys[u] in host:
             u += 1
-        return d // k * k, u // k * k - d // k * k
+        return tiers(d // k * k, u // k * k - d // k * k)
 
 
 @pytest.mark.parametrize("record_every", [1, 2])
@@ -109,7 +110,7 @@ def test_tier_lookup_equals_each_workers_tiers(
                 w.free(s)
             assert w.kv.reset_prefix_cache()
             w.publish()
-            assert not w.index.held_keys(w.name) and not w.index.held_keys(w.name, host=True)
+            assert not w.index.held_keys(w.name) and not w.index.held_keys(w.name, Tier.HOST)
             resets += 1
         for prompt in prompts + [p + [rng.randrange(50)] * 6 for p in prompts[:6]]:
             keys = block_keys(prompt, 2, CTX)
@@ -117,13 +118,13 @@ def test_tier_lookup_equals_each_workers_tiers(
             assert scan.lookup_tiers(keys) == truth
             assert bisect.lookup_tiers(keys) == truth
             # the device-only lookup is the tier lookup's first count
-            assert bisect.lookup(keys) == {w: d for w, (d, _) in truth.items()}
-            host_hits += sum(h > 0 for _, h in truth.values())
+            assert bisect.lookup(keys) == {w: t.get(Tier.DEVICE, 0) for w, t in truth.items()}
+            host_hits += sum(Tier.HOST in t for t in truth.values())
         for w in workers:  # the index holds exactly each tier's recorded keys
             rec = scan.recorder(w.name)
             assert scan.held_keys(w.name) == set(rec.recorded(w.kv.cached_keys()))
-            assert scan.held_keys(w.name, host=True) == set(
-                rec.recorded(w.kv.host_cached_keys(), host=True)
+            assert scan.held_keys(w.name, Tier.HOST) == set(
+                rec.recorded(w.kv.host_cached_keys(), Tier.HOST)
             )
     assert host_hits > 50, host_hits  # the workload did put prefixes in host tiers
     assert sum(w.hosted for w in workers) > 50 and restarts and resets
@@ -142,21 +143,21 @@ def test_purge_drops_host_entries_and_resync_replaces_them(redis_server: RedisSe
         BlockStored(1, tuple(keys[8:]), keys[7], (), 2, "host"),
     ]
     assert index.apply_events("a", epoch, 1, events).applied
-    assert index.lookup_tiers(keys) == {"a": (8, 12)}
-    assert index.lookup_tiers(keys[:5]) == {"a": (5, 0)}
+    assert index.lookup_tiers(keys) == {"a": tiers(8, 12)}
+    assert index.lookup_tiers(keys[:5]) == {"a": tiers(5, 0)}
     # a resync without host keys empties the host tier's entries
     assert index.resync("a", epoch, 2, keys[:10])
-    assert index.lookup_tiers(keys) == {"a": (10, 0)}
-    assert index.resync("a", epoch, 3, TierKeys(keys[:4], keys[4:15]))
-    assert index.lookup_tiers(keys) == {"a": (4, 11)}
-    assert index.held_keys("a", host=True) == set(keys[4:15])
+    assert index.lookup_tiers(keys) == {"a": tiers(10, 0)}
+    assert index.resync("a", epoch, 3, {Tier.DEVICE: keys[:4], Tier.HOST: keys[4:15]})
+    assert index.lookup_tiers(keys) == {"a": tiers(4, 11)}
+    assert index.held_keys("a", Tier.HOST) == set(keys[4:15])
     # a restart: the old slot is dead, purged in chunks smaller than either tier
     index.register("a")
-    assert index.lookup_tiers(keys) == {"a": (0, 0)}
+    assert index.lookup_tiers(keys) == {"a": tiers(0, 0)}
     assert index.purge_dead(chunk=3) == 1
     client = index.client
     ns = cfg.namespace
-    assert client.hlen(ns + "blk") == 0 and client.hlen(ns + "hblk") == 0
+    assert client.hlen(ns + "blk:device") == 0 and client.hlen(ns + "blk:host") == 0
     assert not [k for k in client.scan_iter(ns + "*held:*")]
     index.close()
 
@@ -168,7 +169,7 @@ def test_worker_without_device_hit_but_host_hit_is_counted(redis_server: RedisSe
     ea, eb = index.register("a"), index.register("b")
     assert index.apply_events("a", ea, 1, [BlockStored(0, tuple(keys), None, (), 2, "host")])
     assert index.apply_events("b", eb, 1, [BlockStored(0, tuple(keys[:3]), None, (), 2)])
-    assert index.lookup_tiers(keys) == {"a": (0, 10), "b": (3, 0)}
+    assert index.lookup_tiers(keys) == {"a": tiers(0, 10), "b": tiers(3, 0)}
     assert index.lookup(keys) == {"a": 0, "b": 3}
     index.close()
 
@@ -186,13 +187,13 @@ def test_key_in_both_tiers_names_its_worker_once(redis_server: RedisServer, mode
     ]
     assert index.apply_events("a", ea, 1, events).applied
     assert index.apply_events("b", eb, 1, [BlockStored(0, tuple(keys[:5]), None, (), 2)]).applied
-    assert index.lookup_tiers(keys) == {"a": (10, 5), "b": (5, 0)}
+    assert index.lookup_tiers(keys) == {"a": tiers(10, 5), "b": tiers(5, 0)}
     assert index.lookup(keys) == {"a": 10, "b": 5}
     index.close()
 
 
 def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None:
-    """A worker whose snapshot names both tiers (``TierKeys``, as worker/index_link.py gives it)
+    """A worker whose snapshot names both tiers (per tier, as worker/index_link.py gives it)
     gets its host-tier entries back after Redis lost everything."""
     from kvstore.publisher import WorkerPublisher
     from kvstore.types import WorkerLoad
@@ -206,7 +207,7 @@ def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None
     )
     index = KVIndex(cfg)
     kv = KVCacheManager(4, 2, host_num_blocks=8)
-    snapshot = lambda: TierKeys(kv.cached_keys(), kv.host_cached_keys())  # noqa: E731
+    snapshot = lambda: {Tier.DEVICE: kv.cached_keys(), Tier.HOST: kv.host_cached_keys()}  # noqa: E731
     pub = WorkerPublisher(index, "w", snapshot, max_backoff_s=0.1, purge_interval_s=None)
     load = WorkerLoad(0, 0, 4, 4, 0)
     pub.start()
@@ -219,15 +220,49 @@ def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None
         pub.submit(kv.drain_events(), load)
         assert pub.flush()
         keys = block_keys(prompt, 2, CTX)
-        assert index.lookup_tiers(keys) == {"w": (0, 4)}
+        assert index.lookup_tiers(keys) == {"w": tiers(0, 4)}
         redis_server.stop()
         redis_server.start()  # same port, empty
         pub.request_resync()
         deadline = time.monotonic() + 10
-        while index.lookup_tiers(keys) != {"w": (0, 4)}:
+        while index.lookup_tiers(keys) != {"w": tiers(0, 4)}:
             assert time.monotonic() < deadline, index.lookup_tiers(keys)
             time.sleep(0.05)
-        assert index.held_keys("w", host=True) == set(kv.host_cached_keys())
+        assert index.held_keys("w", Tier.HOST) == set(kv.host_cached_keys())
     finally:
         pub.stop()
         index.close()
+
+
+@pytest.mark.parametrize("mode", ["bisect", "scan"])
+def test_every_held_tier_is_indexed_by_its_value(redis_server: RedisServer, mode: str) -> None:
+    """The index knows every tier of ``HELD_TIERS`` without a tier-specific line: a prefix
+    spread over device, host and disk is counted per tier, resynced, listed and purged."""
+    cfg = IndexConfig(url=redis_server.url, model_id=f"three-{mode}", lookup=mode)
+    index = KVIndex(cfg)
+    keys = block_keys(list(range(30)), 2, CTX)  # 15 blocks
+    ea, eb = index.register("a"), index.register("b")
+    events = [
+        BlockStored(0, tuple(keys[:4]), None, (), 2),
+        BlockStored(1, tuple(keys[4:8]), keys[3], (), 2, Tier.HOST),
+        BlockStored(2, tuple(keys[8:12]), keys[7], (), 2, Tier.DISK),
+    ]
+    assert index.apply_events("a", ea, 1, events).applied
+    assert index.apply_events("b", eb, 1, [BlockStored(0, tuple(keys[:6]), None, (), 2, "disk")])
+    assert index.lookup_tiers(keys) == {
+        "a": {Tier.DEVICE: 4, Tier.HOST: 4, Tier.DISK: 4},
+        "b": {Tier.DISK: 6},
+    }
+    assert index.lookup(keys) == {"a": 4, "b": 0}
+    assert index.held_keys("a", Tier.DISK) == set(keys[8:12])
+    assert index.resync("a", ea, 2, {Tier.DEVICE: keys[:2], Tier.DISK: keys[2:5]})
+    assert index.lookup_tiers(keys) == {"a": {Tier.DEVICE: 2, Tier.DISK: 3}, "b": {Tier.DISK: 6}}
+    assert index.apply_events("a", ea, 3, [BlockRemoved(3, tuple(keys[4:5]), Tier.DISK)])
+    assert index.lookup_tiers(keys)["a"] == {Tier.DEVICE: 2, Tier.DISK: 2}
+    index.register("a")
+    index.register("b")
+    assert index.purge_dead(chunk=2) == 2
+    client = index.client
+    assert not [k for k in client.scan_iter(cfg.namespace + "*blk:*")]
+    assert not [k for k in client.scan_iter(cfg.namespace + "*held:*")]
+    index.close()

@@ -16,7 +16,7 @@ from kvstore.blocks.events import AllBlocksCleared
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
-from tests.kvstore.helpers import chain, removed, stored
+from tests.kvstore.helpers import chain, removed, stored, tiers
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -33,7 +33,7 @@ def held(index: KVIndex, worker_id: str) -> set[bytes]:
 
 
 def blk_slots(index: KVIndex) -> dict[bytes, bytes]:
-    return index.client.hgetall(index.config.namespace + "blk")
+    return index.client.hgetall(index.config.namespace + "blk:device")
 
 
 @pytest.fixture(params=["bisect", "scan"])
@@ -303,7 +303,7 @@ def test_lookup_many_answers_as_each_lookup_would_in_one_round_trip(index: KVInd
     index.apply_events("b", eb, 1, [stored(keys[:6])])
     prompts = [(keys, False), (keys[:3], True), (chain(5, salt=9), False), (keys[:7], True)]
     expected = [index.lookup_tiers(k) if t else index.lookup(k) for k, t in prompts]
-    assert expected[0] == {"a": 10, "b": 6} and expected[1] == {"a": (3, 0), "b": (3, 0)}
+    assert expected[0] == {"a": 10, "b": 6} and expected[1] == {"a": tiers(3), "b": tiers(3)}
     assert index.lookup_many(prompts) == expected
     assert index.lookup_many(prompts[:1]) == expected[:1]
     index.client.script_flush()

@@ -175,8 +175,8 @@ def test_sequence_gap_triggers_resync(
     resyncs = publisher.stats.resyncs
     slot = index.client.hget(index.config.namespace + "reg", "w").split(b":")[0]
     index.client.hset(index.config.namespace + "seq", slot, 0)  # the server "lost" batches
-    index.client.srem(index.config.namespace + "held:" + slot.decode(), keys[0])  # and lost
-    index.client.hdel(index.config.namespace + "blk", keys[0])  # an entry (consistently)
+    index.client.srem(index.config.namespace + "held:device:" + slot.decode(), keys[0])  # and lost
+    index.client.hdel(index.config.namespace + "blk:device", keys[0])  # an entry (consistently)
     publisher.submit(pool.store(keys[3:], keys[2]), LOAD)
     assert publisher.flush()
     assert publisher.stats.resyncs == resyncs + 1
@@ -249,22 +249,22 @@ def test_a_marked_resync_snapshot_is_not_overwritten_by_older_events(
 
     pub = WorkerPublisher(index, "w", snapshot, purge_interval_s=None)
     pub.submit(pool.store([k0, p, c]), LOAD)
-    pub._drain()
-    pub._sync(time.monotonic())  # registered; [k0, p, c] published
+    pub.sync.drain()
+    pub.sync.sync(time.monotonic())  # registered; [k0, p, c] published
     assert index.lookup([k0, p, c]) == {"w": 3}
     pub.submit(pool.evict(c, p), LOAD)  # step 1
-    pub._drain()  # into the outbox (not sent yet: Redis is slow, say)
+    pub.sync.drain()  # into the outbox (not sent yet: Redis is slow, say)
     pub.submit(pool.store([p], k0) + pool.store([d], p), LOAD)  # step 2, still in the inbox
-    pub._resync_due = True
-    pub._sync(time.monotonic())  # resync, then whatever is left in the outbox
+    pub.sync.want_resync()
+    pub.sync.sync(time.monotonic())  # resync, then whatever is left in the outbox
     after = index.held_keys("w")
     if marked:
         assert cut_taken and after == {k0, p, d}  # the snapshot, exactly
         assert pub.stats.events_applied == pub.stats.events_submitted  # nothing lost
     else:
         assert after == {k0, d}  # the hole: d without its parent p
-    pub._drain()
-    pub._sync(time.monotonic())
+    pub.sync.drain()
+    pub.sync.sync(time.monotonic())
     assert index.held_keys("w") == {k0, p, d}  # either way it converges
     assert index.lookup([k0, p, d]) == {"w": 3}
     pub.stop()

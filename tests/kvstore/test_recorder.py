@@ -5,27 +5,28 @@ from __future__ import annotations
 import pytest
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved
-from kvstore.events import Recorder, event_kind, sampled
+from kvstore.blocks.tiers import Tier
+from kvstore.events import CLEARED, Op, Recorder, event_kind, sampled
 from tests.kvstore.helpers import chain, removed, stored
 
 
 def test_every_key_is_recorded_when_k_is_1() -> None:
     keys = chain(3)
     ops = Recorder(1).record([stored(keys), removed(keys[1]), AllBlocksCleared(2)])
-    assert ops == [("S", tuple(keys)), ("R", (keys[1],)), ("C", ())]
+    assert ops == [Op("S", tuple(keys)), Op("R", (keys[1],)), CLEARED]
 
 
 def test_positions_follow_parents_across_events() -> None:
     keys = chain(9)
     rec = Recorder(3)
     ops = rec.record([stored(keys[:4]), stored(keys[4:], keys[3])])
-    assert ops == [("S", (keys[2],)), ("S", (keys[5], keys[8]))]
+    assert ops == [Op("S", (keys[2],)), Op("S", (keys[5], keys[8]))]
     assert rec.recorded(reversed(keys)) == [keys[8], keys[5], keys[2]]
     # removing an unrecorded key sends nothing; a recorded one is sent once known
     assert rec.record([removed(keys[3])]) == []
-    assert rec.record([removed(keys[5])]) == [("R", (keys[5],))]
+    assert rec.record([removed(keys[5])]) == [Op("R", (keys[5],))]
     # a replay of the removal (retry) still sends it: the server ignores what is gone
-    assert rec.record([removed(keys[5])]) == [("R", (keys[5],))]
+    assert rec.record([removed(keys[5])]) == [Op("R", (keys[5],))]
 
 
 def test_replaying_a_batch_gives_the_same_ops() -> None:
@@ -35,10 +36,10 @@ def test_replaying_a_batch_gives_the_same_ops() -> None:
     first = rec.record(batch)
     assert rec.record(batch) == first
     assert first == [
-        ("S", (keys[1], keys[3])),
-        ("R", (keys[1],)),
-        ("S", (keys[5], keys[7])),
-        ("R", (keys[3],)),
+        Op("S", (keys[1], keys[3])),
+        Op("R", (keys[1],)),
+        Op("S", (keys[5], keys[7])),
+        Op("R", (keys[3],)),
     ]
 
 
@@ -46,7 +47,7 @@ def test_clear_forgets_positions() -> None:
     keys = chain(4)
     rec = Recorder(2)
     rec.record([stored(keys[:2])])
-    assert rec.record([AllBlocksCleared(1), stored(keys[2:], keys[1])]) == [("C", ())]
+    assert rec.record([AllBlocksCleared(1), stored(keys[2:], keys[1])]) == [CLEARED]
     assert rec.recorded(keys) == []
 
 
@@ -75,12 +76,12 @@ def test_real_kv_manager_events_are_accepted() -> None:
     log.removed(keys[1:])
     log.cleared()
     ops = Recorder(1).record(log.drain())
-    assert ops == [("S", tuple(keys)), ("R", (keys[1],)), ("C", ())]
+    assert ops == [Op("S", tuple(keys)), Op("R", (keys[1],)), CLEARED]
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_host_tier_events_are_recorded_per_tier(k: int) -> None:
-    """Host-tier events make host ops ("s", "r"), device events device ops ("S", "R"); the
+    """Host-tier events make host ops, device events device ops (each op names its tier); the
     recorded keys of each tier follow that tier through offloads and loads, at positions
     k-1, 2k-1, ... of the chain (a host key's parent may be on the device)."""
     from worker.kv import HashContext, KVCacheManager, block_keys
@@ -98,22 +99,22 @@ def test_host_tier_events_are_recorded_per_tier(k: int) -> None:
     assert {e.tier for e in events if hasattr(e, "tier")} == {"device", "host"}
     rec = Recorder(k)
     tiers: dict[str, set[bytes]] = {"device": set(), "host": set()}  # keys after each event
-    recorded: dict[str, set[bytes]] = {"S": set(), "s": set()}
+    recorded: dict[str, set[bytes]] = {"device": set(), "host": set()}
     for e in events:
         stored = type(e).__name__ == "BlockStored"
         held = tiers[e.tier]
         tiers[e.tier] = held | set(e.keys) if stored else held - set(e.keys)
-        for kind, keys in rec.record([e]):
-            assert kind in ("S", "R") if e.tier == "device" else kind in ("s", "r")
-            tier = "device" if kind in "SR" else "host"
-            assert kind not in "Ss" or set(keys) <= tiers[tier]
-            key = "S" if tier == "device" else "s"
-            recorded[key] = recorded[key] | set(keys) if kind in "Ss" else recorded[key] - set(keys)
-    assert recorded["S"] == set(rec.recorded(kv.cached_keys()))
-    assert recorded["s"] == set(rec.recorded(kv.host_cached_keys(), host=True))
-    assert recorded["s"], "the workload leaves blocks in the host tier"
+        for kind, keys, tier in rec.record([e]):
+            assert kind in ("S", "R") and tier == e.tier
+            assert kind != "S" or set(keys) <= tiers[tier]
+            recorded[tier] = (
+                recorded[tier] | set(keys) if kind == "S" else recorded[tier] - set(keys)
+            )
+    assert recorded["device"] == set(rec.recorded(kv.cached_keys()))
+    assert recorded["host"] == set(rec.recorded(kv.host_cached_keys(), Tier.HOST))
+    assert recorded["host"], "the workload leaves blocks in the host tier"
     a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 2, ctx)
     b = block_keys([9, 10, 11, 12, 13, 14, 15, 16], 2, ctx)
     sampled = set(a[k - 1 :: k]) | set(b[k - 1 :: k])
-    assert recorded["S"] | recorded["s"] <= sampled
-    assert not recorded["S"] & recorded["s"]
+    assert recorded["device"] | recorded["host"] <= sampled
+    assert not recorded["device"] & recorded["host"]

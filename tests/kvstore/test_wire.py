@@ -32,11 +32,13 @@ from kvstore.blocks.protocol import (
     CallerRef,
     PullHint,
     PullReport,
+    TierFigures,
     WorkerRequest,
     WorkerStatus,
 )
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.structured import StructuredOutputs
+from kvstore.blocks.tiers import Tier
 from kvstore.blocks.wire import schema_fingerprint
 from worker.channels import Channels
 from worker.engine.streams import StreamEnd
@@ -65,9 +67,20 @@ SAMPLES: list[Any] = [
     REPORT,
     Admitted("worker-1", 4, b"k" * 16, REPORT),
     WorkerStatus(
-        "worker-1", 4, 1, 2, 30, 64, 100, 0.25, True, host_total_blocks=8, swap_preemptions=1
+        "worker-1",
+        4,
+        1,
+        2,
+        30,
+        64,
+        100,
+        0.25,
+        True,
+        tiers={Tier.HOST: TierFigures(8, 3, 48)},
+        swap_preemptions=1,
     ),
     AdapterInfo("sql", "sql@abc", True, ("t1",)),
+    TierFigures(16, 4, 32, loaded_blocks=2, stored_blocks=6),
     CallerRef("a handle", "inc-1"),
     StreamEnd("r1", RuntimeError("engine stopped")),
 ]
@@ -80,6 +93,8 @@ def peer_class(cls: type, *, drop: str | None = None, insert: tuple | None = Non
     specs = [
         (f.name, f.type, dataclasses.field(default=f.default, init=f.init))
         if f.default is not dataclasses.MISSING
+        else (f.name, f.type, dataclasses.field(default_factory=f.default_factory, init=f.init))
+        if f.default_factory is not dataclasses.MISSING
         else (f.name, f.type)
         for f in dataclasses.fields(cls)
         if f.name != drop and f.init
@@ -133,7 +148,11 @@ def test_an_older_peer_without_a_field_is_read_with_its_default(
 
 
 def _required(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.init and f.default is dataclasses.MISSING]
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 @pytest.mark.parametrize(

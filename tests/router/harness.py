@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.blocks.tiers import Tier
 from kvstore.types import WorkerLoad
 from router import InMemoryPrefixIndex, RouteDecision, Router, RouteRequest, RoutingConfig
 from worker.kv import HashContext, KVCacheManager, KVEvent
@@ -29,7 +30,7 @@ def load(
         total_blocks=total,
         queued_prefill_tokens=queued,
         decode_tokens=decode,
-        host_blocks=host,
+        tier_blocks={Tier.HOST: host} if host else {},
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.blocks.tiers import Tier
 from router import RoutingConfig
 from router.sim import SimConfig, SimRequest, SimWorker, TimeModel, replay, summarize
 from tests.router.harness import tokens
@@ -63,9 +64,9 @@ def test_idle_ttft_is_a_lone_requests_simulated_ttft() -> None:
         worker.advance(100.0 * i + 50)
         ttft = rec.first_token_s - rec.arrival_s
         assert ttft == pytest.approx(
-            tm.idle_ttft_s(len(prompt), rec.cached_tokens, rec.host_cached_tokens)
+            tm.idle_ttft_s(len(prompt), rec.cached_tokens, rec.tier_cached_tokens)
         )
-    assert (rec.cached_tokens, rec.host_cached_tokens) == (4608, 4608)
+    assert (rec.cached_tokens, rec.tier_cached_tokens) == (4608, {Tier.HOST: 4608})
 
 
 def test_sim_worker_waiting_load_counts_cached_prefix_only_when_asked() -> None:

@@ -4,7 +4,8 @@ prediction counters, the room-check and pull-eviction figures among them."""
 
 from __future__ import annotations
 
-from kvstore.blocks.protocol import AdapterInfo, WorkerStatus
+from kvstore.blocks.protocol import AdapterInfo, TierFigures, WorkerStatus
+from kvstore.blocks.tiers import Tier
 from router.edge.servicer import worker_status_pb
 from router.placement.prediction import PredictionTracker
 from router.serving.serving_metrics import ServingMetrics
@@ -20,6 +21,7 @@ STATUS = WorkerStatus(
     prefix_hit_rate=0.5,
     index_healthy=True,
     waiting_pinned_blocks=7,
+    tiers={Tier.HOST: TierFigures(64, 12, 320)},
     adapters=(AdapterInfo("a", "a@1", True, ("t1",)), AdapterInfo("b", "b@2", False)),
 )
 
@@ -50,3 +52,11 @@ def test_metrics_gauge_the_blocks_waiting_requests_will_pin() -> None:
     text = ServingMetrics("m").render([STATUS]).decode()
     assert 'kvc_worker_waiting_pinned_blocks{model_name="m",worker="w0"} 7.0' in text
     assert 'kvc_worker_queued_prefill_tokens{model_name="m",worker="w0"} 96.0' in text
+
+
+def test_tier_figures_reach_the_status_entry_and_tier_labelled_gauges() -> None:
+    pb = worker_status_pb(STATUS, True, None, None)
+    assert (pb.host_total_blocks, pb.host_cached_blocks, pb.host_hit_tokens) == (64, 12, 320)
+    text = ServingMetrics("m").render([STATUS]).decode()
+    assert 'kvc_worker_tier_cached_blocks{model_name="m",tier="host",worker="w0"} 12.0' in text
+    assert 'kvc_worker_tier_hit_tokens{model_name="m",tier="host",worker="w0"} 320.0' in text

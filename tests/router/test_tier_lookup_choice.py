@@ -12,12 +12,13 @@ from dataclasses import replace
 import pytest
 
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier, TierBlocks
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
 from router import InMemoryPrefixIndex, KVIndexSource, Router, RoutingConfig
 from router.placement.placement_types import RouteRequest, WorkerId
-from router.placement.prefix_source import PrefixSource, TierCounts
+from router.placement.prefix_source import PrefixSource
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
 from worker.engine import Engine, EngineConfig
@@ -38,7 +39,7 @@ class Spy(PrefixSource):
         self.calls["lookup"] += 1
         return self.inner.lookup(keys)
 
-    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierCounts] | None:
+    def lookup_tiers(self, keys: Sequence[BlockKey]) -> Mapping[WorkerId, TierBlocks] | None:
         self.calls["lookup_tiers"] += 1
         return self.inner.lookup_tiers(keys)
 
@@ -61,7 +62,7 @@ def _route_all(
     index: PrefixSource, prompts: list[list[int]], loads: dict[str, WorkerLoad], weight: float
 ) -> tuple[list[tuple], Counter[str]]:
     spy = Spy(index)
-    router = Router(RoutingConfig(host_hit_weight=weight), spy, block_size=16)
+    router = Router(RoutingConfig(tier_hit_weights={"host": weight}), spy, block_size=16)
     out = []
     for i, p in enumerate(prompts):
         d = router.route(RouteRequest(f"r{i}", p + [i], CTX), loads)
@@ -74,7 +75,7 @@ def test_device_only_candidates_get_the_device_lookup_and_the_same_decisions(see
     index, prompts = _device_workers(random.Random(seed))
     plain = {w: load(queued=50 * i) for i, w in enumerate("abc")}
     # the same workers, one of them claiming a host tier: the router must ask per tier
-    claimed = {**plain, "b": replace(plain["b"], host_blocks=32)}
+    claimed = {**plain, "b": replace(plain["b"], tier_blocks={Tier.HOST: 32})}
     device, device_calls = _route_all(index, prompts, plain, 0.5)
     tiers, tier_calls = _route_all(index, prompts, claimed, 0.5)
     assert device_calls == {"lookup": len(prompts)}
@@ -109,14 +110,18 @@ def test_engine_load_reports_the_host_tier_size() -> None:
     from tests.engine.test_host_tier import HostFakeExecutor
 
     with_host = Engine(HostFakeExecutor(16, 4, 24), EngineConfig(block_size=4))
-    assert worker_load(with_host.snapshot()).host_blocks == with_host.kv.host_num_blocks == 24
+    assert (
+        worker_load(with_host.snapshot()).tier_blocks.get(Tier.HOST, 0)
+        == with_host.kv.host_num_blocks
+        == 24
+    )
     no_host = Engine(FakeExecutor(16, 4), EngineConfig(block_size=4))
-    assert worker_load(no_host.snapshot()).host_blocks == 0
+    assert worker_load(no_host.snapshot()).tier_blocks.get(Tier.HOST, 0) == 0
 
 
 @pytest.mark.redis
 def test_over_redis_the_heartbeat_decides_which_script_runs(redis_server: RedisServer) -> None:
-    """The fact travels in the registry: loads read back from Redis carry ``host_blocks``."""
+    """The fact travels in the registry: loads read back from Redis carry ``tier_blocks``."""
     index = KVIndex(IndexConfig(url=redis_server.url, cluster="choice", model_id="m"))
     prompt = tokens(3, 96)
     dev = KVCacheManager(16, 16)
@@ -129,15 +134,15 @@ def test_over_redis_the_heartbeat_decides_which_script_runs(redis_server: RedisS
 
     def route():  # noqa: ANN202 - a fresh router: no pending placement of the last call
         live = {w: info.load for w, info in index.live_workers().items()}
-        return live, Router(RoutingConfig(host_hit_weight=0.5), source, block_size=16).route(
-            request, live
-        )
+        return live, Router(
+            RoutingConfig(tier_hit_weights={"host": 0.5}), source, block_size=16
+        ).route(request, live)
 
     _, first = route()
     assert source.calls == {"lookup": 1}
     assert index.heartbeat("cold", index.live_workers()["cold"].epoch, load(host=8))
     live, second = route()
-    assert live["cold"].host_blocks == 8
+    assert live["cold"].tier_blocks == {Tier.HOST: 8}
     assert source.calls == {"lookup": 1, "lookup_tiers": 1}
     assert (first.worker_id, first.cached_tokens_expected) == ("dev", 48)
     assert (second.worker_id, second.cached_tokens_expected) == ("dev", 48)

@@ -112,7 +112,7 @@ class SetSpares:
 
 @dataclass(frozen=True, slots=True)
 class CachedKeys:
-    """Answer: ``(device keys, host keys or None without a host tier)`` of the cached blocks,
+    """Answer: the cached blocks' keys per tier (device and every lower tier stacked here),
     for an index resync. ``mark`` runs on the engine thread at the moment of the read, where
     no step's events can be submitted (the publisher's ``mark_snapshot``)."""
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
+from kvstore.blocks.protocol import TierFigures
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.executor import ModelExecutor, RunnerExecutor
@@ -441,7 +442,7 @@ class Engine:
     def snapshot(self, *, pins_max_age_s: float = 0.0) -> EngineSnapshot:
         """The engine's figures at this moment (call between steps, in the engine's thread or
         under the front's lock): the one source of the worker's load, status and gauges.
-        ``pins_max_age_s``: ``kv_waiting_pinned_blocks`` may be a count that old
+        ``pins_max_age_s``: ``waiting_pinned_blocks`` may be a count that old
         (:meth:`WaitingQueue.pinned_blocks`; O(waiting prompt blocks) to recount), for a
         caller after every step."""
         kv = self.kv.stats()
@@ -449,26 +450,27 @@ class Engine:
         sched = self.scheduler
         loaded = set(self.executor.loaded_loras()) if self.loras else set()
         return EngineSnapshot(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            pending_prefill_tokens=sched.pending_prefill_tokens(),
-            decoding_seqs=sched.num_decoding_seqs(),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            queued_prefill_tokens=sched.pending_prefill_tokens(),
+            decode_tokens=sched.num_decoding_seqs(),
             kv_usage=kv.usage,
             kv_used_blocks=kv.used_blocks,
-            kv_free_blocks=kv.free_blocks,
-            kv_total_blocks=kv.num_blocks,
+            free_blocks=kv.free_blocks,
+            total_blocks=kv.num_blocks,
             prefix_hit_rate=kv.prefix_hit_rate,
             tenant_quota_evictions=kv.tenant_quota_evictions,
             num_preemptions=s.num_preemptions,
             num_swap_preemptions=s.num_swap_preemptions,
             recomputed_tokens=s.recomputed_tokens,
-            kv_waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
+            waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
             admits_cached_first=self.config.cache_aware_admission,
-            host_total_blocks=kv.host_blocks,
-            host_cached_blocks=kv.host_cached_blocks,
-            host_hit_tokens=kv.host_hit_tokens,
-            host_loaded_blocks=kv.host_loaded_blocks,
-            host_stored_blocks=kv.host_stored_blocks,
+            tiers={
+                t.tier: TierFigures(
+                    t.num_blocks, t.cached_blocks, t.hit_tokens, t.loaded_blocks, t.stored_blocks
+                )
+                for t in kv.tiers
+            },
             num_partial_prefills=s.num_partial_prefills,
             num_steps=s.num_steps,
             computed_tokens=s.computed_tokens,

@@ -48,6 +48,7 @@ from kvstore.blocks.loop_sched import ThreadSchedConfig, demote_compute
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.pauses import LoopSlices
 from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.blocks.tiers import Tier
 from worker.engine.commands import (
     ADDS,
     Abort,
@@ -341,7 +342,9 @@ class EngineLoop:
                 if mark is not None:
                     mark()
                 kv = engine.kv
-                return kv.cached_keys(), kv.host_cached_keys() if kv.has_host_tier else None
+                return {Tier.DEVICE: kv.cached_keys()} | {
+                    b.tier: b.keys() for b in kv.tiers.backends
+                }
             case AnnounceState():
                 if self._on_step is not None:
                     self._hook([])

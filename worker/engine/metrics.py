@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvstore.blocks.protocol import TierFigures
 from kvstore.blocks.stats import quantile
+from kvstore.blocks.tiers import Tier
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
 
@@ -95,17 +97,19 @@ class StageTimer:
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
     """One engine's state between two steps, taken at once (``Engine.snapshot``): what the
-    worker derives its load report, its status answer and its gauges from."""
+    worker derives its load report, its status answer and its gauges from. A field that
+    :class:`~kvstore.types.WorkerLoad` or :class:`~kvstore.blocks.protocol.WorkerStatus`
+    also has carries the same name, so they are derived by name (``worker/status.py``)."""
 
-    num_running: int  # requests holding or acquiring KV blocks
-    num_waiting: int  # requests queued (new or preempted)
-    pending_prefill_tokens: int  # prompt tokens still to compute: waiting + unfinished prefills
+    running: int  # requests holding or acquiring KV blocks
+    waiting: int  # requests queued (new or preempted)
+    queued_prefill_tokens: int  # prompt tokens still to compute: waiting + unfinished prefills
     # (a waiting prompt less its cached or already-queued prefix) - the router's "work queued here"
-    decoding_seqs: int  # running sequences with one token to compute (decodes of the next step)
+    decode_tokens: int  # running sequences with one token to compute (decodes of the next step)
     kv_usage: float  # used blocks / all blocks
     kv_used_blocks: int  # blocks with a reference
-    kv_free_blocks: int  # blocks allocatable now: free plus evictable cached ones
-    kv_total_blocks: int  # pool size
+    free_blocks: int  # KV blocks allocatable now: free plus evictable cached ones
+    total_blocks: int  # KV pool size
     prefix_hit_rate: float  # prompt tokens served from the prefix cache / prompt tokens admitted
     tenant_quota_evictions: int  # idle cached blocks evicted over their tenant's cache quota
     num_preemptions: int  # requests preempted so far (swap or recompute)
@@ -117,15 +121,12 @@ class EngineSnapshot:
     num_finished: int  # requests finished (any reason)
     num_swap_preemptions: int = 0  # of num_preemptions, those that kept the KV (swap)
     recomputed_tokens: int = 0  # tokens resumed requests computed again (found in no tier)
-    host_total_blocks: int = 0  # host KV tier size (0: none)
-    # of kv_free_blocks, the evictable cached ones the waiting requests' prefixes will pin
-    # when they start (each once)
-    kv_waiting_pinned_blocks: int = 0
+    # its KV tiers below the device (a tier not named: none)
+    tiers: dict[Tier, TierFigures] = field(default_factory=dict)
+    # of free_blocks, the evictable cached ones the waiting requests' prefixes will pin when
+    # they start (each once)
+    waiting_pinned_blocks: int = 0
     admits_cached_first: bool = False  # cache-aware admission (EngineConfig)
-    host_cached_blocks: int = 0  # blocks the host tier holds now
-    host_hit_tokens: int = 0  # prompt tokens loaded back from the host tier
-    host_loaded_blocks: int = 0  # blocks copied host -> device
-    host_stored_blocks: int = 0  # blocks copied device -> host (evictions, swap-outs)
     lora_ids: tuple[str, ...] = ()  # stable ids of the registered LoRA adapters, sorted
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
     lora_owners: tuple[str, ...] = ()  # "adapter_id=tenant" of the owned ones, sorted

@@ -71,7 +71,7 @@ class WarmStarts:
 
     async def _warm_quietly(self, peer_ids: Sequence[str], n: int, share: float) -> dict:
         try:
-            total = (await self.engine_loop.call_async(Snapshot())).kv_total_blocks
+            total = (await self.engine_loop.call_async(Snapshot())).total_blocks
             return await self.warm_start(peer_ids, n, int(share * total))
         except Exception:  # noqa: BLE001 - a warm start is an optimisation, never a failure
             log.exception("worker %s: warm start failed", self.worker_id)
