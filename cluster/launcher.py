@@ -22,6 +22,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, start_detached
+from cluster.prometheus import LocalPrometheus
 from cluster.ray_session import RaySession
 from cluster.settings import (
     actor_env,
@@ -64,6 +65,7 @@ class Cluster(RaySession):
         # in-process cluster, a test session) shares that connection and must leave it up.
         self._owns_ray = False
         self._set_loopback = False
+        self.prometheus = LocalPrometheus.for_cluster(cfg, detached=detached)  # None: none
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -187,6 +189,8 @@ class Cluster(RaySession):
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
         self._start_redis()
+        if self.prometheus is not None:  # Ray's dashboard reads it from its start
+            self.prometheus.point_ray_at()
         self._start_ray()
         for i in range(self.cfg.workers.num_workers):
             self.start_worker(i)
@@ -199,6 +203,8 @@ class Cluster(RaySession):
         self.http_endpoints = [
             u for u in ray.get([h.http_endpoint.remote() for h in self.routers.values()]) if u
         ]
+        if self.prometheus is not None:
+            self.prometheus.serve(self.http_endpoints, detach=self.detached)
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
         return self
 
@@ -215,6 +221,8 @@ class Cluster(RaySession):
             model_dir=self.model_path,
             workers=sorted(self.workers),
             http_endpoints=self.http_endpoints,
+            prometheus_url=self.prometheus.url if self.prometheus is not None else None,
+            prometheus_pid=self.prometheus.pid if self.prometheus is not None else None,
         )
 
     def down(self) -> None:
@@ -231,6 +239,8 @@ class Cluster(RaySession):
         self.routers.clear()
         self.workers.clear()
         self._leave_ray()
+        if self.prometheus is not None:
+            self.prometheus.stop()
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)
