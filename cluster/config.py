@@ -20,6 +20,7 @@ from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
 from router.http_api import defaults as http_defaults
 from router.placement.config import LivenessConfig, RequestLimits, RoutingConfig
+from router.serving.slo import SloBounds
 from worker.engine.config import EngineConfig
 
 
@@ -138,6 +139,12 @@ class RouterConfig(Strict):
     )
     liveness: LivenessConfig = Field(
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
+    )
+    slo: SloBounds = Field(
+        SloBounds(),
+        description="Latency objectives: each router exports the share of requests within "
+        "the time-to-first-token bound and of tokens within the inter-token bound "
+        "(kvc_slo_met / kvc_slo_observed).",
     )
     stream_interval: int = Field(
         1,

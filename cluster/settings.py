@@ -94,6 +94,7 @@ def router_settings(
         tls_cert=r.tls_cert,
         tls_key=r.tls_key,
         liveness=r.liveness,
+        slo=r.slo,
         stream_interval=r.stream_interval,
         cors_allowed_origins=tuple(r.cors_allowed_origins),
         http_max_connections=r.http_max_connections,

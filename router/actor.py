@@ -30,6 +30,7 @@ from router.serving.auth import TokenAuth
 from router.serving.core import ModelLimits, ServingCore
 from router.serving.intake import Intake
 from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.slo import SloBounds
 from router.serving.warm_start import WarmStarter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
@@ -65,6 +66,7 @@ class RouterSettings:
     http_cheap_rate_per_s: float = http_defaults.CHEAP_RATE_PER_S  # /health & co. per second
     http_cheap_max_waiting: int = http_defaults.CHEAP_MAX_WAITING  # cheap requests waiting
     sched: ThreadSchedConfig = field(default_factory=ThreadSchedConfig)  # the loop's slice
+    slo: SloBounds = field(default_factory=SloBounds)  # latency objectives /metrics counts
 
 
 class RouterServer(RouterLifecycle):
@@ -112,7 +114,10 @@ class RouterServer(RouterLifecycle):
         self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
         auth = TokenAuth(settings.auth_tokens) if settings.auth_tokens else None
         # one intake for both edges: one auth, one set of limits, one tokenizer budget
-        self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=settings.limits)
+        self.intake = Intake(
+            self.core, self.tokenizer, auth=auth, limits=settings.limits, slo=settings.slo
+        )
+        self.intake.metrics.read_cache(self.core.funnel, self.predictions)
         self.servicer = KVClusterServicer(
             self.intake,
             policy=settings.routing.policy,

@@ -59,3 +59,14 @@ def held_blocks(
         dev = min(dev, cap)
         out[w] = (max(dev, min(pending.get(w, 0), cap)), min(dev + host, cap))
     return out
+
+
+def held_anywhere(
+    index: Mapping[WorkerId, TierCounts] | None, n_tokens: int, block_size: int
+) -> int:
+    """Prompt tokens the worker of the index holding the most of the prompt holds (device and
+    host tiers, unweighted, capped like a hit); 0 without an index answer."""
+    if not index:
+        return 0
+    cap = (n_tokens - 1) // block_size if n_tokens else 0
+    return min(max(dev + host for dev, host in index.values()), cap) * block_size

@@ -15,7 +15,7 @@ from kvstore.blocks.hashing import BlockKey, block_keys
 from kvstore.blocks.protocol import PullReport
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
-from router.placement.cached import cached_tokens, held_blocks
+from router.placement.cached import cached_tokens, held_anywhere, held_blocks
 from router.placement.config import RoutingConfig
 from router.placement.homes import PrefixHomes
 from router.placement.metrics import RouterMetrics
@@ -221,6 +221,8 @@ class Router:
             pull=pull,
             pending=ticket,
             pull_ticket=pull_ticket,
+            held_tokens=held_anywhere(index, len(request.token_ids), self.block_size),
+            best_cached_tokens=max((c or 0 for c in cached.values()), default=0),
         )
         self.metrics.observe(decision)
         return decision

@@ -26,6 +26,7 @@ from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Prepared, Router
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest
+from router.serving.cache_funnel import CacheFunnel
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
 from router.serving.outcomes import Outcomes
@@ -76,7 +77,8 @@ class ServingCore:
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         self.own = OwnWork()  # what this router sent, newer than any heartbeat
-        self.outcomes = Outcomes(router, directory, self.own, predictions)
+        self.funnel = CacheFunnel()  # where its prompts' cache hits were lost, stage by stage
+        self.outcomes = Outcomes(router, directory, self.own, predictions, self.funnel)
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
