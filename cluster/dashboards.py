@@ -117,6 +117,12 @@ OVERVIEW = Dashboard(
             ),
         ),
         Panel(
+            "Router requests by phase (where they wait)",
+            (("sum by (phase) (kvc_router_requests)", "{{phase}}"),),
+            description="routing; submitting (awaiting a worker's admission); first_token (in "
+            "a worker's queue or prefill); streaming.",
+        ),
+        Panel(
             "Errors, retries and broken streams per second",
             (
                 (f"{rate('kvc_request_errors_total', 'status')} or vector(0)", "{{status}}"),

@@ -117,7 +117,7 @@ class RouterServer(RouterLifecycle):
         self.intake = Intake(
             self.core, self.tokenizer, auth=auth, limits=settings.limits, slo=settings.slo
         )
-        self.intake.metrics.read_cache(self.core.funnel, self.predictions)
+        self.intake.metrics.read_core(self.core.funnel, self.predictions, self.core.phases)
         self.servicer = KVClusterServicer(
             self.intake,
             policy=settings.routing.policy,

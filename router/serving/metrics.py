@@ -21,6 +21,7 @@ from kvstore.blocks.protocol import WorkerStatus
 from router.placement.prediction import PredictionTracker
 from router.serving.cache_funnel import STAGES, CacheFunnel
 from router.serving.loop_histograms import LoopHistogram
+from router.serving.request_phases import RequestPhases
 from router.serving.slo import SloBounds
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -125,11 +126,22 @@ class _Cache(Collector):
     """The router's cache funnel, cached tokens by source tier, and per worker its
     predicted vs realised hits, resyncs and pulls, read at scrape time."""
 
-    def __init__(self, funnel: CacheFunnel | None, predictions: PredictionTracker | None) -> None:
-        self.funnel = funnel
-        self.predictions = predictions
+    def __init__(self) -> None:
+        self.funnel: CacheFunnel | None = None
+        self.predictions: PredictionTracker | None = None
+        self.phases: RequestPhases | None = None
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if self.phases is not None:
+            by_phase = GaugeMetricFamily(
+                "kvc_router_requests",
+                "The router's requests by phase: routing, submitting (awaiting the worker's "
+                "admission), first_token (in the worker's queue or prefill), streaming.",
+                labels=["phase"],
+            )
+            for phase, n in self.phases.counts.items():
+                by_phase.add_metric([phase], float(n))
+            yield by_phase
         f = self.funnel
         if f is not None:
             stages = CounterMetricFamily(
@@ -240,7 +252,7 @@ class ServingMetrics:
         r.register(self._statuses)
         self._routing = _Routing()
         r.register(self._routing)
-        self._cache = _Cache(None, None)
+        self._cache = _Cache()
         r.register(self._cache)
         self.slo = _SloCounts(slo or SloBounds())
         r.register(self.slo)
@@ -312,10 +324,16 @@ class ServingMetrics:
         self._field_labels: set[str] = set()
         self._by_worker: dict[str, _WorkerSeries] = {}
 
-    def read_cache(self, funnel: CacheFunnel, predictions: PredictionTracker | None) -> None:
-        """Export the serving core's cache funnel and predicted-vs-realised table (read at
-        scrape time)."""
+    def read_core(
+        self,
+        funnel: CacheFunnel,
+        predictions: PredictionTracker | None,
+        phases: RequestPhases | None = None,
+    ) -> None:
+        """Export the serving core's cache funnel, predicted-vs-realised table and requests
+        by phase (read at scrape time)."""
         self._cache.funnel, self._cache.predictions = funnel, predictions
+        self._cache.phases = phases
 
     def unknown_field(self, name: str) -> bool:
         """Counts one unknown field; True the first time this name is seen (log it then).

@@ -14,6 +14,7 @@ from router.placement.prediction import PredictionTracker
 from router.placement.types import Reason, RouteDecision
 from router.serving.cache_funnel import CacheFunnel
 from router.serving.metrics import ServingMetrics
+from router.serving.request_phases import RequestPhases
 from tests.router.test_status_surfaces import STATUS
 
 # Prometheus's own series for each target (1: the last scrape succeeded)
@@ -48,7 +49,7 @@ def router_metrics() -> set[str]:
     tracker = PredictionTracker(16)
     tracker.observe("w0", 16, 16)
     tracker.observe_pull("w0", 16, 16, seconds=0.1, priced_s=0.1, slow_factor=2.0)
-    m.read_cache(funnel, tracker)
+    m.read_core(funnel, tracker, RequestPhases())
     timer = m.tracker()
     last = CompletionDelta(0, "x", [1], finish_reason=FinishReason.STOP)
     timer.output("w0", RequestOutput("r", [last], True, Usage(1, 0, 1)))

@@ -14,6 +14,7 @@ from router.placement.cached import held_anywhere
 from router.placement.types import Reason, RouteDecision
 from router.serving.cache_funnel import CacheFunnel
 from router.serving.metrics import ServingMetrics
+from router.serving.request_phases import RequestPhases
 from router.serving.slo import SloBounds
 from tests.router.test_status_surfaces import STATUS, predictions
 
@@ -60,7 +61,7 @@ def test_metrics_export_the_funnel_tiers_predictions_and_preemptions() -> None:
     m = ServingMetrics("m")
     funnel = CacheFunnel()
     funnel.observe(decision(96, 64, 64), Usage(128, 64, 0, host_cached_tokens=16), None)
-    m.read_cache(funnel, predictions())
+    m.read_core(funnel, predictions())
     fams = families(m)
     stages = {k[0][1]: v for k, v in fams["kvc_cache_funnel_tokens_total"].items()}
     assert stages == {"prompt": 128, "held": 96, "best": 64, "chosen": 64, "realised": 64}
@@ -89,3 +90,20 @@ def test_slo_attainment_and_decode_time_are_counted_per_request_and_token() -> N
     assert bounds == {"ttft": 10.0, "itl": 1e-9}
     w0 = (("model_name", "m"), ("worker", "w0"))
     assert fams["vllm:request_decode_time_seconds_count"] == {w0: 1}
+
+
+def test_requests_are_counted_by_phase() -> None:
+    phases = RequestPhases()
+    a = phases.move(None, "routing")
+    b = phases.move(phases.move(None, "routing"), "submitting")
+    a = phases.move(a, "first_token")
+    assert phases.counts == {"routing": 0, "submitting": 1, "first_token": 1, "streaming": 0}
+    phases.move(phases.move(a, "streaming"), None)
+    phases.move(b, None)
+    m = ServingMetrics("m")
+    m.read_core(CacheFunnel(), None, phases)
+    phases.move(None, "routing")
+    fams = families(m)
+    assert {k[0][1]: v for k, v in fams["kvc_router_requests"].items()} == {
+        "routing": 1, "submitting": 0, "first_token": 0, "streaming": 0,
+    }  # fmt: skip
