@@ -107,3 +107,28 @@ def test_real_prometheus_scrapes_router_targets(tmp_path: Path) -> None:
         p.stop()
         server.shutdown()
     assert not p.ready()
+
+
+@pytest.mark.skipif(not HAVE_PROMETHEUS, reason="prometheus not installed (deploy/dev.sh)")
+def test_a_ray_up_head_starts_one_that_outlives_the_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.local_redis import free_port
+    from cluster.state import group_alive, stop_group
+
+    port = free_port()
+    args = ["--port", str(port), "--data-dir", str(tmp_path), "--ray-session-dir", str(tmp_path)]
+    assert prom_mod.main(args) == 0
+    out = capsys.readouterr().out
+    pid = int(out.rsplit("pid ", 1)[1].rstrip(")\n"))
+    try:
+        assert f"prometheus at http://127.0.0.1:{port}" in out
+        assert prom_mod.main(args) == 0  # the head's start commands run again: left as it is
+        assert "already serving" in capsys.readouterr().out
+        conf = yaml.safe_load((tmp_path / "prometheus.yml").read_text())
+        assert (
+            str(tmp_path / RAY_SD_FILE) in conf["scrape_configs"][0]["file_sd_configs"][0]["files"]
+        )
+    finally:
+        stop_group(pid)
+    assert not group_alive(pid)
