@@ -15,8 +15,10 @@ environment when Ray starts: :meth:`LocalPrometheus.point_ray_at` sets it in thi
 (the Ray it starts inherits it). Its Metrics page draws charts once a Grafana is set too
 (``RAY_GRAFANA_HOST``); the dashboards of ``deploy/grafana/`` fit either.
 
-``python -m cluster.prometheus`` starts one on a ``ray up`` head before ``ray start``
-(``deploy/local.yaml``).
+On a ``ray up`` head, ``kvcluster up`` starts it on port 9090, where the head's ``ray start``
+pointed the dashboard (``deploy/local.yaml``). ``python -m cluster.prometheus`` starts one on
+its own (e.g. before ``ray start``, on a head whose clusters come and go); a ``kvcluster up``
+configured with its port and data folder then uses it.
 """
 
 from __future__ import annotations
@@ -240,8 +242,8 @@ def ray_metrics_agents() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A detached Prometheus for a ``ray up`` head, started before ``ray start`` (its
-    session folder is ``/tmp/ray/session_latest`` then); prints its URL."""
+    """A detached Prometheus of its own for a Ray head (Ray's service-discovery file read
+    from ``--ray-session-dir``, by default the latest session's); prints its URL."""
     p = argparse.ArgumentParser(prog="python -m cluster.prometheus", description=main.__doc__)
     p.add_argument("--port", type=int, default=9090)
     p.add_argument("--host", default="127.0.0.1")
