@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import grpc
 
 from benchmarks.common import pyplot, save_figure
+from benchmarks.progress import Progress
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
 from kvstore.blocks.stats import quantile
 
@@ -133,26 +134,26 @@ def send_all(
 ) -> tuple[list[Sample], float]:
     """Send ``prompts`` ``concurrency`` at a time; returns the samples (in completion order)
     and the wall time from first send to last response. ``one(client, prompt, max_tokens)``
-    times one request (gRPC by default). With ``progress``, draws a bar there
-    (a separate stream, so the table and JSON line on stdout stay parseable)."""
+    times one request (gRPC by default). With ``progress``, reports there (a separate stream,
+    so the table and JSON line on stdout stay parseable): a bar redrawn on a terminal, a line
+    per few seconds elsewhere (:mod:`benchmarks.progress`)."""
     samples: list[Sample] = []
     lock = threading.Lock()
+    bar = Progress(progress, len(prompts), "requests") if progress is not None else None
 
     def task(prompt: str) -> None:
         s = one(client, prompt, max_tokens)
         with lock:
             samples.append(s)
-            if progress is not None:
-                done = len(samples)
-                bar = "#" * (30 * done // len(prompts))
-                print(f"\r[{bar:<30}] {done}/{len(prompts)}", end="", file=progress, flush=True)
+            if bar is not None:
+                bar.update(len(samples))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(task, prompts))
     wall = time.perf_counter() - t0
-    if progress is not None:
-        print(file=progress, flush=True)
+    if bar is not None:
+        bar.close()
     return samples, wall
 
 

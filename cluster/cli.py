@@ -56,6 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("  dashboard      : off (dashboard: false)")
     hint = ray_cli_hint(st.ray_address, embedded=st.ray_pid is not None)
     print(f"  ray            : {st.ray_address} (Ray CLI: {hint})")
+    print(f"  prometheus     : {st.prometheus_url or 'none (prometheus.start, or not installed)'}")
     print(f"  redis          : {redact_url(st.redis_url)}")
     print(f"  model          : {st.model_dir or 'default (resolved on each node)'}")
     print(f"  state          : {path}")
@@ -123,7 +124,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"index circuit OPEN: routing by load, {st.index_reads_skipped} reads skipped")
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
+    _print_prometheus(args)
     return 0
+
+
+def _print_prometheus(args: argparse.Namespace) -> None:
+    """The cluster's Prometheus URL, from the state file of ``up`` (none with ``--target``)."""
+    from cluster.state import ClusterState
+
+    if args.target:
+        return
+    url = ClusterState.load(args.name).prometheus_url
+    print(f"prometheus {url}" if url else "prometheus: none started (prometheus.start)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -67,6 +67,41 @@ class WorkersConfig(Strict):
     )
 
 
+class PrometheusConfig(Strict):
+    start: Literal["up", "always", "never"] = Field(
+        "up",
+        description="When the launcher starts a Prometheus (cluster/prometheus.py) scraping "
+        "Ray's metrics export and every router's /metrics: 'up' for `kvcluster up` (a "
+        "detached cluster), 'always' for in-process clusters too (demo, tests), 'never'. "
+        "Without the prometheus binary on PATH it logs one line and starts none.",
+    )
+    host: str = Field("127.0.0.1", description="Address its web UI and API listen on.")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Its port (0: a free port; `kvcluster status` prints the URL). With a "
+        "fixed port where a Prometheus already answers (a `ray up` head's, "
+        "deploy/local.yaml), that one is used.",
+    )
+    data_dir: str | None = Field(
+        None,
+        description="Folder of its config, target files, log and time-series data; None: "
+        "~/.kvcluster/prometheus-<name> (KVCLUSTER_STATE_DIR overrides ~/.kvcluster).",
+    )
+    retention: str = Field(
+        "15d",
+        pattern=r"^[0-9]+(ms|s|m|h|d|w|y)$",
+        description="How long it keeps samples (Prometheus duration: 6h, 15d, 1w).",
+    )
+    scrape_interval_s: float = Field(
+        5.0,
+        ge=0.5,
+        le=300,
+        description="Seconds between scrapes of each target (and between rule evaluations).",
+    )
+
+
 class ClusterConfig(Strict):
     name: str = Field("kvcluster", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace.")
     ray_address: str | None = Field(None, description="Ray address; None starts a local Ray.")
@@ -75,6 +110,10 @@ class ClusterConfig(Strict):
     workers: WorkersConfig = WorkersConfig()
     router: RouterConfig = RouterConfig()
     redis: IndexSettings = IndexSettings()
+    prometheus: PrometheusConfig = Field(
+        PrometheusConfig(),
+        description="The cluster's Prometheus: when it starts, port, data folder, retention.",
+    )
     scheduling: ThreadSchedConfig = Field(
         ThreadSchedConfig(),
         description="How the workers' and routers' threads ask the OS for a core (off "

@@ -23,6 +23,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, start_detached
+from cluster.prometheus import LocalPrometheus
 from cluster.ray_session import RaySession
 from cluster.settings import (
     actor_env,
@@ -60,6 +61,7 @@ class Cluster:
         self.http_endpoints: list[str] = []  # OpenAI API base URLs (none when http_port None)
         # what workers get (None: they resolve the default), and the id every component uses
         self.model_path, self.model_id = resolve_model(cfg)
+        self.prometheus = LocalPrometheus.for_cluster(cfg, detached=detached)  # None: none
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -183,6 +185,8 @@ class Cluster:
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
         self._start_redis()
+        if self.prometheus is not None:  # Ray's dashboard reads it from its start
+            self.prometheus.point_ray_at()
         self.ray_session.join()
         for i in range(self.cfg.workers.num_workers):
             self.start_worker(i)
@@ -195,6 +199,8 @@ class Cluster:
         self.http_endpoints = [
             u for u in ray.get([h.http_endpoint.remote() for h in self.routers.values()]) if u
         ]
+        if self.prometheus is not None:
+            self.prometheus.serve(self.http_endpoints, detach=self.detached)
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
         return self
 
@@ -211,6 +217,8 @@ class Cluster:
             model_dir=self.model_path,
             workers=sorted(self.workers),
             http_endpoints=self.http_endpoints,
+            prometheus_url=self.prometheus.url if self.prometheus is not None else None,
+            prometheus_pid=self.prometheus.pid if self.prometheus is not None else None,
         )
 
     def down(self) -> None:
@@ -227,6 +235,8 @@ class Cluster:
         self.routers.clear()
         self.workers.clear()
         self.ray_session.leave()
+        if self.prometheus is not None:
+            self.prometheus.stop()
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)

@@ -130,5 +130,7 @@ def down_detached(name: str) -> ClusterState:
         stop_group(st.ray_pid, RAY_HEAD_GRACE_S)
     if st.redis_pid:
         stop_group(st.redis_pid)
+    if st.prometheus_pid:
+        stop_group(st.prometheus_pid)
     (cluster_state.STATE_DIR / f"{name}.json").unlink(missing_ok=True)
     return st

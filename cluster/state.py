@@ -30,6 +30,8 @@ class ClusterState:
     model_dir: str | None  # served model folder (None: the default, resolved on each node)
     workers: list[str]  # worker actor names
     http_endpoints: list[str] = field(default_factory=list)  # the routers' OpenAI HTTP URLs
+    prometheus_url: str | None = None  # the cluster's Prometheus (None: none started)
+    prometheus_pid: int | None = None  # its process group, if ``up`` started it
 
     def save(self) -> Path:
         """Write the state file, readable by its owner only (the Redis URL may hold a

@@ -12,15 +12,18 @@ PY=${PYTHON:-python3}
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # redis-server (the KV index), openssh-server and rsync (`ray up` on these hosts, and its test),
-# gcc (the native CPU attention kernel, built on first use), curl (the HTTP API's SSE test).
+# gcc (the native CPU attention kernel, built on first use), curl (the HTTP API's SSE test),
+# prometheus (the cluster's metrics, with promtool for the alert rules' test), chromium (the
+# observability test's screenshot of Prometheus's graph page).
 ensure_system_packages() {
   command -v redis-server >/dev/null 2>&1 && [ -x /usr/sbin/sshd ] \
     && command -v rsync >/dev/null 2>&1 && command -v gcc >/dev/null 2>&1 \
-    && command -v curl >/dev/null 2>&1 && return
-  echo "[dev] installing redis-server openssh-server rsync gcc curl (apt)"
+    && command -v curl >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 \
+    && command -v chromium >/dev/null 2>&1 && return
+  echo "[dev] installing redis-server openssh-server rsync gcc curl prometheus chromium (apt)"
   as_root apt-get update -qq
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq redis-server openssh-server \
-    rsync gcc libc6-dev curl >/dev/null
+    rsync gcc libc6-dev curl prometheus chromium >/dev/null
   # The Debian packages may start system-wide servers; kvcluster never uses them.
 }
 

@@ -12,6 +12,7 @@ from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.strict import Strict
 from router.http_api import defaults as http_defaults
 from router.placement.config import STREAM_INTERVAL, LivenessConfig, RequestLimits, RoutingConfig
+from router.serving.slo import SloBounds
 
 LAUNCHER_FIELDS = frozenset({"num_routers", "niceness", "max_restarts"})
 """Fields the launcher reads to start the router actors; every other one configures a router
@@ -87,6 +88,12 @@ class RouterConfig(Strict):
     )
     liveness: LivenessConfig = Field(
         LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
+    )
+    slo: SloBounds = Field(
+        SloBounds(),
+        description="Latency objectives: each router exports the share of requests within "
+        "the time-to-first-token bound and of tokens within the inter-token bound "
+        "(kvc_slo_met / kvc_slo_observed).",
     )
     stream_interval: int = Field(
         STREAM_INTERVAL,

@@ -72,3 +72,14 @@ def weighted_blocks(counts: TierBlocks, cap: int, tier_weights: Mapping[Tier, fl
 
 
 _NONE: TierBlocks = {}
+
+
+def held_anywhere(
+    index: Mapping[WorkerId, TierBlocks] | None, n_tokens: int, block_size: int
+) -> int:
+    """Prompt tokens the worker of the index holding the most of the prompt holds (every tier,
+    unweighted, capped like a hit); 0 without an index answer."""
+    if not index:
+        return 0
+    cap = (n_tokens - 1) // block_size if n_tokens else 0
+    return min(max(sum(counts.values()) for counts in index.values()), cap) * block_size

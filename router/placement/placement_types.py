@@ -81,3 +81,8 @@ class RouteDecision:
     pull: PullHint | None = None  # fetch part of the prefix from a peer first (priced)
     pending: int | None = None  # the placement's pending-prefix ticket (Router.settle ends it)
     pull_ticket: int | None = None  # its pull's entry in the router's ledger (settle ends it)
+    # the cache funnel (router/serving/cache_funnel.py): prompt tokens the worker holding the
+    # most of the prompt holds (any tier, any worker of the index), and the most any
+    # candidate would serve from cache
+    held_tokens: int = 0
+    best_cached_tokens: int = 0

@@ -16,7 +16,7 @@ from kvstore.blocks.protocol import PullReport
 from kvstore.blocks.tiers import Tier, TierBlocks
 from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
-from router.placement.cached import cached_tokens, held_blocks
+from router.placement.cached import cached_tokens, held_anywhere, held_blocks
 from router.placement.config import RoutingConfig
 from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
@@ -228,6 +228,8 @@ class Router:
             pull=pull,
             pending=ticket,
             pull_ticket=pull_ticket,
+            held_tokens=held_anywhere(index, len(request.token_ids), self.block_size),
+            best_cached_tokens=max((c or 0 for c in cached.values()), default=0),
         )
         self.metrics.observe(decision)
         return decision

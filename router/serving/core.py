@@ -26,9 +26,11 @@ from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.placement_types import NoWorkersError, RouteDecision, RouteRequest
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Prepared, Router
+from router.serving.cache_funnel import CacheFunnel
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
 from router.serving.outcomes import Outcomes
+from router.serving.request_phases import RequestPhases
 from router.serving.sent_work import SentWork
 from router.serving.workers import WorkerDirectory, WorkerGone
 
@@ -76,7 +78,9 @@ class ServingCore:
         self.broken = 0  # streams ended because their worker died mid-stream
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         self.own = SentWork()  # what this router sent, newer than any heartbeat
-        self.outcomes = Outcomes(router, directory, self.own, predictions)
+        self.funnel = CacheFunnel()  # where its prompts' cache hits were lost, stage by stage
+        self.phases = RequestPhases()  # its requests by phase (where they wait)
+        self.outcomes = Outcomes(router, directory, self.own, predictions, self.funnel)
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)
         self._full_at: float | None = None
@@ -163,6 +167,7 @@ class ServingCore:
         in the cleanup below, stop) another client's request. ``tenant``: the caller's; an
         adapter registered for other tenants is unknown to it."""
         self.live_requests += 1
+        phase: str | None = None
         try:
             check_limits(token_ids, params, self.limits)
             label, request_id = request_id, uuid.uuid4().hex
@@ -191,7 +196,9 @@ class ServingCore:
                         + (f" (tried {sorted(excluded)})" if excluded else "")
                     )
                 route_req = RouteRequest(request_id, token_ids, ctx)
+                phase = self.phases.move(phase, "routing")
                 decision = await self._decide.place(route_req, candidates)
+                phase = self.phases.move(phase, "submitting")
                 worker = decision.worker_id
                 produced = finished = gone = admitted = False
                 pulled: PullReport | None = None
@@ -203,6 +210,7 @@ class ServingCore:
                     async for item in self.directory.stream(worker, wreq):
                         if isinstance(item, Admitted):
                             admitted = True
+                            phase = self.phases.move(phase, "first_token")
                             if decision.keys:
                                 self.router.check_parity(request_id, decision.keys, item.last_key)
                             pulled = item.pulled
@@ -212,6 +220,7 @@ class ServingCore:
                             continue
                         if not produced and any(d.token_ids for d in item.outputs):
                             produced = True
+                            phase = self.phases.move(phase, "streaming")
                             self.own.prefilled(worker, request_id, done=False)
                             self._settle(decision)
                             self.outcomes.first_output(decision, item, pulled)
@@ -264,6 +273,7 @@ class ServingCore:
                 raise self._overloaded(label, full, every_worker=False)
             raise NoWorkersError(f"request {label!r}: {self.max_attempts} workers died in turn")
         finally:
+            self.phases.move(phase, None)
             self.live_requests -= 1
             if self.warm_freeze is not None:
                 self.warm_freeze.request_ended(idle=not self.live_requests)

@@ -25,6 +25,7 @@ from router.serving.generate_spec import ChatOptions, GenerateSpec
 from router.serving.iteration_slices import IterationSlices
 from router.serving.request_errors import ModelNotFound, RequestFailed, Unauthenticated, renamed
 from router.serving.serving_metrics import ServingMetrics
+from router.serving.slo import SloBounds
 from router.serving.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
 from worker.model.tokenizer import Tokenizer
 
@@ -64,6 +65,7 @@ class Intake:
         auth: TokenAuth | None,
         limits: RequestLimits,
         tokenize: TokenizerPool | None = None,
+        slo: SloBounds | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -74,7 +76,7 @@ class Intake:
         # the GIL) in a thread of their own: never on the event loop, and a flood of them
         # queues behind itself, not behind (or in front of) tokenizing.
         self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
-        self.metrics = ServingMetrics(core.limits.model_id)
+        self.metrics = ServingMetrics(core.limits.model_id, slo=slo)
         self.started = int(time.time())
         self.turns = IterationSlices(INTAKE_SLICE)
 

@@ -14,6 +14,7 @@ from kvstore.blocks.protocol import PullReport
 from router.placement.placement_types import Reason, RouteDecision
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Router
+from router.serving.cache_funnel import CacheFunnel
 from router.serving.sent_work import SentWork
 from router.serving.workers import WorkerDirectory
 
@@ -30,8 +31,10 @@ class Outcomes:
         directory: WorkerDirectory,
         own: SentWork,
         predictions: PredictionTracker | None,
+        funnel: CacheFunnel | None = None,
     ) -> None:
         self.router = router
+        self.funnel = funnel  # None: not counted
         self.directory = directory
         self.own = own  # which requests were placed on an idle worker
         self.predictions = predictions  # None: predictions are not compared
@@ -79,6 +82,8 @@ class Outcomes:
         hit this router predicted; a worker whose predictions keep missing resyncs. A pull
         that imported less than planned is the pull's miss (counted with the pull), not the
         index's: the index's prediction is what the worker held plus what it imported."""
+        if self.funnel is not None:
+            self.funnel.observe(decision, first.usage, pulled)
         if self.predictions is None or not decision.keys or decision.reason == Reason.NO_INDEX:
             return  # nothing was predicted from the index
         predicted = decision.cached_tokens_expected

@@ -18,13 +18,18 @@ from prometheus_client.registry import Collector
 
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import WorkerStatus
+from router.placement.prediction import PredictionTracker
+from router.serving.cache_funnel import STAGES, CacheFunnel
 from router.serving.loop_histograms import LoopHistogram
+from router.serving.request_phases import RequestPhases
+from router.serving.slo import SloBounds
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TTFT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+_DECODE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+_E2E_BUCKETS = _DECODE_BUCKETS
 MAX_FIELD_LABELS = 64  # distinct unknown field names counted by name; the rest as "<other>"
 
 
@@ -70,6 +75,21 @@ class _Statuses(Collector):
             ):
                 fams[name].add_metric(v, float(value))
         yield from fams.values()
+        preempted = CounterMetricFamily(
+            "vllm:num_preemptions", "Requests the worker preempted.", labels=labels
+        )
+        by_mode = CounterMetricFamily(
+            "kvc_worker_preemptions",
+            "Preemptions by mode: swap kept the victim's KV (host tier), recompute dropped it.",
+            labels=[*labels, "mode"],
+        )
+        for s in self.statuses:
+            v = [self.model, s.worker_id]
+            preempted.add_metric(v, float(s.swap_preemptions + s.recompute_preemptions))
+            by_mode.add_metric([*v, "swap"], float(s.swap_preemptions))
+            by_mode.add_metric([*v, "recompute"], float(s.recompute_preemptions))
+        yield preempted
+        yield by_mode
         yield from self._tiers()
 
     def _tiers(self) -> Iterator[GaugeMetricFamily]:
@@ -117,10 +137,129 @@ class _Routing(Collector):
             yield CounterMetricFamily(f"kvc_router_{name}", help_, value=float(snap.get(name, 0)))
 
 
+class _Cache(Collector):
+    """The router's cache funnel, cached tokens by source tier, and per worker its
+    predicted vs realised hits, resyncs and pulls, read at scrape time."""
+
+    def __init__(self) -> None:
+        self.funnel: CacheFunnel | None = None
+        self.predictions: PredictionTracker | None = None
+        self.phases: RequestPhases | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        if self.phases is not None:
+            by_phase = GaugeMetricFamily(
+                "kvc_router_requests",
+                "The router's requests by phase: routing, submitting (awaiting the worker's "
+                "admission), first_token (in the worker's queue or prefill), streaming.",
+                labels=["phase"],
+            )
+            for phase, n in self.phases.counts.items():
+                by_phase.add_metric([phase], float(n))
+            yield by_phase
+        f = self.funnel
+        if f is not None:
+            stages = CounterMetricFamily(
+                "kvc_cache_funnel_tokens",
+                "Prompt tokens of the requests placed, by funnel stage: prompt, held (by the "
+                "index's best holder), best (best candidate), chosen (expected on the chosen "
+                "worker), realised (served from cache).",
+                labels=["stage"],
+            )
+            for stage in STAGES:
+                stages.add_metric([stage], float(f.tokens[stage]))
+            yield stages
+            yield CounterMetricFamily(
+                "kvc_cache_funnel_requests",
+                "Requests counted in the cache funnel (at their first output).",
+                value=float(f.requests),
+            )
+            tiers = CounterMetricFamily(
+                "kvc_prompt_tokens_cached",
+                "Prompt tokens served from cache, by the tier they came from (peer: pulled "
+                "from another worker).",
+                labels=["tier"],
+            )
+            for tier, n in f.cached_by_tier.items():
+                tiers.add_metric([tier.value], float(n))
+            yield tiers
+        p = self.predictions
+        if p is None:
+            return
+        fams = {
+            name: CounterMetricFamily(name, help_, labels=["worker"]) for name, help_ in _PER_WORKER
+        }
+        for w, wp in list(p.workers.items()):
+            for name, value in (
+                ("kvc_cache_predicted_tokens", wp.predicted_tokens),
+                ("kvc_cache_realised_tokens", wp.realised_tokens),
+                ("kvc_cache_prediction_misses", wp.misses),
+                ("kvc_index_resyncs", wp.resyncs),
+                ("kvc_pulls", wp.pulls),
+                ("kvc_pulled_tokens", wp.pulled_tokens),
+                ("kvc_pull_misses", wp.pull_misses),
+                ("kvc_pull_slow", wp.pull_slow),
+            ):
+                fams[name].add_metric([w], float(value))
+        yield from fams.values()
+
+
+_PER_WORKER = (
+    ("kvc_cache_predicted_tokens", "Cached prompt tokens the router predicted on the worker."),
+    ("kvc_cache_realised_tokens", "Cached prompt tokens the worker realised."),
+    (
+        "kvc_cache_prediction_misses",
+        "Placements whose predicted and realised cached tokens differed by a block or more.",
+    ),
+    ("kvc_index_resyncs", "Resyncs of the worker's index entries the router asked for."),
+    ("kvc_pulls", "Placements that carried a pull of cached KV from a peer."),
+    ("kvc_pulled_tokens", "Prompt tokens those pulls imported."),
+    ("kvc_pull_misses", "Pulls that imported less than planned (the rest recomputed)."),
+    ("kvc_pull_slow", "Pulls slower than their priced time by the slow factor."),
+)
+
+
+class _SloCounts(Collector):
+    """Requests within the time-to-first-token bound and tokens within the inter-token
+    bound, counted on the event loop (plain ints: one thread)."""
+
+    __slots__ = ("bounds", "ttft_met", "ttft_total", "itl_met", "itl_total")
+
+    def __init__(self, bounds: SloBounds) -> None:
+        self.bounds = bounds
+        self.ttft_met = self.ttft_total = self.itl_met = self.itl_total = 0
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        met = CounterMetricFamily(
+            "kvc_slo_met",
+            "Requests (ttft) or output tokens (itl) within their bound.",
+            labels=["slo"],
+        )
+        total = CounterMetricFamily(
+            "kvc_slo_observed", "Requests (ttft) or output tokens (itl) measured.", labels=["slo"]
+        )
+        bound = GaugeMetricFamily(
+            "kvc_slo_bound_seconds", "The objective's bound (router.slo).", labels=["slo"]
+        )
+        for slo, m, t, b in (
+            ("ttft", self.ttft_met, self.ttft_total, self.bounds.ttft_s),
+            ("itl", self.itl_met, self.itl_total, self.bounds.itl_s),
+        ):
+            met.add_metric([slo], float(m))
+            total.add_metric([slo], float(t))
+            bound.add_metric([slo], b)
+        yield from (met, total, bound)
+
+
 class ServingMetrics:
     """What one router served; :meth:`render` is the ``/metrics`` body."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        slo: SloBounds | None = None,
+    ) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=False)
         r, by_worker = self.registry, ("model_name", "worker")
@@ -128,6 +267,10 @@ class ServingMetrics:
         r.register(self._statuses)
         self._routing = _Routing()
         r.register(self._routing)
+        self._cache = _Cache()
+        r.register(self._cache)
+        self.slo = _SloCounts(slo or SloBounds())
+        r.register(self.slo)
         self.ttft = LoopHistogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token, from the request's arrival at the router.",
@@ -147,6 +290,13 @@ class ServingMetrics:
             "Request latency, arrival to last token.",
             by_worker,
             _E2E_BUCKETS,
+            r,
+        )
+        self.decode = LoopHistogram(
+            "vllm:request_decode_time_seconds",
+            "Time from a request's first token to its last.",
+            by_worker,
+            _DECODE_BUCKETS,
             r,
         )
         self.prompt_tokens = Counter(
@@ -189,6 +339,17 @@ class ServingMetrics:
         self._field_labels: set[str] = set()
         self._by_worker: dict[str, _WorkerSeries] = {}
 
+    def read_core(
+        self,
+        funnel: CacheFunnel,
+        predictions: PredictionTracker | None,
+        phases: RequestPhases | None = None,
+    ) -> None:
+        """Export the serving core's cache funnel, predicted-vs-realised table and requests
+        by phase (read at scrape time)."""
+        self._cache.funnel, self._cache.predictions = funnel, predictions
+        self._cache.phases = phases
+
     def unknown_field(self, name: str) -> bool:
         """Counts one unknown field; True the first time this name is seen (log it then).
         At most :data:`MAX_FIELD_LABELS` names get a label of their own."""
@@ -226,6 +387,7 @@ class _WorkerSeries:
         "ttft",
         "itl",
         "e2e",
+        "decode",
         "prompt_tokens",
         "generation_tokens",
         "cache_queries",
@@ -240,6 +402,7 @@ class _WorkerSeries:
         self.ttft = m.ttft.labels(*labels)
         self.itl = m.itl.labels(*labels)
         self.e2e = m.e2e.labels(*labels)
+        self.decode = m.decode.labels(*labels)
         self.prompt_tokens = m.prompt_tokens.labels(*labels)
         self.generation_tokens = m.generation_tokens.labels(*labels)
         self.cache_queries = m.cache_queries.labels(*labels)
@@ -258,11 +421,11 @@ class _WorkerSeries:
 class RequestTimer:
     """One request's timings, fed each output as it reaches the router."""
 
-    __slots__ = ("m", "start", "last", "tokens", "_series")
+    __slots__ = ("m", "start", "last", "first", "tokens", "_series")
 
     def __init__(self, m: ServingMetrics) -> None:
         self.m = m
-        self.start = self.last = time.monotonic()
+        self.start = self.last = self.first = time.monotonic()
         self.tokens = 0
         self._series: _WorkerSeries | None = None  # of the worker that answers
 
@@ -273,18 +436,29 @@ class RequestTimer:
             s = self._series = self.m.of_worker(worker)
         k = sum(len(d.token_ids) for d in out.outputs)
         if k:
+            slo = self.m.slo
             if self.tokens == 0:
-                s.ttft.observe(now - self.start)
+                ttft = now - self.start
+                s.ttft.observe(ttft)
+                slo.ttft_total += 1
+                slo.ttft_met += ttft <= slo.bounds.ttft_s
+                self.first = now
                 k_gaps, gap_from = k - 1, now
             else:
                 k_gaps, gap_from = k, self.last
             if k_gaps:
-                s.itl.observe((now - gap_from) / k_gaps, k_gaps)
+                gap = (now - gap_from) / k_gaps
+                s.itl.observe(gap, k_gaps)
+                slo.itl_total += k_gaps
+                if gap <= slo.bounds.itl_s:
+                    slo.itl_met += k_gaps
             self.tokens += k
             self.last = now
         if out.finished:
             u = out.usage
             s.e2e.observe(now - self.start)
+            if self.tokens:
+                s.decode.observe(now - self.first)
             s.prompt_tokens.inc(u.prompt_tokens)
             s.generation_tokens.inc(u.completion_tokens)
             s.cache_queries.inc(u.prompt_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,11 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
             f"--address {state['ray_address']}"
         )
         assert hint in up.stdout
+        # its Prometheus (when installed): URL printed by up and status, on loopback
+        if shutil.which("prometheus"):
+            assert f"prometheus     : {state['prometheus_url']}" in up.stdout, up.stdout
+            assert f"prometheus {state['prometheus_url']}" in st.stdout, st.stdout
+            assert all(e.loopback for e in listeners(process_group(state["prometheus_pid"])))
         ray_cli = str(Path(sys.executable).with_name("ray"))
         ray_status = subprocess.run(
             [ray_cli, "status", "--address", state["ray_address"]],
@@ -116,3 +122,5 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
     # exactly our Ray head and redis-server are gone (down waits for them)
     assert not group_alive(state["ray_pid"])
     assert not group_alive(state["redis_pid"])
+    if state["prometheus_pid"]:
+        assert not group_alive(state["prometheus_pid"])
