@@ -89,6 +89,13 @@ def test_evicted_prefixes_come_back_from_disk_with_the_same_tokens(tiny_dir, tmp
     assert disk.hit_tokens > 0 and disk.read_blocks > 0 and disk.written_blocks > 0, disk
     assert disk.usage_bytes > 0 and disk.capacity_bytes == 1 << 20 and disk.enabled
     engine.kv.check_invariants()
+    metrics = engine.metrics()  # the snapshot path: every lower tier's figures
+    assert [s.tier for s in metrics.kv_tiers] == [Tier.HOST, Tier.DISK]
+    by_tier = metrics.cached_tokens_by_tier()
+    assert by_tier["disk"] == disk.hit_tokens and sum(by_tier.values()) == (
+        metrics.prefix_hit_tokens
+    )
+    assert by_tier["device"] >= 0
 
 
 def test_a_restarted_engine_announces_its_disk_and_serves_the_first_repeat_from_it(

@@ -488,6 +488,8 @@ class Engine:
                 sorted(f"{self.loras[n]}={t}" for n, ts in self.lora_tenants.items() for t in ts)
             ),
             stage_seconds=s.stages.snapshot(),
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            kv_tiers=kv.tiers,
         )
 
     def metrics(self) -> EngineMetrics:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvstore.blocks.stats import quantile
+from worker.kv.types import TierStats
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
 
@@ -130,6 +131,16 @@ class EngineSnapshot:
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
     lora_owners: tuple[str, ...] = ()  # "adapter_id=tenant" of the owned ones, sorted
     stage_seconds: StageSeconds = StageSeconds()  # engine-thread time per step stage, summed
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
+    # every lower KV tier's figures, fastest first (host, disk): blocks, bytes, hits, reads,
+    # writes, skipped reads, evictions (worker.kv.TierStats)
+    kv_tiers: tuple[TierStats, ...] = ()
+
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Prompt tokens served from the prefix cache by the tier they came from
+        (``device`` and each lower tier's name), summing to ``prefix_hit_tokens``."""
+        lower = {s.tier.value: s.hit_tokens for s in self.kv_tiers}
+        return {"device": self.prefix_hit_tokens - sum(lower.values()), **lower}
 
 
 _EMPTY = LatencySummary(0, 0.0, 0.0, 0.0, 0.0)
