@@ -108,7 +108,10 @@ class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
         )
         self.loop_probe = LoopLagProbe()
         if self.publisher is not None:
-            self.publisher.submit([], worker_load(self.engine.snapshot()))
+            # what the engine holds from the start (a disk tier's runs) is announced under
+            # this epoch right after registering, before the first request
+            held = self.front.with_engine(lambda engine: engine.drain_kv_events())
+            self.publisher.submit(held, worker_load(self.engine.snapshot()))
             self.publisher.start()
         # the loop answers in a few ms next to the engine thread: short GIL turns, and no
         # collection scans the start-up heap (the engine froze the model's; this is ours)
