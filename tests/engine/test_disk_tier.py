@@ -21,7 +21,6 @@ from worker.kv.disk_tier import DiskTier
 
 BS = 4
 BLOCK_BYTES = 2048  # the tiny Llama's KV per block of 4 tokens (2 layers x K,V x 2 x 16 x f32)
-PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 def _prompts(seed: int = 0, n_prefixes: int = 6, rounds: int = 2) -> list[list[int]]:
@@ -54,7 +53,7 @@ def _disk(engine: Engine) -> DiskTier:
 
 def _serve(engine: Engine, prompts: list[list[int]], **params: object) -> list[list[int]]:
     """One request at a time, each after the disk writes of the ones before have landed."""
-    p = PARAMS if not params else SamplingParams(temperature=0, max_tokens=5, **params)  # type: ignore[arg-type]
+    p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, **params)  # type: ignore[arg-type]
     out = []
     for prompt in prompts:
         out.append(engine.generate([prompt], p)[0].completions[0].token_ids)
@@ -147,9 +146,7 @@ def test_foreign_model_or_tenant_blocks_are_never_used(tiny_dir, tmp_path, cold)
     _serve(_engine(tiny_dir, tenant_dir), prompts[:6])
     engine = _engine(tiny_dir, tenant_dir)
     assert _disk(engine).held
-    assert _serve(engine, prompts[:2], ignore_eos=True, cache_salt="tenant-b") == _expected(
-        cold, prompts[:2]
-    )
+    assert _serve(engine, prompts[:2], cache_salt="tenant-b") == _expected(cold, prompts[:2])
     assert _disk_hits(engine) == 0  # the salt is folded into block 0's key
 
 
@@ -186,3 +183,17 @@ def test_disk_config_needs_a_path_a_host_tier_and_prefix_caching() -> None:
         EngineConfig(disk_kv_bytes=4096, disk_kv_path="/tmp/x")
     with pytest.raises(ValueError, match="disk_kv_admit_after"):
         EngineConfig(disk_kv_admit_after=3)  # type: ignore[arg-type]
+
+
+def test_blocks_of_the_base_model_are_never_used_for_an_adapter(tiny_dir, tmp_path):
+    from worker.model.build_tiny_lora import build_tiny_lora
+
+    adapter = str(build_tiny_lora(tmp_path / "lora", tiny_dir, seed=1))
+    prompts = _prompts()[:6]
+    disk = tmp_path / "disk"
+    _serve(_engine(tiny_dir, disk), prompts)  # the base model's blocks on disk
+    expected = _serve(_engine(tiny_dir, None, lora_adapters={"a": adapter}), prompts, lora="a")
+    engine = _engine(tiny_dir, disk, lora_adapters={"a": adapter})
+    assert _disk(engine).held
+    assert _serve(engine, prompts[:2], lora="a") == expected[:2]
+    assert _disk_hits(engine) == 0  # the adapter id is folded into block 0's key
