@@ -17,7 +17,7 @@ from kvstore.index import KVIndex
 from kvstore.index_sync import SPARES_DUTY
 from kvstore.publisher import WorkerPublisher
 from kvstore.types import WorkerLoad
-from worker.engine.commands import CachedKeys, SetSpares
+from worker.engine.commands import CachedKeys, DrainEvents, SetSpares
 from worker.engine.engine_loop import EngineLoop
 
 log = logging.getLogger("worker.actor")  # the actor's log, as its other lines
@@ -41,9 +41,12 @@ class IndexLink:
             )
 
     def start(self, load: WorkerLoad) -> None:
-        """Register with ``load`` and start the publisher's thread."""
+        """Register with ``load`` and start the publisher's thread. What the engine holds from
+        its start (a disk tier's runs) is announced under this epoch right after registering,
+        before the first request."""
         if self.publisher is not None:
-            self.publisher.submit([], load)
+            held = self._engine_loop.call(DrainEvents())
+            self.publisher.submit(held, load)
             self.publisher.start()
 
     def publish(self, events: Sequence[KVEvent], load: WorkerLoad) -> None:

@@ -60,6 +60,13 @@ def test_gpu_example_yaml_loads() -> None:
         ("router: {auth_tokens: {anon: ''}}", "'anon' has an empty token"),
         ("router: {auth_tokens: {a: tok-1, b: tok-1}}", "'a' and 'b' have the same token"),
         ("router: {auth_tokens: {'a#b': tok-1}}", "without '#'"),
+        # a disk KV tier needs a directory and a host tier above it
+        ("workers: {engine: {disk_kv_bytes: 4096, host_kv_bytes: 4096}}", "needs disk_kv_path"),
+        (
+            "workers: {engine: {disk_kv_bytes: 4096, disk_kv_path: /tmp/kv}}",
+            "disk_kv_bytes=4096 needs enable_prefix_caching and a host tier (host_kv_bytes=0",
+        ),
+        ("workers: {engine: {disk_kv_admit_after: 3}}", "workers.engine.disk_kv_admit_after"),
         # an owned adapter needs authenticated tenants, and owners that are tenants
         (
             "workers: {engine: {lora_adapters: {x: /a}, lora_tenants: {x: [alice]}}}",

@@ -161,7 +161,8 @@ def test_load_and_status_fields_are_named_as_the_snapshots() -> None:
     """The load and the status are derived by field name: each of their fields is a
     snapshot's (or the load's) of the same name, or one of the few given explicitly, so a
     figure renamed on one side fails here instead of silently taking its default."""
-    snap = {f.name for f in dataclasses.fields(EngineSnapshot)}
+    # ``tiers`` is a property of the snapshot, derived from its ``kv_tiers``
+    snap = {f.name for f in dataclasses.fields(EngineSnapshot)} | {"tiers"}
     load = {f.name for f in dataclasses.fields(WorkerLoad)}
     status = {f.name for f in dataclasses.fields(WorkerStatus)}
     assert load - snap == {"tier_blocks"}  # the tiers' sizes, from snap.tiers

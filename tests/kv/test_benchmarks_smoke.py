@@ -43,3 +43,18 @@ def test_fleet_eviction_smoke(capsys: pytest.CaptureFixture) -> None:
     assert head == returned and head["smoke"] is True
     for order in fleet_eviction.ORDERS:
         assert 0 < head[f"coverage_{order}_40"] <= 1
+
+
+def test_disk_tier_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:
+    from benchmarks import disk_tier
+
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    returned = disk_tier.main(["--smoke"])
+    head = _last_json(capsys.readouterr().out)
+    assert head == returned and head["smoke"] is True
+    assert head["outputs_identical"] is True
+    assert head["working_set_x"] >= 3.5
+    assert head["hit_rate_disk"] > head["hit_rate_host_only"] and head["hit_disk_share"] > 0
+    assert head["restart_hit_warm"] > head["restart_hit_cold"]
+    assert head["read_blocks_per_s"] > 0 and head["recompute_blocks_per_s"] > 0
+    assert (tmp_path / "disk_tier.png").stat().st_size > 0

@@ -82,6 +82,12 @@ class ResetPrefixCache:
 
 
 @dataclass(frozen=True, slots=True)
+class DrainEvents:
+    """Answer: the engine's KV events not yet handed out (``Engine.drain_kv_events``); at start,
+    what it held before its first step (a disk tier's runs), for the worker to announce."""
+
+
+@dataclass(frozen=True, slots=True)
 class ImportRun:
     """Write a peer's block run into the cache (``kv_pull.import_run``). Answer: its
     ``ImportResult``; ImportRefused when the run does not match the prompt."""
@@ -148,6 +154,7 @@ Command = (
     | Metrics
     | AddLora
     | ResetPrefixCache
+    | DrainEvents
     | ImportRun
     | ExportRun
     | SetSpares

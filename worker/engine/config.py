@@ -82,6 +82,24 @@ class EngineConfig(Strict):
         "device are kept there and loaded back on a prefix hit; swapped-out preempted requests "
         "too. 0 = off.",
     )
+    disk_kv_bytes: int = Field(
+        0,
+        ge=0,
+        description="Disk KV tier below the host tier: blocks the host tier evicts are written "
+        "to run files under disk_kv_path (checksummed, atomic, off the engine thread) within "
+        "this byte budget, read back on a prefix hit when reading beats recomputing, and "
+        "announced again after a restart. Needs host_kv_bytes and prefix caching. 0 = off.",
+    )
+    disk_kv_path: str = Field(
+        "",
+        description="Directory of the disk KV tier (local storage, one per worker; created if "
+        "missing). A worker restarted on it comes back with what it holds.",
+    )
+    disk_kv_admit_after: Literal[1, 2] = Field(
+        1,
+        description="Disk KV tier admission: 1 writes a block the first time the host tier "
+        "evicts it, 2 only the second time (keeps one-off prompts off the disk).",
+    )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto",
         description="What a preemption does with the victim's KV: 'swap' keeps its blocks for "
@@ -186,6 +204,19 @@ class EngineConfig(Strict):
                 f"host_kv_bytes={self.host_kv_bytes} needs enable_prefix_caching: the host tier "
                 "keeps cached blocks; turn caching on or set host_kv_bytes to 0"
             )
+        if self.disk_kv_bytes:
+            if not self.disk_kv_path:
+                raise ValueError(
+                    f"disk_kv_bytes={self.disk_kv_bytes} needs disk_kv_path: the directory of "
+                    "the disk KV tier; set it or set disk_kv_bytes to 0"
+                )
+            if not self.enable_prefix_caching or not self.host_kv_bytes:
+                raise ValueError(
+                    f"disk_kv_bytes={self.disk_kv_bytes} needs enable_prefix_caching and a host "
+                    f"tier (host_kv_bytes={self.host_kv_bytes}, enable_prefix_caching="
+                    f"{self.enable_prefix_caching}): the disk tier keeps the blocks the host "
+                    "tier evicts; set host_kv_bytes > 0 or disk_kv_bytes to 0"
+                )
         for name, tenants in self.lora_tenants.items():
             if name not in self.lora_adapters:
                 raise ValueError(

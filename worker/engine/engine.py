@@ -30,7 +30,6 @@ from pathlib import Path
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
 from kvstore.blocks.outputs import GenerationResult, RequestOutput
-from kvstore.blocks.protocol import TierFigures
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.executor import ModelExecutor, RunnerExecutor
@@ -39,11 +38,13 @@ from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary,
 from worker.engine.offline import run_to_completion
 from worker.engine.outcome import RequestOutcome
 from worker.engine.policy import get_policy
+from worker.engine.prefill_rate import PrefillRate
 from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.structured import GrammarCompiler, install_ready
+from worker.engine.tier_copies import disk_tier_specs, run_tier_copies
 from worker.engine.validate import validate_request
 from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
@@ -82,12 +83,16 @@ class Engine:
         self.max_model_len = config.max_model_len or limit
         self.eos_ids = frozenset(executor.eos_token_ids)
         quota = config.tenant_cache_fraction
+        self.prefill_rate = PrefillRate()  # recomputing priced against lower-tier reads
+        lower = disk_tier_specs(config, executor, model_id)
         self.kv = KVCacheManager(
             executor.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             tenant_quota_blocks=int(quota * executor.num_blocks) if quota < 1.0 else None,
             host_num_blocks=executor.num_host_blocks,
+            lower_tiers=lower,
+            recompute_seconds=self.prefill_rate.seconds_for if lower else None,
         )
         self.scheduler = Scheduler(config, self.kv, get_policy(config.policy))
         self.requests: dict[str, Request] = {}  # live requests by id
@@ -315,7 +320,7 @@ class Engine:
             prepared_before = self.executor.prepare_seconds
             try:
                 if sched.transfers:  # even without chunks: a host block is promised its data
-                    self.executor.swap(sched.transfers)
+                    run_tier_copies(self.executor, self.kv.tiers, sched.transfers)
                 logits = None
                 if sched.chunks:
                     if sched.blocks_to_copy:
@@ -334,8 +339,9 @@ class Engine:
             t2 = time.perf_counter()
             timer.prepare += prepared
             timer.forward += t2 - t1 - prepared
-            t1 = t2
+            model_s, t1 = t2 - t1, t2
             if logits is not None:
+                self.prefill_rate.observe(sched.num_prefill_tokens, model_s)
                 timer.steps += 1
                 self.stats.num_steps += 1
                 self.stats.computed_tokens += sched.num_batched_tokens
@@ -465,12 +471,6 @@ class Engine:
             recomputed_tokens=s.recomputed_tokens,
             waiting_pinned_blocks=sched.waiting.pinned_blocks(pins_max_age_s),
             admits_cached_first=self.config.cache_aware_admission,
-            tiers={
-                t.tier: TierFigures(
-                    t.num_blocks, t.cached_blocks, t.hit_tokens, t.loaded_blocks, t.stored_blocks
-                )
-                for t in kv.tiers
-            },
             num_partial_prefills=s.num_partial_prefills,
             num_steps=s.num_steps,
             computed_tokens=s.computed_tokens,
@@ -483,6 +483,8 @@ class Engine:
                 sorted(f"{self.loras[n]}={t}" for n, ts in self.lora_tenants.items() for t in ts)
             ),
             stage_seconds=s.stages.snapshot(),
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            kv_tiers=kv.tiers,
         )
 
     def metrics(self) -> EngineMetrics:

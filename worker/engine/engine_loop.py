@@ -59,6 +59,7 @@ from worker.engine.commands import (
     CachedKeys,
     Command,
     ComputeThreads,
+    DrainEvents,
     ExportRun,
     ImportRun,
     Metrics,
@@ -330,6 +331,8 @@ class EngineLoop:
                 return engine.add_lora(name, path, tenants)
             case ResetPrefixCache():
                 return engine.kv.reset_prefix_cache()
+            case DrainEvents():
+                return engine.drain_kv_events()
             case ImportRun(run, token_ids, ctx, keys):
                 return import_run(engine, run, token_ids, ctx, keys)
             case ExportRun(keys, ctx, start):

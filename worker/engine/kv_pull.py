@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys
 from kvstore.blocks.tiers import Tier
 from worker.engine.engine import Engine
+from worker.engine.tier_copies import run_tier_copies
 from worker.kv.transfer import BlockRun, ImportRefused, RunHeader, check_header
 
 
@@ -80,7 +81,7 @@ def import_run(
         try:
             transfers = kv.take_transfers()  # offloads of blocks the plan evicted: first
             if transfers:
-                engine.executor.swap(transfers)
+                run_tier_copies(engine.executor, kv.tiers, transfers)
             engine.executor.write_run(plan.tier == Tier.HOST, plan.block_ids, payload, plan.offset)
         except BaseException:
             kv.abort_import(plan)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.blocks.protocol import TierFigures
 from kvstore.blocks.stats import quantile
 from kvstore.blocks.tiers import Tier
+from worker.kv.types import TierStats
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
 
@@ -121,8 +122,6 @@ class EngineSnapshot:
     num_finished: int  # requests finished (any reason)
     num_swap_preemptions: int = 0  # of num_preemptions, those that kept the KV (swap)
     recomputed_tokens: int = 0  # tokens resumed requests computed again (found in no tier)
-    # its KV tiers below the device (a tier not named: none)
-    tiers: dict[Tier, TierFigures] = field(default_factory=dict)
     # of free_blocks, the evictable cached ones the waiting requests' prefixes will pin when
     # they start (each once)
     waiting_pinned_blocks: int = 0
@@ -131,6 +130,26 @@ class EngineSnapshot:
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
     lora_owners: tuple[str, ...] = ()  # "adapter_id=tenant" of the owned ones, sorted
     stage_seconds: StageSeconds = StageSeconds()  # engine-thread time per step stage, summed
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
+    # every lower KV tier's figures, fastest first (host, disk): blocks, bytes, hits, reads,
+    # writes, skipped reads, evictions (worker.kv.TierStats)
+    kv_tiers: tuple[TierStats, ...] = ()
+
+    @property
+    def tiers(self) -> dict[Tier, TierFigures]:
+        """Its KV tiers below the device as a status reports them (a tier not named: none)."""
+        return {
+            t.tier: TierFigures(
+                t.num_blocks, t.cached_blocks, t.hit_tokens, t.loaded_blocks, t.stored_blocks
+            )
+            for t in self.kv_tiers
+        }
+
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        """Prompt tokens served from the prefix cache by the tier they came from
+        (``device`` and each lower tier's name), summing to ``prefix_hit_tokens``."""
+        lower = {s.tier.value: s.hit_tokens for s in self.kv_tiers}
+        return {"device": self.prefix_hit_tokens - sum(lower.values()), **lower}
 
 
 _EMPTY = LatencySummary(0, 0.0, 0.0, 0.0, 0.0)

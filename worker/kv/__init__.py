@@ -3,7 +3,7 @@ lower tiers behind one backend interface (the built-in ones register on import h
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext, block_keys, hash_block
-from worker.kv import host_tier  # noqa: F401  (registers the "host" tier backend)
+from worker.kv import disk_tier, host_tier  # noqa: F401  (register the "disk", "host" tiers)
 from worker.kv.claims import BlockClaims
 from worker.kv.manager import KVCacheManager
 from worker.kv.tier_backend import TIER_BACKENDS, TierBackend

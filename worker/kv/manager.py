@@ -313,6 +313,9 @@ class KVCacheManager:
 
         Walks block by block and stops at the first miss; a hit also compares token ids.
         Capped so the last prompt token is always recomputed (its logits are needed).
+        A tier that holds its own bytes (disk) reads the hit's blocks from it here and keeps
+        them for the adoption that follows (:meth:`TierBackend.fetch`); otherwise no state
+        changes.
         ``known_keys``: the chain of the leading full blocks of ``token_ids`` under ``ctx``
         if the caller has it (from :meth:`expected_prefix`); those blocks are not rehashed.
         """
@@ -341,6 +344,12 @@ class KVCacheManager:
             parent = key
         if lower and self.recompute_seconds is not None:
             n = tiers.worth_loading(lower, self.recompute_seconds)
+            del keys[len(ids) + n :], lower[n:]
+        if lower and tiers.fetches:
+            # a tier holding its own bytes (disk) reads and checks them now, so a block that
+            # fails is recomputed rather than loaded: adoption can then no longer fail
+            loads = [tiers.held(key) for key in keys[len(ids) :]]
+            n = len(tiers.fetch([held for held in loads if held is not None]))
             del keys[len(ids) + n :], lower[n:]
         n_host = sum(1 for tier in lower if tier is Tier.HOST)
         return PrefixHit(tuple(ids), tuple(keys), len(keys) * bs, ctx, n_host * bs, len(lower) * bs)

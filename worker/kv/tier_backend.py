@@ -129,6 +129,36 @@ class TierBackend(ABC):
         """Estimated seconds to load ``num_blocks`` blocks back to the device, which a caller
         compares with recomputing their tokens (0.0: always worth it)."""
 
+    # ---- tiers whose bytes live outside the runner (a disk); the defaults suit the others --
+
+    holds_bytes: ClassVar[bool] = False  # True: the runner hands it bytes (write_blocks) and
+    # takes loaded bytes from it (loaded_blocks) instead of copying into tensors of its own
+
+    def poll(self) -> None:
+        """Take in what changed outside the manager's calls (e.g. writes that became durable,
+        blocks a store evicted), announcing it in ``events``. Called once per batch of copies
+        (``TierChain.take_transfers``)."""
+        return None  # nothing changes behind the manager's back in most tiers
+
+    def fetch(self, blocks: Sequence[TierBlock]) -> int:
+        """Make the bytes of ``blocks`` (a prefix's blocks held here, in order) ready for a
+        load before the caller commits to it; returns how many leading ones are ready (the
+        rest are recomputed). A block that fails a check is dropped here (``BlockRemoved``)."""
+        return len(blocks)
+
+    def skipped(self, num_blocks: int) -> None:
+        """A prefix hit left ``num_blocks`` of its blocks here to recompute (slower to load)."""
+        return None  # counted only by tiers that report skipped reads
+
+    def write_blocks(self, block_ids: Sequence[int], data: object) -> None:
+        """``holds_bytes`` tiers: the KV of the blocks :meth:`store` returned ``block_ids``
+        for, one row per id (``data``: uint8 ``[len(block_ids), block_bytes]``)."""
+        raise NotImplementedError(f"{self.name} tier: its bytes are the runner's")
+
+    def loaded_blocks(self, block_ids: Sequence[int]) -> object:
+        """``holds_bytes`` tiers: the KV of checked-out blocks ``block_ids`` (uint8 rows)."""
+        raise NotImplementedError(f"{self.name} tier: its bytes are the runner's")
+
     @abstractmethod
     def stats(self) -> TierStats:
         """Its figures now (``hit_tokens`` is the manager's count: 0 here)."""

@@ -14,6 +14,7 @@ will overwrite, loads write blocks the step will read).
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import replace
 from functools import partial
 
 from kvstore.blocks.events import EventLog
@@ -37,6 +38,7 @@ class TierChain:
         self.transfers = TierTransfers()  # copies pending until take_transfers
         self.no_offload: set[int] = set()  # released device blocks to drop, not store, on eviction
         self.hit_tokens = {b.tier: 0 for b in self.backends}  # prompt tokens adopted from each
+        self.fetches = any(b.holds_bytes for b in self.backends)  # a hit reads bytes first
         # (lower tier, block id) -> the device block its KV is copied from in this batch: a
         # block evicted further down before that copy ran is copied from the device instead
         self._from_device: dict[tuple[Tier, int], int] = {}
@@ -111,11 +113,34 @@ class TierChain:
                 assert backend is not None
                 load_s += backend.load_seconds(count)
             if load_s < recompute_s(n * self.block_size):
-                return n
+                break
             last = tiers[n - 1]
             while n and tiers[n - 1] is last:
                 n -= 1
-        return 0
+        left: dict[Tier, int] = {}
+        for tier in tiers[n:]:
+            left[tier] = left.get(tier, 0) + 1
+        for tier, count in left.items():
+            backend = self.get(tier)
+            assert backend is not None
+            backend.skipped(count)
+        return n
+
+    def fetch(
+        self, loads: Sequence[tuple[TierBackend, TierBlock]]
+    ) -> list[tuple[TierBackend, TierBlock]]:
+        """The leading part of a prefix's lower blocks whose bytes their tiers have ready
+        (:meth:`TierBackend.fetch`): a block that fails its tier's check cuts the prefix
+        there, and the tokens from it on are recomputed."""
+        n = len(loads)
+        for backend in self.backends:
+            idx = [i for i, (b, _) in enumerate(loads) if b is backend]
+            if not idx:
+                continue
+            ready = backend.fetch([loads[i][1] for i in idx])
+            if ready < len(idx):
+                n = min(n, idx[ready])
+        return list(loads[:n])
 
     # ---- the device pool's side --------------------------------------------------------
 
@@ -191,6 +216,7 @@ class TierChain:
             transfers.to_host = [(dev, host) for host, dev in last.items()]
         for backend in self.backends:
             backend.release_pinned()
+            backend.poll()
         return transfers
 
     def clear(self) -> None:
@@ -202,21 +228,10 @@ class TierChain:
     # ---- figures and checks ------------------------------------------------------------
 
     def stats(self) -> tuple[TierStats, ...]:
-        out = []
-        for backend in self.backends:
-            s = backend.stats()
-            out.append(
-                TierStats(
-                    s.tier,
-                    s.num_blocks,
-                    s.cached_blocks,
-                    s.stored_blocks,
-                    s.loaded_blocks,
-                    s.evicted_blocks,
-                    self.hit_tokens[backend.tier],
-                )
-            )
-        return tuple(out)
+        return tuple(
+            replace(backend.stats(), hit_tokens=self.hit_tokens[backend.tier])
+            for backend in self.backends
+        )
 
     def check_invariants(self, device_keys: Container[BlockKey]) -> None:
         """Each tier's own checks, and no key held by two lower tiers."""

@@ -115,6 +115,14 @@ class TierStats:
     loaded_blocks: int  # blocks loaded back to the device so far
     evicted_blocks: int  # blocks it dropped (or passed down) so far
     hit_tokens: int = 0  # prompt tokens adopted from it (loaded on adoption)
+    capacity_bytes: int = 0  # byte budget of a tier that counts bytes (disk; 0: blocks only)
+    usage_bytes: int = 0  # bytes it holds now (same tiers)
+    written_blocks: int = 0  # blocks written durably (disk)
+    read_blocks: int = 0  # blocks read back and checked (disk)
+    skipped_reads: int = 0  # blocks of hits left to recompute: loading was slower (disk)
+    failed_reads: int = 0  # blocks refused by a check at read time, recomputed (disk)
+    dropped_writes: int = 0  # runs not written: queue full, no room, or the tier off (disk)
+    enabled: bool = True  # False once a fault turned the tier off (disk: host-only then)
 
 
 @dataclass(slots=True)
