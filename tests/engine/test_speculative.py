@@ -1,0 +1,110 @@
+"""Speculative decoding in the engine: greedy outputs token-identical with and without it,
+draft slots never cached or published, no block leaks, features that turn it off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.blocks.events import BlockStored
+from kvstore.blocks.sampling_params import SamplingParams
+from tests.engine.helpers import assert_no_blocks_in_use
+from worker.engine import Engine, EngineConfig
+
+
+def engine_of(tiny_dir: Path, method: str, **spec: object) -> Engine:
+    cfg = EngineConfig(
+        num_blocks=96,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        speculative={"method": method, **spec},
+    )
+    return Engine.from_model_dir(tiny_dir, cfg)
+
+
+def run(engine: Engine, batches: list[list[tuple[list[int], SamplingParams]]]):
+    """Each batch to completion in turn (later batches see earlier outputs: suffix corpus);
+    invariants after every step. Returns tokens per request and the stored block keys."""
+    tokens: list[list[int]] = []
+    stored: set = set()
+    for batch in batches:
+        ids = [engine.add_request(p, sp) for p, sp in batch]
+        got: dict[str, dict[int, list[int]]] = {i: {} for i in ids}
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                for c in out.outputs:
+                    got[out.request_id].setdefault(c.index, []).extend(c.token_ids)
+            engine.kv.check_invariants()
+            for ev in engine.drain_kv_events():
+                if isinstance(ev, BlockStored):
+                    stored.update(ev.keys)
+        tokens += [[t for _, ts in sorted(got[i].items()) for t in ts] for i in ids]
+        assert_no_blocks_in_use(engine)
+    return tokens, stored
+
+
+def workload() -> list[list[tuple[list[int], SamplingParams]]]:
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    stop = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(17,))
+    rep = [5, 6, 7, 8, 9] * 6
+    code = list(range(30, 70))
+    first = [(rep, greedy), (code, greedy), (code + [3], short), ([11, 12] * 9, stop)]
+    again = [(code, greedy), (code[:20] + [99] + code[21:], greedy), (rep[:-2], greedy)]
+    return [first, again]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_outputs_identical_with_and_without_speculation(
+    tiny_dir: Path, method: str, adaptive: bool
+) -> None:
+    plain, plain_keys = run(engine_of(tiny_dir, "none"), workload())
+    engine = engine_of(
+        tiny_dir, method, adaptive=adaptive, num_speculative_tokens=4, prompt_lookup_min=1
+    )
+    spec, spec_keys = run(engine, workload())
+    assert spec == plain
+    # draft slots never reach the prefix cache or the events: every block published holds
+    # verified tokens only (a request finishing inside a verify step leaves the blocks its
+    # last drafts filled uncached: a subset)
+    assert spec_keys <= plain_keys
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_drafts > 0
+    assert 0 < snap.spec_decode_num_accepted_tokens <= snap.spec_decode_num_draft_tokens
+    per_pos = snap.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == snap.spec_decode_num_accepted_tokens
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # position i needs i-1 accepted
+    # a verified token counts as generated once: the engine's count equals the outputs'
+    assert snap.generation_tokens == sum(map(len, spec))
+
+
+def test_requests_that_turn_speculation_off_run_plain_and_match(tiny_dir: Path) -> None:
+    prompt = [5, 6, 7, 8, 9] * 6
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=((3, 1.0),)),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=3),
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7),
+        SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=3),
+        SamplingParams(max_tokens=12, ignore_eos=True, beam_width=2),
+    ]
+    batches = [[(prompt, p)] for p in kinds]
+    plain, _ = run(engine_of(tiny_dir, "none"), batches)
+    engine = engine_of(tiny_dir, "ngram", prompt_lookup_min=1)
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    assert engine.snapshot().spec_decode_num_drafts == 0
+
+
+def test_sampled_requests_speculate_and_finish_their_length(tiny_dir: Path) -> None:
+    engine = engine_of(tiny_dir, "ngram", prompt_lookup_min=1, adaptive=False)
+    p = SamplingParams(temperature=0.7, top_k=3, max_tokens=30, ignore_eos=True)
+    tokens, _ = run(engine, [[([5, 6, 7, 8, 9] * 6, p)] * 3])
+    assert [len(t) for t in tokens] == [30, 30, 30]
+    assert engine.snapshot().spec_decode_num_drafts > 0
