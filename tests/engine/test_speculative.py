@@ -9,7 +9,9 @@ import pytest
 
 from kvstore.blocks.events import BlockStored
 from kvstore.blocks.sampling_params import SamplingParams
+from tests.engine.fakes import FakeExecutor
 from tests.engine.helpers import assert_no_blocks_in_use
+from tests.engine.test_scheduler import prompts
 from worker.engine import Engine, EngineConfig
 
 
@@ -108,3 +110,58 @@ def test_sampled_requests_speculate_and_finish_their_length(tiny_dir: Path) -> N
     tokens, _ = run(engine, [[([5, 6, 7, 8, 9] * 6, p)] * 3])
     assert [len(t) for t in tokens] == [30, 30, 30]
     assert engine.snapshot().spec_decode_num_drafts > 0
+
+
+def fake_engine(method: str, window: int | None, **cfg: object) -> Engine:
+    ex = FakeExecutor(28, 4)
+    ex.context_window = window
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=28,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=256,
+        speculative={"method": method, "prompt_lookup_min": 1, **cfg},
+    )
+    return Engine(ex, config)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("window", [1, 2, None])
+def test_speculation_under_preemption_matches_and_leaks_nothing(
+    method: str, window: int | None
+) -> None:
+    """A small pool and budget: drafts compete with prefills, requests are preempted and
+    recomputed; the fake model checks every slot it reads holds the right token."""
+    ps = prompts(14, 4, 28, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batches = [[(p, params) for p in ps[:7]], [(p, params) for p in ps[7:]]]
+    plain_engine = fake_engine("none", window)
+    plain, _ = run(plain_engine, batches)
+    engine = fake_engine(method, window, num_speculative_tokens=6)
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    snap = engine.snapshot()
+    assert snap.num_preemptions > 0
+    if window is not None:  # repeating outputs: drafts accepted
+        assert snap.spec_decode_num_accepted_tokens > 0
+
+
+def test_telemetry_counts_spec_decode_by_deltas() -> None:
+    from tests.engine.test_telemetry import FAKE_METRICS
+    from worker.telemetry import WorkerTelemetry
+
+    engine = fake_engine("ngram", 1, adaptive=False)
+    tel = WorkerTelemetry("w", metrics_api=FAKE_METRICS)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for p in prompts(4, 4, 12, seed=2):
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        tel.after_step(engine.snapshot(), engine.step())
+    tel.after_step(engine.snapshot(), [])
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_accepted_tokens > 0
+    for name, counter in tel.spec.items():
+        assert counter.name == f"kvc_{name}"
+        assert sum(counter.incs) == getattr(snap, name)
+    assert sum(tel.spec_per_pos.incs) == snap.spec_decode_num_accepted_tokens
