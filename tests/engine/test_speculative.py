@@ -165,3 +165,104 @@ def test_telemetry_counts_spec_decode_by_deltas() -> None:
         assert counter.name == f"kvc_{name}"
         assert sum(counter.incs) == getattr(snap, name)
     assert sum(tel.spec_per_pos.incs) == snap.spec_decode_num_accepted_tokens
+
+
+def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> None:
+    from worker.engine.config import SpeculativeConfig
+    from worker.engine.speculator import PROBE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"))
+    assert spec.on
+    spec.end_step(False, 10, 0.1)  # plain: 100 tok/s
+    spec.end_step(True, 10, 0.2)  # speculating: 50 tok/s
+    assert not spec.on
+    decisions = []
+    for _ in range(2 * PROBE_EVERY):
+        spec.begin_step()
+        decisions.append(spec.speculating())
+    assert decisions.count(True) == 2  # off: one probe step in PROBE_EVERY
+    for _ in range(20):
+        spec.end_step(True, 30, 0.1)  # the probes now measure 300 tok/s
+    assert spec.on
+    assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
+
+
+def test_config_rejects_unknown_keys_and_inverted_lookup_bounds() -> None:
+    from pydantic import ValidationError
+
+    from worker.engine.config import SpeculativeConfig
+
+    with pytest.raises(ValidationError, match="extra"):
+        EngineConfig(speculative={"method": "ngram", "draft_model": "x"})
+    with pytest.raises(ValidationError, match="prompt_lookup_min=4 > prompt_lookup_max=2"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValidationError):
+        SpeculativeConfig(method="eagle")
+
+
+def test_stop_strings_and_lora_speculate_with_identical_outputs(tiny_dir: Path, tmp_path) -> None:
+    from worker.model.build_tiny_lora import build_tiny_lora
+
+    lora = str(build_tiny_lora(tmp_path / "a1", tiny_dir, seed=1, rank=8))
+
+    def make(method: str) -> Engine:
+        cfg = EngineConfig(
+            num_blocks=96,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_loras=1,
+            max_lora_rank=8,
+            lora_adapters={"a1": lora},
+            speculative={"method": method, "prompt_lookup_min": 1},
+        )
+        return Engine.from_model_dir(tiny_dir, cfg)
+
+    plain_engine = make("none")
+    prompt = [5, 6, 7, 8, 9] * 6
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    probe = run(plain_engine, [[(prompt, SamplingParams(**greedy))]])[0][0]
+    text = plain_engine.tokenizer.decode(probe[8:10])  # a stop string met mid-output
+    batches = [
+        [
+            (prompt, SamplingParams(**greedy, lora="a1")),
+            (prompt, SamplingParams(**greedy, stop=(text,))),
+        ]
+    ]
+    plain, _ = run(make("none"), batches)
+    engine = make("suffix")
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    assert len(spec[1]) < 30  # the stop string ended it
+    assert engine.snapshot().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "speculates"),
+    [
+        ({}, True),
+        ({"temperature": 0.7, "top_p": 0.9}, True),
+        ({"stop": ("x",), "lora": "a"}, True),
+        ({"structured": "json_object"}, False),
+        ({"logprobs": 0}, False),
+        ({"prompt_logprobs": 0}, False),
+        ({"frequency_penalty": 0.1}, False),
+        ({"repetition_penalty": 1.1}, False),
+        ({"logit_bias": ((1, 2.0),)}, False),
+        ({"min_tokens": 2}, False),
+        ({"seed": 1}, False),
+        ({"n": 2}, False),
+        ({"beam_width": 2}, False),
+    ],
+)
+def test_which_requests_speculate(kw: dict, speculates: bool) -> None:
+    from types import SimpleNamespace
+
+    from kvstore.blocks.structured import StructuredOutputs
+    from worker.engine.speculator import eligible
+
+    if "structured" in kw:
+        kw = {**kw, "structured": StructuredOutputs(kw["structured"])}
+    p = SamplingParams(max_tokens=8, **kw)
+    req = SimpleNamespace(params=p, prompt_logprobs=[] if p.prompt_logprobs is not None else None)
+    assert eligible(req) is speculates  # type: ignore[arg-type]
