@@ -82,15 +82,17 @@ def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dic
     tokens: list[list[int]] = []
     produced = 0
     t0 = time.perf_counter()
-    history = [""] * conc
+    history: list[list[dict]] = [[] for _ in range(conc)]
     for turn in range(max(map(len, sessions))):
-        batch = [history[i] + s[turn] for i, s in enumerate(sessions) if turn < len(s)]
-        results = engine.generate(batch, params)
-        for i, r in enumerate(results):
+        live = [i for i, s in enumerate(sessions) if turn < len(s)]
+        for i in live:
+            history[i].append({"role": "user", "content": sessions[i][turn]})
+        results = engine.generate([encode(engine, history[i]) for i in live], params)
+        for i, r in zip(live, results, strict=True):
             c = r.completions[0]
             tokens.append(list(c.token_ids))
             produced += len(c.token_ids)
-            history[i] = batch[i] + c.text + "\n"
+            history[i].append({"role": "assistant", "content": c.text})
     wall = time.perf_counter() - t0
     snap = engine.metrics()
     drafts = getattr(snap, "spec_decode_num_drafts", 0)
@@ -101,6 +103,14 @@ def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dic
         "accept_len": 1 + accepted / drafts if drafts else 1.0,
         "tokens": tokens,
     }
+
+
+def encode(engine: object, messages: list[dict]) -> list[int] | str:
+    """The conversation as the model's chat template renders it (plain text without one)."""
+    tok = engine.tokenizer  # type: ignore[attr-defined]
+    if getattr(tok, "chat_template", None):
+        return tok.encode(tok.render_chat(messages), add_special_tokens=False)
+    return "\n".join(m["content"] for m in messages)
 
 
 def plot(rows: list[dict]) -> None:
