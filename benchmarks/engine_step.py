@@ -3,6 +3,17 @@
     python -m benchmarks.engine_step                          # light + 32m, 32/128/256 seqs
     python -m benchmarks.engine_step --baseline /work/main    # and the same cells on that tree
     python -m benchmarks.engine_step --smoke                  # tiny model, a few seconds
+    python -m benchmarks.engine_step --rows-only              # the rows curve alone
+
+Rows curve (``--rows``, default 1,2,4,8,16; model ``--rows-model``, default the served
+default model, SmolLM2-135M GGUF): the time of one engine step against the rows its forward
+computes, two ways. ``decode``: N sequences each decoding one token (a decode batch).
+``extend``: one sequence computing N new tokens after a cached prefix, logits for every row
+(a speculative verify step, a short prefill chunk). Median wall ms of ``--rows-steps`` steps,
+and the ratio to one row; with ``--threads 1`` the steps are timed in the calling thread's CPU
+time (the offline engine runs there), robust to a busy machine. Drawn to
+``engine_step_rows.png``; keys ``rows_<N>_decode_ms``, ``rows_<N>_extend_ms`` in the final
+JSON line.
 
 Workload (one cell): ``--seqs`` prompts of ``--prompt`` random token ids (fresh ids each run,
 so no prefix hit), ``--new`` tokens each, greedy with ``ignore_eos``, all submitted at once,
@@ -93,6 +104,129 @@ def cell(
     if before is not None:
         out["ms"] = snap.stage_seconds.minus(before).per_step_ms()
     return out
+
+
+def rows_cell(model: str, rows: list[int], steps: int, threads: int) -> dict:
+    """Median ms of an engine step per row count: decode batches and one-sequence extends."""
+    import importlib
+    import random
+    import statistics
+    import time
+
+    importlib.import_module("worker")
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    from kvstore.blocks.sampling_params import SamplingParams
+    from worker.engine import Engine, EngineConfig
+    from worker.model.inputs import SeqChunk
+
+    top = max(rows)
+    cfg = EngineConfig(max_num_seqs=top, kv_memory_bytes=1 << 28, enable_prefix_caching=True)
+    engine = Engine.from_model_dir(Path(model), cfg)
+    vocab = engine.executor.vocab_size
+    runner = engine.executor.runner
+    rng = random.Random(0)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    out: dict = {"decode": {}, "extend": {}}
+    for n in rows:
+        params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+        for _ in range(n):
+            engine.add_request([rng.randrange(5, vocab) for _ in range(32)], params)
+        engine.step()  # the prefills
+        engine.step()  # a first decode, off the clock
+        times = []
+        for _ in range(steps):
+            t0 = clock()
+            engine.step()
+            times.append(clock() - t0)
+        while engine.has_unfinished_requests():
+            engine.step()
+        out["decode"][n] = statistics.median(times) * 1e3
+    # Extends straight on the runner: 64 prefix tokens in blocks 0..3, then n new tokens.
+    block = runner.block_size
+    prefix = 64
+    blocks = list(range(-(-(prefix + top) // block)))
+    ids = [rng.randrange(5, vocab) for _ in range(prefix + top)]
+    # (the engine is done: its blocks are free to overwrite)
+    first = runner.build_input([SeqChunk(ids[:prefix], 0, blocks)])
+    runner.execute(first)
+    for n in rows:
+        batch = runner.build_input(
+            [SeqChunk(ids[prefix : prefix + n], prefix, blocks, want_logits="all")]
+        )
+        runner.execute(batch)
+        times = []
+        for _ in range(steps):
+            t0 = clock()
+            runner.execute(batch)
+            times.append(clock() - t0)
+        out["extend"][n] = statistics.median(times) * 1e3
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+def run_rows(tree: Path, args: argparse.Namespace, model: str) -> dict:
+    """``rows_cell`` in a fresh process on the code of ``tree``."""
+    spec = [model, [int(r) for r in args.rows.split(",")], args.rows_steps, args.threads]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--rows-cell", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, cwd=tree)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("CELL ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"rows curve on {tree} failed:\n{proc.stderr[-2000:]}")
+    got = json.loads(line[len("CELL ") :])
+    return {kind: {int(k): v for k, v in got[kind].items()} for kind in ("decode", "extend")}
+
+
+def plot_rows(curves: dict[str, dict]) -> None:
+    from benchmarks.common import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tree, curve in curves.items():
+        for kind, style in (("decode", "o-"), ("extend", "s--")):
+            xs = sorted(curve[kind])
+            ax.plot(xs, [curve[kind][x] for x in xs], style, label=f"{tree} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows in the forward")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("engine step time against rows")
+    ax.legend(fontsize=8)
+    save_figure(fig, "engine_step_rows.png")
+
+
+def rows_section(args: argparse.Namespace, trees: list[tuple[str, Path]], head: dict) -> None:
+    model = args.rows_model or default_model()
+    curves = {label: run_rows(tree, args, model) for label, tree in trees}
+    rows = []
+    for label, curve in curves.items():
+        for n in sorted(curve["decode"]):
+            dec, ext = curve["decode"][n], curve["extend"][n]
+            rows.append(
+                {
+                    "tree": label,
+                    "rows": n,
+                    "decode ms": dec,
+                    "decode x1": dec / curve["decode"][min(curve["decode"])],
+                    "extend ms": ext,
+                    "extend x1": ext / curve["extend"][min(curve["extend"])],
+                }
+            )
+            prefix = "rows" if label == "this" else "baseline_rows"
+            head[f"{prefix}_{n}_decode_ms"] = round(dec, 2)
+            head[f"{prefix}_{n}_extend_ms"] = round(ext, 2)
+    from benchmarks.common import print_table
+
+    print_table(rows, f"step time against rows ({Path(model).name})")
+    plot_rows(curves)
+
+
+def default_model() -> str:
+    from worker.model.default_model import default_model_path
+
+    return str(default_model_path())
 
 
 def fixed_logits(engine: object) -> None:
@@ -186,14 +320,23 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the forward replaced by fixed logits, stages timed in engine-thread CPU time",
     )
+    parser.add_argument("--rows", default="1,2,4,8,16", help="row counts of the rows curve")
+    parser.add_argument("--rows-steps", type=int, default=9, help="steps timed per row count")
+    parser.add_argument("--rows-model", help="model of the rows curve (default: the default)")
+    parser.add_argument("--rows-only", action="store_true", help="only the rows curve")
+    parser.add_argument("--no-rows", action="store_true", help="skip the rows curve")
     args = parser.parse_args(argv)
     if args.smoke:
         args.models, args.seqs, args.prompt, args.new = "tiny", "8", 16, 4
+        args.rows, args.rows_steps = "1,2,4", 2
+        args.rows_model = args.rows_model or model_folder("tiny")
     if args.host_only:
         args.threads = 1  # all of the host work on the timed thread
     trees = [("this", ROOT)] + ([("baseline", Path(args.baseline))] if args.baseline else [])
     rows, head = [], {}
-    for model in args.models.split(","):
+    if not args.no_rows:
+        rows_section(args, trees, head)
+    for model in [] if args.rows_only else args.models.split(","):
         name = Path(model).name
         folder = model_folder(model)  # one folder for both trees
         for seqs in map(int, args.seqs.split(",")):
@@ -211,8 +354,9 @@ def main(argv: list[str] | None = None) -> dict:
                 head[f"{key}_speedup"] = round(this["tok_s"] / base["tok_s"], 3)
                 head[f"{key}_cpu_ratio"] = round(base["cpu_s"] / this["cpu_s"], 3)
                 head[f"{key}_same_tokens"] = this["tokens_sha"] == base["tokens_sha"]
-    print_table(rows, f"offline generate, {args.prompt} prompt ids, {args.new} new tokens each")
-    plot(rows)
+    if rows:
+        print_table(rows, f"offline generate, {args.prompt} prompt ids, {args.new} new tokens each")
+        plot(rows)
     emit_json(head)
     return head
 
@@ -220,5 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--cell":
         print("CELL " + json.dumps(cell(*json.loads(sys.argv[2]))), flush=True)
+    elif len(sys.argv) == 3 and sys.argv[1] == "--rows-cell":
+        print("CELL " + json.dumps(rows_cell(*json.loads(sys.argv[2]))), flush=True)
     else:
         main()

@@ -6,7 +6,8 @@ this worker. Outside Ray (plain-class tests) nothing is exported but the counter
 Ray drops a gauge from its export when nothing set it for a while (~30 s), so an idle
 worker's gauges would vanish: the engine thread records their values after each step and a
 heartbeat thread (:meth:`WorkerTelemetry.start_heartbeat`) sets them again every few seconds.
-Totals (preemptions) are counters, increased by what changed since the last step.
+Totals (preemptions, speculative decoding's drafts and accepted tokens, in vLLM's
+``spec_decode_*`` names) are counters, increased by what changed since the last step.
 
 Latencies leave the engine thread in bulk: each step's TTFT and inter-token values go into
 one list (a float append per stream, ~50 ns), and the heartbeat thread observes them into
@@ -31,6 +32,11 @@ from worker.engine import EngineSnapshot, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 GAUGE_REFRESH_S = 5.0  # well inside Ray's expiry of metrics not set for ~30 s
+SPEC_COUNTERS = {  # snapshot field -> help text (exported as kvc_<field>)
+    "spec_decode_num_drafts": "Sequences that verified draft tokens in a step.",
+    "spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+}
 HISTOGRAM_FLUSH_S = 0.5  # well inside Ray's export interval (~10 s): nothing shows late
 
 
@@ -69,6 +75,8 @@ class WorkerTelemetry:
         self.gauges = GaugeValues()  # replaced (never mutated) by the engine thread
         self.gauge_refreshes = 0  # times the gauges were set (steps and heartbeats)
         self._preemptions_sent = 0  # preemptions already added to the counter
+        self.spec_sent: dict[str, int] = dict.fromkeys(SPEC_COUNTERS, 0)  # already added
+        self._spec_pos_sent: list[int] = []  # accepted per draft position, already added
         self._beat: threading.Thread | None = None
         self._stop = threading.Event()
         if metrics_api is None and ray.is_initialized():
@@ -98,6 +106,15 @@ class WorkerTelemetry:
                 tag_keys=keys,
             )
             self.preemptions = m.Counter("kvc_preemptions", "Requests preempted.", tag_keys=keys)
+            self.spec = {
+                name: m.Counter(f"kvc_{name}", text, tag_keys=keys)
+                for name, text in SPEC_COUNTERS.items()
+            }
+            self.spec_per_pos = m.Counter(
+                "kvc_spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens at each draft position (0 = the first draft token).",
+                tag_keys=("worker", "position"),
+            )
             self.quota_evictions = m.Gauge(
                 "kvc_tenant_quota_evictions",
                 "Idle cached blocks evicted because their tenant was over its cache quota.",
@@ -144,7 +161,24 @@ class WorkerTelemetry:
             self._preemptions_sent += preempted
             if self._exported:
                 self.preemptions.inc(preempted, self.tags)
+        self._count_spec(snap)
         self.refresh_gauges()
+
+    def _count_spec(self, snap: EngineSnapshot) -> None:
+        for name in SPEC_COUNTERS:
+            delta = getattr(snap, name) - self.spec_sent[name]
+            if delta > 0:
+                self.spec_sent[name] += delta
+                if self._exported:
+                    self.spec[name].inc(delta, self.tags)
+        per_pos = snap.spec_decode_num_accepted_tokens_per_pos
+        sent = self._spec_pos_sent
+        sent.extend([0] * (len(per_pos) - len(sent)))
+        for pos, total in enumerate(per_pos):
+            if total > sent[pos]:
+                if self._exported:
+                    self.spec_per_pos.inc(total - sent[pos], {**self.tags, "position": str(pos)})
+                sent[pos] = total
 
     def flush(self) -> int:
         """Observe the queued latencies into the histograms (any thread; the heartbeat does

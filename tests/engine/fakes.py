@@ -49,6 +49,9 @@ class FakeExecutor(ModelExecutor):
         self.slot_pos = [-1] * n
         self.batches: list[list[tuple[int, int, bool]]] = []  # (start, num_tokens, logits)
         self.fail_next = False
+        # logits from the last ``context_window`` tokens only (None: the whole context); a
+        # short window makes greedy outputs repeat, so speculative drafts get accepted
+        self.context_window: int | None = None
 
     def swap(self, transfers) -> None:  # noqa: ANN001 - no host tier (HostFakeExecutor has one)
         assert not transfers, "transfers without a host tier"
@@ -86,6 +89,7 @@ class FakeExecutor(ModelExecutor):
             if not c.wants_logits:
                 continue
             end = c.start + c.num_tokens
+            first = c.start + 1 if c.drafts else end  # a verify: a row after every token
             ctx = []
             for pos in range(end):
                 slot = self._slot(c.block_table, pos)
@@ -93,7 +97,13 @@ class FakeExecutor(ModelExecutor):
                 assert written.get(slot, i) == i, f"prefix slot {slot} is written in this step"
                 assert self.slot_pos[slot] == pos, f"slot {slot} holds pos {self.slot_pos[slot]}"
                 ctx.append(self.slot_token[slot])
-            rows.append(context_logits(ctx, self.vocab_size))
+            for e in range(first, end + 1):
+                w = self.context_window
+                rows.append(
+                    context_logits(
+                        ctx[:e] if w is None else ctx[max(0, e - w) : e], self.vocab_size
+                    )
+                )
         return torch.stack(rows) if rows else torch.empty(0, self.vocab_size)
 
 

@@ -42,6 +42,8 @@ def test_engine_step_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path)
     assert 0 < head["tiny_8_host_ms"] and 0 < head["tiny_8_host_share"] < 1
     assert "schedule ms" in out and "forward ms" in out
     assert (tmp_path / "engine_step.png").stat().st_size > 0
+    assert all(head[f"rows_{n}_{kind}_ms"] > 0 for n in (1, 2, 4) for kind in ("decode", "extend"))
+    assert (tmp_path / "engine_step_rows.png").stat().st_size > 0
 
 
 def test_engine_step_host_only_smoke(capsys: pytest.CaptureFixture, monkeypatch, tmp_path) -> None:

@@ -28,6 +28,62 @@ def check_tenants(adapter: str, tenants: object) -> tuple[str, ...]:
     return tuple(sorted(set(tenants)))
 
 
+class SpeculativeConfig(Strict):
+    """Draft-free speculative decoding: a proposer guesses the next tokens of a sequence from
+    text it has seen; one forward pass verifies them as extra rows of the sequence (the token
+    budget counts them) and keeps the prefix the model agrees with, plus the model's own next
+    token. Greedy outputs are token-identical with and without it; a sampled request accepts
+    a draft token while the token it samples at that position equals it, so its output
+    distribution is unchanged. Draft slots never enter the prefix cache, the index or a tier.
+
+    Speculates with: greedy and unseeded sampling (temperature, top-k/p, min-p), stop strings
+    and stop tokens, ``max_tokens``, LoRA adapters (drafts run with the adapter; the suffix
+    corpus is keyed by tenant and adapter). Turned off for that request: ``n`` > 1 and beam
+    search, a ``seed``, logprobs and prompt logprobs, presence/frequency/repetition penalties,
+    logit bias, ``min_tokens`` > 0, structured outputs (grammar masks).
+    """
+
+    method: Literal["none", "ngram", "suffix"] = Field(
+        "none",
+        description="Proposer: none (off), ngram (prompt lookup) or suffix (suffix "
+        "decoding over the request and earlier requests of its tenant and adapter).",
+    )
+    num_speculative_tokens: int = Field(
+        5, ge=1, le=32, description="Most draft tokens verified per sequence and step."
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, description="Shortest suffix of the sequence a draft may be matched from."
+    )
+    prompt_lookup_max: int = Field(
+        5, ge=1, description="Longest suffix tried first when matching a draft."
+    )
+    adaptive: bool = Field(
+        True,
+        description="Size each request's drafts from its running acceptance and the batch's "
+        "load, and stop speculating while a verify step costs more than it saves on this "
+        "worker (measured).",
+    )
+    suffix_corpus_tokens: int = Field(
+        200_000,
+        ge=0,
+        description="suffix: tokens of earlier prompts and responses kept per "
+        "worker (all tenants together; the least recently used tenant's oldest go first).",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max="
+                f"{self.prompt_lookup_max}: lower the minimum or raise the maximum"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 class EngineConfig(Strict):
     """Knobs of one worker's engine: batch limits, KV pool size, scheduling policy."""
 
@@ -181,6 +237,9 @@ class EngineConfig(Strict):
         description="LoRA adapters registered at start: name -> PEFT adapter folder "
         "(adapter_config.json + adapter_model.safetensors or .bin). More can be added at run "
         "time.",
+    )
+    speculative: SpeculativeConfig = Field(
+        SpeculativeConfig(), description="Draft-free speculative decoding (off by default)."
     )
     lora_tenants: dict[str, list[str]] = Field(
         default_factory=dict,

@@ -43,6 +43,7 @@ from worker.engine.processor import OutputProcessor
 from worker.engine.request import Request, Sequence
 from worker.engine.sched_output import SchedulerOutput
 from worker.engine.scheduler import Scheduler
+from worker.engine.speculator import Speculator
 from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.tier_copies import disk_tier_specs, run_tier_copies
 from worker.engine.validate import validate_request
@@ -94,7 +95,9 @@ class Engine:
             lower_tiers=lower,
             recompute_seconds=self.prefill_rate.seconds_for if lower else None,
         )
-        self.scheduler = Scheduler(config, self.kv, get_policy(config.policy))
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec.enabled else None
+        self.scheduler = Scheduler(config, self.kv, get_policy(config.policy), self.speculator)
         self.requests: dict[str, Request] = {}  # live requests by id
         self.stats = MetricsRecorder()
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
@@ -107,7 +110,11 @@ class Engine:
         for name, path in config.lora_adapters.items():
             self.add_lora(name, path, config.lora_tenants.get(name))
         self.processor = OutputProcessor(
-            tokenizer=self.tokenizer, eos_ids=self.eos_ids, stats=self.stats, seed=config.seed
+            tokenizer=self.tokenizer,
+            eos_ids=self.eos_ids,
+            stats=self.stats,
+            seed=config.seed,
+            spec_verified=self.speculator.verified if self.speculator is not None else None,
         )
         # structured outputs: grammars compile off this thread; None without a real tokenizer
         self.grammars: GrammarCompiler | None = None
@@ -246,6 +253,8 @@ class Engine:
             self._compiling.append(req)
             self._num_constrained += 1
         self.requests[rid] = req
+        if self.speculator is not None:
+            self.speculator.start(req)
         self.scheduler.add(req, prompt_keys)
         return rid
 
@@ -347,9 +356,16 @@ class Engine:
                 self.stats.computed_tokens += sched.num_batched_tokens
                 self.processor.masks.wait()  # (forks copy matchers)
                 forks = self._fork_samples(sched, changed)
+                generated = self.stats.generation_tokens
                 for out in self.processor.process(sched, logits, forks):
                     changed[out.req.request_id] = out.req
                     self._apply(out)
+                if self.speculator is not None and not sched.num_prefill_tokens:
+                    self.speculator.end_step(
+                        sched.num_draft_tokens > 0,
+                        self.stats.generation_tokens - generated,
+                        time.perf_counter() - t0,
+                    )
         for req in sched.doomed:
             if not req.finished:
                 changed[req.request_id] = req
@@ -420,6 +436,8 @@ class Engine:
         """Forget the requests the scheduler finished; count them."""
         for req in self.scheduler.take_finished():
             self.processor.release(req)
+            if self.speculator is not None:
+                self.speculator.finish(req)
             self.requests.pop(req.request_id, None)
             self._num_constrained -= req.params.structured is not None
             self.stats.num_finished += 1
@@ -485,7 +503,19 @@ class Engine:
             stage_seconds=s.stages.snapshot(),
             prefix_hit_tokens=kv.prefix_hit_tokens,
             kv_tiers=kv.tiers,
+            **self._spec_counters(),
         )
+
+    def _spec_counters(self) -> dict:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {
+            "spec_decode_num_drafts": c.num_drafts,
+            "spec_decode_num_draft_tokens": c.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(c.accepted_per_pos),
+        }
 
     def metrics(self) -> EngineMetrics:
         """A snapshot plus TTFT / inter-token latency percentiles."""

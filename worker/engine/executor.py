@@ -57,8 +57,9 @@ class ModelExecutor(ABC):
 
     @abstractmethod
     def execute(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks; logits [#chunks wanting logits, vocab_size], float32, on the
-        model's device (the sampler runs there)."""
+        """Compute the chunks; logits [rows, vocab_size], float32, on the model's device (the
+        sampler runs there): one row per chunk wanting logits, ``num_tokens`` rows for a
+        chunk carrying drafts (row j predicts the token after its j-th token)."""
 
     @abstractmethod
     def add_lora(self, name: str, path: str) -> str:
@@ -223,7 +224,10 @@ class RunnerExecutor(ModelExecutor):
 
 
 def _wanted(c: ScheduledChunk) -> str:
-    """A chunk of a prompt whose logprobs were asked for wants every position's logits."""
+    """A chunk of a prompt whose logprobs were asked for wants every position's logits, and
+    a chunk verifying drafts one row per draft and one for the token after them."""
+    if c.drafts:
+        return "all"
     prompt = c.req.prompt_logprobs
     if prompt is not None and c.start < len(prompt) and len(c.token_ids) > 0:
         return "all"
@@ -245,7 +249,11 @@ def _take_prompt_logprobs(
             keep.append(row)
             row += 1
             continue
-        n, prompt = len(c.token_ids), c.req.prompt_logprobs
+        n, prompt = c.num_tokens, c.req.prompt_logprobs
+        if c.drafts:
+            keep.extend(range(row, row + n))
+            row += n
+            continue
         assert prompt is not None
         ids = c.req.prompt_ids
         upto = min(c.start + n, len(ids) - 1)  # positions start+1 .. upto are prompt tokens

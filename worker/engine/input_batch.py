@@ -91,6 +91,8 @@ class InputBatch:
             counts.append(n)
             if n == 1:
                 ids.append(seq.token_ids[start])
+            elif c.drafts:  # the next token, then the drafts to verify
+                ids.extend(c.token_ids)
             else:
                 ids.extend(seq.token_ids[start : start + n])
             if want == "last":

@@ -130,6 +130,12 @@ class EngineSnapshot:
     lora_loaded: tuple[str, ...] = ()  # of those, the ones in a device slot now, sorted
     lora_owners: tuple[str, ...] = ()  # "adapter_id=tenant" of the owned ones, sorted
     stage_seconds: StageSeconds = StageSeconds()  # engine-thread time per step stage, summed
+    # speculative decoding (vLLM's names): sequences that verified drafts, draft tokens
+    # verified, of those accepted, and accepted per draft position (0 = first draft token)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
     # every lower KV tier's figures, fastest first (host, disk): blocks, bytes, hits, reads,
     # writes, skipped reads, evictions (worker.kv.TierStats)

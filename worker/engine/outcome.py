@@ -34,6 +34,8 @@ class RequestOutcome:
     # beam, by rank; None for sampled requests
     beam_done: bool = False  # the search ended: the results are in ``req.final_deltas``
     error: BaseException | None = None  # processing this request raised: it is failed
+    drafted: Sequence | None = None  # its sequence verified drafts in this step: the
+    # scheduler rewinds its computed count to the verified tokens
 
     @property
     def num_tokens(self) -> int:

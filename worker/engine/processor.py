@@ -31,7 +31,7 @@ from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Request, Sequence
 from worker.engine.request_output import beam_deltas, request_output
 from worker.engine.sampler import SampleSpec, finite_rows, sample
-from worker.engine.sched_output import SchedulerOutput
+from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
 
 
 class NonFiniteLogits(RuntimeError):
@@ -56,6 +56,7 @@ class OutputProcessor:
         eos_ids: frozenset[int],
         stats: MetricsRecorder,
         seed: int,
+        spec_verified: Callable[[Request, int, int], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -65,6 +66,8 @@ class OutputProcessor:
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
         self.masks = GrammarMasks()  # this step's grammar masks (structured outputs)
         self._logits_device = torch.device("cpu")  # where the last step's logits were
+        # speculative decoding: told (request, drafts, accepted) after each verification
+        self.spec_verified = spec_verified or (lambda req, drafts, accepted: None)
 
     def new_text(self, req: Request) -> OutputText | None:
         if self.tokenizer is None or req.beam is not None:
@@ -104,11 +107,18 @@ class OutputProcessor:
         self._logits_device = logits.device
         jobs: list[tuple[Request, Sequence, int]] = []
         beams: dict[str, Request] = {}
+        verifies: list[tuple[ScheduledChunk, int]] = []
         rows = itertools.count()
         for chunk in sched.chunks:
             if not chunk.wants_logits:
                 continue
             row, req = next(rows), chunk.req
+            if chunk.drafts:
+                for _ in chunk.drafts:  # its further rows
+                    next(rows)
+                if not (req.doomed or req.finished):
+                    verifies.append((chunk, row))
+                continue
             if req.doomed or req.finished:
                 continue
             if req.beam is not None:
@@ -118,6 +128,8 @@ class OutputProcessor:
                 jobs.append((req, chunk.seq, row))
                 jobs += [(req, kid, row) for kid in forks.get(chunk.seq.seq_id, ())]
         self._sample(jobs, logits)
+        for chunk, row in verifies:
+            self._guarded(chunk.req, lambda c=chunk, r=row: self._verify(c, r, logits))
         for req in beams.values():
             if all(s.pending_logits is not None for s in req.seqs):
                 self._outcome(req)
@@ -167,6 +179,31 @@ class OutputProcessor:
                 self._append(req, seq, tok, lp, out)
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
                 out.error = exc
+
+    def _verify(self, chunk: ScheduledChunk, row: int, logits: torch.Tensor) -> None:
+        """Sample every row of a chunk carrying drafts and keep tokens while each equals the
+        draft it checks: all of the matching drafts, then the first token that differs (or
+        follows the last draft). Greedy: exact match; sampled: the draft is deterministic, so
+        accepting while the sampled token equals it leaves the output distribution as is."""
+        req, seq, drafts = chunk.req, chunk.seq, chunk.drafts
+        out = self._outcome(req)
+        out.drafted = seq
+        n = len(drafts) + 1
+        spec = seq.spec
+        if spec is None:
+            spec = seq.spec = SampleSpec(req.params, seq.generator, ())
+        t0 = time.perf_counter()
+        tokens, _ = sample(logits[row : row + n], [spec] * n, self._rng, None, None)
+        self.stats.stages.sample += time.perf_counter() - t0
+        accepted = 0
+        for i, tok in enumerate(tokens):
+            if tok is None:
+                raise NonFiniteLogits(_non_finite(req))
+            self._append(req, seq, tok, None, out, already=i)
+            if out.seqs[-1].finish is not None or i == len(drafts) or tok != drafts[i]:
+                break
+            accepted += 1
+        self.spec_verified(req, len(drafts), accepted)
 
     def _sample_each(
         self,
@@ -236,11 +273,13 @@ class OutputProcessor:
         tok: int,
         lp: TokenLogprob | None,
         out: RequestOutcome,
+        already: int = 0,
     ) -> None:
         """Decide what ``tok`` does to ``seq`` (stop token, EOS, stop string, length) and
-        record it in ``out`` (``req``'s outcome); the scheduler appends it."""
+        record it in ``out`` (``req``'s outcome); the scheduler appends it. ``already``:
+        tokens of ``seq`` recorded before it in this step (verified drafts)."""
         p = req.params
-        num_output = seq.num_output + 1  # with tok
+        num_output = seq.num_output + 1 + already  # with tok
         check = num_output >= p.min_tokens
         reason: FinishReason | None = None
         stop_reason: str | int | None = None

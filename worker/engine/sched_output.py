@@ -21,9 +21,13 @@ class ScheduledChunk:
     num_tokens: int  # tokens computed now: 1 for a decode, more for a prefill (chunk)
     wants_logits: bool  # the chunk reaches the sequence's end: logits for its next token
     block_table: list[int]  # physical blocks covering start + num_tokens tokens
+    drafts: list[int] = field(default_factory=list)  # speculative draft tokens verified after
+    # the sequence's next token (counted in num_tokens; one logits row each, plus the token's)
 
     @property
     def token_ids(self) -> list[int]:
+        if self.drafts:
+            return [self.seq.token_ids[self.start], *self.drafts]
         return self.seq.token_ids[self.start : self.start + self.num_tokens]
 
 
@@ -38,6 +42,7 @@ class SchedulerOutput:
     # before the forward pass
     num_batched_tokens: int = 0  # sum of num_tokens over chunks (<= the step's token budget)
     num_prefill_tokens: int = 0  # of those, tokens of prefills and prefill chunks
+    num_draft_tokens: int = 0  # of those, speculative draft tokens being verified
     num_partial_prefills: int = 0  # prefill chunks that stop short of their prompt (chunked)
     admitted: list[str] = field(default_factory=list)  # request ids moved waiting -> running
     resumed: list[str] = field(default_factory=list)  # of those, ids resumed after preemption

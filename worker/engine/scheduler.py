@@ -51,6 +51,7 @@ from worker.engine.policy import SchedulingPolicy
 from worker.engine.preemption import Preemption
 from worker.engine.request import Request, RequestStatus, Sequence
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.engine.speculator import Speculator
 from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
@@ -61,8 +62,15 @@ class Scheduler:
     """Decides, step by step, which tokens of which sequences run, and applies what the model
     produced (preempting through the :class:`~worker.engine.preemption.Preemption` it holds)."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, policy: SchedulingPolicy) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.config = config
+        self.speculator = speculator  # drafts for decodes (speculative decoding), if on
         self.kv = kv
         self.policy = policy
         self.waiting = WaitingQueue(kv, policy)  # new and preempted requests, their claims
@@ -80,6 +88,7 @@ class Scheduler:
         self._touched: set[str] = set()  # requests that got blocks in this step
         self._writing: set[int] = set()  # blocks whose KV is written in this step
         self._out = SchedulerOutput.make_empty()
+        self._drafted: list[Sequence] = []  # sequences given drafts in this step
         self._finished: list[Request] = []  # finished or aborted, not yet taken by the engine
 
     # ---- queues --------------------------------------------------------------------------
@@ -125,6 +134,10 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        for seq in self._drafted:  # a step that failed before its outcomes were applied
+            if seq.allocated:
+                self.kv.settle_drafts(seq.seq_id, seq.token_ids, seq.num_computed)
+        self._drafted.clear()
         self._out = out = SchedulerOutput.make_empty()
         self._budget = self.config.max_num_batched_tokens
         self._touched.clear()
@@ -135,6 +148,13 @@ class Scheduler:
         # preempted or doomed meanwhile, and those are skipped)
         prefilling = []
         running = RequestStatus.RUNNING
+        spec = self.speculator
+        if spec is not None:
+            spec.begin_step()
+            if not spec.speculating():
+                spec = None
+            else:
+                num_decoding = self.num_decoding_seqs()
         for req in by_key:
             if req.status is not running or req.doomed:
                 continue  # preempted earlier in this step
@@ -145,8 +165,9 @@ class Scheduler:
                 if remaining <= 0 or seq.pending_logits is not None:
                     continue
                 if remaining == 1 and seq.allocated:
-                    if self._budget:
-                        self._schedule_seq(req, seq, admit=False)
+                    if self._budget and self._schedule_seq(req, seq, admit=False) == "ok":
+                        if spec is not None and self._budget:
+                            self._add_drafts(spec, req, seq, num_decoding)
                 else:
                     prefilling.append(req)
                 continue
@@ -298,6 +319,27 @@ class Scheduler:
             out.num_prefill_tokens += n
             out.num_partial_prefills += not wants_logits
 
+    def _add_drafts(self, spec: Speculator, req: Request, seq: Sequence, num_decoding: int) -> None:
+        """Extend ``seq``'s decode chunk (the last one scheduled) with draft tokens to verify,
+        as far as the budget, the request's ``max_tokens`` and free KV slots allow. The draft
+        slots are never hashed or cached (:meth:`KVCacheManager.append_draft_slots`)."""
+        room = min(self._budget, req.max_new_tokens - seq.num_output - 1)
+        drafts = spec.draft(req, seq, room, num_decoding) if room > 0 else []
+        if not drafts or not self.kv.append_draft_slots(seq.seq_id, len(drafts)):
+            return
+        chunk = self._out.chunks[-1]
+        assert chunk.seq is seq and chunk.num_tokens == 1
+        n = len(drafts)
+        chunk.drafts = drafts
+        self._drafted.append(seq)
+        chunk.num_tokens += n
+        chunk.block_table = table = self.kv.block_table(seq.seq_id)
+        bs = self.kv.block_size
+        self._writing.update(table[chunk.start // bs : (chunk.start + n) // bs + 1])
+        self._budget -= n
+        self._out.num_batched_tokens += n
+        self._out.num_draft_tokens += n
+
     def _make_room(self, req: Request) -> bool:
         """Preempt one request so ``req`` can grow; False if ``req`` must stop for this step."""
         victim = self.preemption.victim(req, self.running, self._touched)
@@ -332,6 +374,7 @@ class Scheduler:
         freeing their blocks), give back the blocks of sequences that finished, and finish
         the request when none is left (:meth:`take_finished`)."""
         req = out.req
+        drafted = out.drafted
         if out.beams is not None:
             req.protected = False
             req.progressed = True
@@ -351,6 +394,11 @@ class Scheduler:
                 self.free_seq(seq)  # blocks back at once, not when the request ends
                 req.seqs.remove(seq)
                 req.done_seqs.append(seq)
+        if drafted is not None and drafted.allocated:
+            # verified: all but the newest token are computed; rejected draft slots are not
+            drafted.num_computed = len(drafted.token_ids) - 1
+            self.kv.settle_drafts(drafted.seq_id, drafted.token_ids, drafted.num_computed)
+            self._drafted.remove(drafted)
         if out.beam_done:
             for seq in req.seqs:
                 self.free_seq(seq)

@@ -254,6 +254,61 @@ class KVCacheManager:
             len(loads) * bs,
         )
 
+    def append_draft_slots(self, seq_id: SeqId, num_draft_tokens: int) -> bool:
+        """Room for ``num_draft_tokens`` unverified tokens (speculative drafts) after the
+        sequence's computed ones; they count as computed until :meth:`settle_drafts`. Blocks
+        they fill are neither hashed nor cached, so a draft never reaches the prefix cache,
+        the events or a tier. Call it right after ``allocate_slots`` gave this step's real
+        token (that call made the last block this sequence's own: no copy-on-write here).
+        False, with the pool unchanged, if the free blocks do not suffice."""
+        seq = self._seq(seq_id)
+        total = seq.num_computed + num_draft_tokens
+        n_new = _cdiv(total, self.block_size) - len(seq.blocks)
+        if n_new > self.pool.num_free():
+            return False
+        assert (
+            n_new <= 0 or seq.num_computed % self.block_size == 0 or (seq.blocks[-1].ref_cnt == 1)
+        ), "draft slots in a shared block"
+        if n_new > 0:
+            fresh = self.pool.take_new(n_new)
+            self.tiers.taken(fresh)
+            seq.blocks.extend(fresh)
+            seq.table = None
+        seq.num_computed = total
+        return True
+
+    def settle_drafts(self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int) -> None:
+        """After verification: ``num_computed`` tokens (verified, in ``token_ids``) are
+        computed, the rejected draft slots are not; whole blocks past the verified tokens go
+        back to the pool (they hold no key), and blocks the verified tokens filled are cached
+        like any computed block."""
+        seq = self._seq(seq_id)
+        if not 0 <= num_computed <= seq.num_computed or len(token_ids) < num_computed:
+            raise ValueError(
+                f"settle_drafts: {num_computed} verified of {seq.num_computed} slots, "
+                f"{len(token_ids)} token ids"
+            )
+        bs = self.block_size
+        keep = _cdiv(num_computed, bs)
+        spare = seq.blocks[keep:]
+        if spare:
+            assert all(b.key is None and b.ref_cnt == 1 for b in spare), "draft block shared"
+            del seq.blocks[keep:]
+            seq.table = None
+            self.pool.release(reversed(spare))
+        seq.num_computed = num_computed
+        n_keys = len(seq.keys)
+        if self.enable_prefix_caching and num_computed // bs > n_keys:
+            parent = seq.keys[-1] if seq.keys else None
+            keys, toks = hash_full_blocks(
+                token_ids, bs, n_keys, num_computed // bs, parent, seq.ctx
+            )
+            stored = seq.blocks[n_keys : n_keys + len(keys)]
+            self.pool.cache_full_blocks(stored, keys, toks, parent, salt_owner(seq.ctx.cache_salt))
+            seq.keys.extend(keys)
+            if self.tiers:
+                self.tiers.discard(keys)  # recomputed here: drop a stale lower copy
+
     def fork(self, parent_seq_id: SeqId, child_seq_id: SeqId) -> None:
         """Make ``child_seq_id`` share every block of the parent (ref counts up, no copy)."""
         parent = self._seq(parent_seq_id)

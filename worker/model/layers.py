@@ -30,23 +30,30 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-# oneDNN's fp32 GEMM reads a plain [out, in] weight 10-40 % faster than MKL's at the shapes of
-# an engine step (M = 16..4096 rows; most for a wide N such as the vocabulary projection) and
-# needs no packed copy of the weight; below ~16 rows its per-call setup costs more than it saves.
+# A float32 CPU GEMM goes through oneDNN, which reads a plain [out, in] weight once per call,
+# from 2 rows when the weight is too large to stay in cache (``ONEDNN_MIN_WEIGHT`` elements,
+# 1 MiB) and from ``ONEDNN_MIN_ROWS`` rows otherwise. MKL's sgemm (``F.linear`` for M > 1)
+# re-reads a weight to pack it on every call: on SmolLM2-135M (30 layers of 14 MB, a 113 MB
+# vocabulary projection) a 2-row decode step cost 2x a 1-row one, and a short multi-token
+# verify or prefill chunk as much. Measured there, one thread, linear layers per step (ms,
+# rows 1/2/4/8/16): MKL 53/110/93/111/105, oneDNN 54/66/76/91/117 (16 rows: within noise).
+# For a cache-resident weight oneDNN's per-call setup costs more than it saves below ~16 rows,
+# and one row of any weight stays on MKL's GEMV, which already reads the weight once.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_MIN_ROWS = 16
+ONEDNN_MIN_WEIGHT = 1 << 18
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN for float32 CPU batches of ``ONEDNN_MIN_ROWS`` rows or more
-    (the same products, summed in another order: results agree to float32 rounding)."""
+    """``F.linear``, through oneDNN for float32 CPU batches of 2 or more rows (see above: the
+    same products, summed in another order: results agree to float32 rounding)."""
     if (
         _ONEDNN
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.dtype == torch.float32
         and x.dim() == 2
-        and x.shape[0] >= ONEDNN_MIN_ROWS
+        and x.shape[0] >= (2 if weight.numel() >= ONEDNN_MIN_WEIGHT else ONEDNN_MIN_ROWS)
         and not torch.is_grad_enabled()
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -1,0 +1,268 @@
+"""Speculative decoding in the engine: greedy outputs token-identical with and without it,
+draft slots never cached or published, no block leaks, features that turn it off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.blocks.events import BlockStored
+from kvstore.blocks.sampling_params import SamplingParams
+from tests.engine.fakes import FakeExecutor
+from tests.engine.helpers import assert_no_blocks_in_use
+from tests.engine.test_scheduler import prompts
+from worker.engine import Engine, EngineConfig
+
+
+def engine_of(tiny_dir: Path, method: str, **spec: object) -> Engine:
+    cfg = EngineConfig(
+        num_blocks=96,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        speculative={"method": method, **spec},
+    )
+    return Engine.from_model_dir(tiny_dir, cfg)
+
+
+def run(engine: Engine, batches: list[list[tuple[list[int], SamplingParams]]]):
+    """Each batch to completion in turn (later batches see earlier outputs: suffix corpus);
+    invariants after every step. Returns tokens per request and the stored block keys."""
+    tokens: list[list[int]] = []
+    stored: set = set()
+    for batch in batches:
+        ids = [engine.add_request(p, sp) for p, sp in batch]
+        got: dict[str, dict[int, list[int]]] = {i: {} for i in ids}
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                for c in out.outputs:
+                    got[out.request_id].setdefault(c.index, []).extend(c.token_ids)
+            engine.kv.check_invariants()
+            for ev in engine.drain_kv_events():
+                if isinstance(ev, BlockStored):
+                    stored.update(ev.keys)
+        tokens += [[t for _, ts in sorted(got[i].items()) for t in ts] for i in ids]
+        assert_no_blocks_in_use(engine)
+    return tokens, stored
+
+
+def workload() -> list[list[tuple[list[int], SamplingParams]]]:
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    stop = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(17,))
+    rep = [5, 6, 7, 8, 9] * 6
+    code = list(range(30, 70))
+    first = [(rep, greedy), (code, greedy), (code + [3], short), ([11, 12] * 9, stop)]
+    again = [(code, greedy), (code[:20] + [99] + code[21:], greedy), (rep[:-2], greedy)]
+    return [first, again]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_outputs_identical_with_and_without_speculation(
+    tiny_dir: Path, method: str, adaptive: bool
+) -> None:
+    plain, plain_keys = run(engine_of(tiny_dir, "none"), workload())
+    engine = engine_of(
+        tiny_dir, method, adaptive=adaptive, num_speculative_tokens=4, prompt_lookup_min=1
+    )
+    spec, spec_keys = run(engine, workload())
+    assert spec == plain
+    # draft slots never reach the prefix cache or the events: every block published holds
+    # verified tokens only (a request finishing inside a verify step leaves the blocks its
+    # last drafts filled uncached: a subset)
+    assert spec_keys <= plain_keys
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_drafts > 0
+    assert 0 < snap.spec_decode_num_accepted_tokens <= snap.spec_decode_num_draft_tokens
+    per_pos = snap.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == snap.spec_decode_num_accepted_tokens
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # position i needs i-1 accepted
+    # a verified token counts as generated once: the engine's count equals the outputs'
+    assert snap.generation_tokens == sum(map(len, spec))
+
+
+def test_requests_that_turn_speculation_off_run_plain_and_match(tiny_dir: Path) -> None:
+    prompt = [5, 6, 7, 8, 9] * 6
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=((3, 1.0),)),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=3),
+        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7),
+        SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, n=2, seed=3),
+        SamplingParams(max_tokens=12, ignore_eos=True, beam_width=2),
+    ]
+    batches = [[(prompt, p)] for p in kinds]
+    plain, _ = run(engine_of(tiny_dir, "none"), batches)
+    engine = engine_of(tiny_dir, "ngram", prompt_lookup_min=1)
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    assert engine.snapshot().spec_decode_num_drafts == 0
+
+
+def test_sampled_requests_speculate_and_finish_their_length(tiny_dir: Path) -> None:
+    engine = engine_of(tiny_dir, "ngram", prompt_lookup_min=1, adaptive=False)
+    p = SamplingParams(temperature=0.7, top_k=3, max_tokens=30, ignore_eos=True)
+    tokens, _ = run(engine, [[([5, 6, 7, 8, 9] * 6, p)] * 3])
+    assert [len(t) for t in tokens] == [30, 30, 30]
+    assert engine.snapshot().spec_decode_num_drafts > 0
+
+
+def fake_engine(method: str, window: int | None, **cfg: object) -> Engine:
+    ex = FakeExecutor(28, 4)
+    ex.context_window = window
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=28,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=256,
+        speculative={"method": method, "prompt_lookup_min": 1, **cfg},
+    )
+    return Engine(ex, config)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("window", [1, 2, None])
+def test_speculation_under_preemption_matches_and_leaks_nothing(
+    method: str, window: int | None
+) -> None:
+    """A small pool and budget: drafts compete with prefills, requests are preempted and
+    recomputed; the fake model checks every slot it reads holds the right token."""
+    ps = prompts(14, 4, 28, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batches = [[(p, params) for p in ps[:7]], [(p, params) for p in ps[7:]]]
+    plain_engine = fake_engine("none", window)
+    plain, _ = run(plain_engine, batches)
+    engine = fake_engine(method, window, num_speculative_tokens=6)
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    snap = engine.snapshot()
+    assert snap.num_preemptions > 0
+    if window is not None:  # repeating outputs: drafts accepted
+        assert snap.spec_decode_num_accepted_tokens > 0
+
+
+def test_telemetry_counts_spec_decode_by_deltas() -> None:
+    from tests.engine.test_telemetry import FAKE_METRICS
+    from worker.telemetry import WorkerTelemetry
+
+    engine = fake_engine("ngram", 1, adaptive=False)
+    tel = WorkerTelemetry("w", metrics_api=FAKE_METRICS)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for p in prompts(4, 4, 12, seed=2):
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        tel.after_step(engine.snapshot(), engine.step())
+    tel.after_step(engine.snapshot(), [])
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_accepted_tokens > 0
+    for name, counter in tel.spec.items():
+        assert counter.name == f"kvc_{name}"
+        assert sum(counter.incs) == getattr(snap, name)
+    assert sum(tel.spec_per_pos.incs) == snap.spec_decode_num_accepted_tokens
+
+
+def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> None:
+    from worker.engine.config import SpeculativeConfig
+    from worker.engine.speculator import PROBE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"))
+    assert spec.on
+    spec.end_step(False, 10, 0.1)  # plain: 100 tok/s
+    spec.end_step(True, 10, 0.2)  # speculating: 50 tok/s
+    assert not spec.on
+    decisions = []
+    for _ in range(2 * PROBE_EVERY):
+        spec.begin_step()
+        decisions.append(spec.speculating())
+    assert decisions.count(True) == 2  # off: one probe step in PROBE_EVERY
+    for _ in range(20):
+        spec.end_step(True, 30, 0.1)  # the probes now measure 300 tok/s
+    assert spec.on
+    assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
+
+
+def test_config_rejects_unknown_keys_and_inverted_lookup_bounds() -> None:
+    from pydantic import ValidationError
+
+    from worker.engine.config import SpeculativeConfig
+
+    with pytest.raises(ValidationError, match="extra"):
+        EngineConfig(speculative={"method": "ngram", "draft_model": "x"})
+    with pytest.raises(ValidationError, match="prompt_lookup_min=4 > prompt_lookup_max=2"):
+        SpeculativeConfig(prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValidationError):
+        SpeculativeConfig(method="eagle")
+
+
+def test_stop_strings_and_lora_speculate_with_identical_outputs(tiny_dir: Path, tmp_path) -> None:
+    from worker.model.build_tiny_lora import build_tiny_lora
+
+    lora = str(build_tiny_lora(tmp_path / "a1", tiny_dir, seed=1, rank=8))
+
+    def make(method: str) -> Engine:
+        cfg = EngineConfig(
+            num_blocks=96,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_loras=1,
+            max_lora_rank=8,
+            lora_adapters={"a1": lora},
+            speculative={"method": method, "prompt_lookup_min": 1},
+        )
+        return Engine.from_model_dir(tiny_dir, cfg)
+
+    plain_engine = make("none")
+    prompt = [5, 6, 7, 8, 9] * 6
+    greedy = dict(temperature=0, max_tokens=30, ignore_eos=True)
+    probe = run(plain_engine, [[(prompt, SamplingParams(**greedy))]])[0][0]
+    text = plain_engine.tokenizer.decode(probe[8:10])  # a stop string met mid-output
+    batches = [
+        [
+            (prompt, SamplingParams(**greedy, lora="a1")),
+            (prompt, SamplingParams(**greedy, stop=(text,))),
+        ]
+    ]
+    plain, _ = run(make("none"), batches)
+    engine = make("suffix")
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    assert len(spec[1]) < 30  # the stop string ended it
+    assert engine.snapshot().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize(
+    ("kw", "speculates"),
+    [
+        ({}, True),
+        ({"temperature": 0.7, "top_p": 0.9}, True),
+        ({"stop": ("x",), "lora": "a"}, True),
+        ({"structured": "json_object"}, False),
+        ({"logprobs": 0}, False),
+        ({"prompt_logprobs": 0}, False),
+        ({"frequency_penalty": 0.1}, False),
+        ({"repetition_penalty": 1.1}, False),
+        ({"logit_bias": ((1, 2.0),)}, False),
+        ({"min_tokens": 2}, False),
+        ({"seed": 1}, False),
+        ({"n": 2}, False),
+        ({"beam_width": 2}, False),
+    ],
+)
+def test_which_requests_speculate(kw: dict, speculates: bool) -> None:
+    from types import SimpleNamespace
+
+    from kvstore.blocks.structured import StructuredOutputs
+    from worker.engine.speculator import eligible
+
+    if "structured" in kw:
+        kw = {**kw, "structured": StructuredOutputs(kw["structured"])}
+    p = SamplingParams(max_tokens=8, **kw)
+    req = SimpleNamespace(params=p, prompt_logprobs=[] if p.prompt_logprobs is not None else None)
+    assert eligible(req) is speculates  # type: ignore[arg-type]
