@@ -178,7 +178,7 @@ def frozen_redis_row(
     again."""
     import signal
 
-    from kvstore.blocks.stats import quantile
+    from kvstore.runtime.stats import quantile
 
     clients = [KVClusterClient(e) for e in cluster.endpoints]
     results: list[tuple[float, float, bool]] = []  # (start, seconds, ok)

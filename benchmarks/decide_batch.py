@@ -29,7 +29,7 @@ from kvstore.blocks.events import BlockStored
 from kvstore.blocks.hashing import HashContext, block_keys
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 from router.placement.config import RoutingConfig
 from router.placement.placement_types import RouteRequest
 from router.placement.prefix_source import KVIndexSource

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.kv.disk_tier import DiskTier
 from worker.model.build_tiny import build_tiny_model

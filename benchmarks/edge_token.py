@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, relabelled
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage, relabelled
 from router.edge.convert import responses_from_output
 from router.http_api.openai_request import parse_request
 from router.http_api.responses import Shaper

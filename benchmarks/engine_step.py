@@ -67,7 +67,7 @@ def cell(
 
     if threads:
         torch.set_num_threads(threads)
-    from kvstore.blocks.sampling_params import SamplingParams
+    from kvstore.requests.sampling_params import SamplingParams
     from worker.engine import Engine, EngineConfig
 
     path = Path(model)
@@ -118,7 +118,7 @@ def rows_cell(model: str, rows: list[int], steps: int, threads: int) -> dict:
 
     if threads:
         torch.set_num_threads(threads)
-    from kvstore.blocks.sampling_params import SamplingParams
+    from kvstore.requests.sampling_params import SamplingParams
     from worker.engine import Engine, EngineConfig
     from worker.model.inputs import SeqChunk
 

@@ -63,7 +63,7 @@ import torch
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.vllm_bench import DEFAULT_VLLM_PYTHON
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.default_model import default_model_path

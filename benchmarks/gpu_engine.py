@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from benchmarks.engine_throughput import mixed_prompts, run_engine, run_transformers
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 

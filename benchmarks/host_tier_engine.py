@@ -25,8 +25,8 @@ import time
 import torch
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 

@@ -61,7 +61,7 @@ asyncio.run(main())
 def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
     """Child process: OpenAIServer over a core that gives every open stream a token each
     ``step_ms``; answers ``cpu`` with its CPU seconds, anything else stops it."""
-    from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+    from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
     from router.http_api import OpenAIServer
     from router.placement.config import RequestLimits
     from router.placement.router_metrics import RouterMetrics

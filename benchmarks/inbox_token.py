@@ -17,7 +17,7 @@ import asyncio
 import time
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.request_inbox import Inbox
 from router.serving.worker_channel import demultiplex
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.engine.kv_pull import export_run, import_run
 from worker.kv import block_keys

@@ -26,9 +26,9 @@ import time
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.config import ClusterConfig
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, unpack_output
-from kvstore.blocks.protocol import WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.outputs import OUTPUT_SCHEMA, unpack_output
+from kvstore.requests.protocol import WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 
 TARGET_SPEEDUP = 3.0
 PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -54,10 +54,10 @@ from contextlib import ExitStack
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.stats import quantile
 from kvstore.config import IndexConfig
-from kvstore.events import Op
 from kvstore.index import KVIndex
+from kvstore.recorder import Op
+from kvstore.runtime.stats import quantile
 
 TARGET_LOOKUP_P99_MS = 2.0
 TARGET_EVENTS_PER_S = 200_000

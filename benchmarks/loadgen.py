@@ -30,7 +30,7 @@ import grpc
 from benchmarks.common import pyplot, save_figure
 from benchmarks.progress import Progress
 from cluster.client import Completion, KVClusterClient, accumulate, build_request
-from kvstore.blocks.stats import quantile
+from kvstore.runtime.stats import quantile
 
 
 @dataclass

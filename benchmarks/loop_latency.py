@@ -9,7 +9,7 @@ how late each wake-up is; beside it ``--engines`` compute threads (torch matmuls
 ``--neighbours`` processes spinning in Python (a client, another process's work, never
 demoted). ``--placement``: ``process`` runs the compute threads in a child process (a router
 beside a worker), ``thread`` in the loop's own process (a worker's loop beside its engine).
-Policies (``kvstore/blocks/threadsched.py``):
+Policies (``kvstore/runtime/threadsched.py``):
 
 * ``none``: everything as it starts;
 * ``slice``: the loop thread asks for a ``--slice-ms`` slice (Linux 6.12+);
@@ -33,7 +33,7 @@ import threading
 import time
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks import threadsched
+from kvstore.runtime import threadsched
 
 POLICIES = ("none", "slice", "nice", "both", "batch")
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
 from worker.model.build_tiny_lora import build_tiny_lora

@@ -28,10 +28,10 @@ _CHILD = """
 import json, sys, time
 if sys.argv[3] == "torch default":
     import torch  # loaded before the worker package: OpenMP keeps its default (spinning)
-from worker.model.cpu_threads import configure_threads
+from worker.model.thread_count import configure_threads
 threads = configure_threads(int(sys.argv[2]) or None)
 from benchmarks.engine_throughput import run_engine
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine import Engine, EngineConfig
 spec = json.loads(open(sys.argv[1]).read())
 engine = Engine.from_model_dir(spec["model_dir"], EngineConfig(**spec["cfg"]))

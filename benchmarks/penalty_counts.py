@@ -33,7 +33,7 @@ import time
 import torch
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.penalties import PenaltyCounts
 from worker.engine.request import Sequence
 from worker.engine.sampler import SampleSpec, sample

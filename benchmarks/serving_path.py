@@ -66,11 +66,11 @@ from benchmarks.vllm_bench import DEFAULT_VLLM_PYTHON
 from benchmarks.vllm_serve import vllm_legs
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from router.placement.config import STREAM_INTERVAL
 from worker.engine import Engine, EngineConfig
 from worker.model.build_tiny import build_tiny_model
-from worker.model.cpu_threads import available_cores
+from worker.model.thread_count import available_cores
 
 
 def engine_config(

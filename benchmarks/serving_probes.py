@@ -13,8 +13,8 @@ import ray
 
 from benchmarks.stream_clients import run_grpc
 from cluster.launcher import Cluster
-from kvstore.blocks.protocol import WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.protocol import WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 
 
 def loop_lags(cluster: Cluster, *, reset: bool, trace: bool = False) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def _loop_lags(cluster: Cluster, reset: bool, trace: bool) -> dict[str, Any]:
         out[side] = max(r["max_lag_ms"] for r in reports)
         out[f"{side}_loop"] = ",".join(sorted({r.get("loop", "?") for r in reports}))
         out[f"{side}_sched"] = sched_summary([r.get("sched") for r in reports])
-        if side == "worker":  # the engine threads' (kvstore/blocks/loop_sched.py)
+        if side == "worker":  # the engine threads' (kvstore/runtime/loop_sched.py)
             out["engine_sched"] = sched_summary([r.get("engine_sched") for r in reports])
         stalls = [s for r in reports for s in r.get("trace", {}).get("stalls", [])]
         if any("trace" in r for r in reports):

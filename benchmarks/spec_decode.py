@@ -65,7 +65,7 @@ def prompts(workload: str, i: int) -> list[str]:
 
 def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dict:
     importlib.import_module("worker")
-    from kvstore.blocks.sampling_params import SamplingParams
+    from kvstore.requests.sampling_params import SamplingParams
     from worker.engine import Engine, EngineConfig
 
     cfg = EngineConfig(

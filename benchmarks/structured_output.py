@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.common import emit_json, print_table
 from benchmarks.structured_schemas import schemas, tool_requests
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests.output_constraint import StructuredOutputs
 from router.http_api.tool_calls import parse_calls
 from router.http_api.tools import tools_from_body
 from worker.engine import Engine, EngineConfig, EngineLoop, SamplingParams

@@ -1,7 +1,7 @@
 """Cost of the worker<->router wire form: per-request messages by field name vs by position.
 
 Per-request messages (``SamplingParams``, ``WorkerRequest``, ``Admitted``) pickle by field
-name (``kvstore.blocks.wire.ByName``: only fields that differ from their defaults, rebuilt
+name (``kvstore.requests.wire.ByName``: only fields that differ from their defaults, rebuilt
 through the constructor, so this side's validation runs again). The baseline, in the same
 run, is the positional form a frozen slots dataclass pickles to by default (``__newobj__``
 plus the list of every field's value), made by a pickler that reduces the same objects that
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.outputs import (
+from kvstore.requests.outputs import (
     OUTPUT_SCHEMA,
     CompletionDelta,
     RequestOutput,
@@ -35,9 +35,9 @@ from kvstore.blocks.outputs import (
     pack_output,
     unpack_output,
 )
-from kvstore.blocks.protocol import Admitted, WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.blocks.wire import ByName, check_schema
+from kvstore.requests.protocol import Admitted, WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
+from kvstore.requests.wire import ByName, check_schema
 
 
 class PositionalPickler(pickle.Pickler):

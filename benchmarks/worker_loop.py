@@ -35,8 +35,8 @@ import random
 import time
 
 from benchmarks.common import emit_json, print_table
-from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage
+from kvstore.runtime.looplag import LoopLagProbe
 
 
 def hook_cpu(streams: int, steps: int, metrics_api) -> dict:  # noqa: ANN001 - a module
@@ -101,7 +101,7 @@ def delivery_cpu(streams: int, steps: int) -> dict:
 
 
 def burst_cpu(burst: int, prompt: int, rounds: int) -> list[dict]:
-    from kvstore.blocks.protocol import WorkerRequest
+    from kvstore.requests.protocol import WorkerRequest
     from worker.actor import WorkerServer, WorkerSettings
     from worker.engine import EngineConfig, SamplingParams
     from worker.model.build_tiny import build_tiny_model

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from kvstore.blocks.loop_sched import ThreadSchedConfig
-from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
+from kvstore.runtime.loop_sched import ThreadSchedConfig
+from kvstore.runtime.strict import Strict
 from router.server_config import RouterConfig
 from worker.engine.config import EngineConfig
 

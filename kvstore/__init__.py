@@ -4,7 +4,7 @@ Workers publish KV events through :class:`kvstore.publisher.WorkerPublisher` (a 
 thread; the engine only calls ``submit``); routers call :meth:`kvstore.index.KVIndex.lookup`
 (one round trip, whatever the prompt length) and ``KVIndex.live_workers``. Every operation
 is one atomic Lua script. Config: ``kvstore.config.IndexConfig``; types and errors:
-``kvstore.types``. ``kvstore.blocks`` is the ground layer: the block vocabulary that the
+``kvstore.index_types``. ``kvstore.blocks`` is the ground layer: the block vocabulary that the
 index, workers and routers share (importing it loads nothing of the index).
 
 Schema
@@ -103,7 +103,7 @@ tier's count is how far it extends the faster tiers' depth (h = u - d for the ho
 Exact under the same condition, since the KV manager keeps each worker's union of tiers
 prefix-closed (``worker/kv/``), so the keys past the faster tiers' depth are all in that tier.
 Each lower tier without any entry costs one EXISTS. A resync passes the keys per tier
-(``kvstore.events.TierKeys``, a mapping Tier -> keys; a tier not named is emptied); a clear
+(``kvstore.recorder.TierKeys``, a mapping Tier -> keys; a tier not named is emptied); a clear
 and a purge empty every tier.
 
 Use ``scan`` when a publisher is not this engine, or its cache may hold a block without its

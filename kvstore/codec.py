@@ -11,8 +11,8 @@ import redis
 
 from kvstore.blocks.hashing import KEY_BYTES, BlockKey
 from kvstore.blocks.tiers import HELD_TIERS, Tier
-from kvstore.events import Op
-from kvstore.types import ApplyResult, IndexUnavailable, WorkerInfo, WorkerLoad
+from kvstore.index_types import ApplyResult, IndexUnavailable, WorkerInfo, WorkerLoad
+from kvstore.recorder import Op
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.blocks.strict import Strict
+from kvstore.runtime.strict import Strict
 
 
 class IndexSettings(Strict):

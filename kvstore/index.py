@@ -23,8 +23,8 @@ from kvstore.codec import (
     key_blob,
 )
 from kvstore.config import IndexConfig, make_client
-from kvstore.events import Op, Recorder, TierKeys, sampled
-from kvstore.types import ApplyResult, IndexFull, WorkerInfo, WorkerLoad
+from kvstore.index_types import ApplyResult, IndexFull, WorkerInfo, WorkerLoad
+from kvstore.recorder import Op, Recorder, TierKeys, sampled
 
 
 class KVIndex:
@@ -79,7 +79,7 @@ class KVIndex:
         return guard(lambda: self._scripts[name](keys=[self._reg_key], args=list(args)))
 
     def recorder(self, worker_id: str) -> Recorder:
-        """The recorder that samples this worker's keys (see :mod:`kvstore.events`)."""
+        """The recorder that samples this worker's keys (see :mod:`kvstore.recorder`)."""
         with self._lock:
             rec = self._recorders.get(worker_id)
             if rec is None:

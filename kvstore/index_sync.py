@@ -1,11 +1,11 @@
 """IndexSync: the publisher thread's rounds against Redis: register, resync, apply the
 recorded ops in numbered batches, heartbeat the load, purge dead registrations.
 
-It owns what the thread alone touches: the worker's :class:`~kvstore.events.Recorder`, the
+It owns what the thread alone touches: the worker's :class:`~kvstore.recorder.Recorder`, the
 outbox of recorded ops, the batch numbers, the registration epoch and the timers. It reads
 the engine's submissions from a :class:`~kvstore.publisher_inbox.PublisherInbox` and counts
 into it. Each method runs in the publisher's thread and raises
-:class:`~kvstore.types.IndexUnavailable` when Redis does not answer (the thread backs off and
+:class:`~kvstore.index_types.IndexUnavailable` when Redis does not answer (the thread backs off and
 retries). A stale epoch (this worker was purged or superseded) clears the epoch so the next
 round registers again; a gap in the batch numbers makes the pool's snapshot replace the
 buffered ops. Every ``spares_interval_s`` a round also asks which of the worker's keys another
@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.events import Op, TierKeys
+from kvstore.index_types import IndexUnavailable, WorkerLoad
 from kvstore.publisher_inbox import PublisherInbox
-from kvstore.types import IndexUnavailable, WorkerLoad
+from kvstore.recorder import Op, TierKeys
 
 if TYPE_CHECKING:
     from kvstore.index import KVIndex

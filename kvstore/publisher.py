@@ -5,7 +5,7 @@ The engine's step loop only calls :meth:`WorkerPublisher.submit`, which appends 
 touches Redis. The publisher owns the thread and its backoff; the thread's rounds against
 Redis are an :class:`~kvstore.index_sync.IndexSync`'s. The thread:
 
-1. drains the inbox through the worker's :class:`~kvstore.events.Recorder` into an outbox
+1. drains the inbox through the worker's :class:`~kvstore.recorder.Recorder` into an outbox
    of ops (always, even during an outage, so recorded positions stay right);
 2. registers if it has no epoch, resyncs if needed, applies the outbox in batches (one round
    trip each, numbered 1, 2, ...), heartbeats every ``heartbeat_ttl_s / 4`` and soon after
@@ -39,11 +39,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.index_sync import IndexSync
+from kvstore.index_types import IndexUnavailable, PublisherStats, WorkerLoad
 from kvstore.publisher_inbox import PublisherInbox
-from kvstore.types import IndexUnavailable, PublisherStats, WorkerLoad
+from kvstore.recorder import TierKeys
 
 _log = logging.getLogger(__name__)
 

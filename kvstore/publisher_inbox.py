@@ -7,7 +7,7 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
-from kvstore.types import PublisherStats, WorkerLoad
+from kvstore.index_types import PublisherStats, WorkerLoad
 
 IDLE = WorkerLoad(running=0, waiting=0, free_blocks=0, total_blocks=0, queued_prefill_tokens=0)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import ray
 
-from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy
-from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
+from kvstore.runtime.loop_sched import ThreadSchedConfig, apply_loop_policy
+from kvstore.runtime.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
 from router.edge.servicer import KVClusterServicer, start_server
 from router.placement.breaker import CircuitBreaker
 from router.placement.prediction import PredictionTracker

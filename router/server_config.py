@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
-from kvstore.blocks.strict import Strict
+from kvstore.runtime.strict import Strict
 from router.http_api import defaults as http_defaults
 from router.placement.config import STREAM_INTERVAL, LivenessConfig, RequestLimits, RoutingConfig
 from router.serving.slo import SloBounds

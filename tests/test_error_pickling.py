@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
+from kvstore.requests.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.edge.interceptors import Malformed
 from worker.engine.executor import KVTransferUnsupported
 from worker.kv.transfer import ImportRefused

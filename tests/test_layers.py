@@ -16,14 +16,16 @@ PACKAGES = ("kvstore", "worker", "router", "cluster", "protos", "benchmarks", "t
 # Rank of each layer, lowest first. A module may import a layer of lower rank and its own
 # layer; never a higher rank, nor another layer of the same rank. Longest prefix wins.
 LAYERS = {
-    "kvstore.blocks": 0,  # block vocabulary: keys, hashing, events, request/output types
+    "kvstore.runtime": 0,  # process runtime and shared utilities (registry, strict config)
+    "kvstore.blocks": 1,  # block vocabulary: keys, hashing, events, tiers
+    "kvstore.requests": 2,  # request vocabulary: sampling params, messages, outputs, errors
     "protos": 0,  # generated protobuf code
-    "kvstore": 1,  # the Redis block index
-    "worker": 2,  # engine, KV manager, model, attention, the worker actor
-    "router": 3,  # placement, serving core, gRPC edge, simulator
-    "cluster": 4,  # config, launcher, client, CLI
-    "benchmarks": 5,
-    "tests": 6,
+    "kvstore": 3,  # the Redis block index
+    "worker": 4,  # engine, KV manager, model, attention, the worker actor
+    "router": 5,  # placement, serving core, gRPC edge, simulator
+    "cluster": 6,  # config, launcher, client, CLI
+    "benchmarks": 7,
+    "tests": 8,
 }
 
 
@@ -139,7 +141,7 @@ def test_no_two_packages_import_each_other() -> None:
 def test_layer_table_catches_an_upward_import(tmp_path: Path) -> None:
     """The checker itself: an upward import and a package-init pull are both reported."""
     assert layer_of("kvstore.blocks.hashing") == "kvstore.blocks"
-    assert layer_of("kvstore") == "kvstore.blocks"  # its __init__ runs for the ground too
+    assert layer_of("kvstore") == "kvstore.runtime"  # its __init__ runs for the ground too
     assert layer_of("kvstore.index") == "kvstore"
     assert layer_of("router.sim.worker") == "router"
     assert LAYERS[layer_of("worker.kv.manager")] > LAYERS[layer_of("kvstore.publisher")]
@@ -148,7 +150,7 @@ def test_layer_table_catches_an_upward_import(tmp_path: Path) -> None:
 def test_router_and_ground_load_without_torch() -> None:
     """The router (tokenizer and default model included) loads without paying for torch."""
     code = (
-        "import sys, router.server, router.edge.servicer, kvstore.blocks.protocol; "
+        "import sys, router.server, router.edge.servicer, kvstore.requests.protocol; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     done = subprocess.run(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.blocks.registry import Registry
+from kvstore.runtime.registry import Registry
 from router.placement.placement_types import UnknownPolicyError
 from router.placement.routing_policy import ROUTING_POLICIES
 from worker.engine.policy import SCHEDULING_POLICIES

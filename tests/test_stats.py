@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvstore.blocks.stats import quantile
+from kvstore.runtime.stats import quantile
 
 
 def test_nearest_rank() -> None:

@@ -22,13 +22,13 @@ from typing import Any
 import ray
 
 from kvstore.blocks.hashing import BlockKey, HashContext
-from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy, thread_sched
-from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
-from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
+from kvstore.requests.outputs import OUTPUT_SCHEMA, PackedOutput
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.requests.wire import check_schema
+from kvstore.runtime.loop_sched import ThreadSchedConfig, apply_loop_policy, thread_sched
+from kvstore.runtime.looplag import LoopLagProbe
+from kvstore.runtime.pauses import freeze_long_lived, short_gil_turns
 from worker.burst_intake import BurstIntake
 from worker.engine import Engine, EngineConfig, RequestOutput
 from worker.engine.commands import AddLora, AnnounceState, Snapshot

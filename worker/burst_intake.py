@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstore.blocks.errors import UnknownChannel
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.pauses import LoopSlices
-from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
+from kvstore.requests.errors import UnknownChannel
+from kvstore.requests.protocol import Admitted, PullReport, WorkerRequest
+from kvstore.runtime.pauses import LoopSlices
 from worker.engine import Engine
 from worker.engine.commands import AddRequest
 from worker.engine.engine_loop import EngineLoop

@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError
 
-from kvstore.blocks.protocol import CallerRef
+from kvstore.requests.protocol import CallerRef
 
 log = logging.getLogger(__name__)
 

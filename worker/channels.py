@@ -16,8 +16,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput, RequestOutput, pack_output
-from kvstore.blocks.wire import check_schema
+from kvstore.requests.outputs import OUTPUT_SCHEMA, PackedOutput, RequestOutput, pack_output
+from kvstore.requests.wire import check_schema
 from worker.engine.streams import OutputSink, StreamEnd, StreamItem
 
 log = logging.getLogger(__name__)

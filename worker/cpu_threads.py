@@ -20,7 +20,7 @@ must be in the environment before that: importing the ``worker`` package applies
 The native attention kernel's pool (``attention/native.py``) sleeps on a queue, so it needs
 no policy; it splits work finer than one piece per thread so a delayed thread holds up less.
 
-How many threads, per thread: ``worker/model/cpu_threads.py``.
+How many threads, per thread: ``worker/model/thread_count.py``.
 """
 
 from __future__ import annotations

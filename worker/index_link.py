@@ -12,11 +12,11 @@ from concurrent.futures import Future
 
 from kvstore.blocks.events import KVEvent
 from kvstore.config import IndexConfig
-from kvstore.events import TierKeys
 from kvstore.index import KVIndex
 from kvstore.index_sync import SPARES_DUTY
+from kvstore.index_types import WorkerLoad
 from kvstore.publisher import WorkerPublisher
-from kvstore.types import WorkerLoad
+from kvstore.recorder import TierKeys
 from worker.engine.commands import CachedKeys, DrainEvents, SetSpares
 from worker.engine.engine_loop import EngineLoop
 

@@ -4,7 +4,7 @@ replace the first one's channel entry, caller watch or arrival time."""
 
 from __future__ import annotations
 
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests.errors import InvalidRequest
 
 
 class LiveIds:

@@ -1,12 +1,12 @@
 """What a worker reports: the load it publishes with its heartbeat (what a router weighs)
 and its answer to a status call, each derived by field name from one snapshot of its engine
-(:func:`~kvstore.blocks.derive.derived`): the three records name a shared figure alike."""
+(:func:`~kvstore.runtime.derive.derived`): the three records name a shared figure alike."""
 
 from __future__ import annotations
 
-from kvstore.blocks.derive import derived
-from kvstore.blocks.protocol import AdapterInfo, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.protocol import AdapterInfo, WorkerStatus
+from kvstore.runtime.derive import derived
 from worker.engine import EngineSnapshot
 
 

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import ray
 
-from kvstore.blocks.derive import derived
+from kvstore.runtime.derive import derived
 from worker.engine import EngineSnapshot, RequestOutput
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvstore.blocks.errors import UnknownChannel
-from kvstore.blocks.outputs import PackedOutput
-from kvstore.blocks.pauses import WarmUpFreeze
+from kvstore.requests.errors import UnknownChannel
+from kvstore.requests.outputs import PackedOutput
+from kvstore.runtime.pauses import WarmUpFreeze
 from worker.callers import CallerWatch
 from worker.channels import Channel, Channels
 from worker.engine.streams import StreamEnd

@@ -1,7 +1,6 @@
-"""The block vocabulary: what workers, the index and routers all speak.
+"""The block vocabulary: what workers, the index and routers say about KV blocks.
 
-Chained block keys and their hashing, KV events, the request / output / error types a
-router and a worker exchange; and two shared utilities, the one quantile rule and the one
-registry of named implementations. This is the ground layer: it imports nothing else from
-the project (``tests/test_layers.py``).
+Chained block keys and their hashing (``hashing.py``), KV events (``events.py``) and the KV
+tiers (``tiers.py``). It imports nothing of the project but the process runtime
+(``tests/test_layers.py``).
 """

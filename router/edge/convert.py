@@ -12,11 +12,11 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from kvstore.blocks import json_text
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import FinishReason, RequestOutput, TokenLogprob
-from kvstore.blocks.sampling_params import WIRE
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests import json_text
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.outputs import FinishReason, RequestOutput, TokenLogprob
+from kvstore.requests.sampling_params import WIRE
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
 from router.serving.generate_spec import DEFAULT_LIMITS, ChatOptions, GenerateSpec, make_spec
@@ -36,7 +36,7 @@ EARLY_STOPPING_FROM_PB = {
     pb.EARLY_STOPPING_NEVER: "never",
 }
 # the sampling fields of pb.SamplingParams, by proto name: SamplingParams' name (from its
-# declaration, kvstore.blocks.sampling_params.WIRE)
+# declaration, kvstore.requests.sampling_params.WIRE)
 PARAMS_FIELDS = {
     wire.proto.removeprefix("params."): name
     for name, wire in WIRE.items()

@@ -16,9 +16,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.blocks.outputs import GenerationResult
-from kvstore.blocks.protocol import TierFigures, WorkerStatus
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.outputs import GenerationResult
+from kvstore.requests.protocol import TierFigures, WorkerStatus
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import (

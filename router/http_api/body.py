@@ -3,7 +3,7 @@
 ``json.loads`` runs in C holding the GIL, so no thread keeps it off the event loop: what
 bounds its cost is the number of JSON values it builds. :func:`check_structure` counts the
 body's values and its nesting with bytes operations only (no per-byte Python), before any
-parse (:mod:`kvstore.blocks.json_text`, which bounds JSON inside string fields too); large
+parse (:mod:`kvstore.requests.json_text`, which bounds JSON inside string fields too); large
 bodies are then parsed (and their requests built) in a thread of their own, where
 Python-level validation yields the GIL every few milliseconds.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvstore.blocks import json_text
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests import json_text
+from kvstore.requests.errors import InvalidRequest
 from router.http_api.defaults import BODY_TIMEOUT_S
 from router.serving.request_errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
 
@@ -33,7 +33,7 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON 
 @dataclass(frozen=True, slots=True)
 class BodyLimits:
     max_bytes: int  # router.max_message_bytes
-    max_items: int = json_text.MAX_ITEMS  # JSON values (see kvstore.blocks.json_text)
+    max_items: int = json_text.MAX_ITEMS  # JSON values (see kvstore.requests.json_text)
     max_depth: int = json_text.MAX_DEPTH  # nested lists / objects
     timeout_s: float = BODY_TIMEOUT_S  # for the whole body, once the head has arrived
     inline_bytes: int = 64 << 10  # bodies up to this are parsed on the event loop
@@ -101,7 +101,7 @@ async def read_body(request: Request, limits: BodyLimits) -> AsyncIterator[list[
 
 def check_structure(data: bytes, limits: BodyLimits) -> None:
     """Refuse a body with more JSON values or deeper nesting than ``limits`` allow, from its
-    bytes alone (:func:`kvstore.blocks.json_text.check_structure`)."""
+    bytes alone (:func:`kvstore.requests.json_text.check_structure`)."""
     try:
         json_text.check_structure(
             data, max_items=limits.max_items, max_depth=limits.max_depth, what="request body"

@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import MAX_LOGIT_BIAS, MAX_SEED
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.sampling_params import MAX_LOGIT_BIAS, MAX_SEED
 from router.http_api.tools import tool_fields
 from router.serving.generate_spec import ChatOptions
 from worker.model.tokenizer import CHAT_ROLES

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvstore.blocks.outputs import GenerationResult, RequestOutput, Usage
+from kvstore.requests.outputs import GenerationResult, RequestOutput, Usage
 from router.http_api.responses import Shaper
 from router.http_api.sse import DONE, sse_event
 from router.serving.edge_intake import Intake

@@ -6,7 +6,7 @@ validator (:func:`router.serving.generate_spec.make_spec`), which names a field 
 spells it. ``null`` means "not set" for every optional field. Fields this server does not
 know are accepted and ignored, as vLLM does (the caller logs and counts them); fields it
 knows but cannot honour with the value given are a 400. The sampling fields it knows, and
-their OpenAI names, are SamplingParams' (:data:`kvstore.blocks.sampling_params.WIRE`).
+their OpenAI names, are SamplingParams' (:data:`kvstore.requests.sampling_params.WIRE`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import WIRE, SamplingParams
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.sampling_params import WIRE, SamplingParams
 from router.http_api import fields as F
 from router.http_api import structured_fields, tools
 from router.placement.config import RequestLimits

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvstore.blocks.outputs import Completion, CompletionDelta, TokenLogprob, Usage
+from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.openai_request import OpenAIRequest
 from router.http_api.sse import PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests.errors import InvalidRequest
 from router.http_api import tools
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.http_api.probe_gate import ANSWER_TTL_S

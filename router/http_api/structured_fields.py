@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import WIRE
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.sampling_params import WIRE
 
 FIELDS = WIRE["structured"].openai  # (SamplingParams' declaration)
 GUIDED = tuple(name for name in FIELDS if name.startswith("guided_"))

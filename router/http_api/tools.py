@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
 
 FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 MAX_TOOLS = 128

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.errors import InvalidRequest
 
 
 def adapter_name(adapter_id: str) -> str:

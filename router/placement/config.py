@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from kvstore.blocks import sampling_params as hard
-from kvstore.blocks.strict import Strict
 from kvstore.blocks.tiers import HELD_TIERS, Tier
+from kvstore.requests import sampling_params as hard
+from kvstore.runtime.strict import Strict
 from router.placement.policies import ROUTING_POLICIES
 
 # engine steps whose tokens one client message carries at least (router.stream_interval)
@@ -150,7 +150,7 @@ class PullConfig(Strict):
         ge=0,
         description="Prefill tokens of the holder's step in flight a pull waits for before "
         "the export starts (at most its queued prefill). 0 for these workers: they export "
-        "while their model computes a step (worker/engine/window.py), so a busy holder "
+        "while their model computes a step (worker/engine/forward_window.py), so a busy holder "
         "delays a pull by no step; a simulated or other worker that exports only between "
         "steps sets its max_num_batched_tokens.",
     )

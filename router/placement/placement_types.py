@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvstore.blocks.hashing import BlockKey, HashContext
-from kvstore.blocks.protocol import PullHint
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.protocol import PullHint
 
 WorkerId = str
 """A worker's registry id (the same string the KV index and the heartbeats use)."""

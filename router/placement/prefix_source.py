@@ -11,7 +11,7 @@ from kvstore.blocks.events import AllBlocksCleared, BlockRemoved, BlockStored, K
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.tiers import HELD_TIERS, Tier, TierBlocks
 from kvstore.index import KVIndex
-from kvstore.types import IndexUnavailable
+from kvstore.index_types import IndexUnavailable
 from router.placement.breaker import CircuitBreaker
 from router.placement.placement_types import WorkerId
 

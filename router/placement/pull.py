@@ -26,7 +26,7 @@ over the prefill rate; the transfer cost is fixed + per token, per pair of nodes
 plus, for workers that export only between steps (``source_step_tokens`` > 0: simulated
 ones), the rest of the holder's step in flight (its queued prefill up to one step's
 tokens; a request arriving at a random moment of it waits half of it on average). Ours
-export while their model runs (``worker/engine/window.py``), so they set 0. Ties go to
+export while their model runs (``worker/engine/forward_window.py``), so they set 0. Ties go to
 recompute: a pull must pay for itself. A pull of fewer than ``min_pull_tokens`` is never
 priced (tiny prefixes recompute). The pull's soft deadline is its break-even, the time
 recomputing the pulled tokens would take, or the transfer after the whole step in flight
@@ -59,7 +59,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
-from kvstore.blocks.protocol import PullHint
+from kvstore.requests.protocol import PullHint
 from router.placement.placement_types import Placement, Reason, WorkerView
 from router.placement.pull_ledger import PullLedger
 

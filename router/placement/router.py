@@ -12,9 +12,9 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from kvstore.blocks.hashing import BlockKey, block_keys
-from kvstore.blocks.protocol import PullReport
 from kvstore.blocks.tiers import Tier, TierBlocks
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.protocol import PullReport
 from router.placement.breaker import CircuitOpen
 from router.placement.cached import cached_tokens, held_anywhere, held_blocks
 from router.placement.config import RoutingConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvstore.blocks.stats import quantile
+from kvstore.runtime.stats import quantile
 from router.placement.placement_types import Reason, RouteDecision
 
 

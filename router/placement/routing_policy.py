@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from kvstore.blocks.registry import Registry
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.runtime.registry import Registry
 from router.placement.placement_types import Placement, RouteRequest, UnknownPolicyError, WorkerView
 
 if TYPE_CHECKING:  # the config validates policy names against the registry below

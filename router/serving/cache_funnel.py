@@ -17,9 +17,9 @@ resync of the worker's entries: :mod:`router.placement.prediction`).
 
 from __future__ import annotations
 
-from kvstore.blocks.outputs import Usage
-from kvstore.blocks.protocol import PullReport
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.outputs import Usage
+from kvstore.requests.protocol import PullReport
 from router.placement.placement_types import RouteDecision
 
 STAGES = ("prompt", "held", "best", "chosen", "realised")

@@ -15,13 +15,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 
-from kvstore.blocks.errors import EngineOverloaded
 from kvstore.blocks.hashing import HashContext
-from kvstore.blocks.outputs import RequestOutput, relabelled
-from kvstore.blocks.pauses import WarmUpFreeze
-from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.errors import EngineOverloaded
+from kvstore.requests.outputs import RequestOutput, relabelled
+from kvstore.requests.protocol import Admitted, PullReport, WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
+from kvstore.runtime.pauses import WarmUpFreeze
 from router.placement.adapters import for_tenant, resolve_adapter, serving
 from router.placement.placement_types import NoWorkersError, RouteDecision, RouteRequest
 from router.placement.prediction import PredictionTracker

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import RequestOutput
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.outputs import RequestOutput
 from router.placement.adapters import adapter_name, for_tenant
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
-from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from router.placement.config import RequestLimits
 from router.serving.request_errors import renamed
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.blocks.validate import check_model_limits
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.model_limits import check_model_limits
+from kvstore.requests.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

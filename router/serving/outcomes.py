@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.protocol import PullReport
+from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.protocol import PullReport
 from router.placement.placement_types import Reason, RouteDecision
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Router

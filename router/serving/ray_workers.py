@@ -18,11 +18,11 @@ from ray.exceptions import (
     GetTimeoutError,
 )
 
-from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
+from kvstore.runtime.looplag import LoopLagProbe
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import STREAM_INTERVAL, LivenessConfig
 from router.serving.answer_cache import AnswerCache

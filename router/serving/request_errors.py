@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 from ray.exceptions import RayTaskError
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
+from kvstore.requests.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.placement.placement_types import NoWorkersError
 from router.serving.core import FULL_RETRY_S, ClusterOverloaded, StreamBroken
 

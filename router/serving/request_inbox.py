@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvstore.blocks.outputs import RequestOutput, coalesce, unpack_output
+from kvstore.requests.outputs import RequestOutput, coalesce, unpack_output
 from router.placement.config import STREAM_INTERVAL
 
 _CLOCK_SLACK_S = 1e-3  # a timer may fire this early (the loop's clock resolution)

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import replace
 
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 
 
 class SentWork:

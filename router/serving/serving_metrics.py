@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.protocol import WorkerStatus
+from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.protocol import WorkerStatus
 from router.placement.prediction import PredictionTracker
 from router.serving.cache_funnel import STAGES, CacheFunnel
 from router.serving.loop_histograms import LoopHistogram

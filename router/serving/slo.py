@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from kvstore.blocks.strict import Strict
+from kvstore.runtime.strict import Strict
 
 
 class SloBounds(Strict):

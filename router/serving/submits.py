@@ -19,7 +19,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest
+from kvstore.requests.protocol import Admitted, CallerRef, WorkerRequest
 from router.serving.worker_call_errors import call_result, own_error
 from router.serving.worker_channel import WAKE_SLICE, WorkerChannel
 from router.serving.workers import WorkerGone

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests.errors import InvalidRequest
 from router.placement.config import RequestLimits
 from worker.model.tokenizer import Tokenizer
 

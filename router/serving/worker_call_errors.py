@@ -8,7 +8,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from kvstore.blocks.errors import EngineStopped, UnknownChannel
+from kvstore.requests.errors import EngineStopped, UnknownChannel
 from router.serving.workers import WorkerGone
 
 ACTOR_ERRORS = (RayActorError, ActorDiedError, ActorUnavailableError)  # the actor is gone

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
+from kvstore.requests.outputs import OUTPUT_SCHEMA
 from router.placement.config import STREAM_INTERVAL
 from router.serving.request_inbox import Inbox
 from router.serving.workers import WorkerGone

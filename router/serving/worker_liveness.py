@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import ray
 
 from kvstore.index import KVIndex
-from kvstore.types import IndexUnavailable, WorkerLoad
+from kvstore.index_types import IndexUnavailable, WorkerLoad
 from router.placement.breaker import CircuitBreaker, CircuitOpen
 
 log = logging.getLogger(__name__)

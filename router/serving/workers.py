@@ -5,9 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
 
-from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
 
 
 class WorkerGone(Exception):

@@ -31,8 +31,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from kvstore.blocks.strict import Strict
 from kvstore.blocks.tiers import HELD_TIERS, Tier
+from kvstore.runtime.strict import Strict
 
 
 class TimeModel(Strict):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.protocol import PullHint
+from kvstore.requests.protocol import PullHint
 from router.placement.config import RoutingConfig
 from router.placement.placement_types import RouteRequest
 from router.placement.prefix_source import InMemoryPrefixIndex

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from kvstore.blocks.stats import quantile
+from kvstore.runtime.stats import quantile
 from router.sim.replay import ReplayResult
 
 

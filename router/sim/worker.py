@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from kvstore.blocks.events import BlockStored, KVEvent
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.blocks.tiers import Tier
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 from router.sim.config import TimeModel
 from router.sim.records import ActiveRequest, RequestRecord, SimRequest
 from worker.kv import KVCacheManager, KVCapacityError

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from prometheus_client.registry import CollectorRegistry
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from router.placement.placement_types import Reason, RouteDecision
 from router.placement.prediction import PredictionTracker
 from router.placement.router_metrics import RouterMetrics

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from kvstore.blocks.loop_sched import ThreadSchedConfig, custom_slices, thread_sched
+from kvstore.runtime.loop_sched import ThreadSchedConfig, custom_slices, thread_sched
 from router.server import RouterActor
 from worker.actor import WorkerActor
 

@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from cluster.client import build_request
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import GenerationResult
-from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.outputs import GenerationResult
+from kvstore.requests.protocol import Admitted, WorkerRequest
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.worker_call_errors import call_result

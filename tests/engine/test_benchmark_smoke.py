@@ -71,8 +71,8 @@ def test_worker_loop_smoke(capsys: pytest.CaptureFixture) -> None:
 
 def test_loop_latency_smoke(capsys: pytest.CaptureFixture) -> None:
     from benchmarks import loop_latency
-    from kvstore.blocks.loop_sched import custom_slices
-    from kvstore.blocks.threadsched import nice
+    from kvstore.runtime.loop_sched import custom_slices
+    from kvstore.runtime.threadsched import nice
 
     head = loop_latency.main(["--smoke"])
     out = capsys.readouterr().out

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from worker.cpu_threads import worker_env
-from worker.model.cpu_threads import available_cores, configure_threads
+from worker.model.thread_count import available_cores, configure_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = (

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.sampler import SampleSpec, sample
 
 VOCAB = 97

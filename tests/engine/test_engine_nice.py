@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
-from kvstore.blocks import threadsched
-from kvstore.blocks.loop_sched import ThreadSchedConfig
+from kvstore.runtime import threadsched
+from kvstore.runtime.loop_sched import ThreadSchedConfig
 from worker.attention import native
 from worker.engine import Engine, EngineConfig, EngineLoop, SamplingParams
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvstore.blocks.pauses import LoopSlices
+from kvstore.runtime.pauses import LoopSlices
 from tests.engine.helpers import assert_no_blocks_in_use
 from worker.engine import (
     Engine,

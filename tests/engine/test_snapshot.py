@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from kvstore.blocks.protocol import WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.protocol import WorkerStatus
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_scheduler import prompts
 from tests.engine.test_telemetry import FAKE_METRICS

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.blocks.events import BlockStored
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from tests.engine.fakes import FakeExecutor
 from tests.engine.helpers import assert_no_blocks_in_use
 from tests.engine.test_scheduler import prompts
@@ -258,7 +258,7 @@ def test_stop_strings_and_lora_speculate_with_identical_outputs(tiny_dir: Path, 
 def test_which_requests_speculate(kw: dict, speculates: bool) -> None:
     from types import SimpleNamespace
 
-    from kvstore.blocks.structured import StructuredOutputs
+    from kvstore.requests.output_constraint import StructuredOutputs
     from worker.engine.speculator import eligible
 
     if "structured" in kw:

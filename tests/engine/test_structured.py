@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import torch
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import FinishReason
-from kvstore.blocks.structured import StructuredOutputs
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.outputs import FinishReason
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_host_tier import HostFakeExecutor
 from worker.engine import Engine, EngineConfig, SamplingParams
@@ -259,7 +259,7 @@ def test_llguidance_reads_the_gguf_tokenizer_token_for_token() -> None:
     (``worker/model/gguf_tokenizer.py``); llguidance must read it as we do."""
     from worker.engine.structured import GrammarCompiler
     from worker.model.default_model import default_model_path
-    from worker.model.errors import ModelLoadError
+    from worker.model.load_errors import ModelLoadError
     from worker.model.tokenizer import Tokenizer
 
     try:

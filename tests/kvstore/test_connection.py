@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from kvstore.config import IndexConfig, make_client
 from kvstore.index import KVIndex
-from kvstore.types import IndexUnavailable
+from kvstore.index_types import IndexUnavailable
 from tests.kvstore.helpers import chain, stored
 from tests.redis_server import RedisServer, make_tls_files
 

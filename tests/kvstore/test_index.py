@@ -15,7 +15,7 @@ import pytest
 from kvstore.blocks.events import AllBlocksCleared
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 from tests.kvstore.helpers import chain, removed, stored, tiers
 from tests.redis_server import RedisServer
 

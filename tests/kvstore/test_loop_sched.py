@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvstore.blocks import loop_sched, threadsched
-from kvstore.blocks.loop_sched import (
+from kvstore.runtime import loop_sched, threadsched
+from kvstore.runtime.loop_sched import (
     ThreadSchedConfig,
     apply_loop_policy,
     custom_slices,

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.blocks.events import AllBlocksCleared, BlockRemoved
 from kvstore.blocks.tiers import Tier
-from kvstore.events import CLEARED, Op, Recorder, event_kind, sampled
+from kvstore.recorder import CLEARED, Op, Recorder, event_kind, sampled
 from tests.kvstore.helpers import chain, removed, stored
 
 

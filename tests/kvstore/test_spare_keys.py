@@ -11,8 +11,8 @@ import pytest
 from kvstore.blocks.hashing import BlockKey
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
+from kvstore.index_types import WorkerLoad
 from kvstore.publisher import WorkerPublisher
-from kvstore.types import WorkerLoad
 from tests.kvstore.helpers import Pool, chain, stored
 from tests.redis_server import RedisServer
 

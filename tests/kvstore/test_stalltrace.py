@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvstore.blocks.looplag import LoopLagProbe
+from kvstore.runtime.looplag import LoopLagProbe
 
 
 def hold_the_loop(seconds: float) -> None:

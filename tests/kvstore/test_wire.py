@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvstore.blocks.errors import InvalidRequest, WireMismatch
-from kvstore.blocks.outputs import (
+from kvstore.blocks.tiers import Tier
+from kvstore.requests.errors import InvalidRequest, WireMismatch
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.outputs import (
     OUTPUT_SCHEMA,
     CompletionDelta,
     FinishReason,
@@ -26,7 +28,7 @@ from kvstore.blocks.outputs import (
     TokenLogprob,
     Usage,
 )
-from kvstore.blocks.protocol import (
+from kvstore.requests.protocol import (
     AdapterInfo,
     Admitted,
     CallerRef,
@@ -36,10 +38,8 @@ from kvstore.blocks.protocol import (
     WorkerRequest,
     WorkerStatus,
 )
-from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.blocks.structured import StructuredOutputs
-from kvstore.blocks.tiers import Tier
-from kvstore.blocks.wire import schema_fingerprint
+from kvstore.requests.sampling_params import SamplingParams
+from kvstore.requests.wire import schema_fingerprint
 from worker.channels import Channels
 from worker.engine.streams import StreamEnd
 
@@ -189,7 +189,7 @@ def test_a_peer_is_validated_by_this_side() -> None:
 
 def test_every_frozen_wire_type_reads_by_name() -> None:
     """A new message type in protocol.py is caught here if it pickles by position."""
-    import kvstore.blocks.protocol as protocol
+    import kvstore.requests.protocol as protocol
 
     types = {
         obj

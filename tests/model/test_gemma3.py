@@ -147,7 +147,7 @@ def test_lora_on_gemma3_equals_peft(folder, tmp_path):
     ],
 )
 def test_what_gemma3_parsing_refuses(folder, changes, pattern):
-    from worker.model.errors import ModelLoadError
+    from worker.model.load_errors import ModelLoadError
 
     raw = {**json.loads((folder / "config.json").read_text()), **changes}
     with pytest.raises(ModelLoadError, match=pattern):  # UnsupportedModelError included

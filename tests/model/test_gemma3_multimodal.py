@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tests.model.helpers import BlockHandout, hf_logits
 from worker.model.build_tiny_lora import build_tiny_lora
 from worker.model.config import ModelConfig
-from worker.model.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError, WeightMismatchError
 from worker.model.lora import LoraError, load_adapter
 from worker.model.runner import ModelRunner, SeqChunk
 

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 from tests.model.gguf_writer import write_gguf
 from tests.model.helpers import BlockHandout
 from worker.model.config import ModelConfig
-from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 from worker.model.runner import ModelRunner, SeqChunk
 from worker.model.tokenizer import Tokenizer
 

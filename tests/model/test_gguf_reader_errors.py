@@ -19,8 +19,8 @@ from tests.model.gguf_bytes import (
     tensor_info,
 )
 from worker.model.config import ModelConfig
-from worker.model.errors import ModelLoadError
 from worker.model.gguf_reader import GGUFFormatError, read_gguf
+from worker.model.load_errors import ModelLoadError
 from worker.model.tokenizer import Tokenizer
 
 HUGE = 2**62

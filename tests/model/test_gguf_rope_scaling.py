@@ -19,8 +19,8 @@ import torch
 from tests.model.gguf_writer import write_gguf
 from tests.model.helpers import BlockHandout, hf_logits
 from worker.model.config import ModelConfig
-from worker.model.errors import ModelLoadError, UnsupportedModelError
 from worker.model.layers import rope_inv_freq
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 from worker.model.runner import ModelRunner, SeqChunk
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
-from kvstore.blocks.cache_dir import cache_root
+from kvstore.runtime.cache_dir import cache_root
 from tests.model.gguf_writer import write_gguf
 from worker.model import gguf_tokenizer
 from worker.model.gguf_file import open_gguf

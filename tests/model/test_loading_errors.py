@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from worker.model.errors import ModelLoadError, UnsupportedModelError, WeightMismatchError
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError, WeightMismatchError
 from worker.model.runner import ModelRunner
 from worker.model.tokenizer import Tokenizer
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import ray
 
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput, unpack_output
-from kvstore.blocks.protocol import Admitted, WorkerRequest
+from kvstore.requests.outputs import OUTPUT_SCHEMA, RequestOutput, unpack_output
+from kvstore.requests.protocol import Admitted, WorkerRequest
 from worker.engine.streams import StreamEnd
 
 

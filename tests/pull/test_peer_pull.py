@@ -14,8 +14,8 @@ import pytest
 import ray
 
 from kvstore.blocks.hashing import block_keys
-from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.protocol import Admitted, PullHint, WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 from tests.embedded_ray import shared_ray
 from tests.pull.streams import generate, receive, send
 from worker.actor import WorkerActor, WorkerSettings

@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
-from kvstore.blocks.protocol import PullHint, WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.protocol import PullHint, WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 from tests.cluster.conftest import ENGINE, cluster_config
 from tests.embedded_ray import shared_ray
 from tests.pull.streams import generate

@@ -17,9 +17,9 @@ import pytest
 import ray
 
 from cluster.launcher import Cluster
-from kvstore.blocks.protocol import WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
+from kvstore.requests.protocol import WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 from router import Reason, Router, RouteRequest, RoutingConfig
 from router.placement.prefix_source import KVIndexSource
 from tests.cluster.conftest import cluster_config

@@ -15,10 +15,10 @@ import ray
 
 from cluster.launcher import Cluster
 from kvstore.blocks.hashing import HashContext, block_keys
-from kvstore.blocks.protocol import WorkerRequest
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
-from kvstore.types import IndexUnavailable
+from kvstore.index_types import IndexUnavailable
+from kvstore.requests.protocol import WorkerRequest
+from kvstore.requests.sampling_params import SamplingParams
 from tests.cluster.conftest import cluster_config
 from tests.embedded_ray import shared_ray
 from tests.pull.streams import generate as generate_one

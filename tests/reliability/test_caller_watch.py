@@ -11,7 +11,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError
 
-from kvstore.blocks.protocol import CallerRef
+from kvstore.requests.protocol import CallerRef
 from worker.actor import CallerWatch
 
 DEADLINE_S = 30.0

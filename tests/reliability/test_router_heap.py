@@ -9,10 +9,10 @@ import asyncio
 import gc
 from collections.abc import AsyncIterator, Mapping
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason
-from kvstore.blocks.pauses import WarmUpFreeze
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.outputs import CompletionDelta, FinishReason
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
+from kvstore.runtime.pauses import WarmUpFreeze
 from router.placement.config import RoutingConfig
 from router.placement.router import Router
 from router.serving.core import ModelLimits, ServingCore

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
-from kvstore.blocks.pauses import WarmUpFreeze
-from kvstore.blocks.protocol import WorkerRequest
+from kvstore.requests.outputs import OUTPUT_SCHEMA
+from kvstore.requests.protocol import WorkerRequest
+from kvstore.runtime.pauses import WarmUpFreeze
 from worker.actor import WorkerServer, WorkerSettings
 from worker.engine import EngineConfig, SamplingParams
 from worker.model.build_tiny import build_tiny_model

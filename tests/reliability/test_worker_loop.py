@@ -12,8 +12,8 @@ import asyncio
 import statistics
 import time
 
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, unpack_output
-from kvstore.blocks.protocol import WorkerRequest, WorkerStatus
+from kvstore.requests.outputs import OUTPUT_SCHEMA, unpack_output
+from kvstore.requests.protocol import WorkerRequest, WorkerStatus
 from tests.engine.helpers import HeldSteps, LoopTurns
 from worker.actor import WorkerServer, WorkerSettings
 from worker.engine import EngineConfig, SamplingParams
@@ -97,8 +97,8 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
 def test_a_reader_of_another_output_layout_is_refused_and_leaves_nothing_open() -> None:
     """``outputs`` refuses a router whose packed-output layout differs (or that sends none:
     an older version) before it opens anything; the right layout is served and watched."""
-    from kvstore.blocks.errors import WireMismatch
-    from kvstore.blocks.protocol import CallerRef
+    from kvstore.requests.errors import WireMismatch
+    from kvstore.requests.protocol import CallerRef
 
     model = build_tiny_model(None, "llama", "tiny")
     server = WorkerServer(
@@ -140,8 +140,8 @@ def test_a_burst_is_answered_in_place_while_the_loop_keeps_answering() -> None:
     the burst, not 128): no turn of the loop costs 10 ms of its CPU (taken one by one, the
     burst's checks ran in one turn of ~25 ms). CPU time, not a wall-clock probe: what the
     loop itself ran, whatever else the machine runs."""
-    from kvstore.blocks.errors import InvalidRequest
-    from kvstore.blocks.protocol import Admitted
+    from kvstore.requests.errors import InvalidRequest
+    from kvstore.requests.protocol import Admitted
 
     model = build_tiny_model(None, "llama", "tiny")
     cfg = EngineConfig(num_blocks=8192, max_waiting=256, max_num_seqs=64)

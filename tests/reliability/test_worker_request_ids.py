@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, FinishReason, unpack_output
-from kvstore.blocks.protocol import CallerRef, WorkerRequest
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.outputs import OUTPUT_SCHEMA, FinishReason, unpack_output
+from kvstore.requests.protocol import CallerRef, WorkerRequest
 from worker.actor import WorkerServer, WorkerSettings
 from worker.engine import EngineConfig, SamplingParams
 from worker.model.build_tiny import build_tiny_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.blocks.tiers import Tier
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 from router import InMemoryPrefixIndex, RouteDecision, Router, RouteRequest, RoutingConfig
 from worker.kv import HashContext, KVCacheManager, KVEvent
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.outputs import CompletionDelta, FinishReason
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
 from router.placement.adapters import resolve_adapter, serving
 from router.placement.config import RoutingConfig
 from router.placement.placement_types import RouteRequest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.types import IndexUnavailable
+from kvstore.index_types import IndexUnavailable
 from router.placement.breaker import CircuitBreaker, CircuitOpen
 from router.placement.prefix_source import KVIndexSource, PrefixSourceUnavailable
 

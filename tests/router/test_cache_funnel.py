@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from kvstore.blocks.protocol import PullReport
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from kvstore.requests.protocol import PullReport
 from router.placement.cached import held_anywhere
 from router.placement.placement_types import Reason, RouteDecision
 from router.serving.cache_funnel import CacheFunnel

@@ -11,7 +11,7 @@ import time
 import pytest
 import ray
 
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.worker_channel import MAX_JOINED, WorkerChannel
 from tests.embedded_ray import shared_ray
 

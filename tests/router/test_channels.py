@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import fields
 
-from kvstore.blocks.outputs import (
+from kvstore.requests.outputs import (
     CompletionDelta,
     FinishReason,
     GenerationResult,
@@ -189,7 +189,7 @@ def test_a_channel_the_worker_refused_ends_with_the_workers_own_reason() -> None
     traceback; the channel's WorkerGone names the worker's exception instead."""
     from ray.exceptions import RayTaskError
 
-    from kvstore.blocks.errors import WireMismatch
+    from kvstore.requests.errors import WireMismatch
     from router.serving.worker_channel import _first_line
 
     refused = WireMismatch("output channel: the peer has abc, this side has def")

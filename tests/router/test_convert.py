@@ -77,7 +77,7 @@ def test_final_usage_carries_host_tier_cached_tokens() -> None:
 
 
 def test_prompt_logprobs_ride_the_first_response() -> None:
-    from kvstore.blocks.outputs import TokenLogprob
+    from kvstore.requests.outputs import TokenLogprob
     from router.edge.convert import responses_from_output
     from worker.engine import CompletionDelta, RequestOutput, Usage
 

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-import kvstore.blocks.structured as structured_mod
-from kvstore.blocks.errors import InvalidRequest
+import kvstore.requests.output_constraint as structured_mod
+from kvstore.requests.errors import InvalidRequest
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import spec_from_pb
 from router.http_api.openai_request import parse_request

@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 
-from kvstore.blocks.outputs import (
+from kvstore.requests.outputs import (
     CompletionDelta,
     FinishReason,
     RequestOutput,

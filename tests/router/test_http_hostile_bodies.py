@@ -12,7 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from router.placement.router_metrics import RouterMetrics
 from router.serving.core import ModelLimits
 from tests.router.edges import http_server

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from tests.router.edges import http_server
 from tests.router.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage
 from router.serving.loop_histograms import LoopHistogram
 from router.serving.serving_metrics import ServingMetrics
 

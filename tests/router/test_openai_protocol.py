@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.blocks.errors import WireMismatch
+from kvstore.requests.errors import WireMismatch
 from router.http_api import error_status
 from router.http_api.body import BodyLimits, parse_json, surrogate_path
 from router.http_api.openai_request import parse_request
@@ -259,7 +259,7 @@ def test_structure_scan_is_exact_across_slices(
     values and the depth come out as for the whole body."""
     import json
 
-    import kvstore.blocks.json_text as json_text
+    import kvstore.requests.json_text as json_text
     import router.http_api.body as body_mod
 
     monkeypatch.setattr(body_mod, "SLICE_BYTES", slice_bytes)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvstore.blocks.protocol import PullReport
+from kvstore.requests.protocol import PullReport
 from router import Reason, RouteRequest
 from router.placement.placement_types import Placement, WorkerView
 from router.placement.pull import PullPlanner, TransferModel

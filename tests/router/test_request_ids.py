@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.outputs import CompletionDelta, FinishReason
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
 from router.placement.config import RoutingConfig
 from router.placement.router import Router
 from router.serving.core import ModelLimits, ServingCore

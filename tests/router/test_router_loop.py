@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
+from kvstore.requests.outputs import CompletionDelta, RequestOutput, Usage, pack_output
 from router.serving.iteration_slices import IterationSlices
 from router.serving.request_inbox import Inbox
 from router.serving.worker_channel import WAKE_SLICE, demultiplex

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import DEFAULTS, WIRE
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.sampling_params import DEFAULTS, WIRE
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import PARAMS_FIELDS, REQUEST_FIELDS, spec_from_pb
 from router.http_api import openai_request

@@ -9,10 +9,10 @@ from typing import TypeVar
 
 import pytest
 
-from kvstore.blocks.errors import EngineOverloaded
-from kvstore.blocks.outputs import CompletionDelta, FinishReason
-from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
+from kvstore.requests.errors import EngineOverloaded
+from kvstore.requests.outputs import CompletionDelta, FinishReason
+from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
 from router.placement.config import RoutingConfig
 from router.placement.router import Router
 from router.serving.core import ClusterOverloaded, ModelLimits, ServingCore

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
+from kvstore.requests.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
 from router.http_api.openai_request import parse_request
 from router.http_api.responses import Shaper
 from router.http_api.sse import DONE, sse_event

@@ -4,8 +4,8 @@ prediction counters, the room-check and pull-eviction figures among them."""
 
 from __future__ import annotations
 
-from kvstore.blocks.protocol import AdapterInfo, TierFigures, WorkerStatus
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.protocol import AdapterInfo, TierFigures, WorkerStatus
 from router.edge.servicer import worker_status_pb
 from router.placement.prediction import PredictionTracker
 from router.serving.serving_metrics import ServingMetrics

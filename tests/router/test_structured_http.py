@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests.errors import InvalidRequest
 from router.edge.convert import spec_from_pb
 from router.http_api.openai_request import parse_request
 from router.http_api.tool_calls import ToolStream, parse_calls, tool_chunk_delta

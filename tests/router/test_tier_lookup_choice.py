@@ -15,7 +15,7 @@ from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.tiers import Tier, TierBlocks
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
-from kvstore.types import WorkerLoad
+from kvstore.index_types import WorkerLoad
 from router import InMemoryPrefixIndex, KVIndexSource, Router, RoutingConfig
 from router.placement.placement_types import RouteRequest, WorkerId
 from router.placement.prefix_source import PrefixSource

@@ -15,8 +15,7 @@ from worker.attention import (  # noqa: F401 (register backends)
     torch_backend,
     triton_backend,
 )
-from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from worker.attention.registry import (
+from worker.attention.backend_registry import (
     BackendUnavailableError,
     UnknownBackendError,
     available_backends,
@@ -26,6 +25,7 @@ from worker.attention.registry import (
     register_backend,
     resolve_backend_name,
 )
+from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
 
 __all__ = [
     "AttentionBackend",

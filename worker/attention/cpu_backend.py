@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import native
+from worker.attention.backend_registry import register_backend
 from worker.attention.base import AttentionMetadata
-from worker.attention.registry import register_backend
 from worker.attention.torch_backend import TorchAttentionBackend, TorchPlan
 
 

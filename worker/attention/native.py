@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.blocks.cache_dir import cache_root
+from kvstore.runtime.cache_dir import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from worker.attention.backend_registry import register_backend
 from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from worker.attention.registry import register_backend
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import importlib.util
 
 import torch
 
+from worker.attention.backend_registry import register_backend
 from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
-from worker.attention.registry import register_backend
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 

@@ -8,8 +8,8 @@ Knows nothing about Ray, Redis or gRPC. Offline use::
 Streaming (thread-safe, asyncio-friendly): :class:`EngineLoop`.
 """
 
-from kvstore.blocks.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
-from kvstore.blocks.outputs import (
+from kvstore.requests.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
+from kvstore.requests.outputs import (
     Completion,
     CompletionDelta,
     FinishReason,
@@ -18,7 +18,7 @@ from kvstore.blocks.outputs import (
     TokenLogprob,
     Usage,
 )
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
 from worker.engine.engine_loop import EngineLoop

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.hashing import BlockKey, HashContext
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.streams import OutputSink
 from worker.kv.transfer import BlockRun
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
-from kvstore.blocks.strict import Strict
+from kvstore.runtime.strict import Strict
 from worker.engine.policy import SCHEDULING_POLICIES, policy_names
 from worker.model.lora_config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 

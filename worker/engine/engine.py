@@ -28,11 +28,12 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from kvstore.blocks.errors import EngineOverloaded, InvalidRequest
-from kvstore.blocks.outputs import GenerationResult, RequestOutput
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.errors import EngineOverloaded, InvalidRequest
+from kvstore.requests.outputs import GenerationResult, RequestOutput
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.executor import ModelExecutor, RunnerExecutor
+from worker.engine.forward_window import ForwardWindow
 from worker.engine.intake import Prompt, new_request, prompt_token_ids
 from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary, MetricsRecorder
 from worker.engine.offline import run_to_completion
@@ -47,9 +48,8 @@ from worker.engine.speculator import Speculator
 from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.tier_copies import disk_tier_specs, run_tier_copies
 from worker.engine.validate import validate_request
-from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
-from worker.model.cpu_threads import configure_threads, current_threads
+from worker.model.thread_count import configure_threads, current_threads
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ engine's fixed facts (limits, KV size, config) in the caller's thread before it 
 the caller from there.
 
 A burst of requests (one router loop turn's, :meth:`add_requests_async`) is checked on the
-caller's loop in turns of ``LOOP_SLICE_S`` (``kvstore/blocks/pauses.py``) and taken in with
+caller's loop in turns of ``LOOP_SLICE_S`` (``kvstore/runtime/pauses.py``) and taken in with
 one command and one answer: added one by one, 128 requests would cost the caller's loop 128
 checks back to back and 128 futures completing together.
 
@@ -43,12 +43,12 @@ from typing import Any
 
 import torch
 
-from kvstore.blocks.errors import EngineStopped
-from kvstore.blocks.loop_sched import ThreadSchedConfig, demote_compute
-from kvstore.blocks.outputs import RequestOutput
-from kvstore.blocks.pauses import LoopSlices
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.errors import EngineStopped
+from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.sampling_params import SamplingParams
+from kvstore.runtime.loop_sched import ThreadSchedConfig, demote_compute
+from kvstore.runtime.pauses import LoopSlices
 from worker.engine.commands import (
     ADDS,
     Abort,
@@ -69,13 +69,13 @@ from worker.engine.commands import (
     Snapshot,
 )
 from worker.engine.engine import Engine
+from worker.engine.forward_window import ForwardWindow
 from worker.engine.inbox import Inbox
 from worker.engine.intake import Prompt
 from worker.engine.kv_pull import export_run, import_run
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd, StreamItem, dispatch
-from worker.engine.window import ForwardWindow
 from worker.kv import BlockKey
-from worker.model.cpu_threads import configure_threads
+from worker.model.thread_count import configure_threads
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class EngineLoop:
         not wait on this loop; if it raises, the error is logged and the loop goes on.
         ``on_death(exc)`` runs in the engine thread once, after the loop died and every
         stream was ended. ``sched``: the engine thread (on CPU) demotes itself and its
-        compute threads (``kvstore/blocks/loop_sched.py``); None: it runs as started."""
+        compute threads (``kvstore/runtime/loop_sched.py``); None: it runs as started."""
         self.engine = engine
         self._sched = sched
         self.compute_nice: int | None = None  # the engine thread's niceness once demoted
@@ -384,7 +384,7 @@ class EngineLoop:
             if self._sched is not None:
                 self.compute_nice = demote_compute(self._sched, self.engine.config.device)
             # OpenMP's team size is per thread: this one starts from OMP_NUM_THREADS, not
-            # from what the thread that built the engine set (worker/model/cpu_threads.py)
+            # from what the thread that built the engine set (worker/model/thread_count.py)
             configure_threads(self.engine.cpu_threads, fresh_pool=self.compute_nice is not None)
             while not self._stopping:
                 self._wake.clear()

@@ -146,7 +146,7 @@ class RunnerExecutor(ModelExecutor):
         max_loras: int = DEFAULT_MAX_LORAS,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> RunnerExecutor:
-        from kvstore.blocks.pauses import freeze_long_lived
+        from kvstore.runtime.pauses import freeze_long_lived
         from worker.model.runner import ModelRunner
         from worker.model.tokenizer import Tokenizer
 

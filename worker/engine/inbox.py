@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 
-from kvstore.blocks.errors import EngineStopped
+from kvstore.requests.errors import EngineStopped
 from worker.engine.commands import Command
 
 NOT_STARTED = "the engine loop is not running (call start())"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.beam import BeamSearch
 from worker.engine.detokenizer import OutputText, TokenizerLike
 from worker.engine.request import Request, Sequence, sample_generator

@@ -6,9 +6,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.blocks.protocol import TierFigures
-from kvstore.blocks.stats import quantile
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.protocol import TierFigures
+from kvstore.runtime.stats import quantile
 from worker.kv.types import TierStats
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
@@ -99,7 +99,7 @@ class StageTimer:
 class EngineSnapshot:
     """One engine's state between two steps, taken at once (``Engine.snapshot``): what the
     worker derives its load report, its status answer and its gauges from. A field that
-    :class:`~kvstore.types.WorkerLoad` or :class:`~kvstore.blocks.protocol.WorkerStatus`
+    :class:`~kvstore.index_types.WorkerLoad` or :class:`~kvstore.requests.protocol.WorkerStatus`
     also has carries the same name, so they are derived by name (``worker/status.py``)."""
 
     running: int  # requests holding or acquiring KV blocks

@@ -6,8 +6,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from kvstore.blocks.outputs import GenerationResult
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.outputs import GenerationResult
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.intake import Prompt
 
 if TYPE_CHECKING:

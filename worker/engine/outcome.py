@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstore.blocks.outputs import FinishReason, TokenLogprob
+from kvstore.requests.outputs import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
     from worker.engine.request import Request, Sequence

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.host_copies import to_device
 from worker.engine.logit_adjust import PenaltyRows
 from worker.engine.request import Sequence

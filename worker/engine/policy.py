@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
-from kvstore.blocks.registry import Registry
+from kvstore.runtime.registry import Registry
 
 if TYPE_CHECKING:
     from worker.engine.request import Request

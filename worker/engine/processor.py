@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvstore.blocks.outputs import FinishReason, RequestOutput, TokenLogprob
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.outputs import FinishReason, RequestOutput, TokenLogprob
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.grammar_masks import GrammarMasks, grammar_rows
 from worker.engine.logit_adjust import PenaltyRows

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvstore.blocks.registry import Registry
+from kvstore.runtime.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.outputs import CompletionDelta, FinishReason, TokenLogprob, Usage
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.detokenizer import OutputText
 from worker.kv import BlockKey, HashContext
 

@@ -4,7 +4,7 @@ the request's TTFT and inter-token latency."""
 
 from __future__ import annotations
 
-from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput
 from worker.engine.detokenizer import TokenizerLike
 from worker.engine.metrics import MetricsRecorder
 from worker.engine.request import Request

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.blocks.outputs import TokenLogprob
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.outputs import TokenLogprob
+from kvstore.requests.sampling_params import SamplingParams
 from worker.attention import native
 from worker.engine.host_copies import to_device, to_host
 from worker.engine.logit_adjust import PenaltyRows, adjust

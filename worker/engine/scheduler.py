@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Literal
 
-from kvstore.blocks.outputs import FinishReason
+from kvstore.requests.outputs import FinishReason
 from worker.engine.admission import CacheAwareOrder
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import OutputText

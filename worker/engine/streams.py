@@ -15,8 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvstore.blocks.outputs import GenerationResult, RequestOutput
-from kvstore.blocks.wire import ByName
+from kvstore.requests.outputs import GenerationResult, RequestOutput
+from kvstore.requests.wire import ByName
 
 
 @dataclass(frozen=True, slots=True)

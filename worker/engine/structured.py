@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.structured import StructuredOutputs, parser_limits
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs, parser_limits
 
 if TYPE_CHECKING:
     from worker.engine.request import Request

@@ -1,13 +1,13 @@
 """Checks of a request against the engine (the model's limits are the shared
-:func:`kvstore.blocks.validate.check_model_limits`; SamplingParams checks itself)."""
+:func:`kvstore.requests.model_limits.check_model_limits`; SamplingParams checks itself)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import SamplingParams
-from kvstore.blocks.validate import check_model_limits
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.model_limits import check_model_limits
+from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig
 
 

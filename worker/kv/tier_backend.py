@@ -20,8 +20,8 @@ from collections.abc import Callable, Container, Sequence
 from typing import ClassVar
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.registry import Registry
 from kvstore.blocks.tiers import Tier
+from kvstore.runtime.registry import Registry
 from worker.kv.tier_block import TierBlock
 from worker.kv.types import TierStats
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kvstore.blocks.cache_dir import cache_root
+from kvstore.runtime.cache_dir import cache_root
 from worker.model.config import ModelConfig
 from worker.model.loader import tensor_shapes
 from worker.model.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer

@@ -15,8 +15,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvstore.blocks import json_text
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests import json_text
+from kvstore.requests.errors import InvalidRequest
 
 _PROMPT = (
     "You may call functions to answer. They are listed within <tools></tools>:\n<tools>\n"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 from worker.model.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, parse_rope
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeConfig"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from worker.model.errors import ModelLoadError, UnsupportedModelError
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 from worker.model.rope_config import RopeConfig, parse_rope
 
 GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from worker.model.errors import ModelLoadError
+from worker.model.load_errors import ModelLoadError
 
 MAX_ARRAY_DEPTH = 4  # arrays of arrays: no llama.cpp writer nests deeper than 2
 

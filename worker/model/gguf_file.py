@@ -18,8 +18,8 @@ from typing import Any
 from gguf import GGMLQuantizationType
 
 from worker.model.config import ModelConfig, RopeConfig
-from worker.model.errors import ModelLoadError, UnsupportedModelError
 from worker.model.gguf_reader import GGUFFile, GGUFFormatError, read_gguf
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 from worker.model.rope_config import yarn_mscale
 
 # llama.cpp architecture -> the Hugging Face class it was converted from

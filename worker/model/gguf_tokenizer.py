@@ -18,10 +18,10 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from worker.model.errors import ModelLoadError, UnsupportedModelError
 from worker.model.gguf_file import Meta, architecture, open_gguf
 from worker.model.gguf_reader import GGUFFile
 from worker.model.gguf_tokenizer_cache import cached, tokenizer_digest
+from worker.model.load_errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")
 # Part of the tokenizer cache's key: bump it whenever a change here changes what is built,

@@ -19,7 +19,7 @@ host, or any older than :data:`STALE_TMP_SECONDS`, is a killed writer's and is r
 too. Every removal may race another process's: a file already gone is fine, and a reader
 that opened an entry before it was removed still reads it whole.
 
-Directory: ``gguf-tokenizers/`` under ``kvstore.blocks.cache_dir.cache_root()``.
+Directory: ``gguf-tokenizers/`` under ``kvstore.runtime.cache_dir.cache_root()``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvstore.blocks.cache_dir import cache_root
+from kvstore.runtime.cache_dir import cache_root
 from worker.model.gguf_reader import GGUFFile
 
 log = logging.getLogger(__name__)

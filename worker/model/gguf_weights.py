@@ -17,9 +17,9 @@ from gguf.quants import dequantize
 from torch import nn
 
 from worker.model.config import ModelConfig
-from worker.model.errors import UnsupportedModelError, WeightMismatchError
 from worker.model.gguf_file import architecture, interleaves_rotary_rows, open_gguf
 from worker.model.gguf_reader import TensorInfo
+from worker.model.load_errors import UnsupportedModelError, WeightMismatchError
 
 SUPPORTED_QUANT_TYPES = tuple(
     QType[name]

@@ -13,7 +13,7 @@ Two defaults of CPython/glibc cost an engine step on the CPU, measured on the li
   ``MALLOC_TRIM_THRESHOLD_`` win; other C libraries are left alone.
 * CPython's cyclic collector occasionally scans the whole heap (every object of torch, the
   tokenizer, the model): ~150 ms of one step's time, at a moment set by allocation counts.
-  The executor freezes the loaded model out of it (``kvstore/blocks/pauses.py``).
+  The executor freezes the loaded model out of it (``kvstore/runtime/pauses.py``).
 """
 
 from __future__ import annotations

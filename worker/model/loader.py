@@ -9,12 +9,12 @@ import torch
 
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
-from worker.model.errors import ModelLoadError
 from worker.model.gemma3 import Gemma3ForCausalLM
 from worker.model.gguf_file import is_gguf
 from worker.model.gguf_weights import load_gguf_weights
 from worker.model.layers import RotaryEmbedding
 from worker.model.llama import LlamaForCausalLM
+from worker.model.load_errors import ModelLoadError
 from worker.model.weights import load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

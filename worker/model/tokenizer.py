@@ -18,7 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from worker.model.chat_tools import with_tools
-from worker.model.errors import ModelLoadError
+from worker.model.load_errors import ModelLoadError
 
 
 def _token_text(value: Any) -> str | None:

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from worker.model.errors import ModelLoadError, WeightMismatchError
+from worker.model.load_errors import ModelLoadError, WeightMismatchError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from kvstore.blocks.hashing import BlockKey, HashContext
-from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
+from kvstore.requests.protocol import PullHint, PullReport, WorkerRequest
 from worker.engine import Engine
 from worker.engine.commands import ExportRun, ImportRun
 from worker.engine.engine_loop import EngineLoop
@@ -78,7 +78,7 @@ class PeerPulls:
     ) -> RunHandle | None:
         """Publish the leading run of ``keys`` (blocks ``start..`` of a prompt under
         ``ctx``) this worker holds; None when it holds none. Called by a pulling peer. The
-        copy runs while this worker's model computes its step (``worker/engine/window.py``):
+        copy runs while this worker's model computes its step (``worker/engine/forward_window.py``):
         a busy holder makes a pull wait for no step of its own."""
         run = await self.engine_loop.export_async(ExportRun(tuple(keys), ctx, start), EXPORT_WAIT_S)
         if run is None:

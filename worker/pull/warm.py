@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.protocol import WorkerRequest
+from kvstore.requests.protocol import WorkerRequest
 from worker.engine import Engine
 from worker.engine.commands import AnnounceState, ImportRun, Snapshot
 from worker.engine.engine_loop import EngineLoop

@@ -20,9 +20,9 @@ import math
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.structured import StructuredOutputs
-from kvstore.blocks.wire import ByName
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.output_constraint import StructuredOutputs
+from kvstore.requests.wire import ByName
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 MAX_N = 256  # parallel samples / beams of one request

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.sampling_params import SamplingParams
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.sampling_params import SamplingParams
 
 
 def check_model_limits(

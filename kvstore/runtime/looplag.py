@@ -1,15 +1,15 @@
 """How long an asyncio event loop fails to run a ready callback: a probe task that sleeps
 ``interval_s`` and records how late it wakes. Workers and routers run one on demand, so a
 benchmark can show that neither loop ever waits (for an engine step, a lock, a pickling).
-With ``trace``, each stall is attributed too (:mod:`kvstore.blocks.stalltrace`)."""
+With ``trace``, each stall is attributed too (:mod:`kvstore.runtime.stalltrace`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from kvstore.blocks.loop_sched import thread_sched
-from kvstore.blocks.stalltrace import StallTracer
+from kvstore.runtime.loop_sched import thread_sched
+from kvstore.runtime.stalltrace import StallTracer
 
 
 class LoopLagProbe:
@@ -44,7 +44,7 @@ class LoopLagProbe:
     def report(self, *, reset: bool = False, trace: bool = False) -> dict:
         """The largest lag (ms) and the count of wake-ups later than 10 ms since the last
         reset, the loop's class (``uvloop.Loop`` where Ray found uvloop) and what the kernel
-        runs its thread with (``sched``: slice and niceness, ``kvstore/blocks/loop_sched.py``);
+        runs its thread with (``sched``: slice and niceness, ``kvstore/runtime/loop_sched.py``);
         call on the loop being watched. ``trace``: from now on also attribute each
         stall (its stacks, the collector's pauses), reported under ``trace``."""
         loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from dataclasses import MISSING, Field, fields, is_dataclass
 from enum import Enum
 from typing import Any
 
-from kvstore.blocks.errors import WireMismatch
+from kvstore.requests.errors import WireMismatch
 
 _NO_DEFAULT = object()
 # per class: (field name, its default or _NO_DEFAULT) of its constructor's fields

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
-from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.blocks.tiers import Tier
-from kvstore.blocks.wire import ByName
+from kvstore.requests.sampling_params import SamplingParams
+from kvstore.requests.wire import ByName
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ slice out at once instead of waiting for it to end. Niceness is per thread too
 (``setpriority`` on a thread id), and a thread created later starts from its creator's.
 A kernel before 6.12 takes the slice without a word and ignores it: :func:`set_slice` reads it
 back and says whether it holds. This module only reads and sets; the policy a process
-applies is ``kvstore/blocks/loop_sched.py``.
+applies is ``kvstore/runtime/loop_sched.py``.
 """
 
 from __future__ import annotations

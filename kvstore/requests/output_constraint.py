@@ -22,9 +22,9 @@ from dataclasses import field as dc_field
 from functools import lru_cache
 from typing import Any, Literal
 
-from kvstore.blocks import json_text
-from kvstore.blocks.errors import InvalidRequest
-from kvstore.blocks.wire import ByName
+from kvstore.requests import json_text
+from kvstore.requests.errors import InvalidRequest
+from kvstore.requests.wire import ByName
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")

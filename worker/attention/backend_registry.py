@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.blocks.hashing import DEFAULT_BLOCK_SIZE
-from kvstore.blocks.registry import Registry
+from kvstore.runtime.registry import Registry
 from worker.attention.base import AttentionBackend
 
 

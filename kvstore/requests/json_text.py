@@ -15,7 +15,7 @@ from array import array
 from itertools import accumulate
 from typing import Any
 
-from kvstore.blocks.errors import InvalidRequest
+from kvstore.requests.errors import InvalidRequest
 
 _STRUCTURE = b',[]{}"'
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)

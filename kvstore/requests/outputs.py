@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvstore.blocks.wire import schema_fingerprint
+from kvstore.requests.wire import schema_fingerprint
 
 
 class FinishReason(StrEnum):

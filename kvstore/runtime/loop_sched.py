@@ -33,8 +33,8 @@ import threading
 
 from pydantic import Field
 
-from kvstore.blocks import threadsched
-from kvstore.blocks.strict import Strict
+from kvstore.runtime import threadsched
+from kvstore.runtime.strict import Strict
 
 log = logging.getLogger(__name__)
 
