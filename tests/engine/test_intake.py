@@ -1,4 +1,4 @@
-"""The streaming front's intake queue: a step in progress never blocks the caller's event
+"""The engine loop's intake queue: a step in progress never blocks the caller's event
 loop, a burst is taken in between two steps, outputs leave once per loop per step."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any
 from ray.exceptions import ActorDiedError
 
 from kvstore.requests.protocol import CallerRef
-from worker.actor import CallerWatch
+from worker.callers import CallerWatch
 
 DEADLINE_S = 30.0
 

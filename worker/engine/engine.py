@@ -13,8 +13,8 @@ Between steps, :meth:`Engine.snapshot` is the one record of the engine's state (
 the worker's load, status and gauges); :meth:`Engine.metrics` adds latency percentiles.
 ``generate`` runs prompts to completion offline (``offline.py``).
 
-The engine is single-threaded and knows nothing about Ray, Redis or gRPC; the streaming
-front (``front.py``) runs it in a thread, and the worker actor wraps that.
+The engine is single-threaded and knows nothing about Ray, Redis or gRPC; the engine loop
+(``engine_loop.py``) runs it in its own thread, and the worker actor wraps that.
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ class Engine:
         self._reap()
 
     def idle_on_grammars(self) -> bool:
-        """Nothing can run until a grammar compile ends (the front sleeps until one does)."""
+        """Nothing can run until a grammar compile ends (the engine loop sleeps until one does)."""
         return (
             bool(self._compiling)
             and not self._pending
@@ -465,7 +465,7 @@ class Engine:
 
     def snapshot(self, *, pins_max_age_s: float = 0.0) -> EngineSnapshot:
         """The engine's figures at this moment (call between steps, in the engine's thread or
-        under the front's lock): the one source of the worker's load, status and gauges.
+        under the engine loop's lock): the one source of the worker's load, status and gauges.
         ``pins_max_age_s``: ``waiting_pinned_blocks`` may be a count that old
         (:meth:`WaitingQueue.pinned_blocks`; O(waiting prompt blocks) to recount), for a
         caller after every step."""
