@@ -11,8 +11,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# The architecture map's folder table has long rows of its own; it keeps the link checks.
-LINE_CHECKED = [p for p in PAGES if p.name != "ARCHITECTURE.md"]
 
 MAX_LINE = 160
 MAX_TABLE_ROW = 400
@@ -100,7 +98,7 @@ def test_relative_links_resolve(page: Path) -> None:
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", LINE_CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_lines_stay_readable(page: Path) -> None:
     long = []
     for number, line in prose_lines(page.read_text(encoding="utf-8")):
