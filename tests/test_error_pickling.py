@@ -14,6 +14,7 @@ import pytest
 from kvstore.requests.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.edge.interceptors import Malformed
 from worker.engine.executor import KVTransferUnsupported
+from worker.kv.disk_format import CorruptRunFile
 from worker.kv.transfer import ImportRefused
 from worker.pull.transport import PullFailed
 
@@ -29,6 +30,7 @@ CASES = [
     KVTransferUnsupported("TinyExecutor"),
     ImportRefused("block 3's token ids differ from the prompt's"),
     Malformed("prompt: a string field that is not UTF-8"),
+    CorruptRunFile("block 2 fails its checksum"),
 ]
 
 
