@@ -214,7 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", cmd_generate, "stream a completion"),
     ):
         sp = add(name, fn, help_)
-        sp.add_argument("--target", help="router host:port (default: from the state file)")
+        sp.add_argument(
+            "--target",
+            help="router host:port, or several comma-separated (calls take turns and fail "
+            "over); default: every router of the state file",
+        )
         if name == "generate":
             sp.add_argument("prompt")
             sp.add_argument(
