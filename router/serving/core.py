@@ -2,9 +2,12 @@
 
 ``ServingCore.generate`` yields ``(worker_id, RequestOutput)`` pairs. A worker that dies
 before the request produced any token is retried on another worker (transparently to the
-client); one that dies after raises :class:`StreamBroken`. Whatever ends the stream early
-(client cancel, deadline, error) aborts the request on the worker, so no KV block is kept
-for a client that is gone.
+client); one that dies after moves the request to another worker as a continuation (the
+prompt plus the tokens already sent, :mod:`router.serving.migration`), up to
+``migration_limit`` times, and the client's stream goes on; a request that cannot move
+(``n > 1``, beams, structured outputs, no moves left) raises :class:`StreamBroken`.
+Whatever ends the stream early (client cancel, deadline, error) aborts the request on the
+worker, so no KV block is kept for a client that is gone.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from router.placement.router import Prepared, Router
 from router.placement.types import NoWorkersError, RouteDecision, RouteRequest
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
+from router.serving.migration import WORKER_DIED, Migration
 from router.serving.outcomes import Outcomes
 from router.serving.own_work import OwnWork
 from router.serving.workers import WorkerDirectory, WorkerGone
@@ -62,6 +66,7 @@ class ServingCore:
         limits: ModelLimits,
         *,
         max_attempts: int = 3,
+        migration_limit: int = 3,
         predictions: PredictionTracker | None = None,
     ) -> None:
         self.router = router
@@ -70,10 +75,12 @@ class ServingCore:
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit  # moves of one request after worker deaths
         self._decide = DecideThread(self._place_batch, self._unplace)
         self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
+        self.migrations: dict[str, int] = {}  # reason -> streams moved to another worker
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         self.own = OwnWork()  # what this router sent, newer than any heartbeat
         self.outcomes = Outcomes(router, directory, self.own, predictions)
@@ -175,7 +182,10 @@ class ServingCore:
             excluded: set[str] = set()
             full: list[str] = []  # workers that refused the request: waiting queue full
             loop = asyncio.get_running_loop()
-            for attempt in range(self.max_attempts):
+            migration = Migration(token_ids, params, self.migration_limit)
+            attempt = 0
+            while attempt < self.max_attempts:
+                attempt += 1
                 candidates = {
                     w: load
                     for w, load in serving(
@@ -190,14 +200,15 @@ class ServingCore:
                         f"no live worker for request {label!r}"
                         + (f" (tried {sorted(excluded)})" if excluded else "")
                     )
-                route_req = RouteRequest(request_id, token_ids, ctx)
+                prompt, attempt_params = migration.attempt()
+                route_req = RouteRequest(request_id, prompt, ctx)
                 decision = await self._decide.place(route_req, candidates)
                 worker = decision.worker_id
                 produced = finished = gone = admitted = False
                 pulled: PullReport | None = None
                 sent = loop.time()
                 wreq = WorkerRequest(
-                    request_id, token_ids, params, bool(decision.keys), decision.pull
+                    request_id, prompt, attempt_params, bool(decision.keys), decision.pull
                 )
                 try:
                     async for item in self.directory.stream(worker, wreq):
@@ -221,26 +232,40 @@ class ServingCore:
                             ttft_s = loop.time() - sent
                             self.outcomes.prefill(request_id, item, ttft_s, pulled)
                         finished = item.finished
-                        yield worker, relabelled(item, label)
+                        yield worker, relabelled(migration.passed(item), label)
                     return
                 except WorkerGone as exc:
                     gone = True
                     self.directory.mark_dead(worker)
                     excluded.add(worker)
-                    if produced:
+                    if produced and migration.can_move():
+                        migration.moved()
+                        self.migrations[WORKER_DIED] = self.migrations.get(WORKER_DIED, 0) + 1
+                        attempt = 0  # the continuation's own attempts
+                        log.warning(
+                            "worker %s died while streaming request %s: continuing it "
+                            "elsewhere after its %d tokens (move %d of %d)",
+                            worker,
+                            label,
+                            len(migration.sent),
+                            migration.moves,
+                            migration.limit,
+                        )
+                    elif produced:
                         self.broken += 1
                         raise StreamBroken(
                             f"worker {worker} died while streaming request {label!r}: {exc}; "
                             "the partial output is lost, retry the request"
                         ) from exc
-                    self.retries += 1
-                    log.warning(
-                        "worker %s died before request %s produced a token (attempt %d): "
-                        "retrying elsewhere",
-                        worker,
-                        label,
-                        attempt + 1,
-                    )
+                    else:
+                        self.retries += 1
+                        log.warning(
+                            "worker %s died before request %s produced a token (attempt %d): "
+                            "retrying elsewhere",
+                            worker,
+                            label,
+                            attempt,
+                        )
                 except EngineOverloaded as exc:  # nothing was queued: try a worker with room
                     excluded.add(worker)
                     full.append(f"{worker} ({exc})")
