@@ -1,9 +1,9 @@
 """A worker frozen by SIGSTOP (alive to Ray, answering nothing) while it streams.
 
 Its streams move to the other worker after the routers' stall timeout (migration: they end
-OK, complete) instead of hanging until it thaws; requests sent meanwhile are served by the other worker (retried there when they were
-placed on the frozen one); ClusterStatus answers and lists it as stale; after SIGCONT it
-serves again and nothing is left on it.
+OK, complete) instead of hanging until it thaws; requests sent meanwhile are served by the
+other worker (retried there when they were placed on the frozen one); ClusterStatus answers
+and lists it as stale; after SIGCONT it serves again and nothing is left on it.
 """
 
 from __future__ import annotations
