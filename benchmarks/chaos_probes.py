@@ -16,7 +16,7 @@ from ray.exceptions import ActorUnavailableError
 
 from cluster.launcher import Cluster
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from worker.engine import Engine
+from worker.engine.commands import Snapshot
 
 # -- raw requests (bytes that a protobuf client library would refuse to build) ---------------
 
@@ -75,14 +75,14 @@ def on_workers(
 
 
 def blocks_in_use(cluster: Cluster) -> dict[str, int]:
-    return on_workers(cluster, lambda w: w.front.with_engine(Engine.snapshot).kv_used_blocks)
+    return on_workers(cluster, lambda w: w.engine_loop.call(Snapshot()).kv_used_blocks)
 
 
 def queued(cluster: Cluster) -> dict[str, tuple[int, int]]:
     """worker -> (running, waiting) requests."""
 
     def counts(w: Any) -> tuple[int, int]:
-        snap = w.front.with_engine(Engine.snapshot)
+        snap = w.engine_loop.call(Snapshot())
         return snap.num_running, snap.num_waiting
 
     return on_workers(cluster, counts)

@@ -31,13 +31,13 @@ from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
 from router.placement.config import RoutingConfig
+from router.placement.placement_types import RouteRequest
 from router.placement.prefix_source import KVIndexSource
 from router.placement.router import Router
-from router.placement.types import RouteRequest
 from router.serving.core import ServingCore
-from router.serving.intake import INTAKE_SLICE
+from router.serving.edge_intake import INTAKE_SLICE
+from router.serving.iteration_slices import IterationSlices
 from router.serving.limits import ModelLimits
-from router.serving.turns import TurnSlices
 
 WORKERS = 4
 BLOCK = 16
@@ -62,7 +62,7 @@ def bursts(n: int, size: int, prompt: int, seed: int) -> list[list[list[int]]]:
 async def place_burst(core: ServingCore, prompts: list[list[int]], batched: bool, pool) -> list:
     loads = {f"w{i}": WorkerLoad(0, 0, 1000, 1000, 0) for i in range(WORKERS)}
     loop = asyncio.get_running_loop()
-    turns = TurnSlices(INTAKE_SLICE)
+    turns = IterationSlices(INTAKE_SLICE)
 
     async def one(i: int, p: list[int]) -> str:
         await turns.enter()  # as the intake lets a burst through: a slice per iteration

@@ -64,9 +64,9 @@ def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
     from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
     from router.http_api import OpenAIServer
     from router.placement.config import RequestLimits
-    from router.placement.metrics import RouterMetrics
+    from router.placement.router_metrics import RouterMetrics
     from router.serving.core import ModelLimits
-    from router.serving.intake import Intake
+    from router.serving.edge_intake import Intake
 
     class Directory:
         async def candidates(self) -> dict:

@@ -18,7 +18,8 @@ import time
 
 from benchmarks.common import emit_json, print_table
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
-from router.serving.channels import Inbox, demultiplex
+from router.serving.request_inbox import Inbox
+from router.serving.worker_channel import demultiplex
 
 STALL_S = 30.0  # a stall timeout that never passes here: only its bookkeeping costs
 

@@ -26,7 +26,7 @@ import time
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
 from cluster.config import ClusterConfig
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, unpack_output
 from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 
@@ -63,13 +63,19 @@ def _hits(handle, prompts: list[list[int]], tag: str) -> list[float]:  # noqa: A
     out = []
     for i, p in enumerate(prompts):
         req = WorkerRequest(f"{tag}-{i}", p, PARAMS)
-        items = [
-            ray.get(r)
-            for r in handle.generate.options(num_returns="streaming").remote(
-                req, None, OUTPUT_SCHEMA
-            )
-        ]
-        out.append(items[-1].usage.cached_tokens / len(p))
+        channel_id = f"bench/{req.request_id}"  # a channel of its own, read to its end
+        batches = handle.outputs.options(num_returns="streaming").remote(
+            channel_id, None, OUTPUT_SCHEMA
+        )
+        ray.get(handle.submit.remote(req, None, channel_id))
+        last = None
+        for ref in batches:
+            outs = [unpack_output(item) for item in ray.get(ref)]
+            last = outs[-1]
+            if last.finished:
+                break
+        assert last is not None and last.finished
+        out.append(last.usage.cached_tokens / len(p))
     return out
 
 

@@ -74,7 +74,7 @@ def own_lag_ms(stalls: list[dict]) -> float:
 def engine_busy(cluster: Cluster) -> float | None:
     """Seconds the engine thread of the (first) worker spent on commands and steps."""
     h = next(iter(cluster.workers.values()))
-    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "busy_s", None)))
+    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.engine_loop, "busy_s", None)))
 
 
 def stage_seconds(cluster: Cluster) -> Any:
@@ -90,7 +90,7 @@ def stage_seconds(cluster: Cluster) -> Any:
 
 def engine_steps(cluster: Cluster) -> int:
     h = next(iter(cluster.workers.values()))
-    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.front, "steps", 0)))
+    return ray.get(h.__ray_call__.remote(lambda w: getattr(w.engine_loop, "steps", 0)))
 
 
 def runnable_wait(native_id: int | None = None) -> float:
@@ -115,7 +115,7 @@ def cpu_times(cluster: Cluster) -> dict[str, float]:
     def times(server: object) -> tuple[float, float, float]:  # runs in the worker
         from benchmarks.serving_probes import runnable_wait
 
-        thread = server.front._thread  # type: ignore[attr-defined]
+        thread = server.engine_loop.thread  # type: ignore[attr-defined]
         if thread is None:
             return time.process_time(), 0.0, 0.0
         clock = time.pthread_getcpuclockid(thread.ident)
@@ -177,6 +177,6 @@ def burst_admission(
     ray.get([worker.submit.remote(r, None, channel) for r in requests])
     ms = 1e3 * (time.perf_counter() - t0)
     steps = engine_steps(cluster) - before
-    ray.get(worker.__ray_call__.remote(lambda w: w.channels.drop(channel)))
+    ray.get(worker.__ray_call__.remote(lambda w: w.streams.channels.drop(channel)))
     load.join(600)
     return {"requests": burst, "ms": round(ms, 1), "steps": steps}

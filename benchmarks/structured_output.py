@@ -5,7 +5,7 @@
 
 1. **Validity**: each JSON schema of ``benchmarks/structured_schemas.py`` (60) goes to the
    model as a chat ("reply with JSON following this schema"), constrained by the schema,
-   twice: whole (``Engine.generate``) and streamed (``StreamingEngine``, the deltas joined as
+   twice: whole (``Engine.generate``) and streamed (``EngineLoop``, the deltas joined as
    a client joins them). Reported: the share that parses and validates (``jsonschema``).
 2. **Tools**: 50 chat requests with 2-4 tools each and ``tool_choice=required``: the tools go
    through the chat template, the grammar is the one the HTTP edge builds
@@ -39,7 +39,7 @@ from benchmarks.structured_schemas import schemas, tool_requests
 from kvstore.blocks.structured import StructuredOutputs
 from router.http_api.tool_calls import parse_calls
 from router.http_api.tools import tools_from_body
-from worker.engine import Engine, EngineConfig, SamplingParams, StreamingEngine
+from worker.engine import Engine, EngineConfig, EngineLoop, SamplingParams
 from worker.model.build_tiny import build_tiny_model
 from worker.model.default_model import default_model_path
 
@@ -72,7 +72,7 @@ def validity(engine: Engine, sset: list[dict], max_tokens: int) -> dict[str, Any
     t0 = time.perf_counter()
     whole = [r.completions[0].text for r in engine.generate(prompts, params)]
     whole_s = time.perf_counter() - t0
-    with StreamingEngine(engine) as front:
+    with EngineLoop(engine) as front:
         streams = [front.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         streamed = ["".join(d.text for out in st for d in out.outputs) for st in streams]
     ok_whole = [_valid_json(t, s) for t, s in zip(whole, sset, strict=True)]

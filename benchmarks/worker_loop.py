@@ -156,7 +156,7 @@ def burst_cpu(burst: int, prompt: int, rounds: int) -> list[dict]:
         assert not bad, bad[:3]
         while (await server.status()).running + (await server.status()).waiting:
             await asyncio.sleep(0.01)  # the burst finished: the next starts from idle
-        server.channels.drop("bench")  # nobody reads it: its outputs would grow the heap
+        server.streams.channels.drop("bench")  # nobody reads it: its outputs would grow the heap
         return cpu, turn, lag
 
     async def main() -> list[dict]:

@@ -14,17 +14,10 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.loop_sched import ThreadSchedConfig
 from kvstore.blocks.strict import Strict
 from kvstore.config import IndexSettings
-from router.http_api import defaults as http_defaults
-from router.placement.config import (
-    STREAM_INTERVAL,
-    LivenessConfig,
-    RequestLimits,
-    RoutingConfig,
-)
+from router.server_config import RouterConfig
 from worker.engine.config import EngineConfig
 
 
@@ -72,131 +65,6 @@ class WorkersConfig(Strict):
         "Its block_size and max_model_len are the cluster's: the routers and the index take "
         "them from here; the model id is model.model_id.",
     )
-
-
-class RouterConfig(Strict):
-    num_routers: int = Field(1, ge=1, le=64, description="Router actors (gRPC servers).")
-    host: str = Field("127.0.0.1", description="gRPC bind address.")
-    port: int = Field(
-        50051,
-        ge=0,
-        le=65535,
-        description="First router's port (0: free port); router i listens on port + i.",
-    )
-    max_message_bytes: int = Field(
-        4 << 20,
-        ge=1024,
-        description="gRPC message size limit (also the OpenAI HTTP API's request body limit).",
-    )
-    http_port: int | None = Field(
-        8000,
-        ge=0,
-        le=65535,
-        description="First router's OpenAI-compatible HTTP port (0: "
-        "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
-        "tokens and TLS files as gRPC.",
-    )
-    cors_allowed_origins: list[str] = Field(
-        default_factory=list,
-        description="Origins browsers may call the HTTP API from (CORS), e.g. "
-        "['https://app.example.com'] or ['*']; empty: CORS off (no CORS headers).",
-    )
-    http_max_connections: int = Field(
-        http_defaults.MAX_CONNECTIONS,
-        ge=1,
-        le=1_000_000,
-        description="Open HTTP connections a router serves at once (each streaming client "
-        "holds one). A connection accepted past it gets, for its first request, an OpenAI "
-        "503 server_busy with Retry-After: 1 and is closed. Keep it under the router "
-        "process's file-descriptor limit (ulimit -n), which its gRPC server shares.",
-    )
-    http_cheap_rate_per_s: float = Field(
-        http_defaults.CHEAP_RATE_PER_S,
-        gt=0,
-        le=1_000_000,
-        description="Cheap HTTP requests a router serves per second (GET /health, /version, "
-        "/metrics, /v1/models, and any wrong path or method: all but generation, /tokenize "
-        "and /detokenize), a burst of as many at once; the excess waits its turn, so a "
-        "poller in a loop cannot take the event loop that streams tokens.",
-    )
-    http_cheap_max_waiting: int = Field(
-        http_defaults.CHEAP_MAX_WAITING,
-        ge=0,
-        le=1_000_000,
-        description="Cheap requests (see http_cheap_rate_per_s) waiting their turn at once; "
-        "past it they are answered 503 server_busy with Retry-After: 1.",
-    )
-    auth_tokens: dict[str, str] = Field(
-        default_factory=dict, description="tenant -> bearer token; empty disables auth."
-    )
-    tls_cert: str | None = Field(None, description="PEM server certificate file (enables TLS).")
-    tls_key: str | None = Field(None, description="PEM private key file for tls_cert.")
-    limits: RequestLimits = Field(
-        RequestLimits(),
-        description="Per-request limits enforced by the routers (lengths, "
-        "stop strings, n/beam width, logprobs), all in one place.",
-    )
-    routing: RoutingConfig = Field(
-        RoutingConfig(),
-        description="Placement policy and weights; the routers hash prompts with "
-        "workers.engine.block_size.",
-    )
-    liveness: LivenessConfig = Field(
-        LivenessConfig(), description="Stall and probe timeouts that catch a frozen worker."
-    )
-    stream_interval: int = Field(
-        STREAM_INTERVAL,
-        ge=1,
-        le=64,
-        description="Engine steps whose tokens one client message (a gRPC message, an SSE "
-        "event) carries at least, on both edges: 1 sends each step's tokens as they come; "
-        "more sends fewer, larger messages (less router and client CPU per token, more "
-        "inter-token latency). The first token and the last are never held back, and a "
-        "client that lags gets several steps' tokens per message whatever this is.",
-    )
-    niceness: int = Field(
-        0,
-        ge=0,
-        le=19,
-        description="Router processes' niceness (Ray starts actors at 15 unless told). "
-        "Keep it equal to workers.niceness on nodes that run both: a router niced below a "
-        "busy worker waits for a core while the worker's outputs queue behind it.",
-    )
-    max_restarts: int = Field(
-        -1,
-        ge=-1,
-        description="Ray restarts of a router that died (-1: always). A restarted "
-        "router binds the same port again; clients' gRPC channels reconnect to it.",
-    )
-
-    @model_validator(mode="after")
-    def _tokens_name_one_tenant_each(self) -> RouterConfig:
-        # An empty token would admit every caller without one as that tenant, a shared
-        # token would serve one tenant as another, and "#" separates a tenant's salts.
-        seen: dict[str, str] = {}
-        for tenant, token in self.auth_tokens.items():
-            if not tenant or SALT_SCOPE_SEP in tenant:
-                raise ValueError(
-                    f"auth_tokens: tenant {tenant!r} must be a non-empty name without "
-                    f"{SALT_SCOPE_SEP!r}"
-                )
-            if len(tenant) > self.limits.max_tenant_chars:
-                raise ValueError(
-                    f"auth_tokens: tenant {tenant[:16]!r}... is {len(tenant)} characters, over "
-                    f"limits.max_tenant_chars={self.limits.max_tenant_chars}"
-                )
-            if not token.strip() or token != token.strip():
-                raise ValueError(
-                    f"auth_tokens: tenant {tenant!r} has an empty token or one with "
-                    "surrounding whitespace"
-                )
-            if token in seen:
-                raise ValueError(
-                    f"auth_tokens: tenants {seen[token]!r} and {tenant!r} have the same token; "
-                    "each tenant needs its own"
-                )
-            seen[token] = tenant
-        return self
 
 
 class ClusterConfig(Strict):

@@ -48,7 +48,7 @@ def run_demo(cfg: ClusterConfig, num_requests: int = 8, max_tokens: int = 40) ->
             f"router at {cluster.endpoints[0]}, redis {redact_url(cluster.redis_url)}, "
             f"model {cluster.model_id}"
         )
-        print(f"dashboard: {cluster.dashboard_url()} (token in ~/.ray/auth_token)\n")
+        print(f"dashboard: {cluster.ray_session.dashboard_url()} (token in ~/.ray/auth_token)\n")
         rows = []
         with KVClusterClient(cluster.endpoints[0]) as client:
 

@@ -8,8 +8,9 @@ Two modes share one code path (:class:`Cluster`):
   ``ray start --head`` of ours or the cluster at ``ray_address`` (``ray up``), and a state
   file (``~/.kvcluster/<name>.json``) tells ``down``/``status``/``generate`` where it is.
 
-This process's Ray session (joining or starting Ray, leaving it, ``kvcluster down``) is
-:mod:`cluster.ray_session`.
+The cluster's Ray session from this process (joining or starting Ray, leaving it) is a
+:class:`~cluster.ray_session.RaySession` it owns; ``kvcluster down`` is
+:func:`cluster.ray_session.down_detached`.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ from cluster.settings import (
     router_settings,
     worker_settings,
 )
-from cluster.state import RAY_HEAD_GRACE_S, ClusterState, stop_group
+from cluster.state import ClusterState, stop_group
 from kvstore.config import IndexConfig
-from router.actor import RouterActor, RouterSettings
+from router.server import RouterActor, RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.default_model import resolve_default_model
 
 log = logging.getLogger(__name__)
 
 
-class Cluster(RaySession):
+class Cluster:
     """Brings a cluster up from a :class:`ClusterConfig`; ``down()`` undoes it."""
 
     def __init__(self, cfg: ClusterConfig, *, detached: bool = False) -> None:
@@ -50,20 +51,15 @@ class Cluster(RaySession):
         self.redis: LocalRedis | None = None
         self.redis_pid: int | None = None
         self.redis_url: str | None = cfg.redis.url
-        self.ray_pid: int | None = None
-        self._dashboard: str | None = None
-        self.ray_address = cfg.ray_address
+        self.ray_session = RaySession(
+            cfg.ray_address, namespace=self.namespace, dashboard=cfg.dashboard, detached=detached
+        )
         self.workers: dict[str, ray.actor.ActorHandle] = {}
         self.routers: dict[str, ray.actor.ActorHandle] = {}
         self.endpoints: list[str] = []
         self.http_endpoints: list[str] = []  # OpenAI API base URLs (none when http_port None)
         # what workers get (None: they resolve the default), and the id every component uses
         self.model_path, self.model_id = resolve_model(cfg)
-        # Whether this object connected Ray (and set loopback mode): only then does ``down``
-        # disconnect. A cluster started in a process already connected to Ray (another
-        # in-process cluster, a test session) shares that connection and must leave it up.
-        self._owns_ray = False
-        self._set_loopback = False
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -187,7 +183,7 @@ class Cluster(RaySession):
     def _up(self, timeout_s: float) -> Cluster:
         t0 = time.monotonic()
         self._start_redis()
-        self._start_ray()
+        self.ray_session.join()
         for i in range(self.cfg.workers.num_workers):
             self.start_worker(i)
         self._wait_workers(timeout_s)
@@ -206,12 +202,12 @@ class Cluster(RaySession):
         return ClusterState(
             name=self.cfg.name,
             namespace=self.namespace,
-            ray_address=self.ray_address or "",
-            ray_pid=self.ray_pid,
+            ray_address=self.ray_session.address or "",
+            ray_pid=self.ray_session.head_pid,
             redis_url=self.redis_url,
             redis_pid=self.redis_pid,
             endpoints=self.endpoints,
-            dashboard_url=self.dashboard_url(),
+            dashboard_url=self.ray_session.dashboard_url(),
             model_dir=self.model_path,
             workers=sorted(self.workers),
             http_endpoints=self.http_endpoints,
@@ -230,15 +226,14 @@ class Cluster(RaySession):
             ray.kill(h, no_restart=True)
         self.routers.clear()
         self.workers.clear()
-        self._leave_ray()
+        self.ray_session.leave()
         if self.redis is not None:
             self.redis.stop()
         # detached pieces this object started (only reached here when ``up`` failed)
-        if self.ray_pid is not None:
-            stop_group(self.ray_pid, RAY_HEAD_GRACE_S)
+        self.ray_session.stop_head()
         if self.redis_pid is not None:
             stop_group(self.redis_pid)
-        self.ray_pid = self.redis_pid = None
+        self.redis_pid = None
 
     def __enter__(self) -> Cluster:
         return self.up()

@@ -20,7 +20,6 @@ import logging
 import ray
 
 from cluster import state as cluster_state
-from cluster.config import ClusterConfig
 from cluster.local_ray import (
     leave_loopback_ray,
     start_ray_head,
@@ -34,56 +33,68 @@ log = logging.getLogger("cluster.launcher")  # the launcher's log, as its other 
 
 
 class RaySession:
-    """Mixin of :class:`~cluster.launcher.Cluster`: its Ray connection (state set up by
-    ``Cluster.__init__``)."""
+    """A cluster's Ray connection from this process: joining the Ray at ``address`` (or this
+    process's, if connected already), or starting an embedded one (a ``ray start`` head of
+    its own when ``detached``), and leaving it."""
 
-    cfg: ClusterConfig
-    detached: bool
-    namespace: str
-    ray_address: str | None
-    ray_pid: int | None  # process group of the Ray head this object started (detached)
-    _dashboard: str | None  # that head's dashboard URL
-    _owns_ray: bool  # this object connected Ray: only then does ``down`` disconnect
-    _set_loopback: bool  # and set loopback mode
+    def __init__(
+        self, address: str | None, *, namespace: str, dashboard: bool, detached: bool
+    ) -> None:
+        self.address = address  # the GCS address once joined; None: start a Ray of our own
+        self.namespace = namespace
+        self.dashboard = dashboard
+        self.detached = detached
+        self.head_pid: int | None = None  # process group of the Ray head this session started
+        self._dashboard: str | None = None  # that head's dashboard URL
+        # Whether this session connected Ray (and set loopback mode): only then does ``leave``
+        # disconnect. A cluster started in a process already connected to Ray (another
+        # in-process cluster, a test session) shares that connection and must leave it up.
+        self._owns_ray = False
+        self._set_loopback = False
 
-    def _start_ray(self) -> None:
+    def join(self) -> None:
+        """Connect this process to the cluster's Ray, starting one if it has none."""
         if ray.is_initialized():  # this process's Ray (a test session's, another cluster's)
-            self.ray_address = ray.get_runtime_context().gcs_address
+            self.address = ray.get_runtime_context().gcs_address
             return
         self._owns_ray = True
-        if self.ray_address is None:  # a Ray of our own: loopback only
+        if self.address is None:  # a Ray of our own: loopback only
             use_loopback_ray()
             self._set_loopback = True
-        if self.ray_address is None and self.detached:
-            self.ray_address, self.ray_pid, self._dashboard = start_ray_head(
-                dashboard=self.cfg.dashboard
-            )
+        if self.address is None and self.detached:
+            self.address, self.head_pid, self._dashboard = start_ray_head(dashboard=self.dashboard)
         kwargs = dict(namespace=self.namespace, log_to_driver=False, logging_level=logging.WARNING)
-        if self.ray_address is None:
+        if self.address is None:
             # address="local": a Ray of our own, never a `ray start` head found on the machine
-            with no_dashboard_process(not self.cfg.dashboard):
+            with no_dashboard_process(not self.dashboard):
                 ray.init(
                     address="local",
                     _node_ip_address="127.0.0.1",
-                    include_dashboard=self.cfg.dashboard,
+                    include_dashboard=self.dashboard,
                     dashboard_host="127.0.0.1",
                     **kwargs,
                 )
         else:
             use_token_auth_if_configured()
-            ray.init(address=self.ray_address, **kwargs)
-        self.ray_address = ray.get_runtime_context().gcs_address
+            ray.init(address=self.address, **kwargs)
+        self.address = ray.get_runtime_context().gcs_address
 
-    def _leave_ray(self) -> None:
-        """Disconnect, if this object connected Ray (and leave loopback mode, if it set it)."""
+    def leave(self) -> None:
+        """Disconnect, if this session connected Ray (and leave loopback mode, if it set it)."""
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         if self._set_loopback:
             leave_loopback_ray()
         self._owns_ray = self._set_loopback = False
 
+    def stop_head(self) -> None:
+        """Stop the detached Ray head this session started, if any."""
+        if self.head_pid is not None:
+            stop_group(self.head_pid, RAY_HEAD_GRACE_S)
+        self.head_pid = None
+
     def dashboard_url(self) -> str | None:
-        if not self.cfg.dashboard:
+        if not self.dashboard:
             return None
         if self._dashboard is not None:
             return self._dashboard

@@ -1,6 +1,7 @@
 """The components' settings, derived from the one cluster config: each fact (model id, block
-size, max_model_len, the index's address) is stated once in :class:`ClusterConfig` and copied
-into every worker's and router's settings here. Pure: starts nothing, connects to nothing."""
+size, max_model_len, the index's address) is stated once in :class:`ClusterConfig` and derived
+into every worker's and router's settings here (the router config and the engine config travel
+whole). Pure: starts nothing, connects to nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from cluster.config import ClusterConfig
 from cluster.local_redis import free_port
 from kvstore.config import IndexConfig
-from router.actor import RouterSettings
+from router.server import RouterSettings
 from worker.actor import WorkerSettings
 from worker.model.config import ModelConfig
 from worker.model.default_model import default_model_id
@@ -73,34 +74,23 @@ def router_settings(
     index: IndexConfig | None,
     max_model_len: int | None,
 ) -> RouterSettings:
-    """Router ``i``'s settings; its ports are the configured ones plus ``i`` (a free port when
+    """Router ``i``'s settings: the router config as stated, plus what is derived for router
+    ``i``. Its ports are the configured ones plus ``i`` (a free port when
     none is configured: fixed at start, so a router Ray restarts binds it again)."""
     r = cfg.router
     return RouterSettings(
+        config=r,
         router_id=f"router-{i}",
         namespace=namespace,
         model_dir=model_path,
-        default_family=cfg.model.tiny_family,
         model_id=model_id,
         max_model_len=max_model_len,
         block_size=cfg.workers.engine.block_size,
-        routing=r.routing,
         index=index,
-        host=r.host,
         port=r.port + i if r.port else free_port(),
-        max_message_bytes=r.max_message_bytes,
-        auth_tokens=dict(r.auth_tokens),
-        limits=r.limits,
-        tls_cert=r.tls_cert,
-        tls_key=r.tls_key,
-        liveness=r.liveness,
-        stream_interval=r.stream_interval,
-        cors_allowed_origins=tuple(r.cors_allowed_origins),
-        http_max_connections=r.http_max_connections,
-        http_cheap_rate_per_s=r.http_cheap_rate_per_s,
-        http_cheap_max_waiting=r.http_cheap_max_waiting,
-        sched=cfg.scheduling,
         http_port=None if r.http_port is None else r.http_port + i if r.http_port else free_port(),
+        default_family=cfg.model.tiny_family,
+        sched=cfg.scheduling,
     )
 
 

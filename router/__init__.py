@@ -3,19 +3,9 @@ sources they read, pending placements, parity self-check and metrics; ``router.s
 the trace-replay simulator."""
 
 from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
-from router.placement.metrics import RouterMetrics
 from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
-from router.placement.policies import LeastLoaded, PrefixAffinity, RoundRobin
-from router.placement.policy import RoutingPolicy, make_policy, policy_names, register_policy
-from router.placement.prefix_source import (
-    InMemoryPrefixIndex,
-    KVIndexSource,
-    PrefixSource,
-    PrefixSourceUnavailable,
-)
-from router.placement.router import Router
-from router.placement.types import (
+from router.placement.placement_types import (
     NoWorkersError,
     Placement,
     Reason,
@@ -24,6 +14,21 @@ from router.placement.types import (
     RoutingError,
     UnknownPolicyError,
     WorkerView,
+)
+from router.placement.policies import LeastLoaded, PrefixAffinity, RoundRobin
+from router.placement.prefix_source import (
+    InMemoryPrefixIndex,
+    KVIndexSource,
+    PrefixSource,
+    PrefixSourceUnavailable,
+)
+from router.placement.router import Router
+from router.placement.router_metrics import RouterMetrics
+from router.placement.routing_policy import (
+    RoutingPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
 )
 
 __all__ = [

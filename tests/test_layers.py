@@ -148,7 +148,7 @@ def test_layer_table_catches_an_upward_import(tmp_path: Path) -> None:
 def test_router_and_ground_load_without_torch() -> None:
     """The router (tokenizer and default model included) loads without paying for torch."""
     code = (
-        "import sys, router.actor, router.edge.servicer, kvstore.blocks.protocol; "
+        "import sys, router.server, router.edge.servicer, kvstore.blocks.protocol; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     done = subprocess.run(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.blocks.registry import Registry
-from router.placement.policy import ROUTING_POLICIES
-from router.placement.types import UnknownPolicyError
+from router.placement.placement_types import UnknownPolicyError
+from router.placement.routing_policy import ROUTING_POLICIES
 from worker.engine.policy import SCHEDULING_POLICIES
 
 

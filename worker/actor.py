@@ -2,51 +2,48 @@
 events and load to the Redis index after every step.
 
 ``WorkerServer`` is a plain class (tested without Ray); ``WorkerActor`` wraps it in one line.
-No scheduling logic lives here: requests go to :class:`StreamingEngine` (whose queue the
-engine thread drains between steps: no method here waits for a step on the actor's loop),
-outputs leave through one channel per calling router (``channels.py``), KV events and load
-go to :class:`WorkerPublisher`, whose thread is the only one that talks to Redis — the step
-loop never waits on it.
+No scheduling logic lives here. The server is made of its parts, each built here and handed
+its collaborators: the engine loop (``worker/engine/engine_loop.py``: the engine's thread,
+fed typed commands between steps, so no method here waits for a step on the actor's loop),
+the intake (``burst_intake.py``: routers' bursts into the loop's adds), the outputs
+(``worker_outputs.py``: one channel per calling router, the callers watched, the live ids),
+the peers (``worker/pull/``: pulls, exports, warm starts) and the index link
+(``index_link.py``: KV events and load to the publisher, whose thread is the only one that
+talks to Redis; the step loop never waits on it).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.blocks.loop_sched import ThreadSchedConfig, apply_loop_policy, thread_sched
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
-from kvstore.blocks.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
-from kvstore.blocks.protocol import (
-    Admitted,
-    PullReport,
-    WorkerRequest,
-    WorkerStatus,
-)
+from kvstore.blocks.outputs import OUTPUT_SCHEMA, PackedOutput
+from kvstore.blocks.pauses import freeze_long_lived, short_gil_turns
+from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
 from kvstore.blocks.wire import check_schema
 from kvstore.config import IndexConfig
-from kvstore.index import KVIndex
-from kvstore.publisher import WorkerPublisher
 from worker.burst_intake import BurstIntake
-from worker.callers import CallerWatch
-from worker.channel_calls import ChannelCalls
-from worker.channels import Channels
 from worker.engine import Engine, EngineConfig, RequestOutput
-from worker.engine.front import StreamingEngine
-from worker.index_hooks import IndexHooks
-from worker.kv import block_keys
+from worker.engine.commands import AddLora, AnnounceState, Snapshot
+from worker.engine.engine_loop import EngineLoop
+from worker.engine.streams import StreamEnd
+from worker.index_link import IndexLink
 from worker.lifecycle import exit_process_soon, in_ray_actor
-from worker.live_ids import LiveIds
 from worker.model.default_model import resolve_default_model
 from worker.pull.peer import PeerPulls
+from worker.pull.served_prefixes import HotPrefix
+from worker.pull.transport import RunHandle
+from worker.pull.warm import WarmStarts
 from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
+from worker.worker_outputs import WorkerOutputs
 
 log = logging.getLogger(__name__)
 
@@ -72,49 +69,43 @@ class WorkerSettings:
     namespace: str | None = None
 
 
-class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
+class WorkerServer:
+    """One worker: its engine, engine loop, intake, outputs, peers and index link."""
+
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
-        self.namespace = settings.namespace
         # the default model is resolved on this worker's node, never sent as a head's path
         self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
         self.engine = Engine.from_model_dir(
             self.model_dir, settings.engine, model_id=settings.model_id
         )
-        self.publisher: WorkerPublisher | None = None
-        self._spares_after = 0.0  # monotonic time before which a spares refresh is dropped
-        if settings.index is not None:
-            index = KVIndex(settings.index)
-            self.publisher = WorkerPublisher(
-                index,
-                self.worker_id,
-                self._cached_keys,
-                address=f"pid:{os.getpid()}",
-                on_spares=self._set_spares,
-            )
         self.telemetry = WorkerTelemetry(self.worker_id)
         self.telemetry.start_heartbeat()
         self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
-        self.front = StreamingEngine(
+        self.engine_loop = EngineLoop(
             self.engine, on_step=self._after_step, on_death=self._engine_died, sched=settings.sched
         )
-        self.front.start()
-        self._init_pulls()
-        self.callers = CallerWatch(self.front.abort, on_dead=self._caller_died)
-        self.live = LiveIds()  # a second request with a live id is refused, the first unharmed
-        self.channels = Channels(
-            self.front.abort, self._stream_ended, on_drop=self.callers.forget_channel
+        self.index = IndexLink(settings.index, self.worker_id, self.engine_loop)
+        self.engine_loop.start()
+        self.pulls = PeerPulls(self.engine, self.engine_loop, self.worker_id, settings.namespace)
+        self.warm = WarmStarts(self.engine, self.engine_loop, self.pulls)
+        self.streams = WorkerOutputs(self.engine_loop.abort, self._on_loop)
+        self.intake = BurstIntake(
+            self.engine,
+            self.engine_loop,
+            self.streams,
+            self.pulls,
+            self.warm,
+            self.telemetry,
+            self.index,
         )
         self.loop_probe = LoopLagProbe()
-        if self.publisher is not None:
-            self.publisher.submit([], worker_load(self.engine.snapshot()))
-            self.publisher.start()
+        self.index.start(worker_load(self.engine.snapshot()))
         # the loop answers in a few ms next to the engine thread: short GIL turns, and no
         # collection scans the start-up heap (the engine froze the model's; this is ours)
         short_gil_turns()
         freeze_long_lived()
-        self.warm_freeze = WarmUpFreeze()  # and once more when idle after the first requests
         self._loop_sched = False  # the loop's thread asked for its slice (on its first call)
 
     # -- engine thread hooks ---------------------------------------------------------------
@@ -124,8 +115,7 @@ class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
         # one snapshot: the load published and the gauges agree; its pinned-block count is
         # recounted at most every PINS_MAX_AGE_S (the publisher heartbeats less often)
         snap = engine.snapshot(pins_max_age_s=PINS_MAX_AGE_S)
-        if self.publisher is not None:
-            self.publisher.submit(events, worker_load(snap))
+        self.index.publish(events, worker_load(snap))
         self.telemetry.after_step(snap, outputs)
 
     def _engine_died(self, exc: BaseException) -> None:
@@ -138,8 +128,7 @@ class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
         exit_process_soon(self._in_actor)
         try:
             self.telemetry.stop_heartbeat()
-            if self.publisher is not None:
-                self.publisher.stop(timeout_s=0.5)
+            self.index.stop(timeout_s=0.5)
         except Exception:  # noqa: BLE001 - best effort: the process is leaving anyway
             log.exception("worker %s: clean-up before the restart failed", self.worker_id)
 
@@ -169,104 +158,113 @@ class WorkerServer(PeerPulls, BurstIntake, IndexHooks, ChannelCalls):
 
         A burst of one: :meth:`submit_many` does the work.
         """
-        (result,) = await self.submit_many([request], caller, channel_id)
+        (result,) = await self.intake.submit_many([request], caller, channel_id)
         if isinstance(result, Exception):
             raise result
         return result
 
-    async def generate(
-        self, request: WorkerRequest, caller: Any = None, schema: str | None = None
-    ) -> AsyncIterator[Admitted | RequestOutput]:
-        """One request's own stream (the fallback of :meth:`submit` + :meth:`outputs`):
-        Admitted first, then the engine's outputs; raises InvalidRequest/EngineOverloaded.
+    async def submit_many(
+        self, requests: list[WorkerRequest], caller: Any, channel_id: str
+    ) -> list[Admitted | Exception]:
+        """One router loop turn's requests for this worker, each answered on its own, in
+        order: its :class:`Admitted` or, in its place, the error that refused it (what
+        :meth:`submit`, a burst of one, raises); see ``burst_intake.py``."""
+        return await self.intake.submit_many(requests, caller, channel_id)
 
-        ``caller``: the calling router's actor handle; if it dies, the request is aborted.
-        ``schema``: the caller's ``OUTPUT_SCHEMA`` (outputs nest positional types).
-        """
-        check_schema("output stream", schema, OUTPUT_SCHEMA)
-        rid = request.request_id
-        self.live.claim(rid)  # first: a duplicate id leaves the live request as it was
-        try:
-            self.telemetry.arrived(rid)
-            keys = self._keys(request)
-            pulled = await self._pull_for(request, keys)  # never raises: a failed pull recomputes
-            stream = await self.front.add_request_async(
-                request.token_ids, request.params, request_id=rid, prompt_keys=keys
-            )
-        except BaseException:
-            self.live.release(rid)
-            self.telemetry.forget(rid)
-            raise
-        assert stream is not None
-        self.callers.watch(rid, caller)
-        try:
-            yield self._admitted(request, keys, pulled)
-            async for out in stream:
-                yield out
-        finally:
-            self._stream_ended(rid)
+    async def outputs(
+        self, channel_id: str, caller: Any = None, schema: str | None = None
+    ) -> AsyncIterator[list[PackedOutput | StreamEnd]]:
+        """The channel's outputs, one list per message: every output of each request sent
+        with this ``channel_id``, in order (packed: ``unpack_output``); a
+        :class:`StreamEnd` ends a request whose engine stopped. Ends when the caller stops
+        reading or dies, idle or not (its open requests are aborted).
 
-    def _keys(self, request: WorkerRequest) -> list:
-        """The prompt's block keys, hashed once here and not by the engine thread: the
-        scheduler's queue claims and the router's parity check use the same keys."""
-        return block_keys(
-            request.token_ids,
-            self.engine.config.block_size,
-            self.engine.hash_context(request.params),
-        )
-
-    def _admitted(
-        self, request: WorkerRequest, keys: list, pulled: PullReport | None = None
-    ) -> Admitted:
-        epoch = self.publisher.epoch if self.publisher is not None else None
-        last = keys[-1] if request.want_keys and keys else None
-        return Admitted(self.worker_id, epoch, last, pulled)
+        ``schema``: the caller's ``OUTPUT_SCHEMA``; a router of another packed layout is
+        refused with :class:`WireMismatch`."""
+        check_schema("output channel", schema, OUTPUT_SCHEMA)  # refused: nothing is opened
+        async for items in self.streams.serve(channel_id, caller, schema):
+            yield items
 
     def abort(self, request_id: str) -> bool:
-        return self.front.abort(request_id)
+        return self.engine_loop.abort(request_id)
 
     async def loop_lag(self, reset: bool = False, trace: bool = False) -> dict:
         """This actor's event-loop lag: the largest stall since the last reset (the probe
         starts on the first call); ``trace``: attribute stalls from now on (a diagnostic).
         ``engine_sched``: what the kernel runs the engine thread with, beside the loop's."""
         out = self.loop_probe.report(reset=reset, trace=trace)
-        tid = self.front.thread_id
+        tid = self.engine_loop.thread_id
         if tid is not None:
             out["engine_sched"] = thread_sched(tid)
         return out
 
     async def status(self) -> WorkerStatus:
-        snap = await self.front.with_engine_async(Engine.snapshot)
-        publisher = self.publisher
+        snap = await self.engine_loop.call_async(Snapshot())
         return worker_status(
-            self.worker_id,
-            snap,
-            epoch=publisher.epoch if publisher is not None else None,
-            index_healthy=publisher.healthy if publisher is not None else False,
+            self.worker_id, snap, epoch=self.index.epoch, index_healthy=self.index.healthy
         )
 
     async def add_lora(self, name: str, path: str, tenants: list[str] | None = None) -> str:
         """Register a LoRA adapter folder at run time; returns its stable id. ``tenants``:
         the only tenants the routers show it to and run it for (None: every tenant). The
         next heartbeat tells the routers."""
-
-        def add(engine: Engine) -> str:
-            adapter_id = engine.add_lora(name, path, tenants)
-            if self.publisher is not None:  # an idle worker publishes no step: tell now
-                self.publisher.submit([], worker_load(engine.snapshot()))
-            return adapter_id
-
-        return await self.front.with_engine_async(add)
+        adapter = AddLora(name, path, tuple(tenants) if tenants is not None else None)
+        adapter_id = await self.engine_loop.call_async(adapter)
+        await self.engine_loop.call_async(AnnounceState())  # an idle worker steps not: tell now
+        return adapter_id
 
     async def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""
-        return (await self.front.with_engine_async(Engine.snapshot)).kv_used_blocks
+        return (await self.engine_loop.call_async(Snapshot())).kv_used_blocks
+
+    # -- peers -----------------------------------------------------------------------------
+
+    async def export_kv(
+        self, keys: Sequence[BlockKey], ctx: HashContext, start: int = 0
+    ) -> RunHandle | None:
+        """See :meth:`PeerPulls.export_kv` (called by a pulling peer)."""
+        return await self.pulls.export_kv(keys, ctx, start)
+
+    async def probe_export(self, n_tokens: int, max_bytes: int = 64 << 20) -> RunHandle | None:
+        """See :meth:`PeerPulls.probe_export`."""
+        return await self.pulls.probe_export(n_tokens, max_bytes)
+
+    async def probe_pull(
+        self, source_id: str, sizes: Sequence[int], repeats: int = 3
+    ) -> dict[str, Any]:
+        """See :meth:`PeerPulls.probe_pull` (the router's transfer calibration)."""
+        return await self.pulls.probe_pull(source_id, sizes, repeats)
+
+    def hot_prefixes(self, n: int) -> list[HotPrefix]:
+        """See :meth:`WarmStarts.hot_prefixes` (a peer's warm start)."""
+        return self.warm.hot_prefixes(n)
+
+    async def auto_warm_start(
+        self, peer_ids: Sequence[str], n: int, share: float
+    ) -> dict[str, int]:
+        """See :meth:`WarmStarts.auto_warm_start` (once per incarnation; never raises)."""
+        return await self.warm.auto_warm_start(peer_ids, n, share)
+
+    async def warm_start(
+        self, peer_ids: Sequence[str], n: int = 16, max_blocks: int | None = None
+    ) -> dict[str, int]:
+        """See :meth:`WarmStarts.warm_start`."""
+        return await self.warm.warm_start(peer_ids, n, max_blocks)
+
+    def pull_stats(self) -> dict[str, Any]:
+        """Pulls by outcome, tokens imported, runs exported, warm starts (status, tests)."""
+        return {**self.pulls.stats(), **self.warm.stats()}
+
+    # -- index -------------------------------------------------------------------------------
+
+    def resync_index(self, reason: str) -> bool:
+        """See :meth:`IndexLink.resync` (a router found this worker's entries wrong)."""
+        return self.index.resync(reason)
 
     def shutdown(self) -> None:
         self.telemetry.stop_heartbeat()
-        self.front.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
+        self.engine_loop.stop()
+        self.index.stop()
 
 
 WorkerActor = ray.remote(WorkerServer)

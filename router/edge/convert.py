@@ -1,7 +1,7 @@
 """Protobuf at the edge: kvcluster.v1 messages <-> the intake's and engine's dataclasses.
 
 Nothing past the servicer sees a protobuf message: :func:`spec_from_pb` builds the intake's
-request with the shared validator (:func:`router.serving.request.make_spec`), whose
+request with the shared validator (:func:`router.serving.generate_spec.make_spec`), whose
 :class:`InvalidRequest` (field, value, limit) the servicer maps to INVALID_ARGUMENT.
 """
 
@@ -19,7 +19,7 @@ from kvstore.blocks.sampling_params import WIRE
 from kvstore.blocks.structured import StructuredOutputs
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.placement.config import RequestLimits
-from router.serving.request import DEFAULT_LIMITS, ChatOptions, GenerateSpec, make_spec
+from router.serving.generate_spec import DEFAULT_LIMITS, ChatOptions, GenerateSpec, make_spec
 
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -13,7 +13,7 @@ import grpc
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import malformed_reason
 from router.serving.auth import TokenAuth
-from router.serving.errors import BadBody
+from router.serving.request_errors import BadBody
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
 

@@ -1,9 +1,9 @@
 """The kvcluster.v1 gRPC servicer (grpc.aio), health and reflection services; auth and
 the decode guard are interceptors (``interceptors.py``).
 
-Protobuf stops here: requests become :class:`router.serving.request.GenerateSpec`, the serving core
-works on dataclasses, and errors map to status codes through the one error table
-(:func:`router.serving.errors.classify`).
+Protobuf stops here: requests become :class:`router.serving.generate_spec.GenerateSpec`, the
+serving core works on dataclasses, and errors map to status codes through the one error table
+(:func:`router.serving.request_errors.classify`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from router.edge.convert import (
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
-from router.serving.errors import RequestFailed, classify
-from router.serving.intake import Intake
-from router.serving.request import GenerateSpec
+from router.serving.edge_intake import Intake
+from router.serving.generate_spec import GenerateSpec
+from router.serving.request_errors import RequestFailed, classify
 from router.serving.tokenizing import check_text_chars
 
 __all__ = ["KVClusterServicer", "RequestFailed", "TokenAuth", "start_server"]

@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stre
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /health``. Errors are
 OpenAI-shaped (``{"error": {...}}``) with the status of the one error table
-(:mod:`router.serving.errors`). Bodies are bounded in bytes, values and nesting before they
+(:mod:`router.serving.request_errors`). Bodies are bounded in bytes, values and nesting before they
 are parsed, and large ones are parsed off the event loop (:mod:`router.http_api.body`).
 """
 
@@ -45,8 +45,8 @@ from router.http_api.defaults import (
 from router.http_api.generation import WORKER_HEADER, error_response, unless_gone
 from router.http_api.generation_routes import GenerationRoutes
 from router.http_api.probe_gate import ProbeGate
-from router.serving.errors import NoRoute, NotAllowed, ServerBusy
-from router.serving.intake import Intake
+from router.serving.edge_intake import Intake
+from router.serving.request_errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.tokenizing import TokenizerPool
 
 __all__ = ["WORKER_HEADER", "OpenAIServer", "error_status"]
@@ -59,7 +59,7 @@ BODY_BUDGET_BYTES = 256 << 20
 
 def error_status(exc: BaseException) -> Any:
     """The error table's answer for ``exc`` (its ``http_status``, ``kind``, ``param``)."""
-    from router.serving.errors import classify
+    from router.serving.request_errors import classify
 
     return classify(exc)
 

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from kvstore.blocks import json_text
 from kvstore.blocks.errors import InvalidRequest
 from router.http_api.defaults import BODY_TIMEOUT_S
-from router.serving.errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
+from router.serving.request_errors import BadBody, BodiesBusy, BodyTimeout, BodyTooLarge
 
 SLICE_BYTES = json_text.SLICE_BYTES
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff in a JSON text

@@ -11,7 +11,7 @@ from typing import Any
 from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.sampling_params import MAX_LOGIT_BIAS, MAX_SEED
 from router.http_api.tools import tool_fields
-from router.serving.request import ChatOptions
+from router.serving.generate_spec import ChatOptions
 from worker.model.tokenizer import CHAT_ROLES
 
 

@@ -18,9 +18,9 @@ from starlette.types import Receive, Scope, Send
 from kvstore.blocks.outputs import GenerationResult, RequestOutput, Usage
 from router.http_api.responses import Shaper
 from router.http_api.sse import DONE, sse_event
-from router.serving.errors import Mapped, classify
-from router.serving.intake import Intake
-from router.serving.request import GenerateSpec
+from router.serving.edge_intake import Intake
+from router.serving.generate_spec import GenerateSpec
+from router.serving.request_errors import Mapped, classify
 
 WORKER_HEADER = "x-kvcluster-worker"
 

@@ -1,6 +1,6 @@
 """The HTTP edge's generation routes, ``POST /v1/completions`` and
 ``POST /v1/chat/completions``: a request parsed and tokenized through the router's
-:class:`~router.serving.intake.Intake`, answered by a
+:class:`~router.serving.edge_intake.Intake`, answered by a
 :class:`~router.http_api.generation.Generation` (SSE when ``stream``). The server calls
 them straight, past Starlette's routing (:class:`~router.http_api.app.OpenAIServer`)."""
 
@@ -19,7 +19,7 @@ from router.http_api.generation import Generation
 from router.http_api.openai_request import OpenAIRequest, known_fields, parse_request
 from router.http_api.responses import Shaper
 from router.serving.core import ClusterOverloaded
-from router.serving.request import GenerateSpec
+from router.serving.generate_spec import GenerateSpec
 
 if TYPE_CHECKING:
     from router.http_api.app import OpenAIServer

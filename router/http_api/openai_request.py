@@ -2,7 +2,7 @@
 
 This parser checks only what JSON adds (an object, JSON types, OpenAI's spellings such as
 ``stop`` as a string, which fields exist); every range and limit is checked by the shared
-validator (:func:`router.serving.request.make_spec`), which names a field as this API
+validator (:func:`router.serving.generate_spec.make_spec`), which names a field as this API
 spells it. ``null`` means "not set" for every optional field. Fields this server does not
 know are accepted and ignored, as vLLM does (the caller logs and counts them); fields it
 knows but cannot honour with the value given are a 400. The sampling fields it knows, and
@@ -20,7 +20,7 @@ from kvstore.blocks.sampling_params import WIRE, SamplingParams
 from router.http_api import fields as F
 from router.http_api import structured_fields, tools
 from router.placement.config import RequestLimits
-from router.serving.request import GenerateSpec, check_request_id, make_spec
+from router.serving.generate_spec import GenerateSpec, check_request_id, make_spec
 
 # SamplingParams' fields read from OpenAI bodies by the code below, each in its own way
 # (OpenAI's spelling, type or range differs from the field's); every other field that the

@@ -5,9 +5,9 @@ no work of the client's, so a probe or a script polling them in a loop costs the
 nothing: on a small machine a ``/health`` flood took most of the event loop that streams
 tokens. Each answer that reads
 the fleet (live workers, adapters) is computed once per :data:`ANSWER_TTL_S` and shared by the
-callers in between (:class:`~router.serving.answers.AnswerCache`); and every cheap request passes a
-:class:`ProbeGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess waits
-its turn, without CPU, up to ``max_waiting`` requests; past those it is answered 503
+callers in between (:class:`~router.serving.answer_cache.AnswerCache`); and every cheap request
+passes a :class:`ProbeGate`: a token bucket of ``rate_per_s`` (its burst the same) whose excess
+waits its turn, without CPU, up to ``max_waiting`` requests; past those it is answered 503
 ``server_busy`` with ``Retry-After`` at once. A closed-loop poller is slowed to the rate, not
 refused; generation never passes the gate.
 """
@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from router.serving.errors import ServerBusy
+from router.serving.request_errors import ServerBusy
 
 # how long a fleet answer (live workers, model cards) is reused; a worker's death shows in
 # /health within this (plus the index's own liveness delay)

@@ -4,7 +4,7 @@ detokenize (text or chat messages), Prometheus metrics, version, health.
 ``/metrics``, ``/health`` and ``/version`` are open (probes and scrapers carry no token);
 the others need the bearer token when auth is on. The cheap ones (models, health, version,
 metrics) pass the server's :class:`~router.http_api.probe_gate.ProbeGate` first, and their fleet
-reads are shared through an :class:`~router.serving.answers.AnswerCache`.
+reads are shared through an :class:`~router.serving.answer_cache.AnswerCache`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from kvstore.blocks.errors import InvalidRequest
 from router.http_api import tools
 from router.http_api.fields import chat_options, get_bool, get_str, messages, token_ids
 from router.http_api.probe_gate import ANSWER_TTL_S
-from router.placement.types import NoWorkersError
-from router.serving.answers import AnswerCache
-from router.serving.errors import ModelNotFound
-from router.serving.metrics import CONTENT_TYPE
-from router.serving.request import make_spec
+from router.placement.placement_types import NoWorkersError
+from router.serving.answer_cache import AnswerCache
+from router.serving.generate_spec import make_spec
+from router.serving.request_errors import ModelNotFound
+from router.serving.serving_metrics import CONTENT_TYPE
 from router.serving.tokenizing import check_text_chars
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from router.placement.placement_types import WorkerId
 from router.placement.prefix_source import TierCounts
-from router.placement.types import WorkerId
 
 
 def cached_tokens(

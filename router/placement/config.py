@@ -78,7 +78,7 @@ class PrefixAffinityConfig(LoadWeights):
     capacity_aware: bool = Field(
         True,
         description="Place a prefix only on a worker whose KV blocks hold it next to the other "
-        "prefixes the router homed there (router/placement/homes.py), when one has room: a "
+        "prefixes the router homed there (router/placement/prefix_homes.py), when one has room: a "
         "holder full of other hot prefixes spills it (pulled there when pulls are on) instead "
         "of thrashing, and first placements spread by KV capacity.",
     )

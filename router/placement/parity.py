@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from kvstore.blocks.hashing import BlockKey
-from router.placement.metrics import RouterMetrics
+from router.placement.router_metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

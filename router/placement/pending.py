@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.blocks.hashing import BlockKey
+from router.placement.placement_types import WorkerId
 from router.placement.prefix_source import leading_counts
-from router.placement.types import WorkerId
 
 Ticket = int  # one placement, as returned by ``record`` (``settle`` takes it)
 

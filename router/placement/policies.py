@@ -26,7 +26,7 @@ comparison, leaving load: no herding.
 
 The load bound does not see KV capacity: a few hot prefixes can each have a modest load and
 still, together, overfill their holder's cache. With ``capacity_aware`` the router tracks each
-prefix's home and every worker's committed blocks (``router/placement/homes.py``), and only
+prefix's home and every worker's committed blocks (``router/placement/prefix_homes.py``), and only
 workers where this prefix fits are candidates (when any is): a full holder spills the prefix
 to a worker with room, and first placements spread by capacity.
 """
@@ -37,8 +37,8 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from router.placement.policy import ROUTING_POLICIES, RoutingPolicy, load_tokens
-from router.placement.types import Placement, Reason, RouteRequest, WorkerView
+from router.placement.placement_types import Placement, Reason, RouteRequest, WorkerView
+from router.placement.routing_policy import ROUTING_POLICIES, RoutingPolicy, load_tokens
 
 if TYPE_CHECKING:  # the config imports this module to validate policy names
     from router.placement.config import LeastLoadedConfig, PrefixAffinityConfig, RoutingConfig
@@ -122,7 +122,7 @@ class PrefixAffinity(_Sectioned):
             reqs = [v.load.running + v.load.waiting for v in views]
             both = set(_within_bound(reqs, cfg.balance_slack, cfg.balance_abs_requests))
             eligible = [i for i in eligible if i in both] or eligible
-        roomy = [i for i in eligible if views[i].kv_fits]  # see router/placement/homes.py
+        roomy = [i for i in eligible if views[i].kv_fits]  # see router/placement/prefix_homes.py
         pick = self._cheapest(roomy or eligible, costs, cached)
         if all(v.cached_tokens is None for v in views):
             reason = Reason.NO_INDEX

@@ -12,7 +12,7 @@ from kvstore.blocks.hashing import BlockKey
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
 from router.placement.breaker import CircuitBreaker
-from router.placement.types import WorkerId
+from router.placement.placement_types import WorkerId
 
 T = TypeVar("T")
 TierCounts = tuple[int, int]

@@ -60,8 +60,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 from kvstore.blocks.protocol import PullHint
+from router.placement.placement_types import Placement, Reason, WorkerView
 from router.placement.pull_ledger import PullLedger
-from router.placement.types import Placement, Reason, WorkerView
 
 NodeId = str
 

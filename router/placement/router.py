@@ -17,15 +17,21 @@ from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitOpen
 from router.placement.cached import cached_tokens, held_blocks
 from router.placement.config import RoutingConfig
-from router.placement.homes import PrefixHomes
-from router.placement.metrics import RouterMetrics
 from router.placement.parity import check_parity
 from router.placement.pending import PendingPlacements
-from router.placement.policy import make_policy
+from router.placement.placement_types import (
+    NoWorkersError,
+    RouteDecision,
+    RouteRequest,
+    WorkerId,
+    WorkerView,
+)
+from router.placement.prefix_homes import PrefixHomes
 from router.placement.prefix_source import PrefixSource, TierCounts, device_only
 from router.placement.pull import PullPlanner, TransferModel
 from router.placement.pull_ledger import PullLedger
-from router.placement.types import NoWorkersError, RouteDecision, RouteRequest, WorkerId, WorkerView
+from router.placement.router_metrics import RouterMetrics
+from router.placement.routing_policy import make_policy
 
 log = logging.getLogger(__name__)
 

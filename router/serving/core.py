@@ -26,14 +26,14 @@ from kvstore.blocks.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.types import WorkerLoad
 from router.placement.adapters import for_tenant, resolve_adapter, serving
+from router.placement.placement_types import NoWorkersError, RouteDecision, RouteRequest
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Prepared, Router
-from router.placement.types import NoWorkersError, RouteDecision, RouteRequest
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
 from router.serving.migration import WORKER_DIED, Migration
 from router.serving.outcomes import Outcomes
-from router.serving.own_work import OwnWork
+from router.serving.sent_work import SentWork
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ServingCore:
         self.broken = 0  # streams ended because their worker died mid-stream
         self.migrations: dict[str, int] = {}  # reason -> streams moved to another worker
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
-        self.own = OwnWork()  # what this router sent, newer than any heartbeat
+        self.own = SentWork()  # what this router sent, newer than any heartbeat
         self.outcomes = Outcomes(router, directory, self.own, predictions)
         # when every live worker last refused a request for a full queue (None: since then
         # one of this router's admitted requests ended)

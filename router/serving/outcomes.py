@@ -11,10 +11,10 @@ import logging
 
 from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import PullReport
+from router.placement.placement_types import Reason, RouteDecision
 from router.placement.prediction import PredictionTracker
 from router.placement.router import Router
-from router.placement.types import Reason, RouteDecision
-from router.serving.own_work import OwnWork
+from router.serving.sent_work import SentWork
 from router.serving.workers import WorkerDirectory
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class Outcomes:
         self,
         router: Router,
         directory: WorkerDirectory,
-        own: OwnWork,
+        own: SentWork,
         predictions: PredictionTracker | None,
     ) -> None:
         self.router = router

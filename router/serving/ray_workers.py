@@ -1,6 +1,6 @@
-"""The Ray-backed :class:`WorkerDirectory`: named worker actors, liveness from the index
-(``liveness.py``); requests and their outputs through one channel per worker
-(``channels.py``) or, as a fallback, one Ray stream per request.
+"""The Ray-backed :class:`WorkerDirectory`: named worker actors, their liveness
+(:class:`~router.serving.worker_liveness.WorkerLiveness`), requests and their outputs through
+one channel per worker (:mod:`router.serving.output_channels`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -19,22 +19,19 @@ from ray.exceptions import (
 )
 
 from kvstore.blocks.looplag import LoopLagProbe
-from kvstore.blocks.outputs import OUTPUT_SCHEMA, RequestOutput
+from kvstore.blocks.outputs import RequestOutput
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest, WorkerStatus
 from kvstore.index import KVIndex
+from kvstore.types import WorkerLoad
 from router.placement.breaker import CircuitBreaker
 from router.placement.config import STREAM_INTERVAL, LivenessConfig
-from router.serving.answers import AnswerCache
-from router.serving.channels import (
-    ACTOR_ERRORS,
-    WAKE_SLICE,
-    Channels,
-    WorkerChannel,
-    call_result,
-)
-from router.serving.liveness import WorkerLiveness
+from router.serving.answer_cache import AnswerCache
+from router.serving.iteration_slices import IterationSlices
+from router.serving.output_channels import Channels
 from router.serving.submits import SubmitBatcher
-from router.serving.turns import TurnSlices
+from router.serving.worker_call_errors import ACTOR_ERRORS
+from router.serving.worker_channel import WAKE_SLICE, WorkerChannel
+from router.serving.worker_liveness import WorkerLiveness
 from router.serving.workers import WorkerDirectory, WorkerGone
 
 log = logging.getLogger(__name__)
@@ -49,7 +46,7 @@ def _current_actor() -> ray.actor.ActorHandle | None:
         return None
 
 
-class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
+class RayWorkerDirectory(WorkerDirectory):
     def __init__(
         self,
         namespace: str,
@@ -59,20 +56,21 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         dead_ttl_s: float = 10.0,
         call_timeout_s: float = 10.0,
         breaker: CircuitBreaker | None = None,
-        liveness: LivenessConfig | None = None,
-        batched: bool = True,
+        timeouts: LivenessConfig | None = None,
         caller_actor: ray.actor.ActorHandle | None = None,
         stream_interval: int = STREAM_INTERVAL,
     ) -> None:
-        """``batched``: outputs come through one channel per worker (one message per step
-        for all of this router's requests there); False: one Ray stream per request.
-        ``stream_interval``: steps' tokens per client message at least (the channel's
-        :class:`~router.serving.channels.Inbox`; the per-request streams ignore it).
+        """Outputs come through one channel per worker (one message per step for all of
+        this router's requests there). ``stream_interval``: steps' tokens per client
+        message at least (the channel's :class:`~router.serving.request_inbox.Inbox`).
         ``caller_actor``: the actor workers watch for this router's death (it answers
         ``incarnation()``); by default the actor this runs in, none outside one."""
-        self._init_liveness(namespace, index, breaker, live_ttl_s, dead_ttl_s)
+        self.namespace = namespace
+        self.liveness = WorkerLiveness(
+            namespace, index, breaker=breaker, live_ttl_s=live_ttl_s, dead_ttl_s=dead_ttl_s
+        )
         self.call_timeout_s = call_timeout_s
-        self.liveness = liveness or LivenessConfig()
+        self.timeouts = timeouts or LivenessConfig()  # stall, probe and status timeouts
         self.stalls = 0  # streams given up because their worker stopped answering
         self._handles: dict[str, ray.actor.ActorHandle] = {}
         self._lookups: dict[str, asyncio.Future] = {}  # worker -> its name lookup in flight
@@ -82,7 +80,6 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         self.incarnation = uuid.uuid4().hex
         handle = caller_actor or _current_actor()
         self.caller = CallerRef(handle, self.incarnation) if handle is not None else None
-        self.batched = batched
         self.stream_interval = stream_interval
         self.channels = Channels(self.incarnation, self.caller)
         self.submits = SubmitBatcher(self.caller, self.incarnation)
@@ -91,11 +88,23 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         # a burst's submits and admissions, a slice per loop iteration: 256 of them landing
         # in one iteration (a submit pickles its request for Ray) stall the loop for tens of
         # ms; its first outputs come through the channel, already woken a slice at a time
-        self.first_steps = TurnSlices(WAKE_SLICE)
+        self.first_steps = IterationSlices(WAKE_SLICE)
         self._statuses = AnswerCache(STATUS_REUSE_S)  # statuses(): one round shared
 
+    @property
+    def index_ok(self) -> bool:
+        """Whether the index answered the last read (False: routing by load alone)."""
+        return self.liveness.index_ok
+
+    async def candidates(self) -> Mapping[str, WorkerLoad]:
+        return await self.liveness.candidates()
+
+    async def live_epochs(self) -> dict[str, int]:
+        """Live workers and their epochs from the index (see :class:`WorkerLiveness`)."""
+        return await self.liveness.live_epochs()
+
     def mark_dead(self, worker_id: str) -> None:
-        super().mark_dead(worker_id)
+        self.liveness.mark_dead(worker_id)
         # a worker replaced under the same name is another actor: look it up again
         self._handles.pop(worker_id, None)
         self._lookups.pop(worker_id, None)
@@ -127,10 +136,6 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
     async def stream(
         self, worker_id: str, request: WorkerRequest
     ) -> AsyncIterator[Admitted | RequestOutput]:
-        if not self.batched:
-            async for item in self._own_stream(worker_id, request):
-                yield item
-            return
         handle = await self._handle(worker_id)
         ch = self.channels.get(worker_id, handle)
         inbox = ch.open(request.request_id, self.stream_interval)
@@ -143,7 +148,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
             await self.first_steps.enter()
             yield admitted
             while True:
-                while not await inbox.wait(self.liveness.stream_stall_s):
+                while not await inbox.wait(self.timeouts.stream_stall_s):
                     await self._check_alive(worker_id, ch)
                 item = inbox.take()
                 if isinstance(item, RequestOutput):
@@ -161,7 +166,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         """A call's result, given up (WorkerGone) if the worker stops answering meanwhile
         (``fut`` is then cancelled)."""
         try:
-            while not (await asyncio.wait({fut}, timeout=self.liveness.stream_stall_s))[0]:
+            while not (await asyncio.wait({fut}, timeout=self.timeouts.stream_stall_s))[0]:
                 await self._check_alive(worker_id, None)
             return fut.result()
         finally:
@@ -173,7 +178,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         channel sent something meanwhile steps (the request waits its turn); else a worker
         that does not answer a probe is given up (a frozen process keeps its Ray connection
         open, so nothing else would end the wait)."""
-        if ch is not None and time.monotonic() - ch.last_message < self.liveness.stream_stall_s:
+        if ch is not None and time.monotonic() - ch.last_message < self.timeouts.stream_stall_s:
             return
         if not await self._answers(worker_id):
             raise self._stalled(worker_id)
@@ -183,37 +188,9 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         self.stalls += 1
         return WorkerGone(
             f"worker {worker_id} stalled: no output for "
-            f"{self.liveness.stream_stall_s:g}s and no answer to a probe "
-            f"within {self.liveness.probe_timeout_s:g}s"
+            f"{self.timeouts.stream_stall_s:g}s and no answer to a probe "
+            f"within {self.timeouts.probe_timeout_s:g}s"
         )
-
-    async def _own_stream(
-        self, worker_id: str, request: WorkerRequest
-    ) -> AsyncIterator[Admitted | RequestOutput]:
-        """The fallback: one Ray streaming generator for this request alone."""
-        nxt: asyncio.Future | None = None
-        try:
-            await self.first_steps.enter()
-            gen = (
-                (await self._handle(worker_id))
-                .generate.options(num_returns="streaming")
-                .remote(request, self.caller, OUTPUT_SCHEMA)
-            )
-            it = gen.__aiter__()
-            while True:
-                nxt = asyncio.ensure_future(it.__anext__())
-                while not (await asyncio.wait({nxt}, timeout=self.liveness.stream_stall_s))[0]:
-                    if not await self._answers(worker_id):
-                        nxt.cancel()
-                        raise self._stalled(worker_id)
-                try:
-                    ref = nxt.result()
-                except StopAsyncIteration:
-                    return
-                yield await call_result(ref)
-        finally:
-            if nxt is not None and not nxt.done():
-                nxt.cancel()
 
     async def _answers(self, worker_id: str) -> bool:
         """Whether the worker's actor answers a ping in time (a frozen process does not);
@@ -234,7 +211,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
 
     async def _ping(self, worker_id: str) -> bool:
         try:
-            await self._call(worker_id, self.liveness.probe_timeout_s, "__ray_ready__")
+            await self._call(worker_id, self.timeouts.probe_timeout_s, "__ray_ready__")
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone):
             return False
         return True
@@ -262,13 +239,13 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
         return list(await self._statuses.get(None, self._ask_statuses))
 
     async def _ask_statuses(self) -> list[WorkerStatus]:
-        names = sorted(await asyncio.to_thread(self._from_ray))
-        live = await self._from_index()
+        names = sorted(await asyncio.to_thread(self.liveness.from_ray))
+        live = await self.liveness.from_index()
         results = await asyncio.gather(*(self._status(n) for n in names))
         now = time.monotonic()
         out = []
         for name, status in zip(names, results, strict=True):
-            seen = self._seen.get(name)
+            seen = self.liveness.last_seen(name)
             if status is None:
                 epoch = live.get(name, (None,))[0] if live else None
                 status = WorkerStatus(
@@ -282,7 +259,7 @@ class RayWorkerDirectory(WorkerLiveness, WorkerDirectory):
 
     async def _status(self, name: str) -> WorkerStatus | None:
         try:
-            return await self._call(name, self.liveness.status_timeout_s, "status")
+            return await self._call(name, self.timeouts.status_timeout_s, "status")
         except (TimeoutError, *ACTOR_ERRORS, WorkerGone, GetTimeoutError) as exc:
             log.warning("worker %s did not answer a status call: %s", name, type(exc).__name__)
             return None

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.blocks.protocol import Admitted, CallerRef, WorkerRequest
-from router.serving.channels import WAKE_SLICE, WorkerChannel, call_result, own_error
+from router.serving.worker_call_errors import call_result, own_error
+from router.serving.worker_channel import WAKE_SLICE, WorkerChannel
 from router.serving.workers import WorkerGone
 
 # the shortest time between two submit calls to one worker while requests keep coming: a few

@@ -21,9 +21,9 @@ from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.protocol import PullHint
 from router.placement.config import RoutingConfig
+from router.placement.placement_types import RouteRequest
 from router.placement.prefix_source import InMemoryPrefixIndex
 from router.placement.router import Router
-from router.placement.types import RouteRequest
 from router.sim.config import SimConfig
 from router.sim.records import RequestRecord, SimRequest
 from router.sim.worker import SimWorker

@@ -148,8 +148,8 @@ def test_components_derive_the_facts_from_the_cluster_config() -> None:
     assert worker.engine.block_size == router.block_size == 32
     assert worker.engine.max_model_len == router.max_model_len == 256
     assert router.port == 6001 and router.http_port is None
-    assert router.http_max_connections == 7 and router.http_cheap_rate_per_s == 200.0
-    assert router.stream_interval == 3
+    assert router.config.http_max_connections == 7 and router.config.http_cheap_rate_per_s == 200.0
+    assert router.config.stream_interval == 3
     assert worker.engine == cfg.workers.engine  # the engine config is shipped as stated
     assert worker.sched == router.sched == cfg.scheduling  # one thread policy for both
     assert cfg.scheduling.loop_slice_ms == 0.5 and cfg.scheduling.compute_nice == 2

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from kvstore.blocks.loop_sched import ThreadSchedConfig, custom_slices, thread_sched
-from router.actor import RouterActor
+from router.server import RouterActor
 from worker.actor import WorkerActor
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]

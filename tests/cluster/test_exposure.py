@@ -22,12 +22,12 @@ def test_embedded_cluster_listens_on_loopback_only(cluster: Cluster, client) -> 
     assert {"gcs_server", "raylet", "redis-server"} <= commands, mine
     exposed = [entry for entry in mine if not entry.loopback]
     assert not exposed, f"listening beyond loopback: {exposed}"
-    assert cluster.ray_address.startswith("127.0.0.1:")
+    assert cluster.ray_session.address.startswith("127.0.0.1:")
 
 
 def test_dashboard_false_starts_no_dashboard_process(cluster: Cluster, client) -> None:
     assert cluster.cfg.dashboard is False
-    assert cluster.dashboard_url() is None
+    assert cluster.ray_session.dashboard_url() is None
     pids = descendants(os.getpid())
     # Ray's own servers are there (the check sees them), its dashboard process is not
     assert {"gcs_server", "raylet"} <= {entry.command for entry in listeners(pids)}

@@ -126,7 +126,8 @@ def test_nan_logits_fail_the_request_cleanly_over_http(owned: Cluster) -> None:
             if engine.executor.runner.lora is not None:
                 engine.executor.runner.lora.drop("poison")  # reload from the host weights
 
-        worker.front.with_engine(spoil)
+        with worker.engine_loop.paused() as engine:
+            spoil(engine)
 
     on_workers(owned, poison)
     body = {"model": "poison", "prompt": "Hello", "max_tokens": 3, "logprobs": 2}

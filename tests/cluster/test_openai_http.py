@@ -29,6 +29,7 @@ from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 from tests.cluster.conftest import ENGINE, cluster_config
 from tests.embedded_ray import shared_ray
+from worker.engine.commands import Metrics
 from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
 
@@ -90,7 +91,9 @@ def raw(
 
 
 def generated_tokens(cluster: Cluster) -> int:
-    return sum(on_workers(cluster, lambda w: w.front.metrics().generation_tokens).values())
+    return sum(
+        on_workers(cluster, lambda w: w.engine_loop.call(Metrics()).generation_tokens).values()
+    )
 
 
 def idle_and_unheld(cluster: Cluster) -> bool:

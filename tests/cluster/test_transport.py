@@ -18,8 +18,9 @@ from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import GenerationResult
 from kvstore.blocks.protocol import Admitted, WorkerRequest
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.serving.channels import WAKE_SLICE, call_result
 from router.serving.ray_workers import RayWorkerDirectory
+from router.serving.worker_call_errors import call_result
+from router.serving.worker_channel import WAKE_SLICE
 from router.serving.workers import WorkerGone
 from tests.cluster.conftest import ENGINE
 from worker.engine import SamplingParams
@@ -152,7 +153,8 @@ def test_closing_a_channel_ends_it_on_the_worker(cluster) -> None:
 
     def channels_there(channel_id: str) -> bool:
         return ray.get(
-            handle.__ray_call__.remote(lambda w: channel_id in w.channels._by_id), timeout=30
+            handle.__ray_call__.remote(lambda w: channel_id in w.streams.channels._by_id),
+            timeout=30,
         )
 
     async def main() -> tuple[str, str]:
@@ -180,26 +182,6 @@ def test_closing_a_channel_ends_it_on_the_worker(cluster) -> None:
         time.sleep(0.1)
     assert not channels_there(channel_id)
     assert not running(rid)
-
-
-def test_the_per_request_stream_fallback_gives_the_same_tokens(cluster) -> None:
-    worker = sorted(cluster.workers)[1]
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, ignore_eos=True)
-
-    async def main():
-        batched = RayWorkerDirectory(cluster.namespace, None)
-        own = RayWorkerDirectory(cluster.namespace, None, batched=False)
-        try:
-            return await read(batched, worker, params, lag_s=0), await read(
-                own, worker, params, lag_s=0
-            )
-        finally:
-            batched.channels.close()
-
-    via_channel, via_own = asyncio.run(main())
-    a, b = result_of(via_channel), result_of(via_own)
-    assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
-    assert b.usage.completion_tokens == 40 and via_own[-1].finished
 
 
 def test_a_burst_for_one_worker_goes_in_one_call_each_request_answered_alone(cluster) -> None:
@@ -260,7 +242,7 @@ def test_a_worker_is_looked_up_once_and_gets_the_caller_once_per_channel(cluster
     def kept_caller(channel_id: str) -> str | None:
         return ray.get(
             handle.__ray_call__.remote(
-                lambda w: getattr(w.channels._by_id[channel_id].caller, "incarnation", None)
+                lambda w: getattr(w.streams.channels._by_id[channel_id].caller, "incarnation", None)
             ),
             timeout=30,
         )

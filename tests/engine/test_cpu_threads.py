@@ -58,20 +58,21 @@ def test_the_engine_loop_runs_with_its_engines_threads(tiny_dir) -> None:
     itself (it would start from OMP_NUM_THREADS, whatever the building thread set)."""
     import torch
 
-    from worker.engine import Engine, EngineConfig, StreamingEngine
+    from worker.engine import Engine, EngineConfig, EngineLoop
+    from worker.engine.commands import ComputeThreads
 
     mine = torch.get_num_threads()
     try:
         engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=32, cpu_threads=3))
         assert engine.cpu_threads == torch.get_num_threads() == 3
         torch.set_num_threads(mine)
-        with StreamingEngine(engine) as front:
-            assert front.with_engine(lambda e: torch.get_num_threads()) == 3
+        with EngineLoop(engine) as front:
+            assert front.call(ComputeThreads()) == 3
         # unset: the building thread's count, on the loop's thread too
         engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=32))
         assert engine.cpu_threads == mine
-        with StreamingEngine(engine) as front:
-            assert front.with_engine(lambda e: torch.get_num_threads()) == mine
+        with EngineLoop(engine) as front:
+            assert front.call(ComputeThreads()) == mine
     finally:
         torch.set_num_threads(mine)
 

@@ -12,7 +12,7 @@ import torch
 from kvstore.blocks import threadsched
 from kvstore.blocks.loop_sched import ThreadSchedConfig
 from worker.attention import native
-from worker.engine import Engine, EngineConfig, SamplingParams, StreamingEngine
+from worker.engine import Engine, EngineConfig, EngineLoop, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5 + i, 6, 7, 8] * (i + 1) for i in range(4)]
@@ -34,7 +34,7 @@ def test_the_engine_thread_and_its_attention_pool_run_nicer(tiny_dir, sched) -> 
         native.resize_pool(2, fresh=True)
         engine.generate(PROMPTS, PARAMS)  # a batch of decodes: the pool splits them
         assert pool_nices() == {base}
-        with StreamingEngine(engine, sched=sched) as front:
+        with EngineLoop(engine, sched=sched) as front:
             streams = [front.add_request(p, PARAMS) for p in PROMPTS]
             for out in streams:
                 assert sum(len(d.token_ids) for o in out for d in o.outputs) == 6

@@ -28,7 +28,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def run(server: WorkerServer, p: list[int]) -> None:
-    stream = server.front.add_request(p, ONE)
+    stream = server.engine_loop.add_request(p, ONE)
     assert stream is not None
     assert len([out for out in stream]) >= 1
 
@@ -38,11 +38,13 @@ def held(server: WorkerServer, p: list[int]) -> int:
         ctx = e.hash_context(ONE)
         return e.kv.lookup_prefix(p, ctx, block_keys(p, BS, ctx)).num_tokens
 
-    return server.front.with_engine(hit)
+    with server.engine_loop.paused() as engine:
+        return hit(engine)
 
 
 def spares(server: WorkerServer) -> int:
-    return server.front.with_engine(lambda e: sum(b.pulled for b in e.kv.pool.cached.values()))
+    with server.engine_loop.paused() as e:
+        return sum(b.pulled for b in e.kv.pool.cached.values())
 
 
 def test_a_duplicate_is_evicted_before_the_fleets_last_copy(redis_server) -> None:  # noqa: ANN001
@@ -52,12 +54,12 @@ def test_a_duplicate_is_evicted_before_the_fleets_last_copy(redis_server) -> Non
     for wid in ("worker-0", "worker-1"):  # registered in this order: slots 0 and 1
         cfg = EngineConfig(block_size=BS, num_blocks=10, max_model_len=256)
         servers.append(WorkerServer(WorkerSettings(wid, model, "m", cfg, index)))
-        assert servers[-1].publisher is not None and servers[-1].publisher.flush()
+        assert servers[-1].index.publisher is not None and servers[-1].index.publisher.flush()
     keeper, copy = servers
     mine, shared, new = prompt(1, 70), prompt(2, 70), prompt(3, 60)
     try:
         run(keeper, shared)  # worker-0 keeps the shared prefix
-        assert keeper.publisher.flush()
+        assert keeper.index.publisher.flush()
         run(copy, mine)  # worker-1's own prefix: older, the fleet's last copy
         run(copy, shared)  # then the duplicate, more recent
         deadline = time.monotonic() + 10
@@ -69,9 +71,10 @@ def test_a_duplicate_is_evicted_before_the_fleets_last_copy(redis_server) -> Non
         assert held(copy, mine) == 64  # the last copy stays whole
         assert held(copy, shared) == 32  # the duplicate lost its tail
         assert held(keeper, shared) == 64
-        copy.front.with_engine(lambda e: e.kv.check_invariants())
+        with copy.engine_loop.paused() as engine:
+            engine.kv.check_invariants()
     finally:
         for s in servers:
-            s.front.stop()
-            s.publisher.stop()
+            s.engine_loop.stop()
+            s.index.stop()
             s.telemetry.stop_heartbeat()

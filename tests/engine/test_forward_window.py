@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from worker.engine import Engine, EngineConfig, SamplingParams
-from worker.engine.front import StreamingEngine
+from worker.engine.commands import ExportRun, Snapshot
+from worker.engine.engine_loop import EngineLoop
 from worker.engine.kv_pull import export_run
 from worker.kv import block_keys
 from worker.model.build_tiny import build_tiny_model
@@ -50,14 +51,14 @@ def test_export_runs_during_the_forward_not_after_it(model_dir) -> None:
         return execute(chunks)
 
     engine.executor.execute = slow_execute
-    front = StreamingEngine(engine).start()
+    front = EngineLoop(engine).start()
     try:
 
         async def go():
             stream = await front.add_request_async(prompt(2), GREEDY, request_id="busy")
             assert await asyncio.to_thread(in_forward.wait, 30)
-            run = await front.with_cached_kv_async(lambda e: export_run(e, keys, ctx), 5.0)
-            between_steps = asyncio.ensure_future(front.with_engine_async(lambda e: e.kv))
+            run = await front.export_async(ExportRun(tuple(keys), ctx), 5.0)
+            between_steps = asyncio.ensure_future(front.call_async(Snapshot()))
             await asyncio.sleep(0.2)
             waited = not between_steps.done()  # the step in flight holds it up
             release.set()
@@ -81,15 +82,17 @@ def test_a_window_that_never_opens_times_out(model_dir) -> None:
     engine = Engine.from_model_dir(
         model_dir, EngineConfig(block_size=BS, num_blocks=64), model_id="tiny"
     )
-    front = StreamingEngine(engine).start()
+    ctx = engine.hash_context(GREEDY)
+    keys = block_keys(prompt(1), BS, ctx)  # not cached here: the export finds none
+    front = EngineLoop(engine).start()
     try:
         with front.window.lock:  # as the engine thread holds it outside a forward
 
             async def go():
-                return await front.with_cached_kv_async(lambda e: 1, 0.2)
+                return await front.export_async(ExportRun(tuple(keys), ctx), 0.2)
 
             with pytest.raises(TimeoutError, match="forward window"):
                 asyncio.run(go())
-        assert asyncio.run(front.with_cached_kv_async(lambda e: 2, 1.0)) == 2
+        assert asyncio.run(front.export_async(ExportRun(tuple(keys), ctx), 1.0)) is None
     finally:
         front.stop()

@@ -12,13 +12,13 @@ from tests.engine.helpers import assert_no_blocks_in_use
 from worker.engine import (
     Engine,
     EngineConfig,
+    EngineLoop,
     EngineStopped,
     FinishReason,
     InvalidRequest,
     SamplingParams,
-    StreamingEngine,
 )
-from worker.engine.burst import Submission
+from worker.engine.commands import AddRequest
 from worker.engine.streams import OutputSink
 
 PROMPTS = [[5 + i, 40 + 3 * i, 77, 300 - i] * (i + 1) for i in range(5)]
@@ -32,7 +32,7 @@ def front(tiny_dir):
     def on_step(engine: Engine, outputs) -> None:
         events.extend(engine.drain_kv_events())
 
-    with StreamingEngine(
+    with EngineLoop(
         Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=128)), on_step=on_step
     ) as f:
         f.kv_events = events
@@ -45,12 +45,10 @@ def offline(tiny_dir) -> list[list[int]]:
     return [r.completions[0].token_ids for r in engine.generate(PROMPTS, PARAMS)]
 
 
-def idle_and_clean(front: StreamingEngine) -> None:
-    def check(engine: Engine) -> None:
+def idle_and_clean(front: EngineLoop) -> None:
+    with front.paused() as engine:
         assert not engine.has_unfinished_requests()
         assert_no_blocks_in_use(engine)
-
-    front.with_engine(check)
 
 
 def test_concurrent_threads_get_their_own_streams(front, offline) -> None:
@@ -119,7 +117,9 @@ def test_cancelling_an_async_consumer_aborts_the_request(front) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(500):  # the abort lands with the next step
-            if not front.with_engine(Engine.has_unfinished_requests):
+            with front.paused() as engine:
+                unfinished = engine.has_unfinished_requests()
+            if not unfinished:
                 break
             await asyncio.sleep(0.02)
 
@@ -143,7 +143,7 @@ def test_errors_are_raised_in_the_callers_thread(front) -> None:
 
 
 def test_stop_ends_every_stream(tiny_dir) -> None:
-    front = StreamingEngine(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
+    front = EngineLoop(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
     stream = front.add_request(PROMPTS[1], SamplingParams(max_tokens=1500, ignore_eos=True))
     first = next(iter(stream))
     assert not first.finished
@@ -184,9 +184,9 @@ def test_a_burst_is_checked_in_turns_and_answered_once_each_request_alone(front,
 
     async def main() -> tuple:
         sink = _Collect(asyncio.get_running_loop())
-        subs = [Submission(p, PARAMS, f"b{i}", None, sink) for i, p in enumerate(PROMPTS)]
-        subs.insert(2, Submission(too_long, PARAMS, "long", None, sink))
-        subs.append(Submission(PROMPTS[0], PARAMS, "b0", None, sink))  # a duplicate id
+        subs = [AddRequest(f"b{i}", p, PARAMS, None, sink) for i, p in enumerate(PROMPTS)]
+        subs.insert(2, AddRequest("long", too_long, PARAMS, None, sink))
+        subs.append(AddRequest("b0", PROMPTS[0], PARAMS, None, sink))  # a duplicate id
         sink.open = len(PROMPTS)
         slices = LoopSlices(0.0)
         results = await front.add_requests_async(subs, slices)
@@ -206,12 +206,12 @@ def test_a_burst_is_checked_in_turns_and_answered_once_each_request_alone(front,
 
 
 def test_a_burst_after_stop_is_refused_each(tiny_dir) -> None:
-    front = StreamingEngine(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
+    front = EngineLoop(Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=64))).start()
     front.stop()
 
     async def main() -> list:
         sink = _Collect(asyncio.get_running_loop())
-        subs = [Submission(p, PARAMS, f"s{i}", None, sink) for i, p in enumerate(PROMPTS)]
+        subs = [AddRequest(f"s{i}", p, PARAMS, None, sink) for i, p in enumerate(PROMPTS)]
         return await front.add_requests_async(subs)
 
     results = asyncio.run(main())

@@ -13,19 +13,20 @@ from tests.engine.helpers import HeldSteps, LoopTurns, assert_no_blocks_in_use
 from worker.engine import (
     Engine,
     EngineConfig,
+    EngineLoop,
     EngineOverloaded,
     InvalidRequest,
     OutputSink,
     SamplingParams,
-    StreamingEngine,
 )
+from worker.engine.commands import Snapshot
 
 PROMPT = [5, 40, 77, 300, 12, 9, 81, 33]
 SLOW_STEP_S = 0.2
 PROBES = 20  # answers of the loop's probe while one step is in progress
 
 
-def slow_front(tiny_dir, **config) -> StreamingEngine:  # noqa: ANN001
+def slow_front(tiny_dir, **config) -> EngineLoop:  # noqa: ANN001
     """A front whose every step takes at least SLOW_STEP_S (the engine thread sleeps in it,
     as a long model step on an accelerator would keep it busy)."""
     engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=256, **config))
@@ -36,7 +37,7 @@ def slow_front(tiny_dir, **config) -> StreamingEngine:  # noqa: ANN001
         return step()
 
     engine.step = slow  # type: ignore[method-assign]
-    return StreamingEngine(engine, idle_wait_s=0.01).start()
+    return EngineLoop(engine, idle_wait_s=0.01).start()
 
 
 def test_a_step_in_progress_never_blocks_the_event_loop(tiny_dir) -> None:
@@ -46,7 +47,7 @@ def test_a_step_in_progress_never_blocks_the_event_loop(tiny_dir) -> None:
     config = EngineConfig(num_blocks=256, max_num_seqs=64, max_waiting=64)
     engine = Engine.from_model_dir(tiny_dir, config)
     held = HeldSteps(engine)
-    front = StreamingEngine(engine, idle_wait_s=0.01).start()
+    front = EngineLoop(engine, idle_wait_s=0.01).start()
     long = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     async def main() -> tuple[list[float], int, list]:
@@ -66,7 +67,7 @@ def test_a_step_in_progress_never_blocks_the_event_loop(tiny_dir) -> None:
         steps_to_admit = front.steps
         held.free()
         probe.stop()
-        snap = await front.with_engine_async(Engine.snapshot)
+        snap = await front.call_async(Snapshot())
         assert snap.num_waiting + snap.num_running == 33
         assert front.abort(streams[0].request_id)
         results = await asyncio.gather(first.acollect(), *(s.acollect() for s in streams))
@@ -81,7 +82,8 @@ def test_a_step_in_progress_never_blocks_the_event_loop(tiny_dir) -> None:
         assert results[1].completions[0].finish_reason == "abort"
         for res in [results[0], *results[2:]]:
             assert len(res.completions[0].token_ids) == 8
-        front.with_engine(assert_no_blocks_in_use)
+        with front.paused() as engine:
+            assert_no_blocks_in_use(engine)
     finally:
         held.free()
         front.stop()
@@ -140,15 +142,16 @@ def test_a_shared_sink_gets_one_delivery_per_step_for_all_its_requests(tiny_dir)
     async def main() -> CountingSink:
         sink = CountingSink(asyncio.get_running_loop())
         sink.open = 10
-        with StreamingEngine(engine) as front:
+        with EngineLoop(engine) as front:
             await asyncio.gather(
                 *(
-                    front.add_request_async(PROMPT, params, request_id=f"r{i}", sink=sink)
+                    front.add_async(front.check(PROMPT, params, request_id=f"r{i}", sink=sink))
                     for i in range(10)
                 )
             )
             await asyncio.wait_for(sink.done.wait(), 60)
-            front.with_engine(assert_no_blocks_in_use)
+            with front.paused() as paused:
+                assert_no_blocks_in_use(paused)
             return sink, front.steps
 
     sink, steps = asyncio.run(main())

@@ -16,11 +16,11 @@ from tests.engine.helpers import assert_no_blocks_in_use, run_all
 from worker.engine import (
     Engine,
     EngineConfig,
+    EngineLoop,
     EngineStopped,
     FinishReason,
     InvalidRequest,
     SamplingParams,
-    StreamingEngine,
 )
 from worker.engine.processor import OutputProcessor
 
@@ -54,7 +54,7 @@ def unvalidated(params: SamplingParams, **fields: object) -> SamplingParams:
 
 def test_a_failing_request_ends_alone_and_the_others_keep_streaming(monkeypatch) -> None:
     poison(monkeypatch, "poison")
-    with StreamingEngine(make()) as front:
+    with EngineLoop(make()) as front:
         streams = [
             front.add_request(p, GREEDY, request_id=f"ok-{i}") for i, p in enumerate(PROMPTS)
         ]
@@ -80,7 +80,8 @@ def test_a_failing_request_ends_alone_and_the_others_keep_streaming(monkeypatch)
         again = front.add_request(PROMPTS[0], GREEDY).collect()
         assert again.completions[0].token_ids == reference_generate(PROMPTS[0], 12, ignore_eos=True)
         assert front.alive
-        front.with_engine(assert_no_blocks_in_use)
+        with front.paused() as engine:
+            assert_no_blocks_in_use(engine)
 
 
 def test_a_failure_outside_any_request_fails_the_running_ones_and_the_engine_goes_on(
@@ -107,7 +108,7 @@ def test_a_failure_outside_any_request_fails_the_running_ones_and_the_engine_goe
 def test_a_dead_loop_refuses_requests_and_reports_its_death() -> None:
     died: list[BaseException] = []
     engine = make()
-    front = StreamingEngine(engine, on_death=died.append, idle_wait_s=0.01).start()
+    front = EngineLoop(engine, on_death=died.append, idle_wait_s=0.01).start()
 
     def boom() -> list:
         raise MemoryError("state beyond repair")

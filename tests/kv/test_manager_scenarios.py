@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.serving.request import tenant_salt
+from router.serving.generate_spec import tenant_salt
 from worker.kv import (
     AllBlocksCleared,
     BlockClaims,

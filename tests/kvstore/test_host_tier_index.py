@@ -192,7 +192,7 @@ def test_key_in_both_tiers_names_its_worker_once(redis_server: RedisServer, mode
 
 
 def test_publisher_resync_restores_both_tiers(redis_server: RedisServer) -> None:
-    """A worker whose snapshot names both tiers (``TierKeys``, as worker/index_hooks.py gives it)
+    """A worker whose snapshot names both tiers (``TierKeys``, as worker/index_link.py gives it)
     gets its host-tier entries back after Redis lost everything."""
     from kvstore.publisher import WorkerPublisher
     from kvstore.types import WorkerLoad

@@ -4,7 +4,7 @@ prompt), ranked by use, merged over peers and cut to the budget. Pure Python."""
 from __future__ import annotations
 
 from kvstore.blocks.hashing import HashContext, block_keys
-from worker.pull.hot import HotPrefix, ServedPrefixes, pick_warm
+from worker.pull.served_prefixes import HotPrefix, ServedPrefixes, pick_warm
 
 BS = 4
 CTX = HashContext("m")

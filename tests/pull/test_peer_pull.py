@@ -4,7 +4,6 @@ end in a recompute, never a failure or a hang; no block or object is left behind
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -15,12 +14,13 @@ import pytest
 import ray
 
 from kvstore.blocks.hashing import block_keys
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import Admitted, PullHint, WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from tests.embedded_ray import shared_ray
+from tests.pull.streams import generate, receive, send
 from worker.actor import WorkerActor, WorkerSettings
 from worker.engine import EngineConfig
+from worker.engine.commands import ResetPrefixCache
 from worker.model.build_tiny import build_tiny_model
 
 pytestmark = pytest.mark.ray
@@ -54,25 +54,9 @@ def prompt(seed: int, n: int = 90) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-def run(actor, req: WorkerRequest, timeout_s: float = 60) -> tuple[Admitted, list[int], int]:
-    """One request through the actor's stream: its Admitted, tokens and cached tokens."""
-
-    async def go():
-        admitted, toks, cached = None, [], 0
-        async for ref in actor.generate.options(num_returns="streaming").remote(
-            req, None, OUTPUT_SCHEMA
-        ):
-            item = await ref
-            if isinstance(item, Admitted):
-                admitted = item
-                continue
-            for d in item.outputs:
-                toks += d.token_ids
-            if item.finished:
-                cached = item.usage.cached_tokens
-        return admitted, toks, cached
-
-    return asyncio.run(asyncio.wait_for(go(), timeout_s))
+def run(actor, req: WorkerRequest) -> tuple[Admitted, list[int], int]:
+    """One request through a channel of its own: its Admitted, tokens and cached tokens."""
+    return generate(actor, req)
 
 
 def hint(source: str, n_blocks: int, deadline_s: float = 10.0) -> PullHint:
@@ -118,19 +102,18 @@ def test_source_frozen_then_killed_mid_export_falls_back_to_recompute(ray_ns) ->
         assert got == want and cached == 0
         # killed while its export is in flight: the call fails fast, recomputed again
         req = WorkerRequest("k3", p, replace(GREEDY, seed=1), pull=hint("worker-k0", 5, 30.0))
-        ref = b.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
+        sent = send(b, req)
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
-        items = [ray.get(r, timeout=60) for r in ref]
+        adm, outs = receive(sent, 60)
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    adm = items[0]
     assert isinstance(adm, Admitted) and adm.pulled.outcome == "source-gone", adm.pulled
     assert adm.pulled.seconds < 25
-    assert [t for out in items[1:] for d in out.outputs for t in d.token_ids] == want
+    assert [t for out in outs for d in out.outputs for t in d.token_ids] == want
     assert ray.get(b.kv_blocks_in_use.remote()) == 0
     assert ray.get(b.pull_stats.remote())["outcomes"] == {"timeout": 1, "source-gone": 1}
     ray.kill(b)
@@ -170,15 +153,11 @@ def test_forged_run_from_a_peer_is_refused(ray_ns) -> None:
         )
         assert adm.pulled.outcome == "refused" and adm.pulled.blocks == 0, adm.pulled
         assert got == want and cached == 0
-        ray.get(b.__ray_call__.remote(lambda w: w.front.with_engine(_reset)))
+        ray.get(b.__ray_call__.remote(lambda w: w.engine_loop.call(ResetPrefixCache())))
     assert ray.get(b.kv_blocks_in_use.remote()) == 0
     assert ray.get(b.pull_stats.remote())["outcomes"] == {"refused": 2}
     for w in (a, b):
         ray.kill(w)
-
-
-def _reset(engine) -> bool:
-    return engine.kv.reset_prefix_cache()
 
 
 def test_warm_start_pulls_a_peers_hottest_prefixes(ray_ns) -> None:

@@ -15,13 +15,13 @@ import ray
 
 from cluster.launcher import Cluster
 from kvstore.blocks.hashing import HashContext, block_keys
-from kvstore.blocks.outputs import OUTPUT_SCHEMA
 from kvstore.blocks.protocol import WorkerRequest
 from kvstore.blocks.sampling_params import SamplingParams
 from kvstore.index import KVIndex
 from kvstore.types import IndexUnavailable
 from tests.cluster.conftest import cluster_config
 from tests.embedded_ray import shared_ray
+from tests.pull.streams import generate as generate_one
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -36,12 +36,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def generate(handle, req: WorkerRequest) -> tuple[list[int], int]:
-    items = [
-        ray.get(r, timeout=120)
-        for r in handle.generate.options(num_returns="streaming").remote(req, None, OUTPUT_SCHEMA)
-    ]
-    toks = [t for out in items[1:] for d in out.outputs for t in d.token_ids]
-    return toks, items[-1].usage.cached_tokens
+    _, toks, cached = generate_one(handle, req)
+    return toks, cached
 
 
 def wait_for(pred, timeout_s: float = 60.0) -> bool:

@@ -26,6 +26,7 @@ from benchmarks.chaos_probes import (  # noqa: F401 - re-exported for the tests
     worker_rss,
 )
 from cluster.client import KVClusterClient
+from worker.engine.commands import Metrics
 
 CALL_TIMEOUT_S = 60.0  # deadline of every gRPC call of the suite
 
@@ -43,7 +44,9 @@ def wait_for(
 
 def generated_tokens(cluster: Any) -> int:
     """Tokens sampled by all workers since they (re)started."""
-    return sum(on_workers(cluster, lambda w: w.front.metrics().generation_tokens).values())
+    return sum(
+        on_workers(cluster, lambda w: w.engine_loop.call(Metrics()).generation_tokens).values()
+    )
 
 
 def code_of(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:

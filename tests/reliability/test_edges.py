@@ -18,7 +18,7 @@ from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.convert import malformed_reason, spec_from_pb
 from router.edge.interceptors import DecodeGuard
 from router.serving.core import ModelLimits, check_limits
-from router.serving.request import tenant_salt
+from router.serving.generate_spec import tenant_salt
 from tests.cluster.conftest import cluster_config
 from tests.embedded_ray import no_ray
 from tests.reliability.helpers import raw_string_field

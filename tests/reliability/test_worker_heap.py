@@ -46,7 +46,7 @@ def test_a_worker_freezes_after_its_warm_up_requests_once_idle() -> None:
     server = WorkerServer(
         WorkerSettings("worker-t", str(model), "m", EngineConfig(num_blocks=128), None)
     )
-    server.warm_freeze = WarmUpFreeze(after=4)
+    server.streams.warm_freeze = WarmUpFreeze(after=4)
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -66,20 +66,20 @@ def test_a_worker_freezes_after_its_warm_up_requests_once_idle() -> None:
         while not {f"s{i}" for i in range(5)} <= ended:
             progress.clear()
             await progress.wait()
-        frozen_while_busy = server.warm_freeze.done  # 5 ended, "long" still live
+        frozen_while_busy = server.streams.warm_freeze.done  # 5 ended, "long" still live
         while "long" not in ended:
             progress.clear()
             await progress.wait()
         task.cancel()
-        return frozen_while_busy, server.warm_freeze.ended
+        return frozen_while_busy, server.streams.warm_freeze.ended
 
     kept = [[i] for i in range(100)]  # made after the worker's start-up freeze
     try:
         assert not frozen(kept[0])
         frozen_while_busy, ended = asyncio.run(main())
-        assert "long" not in server.live
+        assert "long" not in server.streams.live
         assert not frozen_while_busy
-        assert server.warm_freeze.done and ended == 6  # at the first idle moment
+        assert server.streams.warm_freeze.done and ended == 6  # at the first idle moment
         assert frozen(kept[0]) and frozen(kept[-1])
     finally:
         server.shutdown()

@@ -88,7 +88,7 @@ def test_a_slow_step_never_blocks_the_worker_loop() -> None:
         assert len(tokens["r16"]) < 6  # aborted
         # one message per step at most, whatever its number of requests (a slow reader
         # gets several steps' outputs in one)
-        assert len(batches) <= server.front.steps < sum(1 for b in batches for _ in b)
+        assert len(batches) <= server.engine_loop.steps < sum(1 for b in batches for _ in b)
     finally:
         held.free()
         server.shutdown()
@@ -114,18 +114,18 @@ def test_a_reader_of_another_output_layout_is_refused_and_leaves_nothing_open() 
                 raise AssertionError("not refused")
             except WireMismatch as exc:
                 assert "output channel" in str(exc)
-            assert len(server.channels) == 0 and server.callers._channels == {}
+            assert len(server.streams.channels) == 0 and server.streams.callers._channels == {}
         reader = server.outputs("inc-1/worker-t/1", caller, OUTPUT_SCHEMA)
         first = asyncio.ensure_future(reader.__anext__())
         await asyncio.sleep(0.05)
-        assert server.channels.ids() == ["inc-1/worker-t/1"]
-        assert server.callers._channels == {"inc-1/worker-t/1": caller}
-        server.channels.drop("inc-1/worker-t/1")
+        assert server.streams.channels.ids() == ["inc-1/worker-t/1"]
+        assert server.streams.callers._channels == {"inc-1/worker-t/1": caller}
+        server.streams.channels.drop("inc-1/worker-t/1")
         try:
             await first
         except StopAsyncIteration:
             pass
-        assert len(server.channels) == 0 and server.callers._channels == {}
+        assert len(server.streams.channels) == 0 and server.streams.callers._channels == {}
 
     try:
         asyncio.run(main())

@@ -8,7 +8,7 @@ from typing import Any
 from router.edge.servicer import KVClusterServicer
 from router.http_api import OpenAIServer
 from router.placement.config import RequestLimits
-from router.serving.intake import Intake
+from router.serving.edge_intake import Intake
 
 
 def http_server(

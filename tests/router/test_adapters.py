@@ -13,8 +13,8 @@ from kvstore.blocks.protocol import Admitted, WorkerRequest, WorkerStatus
 from kvstore.types import WorkerLoad
 from router.placement.adapters import resolve_adapter, serving
 from router.placement.config import RoutingConfig
+from router.placement.placement_types import RouteRequest
 from router.placement.router import Router
-from router.placement.types import RouteRequest
 from router.serving.core import ModelLimits, ServingCore
 from router.serving.workers import WorkerDirectory
 from worker.engine import InvalidRequest, RequestOutput, SamplingParams, Usage

@@ -1,11 +1,11 @@
 """prefix_affinity's KV capacity check: a prefix goes only where it fits next to the prefixes
 homed there (when it fits somewhere); a holder overfull with other prefixes spills it, and its
-home moves, so the holder keeps the rest (router/placement/homes.py)."""
+home moves, so the holder keeps the rest (router/placement/prefix_homes.py)."""
 
 from __future__ import annotations
 
 from router import Reason, RoutingConfig
-from router.placement.homes import PrefixHomes
+from router.placement.prefix_homes import PrefixHomes
 from tests.router.harness import MiniCluster, tokens
 from worker.kv import block_keys
 

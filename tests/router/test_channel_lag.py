@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
-from router.serving.channels import MAX_JOINED, WorkerChannel
+from router.serving.worker_channel import MAX_JOINED, WorkerChannel
 from tests.embedded_ray import shared_ray
 
 pytestmark = pytest.mark.ray

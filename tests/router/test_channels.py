@@ -17,7 +17,7 @@ from kvstore.blocks.outputs import (
     relabelled,
     unpack_output,
 )
-from router.serving.channels import Inbox
+from router.serving.request_inbox import Inbox
 from router.serving.workers import WorkerGone
 
 
@@ -190,7 +190,7 @@ def test_a_channel_the_worker_refused_ends_with_the_workers_own_reason() -> None
     from ray.exceptions import RayTaskError
 
     from kvstore.blocks.errors import WireMismatch
-    from router.serving.channels import _first_line
+    from router.serving.worker_channel import _first_line
 
     refused = WireMismatch("output channel: the peer has abc, this side has def")
     line = _first_line(RayTaskError("outputs", "Traceback (most recent call last): ...", refused))

@@ -16,7 +16,7 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import spec_from_pb
 from router.http_api.openai_request import parse_request
 from router.placement.config import RequestLimits
-from router.serving.intake import Intake
+from router.serving.edge_intake import Intake
 from tests.router.test_http_hostile_bodies import Core, Tokenizer
 
 LIMITS = RequestLimits()

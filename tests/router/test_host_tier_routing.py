@@ -9,7 +9,7 @@ import pytest
 from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from router import InMemoryPrefixIndex, KVIndexSource, Reason, Router, RoutingConfig
-from router.placement.types import RouteRequest
+from router.placement.placement_types import RouteRequest
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
 from worker.kv import HashContext, KVCacheManager, block_keys

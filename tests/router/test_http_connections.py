@@ -15,7 +15,7 @@ import pytest
 import router.http_api.app as app_mod
 from router.http_api import OpenAIServer
 from router.http_api.probe_gate import ProbeGate
-from router.serving.errors import ServerBusy
+from router.serving.request_errors import ServerBusy
 from tests.router.edges import http_server
 from tests.router.test_http_hostile_bodies import Core, Directory, Tokenizer
 

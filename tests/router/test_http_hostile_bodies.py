@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 from kvstore.blocks.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from router.placement.metrics import RouterMetrics
+from router.placement.router_metrics import RouterMetrics
 from router.serving.core import ModelLimits
 from tests.router.edges import http_server
 

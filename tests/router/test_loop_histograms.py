@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage
 from router.serving.loop_histograms import LoopHistogram
-from router.serving.metrics import ServingMetrics
+from router.serving.serving_metrics import ServingMetrics
 
 BUCKETS = (0.01, 0.05, 0.1, 1.0)
 VALUES = [0.0, 0.01, 0.010001, 0.05, 0.07, 0.5, 1.0, 3.0, 0.02]

@@ -10,9 +10,9 @@ from router.http_api import error_status
 from router.http_api.body import BodyLimits, parse_json, surrogate_path
 from router.http_api.openai_request import parse_request
 from router.placement.config import RequestLimits
-from router.placement.types import NoWorkersError
+from router.placement.placement_types import NoWorkersError
 from router.serving.core import ClusterOverloaded, StreamBroken
-from router.serving.errors import BadBody, BodyTooLarge
+from router.serving.request_errors import BadBody, BodyTooLarge
 from worker.engine import EngineOverloaded, InvalidRequest
 
 LIMITS = RequestLimits()

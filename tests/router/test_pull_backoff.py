@@ -11,9 +11,9 @@ import pytest
 
 from kvstore.blocks.protocol import PullReport
 from router import Reason, RouteRequest
+from router.placement.placement_types import Placement, WorkerView
 from router.placement.pull import PullPlanner, TransferModel
 from router.placement.pull_ledger import PullLedger
-from router.placement.types import Placement, WorkerView
 from tests.router.harness import MiniCluster, load, tokens
 from tests.router.test_pull_pricing import RATE, routing, warm
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from router import Reason, RouteRequest, RoutingConfig
+from router.placement.placement_types import Placement, WorkerView
 from router.placement.prediction import PredictionTracker
 from router.placement.pull import PullPlanner, TransferModel
-from router.placement.types import Placement, WorkerView
 from tests.router.harness import MiniCluster, load, tokens
 
 RATE = 1000.0  # prefill tokens per second

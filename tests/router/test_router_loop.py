@@ -14,8 +14,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage, pack_output
-from router.serving.channels import WAKE_SLICE, Inbox, demultiplex
-from router.serving.turns import TurnSlices
+from router.serving.iteration_slices import IterationSlices
+from router.serving.request_inbox import Inbox
+from router.serving.worker_channel import WAKE_SLICE, demultiplex
 
 STREAMS = 256
 STEPS = 4  # steps gathered in the message
@@ -113,7 +114,7 @@ def test_a_burst_of_requests_reaches_its_first_step_a_slice_per_loop_turn() -> N
     assert 2 * size < STREAMS
 
     async def main() -> tuple[int, list[int], int]:
-        slices = TurnSlices(size)
+        slices = IterationSlices(size)
         order: list[int] = []
 
         async def request(i: int) -> None:
@@ -139,7 +140,7 @@ def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
     from protos.kvcluster.v1 import kvcluster_pb2 as pb
     from router.edge.convert import spec_from_pb
     from router.placement.config import RequestLimits
-    from router.serving.intake import INTAKE_SLICE, Intake
+    from router.serving.edge_intake import INTAKE_SLICE, Intake
     from tests.router.test_http_hostile_bodies import Core, Tokenizer
 
     assert STREAMS % INTAKE_SLICE == 0 and 2 * INTAKE_SLICE < STREAMS

@@ -14,7 +14,7 @@ from router.edge.convert import PARAMS_FIELDS, REQUEST_FIELDS, spec_from_pb
 from router.http_api import openai_request
 from router.http_api.openai_request import CHAT_FIELDS, COMPLETION_FIELDS, parse_request
 from router.placement.config import RequestLimits
-from router.serving.request import tenant_salt
+from router.serving.generate_spec import tenant_salt
 
 LIMITS = RequestLimits()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvstore.blocks.protocol import AdapterInfo, WorkerStatus
 from router.edge.servicer import worker_status_pb
 from router.placement.prediction import PredictionTracker
-from router.serving.metrics import ServingMetrics
+from router.serving.serving_metrics import ServingMetrics
 
 STATUS = WorkerStatus(
     worker_id="w0",

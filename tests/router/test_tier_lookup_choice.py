@@ -16,8 +16,8 @@ from kvstore.config import IndexConfig
 from kvstore.index import KVIndex
 from kvstore.types import WorkerLoad
 from router import InMemoryPrefixIndex, KVIndexSource, Router, RoutingConfig
+from router.placement.placement_types import RouteRequest, WorkerId
 from router.placement.prefix_source import PrefixSource, TierCounts
-from router.placement.types import RouteRequest, WorkerId
 from tests.redis_server import RedisServer
 from tests.router.harness import load, tokens
 from worker.engine import Engine, EngineConfig

@@ -134,7 +134,7 @@ def test_huge_tokenize_calls_do_not_hold_up_a_short_one(huge: int) -> None:
 
 
 def test_http_edge_rejects_over_limit_text_before_tokenizing() -> None:
-    from router.serving.request import GenerateSpec
+    from router.serving.generate_spec import GenerateSpec
     from worker.engine import InvalidRequest, SamplingParams
 
     tok = SpyTokenizer()
@@ -160,7 +160,7 @@ class ChatSpyTokenizer(SpyTokenizer):
 def test_over_limit_conversation_is_rejected_before_rendering_on_both_edges() -> None:
     """Chat messages get the text prompts' character cap (before the template is rendered
     and tokenized), over gRPC and HTTP: a megabyte of chat costs the router nothing."""
-    from router.serving.request import GenerateSpec
+    from router.serving.generate_spec import GenerateSpec
     from worker.engine import SamplingParams
 
     tok = ChatSpyTokenizer()

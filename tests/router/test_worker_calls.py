@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from router.serving.answers import AnswerCache
+from router.serving.answer_cache import AnswerCache
 from router.serving.ray_workers import STATUS_REUSE_S, RayWorkerDirectory
 
 
 def _directory_whose_lookups_never_end() -> RayWorkerDirectory:
     d = object.__new__(RayWorkerDirectory)  # only the lookup and the timeouts are used
-    d.liveness = SimpleNamespace(probe_timeout_s=0.05, status_timeout_s=0.05)
+    d.timeouts = SimpleNamespace(probe_timeout_s=0.05, status_timeout_s=0.05)
     d.call_timeout_s = 0.05
 
     async def never(worker_id: str) -> object:

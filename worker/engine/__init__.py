@@ -5,7 +5,7 @@ Knows nothing about Ray, Redis or gRPC. Offline use::
     engine = Engine.from_model_dir(model_dir, EngineConfig(num_blocks=512))
     results = engine.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
-Streaming (thread-safe, asyncio-friendly): :class:`StreamingEngine`.
+Streaming (thread-safe, asyncio-friendly): :class:`EngineLoop`.
 """
 
 from kvstore.blocks.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
@@ -21,8 +21,8 @@ from kvstore.blocks.outputs import (
 from kvstore.blocks.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig
 from worker.engine.engine import Engine
+from worker.engine.engine_loop import EngineLoop
 from worker.engine.executor import ModelExecutor, RunnerExecutor
-from worker.engine.front import StreamingEngine
 from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary
 from worker.engine.policy import SchedulingPolicy, get_policy, policy_names, register_policy
 from worker.engine.streams import OutputSink, RequestStream, StreamEnd
@@ -49,7 +49,7 @@ __all__ = [
     "SamplingParams",
     "SchedulingPolicy",
     "StreamEnd",
-    "StreamingEngine",
+    "EngineLoop",
     "TokenLogprob",
     "Usage",
     "get_policy",

@@ -2,7 +2,7 @@
 worker, instead of computed here.
 
 Both functions touch the engine's state and must run between steps, in the engine's thread
-or under the front's lock (``StreamingEngine.with_engine``); neither blocks on anything but
+or under the engine loop's lock (``EngineLoop.call``); neither blocks on anything but
 memory copies. The transport (Ray's object store or another) is the caller's.
 
 - :func:`export_run`: the leading run of the asked keys this engine holds, copied out as a

@@ -1,4 +1,4 @@
-"""Where the streaming front delivers outputs: sinks, and the per-request stream.
+"""Where the engine loop delivers outputs: sinks, and the per-request stream.
 
 The engine thread hands each sink one list per step (its requests' outputs of that step, in
 order). A sink with a ``loop`` gets it on that event loop (one ``call_soon_threadsafe`` per

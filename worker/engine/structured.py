@@ -61,7 +61,7 @@ class GrammarCompiler:
     """Compiles constraints against one tokenizer, off the engine thread, cached by constraint.
 
     Callers' obligations: ``submit`` is called from one thread at a time (the engine's, or
-    under the streaming front's lock); the returned future's matcher is a template, never
+    under the engine loop's lock); the returned future's matcher is a template, never
     advanced: a request copies it (``deep_copy``) for each of its sequences."""
 
     def __init__(

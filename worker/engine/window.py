@@ -9,13 +9,14 @@ cached until it ends) and the forward writes only the new slots of its own seque
 a full cached block. So a cached block can be pinned, copied out and released meanwhile.
 
 :class:`ForwardWindow` is that rule as a lock: the engine thread holds ``lock`` whenever it
-touches the engine (the front takes it with its own lock, :meth:`~ForwardWindow.held`) and
-lets go of it only around the forward (:meth:`~ForwardWindow.open`; an engine stepped
-without its front lends nothing); another thread that holds ``lock`` may read cached blocks
-through the KV manager's export pins (``export_run``), and must release every pin before it
-lets go. The engine thread waits for it at the end of the forward, so an export holds up a
-step by at most its copy. On CUDA the copy is ordered after the forward's kernels on the
-same stream, which is correct, just not concurrent.
+touches the engine (the engine loop takes it with its own lock,
+:meth:`~ForwardWindow.held`) and lets go of it only around the forward
+(:meth:`~ForwardWindow.open`; an engine stepped without its loop lends nothing); another
+thread that holds ``lock`` may read cached blocks through the KV manager's export pins
+(``export_run``), and must release every pin before it lets go. The engine thread waits for
+it at the end of the forward, so an export holds up a step by at most its copy. On CUDA the
+copy is ordered after the forward's kernels on the same stream, which is correct, just not
+concurrent.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class ForwardWindow:
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Hold ``lock`` to run the engine (the front, around its drain and step)."""
+        """Hold ``lock`` to run the engine (the engine loop, around its drain and step)."""
         with self.lock:
             self._owner = threading.get_ident()
             try:
@@ -49,7 +50,7 @@ class ForwardWindow:
     @contextmanager
     def open(self) -> Iterator[None]:
         """Around the model's forward: lend ``lock`` for the body if this thread holds it
-        through :meth:`held` (an engine stepped without its front lends nothing)."""
+        through :meth:`held` (an engine stepped without its loop lends nothing)."""
         me = threading.get_ident()
         if self._owner != me:
             yield

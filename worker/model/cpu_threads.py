@@ -4,7 +4,7 @@ OpenMP keeps the team size per OS thread (``omp_set_num_threads`` sets the calli
 value; a thread started later begins from ``OMP_NUM_THREADS``, which Ray sets in an actor
 to the whole CPUs it reserves, at least 1). So ``torch.set_num_threads`` in one thread leaves
 the engine loop's thread as it was: :func:`configure_threads` must run in the thread that
-runs the model, and ``StreamingEngine`` applies the engine's count (``Engine.cpu_threads``)
+runs the model, and ``EngineLoop`` applies the engine's count (``Engine.cpu_threads``)
 at the start of its loop. How the threads wait: ``worker/cpu_threads.py``.
 """
 

@@ -1,8 +1,7 @@
-"""The worker actor's side of peer pulls: export to a peer, pull from a peer, probe.
+"""The worker's side of peer pulls: export to a peer, pull from a peer, probe.
 
-:class:`PeerPulls` is mixed into the worker actor. Every engine access goes through the
-front (``with_engine_async``: run on the engine thread between steps), so the actor's event
-loop never waits for a step; the bytes move through a
+Every engine access is a command to the engine loop (``worker/engine/commands.py``), so the
+actor's event loop never waits for a step; the bytes move through a
 :class:`~worker.pull.transport.KVTransport`.
 
 A pull is advice, never a dependency: whatever goes wrong — the source holds nothing any
@@ -19,16 +18,17 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.blocks.protocol import PullHint, PullReport, WorkerRequest
 from worker.engine import Engine
-from worker.engine.kv_pull import export_run, import_run
+from worker.engine.commands import ExportRun, ImportRun
+from worker.engine.engine_loop import EngineLoop
 from worker.kv.transfer import BlockRun, ImportRefused, RunHeader
 from worker.pull.transport import (
     KVTransport,
@@ -37,26 +37,30 @@ from worker.pull.transport import (
     RunHandle,
     current_node_id,
 )
-from worker.pull.warm import WarmStarts
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 EXPORT_WAIT_S = 10.0  # an export that finds no window by then fails (the puller recomputes)
 
 
-class PeerPulls(WarmStarts):
-    """Mixin of the worker actor: needs ``self.front`` (the streaming engine), ``self.engine``,
-    ``self.worker_id`` and ``self.namespace``; call :meth:`_init_pulls` once the front runs.
-    Its warm start (:class:`WarmStarts`) pulls through the same calls."""
+class PeerPulls:
+    """A worker's pulls and exports, its peers' handles and the pulls in flight. ``engine``
+    is read only for its fixed facts (block size, hash contexts, KV layout); everything
+    else goes through ``engine_loop``."""
 
-    front: Any
-    engine: Engine
-    worker_id: str
-    namespace: str | None  # the cluster's Ray namespace (None: the job's)
-
-    def _init_pulls(self, transport: KVTransport | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        engine_loop: EngineLoop,
+        worker_id: str,
+        namespace: str | None,  # the cluster's Ray namespace (None: the job's)
+        transport: KVTransport | None = None,
+    ) -> None:
+        self.engine = engine
+        self.engine_loop = engine_loop
+        self.worker_id = worker_id
+        self.namespace = namespace
         self.transport = transport or RayObjectStoreTransport()
-        self.pull_outcomes: Counter[str] = Counter()  # outcome -> pulls
+        self.outcomes: Counter[str] = Counter()  # outcome -> pulls
         self.pulled_tokens = 0  # tokens imported by pulls
         self.exported_runs = 0  # runs this worker handed out
         self._peers: dict[str, Any] = {}  # worker id -> actor handle (cached)
@@ -64,14 +68,8 @@ class PeerPulls(WarmStarts):
         self.node_id = current_node_id()
         # last key of each pull in flight -> its end: a request of the same prefix that
         # arrives meanwhile waits for it instead of computing the prefix beside the import
-        self._landing: dict[BlockKey, asyncio.Future[None]] = {}
+        self.landing: dict[BlockKey, asyncio.Future[None]] = {}
         self.coalesced = 0  # requests that waited for another request's pull
-        self._init_warm()
-
-    async def _on_engine(self, fn: Callable[[Engine], T]) -> T:
-        """``fn(engine)`` on the engine thread between steps, awaited without blocking the
-        event loop."""
-        return await self.front.with_engine_async(fn)
 
     # -- source ------------------------------------------------------------------------------
 
@@ -82,9 +80,7 @@ class PeerPulls(WarmStarts):
         ``ctx``) this worker holds; None when it holds none. Called by a pulling peer. The
         copy runs while this worker's model computes its step (``worker/engine/window.py``):
         a busy holder makes a pull wait for no step of its own."""
-        run = await self.front.with_cached_kv_async(
-            lambda e: export_run(e, list(keys), ctx, start), EXPORT_WAIT_S
-        )
+        run = await self.engine_loop.export_async(ExportRun(tuple(keys), ctx, start), EXPORT_WAIT_S)
         if run is None:
             return None
         self.exported_runs += 1
@@ -111,7 +107,7 @@ class PeerPulls(WarmStarts):
         fetch and a copy of the bytes, as an import copies them), the fastest of
         ``repeats`` each (the rest is noise): the router fits its transfer cost for this
         pair of nodes to the samples."""
-        source = await self._peer(source_id)
+        source = await self.peer(source_id)
         samples: list[tuple[int, float]] = []
         source_node = ""
         bs = self.engine.config.block_size
@@ -134,11 +130,9 @@ class PeerPulls(WarmStarts):
 
     # -- importer ----------------------------------------------------------------------------
 
-    async def _pull_for(
-        self, request: WorkerRequest, keys: Sequence[BlockKey]
-    ) -> PullReport | None:
-        """Run the request's pull, if it has one; never raises (see the module docstring)."""
-        self._note_served(request, keys)
+    async def pull_for(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> PullReport | None:
+        """Run the request's pull, if it has one, or wait for a pull in flight that brings
+        its prefix; never raises (see the module docstring)."""
         hint = request.pull
         if hint is None:
             await self._await_landing(keys)
@@ -149,15 +143,15 @@ class PeerPulls(WarmStarts):
         last = keys[end - 1] if 0 < end <= len(keys) else None
         landing = asyncio.get_running_loop().create_future()
         if last is not None:
-            self._landing.setdefault(last, landing)
+            self.landing.setdefault(last, landing)
         try:
             outcome, blocks, nbytes, node = await self._pull(hint, request.token_ids, keys, ctx)
         finally:
             landing.set_result(None)
-            if last is not None and self._landing.get(last) is landing:
-                del self._landing[last]
+            if last is not None and self.landing.get(last) is landing:
+                del self.landing[last]
         seconds = time.monotonic() - started
-        self.pull_outcomes[outcome] += 1
+        self.outcomes[outcome] += 1
         if outcome != "ok":
             log.info(
                 "request %s: pull from %s %s after %.3fs; recomputing",
@@ -174,10 +168,10 @@ class PeerPulls(WarmStarts):
     async def _await_landing(self, keys: Sequence[BlockKey]) -> None:
         """Wait for a pull in flight that brings a prefix of ``keys`` (it ends by its own
         deadline, so this never waits longer than that)."""
-        if not self._landing:
+        if not self.landing:
             return
         for key in reversed(keys):
-            landing = self._landing.get(key)
+            landing = self.landing.get(key)
             if landing is not None:
                 self.coalesced += 1
                 await asyncio.shield(landing)
@@ -196,7 +190,7 @@ class PeerPulls(WarmStarts):
         if not want or hint.source_id == self.worker_id:
             return "missing", 0, 0, ""
         try:
-            source = await self._peer(hint.source_id)
+            source = await self.peer(hint.source_id)
             call = source.export_kv.remote(want, ctx, hint.start_block)
             handle = await asyncio.wait_for(_await(call), max(deadline - time.monotonic(), 0))
             if handle is None:
@@ -211,7 +205,7 @@ class PeerPulls(WarmStarts):
             log.debug("pull from %s failed: %r", hint.source_id, exc)
             return "source-gone", 0, 0, ""
         try:
-            res = await self._on_engine(lambda e: import_run(e, run, token_ids, ctx, keys))
+            res = await self.engine_loop.call_async(ImportRun(run, token_ids, ctx, keys))
         except ImportRefused as exc:
             log.warning("run from %s refused: %s", hint.source_id, exc.reason)
             return "refused", 0, handle.nbytes, handle.node
@@ -223,7 +217,7 @@ class PeerPulls(WarmStarts):
         self.pulled_tokens += res.blocks * self.engine.config.block_size
         return "ok", res.blocks, handle.nbytes, handle.node
 
-    async def _peer(self, worker_id: str) -> Any:
+    async def peer(self, worker_id: str) -> Any:
         """The peer's actor handle (named actors of this namespace; looked up off the loop)."""
         handle = self._peers.get(worker_id)
         if handle is None:
@@ -234,15 +228,13 @@ class PeerPulls(WarmStarts):
             self._peers[worker_id] = handle
         return handle
 
-    def pull_stats(self) -> dict[str, Any]:
-        """Pulls by outcome, tokens imported, runs exported (for status and tests)."""
+    def stats(self) -> dict[str, Any]:
+        """Pulls by outcome, tokens imported, runs exported, requests coalesced."""
         return {
-            "outcomes": dict(self.pull_outcomes),
+            "outcomes": dict(self.outcomes),
             "pulled_tokens": self.pulled_tokens,
             "exported_runs": self.exported_runs,
             "coalesced": self.coalesced,
-            "warmed_blocks": self.warmed_blocks,
-            "warm_started": self._auto_warm is not None and self._auto_warm.done(),
         }
 
 

@@ -1,55 +1,59 @@
 """Warm start: a new or restarted worker pulls the fleet's hottest prefixes from its peers.
 
-Mixed into the worker actor with :class:`~worker.pull.peer.PeerPulls` (whose transport,
-peer handles and engine access it uses). Each worker counts what it served
-(:class:`~worker.pull.hot.ServedPrefixes`); a warm start asks every peer for its hot list,
-picks the prefixes the fleet used most within a block budget (``pick_warm``) and pulls each
-from a peer that offered it, checked like a request's pull (its keys must hash from its own
-tokens under a context of this model and of an adapter served here). The routers start it
-once per worker incarnation (``router/serving/warm_start.py``) after the worker is ready,
-so it runs while the worker takes load, never before: whatever fails is skipped, nothing
-fails a request, and nothing is held after it (each payload is released as it is written).
+Built on the worker's :class:`~worker.pull.peer.PeerPulls` (whose transport and peer
+handles it uses). Each worker counts what it served
+(:class:`~worker.pull.served_prefixes.ServedPrefixes`); a warm start asks every peer for
+its hot list, picks the prefixes the fleet used most within a block budget (``pick_warm``)
+and pulls each from a peer that offered it, checked like a request's pull (its keys must
+hash from its own tokens under a context of this model and of an adapter served here). The
+routers start it once per worker incarnation (``router/serving/warm_start.py``) after the
+worker is ready, so it runs while the worker takes load, never before: whatever fails is
+skipped, nothing fails a request, and nothing is held after it (each payload is released
+as it is written).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.protocol import WorkerRequest
 from worker.engine import Engine
-from worker.engine.kv_pull import import_run
-from worker.pull.hot import HotPrefix, ServedPrefixes, pick_warm
+from worker.engine.commands import AnnounceState, ImportRun, Snapshot
+from worker.engine.engine_loop import EngineLoop
+from worker.pull.peer import PeerPulls
+from worker.pull.served_prefixes import HotPrefix, ServedPrefixes, pick_warm
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 CALL_S = 30.0  # one peer call or fetch of a warm start
 
 
 class WarmStarts:
-    """Mixin; needs what :class:`PeerPulls` provides (``_peer``, ``transport``,
-    ``_on_engine``, ``engine``, ``worker_id``); call :meth:`_init_warm` once."""
+    """What a worker served, and its warm start through ``pulls`` (peers and transport)."""
 
-    engine: Engine
-    worker_id: str
-    transport: Any
-
-    async def _peer(self, worker_id: str) -> Any: ...  # PeerPulls
-    async def _on_engine(self, fn: Callable[[Engine], T]) -> T: ...  # PeerPulls
-    def _after_step(self, engine: Engine, outputs: list) -> None: ...  # the worker actor's
-
-    def _init_warm(self) -> None:
+    def __init__(self, engine: Engine, engine_loop: EngineLoop, pulls: PeerPulls) -> None:
+        self.engine = engine
+        self.engine_loop = engine_loop
+        self.pulls = pulls
+        self.worker_id = pulls.worker_id
         self.served = ServedPrefixes()  # what this worker served: its peers' warm starts
         self.warmed_blocks = 0  # blocks imported by warm starts
         self._auto_warm: asyncio.Future[dict[str, int]] | None = None  # once per incarnation
 
-    def _note_served(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> None:
+    def note_served(self, request: WorkerRequest, keys: Sequence[BlockKey]) -> None:
         usable = (len(request.token_ids) - 1) // self.engine.config.block_size
         if usable > 0:
             self.served.note(self.engine.hash_context(request.params), keys[:usable])
+
+    def stats(self) -> dict[str, Any]:
+        """Blocks warmed, and whether the warm start of this incarnation ended."""
+        return {
+            "warmed_blocks": self.warmed_blocks,
+            "warm_started": self._auto_warm is not None and self._auto_warm.done(),
+        }
 
     def hot_prefixes(self, n: int) -> list[HotPrefix]:
         """The ``n`` prefixes this worker served most (see ``ServedPrefixes.hot``)."""
@@ -67,7 +71,7 @@ class WarmStarts:
 
     async def _warm_quietly(self, peer_ids: Sequence[str], n: int, share: float) -> dict:
         try:
-            total = (await self._on_engine(Engine.snapshot)).kv_total_blocks
+            total = (await self.engine_loop.call_async(Snapshot())).kv_total_blocks
             return await self.warm_start(peer_ids, n, int(share * total))
         except Exception:  # noqa: BLE001 - a warm start is an optimisation, never a failure
             log.exception("worker %s: warm start failed", self.worker_id)
@@ -103,14 +107,14 @@ class WarmStarts:
                 done["skipped"] += 1
         self.warmed_blocks += done["blocks"]
         if done["blocks"]:  # an idle engine steps not: announce the imports to the index now
-            await self._on_engine(lambda e: self._after_step(e, []))
+            await self.engine_loop.call_async(AnnounceState())
         bs = self.engine.config.block_size
         log.info("worker %s warm start: %s (%d tokens)", self.worker_id, done, done["blocks"] * bs)
         return done
 
     async def _hot_of(self, peer_id: str, n: int) -> list[HotPrefix] | None:
         try:
-            peer = await self._peer(peer_id)
+            peer = await self.pulls.peer(peer_id)
             return await asyncio.wait_for(_await(peer.hot_prefixes.remote(n)), CALL_S)
         except Exception:  # noqa: BLE001 - a peer that does not answer warms nothing
             return None
@@ -119,22 +123,22 @@ class WarmStarts:
         """Blocks imported from ``source`` for ``hot`` (None: it gave nothing usable)."""
         handle = None
         try:
-            peer = await self._peer(source)
+            peer = await self.pulls.peer(source)
             call = peer.export_kv.remote(list(hot.keys), hot.ctx)
             handle = await asyncio.wait_for(_await(call), CALL_S)
             if handle is None:
                 return None
-            run = await self.transport.fetch(handle, CALL_S)
+            run = await self.pulls.transport.fetch(handle, CALL_S)
             # the run's own tokens (and one more: a hit never covers a prompt's last token)
             prompt = [t for block in run.header.token_ids for t in block] + [0]
-            res = await self._on_engine(lambda e: import_run(e, run, prompt, hot.ctx))
+            res = await self.engine_loop.call_async(ImportRun(run, prompt, hot.ctx))
             return res.blocks
         except Exception as exc:  # noqa: BLE001 - refused, gone, timed out: skip it
             log.info("worker %s: warm pull from %s skipped: %r", self.worker_id, source, exc)
             return None
         finally:
             if handle is not None:
-                self.transport.release(handle)
+                self.pulls.transport.release(handle)
 
 
 async def _await(ref: Any) -> Any:

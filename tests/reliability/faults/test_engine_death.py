@@ -35,8 +35,8 @@ def _break_engine(server) -> int:  # noqa: ANN001 - runs inside the worker actor
         raise RuntimeError("injected: engine state beyond repair")
 
     server.engine.step = step
-    server.front.add_request([1, 2, 3, 4], SamplingParams(max_tokens=1))
-    return server.publisher.epoch
+    server.engine_loop.add_request([1, 2, 3, 4], SamplingParams(max_tokens=1))
+    return server.index.epoch
 
 
 def _epochs(client) -> dict[str, int]:  # noqa: ANN001
@@ -110,9 +110,9 @@ def test_served_processes_run_at_normal_priority_with_their_engines_threads(clus
     import ray
 
     def probe(server) -> tuple[int, int, int]:  # noqa: ANN001
-        import torch
+        from worker.engine.commands import ComputeThreads
 
-        loop_threads = server.front.with_engine(lambda e: torch.get_num_threads())
+        loop_threads = server.engine_loop.call(ComputeThreads())
         return os.nice(0), server.engine.cpu_threads, loop_threads
 
     for niceness, threads, loop_threads in on_workers(cluster, probe).values():

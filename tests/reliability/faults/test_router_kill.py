@@ -36,7 +36,7 @@ WAIT_S = 60.0  # deadline of every condition this test waits for
 
 def orphans_aborted(cluster) -> int:  # noqa: ANN001
     """Requests the workers aborted because their caller died (``CallerWatch.aborted``)."""
-    return sum(on_workers(cluster, lambda w: w.callers.aborted).values())
+    return sum(on_workers(cluster, lambda w: w.streams.callers.aborted).values())
 
 
 def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
@@ -136,7 +136,7 @@ def test_a_dead_routers_idle_channels_are_dropped(cluster) -> None:
 
 def channels_of(cluster, incarnation: str) -> int:  # noqa: ANN001
     """Channels the workers hold for the router incarnation ``incarnation``."""
-    ids = on_workers(cluster, lambda w: w.channels.ids())
+    ids = on_workers(cluster, lambda w: w.streams.channels.ids())
     return sum(cid.startswith(incarnation + "/") for cids in ids.values() for cid in cids)
 
 

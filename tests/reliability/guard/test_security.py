@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.client import KVClusterClient
 from kvstore.index import KVIndex
-from router.serving.request import tenant_salt
+from router.serving.generate_spec import tenant_salt
 from tests.reliability.guard.conftest import REDIS_PASSWORD, TOKENS, connect
 from tests.reliability.helpers import CALL_TIMEOUT_S, code_of, wait_for
 from worker.kv import HashContext, block_keys

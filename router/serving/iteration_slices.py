@@ -1,11 +1,12 @@
 """Bounding the work one router loop iteration runs when a burst of requests reaches the
 same step at once (256 submits serialised to Ray in one iteration: tens of ms).
 
-:class:`TurnSlices` lets at most ``size`` callers through per loop iteration; the rest wait
+:class:`IterationSlices` lets at most ``size`` callers through per loop iteration; the rest wait
 in arrival order and are let through a slice per iteration, so a probe, a heartbeat or
-another stream's write runs between two slices, as :func:`channels.demultiplex` does for
-wake-ups. A waiting caller costs nothing per iteration (one future, woken once), so a burst
-of n costs O(n), not a re-queue per waiter per iteration.
+another stream's write runs between two slices, as
+:func:`~router.serving.worker_channel.demultiplex` does for wake-ups. A waiting caller costs
+nothing per iteration (one future, woken once), so a burst of n costs O(n), not a re-queue
+per waiter per iteration.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 from collections import deque
 
 
-class TurnSlices:
+class IterationSlices:
     """At most ``size`` callers of :meth:`enter` pass per loop iteration."""
 
     def __init__(self, size: int) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.blocks.hashing import BlockKey
-from router.placement.types import WorkerId
+from router.placement.placement_types import WorkerId
 
 
 @dataclass(slots=True)

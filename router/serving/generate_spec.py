@@ -19,7 +19,7 @@ from kvstore.blocks.hashing import SALT_SCOPE_SEP
 from kvstore.blocks.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from kvstore.blocks.structured import StructuredOutputs
 from router.placement.config import RequestLimits
-from router.serving.errors import renamed
+from router.serving.request_errors import renamed
 
 DEFAULT_LIMITS = RequestLimits()
 # what a chat message may carry to the template (tool calls and results with their ids, the

@@ -1,5 +1,5 @@
-"""Which workers a router may place on, and their load (the liveness half of
-:class:`RayWorkerDirectory`).
+"""Which workers a router may place on, and their load (owned by
+:class:`~router.serving.ray_workers.RayWorkerDirectory`).
 
 Live workers and their load come from the Redis index's heartbeats (one cached round trip
 per ``live_ttl_s``). When Redis is unreachable the list falls back to the worker actors Ray
@@ -26,16 +26,17 @@ WORKER_PREFIX = "worker-"
 
 
 class WorkerLiveness:
-    """Mixin of the worker directory: the live workers and this router's dead marks; call
-    :meth:`_init_liveness` first."""
+    """The live workers (from the index's heartbeats, else Ray's named actors) and this
+    router's marks of workers that died while serving."""
 
-    def _init_liveness(
+    def __init__(
         self,
         namespace: str,
         index: KVIndex | None,
-        breaker: CircuitBreaker | None,
-        live_ttl_s: float,
-        dead_ttl_s: float,
+        *,
+        breaker: CircuitBreaker | None = None,
+        live_ttl_s: float = 0.1,
+        dead_ttl_s: float = 10.0,
     ) -> None:
         self.namespace = namespace
         self.index = index
@@ -47,7 +48,9 @@ class WorkerLiveness:
         self._dead: dict[str, tuple[float, int | None]] = {}  # worker -> (since, epoch)
         self._seen: dict[str, float] = {}  # worker -> when its heartbeat was last live
 
-    async def _from_index(self) -> dict[str, tuple[int, WorkerLoad]] | None:
+    async def from_index(self) -> dict[str, tuple[int, WorkerLoad]] | None:
+        """Live workers -> (epoch, load) from the index, read at most once per
+        ``live_ttl_s``; None without an index or while it is unreachable."""
         if self.index is None:
             return None
         now = time.monotonic()
@@ -71,7 +74,8 @@ class WorkerLiveness:
         self._seen.update(dict.fromkeys(live, now))
         return live
 
-    def _from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
+    def from_ray(self) -> dict[str, tuple[int | None, WorkerLoad]]:
+        """Every worker actor Ray knows by name, with an empty load (blocking: a GCS call)."""
         names = ray.util.list_named_actors(all_namespaces=True)
         out: dict[str, tuple[int | None, WorkerLoad]] = {}
         for entry in names:
@@ -89,9 +93,14 @@ class WorkerLiveness:
                 )
         return out
 
+    def last_seen(self, worker_id: str) -> float | None:
+        """When the worker's heartbeat was last live (``time.monotonic()``), if ever."""
+        return self._seen.get(worker_id)
+
     async def candidates(self) -> Mapping[str, WorkerLoad]:
-        live = await self._from_index()
-        entries = live if live else await asyncio.to_thread(self._from_ray)
+        """Live workers -> load, less those marked dead (see :meth:`mark_dead`)."""
+        live = await self.from_index()
+        entries = live if live else await asyncio.to_thread(self.from_ray)
         now = time.monotonic()
         out = {}
         for w, (epoch, load) in entries.items():
@@ -108,10 +117,11 @@ class WorkerLiveness:
     async def live_epochs(self) -> dict[str, int]:
         """Live workers and their epochs from the index (empty without one, or when it is
         unreachable: Ray's list has no epochs)."""
-        live = await self._from_index()
+        live = await self.from_index()
         return {w: epoch for w, (epoch, _load) in (live or {}).items()}
 
     def mark_dead(self, worker_id: str) -> None:
+        """Skip ``worker_id`` until it shows a new epoch or, without one, for ``dead_ttl_s``."""
         epoch = self._live[1].get(worker_id, (None,))[0]
         self._dead[worker_id] = (time.monotonic(), epoch)
         self._live = (0.0, self._live[1])  # re-read the registry on the next request

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from kvstore.blocks.registry import Registry
 from kvstore.types import WorkerLoad
-from router.placement.types import Placement, RouteRequest, UnknownPolicyError, WorkerView
+from router.placement.placement_types import Placement, RouteRequest, UnknownPolicyError, WorkerView
 
 if TYPE_CHECKING:  # the config validates policy names against the registry below
     from router.placement.config import LoadWeights, RoutingConfig

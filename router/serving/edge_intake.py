@@ -2,8 +2,8 @@
 generation stream of a validated :class:`GenerateSpec`.
 
 The gRPC servicer and the OpenAI HTTP app are thin parsers: each builds a
-:class:`GenerateSpec` with :func:`router.serving.request.make_spec` and hands it here;
-errors map to both protocols in :mod:`router.serving.errors`.
+:class:`GenerateSpec` with :func:`router.serving.generate_spec.make_spec` and hands it here;
+errors map to both protocols in :mod:`router.serving.request_errors`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from router.placement.adapters import adapter_name, for_tenant
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
 from router.serving.core import ServingCore
-from router.serving.errors import ModelNotFound, RequestFailed, Unauthenticated, renamed
-from router.serving.metrics import ServingMetrics
-from router.serving.request import ChatOptions, GenerateSpec
+from router.serving.generate_spec import ChatOptions, GenerateSpec
+from router.serving.iteration_slices import IterationSlices
+from router.serving.request_errors import ModelNotFound, RequestFailed, Unauthenticated, renamed
+from router.serving.serving_metrics import ServingMetrics
 from router.serving.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
-from router.serving.turns import TurnSlices
 from worker.model.tokenizer import Tokenizer
 
 _PLAIN_CHAT = ChatOptions()
@@ -76,7 +76,7 @@ class Intake:
         self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self.metrics = ServingMetrics(core.limits.model_id)
         self.started = int(time.time())
-        self.turns = TurnSlices(INTAKE_SLICE)
+        self.turns = IterationSlices(INTAKE_SLICE)
 
     @property
     def model_id(self) -> str:

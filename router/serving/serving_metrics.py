@@ -74,7 +74,7 @@ class _Statuses(Collector):
 
 class _Routing(Collector):
     """The router's own counters (placement decisions, retries), read at scrape time: the
-    names Ray's exporter gives them (``router/serving/telemetry.py``)."""
+    names Ray's exporter gives them (``router/serving/metrics_exporter.py``)."""
 
     def __init__(self) -> None:
         self.snapshot: dict = {}

@@ -18,7 +18,7 @@ from dataclasses import replace
 from kvstore.types import WorkerLoad
 
 
-class OwnWork:
+class SentWork:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._unprefilled: dict[str, dict[str, int]] = {}  # worker -> request -> tokens

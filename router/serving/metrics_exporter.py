@@ -14,8 +14,8 @@ import contextlib
 
 import ray
 
-from router.placement.metrics import RouterMetrics
 from router.placement.prediction import GAP_BUCKETS_TOKENS, PredictionTracker
+from router.placement.router_metrics import RouterMetrics
 
 
 class RouterExporter:

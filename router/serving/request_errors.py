@@ -17,7 +17,7 @@ import grpc
 from ray.exceptions import RayTaskError
 
 from kvstore.blocks.errors import EngineOverloaded, InvalidRequest, WireMismatch
-from router.placement.types import NoWorkersError
+from router.placement.placement_types import NoWorkersError
 from router.serving.core import FULL_RETRY_S, ClusterOverloaded, StreamBroken
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvstore.blocks.stats import quantile
-from router.placement.types import Reason, RouteDecision
+from router.placement.placement_types import Reason, RouteDecision
 
 
 class LatencyHistogram:
