@@ -178,3 +178,10 @@ def test_no_moves_with_a_zero_limit() -> None:
     directory = DyingWorkers(2, [2])
     outs, core = run(directory, SamplingParams(max_tokens=8, temperature=0.0), limit=0)
     assert outs[-1] is None and core.broken == 1
+
+
+def test_moves_are_exported_by_reason() -> None:
+    from router.serving.serving_metrics import ServingMetrics
+
+    body = ServingMetrics("m").render([], {"migrations": {"worker_died": 2}}).decode()
+    assert 'kvc_migrations_total{reason="worker_died"} 2.0' in body
