@@ -77,8 +77,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from cluster.client import KVClusterClient
 
-    with KVClusterClient(_endpoint(args)) as client:
+    target = _endpoint(args)
+    with KVClusterClient(target) as client:
         st = client.status()
+        routers = client.targets
+    print("routers: " + "  ".join(f"{a} ({router_state(a)})" for a in routers))
     # pinned: cached blocks the worker's waiting requests will pin (not room for a pull)
     print(
         f"model {st.model_id}  policy {st.policy}  index {'up' if st.index_available else 'DOWN'}"
@@ -124,6 +127,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if st.decisions:
         print("decisions: " + json.dumps(dict(st.decisions)))
     return 0
+
+
+def router_state(address: str) -> str:
+    """ "up" when the router at ``address`` answers a status call within 5 s, else the code."""
+    from cluster.client import KVClusterClient
+
+    with KVClusterClient(address, retries=0) as client:
+        try:
+            client.status(timeout=5.0)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "up"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -264,8 +264,8 @@ class KVClusterClient:
     def tokenize(self, text: str) -> list[int]:
         return list(self._unary_call("Tokenize", pb.TokenizeRequest(text=text), 30).token_ids)
 
-    def status(self) -> pb.ClusterStatusResponse:
-        return self._unary_call("ClusterStatus", pb.ClusterStatusRequest(), 30)
+    def status(self, timeout: float = 30.0) -> pb.ClusterStatusResponse:
+        return self._unary_call("ClusterStatus", pb.ClusterStatusRequest(), timeout)
 
 
 def accumulate(out: Completion, msg: pb.GenerateResponse) -> None:

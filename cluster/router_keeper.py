@@ -93,6 +93,8 @@ class RouterKeeper:
         self.poll_s = poll_s
         self.start_timeout_s = start_timeout_s
         self._endpoints = dict(endpoints)
+        # the routers it started: a non-detached actor lives while a handle to it does
+        self._handles: dict[int, ray.actor.ActorHandle] = {}
         self._lock = threading.Lock()  # endpoints: read by callers, written by the loop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,6 +125,7 @@ class RouterKeeper:
         for slot in self.placement.drop_dead(nodes):
             with self._lock:
                 self._endpoints.pop(slot.index, None)
+            self._handles.pop(slot.index, None)
             name = f"router-{slot.index}"
             log.info("router keeper: %s gone with its node %s", name, slot.node_id)
             try:
@@ -141,6 +144,7 @@ class RouterKeeper:
                 namespace=self.namespace,
                 detached=self.detached,
             )
+            self._handles[slot.index] = handle
             grpc_address = ray.get(handle.start.remote(), timeout=self.start_timeout_s)
             http = ray.get(handle.http_endpoint.remote(), timeout=self.start_timeout_s)
             with self._lock:

@@ -26,7 +26,12 @@ def ray_nodes() -> RayNodes:
     use_loopback_ray()
     nodes = RayNodes(
         initialize_head=True,
-        head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": NODE_CPUS,
+            "include_dashboard": False,
+            # a node that stops answering is dead to Ray after ~3 s (default ~30 s)
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
     )
     for _ in range(2):
         nodes.add_node(num_cpus=NODE_CPUS)
