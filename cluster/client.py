@@ -36,7 +36,8 @@ def retry_service_config(retries: int) -> str:
 
     Such a call did nothing: it was written to a connection that had just died (a killed
     router, before the channel noticed), or the router had no live worker. gRPC never retries
-    a call once a response arrived, so a stream that delivered tokens is not replayed."""
+    a call once a response arrived, so a stream that delivered tokens is not replayed (with
+    several addresses the client resumes it itself, :class:`ClientStream`)."""
     if not 0 <= retries <= 4:  # gRPC caps maxAttempts at 5
         raise ValueError(f"retries must be in [0, 4], got {retries}")
     if retries == 0:

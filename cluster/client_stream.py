@@ -18,9 +18,12 @@ class ClientStream:
 
     Attempt ``i`` goes to ``stubs[(start + i) % len(stubs)]``. An attempt that fails
     ``UNAVAILABLE`` before its first message did nothing (its router was gone or had no live
-    worker), so the next attempt is made, up to ``attempts`` in all, while time is left; a
-    stream that delivered a message is never replayed (the router moves it to another worker
-    itself when a worker dies). With ``timeout``, each attempt gets what is left of it, and
+    worker), so the next attempt is made, up to ``attempts`` in all, while time is left. One
+    that fails ``UNAVAILABLE`` after delivering tokens (its router died mid-stream) is
+    resumed, never replayed: the next attempt carries the tokens received
+    (``continue_from``) and the router continues after them, so the reader sees no gap and
+    no duplicate; a request of several sequences (``n > 1``, beams) or with a grammar is not
+    resumed (its error is raised). With ``timeout``, each attempt gets what is left of it, and
     the call still open ``guard_s`` past it is cancelled by the watch, whatever gRPC's own
     deadline did: the reader then gets ``CANCELLED``. The guard is disarmed only when the
     reader sees the stream end, never by a gRPC callback."""
@@ -47,7 +50,10 @@ class ClientStream:
         self._backoff_s = backoff_s
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._tried = 0  # attempts made
-        self._delivered = False  # a message reached the reader: never replayed
+        self._delivered = False  # a message reached the reader: resumed, never replayed
+        self._received: list[int] = []  # output tokens delivered (sequence 0)
+        p = request.params
+        self._resumable = p.n <= 1 and p.beam_width <= 1 and not p.HasField("structured")
         self._cancelled = False
         self._ended = False
         self._call = self._attempt()
@@ -69,7 +75,12 @@ class ClientStream:
         self._tried += 1
         self._attempts_left -= 1
         remaining = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-        return stub.Generate(self._request, timeout=remaining, metadata=self._metadata)
+        request = self._request
+        if self._received:
+            request = pb.GenerateRequest()
+            request.CopyFrom(self._request)
+            request.continue_from[:] = self._received
+        return stub.Generate(request, timeout=remaining, metadata=self._metadata)
 
     def _cancel_current(self) -> None:
         self._call.cancel()
@@ -80,9 +91,11 @@ class ClientStream:
             self._watch.disarm(self._guard)
 
     def _may_retry(self, exc: grpc.RpcError) -> bool:
-        if self._delivered or self._cancelled or self._attempts_left <= 0:
+        if self._cancelled or self._attempts_left <= 0:
             return False
         if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        if self._delivered and not (self._resumable and self._received):
             return False
         pause = self._backoff_s(self._tried)
         if self._deadline is not None and time.monotonic() + pause >= self._deadline:
@@ -110,6 +123,8 @@ class ClientStream:
                 self._end()
                 raise
             self._delivered = True
+            if msg.index == 0:
+                self._received.extend(msg.token_ids)
             return msg
 
     def cancel(self) -> bool:

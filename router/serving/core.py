@@ -163,12 +163,15 @@ class ServingCore:
         params: SamplingParams,
         *,
         tenant: str | None = None,
+        continue_from: Sequence[int] = (),
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
         """``request_id`` is the client's label only: outputs carry it back, but on the
         workers the request runs under an id this router generates. Client ids are not
         unique across clients or tenants, so a reused one must never reach (or, by the abort
         in the cleanup below, stop) another client's request. ``tenant``: the caller's; an
-        adapter registered for other tenants is unknown to it."""
+        adapter registered for other tenants is unknown to it. ``continue_from``: output
+        tokens the client already has (a stream resumed after its router died): the request
+        continues after them, as a moved one does."""
         self.live_requests += 1
         try:
             check_limits(token_ids, params, self.limits)
@@ -183,6 +186,8 @@ class ServingCore:
             full: list[str] = []  # workers that refused the request: waiting queue full
             loop = asyncio.get_running_loop()
             migration = Migration(token_ids, params, self.migration_limit)
+            if continue_from:
+                migration.resume(continue_from, self.limits.vocab_size)
             attempt = 0
             while attempt < self.max_attempts:
                 attempt += 1

@@ -13,8 +13,10 @@ sampled requests is in docs/failures.md. Only single-sequence requests move: sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
+from kvstore.blocks.errors import InvalidRequest
 from kvstore.blocks.outputs import CompletionDelta, RequestOutput, Usage
 from kvstore.blocks.sampling_params import SamplingParams
 
@@ -39,6 +41,24 @@ class Migration:
         self._base_logprob = 0.0  # cumulative logprob of those
         self._logprob: float | None = None  # the current attempt's latest cumulative logprob
         self._first_usage: Usage | None = None  # the first attempt's (what the client saw)
+
+    def resume(self, sent: Sequence[int], vocab_size: int) -> None:
+        """Start after ``sent``, the output tokens a client already has (it lost the router
+        that streamed them); raises :class:`InvalidRequest` for a request that cannot
+        continue."""
+        if not (self.params.n == 1 and self.params.beam_width == 1):
+            raise InvalidRequest("continue_from", "<tokens>", "needs n = 1 and no beam search")
+        if self.params.structured is not None:
+            raise InvalidRequest("continue_from", "<tokens>", "cannot continue a grammar")
+        if not 0 < len(sent) < self.params.max_tokens:
+            raise InvalidRequest(
+                "continue_from", f"<{len(sent)} tokens>", "must hold 1 to max_tokens - 1 tokens"
+            )
+        if any(not 0 <= t < vocab_size for t in sent):
+            raise InvalidRequest("continue_from", "<tokens>", f"ids must be in [0, {vocab_size})")
+        self.movable = True
+        self.sent = list(sent)
+        self._base_sent = len(sent)
 
     def can_move(self) -> bool:
         """Whether the request may continue elsewhere now: it moves, has moves left and
@@ -80,9 +100,9 @@ class Migration:
             self.sent.extend(d.token_ids)
             if d.cumulative_logprob is not None:
                 self._logprob = self._base_logprob + d.cumulative_logprob
-        if self.moves == 0:
-            if self._first_usage is None:
-                self._first_usage = out.usage
+        if self._first_usage is None:
+            self._first_usage = out.usage
+        if self.moves == 0 and not self._base_sent:
             return out
         first = self._first_usage
         u = out.usage

@@ -46,7 +46,7 @@ class StubRouter(pb_grpc.KVClusterServicer):
             self._stall(context)
             return
         n = request.params.max_tokens or 4
-        for i in range(n):
+        for i in range(len(request.continue_from), n):  # a resumed stream: after those
             time.sleep(TOKEN_GAP_S)
             last = i == n - 1
             yield pb.GenerateResponse(

@@ -14,6 +14,7 @@ import pytest
 
 from cluster import client as client_mod
 from cluster.client import KVClusterClient, build_request
+from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from tests.cluster.stub_router import StubProcess, free_port
 
 
@@ -37,7 +38,7 @@ class _StuckCall(grpc.RpcError):
 
     def __iter__(self):  # noqa: ANN204
         for _ in range(self.messages):  # a call that answers in time, then ends
-            yield None
+            yield pb.GenerateResponse()
         if self.messages:
             for fn in self.callbacks:
                 fn(self)

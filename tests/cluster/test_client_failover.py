@@ -46,9 +46,21 @@ def test_every_call_fails_over_from_dead_routers(routers) -> None:
             assert client.unary("x", timeout=10).worker_id == live
 
 
-def test_a_stream_that_delivered_tokens_is_not_replayed(routers) -> None:
+def test_a_stream_whose_router_dies_is_resumed_not_replayed(routers) -> None:
     with KVClusterClient([r.address for r in routers]) as client:
-        call = client.stream(build_request("x", max_tokens=10_000), timeout=30)
+        call = client.stream(build_request("x", max_tokens=60), timeout=30)
+        msgs = [next(call) for _ in range(5)]
+        victim = next(r for r in routers if f"stub-{r.port}" == msgs[0].worker_id)
+        victim.kill()
+        msgs += list(call)
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == list(range(60))  # no gap, no duplicate
+    assert msgs[-1].worker_id != msgs[0].worker_id  # finished by another router
+
+
+def test_a_stream_of_several_samples_is_not_resumed(routers) -> None:
+    with KVClusterClient([r.address for r in routers]) as client:
+        call = client.stream(build_request("x", max_tokens=10_000, n=2), timeout=30)
         first = next(call)
         victim = next(r for r in routers if f"stub-{r.port}" == first.worker_id)
         victim.kill()

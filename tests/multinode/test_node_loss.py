@@ -1,6 +1,7 @@
 """A kvcluster on 3 Ray nodes: a router on every node and the workers spread; a node that
-dies under load (its router and its worker with it) costs no request that did not run
-through its router, its streams move, it leaves the index; a node that joins gets a router.
+dies under load (its router and its worker with it) costs no request of a client with every
+router address (streams on its worker move, streams through its router resume elsewhere),
+it leaves the index; a node that joins gets a router.
 
 Order matters (one cluster for the module): placement, then the loss, then the rejoin."""
 
@@ -110,11 +111,10 @@ def test_a_node_dies_under_load(ray_nodes, cluster) -> None:
     for t in threads:
         t.join(CALL_TIMEOUT_S + 10)
     assert len(outcomes) == 12
-    failed = [o for o in outcomes.values() if o[0] != "OK"]
-    # a stream through the dead router cannot be saved by it (the client does not replay
-    # tokens it already has); every other stream ends complete, moved when its worker died
-    assert all(first == dead_address for _, first, _ in failed), outcomes
-    assert all(n == 120 for code, _, n in outcomes.values() if code == "OK"), outcomes
+    # 0 failed: streams on the dead worker moved (router migration), streams through the
+    # dead router resumed on another one (the client sends the tokens it has); all complete
+    assert all(code == "OK" and n == 120 for code, _, n in outcomes.values()), outcomes
+    assert any(first == dead_address for _, first, _ in outcomes.values())
     moved = sum(
         sum(ray.get(cluster.routers[r].stats.remote(), timeout=30)["migrations"].values())
         for r in cluster.routers

@@ -185,3 +185,35 @@ def test_moves_are_exported_by_reason() -> None:
 
     body = ServingMetrics("m").render([], {"migrations": {"worker_died": 2}}).decode()
     assert 'kvc_migrations_total{reason="worker_died"} 2.0' in body
+
+
+def test_a_client_resumes_after_the_tokens_it_has() -> None:
+    """A client whose router died sends the tokens it got (``continue_from``): the request
+    continues after them, as a moved one does."""
+    from kvstore.blocks.errors import InvalidRequest
+
+    async def resume(params: SamplingParams, sent: list[int]) -> tuple[list, DyingWorkers]:
+        directory = DyingWorkers(2, [])
+        core = ServingCore(
+            Router(RoutingConfig(policy="round_robin"), block_size=16), directory, LIMITS
+        )
+        try:
+            gen = core.generate("label", list(PROMPT), params, continue_from=sent)
+            return [out async for _, out in gen], directory
+        finally:
+            core.close()
+
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outs, directory = asyncio.run(resume(params, uninterrupted(4)))
+    assert tokens_of(outs) == uninterrupted(12)[4:]
+    assert outs[-1].usage == Usage(len(PROMPT), 3, 12)
+    ((_, request),) = directory.requests
+    assert list(request.token_ids) == PROMPT + uninterrupted(4)
+    assert request.params.max_tokens == 8
+    for bad, sent in (
+        (SamplingParams(max_tokens=12, n=2, temperature=1.0), [1]),
+        (params, uninterrupted(12)),
+        (params, [5000]),
+    ):
+        with pytest.raises(InvalidRequest, match="continue_from"):
+            asyncio.run(resume(bad, sent))
