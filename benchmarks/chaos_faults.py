@@ -4,8 +4,9 @@ Each function injects one fault into a running cluster, measures how long the cl
 affected, heals it and returns one row (plain numbers and lists, so the reliability tests can
 assert on the same runs that ``benchmarks/chaos.py`` prints).
 
-* frozen worker: SIGSTOP a worker's actor process while it streams. Its streams must end
-  UNAVAILABLE after the routers' stall timeout (not hang until it thaws), new requests must be
+* frozen worker: SIGSTOP a worker's actor process while it streams. After the routers' stall
+  timeout its streams must move to another worker and end there (not hang until it thaws),
+  new requests must be
   served by the other worker, ClusterStatus must answer and list it as stale; then SIGCONT.
 * router kill: SIGKILL a router's actor process. Ray restarts it on the same port; a client's
   next call on the same channel succeeds once it is back, and the dead router's open streams

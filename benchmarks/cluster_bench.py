@@ -77,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvcluster bench", description="load generator: table, plot, JSON line"
     )
     p.add_argument("--name", default="kvcluster", help="cluster name (state file)")
-    p.add_argument("--target", help="router host:port or HTTP URL (default: from the state file)")
+    p.add_argument(
+        "--target",
+        help="router host:port, several comma-separated (calls take turns and fail over), "
+        "or an HTTP URL; default: every router of the state file",
+    )
     p.add_argument("--requests", type=int, help="requests (per policy with --compare-policies)")
     p.add_argument("--concurrency", type=int, help="requests in flight")
     p.add_argument("--groups", type=int, help="distinct shared system prompts")

@@ -193,7 +193,8 @@ def run_bench(
     api: str = "grpc",
 ) -> dict[str, float]:
     """Load-test the running cluster at ``target``: table, PNG and JSON line on ``out``.
-    ``api``: "grpc" (``target`` host:port) or "http" (``target`` the OpenAI API's URL)."""
+    ``api``: "grpc" (``target`` host:port, or several comma-separated: requests take turns
+    over them and fail over) or "http" (``target`` the OpenAI API's URL)."""
     out = out or sys.stdout
     prompts = make_prompts(num_requests, num_groups, prefix_words, seed)
     one: Callable[[Any, str, int], Sample] = one_request

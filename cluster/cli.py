@@ -78,8 +78,11 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from cluster.client import KVClusterClient
 
-    with KVClusterClient(_endpoint(args)) as client:
+    target = _endpoint(args)
+    with KVClusterClient(target) as client:
         st = client.status()
+        routers = client.targets
+    print("routers: " + "  ".join(f"{a} ({router_state(a)})" for a in routers))
     # pinned: cached blocks the worker's waiting requests will pin (not room for a pull)
     print(
         f"model {st.model_id}  policy {st.policy}  index {'up' if st.index_available else 'DOWN'}"
@@ -136,6 +139,18 @@ def _print_prometheus(args: argparse.Namespace) -> None:
         return
     url = ClusterState.load(args.name).prometheus_url
     print(f"prometheus {url}" if url else "prometheus: none started (prometheus.start)")
+
+
+def router_state(address: str) -> str:
+    """ "up" when the router at ``address`` answers a status call within 5 s, else the code."""
+    from cluster.client import KVClusterClient
+
+    with KVClusterClient(address, retries=0) as client:
+        try:
+            client.status(timeout=5.0)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "up"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -226,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", cmd_generate, "stream a completion"),
     ):
         sp = add(name, fn, help_)
-        sp.add_argument("--target", help="router host:port (default: from the state file)")
+        sp.add_argument(
+            "--target",
+            help="router host:port, or several comma-separated (calls take turns and fail "
+            "over); default: every router of the state file",
+        )
         if name == "generate":
             sp.add_argument("prompt")
             sp.add_argument(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from cluster.client_errors import ClientCancelled
+from cluster.client_stream import ClientStream
+from cluster.deadline_watch import DeadlineWatch
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 
@@ -32,7 +36,8 @@ def retry_service_config(retries: int) -> str:
 
     Such a call did nothing: it was written to a connection that had just died (a killed
     router, before the channel noticed), or the router had no live worker. gRPC never retries
-    a call once a response arrived, so a stream that delivered tokens is not replayed."""
+    a call once a response arrived, so a stream that delivered tokens is not replayed (with
+    several addresses the client resumes it itself, :class:`ClientStream`)."""
     if not 0 <= retries <= 4:  # gRPC caps maxAttempts at 5
         raise ValueError(f"retries must be in [0, 4], got {retries}")
     if retries == 0:
@@ -108,35 +113,77 @@ def build_request(
     return req
 
 
+# gRPC's name-resolver schemes: a target starting "<scheme>:" is one gRPC target
+GRPC_SCHEMES = frozenset({"dns", "ipv4", "ipv6", "unix", "unix-abstract", "vsock", "xds"})
+
+
+def router_targets(target: str | Sequence[str]) -> list[str]:
+    """The gRPC targets a client calls: ``target`` split at commas (``"a:1,b:2"``, or a list
+    of addresses), each its own channel; a target with a gRPC scheme (``ipv4:a:1,b:2``,
+    ``dns:///...``) is one channel that gRPC balances itself."""
+    if isinstance(target, str):
+        if target.split(":", 1)[0] in GRPC_SCHEMES:
+            return [target]
+        parts = target.split(",")
+    else:
+        parts = list(target)
+    out = [p.strip() for p in parts if p.strip()]
+    if not out:
+        raise ValueError(f"no router address in {target!r}")
+    return out
+
+
 class KVClusterClient:
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         token: str | None = None,
         root_cert: bytes | None = None,
         max_message_bytes: int = 4 << 20,
         retries: int = 3,
     ) -> None:
-        """``target``: one address or a gRPC multi-address target (``ipv4:a:p1,b:p2``, tried
-        in order); ``retries``: see :func:`retry_service_config`."""
+        """``target``: one router address, several (``"a:1,b:2"`` or a list: each call
+        starts at the next one in turn and fails over to the following ones), or a gRPC
+        multi-address target (``ipv4:a:p1,b:p2``, one channel, tried in order).
+        ``retries``: more attempts of a call that failed ``UNAVAILABLE`` before any answer;
+        with one address gRPC makes them (:func:`retry_service_config`), with several the
+        client does, each on the next address."""
+        self.targets = router_targets(target)
+        self.retries = retries
+        # with several addresses the client moves a failed call on at once instead of
+        # gRPC retrying it on the address that just failed
+        per_channel = retries if len(self.targets) == 1 else 0
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.enable_retries", 1),
-            ("grpc.service_config", retry_service_config(retries)),
+            ("grpc.service_config", retry_service_config(per_channel)),
         ]
         if root_cert is not None:
-            self.channel = grpc.secure_channel(
-                target, grpc.ssl_channel_credentials(root_cert), options=opts
-            )
+            creds = grpc.ssl_channel_credentials(root_cert)
+            self.channels = [grpc.secure_channel(t, creds, options=opts) for t in self.targets]
         else:
-            self.channel = grpc.insecure_channel(target, options=opts)
-        self.stub = pb_grpc.KVClusterStub(self.channel)
+            self.channels = [grpc.insecure_channel(t, options=opts) for t in self.targets]
+        self.stubs = [pb_grpc.KVClusterStub(c) for c in self.channels]
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self._watch = DeadlineWatch()
+        self._turn = itertools.count()
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The first address's channel."""
+        return self.channels[0]
+
+    @property
+    def stub(self) -> pb_grpc.KVClusterStub:
+        """The first address's stub."""
+        return self.stubs[0]
 
     def close(self) -> None:
-        self.channel.close()
+        self._watch.close()
+        for c in self.channels:
+            c.close()
 
     def __enter__(self) -> KVClusterClient:
         return self
@@ -144,19 +191,63 @@ class KVClusterClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stream(
-        self, request: pb.GenerateRequest, timeout: float | None = None
-    ) -> Iterator[pb.GenerateResponse]:
+    def _attempts(self) -> int:
+        return 1 if len(self.stubs) == 1 else self.retries + 1
+
+    def _start(self) -> int:
+        return next(self._turn) % len(self.stubs)
+
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> ClientStream:
         """The call's messages; with ``timeout``, a call still open ``DEADLINE_GUARD_S``
         past it is cancelled here (its reader gets ``CANCELLED``), whatever gRPC's own
-        deadline did."""
-        call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
-        if timeout is not None:
-            guard = threading.Timer(timeout + DEADLINE_GUARD_S, call.cancel)
-            guard.daemon = True
-            guard.start()
-            call.add_done_callback(lambda _call: guard.cancel())
-        return call
+        deadline did. See :class:`ClientStream` for failover."""
+        return ClientStream(
+            self.stubs,
+            self._start(),
+            request,
+            timeout=timeout,
+            metadata=self.metadata,
+            attempts=self._attempts(),
+            backoff_s=self._backoff_s,
+            watch=self._watch,
+            guard_s=DEADLINE_GUARD_S,
+        )
+
+    def _backoff_s(self, tried: int) -> float:
+        """Pause before attempt ``tried`` + 1: none while addresses not yet tried in this
+        round are left, then 0.1 s doubling per round (up to 1 s)."""
+        n = len(self.stubs)
+        if tried % n:
+            return 0.0
+        return min(1.0, 0.1 * 2 ** (tried // n - 1))
+
+    def _unary_call(self, method: str, request: object, timeout: float | None) -> object:
+        """One unary call with failover (as :class:`ClientStream`) and its deadline held:
+        the caller waits at most ``timeout + DEADLINE_GUARD_S``, then the call is cancelled
+        and ``CANCELLED`` raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        start, attempts = self._start(), self._attempts()
+        for tried in range(attempts):
+            stub = self.stubs[(start + tried) % len(self.stubs)]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            future = getattr(stub, method).future(
+                request, timeout=remaining, metadata=self.metadata
+            )
+            wait = None if remaining is None else remaining + DEADLINE_GUARD_S
+            try:
+                return future.result(timeout=wait)
+            except grpc.FutureTimeoutError:
+                future.cancel()
+                raise ClientCancelled(
+                    f"{method} still open {DEADLINE_GUARD_S} s past its {timeout} s deadline"
+                ) from None
+            except grpc.RpcError as exc:
+                pause = self._backoff_s(tried + 1)
+                late = deadline is not None and time.monotonic() + pause >= deadline
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or tried + 1 == attempts or late:
+                    raise
+                time.sleep(pause)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def generate(
         self, prompt: Prompt, *, timeout: float | None = 120.0, **kwargs: object
@@ -169,21 +260,13 @@ class KVClusterClient:
     def unary(
         self, prompt: Prompt, *, timeout: float | None = 120.0, **kwargs: object
     ) -> pb.GenerateResult:
-        return self.stub.GenerateUnary(
-            build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata
-        )
+        return self._unary_call("GenerateUnary", build_request(prompt, **kwargs), timeout)
 
     def tokenize(self, text: str) -> list[int]:
-        return list(
-            self.stub.Tokenize(
-                pb.TokenizeRequest(text=text), metadata=self.metadata, timeout=30
-            ).token_ids
-        )
+        return list(self._unary_call("Tokenize", pb.TokenizeRequest(text=text), 30).token_ids)
 
-    def status(self) -> pb.ClusterStatusResponse:
-        return self.stub.ClusterStatus(
-            pb.ClusterStatusRequest(), metadata=self.metadata, timeout=30
-        )
+    def status(self, timeout: float = 30.0) -> pb.ClusterStatusResponse:
+        return self._unary_call("ClusterStatus", pb.ClusterStatusRequest(), timeout)
 
 
 def accumulate(out: Completion, msg: pb.GenerateResponse) -> None:

@@ -41,6 +41,13 @@ class ServedModelConfig(Strict):
 class WorkersConfig(Strict):
     num_workers: int = Field(2, ge=1, le=1024, description="Workers on CPU-only clusters.")
     use_gpu: bool = Field(False, description="One worker per GPU (num_gpus=1) when true.")
+    placement: Literal["spread", "pack"] = Field(
+        "spread",
+        description="spread: worker i starts on the i-th live node (in turn) that has its "
+        "resources (a GPU with use_gpu, num_cpus_per_worker CPUs), so a node's loss takes "
+        "the fewest workers; a worker whose node died restarts wherever Ray finds room. "
+        "pack: Ray's default placement (fills a node first).",
+    )
     num_cpus_per_worker: float = Field(0.5, gt=0, description="Ray CPUs reserved per worker.")
     max_restarts: int = Field(3, ge=-1, description="Ray actor restarts on failure (-1: inf).")
     start_timeout_s: float = Field(

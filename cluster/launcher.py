@@ -20,11 +20,21 @@ import logging
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, start_detached
+from cluster.local_redis import LocalRedis, free_port, start_detached
+from cluster.node_placement import NodeInfo, RouterPlacement, alive_nodes, spread_workers
 from cluster.prometheus import LocalPrometheus
 from cluster.ray_session import RaySession
+from cluster.router_keeper import (
+    KEEPER_NAME,
+    RouterKeeper,
+    RouterKeeperActor,
+    callable_address,
+    launch_router,
+    slot_settings,
+)
 from cluster.settings import (
     actor_env,
     engine_max_model_len,
@@ -35,7 +45,7 @@ from cluster.settings import (
 )
 from cluster.state import ClusterState, stop_group
 from kvstore.config import IndexConfig
-from router.server import RouterActor, RouterSettings
+from router.server import RouterSettings
 from worker.actor import WorkerActor, WorkerSettings
 from worker.model.default_model import resolve_default_model
 
@@ -62,6 +72,13 @@ class Cluster:
         # what workers get (None: they resolve the default), and the id every component uses
         self.model_path, self.model_id = resolve_model(cfg)
         self.prometheus = LocalPrometheus.for_cluster(cfg, detached=detached)  # None: none
+        r = cfg.router
+        self.router_placement = RouterPlacement(
+            r.location, r.num_routers, r.port, r.http_port, free_port
+        )
+        # starts the routers of nodes that join later: a thread here, or an actor when detached
+        self.keeper: RouterKeeper | None = None
+        self.keeper_actor: ray.actor.ActorHandle | None = None
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -99,7 +116,8 @@ class Cluster:
         )
 
     def router_settings(self, i: int) -> RouterSettings:
-        return router_settings(
+        """Router ``i``'s settings, with its placed ports once it has a slot."""
+        settings = router_settings(
             self.cfg,
             i,
             self.model_path,
@@ -108,8 +126,25 @@ class Cluster:
             index=self.index_config(),
             max_model_len=self.max_model_len(),
         )
+        slot = self.router_placement.slots.get(i)
+        return settings if slot is None else slot_settings(settings, slot)
 
-    def start_worker(self, i: int) -> ray.actor.ActorHandle:
+    def worker_nodes(self, nodes: list[NodeInfo], count: int) -> list[str | None]:
+        """The node of each of ``count`` workers (None: where Ray places it)."""
+        w = self.cfg.workers
+        if w.placement == "pack":
+            return [None] * count
+
+        def fits(node: NodeInfo) -> bool:
+            res = node.resources
+            gpu_ok = not w.use_gpu or res.get("GPU", 0.0) >= 1
+            return gpu_ok and res.get("CPU", 0.0) >= w.num_cpus_per_worker
+
+        return spread_workers(nodes, count, fits)
+
+    def start_worker(self, i: int, node_id: str | None = None) -> ray.actor.ActorHandle:
+        """Start worker ``i``, on ``node_id`` if Ray can (soft: elsewhere if not, and a
+        restart after its node died goes where Ray finds room)."""
         w = self.cfg.workers
         name = f"worker-{i}"
         opts = dict(
@@ -124,6 +159,8 @@ class Cluster:
         )
         if self.detached:
             opts["lifetime"] = "detached"
+        if node_id is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
         handle = WorkerActor.options(**opts).remote(self.worker_settings(name))
         self.workers[name] = handle
         return handle
@@ -133,26 +170,51 @@ class Cluster:
         returns its name. The routers find it by its heartbeat; with pulls on, they have it
         warm-start from its peers (``router.routing.pull.warm_start_prefixes``)."""
         i = next(i for i in itertools.count() if f"worker-{i}" not in self.workers)
-        handle = self.start_worker(i)
+        handle = self.start_worker(i, self.worker_nodes(alive_nodes(), i + 1)[i])
         ray.get(handle.ready.remote(), timeout=timeout_s or self.cfg.workers.start_timeout_s)
         return f"worker-{i}"
 
     def start_router(self, i: int) -> ray.actor.ActorHandle:
-        r = self.cfg.router
+        """Start router ``i`` (on its slot's node and ports, once placed)."""
         settings = self.router_settings(i)
-        name = settings.router_id
-        opts = dict(
-            name=name,
+        handle = launch_router(
+            settings,
+            self.router_placement.slots.get(i),
+            self.cfg.router,
             namespace=self.namespace,
-            num_cpus=0,
-            max_restarts=r.max_restarts,
-            runtime_env=actor_env(r.niceness),
+            detached=self.detached,
         )
-        if self.detached:
-            opts["lifetime"] = "detached"
-        handle = RouterActor.options(**opts).remote(settings)
-        self.routers[name] = handle
+        self.routers[settings.router_id] = handle
         return handle
+
+    def router_endpoints(self) -> list[str]:
+        """Every router's gRPC address now (routers of nodes that joined after ``up``
+        included, those gone with their node not)."""
+        if self.keeper is not None:
+            found = self.keeper.endpoints()
+        elif self.keeper_actor is not None:
+            found = ray.get(self.keeper_actor.endpoints.remote(), timeout=30)
+        else:
+            return list(self.endpoints)
+        return [found[i][0] for i in sorted(found)]
+
+    def _start_keeper(self, endpoints: dict[int, tuple[str, str | None]]) -> None:
+        if self.cfg.router.location == "anywhere":
+            return
+        args = (self.router_placement, self.router_settings(0))
+        kwargs = dict(namespace=self.namespace, detached=self.detached, endpoints=endpoints)
+        if not self.detached:
+            self.keeper = RouterKeeper(*args, **kwargs)
+            self.keeper.start()
+            return
+        head = next(n.node_id for n in alive_nodes() if n.is_head)
+        self.keeper_actor = RouterKeeperActor.options(
+            name=KEEPER_NAME,
+            namespace=self.namespace,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(head, soft=False),
+        ).remote(*args, **kwargs)
+        ray.get(self.keeper_actor.start.remote(), timeout=60)
 
     # -- whole cluster -----------------------------------------------------------------------
 
@@ -188,17 +250,28 @@ class Cluster:
         if self.prometheus is not None:  # Ray's dashboard reads it from its start
             self.prometheus.point_ray_at()
         self.ray_session.join()
-        for i in range(self.cfg.workers.num_workers):
-            self.start_worker(i)
+        nodes = alive_nodes()
+        n = self.cfg.workers.num_workers
+        for i, node_id in enumerate(self.worker_nodes(nodes, n)):
+            self.start_worker(i, node_id)
         self._wait_workers(timeout_s)
-        for i in range(self.cfg.router.num_routers):
-            self.start_router(i)
-        self.endpoints = ray.get(
+        slots = self.router_placement.plan(nodes)
+        for slot in slots:
+            self.start_router(slot.index)
+        grpc_addresses = ray.get(
             [h.start.remote() for h in self.routers.values()], timeout=timeout_s
         )
-        self.http_endpoints = [
-            u for u in ray.get([h.http_endpoint.remote() for h in self.routers.values()]) if u
-        ]
+        urls = ray.get([h.http_endpoint.remote() for h in self.routers.values()])
+        placed = {
+            slot.index: (
+                callable_address(g, slot) or g,
+                callable_address(u, slot),
+            )
+            for slot, g, u in zip(slots, grpc_addresses, urls, strict=True)
+        }
+        self.endpoints = [placed[i][0] for i in sorted(placed)]
+        self.http_endpoints = [placed[i][1] for i in sorted(placed) if placed[i][1]]
+        self._start_keeper(placed)
         if self.prometheus is not None:
             self.prometheus.serve(self.http_endpoints, detach=self.detached)
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)
@@ -222,6 +295,20 @@ class Cluster:
         )
 
     def down(self) -> None:
+        if self.keeper is not None:  # first: it would start routers again
+            self.keeper.stop()
+            for i in self.keeper.endpoints():
+                if f"router-{i}" not in self.routers and ray.is_initialized():
+                    try:
+                        self.routers[f"router-{i}"] = ray.get_actor(
+                            f"router-{i}", namespace=self.namespace
+                        )
+                    except ValueError:  # gone with its node
+                        pass
+            self.keeper = None
+        if self.keeper_actor is not None and ray.is_initialized():
+            ray.kill(self.keeper_actor, no_restart=True)
+        self.keeper_actor = None
         if not ray.is_initialized():  # Ray already gone: its actors went with it
             self.routers.clear()
             self.workers.clear()

@@ -54,12 +54,13 @@ class ClusterState:
         return cls(**json.loads(path.read_text()))
 
     def endpoint(self, api: str = "grpc") -> str:
-        """The first router's gRPC host:port, or with ``api="http"`` its OpenAI API URL."""
+        """Every router's gRPC host:port, comma-separated (the client spreads its calls over
+        them and fails over), or with ``api="http"`` the first router's OpenAI API URL."""
         if api == "http":
             if not self.http_endpoints:
                 raise ConfigError("the cluster serves no HTTP API (router.http_port is null)")
             return self.http_endpoints[0]
-        return self.endpoints[0]
+        return ",".join(self.endpoints)
 
 
 def group_alive(pgid: int) -> bool:

@@ -113,7 +113,13 @@ class RouterServer:
         # a miss is a gap of one block at the index's granularity
         record_every = settings.index.record_every if settings.index is not None else 1
         self.predictions = PredictionTracker(settings.block_size * record_every)
-        self.core = ServingCore(self.router, self.directory, limits, predictions=self.predictions)
+        self.core = ServingCore(
+            self.router,
+            self.directory,
+            limits,
+            migration_limit=cfg.migration_limit,
+            predictions=self.predictions,
+        )
         auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
         # one intake for both edges: one auth, one set of limits, one tokenizer budget
         self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=cfg.limits, slo=cfg.slo)
@@ -189,7 +195,11 @@ class RouterServer:
         self._exporter = start_exporter(
             s.router_id,
             self.metrics,
-            lambda: {"retries": self.core.retries, "broken_streams": self.core.broken},
+            lambda: {
+                "retries": self.core.retries,
+                "broken_streams": self.core.broken,
+                "migrations": dict(self.core.migrations),
+            },
             self.predictions,
         )
         if self.http is not None:
@@ -235,6 +245,7 @@ class RouterServer:
         snap.update(
             retries=self.core.retries,
             broken_streams=self.core.broken,
+            migrations=dict(self.core.migrations),
             index_available=self.directory.index_ok,
             **self.breaker.snapshot(),
             **self.predictions.totals(),

@@ -6,6 +6,8 @@ policy and liveness timeouts. The launcher ships it whole to every router
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
@@ -14,19 +16,35 @@ from router.http_api import defaults as http_defaults
 from router.placement.config import STREAM_INTERVAL, LivenessConfig, RequestLimits, RoutingConfig
 from router.serving.slo import SloBounds
 
-LAUNCHER_FIELDS = frozenset({"num_routers", "niceness", "max_restarts"})
+LAUNCHER_FIELDS = frozenset({"num_routers", "location", "niceness", "max_restarts"})
 """Fields the launcher reads to start the router actors; every other one configures a router
 (``port`` and ``http_port`` through their per-router values in ``RouterSettings``)."""
 
 
 class RouterConfig(Strict):
-    num_routers: int = Field(1, ge=1, le=64, description="Router actors (gRPC servers).")
+    num_routers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Router actors (gRPC + HTTP servers): per node with location "
+        "every_node or head, in all with anywhere.",
+    )
+    location: Literal["every_node", "head", "anywhere"] = Field(
+        "every_node",
+        description="Where routers run: every_node (num_routers on each live node, started "
+        "on nodes that join later and gone with their node; a load balancer or a client "
+        "with every address loses nothing when a node dies), head (on the head node only), "
+        "anywhere (where Ray places them). Routers on one node, or on nodes sharing an IP "
+        "address, take port + k and http_port + k (k = 0, 1, ...); on hosts of their own "
+        "every node serves the same ports.",
+    )
     host: str = Field("127.0.0.1", description="gRPC bind address.")
     port: int = Field(
         50051,
         ge=0,
         le=65535,
-        description="First router's port (0: free port); router i listens on port + i.",
+        description="Routers' gRPC port (0: a free port per router); the k-th router on "
+        "an IP address listens on port + k.",
     )
     max_message_bytes: int = Field(
         4 << 20,
@@ -37,9 +55,9 @@ class RouterConfig(Strict):
         8000,
         ge=0,
         le=65535,
-        description="First router's OpenAI-compatible HTTP port (0: "
-        "free port; None: no HTTP API); router i listens on http_port + i. Same host, bearer "
-        "tokens and TLS files as gRPC.",
+        description="Routers' OpenAI-compatible HTTP port (0: a free port per router; None: "
+        "no HTTP API); the k-th router on an IP address listens on http_port + k. Same host, "
+        "bearer tokens and TLS files as gRPC.",
     )
     cors_allowed_origins: list[str] = Field(
         default_factory=list,
@@ -112,6 +130,14 @@ class RouterConfig(Strict):
         description="Router processes' niceness (Ray starts actors at 15 unless told). "
         "Keep it equal to workers.niceness on nodes that run both: a router niced below a "
         "busy worker waits for a core while the worker's outputs queue behind it.",
+    )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        le=16,
+        description="Times one request may move to another worker after its worker died "
+        "mid-stream (continued from the tokens already sent; 0: never, the stream ends "
+        "UNAVAILABLE). See docs/failures.md for what a moved request guarantees.",
     )
     max_restarts: int = Field(
         -1,

@@ -8,6 +8,7 @@ request with the shared validator (:func:`router.serving.generate_spec.make_spec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -103,7 +104,7 @@ def spec_from_pb(
         prompt["text"] = req.text
     elif which == "token_ids":
         prompt["token_ids"] = list(req.token_ids.ids)
-    return make_spec(
+    spec = make_spec(
         request_id=req.request_id,
         tenant=tenant,
         claimed_tenant=req.tenant,
@@ -117,6 +118,9 @@ def spec_from_pb(
         limits=limits,
         **prompt,  # type: ignore[arg-type]
     )
+    if req.continue_from:
+        spec = replace(spec, continue_from=tuple(req.continue_from))
+    return spec
 
 
 def structured_from_pb(msg: pb.StructuredOutputs) -> StructuredOutputs:

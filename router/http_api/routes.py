@@ -205,6 +205,7 @@ class Handlers:
         statuses = await core.directory.statuses()
         routing = {**core.router.metrics.snapshot(), "retries": core.retries}
         routing["broken_streams"] = core.broken
+        routing["migrations"] = dict(core.migrations)
         return Response(self.intake.metrics.render(statuses, routing), media_type=CONTENT_TYPE)
 
     async def version(self, request: Request) -> Response:

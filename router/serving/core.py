@@ -2,9 +2,12 @@
 
 ``ServingCore.generate`` yields ``(worker_id, RequestOutput)`` pairs. A worker that dies
 before the request produced any token is retried on another worker (transparently to the
-client); one that dies after raises :class:`StreamBroken`. Whatever ends the stream early
-(client cancel, deadline, error) aborts the request on the worker, so no KV block is kept
-for a client that is gone.
+client); one that dies after moves the request to another worker as a continuation (the
+prompt plus the tokens already sent, :mod:`router.serving.migration`), up to
+``migration_limit`` times, and the client's stream goes on; a request that cannot move
+(``n > 1``, beams, structured outputs, no moves left) raises :class:`StreamBroken`.
+Whatever ends the stream early (client cancel, deadline, error) aborts the request on the
+worker, so no KV block is kept for a client that is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from router.placement.router import Prepared, Router
 from router.serving.cache_funnel import CacheFunnel
 from router.serving.deciding import DecideThread
 from router.serving.limits import ModelLimits, check_limits
+from router.serving.migration import WORKER_DIED, Migration
 from router.serving.outcomes import Outcomes
 from router.serving.request_phases import RequestPhases
 from router.serving.sent_work import SentWork
@@ -64,6 +68,7 @@ class ServingCore:
         limits: ModelLimits,
         *,
         max_attempts: int = 3,
+        migration_limit: int = 3,
         predictions: PredictionTracker | None = None,
     ) -> None:
         self.router = router
@@ -72,10 +77,12 @@ class ServingCore:
         self.directory = directory
         self.limits = limits
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit  # moves of one request after worker deaths
         self._decide = DecideThread(self._place_batch, self._unplace)
         self._background: set[asyncio.Task] = set()  # aborts sent to unresponsive workers
         self.retries = 0  # requests moved to another worker after a death before any token
         self.broken = 0  # streams ended because their worker died mid-stream
+        self.migrations: dict[str, int] = {}  # reason -> streams moved to another worker
         self.overflows = 0  # attempts refused by a worker whose waiting queue was full
         self.own = SentWork()  # what this router sent, newer than any heartbeat
         self.funnel = CacheFunnel()  # where its prompts' cache hits were lost, stage by stage
@@ -160,12 +167,15 @@ class ServingCore:
         params: SamplingParams,
         *,
         tenant: str | None = None,
+        continue_from: Sequence[int] = (),
     ) -> AsyncIterator[tuple[str, RequestOutput]]:
         """``request_id`` is the client's label only: outputs carry it back, but on the
         workers the request runs under an id this router generates. Client ids are not
         unique across clients or tenants, so a reused one must never reach (or, by the abort
         in the cleanup below, stop) another client's request. ``tenant``: the caller's; an
-        adapter registered for other tenants is unknown to it."""
+        adapter registered for other tenants is unknown to it. ``continue_from``: output
+        tokens the client already has (a stream resumed after its router died): the request
+        continues after them, as a moved one does."""
         self.live_requests += 1
         phase: str | None = None
         try:
@@ -180,7 +190,12 @@ class ServingCore:
             excluded: set[str] = set()
             full: list[str] = []  # workers that refused the request: waiting queue full
             loop = asyncio.get_running_loop()
-            for attempt in range(self.max_attempts):
+            migration = Migration(token_ids, params, self.migration_limit)
+            if continue_from:
+                migration.resume(continue_from, self.limits.vocab_size)
+            attempt = 0
+            while attempt < self.max_attempts:
+                attempt += 1
                 candidates = {
                     w: load
                     for w, load in serving(
@@ -195,7 +210,8 @@ class ServingCore:
                         f"no live worker for request {label!r}"
                         + (f" (tried {sorted(excluded)})" if excluded else "")
                     )
-                route_req = RouteRequest(request_id, token_ids, ctx)
+                prompt, attempt_params = migration.attempt()
+                route_req = RouteRequest(request_id, prompt, ctx)
                 phase = self.phases.move(phase, "routing")
                 decision = await self._decide.place(route_req, candidates)
                 phase = self.phases.move(phase, "submitting")
@@ -204,7 +220,7 @@ class ServingCore:
                 pulled: PullReport | None = None
                 sent = loop.time()
                 wreq = WorkerRequest(
-                    request_id, token_ids, params, bool(decision.keys), decision.pull
+                    request_id, prompt, attempt_params, bool(decision.keys), decision.pull
                 )
                 try:
                     async for item in self.directory.stream(worker, wreq):
@@ -230,26 +246,40 @@ class ServingCore:
                             ttft_s = loop.time() - sent
                             self.outcomes.prefill(request_id, item, ttft_s, pulled)
                         finished = item.finished
-                        yield worker, relabelled(item, label)
+                        yield worker, relabelled(migration.passed(item), label)
                     return
                 except WorkerGone as exc:
                     gone = True
                     self.directory.mark_dead(worker)
                     excluded.add(worker)
-                    if produced:
+                    if produced and migration.can_move():
+                        migration.moved()
+                        self.migrations[WORKER_DIED] = self.migrations.get(WORKER_DIED, 0) + 1
+                        attempt = 0  # the continuation's own attempts
+                        log.warning(
+                            "worker %s died while streaming request %s: continuing it "
+                            "elsewhere after its %d tokens (move %d of %d)",
+                            worker,
+                            label,
+                            len(migration.sent),
+                            migration.moves,
+                            migration.limit,
+                        )
+                    elif produced:
                         self.broken += 1
                         raise StreamBroken(
                             f"worker {worker} died while streaming request {label!r}: {exc}; "
                             "the partial output is lost, retry the request"
                         ) from exc
-                    self.retries += 1
-                    log.warning(
-                        "worker %s died before request %s produced a token (attempt %d): "
-                        "retrying elsewhere",
-                        worker,
-                        label,
-                        attempt + 1,
-                    )
+                    else:
+                        self.retries += 1
+                        log.warning(
+                            "worker %s died before request %s produced a token (attempt %d): "
+                            "retrying elsewhere",
+                            worker,
+                            label,
+                            attempt,
+                        )
                 except EngineOverloaded as exc:  # nothing was queued: try a worker with room
                     excluded.add(worker)
                     full.append(f"{worker} ({exc})")

@@ -179,7 +179,13 @@ class Intake:
         with its field named as the client's API spells it."""
         timer = self.metrics.tracker()
         try:
-            gen = self.core.generate(spec.request_id, ids, spec.params, tenant=spec.tenant or None)
+            gen = self.core.generate(
+                spec.request_id,
+                ids,
+                spec.params,
+                tenant=spec.tenant or None,
+                continue_from=spec.continue_from,
+            )
             async for worker, out in gen:
                 if out.error is not None:  # it failed inside the engine (the engine goes on)
                     raise RequestFailed(

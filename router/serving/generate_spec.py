@@ -61,6 +61,9 @@ class GenerateSpec:
     # grammars the library must compile before the request is routed (its output
     # constraint, a chat's tool schemas); the intake checks them off the event loop
     grammars: tuple[StructuredOutputs, ...] = ()
+    # output tokens the client already has (it resumes a stream whose router died): the
+    # request continues after them
+    continue_from: tuple[int, ...] = ()
     # the client's spelling of the intake's field names, for errors raised after parsing
     names: Mapping[str, str] = field(default_factory=dict, compare=False)
 

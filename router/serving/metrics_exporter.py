@@ -2,7 +2,8 @@
 
 The router's in-process :class:`RouterMetrics` stays the source of truth; every
 ``interval_s`` the exporter pushes what changed: routed requests per (policy, reason),
-decision latency, index errors, parity mismatches, retries and broken streams; and per
+decision latency, index errors, parity mismatches, retries, broken streams and
+migrations by reason (``kvc_migrations_total``); and per
 worker the cached tokens predicted and realised, their gap and the misses and resyncs
 (:mod:`router.placement.prediction`).
 """
@@ -31,7 +32,8 @@ class RouterExporter:
         self.metrics = metrics
         self.predictions = predictions
         self._gaps_seen: dict[str, int] = {}  # worker -> placements already exported
-        self.extra = extra  # () -> dict of counters (retries, broken_streams)
+        # () -> dict of counters (retries, broken_streams, migrations: reason -> count)
+        self.extra = extra
         self.tags = {"router": router_id}
         self._sent: dict[str, float] = {}
         self._latency_seen = 0
@@ -45,6 +47,11 @@ class RouterExporter:
             "Routing decision latency.",
             boundaries=[1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1],
             tag_keys=("router",),
+        )
+        self.migrations = m.Counter(
+            "kvc_migrations",
+            "Streams moved to another worker after theirs died mid-stream, by reason.",
+            tag_keys=("router", "reason"),
         )
         self.counters = {
             name: m.Counter(f"kvc_router_{name}", help_, tag_keys=("router",))
@@ -90,6 +97,8 @@ class RouterExporter:
         values = {**{k: snap[k] for k in ("index_errors", "parity_mismatches")}, **self.extra()}
         for name, counter in self.counters.items():
             self._inc(counter, name, values.get(name, 0), {})
+        for reason, n in (values.get("migrations") or {}).items():
+            self._inc(self.migrations, f"m:{reason}", n, {"reason": reason})
         hist = self.metrics.latency
         new = hist.count - self._latency_seen
         if new > 0:

@@ -135,6 +135,14 @@ class _Routing(Collector):
             ("broken_streams", "Streams ended by a worker death."),
         ):
             yield CounterMetricFamily(f"kvc_router_{name}", help_, value=float(snap.get(name, 0)))
+        moved = CounterMetricFamily(
+            "kvc_migrations",
+            "Streams moved to another worker after theirs died mid-stream, by reason.",
+            labels=["reason"],
+        )
+        for reason, n in (snap.get("migrations") or {}).items():
+            moved.add_metric([reason], float(n))
+        yield moved
 
 
 class _Cache(Collector):
@@ -373,8 +381,8 @@ class ServingMetrics:
         return series
 
     def render(self, statuses: Sequence[WorkerStatus], routing: dict | None = None) -> bytes:
-        """``routing``: the router's counters (RouterMetrics.snapshot plus retries and
-        broken_streams)."""
+        """``routing``: the router's counters (RouterMetrics.snapshot plus retries,
+        broken_streams and migrations by reason)."""
         self._statuses.statuses = statuses
         self._routing.snapshot = routing or {}
         return generate_latest(self.registry)

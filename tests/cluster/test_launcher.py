@@ -52,6 +52,7 @@ def test_up_generate_status_down(tmp_path: Path) -> None:
             [*cli, "status", "--name", name], env=env, capture_output=True, text=True, timeout=120
         )
         assert st.returncode == 0 and "worker-0" in st.stdout, st.stderr
+        assert f"routers: {state['endpoints'][0]} (up)" in st.stdout  # every router, probed
         # the router's predicted vs realised cache hits: the request above was placed once
         lines = st.stdout.splitlines()
         header = next(i for i, line in enumerate(lines) if "predicted" in line)

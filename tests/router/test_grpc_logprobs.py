@@ -29,7 +29,7 @@ PROMPT = [None, TokenLogprob(1, -0.25, ((1, -0.25), (2, -2.0)))]
 class Core(OneTokenCore):
     """Answers token 7 with its logprob and the prompt's, as the engine does once asked."""
 
-    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
         assert params.prompt_logprobs == 1 and params.logprobs == 1
         lp = [TokenLogprob(7, -0.5, ((7, -0.5),))]
         d = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH, logprobs=lp)

@@ -35,11 +35,12 @@ class Core:
     directory = Directory()
     router = SimpleNamespace(metrics=RouterMetrics())  # what /metrics reads of it
     retries = broken = 0
+    migrations: dict[str, int] = {}  # noqa: RUF012 (never written)
 
     def check_room(self) -> None:  # queues never full
         pass
 
-    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
         d = CompletionDelta(0, "x", [7], finish_reason=FinishReason.LENGTH)
         yield "w0", RequestOutput(request_id, [d], True, Usage(len(token_ids), 0, 1))
 

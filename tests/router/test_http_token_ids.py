@@ -21,7 +21,7 @@ CHAT_IDS = [3, 4, 5]  # what the tokenizer renders any conversation to
 class Core(OneTokenCore):
     """Answers each of ``n`` samples with token 7 ("a"), then tokens 8, 9 ("bc")."""
 
-    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
         first = [CompletionDelta(i, "a", [7]) for i in range(params.n)]
         yield "w0", RequestOutput(request_id, first, False, Usage(len(token_ids), 0, params.n))
         last = [

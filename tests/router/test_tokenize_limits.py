@@ -63,7 +63,7 @@ class Core:
         "m", vocab_size=100, max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN - 1
     )
 
-    async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
+    async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
         yield "w0", None
 
     def check_room(self) -> None:  # queues never full

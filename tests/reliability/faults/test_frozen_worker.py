@@ -1,9 +1,9 @@
 """A worker frozen by SIGSTOP (alive to Ray, answering nothing) while it streams.
 
-Its streams end UNAVAILABLE after the routers' stall timeout instead of hanging until it
-thaws; requests sent meanwhile are served by the other worker (retried there when they were
-placed on the frozen one); ClusterStatus answers and lists it as stale; after SIGCONT it
-serves again and nothing is left on it.
+Its streams move to the other worker after the routers' stall timeout (migration: they end
+OK, complete) instead of hanging until it thaws; requests sent meanwhile are served by the
+other worker (retried there when they were placed on the frozen one); ClusterStatus answers
+and lists it as stale; after SIGCONT it serves again and nothing is left on it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ def test_frozen_worker_streams_end_and_new_requests_go_elsewhere(cluster) -> Non
     victim = row["victim"]
     assert row["ended_while_frozen"], row  # not held until SIGCONT
     for code, details, _ in row["victim_streams"]:
-        assert code == "UNAVAILABLE", (code, details)
-        assert f"worker {victim} stalled" in details and "retry the request" in details
+        assert code == "OK", (code, details)  # continued on the other worker
     assert all(code == "OK" for code, _, _ in row["other_streams"]), row
     assert row["short_requests"] and all(
         code == "OK" and worker != victim for worker, code, _ in row["short_requests"]

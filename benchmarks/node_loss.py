@@ -1,0 +1,251 @@
+"""Node loss under steady load: a kvcluster on 3 Ray nodes (Ray's multi-node test cluster:
+three raylets on this machine), a router on every node and the workers spread; clients with
+every router's address send greedy requests back to back. Then one node is killed (its router
+and worker with it), a node joins, and another node is killed.
+
+    python -m benchmarks.node_loss [--smoke] [--clients N] [--phase-s S]
+
+Reports failed requests (by code), migrated streams, the seconds of reduced throughput after
+each kill (1 s bins under 90 % of the surviving nodes' share of the throughput before it), the
+time from a node joining to its router serving and to full throughput, a PNG timeline of
+throughput and errors, and a final JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import ray
+
+from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from cluster.client import KVClusterClient
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster
+from cluster.local_ray import leave_loopback_ray, use_loopback_ray
+
+NODE_CPUS = 2
+FULL = {"clients": 12, "max_tokens": 32, "phase_s": 20.0}
+SMOKE = {"clients": 3, "max_tokens": 8, "phase_s": 4.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    t: float  # seconds since the load started, at the request's end
+    code: str  # "OK" or the gRPC status name
+    tokens: int
+
+
+class SteadyLoad:
+    """``clients`` threads sending greedy requests back to back, each client with every
+    router address (its own rotation), until :meth:`stop`."""
+
+    def __init__(self, addresses: list[str], clients: int, max_tokens: int) -> None:
+        self.addresses = addresses
+        self.max_tokens = max_tokens
+        self.done: list[Done] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.t0 = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _run(self, i: int) -> None:
+        k = i % len(self.addresses)
+        with KVClusterClient(self.addresses[k:] + self.addresses[:k]) as client:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                try:
+                    out = client.generate(
+                        f"Client {i} request {n}: the weather over the harbour.",
+                        max_tokens=self.max_tokens,
+                        temperature=0.0,
+                        ignore_eos=True,
+                        timeout=60,
+                    )
+                    done = Done(self.now(), "OK", out.completion_tokens)
+                except grpc.RpcError as exc:
+                    done = Done(self.now(), exc.code().name, 0)
+                    time.sleep(0.05)
+                with self._lock:
+                    self.done.append(done)
+
+    def stop(self) -> list[Done]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+        with self._lock:
+            return list(self.done)
+
+
+def _bins(done: list[Done], end: float) -> tuple[list[float], list[int]]:
+    """Tokens per second and failed requests per 1 s bin."""
+    n = int(end) + 1
+    tok, err = [0.0] * n, [0] * n
+    for d in done:
+        b = min(int(d.t), n - 1)
+        if d.code == "OK":
+            tok[b] += d.tokens
+        else:
+            err[b] += 1
+    return tok, err
+
+
+def reduced_seconds(tok: list[float], at: float, until: float, share: float) -> int:
+    """1 s bins in [at, until) under 90 % of ``share`` x the mean throughput of the bins
+    before ``at`` (the first second skipped: start-up)."""
+    before = tok[1 : int(at)]
+    base = sum(before) / len(before) if before else 0.0
+    return sum(1 for b in range(int(at), min(int(until), len(tok))) if tok[b] < 0.9 * share * base)
+
+
+def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phase_s: float) -> dict:
+    """The scenario on a running 3-node cluster (``ray_nodes``: its
+    ``ray.cluster_utils.Cluster``); returns the figures."""
+    load = SteadyLoad(list(cluster.endpoints), clients, max_tokens)
+    events: list[tuple[float, str]] = []
+
+    def kill_one() -> None:
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        node = next(n for n in ray_nodes.worker_nodes if n.node_id in alive)
+        events.append((load.now(), "kill"))
+        ray_nodes.remove_node(node, allow_graceful=False)
+
+    time.sleep(phase_s)
+    kill_one()
+    time.sleep(phase_s)
+    before = set(cluster.router_endpoints())
+    t_join = load.now()
+    events.append((t_join, "join"))
+    ray_nodes.add_node(num_cpus=NODE_CPUS)
+    router_s = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and router_s is None:
+        new = set(cluster.router_endpoints()) - before
+        for address in new:
+            try:
+                with KVClusterClient(address, retries=0) as c:
+                    c.generate("Are you there?", max_tokens=1, timeout=5)
+                router_s = load.now() - t_join
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    time.sleep(phase_s)
+    kill_one()
+    time.sleep(phase_s)
+    end = load.now()
+    done = load.stop()
+    moved = 0
+    for name in list(cluster.routers):
+        try:
+            moved += sum(
+                ray.get(cluster.routers[name].stats.remote(), timeout=10)["migrations"].values()
+            )
+        except Exception:  # noqa: BLE001 - gone with its node
+            pass
+    tok, err = _bins(done, end)
+    kills = [t for t, e in events if e == "kill"]
+    base = tok[1 : int(kills[0])]
+    base_rate = sum(base) / len(base) if base else 0.0
+    back_s = next(
+        (b - t_join for b in range(int(t_join), int(kills[1])) if tok[b] >= 0.9 * base_rate),
+        None,
+    )
+    codes = Counter(d.code for d in done if d.code != "OK")
+    figures = {
+        "requests": len(done),
+        "failed": sum(codes.values()),
+        "migrated_streams": moved,
+        "reduced_s_first_kill": reduced_seconds(tok, kills[0], t_join, 2 / 3),
+        "reduced_s_second_kill": reduced_seconds(tok, kills[1], end, 2 / 3),
+        "router_serving_after_join_s": router_s,
+        "full_throughput_after_join_s": back_s,
+        "tokens_per_s_before": base_rate,
+    }
+    _plot(tok, err, events)
+    return {"figures": figures, "errors": dict(codes)}
+
+
+def _plot(tok: list[float], err: list[int], events: list[tuple[float, str]]) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot(range(len(tok)), tok, label="tokens/s")
+    ax2 = ax.twinx()
+    ax2.bar(range(len(err)), err, color="tab:red", alpha=0.5, label="failed requests")
+    for t, what in events:
+        ax.axvline(t, color="black" if what == "kill" else "tab:green", linestyle="--")
+        ax.text(t, max(tok or [1]), f" {what}", va="top")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("tokens/s (completed requests)")
+    ax2.set_ylabel("failed requests")
+    save_figure(fig, "node_loss.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a short run (checks it works)")
+    p.add_argument("--clients", type=int)
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--phase-s", type=float)
+    args = p.parse_args(argv)
+    sizes = dict(SMOKE if args.smoke else FULL)
+    for key in sizes:
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    from ray.cluster_utils import Cluster as RayNodes
+
+    use_loopback_ray()
+    nodes = RayNodes(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": NODE_CPUS,
+            "include_dashboard": False,
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
+    )
+    try:
+        for _ in range(2):
+            nodes.add_node(num_cpus=NODE_CPUS)
+        ray.init(address=nodes.address, log_to_driver=False, logging_level=logging.WARNING)
+        nodes.wait_for_nodes()
+        cfg = ClusterConfig.model_validate(
+            {
+                "name": f"node-loss-{os.getpid()}",
+                "dashboard": False,
+                "model": {"tiny_family": "llama"},
+                "workers": {"num_workers": 3, "num_cpus_per_worker": 0.1},
+                "router": {"port": 0, "http_port": None},
+                "redis": {"heartbeat_ttl_s": 2.0},
+            }
+        )
+        with Cluster(cfg) as cluster:
+            result = run(nodes, cluster, **sizes)
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        leave_loopback_ray()
+    rows = [{"figure": k, "value": v} for k, v in result["figures"].items()]
+    print_table(rows, "node loss (3 nodes: kill, join, kill)")
+    if result["errors"]:
+        print(f"errors: {result['errors']}")
+    emit_json({"node_loss": result["figures"], "errors": result["errors"], **sizes})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

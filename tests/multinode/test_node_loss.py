@@ -1,0 +1,138 @@
+"""A kvcluster on 3 Ray nodes: a router on every node and the workers spread; a node that
+dies under load (its router and its worker with it) costs no request of a client with every
+router address (streams on its worker move, streams through its router resume elsewhere),
+it leaves the index; a node that joins gets a router.
+
+Order matters (one cluster for the module): placement, then the loss, then the rejoin."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from cluster.client import Completion, KVClusterClient, accumulate, build_request
+from kvstore.index import KVIndex
+from tests.reliability.helpers import wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+CALL_TIMEOUT_S = 60.0
+INDEX_BOUND_S = 2.0 + 3.0  # redis.heartbeat_ttl_s of the test config, plus a poll's slack
+
+
+def node_of(handle) -> str:  # noqa: ANN001
+    """The node an actor runs on."""
+    where = lambda _self: ray.get_runtime_context().get_node_id()  # noqa: E731
+    return ray.get(handle.__ray_call__.remote(where), timeout=60)
+
+
+def worker_nodes(cluster) -> dict[str, str]:  # noqa: ANN001
+    return {name: node_of(h) for name, h in cluster.workers.items()}
+
+
+def test_a_router_on_every_node_and_workers_spread(ray_nodes, cluster) -> None:
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 3
+    slots = cluster.router_placement.slots
+    assert {s.node_id for s in slots.values()} == nodes
+    assert len({s.port for s in slots.values()}) == 3  # one IP address: distinct ports
+    assert len(cluster.endpoints) == 3
+    for name, handle in cluster.routers.items():  # each on its slot's node
+        assert node_of(handle) == slots[int(name.rsplit("-", 1)[1])].node_id
+    for endpoint in cluster.endpoints:  # each serves
+        with KVClusterClient(endpoint) as client:
+            out = client.generate("Which node?", max_tokens=2, ignore_eos=True, timeout=60)
+            assert out.completion_tokens == 2
+    placed = worker_nodes(cluster)
+    assert set(placed.values()) == nodes, placed  # one worker per node
+
+
+def test_a_node_dies_under_load(ray_nodes, cluster) -> None:
+    workers = worker_nodes(cluster)
+    victim_node = next(n for w, n in workers.items() if w != "worker-0")  # not the head's
+    victim_worker = next(w for w, n in workers.items() if n == victim_node)
+    victim_router = next(
+        f"router-{i}" for i, s in cluster.router_placement.slots.items() if s.node_id == victim_node
+    )
+    dead_address = cluster.endpoints[int(victim_router.rsplit("-", 1)[1])]
+    everyone = list(cluster.endpoints)
+    index = KVIndex(cluster.index_config())
+
+    outcomes: dict[int, tuple] = {}
+    started = threading.Barrier(13)
+
+    def stream(i: int) -> None:
+        first = everyone[i % 3]  # each client's first call goes to its first address
+        addresses = [first, *(a for a in everyone if a != first)]
+        out, code = Completion(), "OK"
+        with KVClusterClient(addresses) as client:
+            call = client.stream(
+                build_request(
+                    f"Node loss {i}: the tide comes in. " * 2,
+                    max_tokens=120,
+                    temperature=0.0,
+                    ignore_eos=True,
+                ),
+                timeout=CALL_TIMEOUT_S,
+            )
+            try:
+                for n, msg in enumerate(call):
+                    accumulate(out, msg)
+                    if n == 0:
+                        started.wait(CALL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                code = exc.code().name
+        outcomes[i] = (code, first, out.completion_tokens)
+
+    held = sorted(index.held_keys(victim_worker))[:64]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    started.wait(CALL_TIMEOUT_S)  # every stream has its first tokens
+    node = next(n for n in ray_nodes.worker_nodes if n.node_id == victim_node)
+    ray_nodes.remove_node(node, allow_graceful=False)
+    t_kill = time.monotonic()
+
+    # the dead node leaves the index within the stated bound (its worker's heartbeat expires)
+    assert wait_for(lambda: victim_worker not in index.live_workers(), INDEX_BOUND_S, 0.1)
+    gone = lambda: not any(index.lookup([k]).get(victim_worker, 0) for k in held)  # noqa: E731
+    assert gone()
+    assert time.monotonic() - t_kill < INDEX_BOUND_S + 1.0
+
+    # new requests, with every address, are served at once
+    with KVClusterClient(everyone) as client:
+        for i in range(6):
+            out = client.generate(f"After the loss {i}.", max_tokens=2, timeout=CALL_TIMEOUT_S)
+            assert out.completion_tokens == 2
+    for t in threads:
+        t.join(CALL_TIMEOUT_S + 10)
+    assert len(outcomes) == 12
+    # 0 failed: streams on the dead worker moved (router migration), streams through the
+    # dead router resumed on another one (the client sends the tokens it has); all complete
+    assert all(code == "OK" and n == 120 for code, _, n in outcomes.values()), outcomes
+    assert any(first == dead_address for _, first, _ in outcomes.values())
+    moved = sum(
+        sum(ray.get(cluster.routers[r].stats.remote(), timeout=30)["migrations"].values())
+        for r in cluster.routers
+        if r != victim_router
+    )
+    assert moved >= 1, "the dead worker's streams moved"
+
+    # and the router list once Ray has marked the node dead (its health checks: ~3 s here)
+    assert wait_for(lambda: dead_address not in cluster.router_endpoints(), 30, 0.2)
+    del cluster.routers[victim_router]
+    index.close()
+
+
+def test_a_node_that_joins_gets_a_router(ray_nodes, cluster) -> None:
+    before = set(cluster.router_endpoints())
+    ray_nodes.add_node(num_cpus=2)
+    assert wait_for(lambda: len(cluster.router_endpoints()) == 3, 120, 0.5)
+    (new,) = set(cluster.router_endpoints()) - before
+    with KVClusterClient(new) as client:
+        out = client.generate("A new node.", max_tokens=2, ignore_eos=True, timeout=60)
+        assert out.completion_tokens == 2

@@ -1,0 +1,19 @@
+"""benchmarks/node_loss.py's scenario, smoke-sized, on the package's 3-node cluster (after the
+other tests of the package: it kills a node, adds one, kills another)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.node_loss import SMOKE, run
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+
+def test_node_loss_benchmark_smoke(ray_nodes, cluster, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
+    result = run(ray_nodes, cluster, **SMOKE)
+    f = result["figures"]
+    assert f["requests"] > 0 and f["tokens_per_s_before"] > 0, result
+    assert f["router_serving_after_join_s"] is not None, result  # the new node's router served
+    assert (tmp_path / "node_loss.png").is_file()
