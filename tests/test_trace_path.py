@@ -68,7 +68,7 @@ def test_without_a_trace_the_trace_tests_skip_naming_the_path(tmp_path):
     env.pop("KVCLUSTER_TRACE", None)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
-        + ["tests/router/test_trace_replay_smoke.py"],
+        + ["tests/benchmarks/test_trace_replay_smoke.py"],
         cwd=ROOT,
         env=env,
         capture_output=True,

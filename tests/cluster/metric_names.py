@@ -15,7 +15,7 @@ from router.placement.router_metrics import RouterMetrics
 from router.serving.cache_funnel import CacheFunnel
 from router.serving.request_phases import RequestPhases
 from router.serving.serving_metrics import ServingMetrics
-from tests.router.test_status_surfaces import STATUS
+from tests.router.serving.test_status_surfaces import STATUS
 
 # Prometheus's own series for each target (1: the last scrape succeeded)
 PROMETHEUS_SYNTHETIC = {"up"}

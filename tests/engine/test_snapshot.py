@@ -11,7 +11,7 @@ from kvstore.index_types import WorkerLoad
 from kvstore.requests.protocol import WorkerStatus
 from tests.engine.fakes import FakeExecutor
 from tests.engine.test_scheduler import prompts
-from tests.engine.test_telemetry import FAKE_METRICS
+from tests.worker.test_telemetry import FAKE_METRICS
 from worker.engine import Engine, EngineConfig, EngineSnapshot, SamplingParams
 from worker.engine.metrics import STEP_STAGES
 from worker.status import worker_load, worker_status

@@ -148,7 +148,7 @@ def test_speculation_under_preemption_matches_and_leaks_nothing(
 
 
 def test_telemetry_counts_spec_decode_by_deltas() -> None:
-    from tests.engine.test_telemetry import FAKE_METRICS
+    from tests.worker.test_telemetry import FAKE_METRICS
     from worker.telemetry import WorkerTelemetry
 
     engine = fake_engine("ngram", 1, adaptive=False)

@@ -107,7 +107,7 @@ def test_pinned_blocks_recount_at_most_every_max_age_and_zero_once_the_queue_emp
     waiting = engine.scheduler.waiting
     assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 6
     engine.add_request(list(range(30, 42)) + [5], greedy)  # claims 3 of those blocks again
-    seq = waiting._reqs[0].seqs[0]
+    seq = next(iter(waiting)).seqs[0]
     engine.kv.pool.order.mark_landed(engine.kv.pool.cached[k] for k in seq.claim[:2])
     assert engine.snapshot(pins_max_age_s=30.0).waiting_pinned_blocks == 6  # the last count
     assert engine.snapshot().waiting_pinned_blocks == 4  # exact: 2 landed are the router's

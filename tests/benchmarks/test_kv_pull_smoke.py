@@ -1,5 +1,5 @@
 """benchmarks.kv_pull runs at smoke size: outputs identical, one parseable JSON line (the
-warm-start benchmark needs a cluster: tests/pull/test_warm_bench_smoke.py)."""
+warm-start benchmark needs a cluster: tests/benchmarks/test_kv_pull_warm_smoke.py)."""
 
 from __future__ import annotations
 

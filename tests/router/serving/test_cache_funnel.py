@@ -17,7 +17,7 @@ from router.serving.request_phases import RequestPhases
 from router.serving.serving_metrics import ServingMetrics
 from router.serving.slo import SloBounds
 from tests.kvstore.helpers import tiers
-from tests.router.test_status_surfaces import STATUS, predictions
+from tests.router.serving.test_status_surfaces import STATUS, predictions
 
 
 def decision(held: int, best: int, chosen: int) -> RouteDecision:

@@ -17,7 +17,7 @@ from router.http_api import OpenAIServer
 from router.http_api.probe_gate import ProbeGate
 from router.serving.request_errors import ServerBusy
 from tests.router.edges import http_server
-from tests.router.test_http_hostile_bodies import Core, Directory, Tokenizer
+from tests.router.http_api.test_http_hostile_bodies import Core, Directory, Tokenizer
 
 
 def _server(core: Core | None = None, **kw: object) -> OpenAIServer:

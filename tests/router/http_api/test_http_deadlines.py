@@ -11,7 +11,7 @@ import pytest
 
 import router.http_api.app as app_mod
 from tests.router.edges import http_server
-from tests.router.test_tokenize_limits import LIMITS, Core, SpyTokenizer
+from tests.router.serving.test_tokenize_limits import LIMITS, Core, SpyTokenizer
 
 
 async def _read_until_closed(reader: asyncio.StreamReader, limit_s: float) -> bytes:

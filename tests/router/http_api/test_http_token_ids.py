@@ -12,8 +12,8 @@ import openai
 
 from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from tests.router.edges import http_server
-from tests.router.test_http_hostile_bodies import Core as OneTokenCore
-from tests.router.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
+from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
+from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
 
 CHAT_IDS = [3, 4, 5]  # what the tokenizer renders any conversation to
 

@@ -15,7 +15,7 @@ from router.placement.placement_types import Placement, WorkerView
 from router.placement.pull import PullPlanner, TransferModel
 from router.placement.pull_ledger import PullLedger
 from tests.router.harness import MiniCluster, load, tokens
-from tests.router.test_pull_pricing import RATE, routing, warm
+from tests.router.placement.test_pull_pricing import RATE, routing, warm
 
 CHOSE_B = Placement("b", Reason.LOAD, 0)
 

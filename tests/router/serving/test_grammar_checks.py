@@ -17,7 +17,7 @@ from router.edge.convert import spec_from_pb
 from router.http_api.openai_request import parse_request
 from router.placement.config import RequestLimits
 from router.serving.edge_intake import Intake
-from tests.router.test_http_hostile_bodies import Core, Tokenizer
+from tests.router.http_api.test_http_hostile_bodies import Core, Tokenizer
 
 LIMITS = RequestLimits()
 ASK = [{"role": "user", "content": "hi"}]

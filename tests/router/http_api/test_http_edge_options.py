@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.edges import http_server
-from tests.router.test_http_hostile_bodies import Core, Tokenizer
+from tests.router.http_api.test_http_hostile_bodies import Core, Tokenizer
 
 
 def _ask(port: int, method: str, origin: str) -> dict[str, str]:

@@ -20,8 +20,8 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.servicer import start_server
 from tests.router.edges import grpc_servicer
-from tests.router.test_http_hostile_bodies import Core as OneTokenCore
-from tests.router.test_http_hostile_bodies import Tokenizer
+from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
+from tests.router.http_api.test_http_hostile_bodies import Tokenizer
 
 PROMPT = [None, TokenLogprob(1, -0.25, ((1, -0.25), (2, -2.0)))]
 

@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import tokenizers
 
 from kvstore.requests.errors import InvalidRequest
 from router.edge.convert import spec_from_pb
@@ -174,7 +175,7 @@ def test_stream_holds_back_what_may_be_a_call() -> None:
 
 
 def test_tools_through_templates_with_and_without_tool_support() -> None:
-    backend = Tokenizer.from_dir(build_tiny_model())._tok
+    backend = tokenizers.Tokenizer.from_str(Tokenizer.from_dir(build_tiny_model()).backend_json())
     history = [
         *ASK,
         {

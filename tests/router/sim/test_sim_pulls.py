@@ -1,15 +1,11 @@
 """Peer pulls in the simulator: a hot prefix whose holder is saturated is pulled (from the
 holder's real KV manager into the destination's) instead of recomputed; fewer tokens are
-computed, more are hit, nothing is left in use; and the benchmark's smoke run."""
+computed, more are hit, nothing is left in use."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from benchmarks import kv_pull_sim
-from benchmarks.workloads import DEFAULT_TRACE
 from router import RoutingConfig
 from router.sim import SimConfig, SimRequest, replay, summarize
 from tests.router.harness import tokens
@@ -47,15 +43,3 @@ def test_pulls_replace_recomputing_a_hot_prefix(policy: str) -> None:
     assert s_on.ttft_mean_s < s_off.ttft_mean_s
     assert off.extra["pulls"] == {} and off.extra["pulled_tokens"] == 0
     assert s_on.parity_mismatches == 0 and on.index_gaps == 0
-
-
-@pytest.mark.skipif(
-    not DEFAULT_TRACE.exists(), reason=f"no trace at {DEFAULT_TRACE} (see benchmarks/trace_path.py)"
-)
-def test_kv_pull_sim_smoke(capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
-    head = kv_pull_sim.main(["--smoke", "--policies", "prefix_affinity"])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == head
-    assert head["hit_rate_affinity"] < head["hit_rate_affinity_pull"]
-    assert head["hit_rate_affinity_pull"] <= head["hit_rate_shared_pool"]
-    assert (tmp_path / "kv_pull_sim.png").stat().st_size > 0

@@ -141,7 +141,7 @@ def test_a_burst_of_requests_is_taken_in_a_slice_per_loop_turn() -> None:
     from router.edge.convert import spec_from_pb
     from router.placement.config import RequestLimits
     from router.serving.edge_intake import INTAKE_SLICE, Intake
-    from tests.router.test_http_hostile_bodies import Core, Tokenizer
+    from tests.router.http_api.test_http_hostile_bodies import Core, Tokenizer
 
     assert STREAMS % INTAKE_SLICE == 0 and 2 * INTAKE_SLICE < STREAMS
 

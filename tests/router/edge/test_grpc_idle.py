@@ -15,7 +15,7 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 from router.edge.servicer import start_server
 from tests.router.edges import grpc_servicer
-from tests.router.test_tokenize_limits import LIMITS, Core, SpyTokenizer
+from tests.router.serving.test_tokenize_limits import LIMITS, Core, SpyTokenizer
 
 
 def test_silent_and_idle_connections_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
