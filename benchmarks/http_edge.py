@@ -82,6 +82,7 @@ def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
         retries = broken = 0
 
         def __init__(self) -> None:
+            self.migrations: dict[str, int] = {}
             self.open: dict[str, asyncio.Queue] = {}
             self.engine: asyncio.Task | None = None
 
@@ -94,7 +95,7 @@ def _paced_server(conn: Any, protocol: str, step_ms: float) -> None:
                 for q in list(self.open.values()):
                     q.put_nowait(None)
 
-        async def generate(self, request_id, token_ids, params, *, tenant=None):  # noqa: ANN001, ANN201
+        async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
             if self.engine is None:
                 self.engine = asyncio.create_task(self._steps())
             q: asyncio.Queue = asyncio.Queue()

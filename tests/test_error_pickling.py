@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.client_errors import ClientCancelled
 from kvstore.requests.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.edge.interceptors import Malformed
 from worker.engine.executor import KVTransferUnsupported
@@ -31,6 +32,7 @@ CASES = [
     ImportRefused("block 3's token ids differ from the prompt's"),
     Malformed("prompt: a string field that is not UTF-8"),
     CorruptRunFile("block 2 fails its checksum"),
+    ClientCancelled("the call was still open 2.0 s past its deadline"),
 ]
 
 

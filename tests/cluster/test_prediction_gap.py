@@ -24,18 +24,19 @@ PROMPTS = [
 
 
 def _forge(index: KVIndex, worker_id: str, keys: list[bytes]) -> None:
-    """Record ``keys`` as held by ``worker_id``'s current registration, behind the back of its
-    publisher (as a lost removal or a hash mismatch would leave them): its slot goes into each
-    key's ``blk`` value and the key into its ``held`` set (schema: kvstore/__init__.py)."""
+    """Record ``keys`` as held on the device by ``worker_id``'s current registration, behind the
+    back of its publisher (as a lost removal or a hash mismatch would leave them): its slot goes
+    into each key's ``blk:device`` value and the key into its ``held:device`` set (schema:
+    kvstore/__init__.py)."""
     ns = index.config.namespace
     r = index.client
     slot = int(r.hget(ns + "reg", worker_id).split(b":")[0])
     mine = slot.to_bytes(2, "big")
     for key in keys:
-        value = r.hget(ns + "blk", key) or b""
+        value = r.hget(ns + "blk:device", key) or b""
         slots = sorted({value[i : i + 2] for i in range(0, len(value), 2)} | {mine})
-        r.hset(ns + "blk", key, b"".join(slots))
-        r.sadd(ns + f"held:{slot}", key)
+        r.hset(ns + "blk:device", key, b"".join(slots))
+        r.sadd(ns + f"held:device:{slot}", key)
 
 
 def test_corrupted_entries_are_detected_and_resynced(cluster: Cluster, client) -> None:
