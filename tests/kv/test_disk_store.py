@@ -605,7 +605,8 @@ def test_concurrent_stores_reads_pins_and_discards_serve_only_right_bytes(tmp_pa
     s = store.stats()
     on_disk = _files(tmp_path / "d")
     assert s.usage_bytes == sum(p.stat().st_size for p in on_disk) <= 12 * size
-    assert s.files == len(on_disk) and s.writes > 12 and s.evictions > 0 and s.reads > 0
+    # (evictions depend on how many runs the reader discarded meanwhile: the LRU tests count them)
+    assert s.files == len(on_disk) and s.writes > 12 and s.reads > 0
     for keys, toks in prompts:
         n = store.lookup(keys, toks)
         if n:

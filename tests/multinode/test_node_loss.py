@@ -115,12 +115,9 @@ def test_a_node_dies_under_load(ray_nodes, cluster) -> None:
     # dead router resumed on another one (the client sends the tokens it has); all complete
     assert all(code == "OK" and n == 120 for code, _, n in outcomes.values()), outcomes
     assert any(first == dead_address for _, first, _ in outcomes.values())
-    moved = sum(
-        sum(ray.get(cluster.routers[r].stats.remote(), timeout=30)["migrations"].values())
-        for r in cluster.routers
-        if r != victim_router
-    )
-    assert moved >= 1, "the dead worker's streams moved"
+    # (whether a surviving router migrated a stream depends on which router placed the streams
+    # the dead worker ran: those placed by the dead router resume by the client's continue_from;
+    # migration itself is checked token for token by tests/reliability/faults/test_migration.py)
 
     # and the router list once Ray has marked the node dead (its health checks: ~3 s here)
     assert wait_for(lambda: dead_address not in cluster.router_endpoints(), 30, 0.2)
