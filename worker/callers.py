@@ -47,6 +47,14 @@ class CallerWatch:
         self._task: asyncio.Task | None = None
         self.aborted = 0  # requests aborted because their caller died
 
+    def watched_requests(self) -> dict[str, Any]:
+        """Request id -> its caller, for each request watched now (a copy)."""
+        return dict(self._callers)
+
+    def watched_channels(self) -> dict[str, Any]:
+        """Channel id -> its caller, for each open channel watched now (a copy)."""
+        return dict(self._channels)
+
     def watch(self, request_id: str, caller: Any) -> None:
         if caller is None:
             return

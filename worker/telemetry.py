@@ -124,6 +124,10 @@ class WorkerTelemetry:
     def arrived(self, request_id: str) -> None:
         self._arrival[request_id] = self._clock()
 
+    def awaiting_first_token(self, request_id: str) -> bool:
+        """Whether ``request_id`` arrived and has no first token yet."""
+        return request_id in self._arrival
+
     def forget(self, request_id: str) -> None:
         """A request that ``arrived`` but was refused: nothing to measure."""
         self._arrival.pop(request_id, None)

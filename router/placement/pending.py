@@ -87,6 +87,11 @@ class PendingPlacements:
     def __len__(self) -> int:
         return len(self._expiry)
 
+    def keys(self) -> list[BlockKey]:
+        """The block keys with a placement pending (expired ones may linger until the next
+        lookup or record)."""
+        return list(self._expiry)
+
     def _release(self, worker_id: WorkerId, keys: tuple[BlockKey, ...]) -> list[BlockKey]:
         """One placement fewer in flight on each key; the keys that have none left."""
         free = []

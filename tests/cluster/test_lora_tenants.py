@@ -122,7 +122,7 @@ def test_nan_logits_fail_the_request_cleanly_over_http(owned: Cluster) -> None:
         def spoil(engine) -> None:  # noqa: ANN001
             # registration refuses NaN weights; here they turn NaN afterwards (as an
             # overflow on some input would make the logits)
-            engine.executor._loras["poison"].weights[(1, "down_proj")][1].fill_(math.nan)
+            engine.executor.adapter("poison").weights[(1, "down_proj")][1].fill_(math.nan)
             if engine.executor.runner.lora is not None:
                 engine.executor.runner.lora.drop("poison")  # reload from the host weights
 

@@ -153,7 +153,7 @@ def test_closing_a_channel_ends_it_on_the_worker(cluster) -> None:
 
     def channels_there(channel_id: str) -> bool:
         return ray.get(
-            handle.__ray_call__.remote(lambda w: channel_id in w.streams.channels._by_id),
+            handle.__ray_call__.remote(lambda w: w.streams.channels.find(channel_id) is not None),
             timeout=30,
         )
 
@@ -242,7 +242,7 @@ def test_a_worker_is_looked_up_once_and_gets_the_caller_once_per_channel(cluster
     def kept_caller(channel_id: str) -> str | None:
         return ray.get(
             handle.__ray_call__.remote(
-                lambda w: getattr(w.streams.channels._by_id[channel_id].caller, "incarnation", None)
+                lambda w: getattr(w.streams.channels.find(channel_id).caller, "incarnation", None)
             ),
             timeout=30,
         )

@@ -136,7 +136,7 @@ def test_one_step_runs_base_and_every_adapter_together(tiny_dir, lora_dirs) -> N
 def test_slots_evict_the_least_recently_used_adapter_not_in_the_batch(tiny_dir, lora_dirs):
     engine = lora_engine(tiny_dir, lora_dirs, max_loras=2)
     slots = engine.executor.runner.lora
-    a1, a2, a3 = (engine.executor._loras[n] for n in ("a1", "a2", "a3"))
+    a1, a2, a3 = (engine.executor.adapter(n) for n in ("a1", "a2", "a3"))
     assert slots.ensure([a1]) == {"a1": 0}
     assert slots.ensure([a2]) == {"a2": 1}
     slots.ensure([a1])  # a1 used again: a2 is now the least recently used

@@ -152,7 +152,7 @@ def test_missing_lora_alpha_is_peft_default_8_not_r(tiny_dir, tmp_path) -> None:
     assert_serves_as_peft(tiny_dir, a)
     engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=32))
     engine.add_lora("x", str(a))
-    assert engine.executor._loras["x"].scaling == 2.0
+    assert engine.executor.adapter("x").scaling == 2.0
 
 
 # ---- refused, naming the key ---------------------------------------------------------------

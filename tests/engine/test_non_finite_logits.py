@@ -22,7 +22,7 @@ def test_non_finite_logits_fail_their_request_alone(tiny_dir, tmp_path) -> None:
     )
     # an adapter that overflows on some input (registration bounds it for unit-size inputs
     # only): its weights turn NaN after registration, before it reaches a slot
-    engine.executor._loras["x"].weights[(1, "down_proj")][1].fill_(math.nan)
+    engine.executor.adapter("x").weights[(1, "down_proj")][1].fill_(math.nan)
     kw = dict(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=2)
     alone = engine.generate([PROMPT], SamplingParams(**kw))[0].completions[0]
     greedy, sampled, base = engine.generate(

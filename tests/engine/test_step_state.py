@@ -21,7 +21,7 @@ def _check_kept_state(engine: Engine) -> None:
                 table = engine.kv.block_table(seq.seq_id)
                 assert table == [b.block_id for b in engine.kv.seqs[seq.seq_id].blocks]
             if seq.spec is not None:  # kept only once nothing is banned: what a rebuild gives
-                rebuilt = SampleSpec(req.params, seq.generator, engine.processor._banned(req, seq))
+                rebuilt = SampleSpec(req.params, seq.generator, engine.processor.banned(req, seq))
                 assert seq.spec == rebuilt, (req.request_id, seq.spec, rebuilt)
     waiting = engine.scheduler.waiting
     recount = engine.kv.num_evictable_of(waiting.claims) if len(waiting) else 0

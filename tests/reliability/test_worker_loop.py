@@ -114,18 +114,21 @@ def test_a_reader_of_another_output_layout_is_refused_and_leaves_nothing_open() 
                 raise AssertionError("not refused")
             except WireMismatch as exc:
                 assert "output channel" in str(exc)
-            assert len(server.streams.channels) == 0 and server.streams.callers._channels == {}
+            assert (
+                len(server.streams.channels) == 0
+                and server.streams.callers.watched_channels() == {}
+            )
         reader = server.outputs("inc-1/worker-t/1", caller, OUTPUT_SCHEMA)
         first = asyncio.ensure_future(reader.__anext__())
         await asyncio.sleep(0.05)
         assert server.streams.channels.ids() == ["inc-1/worker-t/1"]
-        assert server.streams.callers._channels == {"inc-1/worker-t/1": caller}
+        assert server.streams.callers.watched_channels() == {"inc-1/worker-t/1": caller}
         server.streams.channels.drop("inc-1/worker-t/1")
         try:
             await first
         except StopAsyncIteration:
             pass
-        assert len(server.streams.channels) == 0 and server.streams.callers._channels == {}
+        assert len(server.streams.channels) == 0 and server.streams.callers.watched_channels() == {}
 
     try:
         asyncio.run(main())
@@ -195,6 +198,6 @@ def test_a_burst_is_answered_in_place_while_the_loop_keeps_answering() -> None:
         assert all(isinstance(r, Admitted) for i, r in enumerate(results) if i != 40)
         assert set(got) == {r.request_id for r in burst} - {"bad"}
         assert turn_ms < 10, f"one turn of the worker's loop ran {turn_ms:.1f} ms of CPU"
-        assert "bad" not in server.telemetry._arrival  # a refused request leaves nothing
+        assert not server.telemetry.awaiting_first_token("bad")  # a refused request leaves nothing
     finally:
         server.shutdown()

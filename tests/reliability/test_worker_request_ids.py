@@ -81,7 +81,7 @@ def test_a_duplicate_live_id_is_refused_and_the_live_request_runs_on(server) -> 
         refused(answers[0])  # type: ignore[arg-type]
         # the live one is as it was: its channel holds it, its caller is watched
         assert "r0" in server.streams.channels.find(cid).requests
-        assert server.streams.callers._callers.get("r0") is caller
+        assert server.streams.callers.watched_requests().get("r0") is caller
         # a burst that holds the live id and a new one: only the duplicate is refused
         answers = await server.submit_many(
             [request("r0", other, 4), request("r1", other, 4)], "inc-1", cid

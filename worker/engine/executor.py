@@ -181,6 +181,10 @@ class RunnerExecutor(ModelExecutor):
         self._loras[name] = adapter
         return adapter.adapter_id
 
+    def adapter(self, name: str) -> LoraAdapter:
+        """The registered adapter ``name`` (its host weights)."""
+        return self._loras[name]
+
     def loaded_loras(self) -> list[str]:
         return list(self.runner.lora.slot_of) if self.runner.lora is not None else []
 

@@ -148,7 +148,7 @@ class OutputProcessor:
             rows.append(row)
             spec = seq.spec
             if spec is None:
-                banned = self._banned(req, seq)
+                banned = self.banned(req, seq)
                 spec = SampleSpec(req.params, seq.generator, banned)
                 if not banned:  # banned only until min_tokens: the same spec from now on
                     seq.spec = spec
@@ -258,7 +258,7 @@ class OutputProcessor:
             for seq in (*req.seqs, *req.done_seqs):
                 self.penalties.release(seq.seq_id)
 
-    def _banned(self, req: Request, seq: Sequence) -> tuple[int, ...]:
+    def banned(self, req: Request, seq: Sequence) -> tuple[int, ...]:
         p = req.params
         if seq.num_output >= p.min_tokens:
             return ()
@@ -330,7 +330,7 @@ class OutputProcessor:
         logprobs = logits.log_softmax(dim=-1)
         for i, s in enumerate(seqs):
             s.pending_logits = None
-            banned = self._banned(req, s)
+            banned = self.banned(req, s)
             if banned:
                 logprobs[i, list(banned)] = float("-inf")
         out = self._outcome(req)

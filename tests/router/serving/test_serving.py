@@ -156,7 +156,7 @@ def test_a_placements_pending_claim_ends_after_its_first_token() -> None:
         task = asyncio.create_task(send(core, "a", [5] * 64))
         while not directory.placed:
             await asyncio.sleep(0.001)
-        keys = await on_decide_thread(core, lambda: list(router.pending._expiry))
+        keys = await on_decide_thread(core, lambda: router.pending.keys())
         now[0] += 10.0  # in flight, no token yet: claimed past the settle time
         during = await on_decide_thread(core, lambda: router.pending.lookup(keys, now[0]))
         directory.release.set()
