@@ -153,11 +153,11 @@ class TierBackend(ABC):
     def write_blocks(self, block_ids: Sequence[int], data: object) -> None:
         """``holds_bytes`` tiers: the KV of the blocks :meth:`store` returned ``block_ids``
         for, one row per id (``data``: uint8 ``[len(block_ids), block_bytes]``)."""
-        raise NotImplementedError(f"{self.name} tier: its bytes are the runner's")
+        raise TypeError(f"{self.name} tier holds no bytes (holds_bytes is False): the runner does")
 
     def loaded_blocks(self, block_ids: Sequence[int]) -> object:
         """``holds_bytes`` tiers: the KV of checked-out blocks ``block_ids`` (uint8 rows)."""
-        raise NotImplementedError(f"{self.name} tier: its bytes are the runner's")
+        raise TypeError(f"{self.name} tier holds no bytes (holds_bytes is False): the runner does")
 
     @abstractmethod
     def stats(self) -> TierStats:
