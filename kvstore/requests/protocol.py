@@ -8,6 +8,7 @@ from typing import Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.histograms import HistogramCounts
 from kvstore.requests.sampling_params import SamplingParams
 from kvstore.requests.wire import ByName
 
@@ -93,6 +94,11 @@ class WorkerStatus(ByName):
     swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
     recompute_preemptions: int = 0  # preemptions that dropped it
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+    # vLLM's histograms measured in the engine, by name less "vllm:" and "_seconds"
+    # (request_queue_time, ..., kv_block_reuse_gap: worker/engine/metrics.py EngineSnapshot)
+    histograms: dict[str, HistogramCounts] = field(default_factory=dict)
+    # waiting requests by why the engine's last admission pass left them waiting
+    waiting_by_reason: dict[str, int] = field(default_factory=dict)
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
     heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never

@@ -4,34 +4,29 @@ latency): observed on the router's event loop, once per streamed output, and ren
 
 ``prometheus_client``'s own histogram takes a lock per bucket and per sum on every
 observation (~2 us, more than the rest of a token's bookkeeping); these series are touched
-by one thread only, so a plain count per bucket does. The exposition is the same
+by one thread only, so a plain count per bucket does
+(:class:`~kvstore.requests.histograms.Histogram`). The exposition is the same
 (``_bucket{le=...}`` cumulative, ``_count``, ``_sum``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from kvstore.requests.histograms import Histogram
 
-class Series:
-    """One labelled series: counts per bucket (the last one: above every bound) and the sum."""
 
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        """``value`` observed ``times`` times (a message of k tokens: k equal gaps)."""
-        self.counts[bisect_left(self.bounds, value)] += times  # le: value <= bound
-        self.sum += value * times
+def cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    """Per-bucket counts as Prometheus's cumulative ``(le, count)`` pairs, +Inf last."""
+    buckets, total = [], 0
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        total += n
+        buckets.append((floatToGoString(bound), float(total)))
+    return buckets
 
 
 class LoopHistogram(Collector):
@@ -49,22 +44,18 @@ class LoopHistogram(Collector):
         self.documentation = documentation
         self.labelnames = list(labelnames)
         self.bounds = tuple(sorted(buckets))
-        self._series: dict[tuple[str, ...], Series] = {}
+        self._series: dict[tuple[str, ...], Histogram] = {}
         registry.register(self)
 
-    def labels(self, *values: str) -> Series:
+    def labels(self, *values: str) -> Histogram:
         assert len(values) == len(self.labelnames), (values, self.labelnames)
         series = self._series.get(values)
         if series is None:
-            series = self._series[values] = Series(self.bounds)
+            series = self._series[values] = Histogram(self.bounds)
         return series
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, s in self._series.items():
-            buckets, total = [], 0
-            for bound, n in zip((*self.bounds, float("inf")), s.counts, strict=True):
-                total += n
-                buckets.append((floatToGoString(bound), float(total)))
-            fam.add_metric(list(values), buckets, s.sum)
+            fam.add_metric(list(values), cumulative(self.bounds, s.counts), s.sum)
         yield fam

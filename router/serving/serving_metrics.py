@@ -3,8 +3,10 @@ kvcluster's names and, where the meaning matches, vLLM's (``vllm:...``), so dash
 autoscalers and routers built on vLLM's metrics read a kvcluster cluster unchanged.
 
 Latencies and token counts are measured here, at the router, per worker it routed to;
-queue and KV gauges come from the workers' statuses at scrape time. Each router exports
-what it served (sum over routers for the cluster, as over vLLM replicas).
+queue and KV gauges, and the histograms measured in the engine (queue, prefill, decode and
+inference times; KV block residency), come from the workers' statuses at scrape time: every
+router exports every worker's, so a query takes the ``max by (worker)`` of those. Each router
+exports what it served (sum over routers for the cluster, as over vLLM replicas).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.requests.outputs import RequestOutput
 from kvstore.requests.protocol import WorkerStatus
 from router.placement.prediction import PredictionTracker
 from router.serving.cache_funnel import STAGES, CacheFunnel
-from router.serving.loop_histograms import LoopHistogram
+from router.serving.loop_histograms import LoopHistogram, cumulative
 from router.serving.request_phases import RequestPhases
 from router.serving.slo import SloBounds
 
@@ -28,9 +30,20 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TTFT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_DECODE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
-_E2E_BUCKETS = _DECODE_BUCKETS
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 MAX_FIELD_LABELS = 64  # distinct unknown field names counted by name; the rest as "<other>"
+# the histograms a worker's status carries (WorkerStatus.histograms), exported as
+# vllm:<key>_seconds: vLLM's names, measured where vLLM measures them, in the engine
+ENGINE_HISTOGRAMS = {
+    "request_queue_time": "Time a request waited in the engine's queue (arrival at the "
+    "engine to its first admission).",
+    "request_prefill_time": "Time from a request's admission to its first token.",
+    "request_decode_time": "Time from a request's first token to its last.",
+    "request_inference_time": "Time from a request's admission to its last token.",
+    "kv_block_lifetime": "Sampled KV blocks: time from caching to eviction.",
+    "kv_block_idle_before_evict": "Sampled KV blocks: time unused before eviction.",
+    "kv_block_reuse_gap": "Sampled KV blocks: time between two uses (caching, prefix hits).",
+}
 
 
 class _Statuses(Collector):
@@ -91,6 +104,31 @@ class _Statuses(Collector):
         yield preempted
         yield by_mode
         yield from self._tiers()
+        yield from self._engine_measured()
+
+    def _engine_measured(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+        """What the engines measured: waiting requests by reason, and vLLM's histograms."""
+        labels = ["model_name", "worker"]
+        waiting = GaugeMetricFamily(
+            "kvc_worker_requests_waiting_by_reason",
+            "Waiting requests by why the engine's last admission pass left them waiting "
+            "(budget, max_num_seqs, kv_blocks, lora, grammar, deferred, order; new: queued "
+            "since).",
+            labels=[*labels, "reason"],
+        )
+        hists = {
+            key: HistogramMetricFamily(f"vllm:{key}_seconds", help_, labels=labels)
+            for key, help_ in ENGINE_HISTOGRAMS.items()
+        }
+        for s in self.statuses:
+            for reason, n in s.waiting_by_reason.items():
+                waiting.add_metric([self.model, s.worker_id, reason], float(n))
+            for key, h in s.histograms.items():
+                fam = hists.get(key)  # (a newer worker's histogram: not known here)
+                if fam is not None:
+                    fam.add_metric([self.model, s.worker_id], cumulative(h.bounds, h.counts), h.sum)
+        yield waiting
+        yield from hists.values()
 
     def _tiers(self) -> Iterator[GaugeMetricFamily]:
         """Each worker's KV tiers below the device, labelled by the tier's value."""
@@ -300,13 +338,6 @@ class ServingMetrics:
             _E2E_BUCKETS,
             r,
         )
-        self.decode = LoopHistogram(
-            "vllm:request_decode_time_seconds",
-            "Time from a request's first token to its last.",
-            by_worker,
-            _DECODE_BUCKETS,
-            r,
-        )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens served.", by_worker, registry=r
         )
@@ -395,7 +426,6 @@ class _WorkerSeries:
         "ttft",
         "itl",
         "e2e",
-        "decode",
         "prompt_tokens",
         "generation_tokens",
         "cache_queries",
@@ -410,7 +440,6 @@ class _WorkerSeries:
         self.ttft = m.ttft.labels(*labels)
         self.itl = m.itl.labels(*labels)
         self.e2e = m.e2e.labels(*labels)
-        self.decode = m.decode.labels(*labels)
         self.prompt_tokens = m.prompt_tokens.labels(*labels)
         self.generation_tokens = m.generation_tokens.labels(*labels)
         self.cache_queries = m.cache_queries.labels(*labels)
@@ -429,11 +458,11 @@ class _WorkerSeries:
 class RequestTimer:
     """One request's timings, fed each output as it reaches the router."""
 
-    __slots__ = ("m", "start", "last", "first", "tokens", "_series")
+    __slots__ = ("m", "start", "last", "tokens", "_series")
 
     def __init__(self, m: ServingMetrics) -> None:
         self.m = m
-        self.start = self.last = self.first = time.monotonic()
+        self.start = self.last = time.monotonic()
         self.tokens = 0
         self._series: _WorkerSeries | None = None  # of the worker that answers
 
@@ -450,7 +479,6 @@ class RequestTimer:
                 s.ttft.observe(ttft)
                 slo.ttft_total += 1
                 slo.ttft_met += ttft <= slo.bounds.ttft_s
-                self.first = now
                 k_gaps, gap_from = k - 1, now
             else:
                 k_gaps, gap_from = k, self.last
@@ -465,8 +493,6 @@ class RequestTimer:
         if out.finished:
             u = out.usage
             s.e2e.observe(now - self.start)
-            if self.tokens:
-                s.decode.observe(now - self.first)
             s.prompt_tokens.inc(u.prompt_tokens)
             s.generation_tokens.inc(u.completion_tokens)
             s.cache_queries.inc(u.prompt_tokens)

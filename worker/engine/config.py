@@ -196,6 +196,19 @@ class EngineConfig(Strict):
         "it is admitted before it any more.",
     )
     seed: int = Field(0, ge=0, description="Seed of the RNG used by requests without a seed.")
+    log_stats: bool = Field(
+        True,
+        description="Measure what only metrics need: each finished request's queue, prefill, "
+        "decode and inference times, sampled KV blocks' residency, the worker's latency "
+        "histograms (vLLM's --disable-log-stats turns its equivalent off). Off: those "
+        "series stay at zero.",
+    )
+    kv_block_sample_stride: int = Field(
+        16,
+        ge=0,
+        description="With log_stats: every that many-th KV block's residency (lifetime, "
+        "idle time before eviction, reuse gap) is measured; 1: every block, 0: none.",
+    )
     dtype: str = Field("float32", description="Model dtype (runner).")
     device: str = Field("cpu", description="Torch device (runner).")
     attn_backend: str = Field(

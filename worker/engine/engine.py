@@ -94,12 +94,13 @@ class Engine:
             host_num_blocks=executor.num_host_blocks,
             lower_tiers=lower,
             recompute_seconds=self.prefill_rate.seconds_for if lower else None,
+            block_sample_stride=config.kv_block_sample_stride if config.log_stats else 0,
         )
         spec = config.speculative
         self.speculator = Speculator(spec) if spec.enabled else None
         self.scheduler = Scheduler(config, self.kv, get_policy(config.policy), self.speculator)
         self.requests: dict[str, Request] = {}  # live requests by id
-        self.stats = MetricsRecorder()
+        self.stats = MetricsRecorder(config.log_stats)
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
         self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
@@ -503,6 +504,8 @@ class Engine:
             stage_seconds=s.stages.snapshot(),
             prefix_hit_tokens=kv.prefix_hit_tokens,
             kv_tiers=kv.tiers,
+            histograms={**s.phases.histograms(), **kv.block_histograms},
+            waiting_by_reason=sched.waiting_by_reason(),
             **self._spec_counters(),
         )
 

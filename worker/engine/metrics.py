@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.histograms import Histogram, HistogramCounts
 from kvstore.requests.protocol import TierFigures
 from kvstore.runtime.stats import quantile
 from worker.kv.types import TierStats
 
 _SAMPLES = 100_000  # latency samples kept (most recent)
+# seconds, for queue, prefill, decode and inference times: a queue wait of a few ms to
+# requests running for minutes
+PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PHASE_BUCKETS_S += (20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +145,13 @@ class EngineSnapshot:
     # every lower KV tier's figures, fastest first (host, disk): blocks, bytes, hits, reads,
     # writes, skipped reads, evictions (worker.kv.TierStats)
     kv_tiers: tuple[TierStats, ...] = ()
+    # vLLM's histograms by name less "vllm:" and "_seconds": the finished requests' phase
+    # times (request_queue_time, _prefill_, _decode_, _inference_; EngineConfig.log_stats)
+    # and the sampled blocks' residency (kv_block_lifetime, _idle_before_evict, _reuse_gap)
+    histograms: dict[str, HistogramCounts] = field(default_factory=dict)
+    # the waiting requests by why the last admission pass left them waiting, and "new" for
+    # those that arrived since (Scheduler.waiting_by_reason)
+    waiting_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
     def tiers(self) -> dict[Tier, TierFigures]:
@@ -169,10 +181,44 @@ class EngineMetrics(EngineSnapshot):
     itl: LatencySummary = _EMPTY  # between consecutive tokens of a request
 
 
-class MetricsRecorder:
-    """Accumulates what the snapshot reports; mutated only by the engine thread."""
+class RequestTimes:
+    """vLLM's per-request phase histograms, observed once per finished request that was
+    admitted: queue (arrival at the engine to first admission), prefill (admission to first
+    token), decode (first token to last) and inference (admission to last token)."""
+
+    __slots__ = ("queue", "prefill", "decode", "inference")
 
     def __init__(self) -> None:
+        self.queue = Histogram(PHASE_BUCKETS_S)
+        self.prefill = Histogram(PHASE_BUCKETS_S)
+        self.decode = Histogram(PHASE_BUCKETS_S)
+        self.inference = Histogram(PHASE_BUCKETS_S)
+
+    def finished(self, arrived: float, admitted: float, first: float | None, end: float) -> None:
+        """``first``: the first token's time (None: none came); ``end``: the last token's
+        time, or when it ended without one."""
+        self.queue.observe(admitted - arrived)
+        self.inference.observe(end - admitted)
+        if first is not None:
+            self.prefill.observe(first - admitted)
+            self.decode.observe(end - first)
+
+    def histograms(self) -> dict[str, HistogramCounts]:
+        return {
+            "request_queue_time": self.queue.counts_now(),
+            "request_prefill_time": self.prefill.counts_now(),
+            "request_decode_time": self.decode.counts_now(),
+            "request_inference_time": self.inference.counts_now(),
+        }
+
+
+class MetricsRecorder:
+    """Accumulates what the snapshot reports; mutated only by the engine thread.
+    ``log_stats`` off: the phase histograms are not observed."""
+
+    def __init__(self, log_stats: bool = True) -> None:
+        self.log_stats = log_stats
+        self.phases = RequestTimes()
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
         self.recomputed_tokens = 0

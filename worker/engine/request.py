@@ -178,6 +178,7 @@ class Request:
         self.progressed = False  # produced tokens since the last output (TTFT / ITL)
         self.doomed = False  # cannot fit the KV cache even alone: finish after this step
         self.error: str | None = None
+        self.admitted_time: float | None = None  # first admission (queue time ends)
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0

@@ -1,8 +1,10 @@
 """What a request's output message holds: its sequences' news (or, for beam search, the
 best hypotheses once the search ends), usage, error and prompt logprobs; building one records
-the request's TTFT and inter-token latency."""
+the request's TTFT and inter-token latency, and a finished request's phase times."""
 
 from __future__ import annotations
+
+import time
 
 from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput
 from worker.engine.detokenizer import TokenizerLike
@@ -35,7 +37,8 @@ def beam_deltas(req: Request, tokenizer: TokenizerLike | None) -> list[Completio
 
 def request_output(req: Request, stats: MetricsRecorder, now: float | None) -> RequestOutput:
     """The request's news since its last output; with ``now``, a step that produced tokens
-    records its TTFT (the first) or inter-token latency into ``stats``."""
+    records its TTFT (the first) or inter-token latency into ``stats``. A finished request's
+    output (the last one it gets) records its queue, prefill, decode and inference times."""
     if req.final_deltas:  # beam search: results only at the end
         deltas = req.final_deltas
     elif len(req.seqs) + len(req.done_seqs) == 1:  # n == 1: nothing to order
@@ -52,6 +55,9 @@ def request_output(req: Request, stats: MetricsRecorder, now: float | None) -> R
         else:
             stats.itl.append(now - (req.last_token_time or now))
         req.last_token_time = now
+    if req.finished and stats.log_stats and req.admitted_time is not None:
+        end = req.last_token_time or (now if now is not None else time.monotonic())
+        stats.phases.finished(req.arrival_time, req.admitted_time, req.first_token_time, end)
     prompt = None
     if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and deltas:
         prompt, req.prompt_logprobs_sent = list(req.prompt_logprobs), True

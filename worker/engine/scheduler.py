@@ -56,6 +56,13 @@ from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
+# why an admission pass leaves a request waiting (Scheduler.waiting_by_reason): the step's
+# token budget is spent (or its prompt does not fit it without chunked prefill), the batch
+# is at max_num_seqs, its KV blocks do not fit (or the admission watermark; in a step that
+# preempted nobody is admitted), every LoRA slot is taken, its grammar is compiling, its
+# cached prefix is being written this step, cache-aware admission holds it behind a request
+# at its bound; a request behind the one that stopped the pass waits for the same reason
+WAIT_REASONS = ("budget", "max_num_seqs", "kv_blocks", "lora", "grammar", "deferred", "order")
 
 
 class Scheduler:
@@ -90,6 +97,10 @@ class Scheduler:
         self._out = SchedulerOutput.make_empty()
         self._drafted: list[Sequence] = []  # sequences given drafts in this step
         self._finished: list[Request] = []  # finished or aborted, not yet taken by the engine
+        # the last admission pass: waiting requests by reason, and how many it saw waiting
+        self._wait_reasons: dict[str, int] = {}
+        self._wait_counted = 0
+        self._wait_why = "kv_blocks"  # why the candidate being scheduled must wait
 
     # ---- queues --------------------------------------------------------------------------
 
@@ -126,6 +137,13 @@ class Scheduler:
     def num_decoding_seqs(self) -> int:
         """Running sequences with one token left to compute: the next step's decodes."""
         return sum(1 for r in self.running for s in r.seqs if s.num_remaining <= 1)
+
+    def waiting_by_reason(self) -> dict[str, int]:
+        """The waiting requests by why the last admission pass left them waiting
+        (:data:`WAIT_REASONS`), plus ``"new"``: those queued since. Requests aborted since
+        that pass still count until the next one."""
+        new = len(self.waiting) - self._wait_counted
+        return {**self._wait_reasons, "new": new} if new > 0 else self._wait_reasons
 
     @property
     def num_running_seqs(self) -> int:
@@ -193,6 +211,9 @@ class Scheduler:
                     break
         if not out.preempted and self.waiting:
             self._admit_waiting()
+        elif self._wait_counted or self.waiting:  # preempting: nobody is admitted
+            n = self._wait_counted = len(self.waiting)
+            self._wait_reasons = {"kv_blocks": n} if n else {}
         out.transfers = self.kv.take_transfers()
         out.blocks_to_copy = self.kv.take_copies()
         return out
@@ -208,28 +229,41 @@ class Scheduler:
             order = self._order.order(waiting, now)
         deferred: list[Request] = []  # and admitted, in this pass: whom the bound protects
         admitted: list[Request] = []
+        passed: dict[str, int] = {}  # requests left waiting while later ones may go, by reason
+        stop = "kv_blocks"  # why the pass stopped (the requests from there on wait for it)
         for req in order:
             if self._budget == 0:
+                stop = "budget"
                 break
             if self._order is not None and not self._order.may_pass(req, deferred, admitted, now):
+                passed["order"] = passed.get("order", 0) + 1
                 continue  # it would pass a deferred request at its bound
             if req.awaiting_grammar:
+                passed["grammar"] = passed.get("grammar", 0) + 1
                 continue  # its grammar is compiling: let the others pass
             if seq_slots + req.num_seq_slots > self.config.max_num_seqs:
+                stop = "max_num_seqs"
                 break
             lora = req.params.lora
             if lora is not None and lora not in adapters:
                 if len(adapters) >= self.config.max_loras:
+                    passed["lora"] = passed.get("lora", 0) + 1
                     continue  # every slot is in use: wait for one, let others pass
             outcome: Outcome = "wait"
+            self._wait_why = "kv_blocks"
             for seq in _work(req):
-                outcome = self._schedule_seq(req, seq, admit=True) if self._budget else "wait"
+                if not self._budget:
+                    outcome, self._wait_why = "wait", "budget"
+                    break
+                outcome = self._schedule_seq(req, seq, admit=True)
                 if outcome != "ok":
                     break
             if req.request_id not in self._touched:
                 if outcome == "defer":
                     deferred.append(req)
+                    passed["deferred"] = passed.get("deferred", 0) + 1
                     continue  # its prefix is being computed right now: admit it next step
+                stop = self._wait_why
                 break  # the head of the queue does not fit: wait (no overtaking)
             self.waiting.admit(req)
             if lora is not None:
@@ -242,8 +276,15 @@ class Scheduler:
                 req.protected = True
                 out.resumed.append(req.request_id)
             req.status = RequestStatus.RUNNING
+            if req.admitted_time is None:
+                req.admitted_time = now
         if self._order is not None and out.admitted:
             self._order.note_admitted(waiting, set(out.admitted))
+        self._wait_counted = left = len(waiting) - len(admitted)
+        stopped = left - sum(passed.values())
+        if stopped:
+            passed[stop] = passed.get(stop, 0) + stopped
+        self._wait_reasons = passed
 
     def _schedule_seq(self, req: Request, seq: Sequence, *, admit: bool) -> Outcome:
         """Allocate and schedule this step's tokens of ``seq``, or say why not."""
@@ -265,6 +306,7 @@ class Scheduler:
             if remaining > 1:
                 n = min(n, cfg.prefill_chunk_cap)
                 if n < remaining and not cfg.enable_chunked_prefill:
+                    self._wait_why = "budget"
                     return "wait"
             if (
                 admit

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
+from worker.kv.block_lifetimes import DEFAULT_SAMPLE_STRIDE, BlockLifetimes
 from worker.kv.eviction_order import EvictionOrder
 from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
 
@@ -59,7 +60,15 @@ from worker.kv.free_queue import BlockPoolError, FreeBlockQueue, KVBlock
 class BlockPool:
     """``num_blocks`` blocks, their ref counts, the free queue and the key -> block map."""
 
-    def __init__(self, num_blocks: int, block_size: int, tenant_quota: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        tenant_quota: int | None = None,
+        sample_stride: int = DEFAULT_SAMPLE_STRIDE,
+    ) -> None:
+        """``sample_stride``: every that many-th block's residency is measured
+        (:class:`~worker.kv.block_lifetimes.BlockLifetimes`; 0: none)."""
         if tenant_quota is not None and tenant_quota < 0:
             raise ValueError(f"tenant_quota must be >= 0 or None, got {tenant_quota}")
         self.block_size = block_size
@@ -67,6 +76,7 @@ class BlockPool:
         self.quota_evictions = 0  # blocks evicted because their tenant was over its quota
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.lifetimes = BlockLifetimes(self.blocks, sample_stride)
         self.cached: dict[BlockKey, KVBlock] = {}  # key -> the one block serving it
         # key -> in-use uncached duplicates of its serving block, oldest first (a few at most)
         self.twins: dict[BlockKey, list[KVBlock]] = {}
@@ -116,7 +126,11 @@ class BlockPool:
         twins = self.twins.get(key)
         if twins:
             self._promote(key, twins)
+            if block.sample is not None:
+                self.lifetimes.cleared(block.sample)
         else:
+            if block.sample is not None:
+                self.lifetimes.evicted(block.sample)
             if self.on_evict is not None:
                 self.on_evict(block)
             del self.cached[key]
@@ -153,9 +167,12 @@ class BlockPool:
         twin.landing, twin.children = served.landing, served.children
         self.cached[key] = twin
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take one more ref on each block; a free (evictable) one leaves the queue in O(1)."""
+    def touch(self, blocks: Iterable[KVBlock], hit: bool = False) -> None:
+        """Take one more ref on each block; a free (evictable) one leaves the queue in O(1).
+        ``hit``: the blocks are a prefix hit (a use the residency samples count)."""
         for block in blocks:
+            if hit and block.sample is not None:
+                self.lifetimes.used(block.sample)
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 if block.key is not None:
@@ -176,6 +193,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.twin_of is not None:
                     self._untwin(block)
+                if block.sample is not None:
+                    self.lifetimes.freed(block.sample)
                 if block.key is None:
                     self.free_queue.appendleft(block)  # nothing to keep: reuse first
                 elif self.order.claimed(block):  # a waiting request wants it: evicted last
@@ -247,6 +266,8 @@ class BlockPool:
                 run_parent = key
                 continue
             block.key, block.token_ids, block.tenant = key, toks, tenant
+            if block.sample is not None:
+                self.lifetimes.cached(block.sample)
             block.parent = run_keys[-1] if run_keys else run_parent
             above = self.cached.get(block.parent) if block.parent is not None else None
             block.pulled = above is not None and above.pulled  # evicted before its parent
@@ -268,6 +289,8 @@ class BlockPool:
         if self.twins:
             raise BlockPoolError("a twin is in use although no block is")
         for block in self.cached.values():
+            if block.sample is not None:
+                self.lifetimes.cleared(block.sample)
             block.key = block.token_ids = block.tenant = block.parent = None
             block.pulled = block.landing = False
             block.children = 0

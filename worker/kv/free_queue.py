@@ -4,8 +4,12 @@ cached free block must leave the middle of the LRU order in O(1) when it is hit 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from kvstore.blocks.hashing import BlockKey
+
+if TYPE_CHECKING:
+    from worker.kv.block_lifetimes import BlockSample
 
 
 class BlockPoolError(RuntimeError):
@@ -30,6 +34,7 @@ class KVBlock:
         "pulled",
         "landing",
         "children",
+        "sample",
         "prev",
         "next",
     )
@@ -47,6 +52,7 @@ class KVBlock:
         self.pulled = False
         self.landing = False  # pulled, not yet used by the request it was pulled for
         self.children = 0  # cached blocks whose parent key is this block's key
+        self.sample: BlockSample | None = None  # its residency times, if sampled
         self.prev: KVBlock | None = None  # free-queue links; None while not in the queue
         self.next: KVBlock | None = None
 

@@ -41,6 +41,7 @@ from kvstore.blocks.hashing import (
     salt_owner,
 )
 from kvstore.blocks.tiers import Tier
+from worker.kv.block_lifetimes import DEFAULT_SAMPLE_STRIDE
 from worker.kv.block_pool import BlockPool, KVBlock
 from worker.kv.claims import BlockClaims
 from worker.kv.invariants import check_invariants
@@ -82,6 +83,7 @@ class KVCacheManager:
         host_num_blocks: int = 0,
         lower_tiers: Sequence[TierSpec] = (),
         recompute_seconds: Callable[[int], float] | None = None,
+        block_sample_stride: int = DEFAULT_SAMPLE_STRIDE,
     ) -> None:
         """``tenant_quota_blocks``: most cached evictable blocks one tenant (``cache_salt``)
         keeps; beyond it that tenant's own LRU blocks are evicted (None: no quota); each
@@ -91,7 +93,9 @@ class KVCacheManager:
         (``worker.kv.tier_backend.TIER_BACKENDS``). Lower tiers exist only with prefix caching.
         ``recompute_seconds``: estimated seconds to recompute n tokens; when given, a prefix
         hit leaves to recompute the lower-tier blocks whose estimated load time is not below
-        it (None: a lower-tier hit is always loaded)."""
+        it (None: a lower-tier hit is always loaded).
+        ``block_sample_stride``: every that many-th block's residency is measured (0: none;
+        ``worker/kv/block_lifetimes.py``)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -101,7 +105,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, block_size, tenant_quota_blocks)
+        self.pool = BlockPool(num_blocks, block_size, tenant_quota_blocks, block_sample_stride)
         specs = [TierSpec("host", host_num_blocks), *lower_tiers]
         if not enable_prefix_caching:
             specs = []
@@ -211,7 +215,7 @@ class KVCacheManager:
             new_toks += more_toks
 
         if seq is None:
-            self.pool.touch(blocks)
+            self.pool.touch(blocks, hit=True)
             self.tiers.taken(blocks)
             seq = self._seqs[seq_id] = SeqBlocks(ctx, list(blocks), computed, keys)
             self._queried_tokens += len(token_ids)
@@ -545,6 +549,7 @@ class KVCacheManager:
             prefix_hit_tokens=h,
             prefix_hit_rate=h / q if q else 0.0,
             tenant_quota_evictions=pool.quota_evictions,
+            block_histograms=pool.lifetimes.histograms(),
             **self._host_stats(tiers),
             tiers=tiers,
         )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.blocks.tiers import Tier
+from kvstore.requests.histograms import HistogramCounts
 
 if TYPE_CHECKING:
     from worker.kv.free_queue import KVBlock
@@ -181,3 +182,5 @@ class KVStats:
     host_loaded_blocks: int = 0  # blocks copied host -> device so far
     host_evicted_blocks: int = 0  # blocks dropped from the host tier so far
     tiers: tuple[TierStats, ...] = ()  # every lower tier's figures, fastest first (host too)
+    # sampled blocks' residency: lifetime, idle before evict, reuse gap (block_lifetimes.py)
+    block_histograms: dict[str, HistogramCounts] = field(default_factory=dict)

@@ -75,7 +75,7 @@ def test_metrics_export_the_funnel_tiers_predictions_and_preemptions() -> None:
     assert fams["kvc_worker_preemptions_total"][(("mode", "swap"), *w0)] == 2
 
 
-def test_slo_attainment_and_decode_time_are_counted_per_request_and_token() -> None:
+def test_slo_attainment_is_counted_per_request_and_token() -> None:
     m = ServingMetrics("m", slo=SloBounds(ttft_s=10.0, itl_s=1e-9))
     timer = m.tracker()
     delta = CompletionDelta(0, "ab", [1, 2])
@@ -89,8 +89,6 @@ def test_slo_attainment_and_decode_time_are_counted_per_request_and_token() -> N
     assert met == {"ttft": 1, "itl": 1}  # the gap inside the first message is 0
     bounds = {k[0][1]: v for k, v in fams["kvc_slo_bound_seconds"].items()}
     assert bounds == {"ttft": 10.0, "itl": 1e-9}
-    w0 = (("model_name", "m"), ("worker", "w0"))
-    assert fams["vllm:request_decode_time_seconds_count"] == {w0: 1}
 
 
 def test_requests_are_counted_by_phase() -> None:
