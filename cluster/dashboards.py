@@ -1,14 +1,16 @@
 """kvcluster's Grafana dashboards, declared once here and written as Grafana JSON into
 ``deploy/grafana/`` (``python -m cluster.dashboards``; a test checks the files are current).
 
-Three dashboards: the cluster overview (traffic, latency, SLO attainment), KV cache and
-routing (usage, prefix hits, the cache funnel, predicted vs realised, pulls, decisions), and
-nodes and workers (per-worker queues and blocks, preemptions, the workers' own latencies and
-the nodes' CPU and memory from Ray's export). Every query names metrics the code defines:
-the routers' ``/metrics`` (``router/serving/serving_metrics.py``), what workers and routers export
-through Ray (``worker/telemetry.py``, ``router/serving/metrics_exporter.py``, named ``ray_<name>``
-by Ray's exporter), Ray's node metrics and Prometheus's ``up``; a test parses every query and
-fails on any other name.
+Three dashboards: the cluster overview (traffic, latency, queue and decode time, SLO
+attainment), KV cache and routing (usage, prefix hits, the cache funnel, predicted vs
+realised, pulls, KV block residency, decisions), and nodes and workers (per-worker queues,
+waiting reasons and blocks, request phases, preemptions, the workers' own latencies and the
+nodes' CPU and memory from Ray's export). Every query names metrics the code defines: the
+routers' ``/metrics`` (``router/serving/serving_metrics.py``; with the histograms the engines
+measure, which every router exports from the workers' statuses), what workers and routers
+export through Ray (``worker/telemetry.py``, ``router/serving/metrics_exporter.py``, named
+``ray_<name>`` by Ray's exporter), Ray's node metrics and Prometheus's ``up``; a test parses
+every query and fails on any other name.
 
 Each dashboard takes its Prometheus from a ``datasource`` variable, so the same file imports
 into any Grafana and into the Grafana Ray provisions (its dashboards folder).
@@ -57,6 +59,23 @@ def quantile(q: float, histogram: str, by: str = "") -> str:
     return f"histogram_quantile({q}, sum by ({labels}) (rate({histogram}_bucket[{WINDOW}])))"
 
 
+def worker_quantile(q: float, histogram: str) -> str:
+    """A quantile of a histogram the workers measure: every router exports every worker's
+    counts (from its status), so each worker's bucket rates are taken once (``max``)."""
+    per_worker = f"max by (worker, le) (rate({histogram}_bucket[{WINDOW}]))"
+    return f"histogram_quantile({q}, sum by (le) ({per_worker}))"
+
+
+def engine_panel(title: str, histogram: str, description: str) -> Panel:
+    """p50 / p90 / p99 of a histogram measured in the engines (``worker_quantile``)."""
+    return Panel(
+        title,
+        tuple((worker_quantile(q, histogram), f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)),
+        unit="s",
+        description=description,
+    )
+
+
 def latency_panel(title: str, histogram: str, description: str) -> Panel:
     return Panel(
         title,
@@ -94,8 +113,15 @@ OVERVIEW = Dashboard(
         latency_panel(
             "Request latency", "vllm:e2e_request_latency_seconds", "Arrival to last token."
         ),
-        latency_panel(
-            "Decode time", "vllm:request_decode_time_seconds", "First token to last token."
+        engine_panel(
+            "Queue time (in the engine)",
+            "vllm:request_queue_time_seconds",
+            "A request's arrival at its worker's engine to its first admission.",
+        ),
+        engine_panel(
+            "Decode time (in the engine)",
+            "vllm:request_decode_time_seconds",
+            "First token to last token, at the worker.",
         ),
         Panel(
             "SLO attainment",
@@ -233,6 +259,31 @@ KV_ROUTING = Dashboard(
             ),
         ),
         Panel(
+            "KV block lifetime and idle time before eviction (sampled blocks)",
+            (
+                *(
+                    (worker_quantile(q, "vllm:kv_block_lifetime_seconds"), f"lifetime p{p}")
+                    for q, p in ((0.5, 50), (0.9, 90))
+                ),
+                *(
+                    (worker_quantile(q, "vllm:kv_block_idle_before_evict_seconds"), f"idle p{p}")
+                    for q, p in ((0.5, 50), (0.9, 90))
+                ),
+            ),
+            "s",
+            "Caching to eviction, and unused (in the LRU) before eviction: short idle "
+            "times mean the cache is too small for the traffic's reuse.",
+        ),
+        Panel(
+            "KV block reuse gap (sampled blocks)",
+            tuple(
+                (worker_quantile(q, "vllm:kv_block_reuse_gap_seconds"), f"p{round(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ),
+            "s",
+            "Time between two uses of a cached block (its caching, then each prefix hit).",
+        ),
+        Panel(
             "Index errors and parity mismatches",
             (
                 (rate("kvc_router_index_errors_total"), "index errors"),
@@ -265,6 +316,28 @@ NODES_WORKERS = Dashboard(
                 ("max by (worker) (kvc_worker_queued_prefill_tokens)", "{{worker}} prefill"),
                 ("max by (worker) (kvc_worker_waiting_pinned_blocks)", "{{worker}} pinned"),
             ),
+        ),
+        Panel(
+            "Waiting requests by reason",
+            (
+                (
+                    "sum by (reason) (max by (worker, reason) "
+                    "(kvc_worker_requests_waiting_by_reason))",
+                    "{{reason}}",
+                ),
+            ),
+            description="Why the engines' last admission pass left each waiting request "
+            "waiting (kvstore/requests/protocol.py WAIT_REASONS).",
+        ),
+        Panel(
+            "Request phases p90 (in the engine)",
+            tuple(
+                (worker_quantile(0.9, f"vllm:request_{phase}_time_seconds"), phase)
+                for phase in ("queue", "prefill", "decode", "inference")
+            ),
+            "s",
+            "Queue: arrival at the engine to admission; prefill: admission to first token; "
+            "decode: first to last token; inference: admission to last token.",
         ),
         Panel(
             "Preemptions per second",

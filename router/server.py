@@ -122,7 +122,14 @@ class RouterServer:
         )
         auth = TokenAuth(cfg.auth_tokens) if cfg.auth_tokens else None
         # one intake for both edges: one auth, one set of limits, one tokenizer budget
-        self.intake = Intake(self.core, self.tokenizer, auth=auth, limits=cfg.limits, slo=cfg.slo)
+        self.intake = Intake(
+            self.core,
+            self.tokenizer,
+            auth=auth,
+            limits=cfg.limits,
+            slo=cfg.slo,
+            log_stats=cfg.log_stats,
+        )
         self.intake.metrics.read_core(self.core.funnel, self.predictions, self.core.phases)
         self.servicer = KVClusterServicer(
             self.intake,

@@ -113,6 +113,13 @@ class RouterConfig(Strict):
         "the time-to-first-token bound and of tokens within the inter-token bound "
         "(kvc_slo_met / kvc_slo_observed).",
     )
+    log_stats: bool = Field(
+        True,
+        description="Measure each streamed output for /metrics: time to first token, "
+        "inter-token and request latency, token and finish counters, SLO attainment "
+        "(vLLM's --disable-log-stats turns its equivalent off). Off: those series stay at "
+        "zero; the gauges and what the workers measure are still exported.",
+    )
     stream_interval: int = Field(
         STREAM_INTERVAL,
         ge=1,

@@ -80,7 +80,7 @@ class WorkerServer:
         self.engine = Engine.from_model_dir(
             self.model_dir, settings.engine, model_id=settings.model_id
         )
-        self.telemetry = WorkerTelemetry(self.worker_id)
+        self.telemetry = WorkerTelemetry(self.worker_id, log_stats=settings.engine.log_stats)
         self.telemetry.start_heartbeat()
         self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
         self.engine_loop = EngineLoop(

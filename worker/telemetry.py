@@ -58,11 +58,14 @@ class WorkerTelemetry:
         *,
         metrics_api: ModuleType | None = None,
         clock: Callable[[], float] = time.monotonic,
+        log_stats: bool = True,
     ) -> None:
         """``metrics_api``: a module with ``ray.util.metrics``'s ``Gauge``, ``Counter`` and
         ``Histogram`` (default: Ray's own when Ray is initialized, else nothing exported).
-        ``clock``: seconds, for arrivals and token times."""
+        ``clock``: seconds, for arrivals and token times. ``log_stats`` off
+        (``EngineConfig.log_stats``): no latencies measured; gauges and counters still."""
         self._clock = clock
+        self.log_stats = log_stats
         self.tags = {"worker": worker_id}
         self._arrival: dict[str, float] = {}  # request id -> arrival (until first token)
         self._last: dict[str, float] = {}  # request id -> last token time
@@ -122,7 +125,8 @@ class WorkerTelemetry:
             )
 
     def arrived(self, request_id: str) -> None:
-        self._arrival[request_id] = self._clock()
+        if self.log_stats:
+            self._arrival[request_id] = self._clock()
 
     def awaiting_first_token(self, request_id: str) -> bool:
         """Whether ``request_id`` arrived and has no first token yet."""
@@ -139,7 +143,7 @@ class WorkerTelemetry:
         ttft: list[float] = []
         itl: list[float] = []
         arrival_of, last = self._arrival, self._last
-        for out in outputs:
+        for out in outputs if self.log_stats else ():
             rid = out.request_id
             for d in out.outputs:
                 if d.token_ids:

@@ -74,6 +74,17 @@ class TierFigures(ByName):
     stored_blocks: int = 0  # blocks copied into it (evictions, swap-outs) since start
 
 
+# why a worker's request waits (WorkerStatus.waiting_by_reason), as its engine's last
+# admission pass found: the step's token budget was spent (or its prompt does not fit the
+# budget without chunked prefill), the batch is at max_num_seqs, its KV blocks do not fit
+# (or the admission watermark; in a step that preempted nobody is admitted), every LoRA slot
+# is taken, its grammar is compiling, its cached prefix is being written in that step,
+# cache-aware admission holds it behind a request at its bound; a request behind the one
+# that stopped the pass waits for the same reason; "new": queued since that pass
+WAIT_REASONS = ("budget", "max_num_seqs", "kv_blocks", "lora", "grammar", "deferred", "order")
+WAIT_REASONS += ("new",)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerStatus(ByName):
     """A worker's state for ClusterStatus and the dashboard."""

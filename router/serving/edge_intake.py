@@ -66,6 +66,7 @@ class Intake:
         limits: RequestLimits,
         tokenize: TokenizerPool | None = None,
         slo: SloBounds | None = None,
+        log_stats: bool = True,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -76,7 +77,7 @@ class Intake:
         # the GIL) in a thread of their own: never on the event loop, and a flood of them
         # queues behind itself, not behind (or in front of) tokenizing.
         self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
-        self.metrics = ServingMetrics(core.limits.model_id, slo=slo)
+        self.metrics = ServingMetrics(core.limits.model_id, slo=slo, log_stats=log_stats)
         self.started = int(time.time())
         self.turns = IterationSlices(INTAKE_SLICE)
 

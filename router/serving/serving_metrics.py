@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvstore.requests.outputs import RequestOutput
-from kvstore.requests.protocol import WorkerStatus
+from kvstore.requests.protocol import WAIT_REASONS, WorkerStatus
 from router.placement.prediction import PredictionTracker
 from router.serving.cache_funnel import STAGES, CacheFunnel
 from router.serving.loop_histograms import LoopHistogram, cumulative
@@ -112,8 +112,7 @@ class _Statuses(Collector):
         waiting = GaugeMetricFamily(
             "kvc_worker_requests_waiting_by_reason",
             "Waiting requests by why the engine's last admission pass left them waiting "
-            "(budget, max_num_seqs, kv_blocks, lora, grammar, deferred, order; new: queued "
-            "since).",
+            f"({', '.join(WAIT_REASONS)}: kvstore/requests/protocol.py).",
             labels=[*labels, "reason"],
         )
         hists = {
@@ -121,8 +120,11 @@ class _Statuses(Collector):
             for key, help_ in ENGINE_HISTOGRAMS.items()
         }
         for s in self.statuses:
-            for reason, n in s.waiting_by_reason.items():
-                waiting.add_metric([self.model, s.worker_id, reason], float(n))
+            by_reason = s.waiting_by_reason
+            for reason in (*WAIT_REASONS, *(r for r in by_reason if r not in WAIT_REASONS)):
+                waiting.add_metric(
+                    [self.model, s.worker_id, reason], float(by_reason.get(reason, 0))
+                )
             for key, h in s.histograms.items():
                 fam = hists.get(key)  # (a newer worker's histogram: not known here)
                 if fam is not None:
@@ -305,8 +307,11 @@ class ServingMetrics:
         model: str,
         *,
         slo: SloBounds | None = None,
+        log_stats: bool = True,
     ) -> None:
+        """``log_stats`` off: requests are not timed or counted (:meth:`tracker`)."""
         self.model = model
+        self.log_stats = log_stats
         self.registry = CollectorRegistry(auto_describe=False)
         r, by_worker = self.registry, ("model_name", "worker")
         self._statuses = _Statuses(model)
@@ -400,8 +405,8 @@ class ServingMetrics:
         self.unknown_fields.labels(name).inc()
         return first
 
-    def tracker(self) -> RequestTimer:
-        return RequestTimer(self)
+    def tracker(self) -> RequestTimer | Untimed:
+        return RequestTimer(self) if self.log_stats else UNTIMED
 
     def of_worker(self, worker: str) -> _WorkerSeries:
         """The series of one worker, labelled once: ``labels()`` costs more than the
@@ -453,6 +458,18 @@ class _WorkerSeries:
             m = self._m
             child = self._success[reason] = m.success.labels(m.model, self.worker, reason)
         return child
+
+
+class Untimed:
+    """A request's outputs not measured (``log_stats`` off)."""
+
+    __slots__ = ()
+
+    def output(self, worker: str, out: RequestOutput) -> None:
+        pass
+
+
+UNTIMED = Untimed()
 
 
 class RequestTimer:

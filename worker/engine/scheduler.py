@@ -56,13 +56,6 @@ from worker.engine.waiting import WaitingQueue
 from worker.kv import BlockKey, KVCacheManager, KVCapacityError, PrefixHit
 
 Outcome = Literal["ok", "wait", "defer"]  # scheduled / cannot now / its prefix is being written
-# why an admission pass leaves a request waiting (Scheduler.waiting_by_reason): the step's
-# token budget is spent (or its prompt does not fit it without chunked prefill), the batch
-# is at max_num_seqs, its KV blocks do not fit (or the admission watermark; in a step that
-# preempted nobody is admitted), every LoRA slot is taken, its grammar is compiling, its
-# cached prefix is being written this step, cache-aware admission holds it behind a request
-# at its bound; a request behind the one that stopped the pass waits for the same reason
-WAIT_REASONS = ("budget", "max_num_seqs", "kv_blocks", "lora", "grammar", "deferred", "order")
 
 
 class Scheduler:
@@ -139,9 +132,9 @@ class Scheduler:
         return sum(1 for r in self.running for s in r.seqs if s.num_remaining <= 1)
 
     def waiting_by_reason(self) -> dict[str, int]:
-        """The waiting requests by why the last admission pass left them waiting
-        (:data:`WAIT_REASONS`), plus ``"new"``: those queued since. Requests aborted since
-        that pass still count until the next one."""
+        """The waiting requests by why the last admission pass left them waiting, and
+        ``"new"``: those queued since (:data:`~kvstore.requests.protocol.WAIT_REASONS`).
+        Requests aborted since that pass still count until the next one."""
         new = len(self.waiting) - self._wait_counted
         return {**self._wait_reasons, "new": new} if new > 0 else self._wait_reasons
 
