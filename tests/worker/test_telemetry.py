@@ -156,3 +156,17 @@ def test_bulk_flushed_latencies_equal_per_token_recording() -> None:
         assert sum(sorted(hist.observed)) == sum(sorted(values))
         assert hist.threads == {"kvc-gauges"}  # the heartbeat's thread, not this one
     assert len(set(_buckets(itl))) == 3  # the values spread over buckets
+
+
+def test_log_stats_off_measures_no_latency_but_sets_gauges() -> None:
+    engine = Engine(FakeExecutor(64, 4), EngineConfig(block_size=4, max_model_len=64))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for on in (True, False):
+        tel = WorkerTelemetry("w", metrics_api=FAKE_METRICS, log_stats=on)  # type: ignore[arg-type]
+        rid = engine.add_request([5, 6, 7], params)
+        tel.arrived(rid)
+        while engine.has_unfinished_requests():
+            tel.after_step(engine.snapshot(), engine.step())
+        tel.flush()
+        assert (tel.ttft_count, tel.itl_count) == ((1, 2) if on else (0, 0))
+        assert tel.gauge_refreshes > 0 and tel.running.sets
