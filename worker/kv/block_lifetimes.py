@@ -44,13 +44,14 @@ class BlockLifetimes:
         self,
         blocks: Sequence[KVBlock],
         stride: int = DEFAULT_SAMPLE_STRIDE,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
-        """``stride``: sample every stride-th block (1: all; 0: none)."""
+        """``stride``: sample every stride-th block (1: all; 0: none); ``clock``: seconds
+        (default ``time.monotonic``)."""
         if stride < 0:
             raise ValueError(f"stride must be >= 0 (0: no block sampled), got {stride}")
         self.stride = stride
-        self._clock = clock
+        self._clock = clock or time.monotonic
         self.lifetime = Histogram(BLOCK_BUCKETS_S)
         self.idle_before_evict = Histogram(BLOCK_BUCKETS_S)
         self.reuse_gap = Histogram(BLOCK_BUCKETS_S)
