@@ -130,14 +130,21 @@ def cluster_config(
     engine: dict,
     stream_interval: int = STREAM_INTERVAL,
     sched: dict | None = None,
+    log_stats: bool = True,
 ) -> ClusterConfig:
+    """``log_stats``: the worker's and the router's (``benchmarks/metrics_cost.py``)."""
+    router = {"port": 0, "http_port": 0, "stream_interval": stream_interval}
     return ClusterConfig.model_validate(
         {
             "name": name,
             "dashboard": False,
             "model": {"path": str(model_dir)},
-            "workers": {"num_workers": workers, "num_cpus_per_worker": 0.1, "engine": engine},
-            "router": {"port": 0, "http_port": 0, "stream_interval": stream_interval},
+            "workers": {
+                "num_workers": workers,
+                "num_cpus_per_worker": 0.1,
+                "engine": {**engine, "log_stats": log_stats},
+            },
+            "router": {**router, "log_stats": log_stats},
             "scheduling": sched or {},
         }
     )
