@@ -29,6 +29,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from kvstore.requests.errors import EngineOverloaded, InvalidRequest
+from kvstore.requests.histograms import HistogramCounts
 from kvstore.requests.outputs import GenerationResult, RequestOutput
 from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
@@ -101,6 +102,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv, get_policy(config.policy), self.speculator)
         self.requests: dict[str, Request] = {}  # live requests by id
         self.stats = MetricsRecorder(config.log_stats)
+        # the snapshot's histograms: (phases, blocks, both merged), see _histograms
+        self._last_histograms: tuple[dict, dict, dict[str, HistogramCounts]] | None = None
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._arrivals = itertools.count()
         self.loras: dict[str, str] = {}  # registered LoRA adapter name -> stable adapter id
@@ -504,10 +507,20 @@ class Engine:
             stage_seconds=s.stages.snapshot(),
             prefix_hit_tokens=kv.prefix_hit_tokens,
             kv_tiers=kv.tiers,
-            histograms={**s.phases.histograms(), **kv.block_histograms},
+            histograms=self._histograms(s.phases.histograms(), kv.block_histograms),
             waiting_by_reason=sched.waiting_by_reason(),
             **self._spec_counters(),
         )
+
+    def _histograms(
+        self, phases: dict[str, HistogramCounts], blocks: dict[str, HistogramCounts]
+    ) -> dict[str, HistogramCounts]:
+        """Both sets in one dict, built again only when either changed (each is one dict
+        while unchanged): the snapshot after every step pays an identity check."""
+        last = self._last_histograms
+        if last is None or last[0] is not phases or last[1] is not blocks:
+            last = self._last_histograms = (phases, blocks, {**phases, **blocks})
+        return last[2]
 
     def _spec_counters(self) -> dict:
         if self.speculator is None:

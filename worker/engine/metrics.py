@@ -186,17 +186,19 @@ class RequestTimes:
     admitted: queue (arrival at the engine to first admission), prefill (admission to first
     token), decode (first token to last) and inference (admission to last token)."""
 
-    __slots__ = ("queue", "prefill", "decode", "inference")
+    __slots__ = ("queue", "prefill", "decode", "inference", "_counts")
 
     def __init__(self) -> None:
         self.queue = Histogram(PHASE_BUCKETS_S)
         self.prefill = Histogram(PHASE_BUCKETS_S)
         self.decode = Histogram(PHASE_BUCKETS_S)
         self.inference = Histogram(PHASE_BUCKETS_S)
+        self._counts: dict[str, HistogramCounts] | None = None  # until the next observation
 
     def finished(self, arrived: float, admitted: float, first: float | None, end: float) -> None:
         """``first``: the first token's time (None: none came); ``end``: the last token's
         time, or when it ended without one."""
+        self._counts = None
         self.queue.observe(admitted - arrived)
         self.inference.observe(end - admitted)
         if first is not None:
@@ -204,12 +206,16 @@ class RequestTimes:
             self.decode.observe(end - first)
 
     def histograms(self) -> dict[str, HistogramCounts]:
-        return {
-            "request_queue_time": self.queue.counts_now(),
-            "request_prefill_time": self.prefill.counts_now(),
-            "request_decode_time": self.decode.counts_now(),
-            "request_inference_time": self.inference.counts_now(),
-        }
+        """By vLLM's name less ``vllm:`` and ``_seconds`` (one dict while nothing changes:
+        the snapshot after every step asks; callers never mutate it)."""
+        if self._counts is None:
+            self._counts = {
+                "request_queue_time": self.queue.counts_now(),
+                "request_prefill_time": self.prefill.counts_now(),
+                "request_decode_time": self.decode.counts_now(),
+                "request_inference_time": self.inference.counts_now(),
+            }
+        return self._counts
 
 
 class MetricsRecorder:

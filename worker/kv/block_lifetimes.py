@@ -55,6 +55,7 @@ class BlockLifetimes:
         self.lifetime = Histogram(BLOCK_BUCKETS_S)
         self.idle_before_evict = Histogram(BLOCK_BUCKETS_S)
         self.reuse_gap = Histogram(BLOCK_BUCKETS_S)
+        self._counts: dict[str, HistogramCounts] | None = None  # until the next observation
         for block in blocks[::stride] if stride else ():
             block.sample = BlockSample()
 
@@ -68,6 +69,7 @@ class BlockLifetimes:
             return
         now = self._clock()
         self.reuse_gap.observe(now - s.last_use)
+        self._counts = None
         s.last_use = now
 
     def freed(self, s: BlockSample) -> None:
@@ -81,6 +83,7 @@ class BlockLifetimes:
         now = self._clock()
         self.lifetime.observe(now - born)
         self.idle_before_evict.observe(now - (s.freed if s.freed is not None else now))
+        self._counts = None
         s.born = s.freed = None
 
     @staticmethod
@@ -89,9 +92,12 @@ class BlockLifetimes:
         s.born = s.freed = None
 
     def histograms(self) -> dict[str, HistogramCounts]:
-        """By vLLM's name less its ``vllm:`` and ``_seconds``."""
-        return {
-            "kv_block_lifetime": self.lifetime.counts_now(),
-            "kv_block_idle_before_evict": self.idle_before_evict.counts_now(),
-            "kv_block_reuse_gap": self.reuse_gap.counts_now(),
-        }
+        """By vLLM's name less its ``vllm:`` and ``_seconds`` (one dict while nothing
+        changes; callers never mutate it)."""
+        if self._counts is None:
+            self._counts = {
+                "kv_block_lifetime": self.lifetime.counts_now(),
+                "kv_block_idle_before_evict": self.idle_before_evict.counts_now(),
+                "kv_block_reuse_gap": self.reuse_gap.counts_now(),
+            }
+        return self._counts
