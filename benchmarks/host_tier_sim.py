@@ -65,9 +65,8 @@ TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
 
 def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     device, host, unbounded, args = task
-    routing = RoutingConfig(
-        policy="prefix_affinity", seed=args.seed, tier_hit_weights={"host": args.host_weight}
-    )
+    weights = {} if args.host_weight is None else {"host": args.host_weight}  # {}: the router's
+    routing = RoutingConfig(policy="prefix_affinity", seed=args.seed, tier_hit_weights=weights)
     sim = trace_sim.sim_config(args, device, host)
     row = trace_sim.replay_row(trace_sim.replayed_requests(args), routing, sim)
     served, s, tm = row.served, row.summary, sim.time
@@ -123,7 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     trace_sim.add_args(ap)
     ap.add_argument("--host-x", default="0,1,2,4,8,16", help="host tier sizes, x device")
-    ap.add_argument("--host-weight", type=float, default=0.5, help="router tier_hit_weights[host]")
+    ap.add_argument(
+        "--host-weight",
+        type=float,
+        default=None,
+        help="router tier_hit_weights[host] (default: its own)",
+    )
     args = trace_sim.parse(ap, argv, host_x="0,8")
     sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
     # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).
