@@ -57,6 +57,7 @@ from benchmarks import trace_sim
 from benchmarks.common import emit_json, print_table, pyplot, run_all, save_figure
 from kvstore.blocks.tiers import Tier
 from router import RoutingConfig
+from router.sim import tier_hit_rates
 
 TARGET_HIT_GAP = 0.05  # relative to the unbounded run's hit rate
 TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
@@ -64,13 +65,11 @@ TARGET_TTFT_RATIO = 0.7  # host tier 8x vs device only
 
 def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
     device, host, unbounded, args = task
-    routing = RoutingConfig(
-        policy="prefix_affinity", seed=args.seed, tier_hit_weights={"host": args.host_weight}
-    )
+    weights = {} if args.host_weight is None else {"host": args.host_weight}  # {}: the router's
+    routing = RoutingConfig(policy="prefix_affinity", seed=args.seed, tier_hit_weights=weights)
     sim = trace_sim.sim_config(args, device, host)
     row = trace_sim.replay_row(trace_sim.replayed_requests(args), routing, sim)
     served, s, tm = row.served, row.summary, sim.time
-    prompt = row.prompt_tokens
     host_hits = sum(r.tier_cached_tokens.get(Tier.HOST, 0) for r in served)
     # TTFT = the request's own prefill alone on an idle worker (incl. its load-back) + waiting.
     alone = sum(tm.idle_ttft_s(r.input_len, r.cached_tokens, r.tier_cached_tokens) for r in served)
@@ -81,7 +80,7 @@ def _run(task: tuple[int, int, bool, argparse.Namespace]) -> dict:
         "host_tokens": host,
         "host_x": round(host / device, 3),
         "hit_rate": s.hit_rate,
-        "host_hit_rate": host_hits / prompt if prompt else 0.0,
+        "host_hit_rate": tier_hit_rates(served)[Tier.HOST],
         "ttft_mean": s.ttft_mean_s,
         "ttft_p50": s.ttft_p50_s,
         "ttft_p99": s.ttft_p99_s,
@@ -123,7 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     trace_sim.add_args(ap)
     ap.add_argument("--host-x", default="0,1,2,4,8,16", help="host tier sizes, x device")
-    ap.add_argument("--host-weight", type=float, default=0.5, help="router tier_hit_weights[host]")
+    ap.add_argument(
+        "--host-weight",
+        type=float,
+        default=None,
+        help="router tier_hit_weights[host] (default: its own)",
+    )
     args = trace_sim.parse(ap, argv, host_x="0,8")
     sizes = sorted({0.0, 8.0, *(float(x) for x in args.host_x.split(",") if x)})
     # "Unbounded": each worker can hold every prompt token of the replay (nothing is evicted).

@@ -1,6 +1,6 @@
-"""What the trace-replay benchmarks of the KV tiers share (``host_tier_sim``, ``kv_pull_sim``):
-their common arguments, the replayed request set, the simulated cluster, one replayed row's
-headline figures, and the reference of one unbounded pool all workers share."""
+"""What the trace-replay benchmarks of the KV tiers share (``host_tier_sim``, ``disk_tier_sim``,
+``kv_pull_sim``): their common arguments, the replayed request set, the simulated cluster, one
+replayed row's headline figures, and the reference of one unbounded pool all workers share."""
 
 from __future__ import annotations
 
@@ -65,12 +65,17 @@ def replayed_requests(args: argparse.Namespace) -> list[SimRequest]:
     return [r for r in all_requests(args) if fits_device(len(r.token_ids), args)]
 
 
-def sim_config(args: argparse.Namespace, device: int, host: int) -> SimConfig:
-    """``--workers`` workers of ``device`` + ``host`` KV tokens each, ``--block-size`` blocks."""
+def sim_config(
+    args: argparse.Namespace, device: int, host: int, disk: int = 0, admit_after: int = 1
+) -> SimConfig:
+    """``--workers`` workers of ``device`` + ``host`` (+ ``disk``, written on the
+    ``admit_after``-th eviction) KV tokens each, ``--block-size`` blocks."""
     return SimConfig(
         num_workers=args.workers,
         kv_tokens_per_worker=device,
         host_kv_tokens_per_worker=host,
+        disk_kv_tokens_per_worker=disk,
+        disk_admit_after=admit_after,
         block_size=args.block_size,
     )
 

@@ -22,6 +22,10 @@ from worker.engine.engine_loop import EngineLoop
 
 log = logging.getLogger("worker.actor")  # the actor's log, as its other lines
 
+# how long a starting worker waits for the index to hold what its disk tier holds before it
+# takes requests anyway (Redis slow or down: the publisher keeps retrying behind it)
+ANNOUNCE_WAIT_S = 5.0
+
 
 class IndexLink:
     """A worker's publisher (None without an index) and the calls it makes on the engine."""
@@ -43,11 +47,20 @@ class IndexLink:
     def start(self, load: WorkerLoad) -> None:
         """Register with ``load`` and start the publisher's thread. What the engine holds from
         its start (a disk tier's runs) is announced under this epoch right after registering,
-        before the first request."""
+        and this returns once the index has it (at most ``ANNOUNCE_WAIT_S``): the worker takes
+        requests only after its constructor, so the routers price its disk from the first."""
         if self.publisher is not None:
             held = self._engine_loop.call(DrainEvents())
             self.publisher.submit(held, load)
             self.publisher.start()
+            if held and not self.publisher.flush(ANNOUNCE_WAIT_S):
+                log.warning(
+                    "worker %s: what it holds from its start (%d KV events) is not in the index "
+                    "after %.0f s (Redis slow or down); serving anyway, the publisher retries",
+                    self.worker_id,
+                    len(held),
+                    ANNOUNCE_WAIT_S,
+                )
 
     def publish(self, events: Sequence[KVEvent], load: WorkerLoad) -> None:
         """Engine thread, after a step: its KV events and the load after it."""

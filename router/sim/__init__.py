@@ -3,7 +3,7 @@
 from router.sim.config import SimConfig, TimeModel
 from router.sim.records import RequestRecord, SimRequest
 from router.sim.replay import ReplayResult, replay
-from router.sim.report import Summary, summarize
+from router.sim.report import Summary, summarize, tier_hit_rates
 from router.sim.worker import SimWorker
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "TimeModel",
     "replay",
     "summarize",
+    "tier_hit_rates",
 ]

@@ -21,7 +21,10 @@ Every step pays the fixed weight-read cost, prefill chunks and decodes share ste
   327 KB per token over the node's host links, 8 x PCIe Gen5 at ~25 GB/s effective each
   = 200 GB/s -> 1.6e-6 s per token; from a disk tier, 8 NVMe Gen5 drives at ~6 GB/s each
   = 50 GB/s -> 6.5e-6 s per token; paid in the step that admits the request (not
-  overlapped with compute: a conservative bound).
+  overlapped with compute: a conservative bound). Whether a hit is loaded at all is the
+  engine's rule (``TierChain.worth_loading``): a disk hit is read only when its load time
+  (``tier_load_s_per_token[disk]``) is below recomputing its tokens, which the simulated
+  worker estimates as the engine does (:meth:`TimeModel.recompute_s`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvstore.blocks.tiers import HELD_TIERS, Tier
 from kvstore.runtime.strict import Strict
+
+# host: 8 x PCIe Gen5 at ~25 GB/s; disk: 8 NVMe Gen5 at ~6 GB/s (the module docstring)
+TIER_LOAD_S_PER_TOKEN: dict[Tier, float] = {Tier.HOST: 1.6e-6, Tier.DISK: 6.5e-6}
 
 
 class TimeModel(Strict):
@@ -47,9 +53,9 @@ class TimeModel(Strict):
         3.4e-8, ge=0, description="Per context token of each decoding sequence, per step."
     )
     tier_load_s_per_token: dict[Tier, float] = Field(
-        default_factory=lambda: {Tier.HOST: 1.6e-6, Tier.DISK: 6.5e-6},
+        default_factory=lambda: dict(TIER_LOAD_S_PER_TOKEN),
         description="Per KV tier below the device, loading one token's KV back from it "
-        "(bandwidth).",
+        "(bandwidth); a tier not given keeps its default (host 1.6e-6, disk 6.5e-6).",
     )
     lora_load_s: float = Field(
         0.02,
@@ -79,11 +85,18 @@ class TimeModel(Strict):
                 raise ValueError(
                     f"tier_load_s_per_token[{tier}] = {seconds}: give seconds >= 0 for {lower}"
                 )
-        return value
+        return {**TIER_LOAD_S_PER_TOKEN, **value}
 
     def load_s(self, tier_tokens: Mapping[Tier, int]) -> float:
         """Loading the tokens found in each lower tier back to the device."""
         return sum(n * self.tier_load_s_per_token[t] for t, n in tier_tokens.items())
+
+    def recompute_s(self, n: int) -> float:
+        """What recomputing ``n`` prompt tokens costs as the engine prices it against a
+        lower-tier read (``KVCacheManager(recompute_seconds=...)``): its measured prefill rate,
+        tokens over seconds of forward (:class:`~worker.engine.prefill_rate.PrefillRate`),
+        here the per-token prefill cost."""
+        return n * self.prefill_s_per_token
 
     def prefill_s(self, start: int, n: int) -> float:
         """Compute time of prompt tokens ``start .. start+n-1`` (attending to all before)."""
@@ -119,6 +132,18 @@ class SimConfig(Strict):
         description="Host-memory KV tier per worker, in tokens (0 = none): blocks evicted from "
         "the device are kept there (LRU) and loaded back on a prefix hit.",
     )
+    disk_kv_tokens_per_worker: int = Field(
+        0,
+        ge=0,
+        description="Disk KV tier per worker, in tokens (0 = none), below the host tier: "
+        "blocks the host tier evicts are written there (LRU over what was written or read) and "
+        "read back on a prefix hit when that beats recomputing them. Needs a host tier.",
+    )
+    disk_admit_after: Literal[1, 2] = Field(
+        1,
+        description="Write a block to the disk tier the first time the host tier evicts it "
+        "(1) or only the second time (2), as the engine's disk_kv_admit_after.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV block (engine and router).")
     event_delay_s: float = Field(
         0.1, ge=0, description="Delay from a worker's step end until its KV events reach the index."
@@ -139,3 +164,13 @@ class SimConfig(Strict):
         "not in one pays time.lora_load_s at admission.",
     )
     time: TimeModel = TimeModel()
+
+    @model_validator(mode="after")
+    def _disk_below_host(self) -> SimConfig:
+        if self.disk_kv_tokens_per_worker and not self.host_kv_tokens_per_worker:
+            raise ValueError(
+                f"disk_kv_tokens_per_worker={self.disk_kv_tokens_per_worker} needs "
+                "host_kv_tokens_per_worker > 0 (got 0): the disk tier keeps the blocks the host "
+                "tier evicts; set both or disk_kv_tokens_per_worker to 0"
+            )
+        return self

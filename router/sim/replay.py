@@ -19,15 +19,17 @@ from dataclasses import dataclass, field
 
 from kvstore.blocks.events import KVEvent
 from kvstore.blocks.hashing import BlockKey
+from kvstore.blocks.tiers import Tier
 from kvstore.requests.protocol import PullHint
 from router.placement.config import RoutingConfig
 from router.placement.placement_types import RouteRequest
 from router.placement.prefix_source import InMemoryPrefixIndex
 from router.placement.router import Router
 from router.sim.config import SimConfig
+from router.sim.disk_tier import SimDiskTier
 from router.sim.records import RequestRecord, SimRequest
 from router.sim.worker import SimWorker
-from worker.kv import KVCacheManager
+from worker.kv import KVCacheManager, TierSpec
 from worker.kv.transfer import RunHeader
 
 
@@ -56,21 +58,38 @@ class _Clock:
         return self.now
 
 
+def kv_manager(sim: SimConfig) -> KVCacheManager:
+    """One simulated worker's real KV manager: its device cache, the host tier and the
+    simulated disk tier below it (:class:`~router.sim.disk_tier.SimDiskTier`), lower-tier hits
+    priced against recomputing as the engine prices them."""
+    bs = sim.block_size
+    disk = sim.disk_kv_tokens_per_worker // bs
+    lower: tuple[TierSpec, ...] = ()
+    if disk:
+        options = {
+            "load_s_per_token": sim.time.tier_load_s_per_token[Tier.DISK],
+            "admit_after": sim.disk_admit_after,
+        }
+        lower = (TierSpec(SimDiskTier.name, disk, options),)
+    return KVCacheManager(
+        sim.kv_tokens_per_worker // bs,
+        bs,
+        host_num_blocks=sim.host_kv_tokens_per_worker // bs,
+        lower_tiers=lower,
+        recompute_seconds=sim.time.recompute_s if lower else None,
+    )
+
+
 def replay(requests: Iterable[SimRequest], routing: RoutingConfig, sim: SimConfig) -> ReplayResult:
     """Route every request (in arrival order) and simulate the workers until all finish."""
     started = time.perf_counter()
     index = InMemoryPrefixIndex()
     clock = _Clock()
     router = Router(routing, index, block_size=sim.block_size, clock=clock)
-    num_blocks = sim.kv_tokens_per_worker // sim.block_size
     workers = {
         f"w{i:02d}": SimWorker(
             f"w{i:02d}",
-            KVCacheManager(
-                num_blocks,
-                sim.block_size,
-                host_num_blocks=sim.host_kv_tokens_per_worker // sim.block_size,
-            ),
+            kv_manager(sim),
             sim.time,
             parity=router.check_parity,
             waiting_load=sim.waiting_load,

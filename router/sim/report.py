@@ -1,11 +1,14 @@
-"""Headline figures of a replay."""
+"""Headline figures of a replay, and its hit rate split by the tier each hit came from."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from kvstore.blocks.tiers import HELD_TIERS, Tier
 from kvstore.runtime.stats import quantile
+from router.sim.records import RequestRecord
 from router.sim.replay import ReplayResult
 
 
@@ -76,3 +79,19 @@ def summarize(result: ReplayResult) -> Summary:
         rejected=len(result.records) - len(served),
         wall_s=result.wall_s,
     )
+
+
+def tier_hit_rates(records: Iterable[RequestRecord]) -> dict[Tier, float]:
+    """Per held tier, the prompt tokens served from it over the prompt tokens of the served
+    (not rejected) requests; they add up to the hit rate. Device: hits no lower tier held."""
+    prompt = 0
+    hits = dict.fromkeys(HELD_TIERS, 0)
+    for r in records:
+        if r.rejected:
+            continue
+        prompt += r.input_len
+        lower = sum(r.tier_cached_tokens.values())
+        hits[Tier.DEVICE] += r.cached_tokens - lower
+        for tier, n in r.tier_cached_tokens.items():
+            hits[tier] += n
+    return {t: n / prompt if prompt else 0.0 for t, n in hits.items()}

@@ -60,6 +60,9 @@ class SimWorker:
         self.tm = time_model
         self.parity = parity  # called at admission with (request id, router keys, our keys)
         self.waiting_load = waiting_load  # see SimConfig.waiting_load
+        # each lower tier's size, as a real worker's heartbeat names them (the router prices
+        # a hit by the tier holding it only on workers that have that tier)
+        self._tier_blocks = {b.tier: b.num_blocks for b in kv.tiers.backends}
         self.clock = 0.0  # end of the last simulated step
         self.waiting: deque[ActiveRequest] = deque()
         self.prefilling: deque[ActiveRequest] = deque()
@@ -76,7 +79,7 @@ class SimWorker:
         self.max_loras = max_loras
         self._loras: OrderedDict[str, None] = OrderedDict()  # adapters in slots, LRU first
         self.lora_loads = 0  # adapters loaded into a slot (reloads after eviction count)
-        self._load_s = 0.0  # host-tier loads of this step's admissions (seconds)
+        self._load_s = 0.0  # this step's lower-tier loads, pull copies and LoRA loads (s)
         # requests whose pull is in flight: (ready time, order, request, run or None), as a
         # real worker holds them before queueing; their uncached tokens count as queued
         self.pulling: list[tuple[float, int, ActiveRequest, RunHeader | None]] = []
@@ -181,7 +184,7 @@ class SimWorker:
             queued_prefill_tokens=queued,
             decode_tokens=len(self.decoding),
             lora_loaded=tuple(self._loras),
-            tier_blocks={Tier.HOST: self.kv.host_num_blocks} if self.kv.host_num_blocks else {},
+            tier_blocks=self._tier_blocks,
         )
 
     def take_events(self) -> list[tuple[float, list[KVEvent]]]:
@@ -330,8 +333,11 @@ class SimWorker:
         assert alloc.num_cached_tokens == hit.num_tokens, "lookup and allocation disagree"
         active.pos = alloc.num_cached_tokens
         active.rec.cached_tokens = alloc.num_cached_tokens
-        hosted = alloc.num_host_tokens
-        active.rec.tier_cached_tokens = {Tier.HOST: hosted} if hosted else {}
+        lower = {
+            Tier.HOST: alloc.num_host_tokens,
+            Tier.DISK: alloc.num_lower_tokens - alloc.num_host_tokens,  # below the host: disk
+        }
+        active.rec.tier_cached_tokens = {t: n for t, n in lower.items() if n}
         self._load_s += self.tm.load_s(active.rec.tier_cached_tokens)
         self._use_lora(req.ctx.lora_id)
         self.queued_prefill += len(req.token_ids) - alloc.num_cached_tokens - active.est_new
