@@ -14,6 +14,11 @@ def test_node_loss_benchmark_smoke(ray_nodes, cluster, tmp_path, monkeypatch) ->
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
     result = run(ray_nodes, cluster, **SMOKE)
     f = result["figures"]
-    assert f["requests"] > 0 and f["tokens_per_s_before"] > 0, result
-    assert f["router_serving_after_join_s"] is not None, result  # the new node's router served
+    # what it waited for happened (how long it took is the benchmark's figure, not checked
+    # here: this machine may be busy): requests served, the first kill's workers left the
+    # index, the new node's router served
+    assert f["requests"] > 0, result
+    assert f["index_purged_s_first_kill"] is not None, result
+    assert f["placed_on_dead_after_purge"] is not None, result
+    assert f["router_serving_after_join_s"] is not None, result
     assert (tmp_path / "node_loss.png").is_file()
