@@ -9,10 +9,11 @@ Reports failed requests (by code), migrated streams, after each kill the seconds
 throughput (1 s bins under 90 % of the surviving nodes' share of the throughput before it) and
 the seconds until the first bin back at that share (target: 5 s), the time from the kill to the
 dead node's workers leaving the index (their registrations no longer live and no lookup
-finding their entries) and the routers' placements on dead workers after that (retried
-attempts: target 0), the time to its workers being live again elsewhere (Ray restarts them);
-the time from a node joining to its router serving and to full throughput (target: a model
-load plus 5 s); a PNG timeline of throughput and errors, and a final JSON line.
+finding their entries), the routers' placements on them after that until they are back (each
+router counts its placements per worker: target 0) and the time to their being live again
+elsewhere (Ray restarts them); the time from a node joining to its router serving and to full
+throughput (target: a model load plus 5 s); a PNG timeline of throughput and errors, and a
+final JSON line.
 """
 
 from __future__ import annotations

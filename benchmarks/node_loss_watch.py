@@ -47,8 +47,8 @@ class IndexWatch:
     index, a lookup of keys they held finding none of their entries, and when each is live
     again (a new epoch: Ray restarted it). Made before the kill (it samples the keys they
     hold), started at the kill; a thread polls every ``POLL_S``; times are seconds since the
-    kill. At the purge it records every live router's retried placements, so
-    :meth:`placed_on_dead` counts those made after it."""
+    kill. At the purge and when they are back it records the routers' placements on them, so
+    :meth:`placed_on_dead` counts the placements on the dead incarnations after the purge."""
 
     def __init__(self, cluster: Cluster, victims: dict[str, int]) -> None:
         self.cluster = cluster
@@ -58,7 +58,8 @@ class IndexWatch:
         self.t_kill = 0.0
         self.purged_s: float | None = None
         self.back_s: float | None = None
-        self._retries_at_purge: dict[str, int] = {}
+        self._placed_at_purge: dict[str, int] | None = None  # router -> on the victims
+        self._placed_at_back: dict[str, int] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -72,7 +73,15 @@ class IndexWatch:
         live = self.index.live_workers()
         if any(w in live and live[w].epoch == e for w, e in self.victims.items()):
             return True
-        return any(self.index.lookup([k]).get(w, 0) for w, keys in self.held.items() for k in keys)
+        gone = [w for w in self.victims if w not in live]  # (a restarted one's entries: its own)
+        return any(self.index.lookup([k]).get(w, 0) for w in gone for k in self.held[w])
+
+    def _placed(self) -> dict[str, int]:
+        """Per live router, its placements on the victims' names so far."""
+        return {
+            name: sum(s["placed"].get(w, 0) for w in self.victims)
+            for name, s in router_stats(self.cluster).items()
+        }
 
     def _back(self) -> bool:
         live = self.index.live_workers()
@@ -86,20 +95,20 @@ class IndexWatch:
             now = time.monotonic() - self.t_kill
             if self.purged_s is None and not self._still_listed():
                 self.purged_s = now
-                stats = router_stats(self.cluster)
-                self._retries_at_purge = {n: s["retries"] for n, s in stats.items()}
+                self._placed_at_purge = self._placed()
             if self.back_s is None and self._back():
                 self.back_s = now
+                self._placed_at_back = self._placed()  # from here on: the new incarnations
             self._stop.wait(POLL_S)
 
     def placed_on_dead(self) -> int | None:
-        """Attempts the routers that were live at the purge retried since (a placement on a
-        worker that had died fails and is retried elsewhere); None: no purge seen."""
-        if self.purged_s is None:
+        """Placements on the dead node's workers after their purge and before they were back
+        (by the routers live at the purge); None: no purge seen."""
+        before = self._placed_at_purge
+        if before is None:
             return None
-        now = router_stats(self.cluster)
-        before = self._retries_at_purge
-        return sum(now[n]["retries"] - before[n] for n in before if n in now)
+        after = self._placed_at_back if self._placed_at_back is not None else self._placed()
+        return sum(after[n] - before[n] for n in before if n in after)
 
     def stop(self, wait_s: float) -> None:
         """Give it ``wait_s`` more to see what it waits for, then stop it."""
