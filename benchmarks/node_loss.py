@@ -141,14 +141,13 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
     watches: list[IndexWatch] = []
 
     def kill_one() -> None:
+        """Kill the (non-head) node that holds the most live workers (and a router)."""
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        node = next(n for n in ray_nodes.worker_nodes if n.node_id in alive)
         live = index.live_workers()
-        victims = {
-            w: live[w].epoch
-            for w, h in cluster.workers.items()
-            if w in live and node_of(h) == node.node_id
-        }
+        placed = {w: node_of(h) for w, h in cluster.workers.items() if w in live}
+        candidates = [n for n in ray_nodes.worker_nodes if n.node_id in alive]
+        node = max(candidates, key=lambda n: sum(p == n.node_id for p in placed.values()))
+        victims = {w: live[w].epoch for w, p in placed.items() if p == node.node_id}
         watch = IndexWatch(cluster, victims)
         events.append((load.now(), "kill"))
         watch.start()
@@ -191,7 +190,11 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
     base = tok[1 : int(kills[0])]
     base_rate = sum(base) / len(base) if base else 0.0
     back_s = next(
-        (b - t_join for b in range(int(t_join), int(kills[1])) if tok[b] >= 0.9 * base_rate),
+        (
+            max(0.0, b - t_join)
+            for b in range(int(t_join), int(kills[1]))
+            if tok[b] >= 0.9 * base_rate
+        ),
         None,
     )
     codes = Counter(d.code for d in done if d.code != "OK")
