@@ -21,7 +21,9 @@ from cluster.client import Completion, KVClusterClient, accumulate, build_reques
 from kvstore.index import KVIndex
 from tests.reliability.helpers import wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis]
+# pytest's 300 s per test would cut short a busy machine's slow start (the package's 3-node
+# cluster starts in the first test's setup) or a wait that is far from its deadline yet
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(900)]
 
 CALL_TIMEOUT_S = 180.0  # a call's deadline: far above what it takes on a busy machine
 WAIT_S = 180.0  # for a condition (a node marked dead, a node joining, a stream starting)

@@ -7,7 +7,9 @@ import pytest
 
 from benchmarks.node_loss import SMOKE, run
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis]
+# pytest's 300 s per test would cut short a busy machine's slow start (the package's 3-node
+# cluster starts in the first test's setup) or a wait that is far from its deadline yet
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(900)]
 
 
 def test_node_loss_benchmark_smoke(ray_nodes, cluster, tmp_path, monkeypatch) -> None:
