@@ -5,10 +5,15 @@ and worker with it), a node joins, and another node is killed.
 
     python -m benchmarks.node_loss [--smoke] [--clients N] [--phase-s S]
 
-Reports failed requests (by code), migrated streams, the seconds of reduced throughput after
-each kill (1 s bins under 90 % of the surviving nodes' share of the throughput before it), the
-time from a node joining to its router serving and to full throughput, a PNG timeline of
-throughput and errors, and a final JSON line.
+Reports failed requests (by code), migrated streams, after each kill the seconds of reduced
+throughput (1 s bins under 90 % of the surviving nodes' share of the throughput before it) and
+the seconds until the first bin back at that share (target: 5 s), the time from the kill to the
+dead node's workers leaving the index (their registrations no longer live and no lookup
+finding their entries), the routers' placements on them after that until they are back (each
+router counts its placements per worker: target 0) and the time to their being live again
+elsewhere (Ray restarts them); the time from a node joining to its router serving and to full
+throughput (target: a model load plus 5 s); a PNG timeline of throughput and errors, and a
+final JSON line.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import grpc
 import ray
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
+from benchmarks.node_loss_watch import WAIT_S, IndexWatch, node_of, router_stats
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
 from cluster.local_ray import leave_loopback_ray, use_loopback_ray
+from kvstore.index import KVIndex
 
 NODE_CPUS = 2
 FULL = {"clients": 12, "max_tokens": 32, "phase_s": 20.0}
@@ -114,27 +121,49 @@ def reduced_seconds(tok: list[float], at: float, until: float, share: float) -> 
     return sum(1 for b in range(int(at), min(int(until), len(tok))) if tok[b] < 0.9 * share * base)
 
 
+def recovered_seconds(tok: list[float], at: float, until: float, share: float) -> float | None:
+    """Seconds from ``at`` to the start of the first 1 s bin at 90 % of ``share`` x the mean
+    throughput before ``at`` (0: the kill's own bin held it; None: not before ``until``)."""
+    before = tok[1 : int(at)]
+    base = sum(before) / len(before) if before else 0.0
+    for b in range(int(at), min(int(until), len(tok))):
+        if tok[b] >= 0.9 * share * base:
+            return max(0.0, b - at)
+    return None
+
+
 def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phase_s: float) -> dict:
     """The scenario on a running 3-node cluster (``ray_nodes``: its
     ``ray.cluster_utils.Cluster``); returns the figures."""
-    load = SteadyLoad(list(cluster.endpoints), clients, max_tokens)
+    index = KVIndex(cluster.index_config())
+    load = SteadyLoad(cluster.router_endpoints(), clients, max_tokens)
     events: list[tuple[float, str]] = []
+    watches: list[IndexWatch] = []
 
     def kill_one() -> None:
+        """Kill the (non-head) node that holds the most live workers (and a router)."""
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        node = next(n for n in ray_nodes.worker_nodes if n.node_id in alive)
+        live = index.live_workers()
+        placed = {w: node_of(h) for w, h in cluster.workers.items() if w in live}
+        candidates = [n for n in ray_nodes.worker_nodes if n.node_id in alive]
+        node = max(candidates, key=lambda n: sum(p == n.node_id for p in placed.values()))
+        victims = {w: live[w].epoch for w, p in placed.items() if p == node.node_id}
+        watch = IndexWatch(cluster, victims)
         events.append((load.now(), "kill"))
+        watch.start()
         ray_nodes.remove_node(node, allow_graceful=False)
+        watches.append(watch)
 
     time.sleep(phase_s)
     kill_one()
     time.sleep(phase_s)
+    placed_on_dead = [watches[0].placed_on_dead()]
     before = set(cluster.router_endpoints())
     t_join = load.now()
     events.append((t_join, "join"))
     ray_nodes.add_node(num_cpus=NODE_CPUS)
     router_s = None
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline and router_s is None:
         new = set(cluster.router_endpoints()) - before
         for address in new:
@@ -148,22 +177,24 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
     time.sleep(phase_s)
     kill_one()
     time.sleep(phase_s)
+    placed_on_dead.append(watches[1].placed_on_dead())
     end = load.now()
     done = load.stop()
-    moved = 0
-    for name in list(cluster.routers):
-        try:
-            moved += sum(
-                ray.get(cluster.routers[name].stats.remote(), timeout=10)["migrations"].values()
-            )
-        except Exception:  # noqa: BLE001 - gone with its node
-            pass
+    for watch in watches:  # a restart still loading gets one more phase
+        watch.stop(phase_s)
+    index.close()
+    # the routers live now (a dead node's took their counts with them)
+    moved = sum(sum(s["migrations"].values()) for s in router_stats(cluster).values())
     tok, err = _bins(done, end)
     kills = [t for t, e in events if e == "kill"]
     base = tok[1 : int(kills[0])]
     base_rate = sum(base) / len(base) if base else 0.0
     back_s = next(
-        (b - t_join for b in range(int(t_join), int(kills[1])) if tok[b] >= 0.9 * base_rate),
+        (
+            max(0.0, b - t_join)
+            for b in range(int(t_join), int(kills[1]))
+            if tok[b] >= 0.9 * base_rate
+        ),
         None,
     )
     codes = Counter(d.code for d in done if d.code != "OK")
@@ -173,6 +204,18 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
         "migrated_streams": moved,
         "reduced_s_first_kill": reduced_seconds(tok, kills[0], t_join, 2 / 3),
         "reduced_s_second_kill": reduced_seconds(tok, kills[1], end, 2 / 3),
+        "recovered_s_first_kill": recovered_seconds(tok, kills[0], t_join, 2 / 3),
+        "recovered_s_second_kill": recovered_seconds(tok, kills[1], end, 2 / 3),
+        "index_purged_s_first_kill": watches[0].purged_s,
+        "index_purged_s_second_kill": watches[1].purged_s,
+        # over the kills whose node held workers (None: no purge seen)
+        "placed_on_dead_after_purge": (
+            sum(n for n in placed_on_dead if n is not None)
+            if any(n is not None for n in placed_on_dead)
+            else None
+        ),
+        "workers_back_s_first_kill": watches[0].back_s,
+        "workers_back_s_second_kill": watches[1].back_s,
         "router_serving_after_join_s": router_s,
         "full_throughput_after_join_s": back_s,
         "tokens_per_s_before": base_rate,
@@ -222,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):
             nodes.add_node(num_cpus=NODE_CPUS)
         ray.init(address=nodes.address, log_to_driver=False, logging_level=logging.WARNING)
-        nodes.wait_for_nodes()
+        nodes.wait_for_nodes(timeout=WAIT_S)
         cfg = ClusterConfig.model_validate(
             {
                 "name": f"node-loss-{os.getpid()}",

@@ -81,7 +81,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     target = _endpoint(args)
     with KVClusterClient(target) as client:
         st = client.status()
-        routers = client.targets
+        # the cluster's routers now (those of nodes that joined after `up` included, those
+        # gone with their node not), as the router that answered was told; else the targets
+        routers = [r.grpc_address for r in st.routers] or client.targets
     print("routers: " + "  ".join(f"{a} ({router_state(a)})" for a in routers))
     # pinned: cached blocks the worker's waiting requests will pin (not room for a pull)
     print(

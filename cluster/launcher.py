@@ -271,6 +271,8 @@ class Cluster:
         }
         self.endpoints = [placed[i][0] for i in sorted(placed)]
         self.http_endpoints = [placed[i][1] for i in sorted(placed) if placed[i][1]]
+        routers = [placed[i] for i in sorted(placed)]  # each router's ClusterStatus lists them
+        ray.get([h.set_routers.remote(routers) for h in self.routers.values()], timeout=timeout_s)
         self._start_keeper(placed)
         if self.prometheus is not None:
             self.prometheus.serve(self.http_endpoints, detach=self.detached)

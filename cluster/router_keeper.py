@@ -5,12 +5,17 @@ forgotten with their node.
 A router is pinned to its node (Ray's node affinity, not soft): Ray restarts a router whose
 process died on the same node and port, and a router whose node died is gone with it (the
 node's address is gone too; its clients fail over to the other routers' addresses).
+
+The keeper is the one record of which routers run: it tells every router the list when it
+changes and every ``refresh_s`` (a router Ray restarted learns it again), and each router's
+``ClusterStatus`` lists it, so ``kvcluster status`` asked of any router shows every router.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 import ray
@@ -85,6 +90,7 @@ class RouterKeeper:
         endpoints: dict[int, tuple[str, str | None]],
         poll_s: float = 1.0,
         start_timeout_s: float = 300.0,
+        refresh_s: float = 5.0,
     ) -> None:
         self.placement = placement
         self.template = template
@@ -92,9 +98,14 @@ class RouterKeeper:
         self.detached = detached
         self.poll_s = poll_s
         self.start_timeout_s = start_timeout_s
+        self.refresh_s = refresh_s
         self._endpoints = dict(endpoints)
-        # the routers it started: a non-detached actor lives while a handle to it does
+        # the routers it started (a non-detached actor lives while a handle to it does) and
+        # those it looked up by name to tell them the list
         self._handles: dict[int, ray.actor.ActorHandle] = {}
+        self._told: list[tuple[str, str | None]] | None = None  # the list the routers got
+        self._told_at = 0.0
+        self._telling: list[ray.ObjectRef] = []  # set_routers calls not answered yet
         self._lock = threading.Lock()  # endpoints: read by callers, written by the loop
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,7 +165,49 @@ class RouterKeeper:
                 )
             log.info("router keeper: %s started on node %s", settings.router_id, slot.node_id)
             started.append(settings.router_id)
+        self.announce()
         return started
+
+    def routers(self) -> list[tuple[str, str | None]]:
+        """Every router's (gRPC address, HTTP URL or None), in index order."""
+        found = self.endpoints()
+        return [found[i] for i in sorted(found)]
+
+    def announce(self) -> None:
+        """Tell every router the list of routers, if it changed or ``refresh_s`` passed since
+        they were last told. Posted, not awaited: a router on a node that just died answers
+        only once Ray gives up on it; the answers are collected on a later round."""
+        routers = self.routers()
+        now = time.monotonic()
+        if routers == self._told and now - self._told_at < self.refresh_s:
+            return
+        self._collect()
+        for index in self.endpoints():
+            handle = self._handle(index)
+            if handle is not None:
+                self._telling.append(handle.set_routers.remote(routers))
+        self._told, self._told_at = routers, now
+
+    def _handle(self, index: int) -> ray.actor.ActorHandle | None:
+        handle = self._handles.get(index)
+        if handle is None:
+            try:
+                handle = ray.get_actor(f"router-{index}", namespace=self.namespace)
+            except ValueError:  # gone (its node died; the next round drops it)
+                return None
+            self._handles[index] = handle
+        return handle
+
+    def _collect(self) -> None:
+        """Take the answers of earlier ``set_routers`` calls (an error: the router died)."""
+        if not self._telling:
+            return
+        done, self._telling = ray.wait(self._telling, num_returns=len(self._telling), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001, S110 - a router that died learns it when back
+                pass
 
 
 RouterKeeperActor = ray.remote(num_cpus=0, max_concurrency=4)(RouterKeeper)

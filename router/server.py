@@ -135,6 +135,7 @@ class RouterServer:
             self.intake,
             policy=cfg.routing.policy,
             index_available=lambda: self.directory.index_ok,
+            routers=lambda: self.cluster_routers,
         )
         self.http = None
         if settings.http_port is not None:
@@ -148,6 +149,9 @@ class RouterServer:
                 cheap_rate_per_s=cfg.http_cheap_rate_per_s,
                 cheap_max_waiting=cfg.http_cheap_max_waiting,
             )
+        # every router of the cluster, (gRPC address, HTTP URL or None), as the launcher's
+        # router keeper last told (set_routers); ClusterStatus lists them
+        self.cluster_routers: list[tuple[str, str | None]] = []
         self.server = None  # the gRPC server once started
         self.port: int | None = None
         self._exporter = None
@@ -281,6 +285,12 @@ class RouterServer:
 
     def ready(self) -> bool:
         return self.server is not None
+
+    def set_routers(self, routers: list[tuple[str, str | None]]) -> None:
+        """Every router of the cluster now, (gRPC address, HTTP URL or None) each: the
+        launcher tells each router when the list changes and every few seconds (a restarted
+        router learns it again)."""
+        self.cluster_routers = [(g, h) for g, h in routers]
 
 
 RouterActor = ray.remote(RouterServer)

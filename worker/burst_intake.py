@@ -86,7 +86,9 @@ class BurstIntake:
             for _, request, keys in keyed:
                 rid = request.request_id
                 outputs.opened(ch, rid)
-                adds.append(AddRequest(rid, request.token_ids, request.params, keys, ch))
+                adds.append(
+                    AddRequest(rid, request.token_ids, request.params, keys, ch, request.continued)
+                )
                 await slices.tick()
             errors = await self.engine_loop.add_requests_async(adds, slices)
         except BaseException:  # (cancelled): none of these was answered

@@ -22,6 +22,9 @@ class WorkerRequest(ByName):
     params: SamplingParams  # validated sampling parameters (cache_salt, priority inside)
     want_keys: bool = True  # send the prompt's last block key back in Admitted (parity check)
     pull: PullHint | None = None  # pull part of the prefix from a peer before queueing
+    # the last ``continued`` tokens of token_ids are the request's own output, sent by an
+    # earlier attempt (a moved stream): seeded draws and penalties count them as output
+    continued: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ serving core works on dataclasses, and errors map to status codes through the on
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -48,11 +49,18 @@ IDLE_S = 30.0
 
 class KVClusterServicer(pb_grpc.KVClusterServicer):
     def __init__(
-        self, intake: Intake, *, policy: str, index_available: Any = lambda: False
+        self,
+        intake: Intake,
+        *,
+        policy: str,
+        index_available: Any = lambda: False,
+        routers: Callable[[], Sequence[tuple[str, str | None]]] = tuple,
     ) -> None:
         """``intake``: the router's front door (auth, limits, tokenizer), shared with its HTTP
-        edge; ``policy``: the routing policy's name (for ClusterStatus)."""
+        edge; ``policy``: the routing policy's name (for ClusterStatus); ``routers``: every
+        router of the cluster as this one was last told, (gRPC address, HTTP URL or None)."""
         self.intake = intake
+        self.routers = routers
         self.core = intake.core
         self.limits = intake.limits
         self.tokenize = intake.tokenize
@@ -160,6 +168,7 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
                 worker_status_pb(s, s.worker_id in live, tenant, predicted.get(s.worker_id))
                 for s in statuses
             ],
+            routers=[pb.RouterAddress(grpc_address=g, http_url=h or "") for g, h in self.routers()],
         )
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:

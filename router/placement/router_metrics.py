@@ -39,6 +39,7 @@ class RouterMetrics:
     """What one router has done; ``snapshot()`` is the export format."""
 
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (policy, reason)
+    placed: Counter[str] = field(default_factory=Counter)  # placements per worker (attempts)
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)  # decision latency
     index_errors: int = 0  # prefix lookups that raised (routed by load instead)
     index_skipped: int = 0  # prefix lookups not tried: the index circuit was open (by load)
@@ -48,6 +49,7 @@ class RouterMetrics:
 
     def observe(self, decision: RouteDecision) -> None:
         self.decisions[(decision.policy, str(decision.reason))] += 1
+        self.placed[decision.worker_id] += 1
         self.latency.observe(decision.decision_latency_s)
 
     def count(self, reason: Reason, policy: str | None = None) -> int:
@@ -56,6 +58,7 @@ class RouterMetrics:
     def snapshot(self) -> dict[str, float | int | dict[str, int]]:
         return {
             "decisions": {f"{p}/{r}": n for (p, r), n in sorted(self.decisions.items())},
+            "placed": dict(self.placed),
             "decision_latency_p50_s": self.latency.quantile(0.50),
             "decision_latency_p99_s": self.latency.quantile(0.99),
             "decision_latency_mean_s": self.latency.total_s / max(1, self.latency.count),

@@ -210,7 +210,7 @@ class ServingCore:
                         f"no live worker for request {label!r}"
                         + (f" (tried {sorted(excluded)})" if excluded else "")
                     )
-                prompt, attempt_params = migration.attempt()
+                prompt, attempt_params, continued = migration.attempt()
                 route_req = RouteRequest(request_id, prompt, ctx)
                 phase = self.phases.move(phase, "routing")
                 decision = await self._decide.place(route_req, candidates)
@@ -220,7 +220,12 @@ class ServingCore:
                 pulled: PullReport | None = None
                 sent = loop.time()
                 wreq = WorkerRequest(
-                    request_id, prompt, attempt_params, bool(decision.keys), decision.pull
+                    request_id,
+                    prompt,
+                    attempt_params,
+                    bool(decision.keys),
+                    decision.pull,
+                    continued,
                 )
                 try:
                     async for item in self.directory.stream(worker, wreq):

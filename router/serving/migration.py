@@ -4,11 +4,13 @@ goes on with no gap and no duplicate.
 
 A continuation is the prompt plus the tokens already sent, with ``max_tokens`` and
 ``min_tokens`` reduced by their count: the new worker prefills it (its prefix cache, or a
-peer pull, serves what it holds) and generates the rest. A greedy request's continuation is
-token-identical to an uninterrupted run (the model sees the same tokens); what holds for
-sampled requests is in docs/failures.md. Only single-sequence requests move: samples of
-``n > 1`` and beams share state a continuation cannot carry, and a grammar's matcher state
-(structured outputs) would start over; those end as a broken stream.
+peer pull, serves what it holds) and generates the rest; the worker is told how many prompt
+tokens are output already sent (``WorkerRequest.continued``), which its penalties and seeded
+draws count as output. A greedy or seeded request's continuation is token-identical to an
+uninterrupted run (the model sees the same tokens, a seeded draw depends on its position);
+what holds for each kind of request is in docs/failures.md. Only single-sequence requests
+move: samples of ``n > 1`` and beams share state a continuation cannot carry, and a grammar's
+matcher state (structured outputs) would start over; those end as a broken stream.
 """
 
 from __future__ import annotations
@@ -77,10 +79,11 @@ class Migration:
             self._base_logprob = self._logprob
         self._logprob = None
 
-    def attempt(self) -> tuple[list[int], SamplingParams]:
-        """The next attempt's prompt and parameters."""
+    def attempt(self) -> tuple[list[int], SamplingParams, int]:
+        """The next attempt's prompt, parameters and how many of the prompt's tokens are
+        output already sent (they end the prompt)."""
         if not self.sent:
-            return self.prompt, self.params
+            return self.prompt, self.params, 0
         p = self.params
         params = replace(
             p,
@@ -88,7 +91,7 @@ class Migration:
             min_tokens=max(0, p.min_tokens - len(self.sent)),
             prompt_logprobs=None,  # sent with the first attempt's first output
         )
-        return self.prompt + self.sent, params
+        return self.prompt + self.sent, params, len(self.sent)
 
     def passed(self, out: RequestOutput) -> RequestOutput:
         """``out`` of the current attempt as the client sees it: usage counted from the

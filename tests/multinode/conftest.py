@@ -18,6 +18,7 @@ from tests.cluster.conftest import ENGINE, cluster_config
 from tests.embedded_ray import no_ray
 
 NODE_CPUS = 2
+WAIT_NODES_S = 180.0  # three raylets starting on a busy 2-core machine
 
 
 @pytest.fixture(scope="package")
@@ -41,7 +42,7 @@ def ray_nodes() -> RayNodes:
         log_to_driver=False,
         logging_level=logging.WARNING,
     )
-    nodes.wait_for_nodes()
+    nodes.wait_for_nodes(timeout=WAIT_NODES_S)
     yield nodes
     ray.shutdown()
     nodes.shutdown()

@@ -7,13 +7,20 @@ import pytest
 
 from benchmarks.node_loss import SMOKE, run
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis]
+# pytest's 300 s per test would cut short a busy machine's slow start (the package's 3-node
+# cluster starts in the first test's setup) or a wait that is far from its deadline yet
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(900)]
 
 
 def test_node_loss_benchmark_smoke(ray_nodes, cluster, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVCLUSTER_RESULTS_DIR", str(tmp_path))
     result = run(ray_nodes, cluster, **SMOKE)
     f = result["figures"]
-    assert f["requests"] > 0 and f["tokens_per_s_before"] > 0, result
-    assert f["router_serving_after_join_s"] is not None, result  # the new node's router served
+    # what it waited for happened (how long it took is the benchmark's figure, not checked
+    # here: this machine may be busy): requests served, the first kill's workers left the
+    # index, the new node's router served
+    assert f["requests"] > 0, result
+    assert f["index_purged_s_first_kill"] is not None, result
+    assert f["placed_on_dead_after_purge"] is not None, result
+    assert f["router_serving_after_join_s"] is not None, result
     assert (tmp_path / "node_loss.png").is_file()

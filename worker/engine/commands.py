@@ -37,6 +37,7 @@ class AddRequest:
     params: SamplingParams
     prompt_keys: Sequence[BlockKey] | None  # the prompt's block keys, if hashed already
     sink: OutputSink  # where its outputs go
+    continued: int = 0  # the prompt's last tokens that are its own earlier output (moved)
 
 
 @dataclass(frozen=True, slots=True)

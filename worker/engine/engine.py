@@ -193,15 +193,18 @@ class Engine:
         *,
         request_id: str | None = None,
         prompt_keys: Seq[BlockKey] | None = None,
+        continued: int = 0,
     ) -> str:
         """Queue a request; returns its id. Raises InvalidRequest / EngineOverloaded.
 
         ``prompt_keys``: ``block_keys(prompt, block_size, hash_context(params))`` if the caller
         has them (the worker hashes outside the engine lock, once for the scheduler and the
-        router's parity check)."""
+        router's parity check). ``continued``: the prompt ends with this many tokens of the
+        request's own earlier output (a stream moved from another worker)."""
         params = params or SamplingParams()
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        return self.add_checked(rid, self.check_request(prompt, params), params, prompt_keys)
+        prompt_ids = self.check_request(prompt, params)
+        return self.add_checked(rid, prompt_ids, params, prompt_keys, continued)
 
     def check_request(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the engine's fixed facts (model limits,
@@ -233,9 +236,11 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams,
         prompt_keys: Seq[BlockKey] | None = None,
+        continued: int = 0,
     ) -> str:
         """Queue a request that passed :meth:`check_request` (between steps); raises
-        InvalidRequest for a duplicate id, EngineOverloaded for a full waiting queue."""
+        InvalidRequest for a duplicate id or a bad ``continued``, EngineOverloaded for a full
+        waiting queue."""
         if rid in self.requests:
             raise InvalidRequest("request_id", rid, "must be unique among live requests")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -249,6 +254,7 @@ class Engine:
             max_model_len=self.max_model_len,
             eos_ids=self.eos_ids,
             new_text=self.processor.new_text,
+            continued=continued,
         )
         if params.structured is not None:
             assert self.grammars is not None

@@ -362,7 +362,9 @@ class EngineLoop:
 
     def _take_in(self, add: AddRequest) -> None:
         """Engine thread: add a checked request and send its outputs to its sink."""
-        self.engine.add_checked(add.request_id, add.prompt_ids, add.params, add.prompt_keys)
+        self.engine.add_checked(
+            add.request_id, add.prompt_ids, add.params, add.prompt_keys, add.continued
+        )
         self._sinks[add.request_id] = add.sink
 
     def _answer(self, command: Command, future: Future | None) -> None:

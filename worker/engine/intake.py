@@ -38,9 +38,16 @@ def new_request(
     max_model_len: int,
     eos_ids: Collection[int],
     new_text: Callable[[Request], OutputText | None],
+    continued: int = 0,
 ) -> Request:
     """A checked request, ready to queue: at most ``max_model_len`` tokens in all, one
-    sequence holding the prompt (the others are forked off it after its prefill)."""
+    sequence holding the prompt (the others are forked off it after its prefill).
+    ``continued``: the prompt's last tokens are the request's own output of an earlier
+    attempt (a moved stream; see :attr:`Sequence.prior_output`)."""
+    if not 0 <= continued < len(prompt_ids):
+        raise InvalidRequest(
+            "continued", continued, f"must be in [0, {len(prompt_ids)}) (the prompt's length)"
+        )
     max_new = min(params.max_tokens, max_model_len - len(prompt_ids))
     req = Request(request_id, prompt_ids, params, arrival, ctx, max_new)
     if params.use_beam_search:
@@ -48,7 +55,7 @@ def new_request(
         req.beam = BeamSearch(
             params.beam_width, params.length_penalty, params.early_stopping, max_new, stop_ids
         )
-    seq = Sequence(0, list(prompt_ids), len(prompt_ids), new_text(req), None)
-    seq.generator = sample_generator(params.seed, 0)
+    generator = sample_generator(params.seed, 0)
+    seq = Sequence(0, list(prompt_ids), len(prompt_ids), new_text(req), generator, continued)
     req.seqs.append(seq)
     return req

@@ -62,14 +62,15 @@ class PenaltyCounts:
         plan: list[tuple[Sequence, _Row | None, list[int], bool]] = []
         for seq, params in seqs:
             row = self._rows.get(seq.seq_id)
-            if row is not None and row.counted > seq.num_output:  # not a prefix any more
+            first = seq.output_start  # a moved stream's earlier output counts as output
+            num_output = len(seq.token_ids) - first
+            if row is not None and row.counted > num_output:  # not a prefix any more
                 row = None
-            start = seq.prompt_len + (row.counted if row is not None else 0)
-            new = seq.token_ids[start:]
+            new = seq.token_ids[first + (row.counted if row is not None else 0) :]
             seen = params.repetition_penalty != 1.0 and (row is None or not row.seen)
             _check_ids(new, vocab)
             if seen:
-                _check_ids(seq.token_ids[: seq.prompt_len], vocab)
+                _check_ids(seq.token_ids[:first], vocab)
             plan.append((seq, row, new, seen))
         self._grow(vocab, device, sum(row is None for _, row, _, _ in plan))
         index, fresh, out_rows, out_toks, seen_rows, seen_toks = [], [], [], [], [], []
@@ -83,11 +84,11 @@ class PenaltyCounts:
             out_rows += [row.index] * len(new)
             out_toks += new
             if seen:
-                prompt = seq.token_ids[: seq.prompt_len]
+                prompt = seq.token_ids[: seq.output_start]
                 seen_rows += [row.index] * len(prompt)
                 seen_toks += prompt
                 row.seen = True
-            row.counted = seq.num_output
+            row.counted = len(seq.token_ids) - seq.output_start
         return self._update(index, fresh, out_rows, out_toks, seen_rows, seen_toks)
 
     def release(self, seq_id: int) -> None:

@@ -146,6 +146,7 @@ class OutputProcessor:
         for req, seq, row in jobs:
             targets.append((req, seq))
             rows.append(row)
+            seq.seed_draw()  # a seeded draw depends on its output position alone
             spec = seq.spec
             if spec is None:
                 banned = self.banned(req, seq)
@@ -220,6 +221,8 @@ class OutputProcessor:
         for idx in by_req.values():
             req = targets[idx[0]][0]
             mine = [(targets[i][1], req.params) for i in idx if req.params.has_penalties]
+            for i in idx:  # the failed batch may have drawn from them
+                targets[i][1].seed_draw()
             try:
                 counts = self._counts(mine, logits)
                 mask = self.masks.mask(

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 _seq_ids = itertools.count()
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds per sample index
+_MASK64 = 2**64 - 1
 
 
 class RequestStatus(Enum):
@@ -30,12 +31,27 @@ class RequestStatus(Enum):
 
 
 def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """Private RNG of sample ``index`` of a seeded request (``None`` if unseeded)."""
+    """Private RNG of sample ``index`` of a seeded request (``None`` if unseeded); its
+    initial seed is the sample's base seed (:meth:`Sequence.seed_draw` derives each
+    position's from it)."""
     if seed is None:
         return None
     g = torch.Generator()
     g.manual_seed((seed + index * _SEED_STRIDE) % (2**63))
     return g
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(base: int, position: int) -> int:
+    """The seed of a seeded sample's draw at output ``position`` (0: its first token): a
+    function of the two alone, so a continuation elsewhere draws what this run would."""
+    return _mix64((_mix64(base) + position) & _MASK64) % (2**63)
 
 
 class Sequence:
@@ -52,6 +68,8 @@ class Sequence:
         "stop_reason",
         "text",
         "generator",
+        "seed_base",
+        "prior_output",
         "cumulative_logprob",
         "new_tokens",
         "new_logprobs",
@@ -70,6 +88,7 @@ class Sequence:
         prompt_len: int,
         text: OutputText | None,
         generator: torch.Generator | None,
+        prior_output: int = 0,
     ) -> None:
         self.seq_id = next(_seq_ids)  # id in the KV manager (unique per process)
         self.index = index  # sample index (0..n-1); beams: rank when created
@@ -81,6 +100,10 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.text = text  # detokenizer + stop strings (None for beams: decoded at the end)
         self.generator = generator  # private RNG of a seeded request
+        self.seed_base = generator.initial_seed() if generator is not None else None
+        # trailing prompt tokens that are this request's own earlier output (a stream moved
+        # from a worker that died): seeded draws and penalties count them as output
+        self.prior_output = prior_output
         self.cumulative_logprob = 0.0
         self.new_tokens: list[int] = []  # generated but not yet streamed
         self.new_logprobs: list[TokenLogprob] = []  # their logprobs, if requested
@@ -107,6 +130,22 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def output_start(self) -> int:
+        """Where the output begins in ``token_ids``, earlier attempts' output included (what
+        penalties count as output)."""
+        return self.prompt_len - self.prior_output
+
+    def seed_draw(self) -> torch.Generator | None:
+        """The private RNG (None: unseeded) seeded for the draw of this sequence's next
+        output position, counted from the request's first output token: each draw depends on
+        (seed, sample index, position) alone, not on how many draws came before here."""
+        g = self.generator
+        if g is not None:
+            assert self.seed_base is not None
+            g.manual_seed(position_seed(self.seed_base, self.prior_output + self.num_output))
+        return g
+
+    @property
     def num_remaining(self) -> int:
         """Tokens still to compute before this sequence yields logits again."""
         return len(self.token_ids) - self.num_computed
@@ -115,7 +154,9 @@ class Sequence:
         self, index: int, generator: torch.Generator | None, text: OutputText | None
     ) -> Sequence:
         """A copy sharing history (the caller forks the KV blocks under the new ``seq_id``)."""
-        child = Sequence(index, list(self.token_ids), self.prompt_len, text, generator)
+        child = Sequence(
+            index, list(self.token_ids), self.prompt_len, text, generator, self.prior_output
+        )
         child.num_computed = self.num_computed
         child.allocated = self.allocated
         child.cumulative_logprob = self.cumulative_logprob

@@ -2,8 +2,10 @@
 
 Greedy rows take the argmax. Random rows go through temperature, top-k, top-p and min-p,
 then draw with the exponential-race trick (``argmax(p / E)`` with ``E ~ Exp(1)`` is a draw
-from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``: the
-tokens of a seeded request therefore do not depend on what else is in the batch.
+from ``p``), where each seeded sequence draws its ``E`` from its own ``torch.Generator``, which
+the output processor seeds for each output position (``Sequence.seed_draw``, ~4 us a row): the
+tokens of a seeded request therefore depend neither on what else is in the batch nor on where
+it ran before (a stream moved mid-way draws what the uninterrupted run would have).
 Presence, frequency and repetition penalties (OpenAI's and vLLM's definitions), ``logit_bias``
 and banned ids adjust the logits first, for every row that sets them, greedy rows included
 (``logit_adjust.py``); the engine passes the penalties' token counts from device tables it

@@ -1,6 +1,7 @@
-"""A worker is killed while it streams a greedy request: the router continues the request on
-the other worker (prompt plus the tokens already sent) and the client's stream goes on, no
-error, no gap, no duplicate: token for token what an uninterrupted run produces."""
+"""A worker is killed while it streams a greedy or a seeded sampled request: the router
+continues the request on the other worker (prompt plus the tokens already sent) and the
+client's stream goes on, no error, no gap, no duplicate: token for token what an uninterrupted
+run produces."""
 
 from __future__ import annotations
 
@@ -23,9 +24,17 @@ def migrations(cluster) -> int:  # noqa: ANN001
     )
 
 
-def test_a_killed_workers_stream_continues_token_identical(cluster, client) -> None:
-    prompt = "Migration: tell the story of the lighthouse keeper and the storm. " * 2
-    params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    # a seeded draw depends on (seed, position) alone, penalties count the sent tokens
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 11, "frequency_penalty": 0.5},
+}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_a_killed_workers_stream_continues_token_identical(cluster, client, sampling) -> None:
+    prompt = f"Migration ({sampling}): the lighthouse keeper and the storm. " * 2
+    params = {"max_tokens": MAX_TOKENS, "ignore_eos": True, **SAMPLING[sampling]}
     whole = client.generate(prompt, timeout=CALL_TIMEOUT_S, **params)
     assert len(whole.token_ids[0]) == MAX_TOKENS
     moved0 = migrations(cluster)

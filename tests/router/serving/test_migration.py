@@ -135,6 +135,7 @@ def test_a_stream_moves_on_with_no_gap_and_no_duplicate() -> None:
     (w_first, first), (w_next, cont) = directory.requests
     assert list(cont.token_ids) == PROMPT + uninterrupted(4)
     assert cont.params.max_tokens == 8
+    assert (first.continued, cont.continued) == (0, 4)  # the worker counts them as output
     assert w_next != w_first
 
 
@@ -144,6 +145,7 @@ def test_it_moves_again_up_to_its_limit() -> None:
     assert tokens_of(outs) == uninterrupted(10)
     assert core.migrations == {"worker_died": 3}
     assert [r.params.max_tokens for _, r in directory.requests] == [10, 8, 6, 4]
+    assert [r.continued for _, r in directory.requests] == [0, 2, 4, 6]
 
     directory = DyingWorkers(4, [2, 2, 2])
     outs, core = run(directory, SamplingParams(max_tokens=10, temperature=0.0), limit=2)
@@ -209,7 +211,7 @@ def test_a_client_resumes_after_the_tokens_it_has() -> None:
     assert outs[-1].usage == Usage(len(PROMPT), 3, 12)
     ((_, request),) = directory.requests
     assert list(request.token_ids) == PROMPT + uninterrupted(4)
-    assert request.params.max_tokens == 8
+    assert (request.params.max_tokens, request.continued) == (8, 4)
     for bad, sent in (
         (SamplingParams(max_tokens=12, n=2, temperature=1.0), [1]),
         (params, uninterrupted(12)),
