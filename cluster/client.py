@@ -13,6 +13,7 @@ import grpc
 from cluster.client_errors import ClientCancelled
 from cluster.client_stream import ClientStream
 from cluster.deadline_watch import DeadlineWatch
+from cluster.router_addresses import REFRESH_S, RouterAddresses
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 
@@ -142,48 +143,65 @@ class KVClusterClient:
         root_cert: bytes | None = None,
         max_message_bytes: int = 4 << 20,
         retries: int = 3,
+        discover: bool = True,
+        refresh_s: float = REFRESH_S,
     ) -> None:
         """``target``: one router address, several (``"a:1,b:2"`` or a list: each call
         starts at the next one in turn and fails over to the following ones), or a gRPC
         multi-address target (``ipv4:a:p1,b:p2``, one channel, tried in order).
         ``retries``: more attempts of a call that failed ``UNAVAILABLE`` before any answer;
         with one address gRPC makes them (:func:`retry_service_config`), with several the
-        client does, each on the next address."""
-        self.targets = router_targets(target)
+        client does, each on the next address. ``discover``: keep the addresses current from
+        the cluster's router list (:class:`RouterAddresses`, every ``refresh_s`` and after a
+        failover; never for a gRPC multi-address target)."""
+        given = router_targets(target)
         self.retries = retries
         # with several addresses the client moves a failed call on at once instead of
         # gRPC retrying it on the address that just failed
-        per_channel = retries if len(self.targets) == 1 else 0
+        per_channel = retries if len(given) == 1 else 0
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.enable_retries", 1),
             ("grpc.service_config", retry_service_config(per_channel)),
         ]
-        if root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_cert)
-            self.channels = [grpc.secure_channel(t, creds, options=opts) for t in self.targets]
-        else:
-            self.channels = [grpc.insecure_channel(t, options=opts) for t in self.targets]
-        self.stubs = [pb_grpc.KVClusterStub(c) for c in self.channels]
+        creds = grpc.ssl_channel_credentials(root_cert) if root_cert is not None else None
+
+        def make_channel(address: str) -> grpc.Channel:
+            if creds is not None:
+                return grpc.secure_channel(address, creds, options=opts)
+            return grpc.insecure_channel(address, options=opts)
+
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        one_channel = given[0].split(":", 1)[0] in GRPC_SCHEMES
+        self.addresses = RouterAddresses(
+            given,
+            make_channel,
+            metadata=self.metadata,
+            discover=discover and not one_channel,
+            refresh_s=refresh_s,
+        )
         self._watch = DeadlineWatch()
         self._turn = itertools.count()
 
     @property
+    def targets(self) -> list[str]:
+        """The addresses calls go to now."""
+        return self.addresses.current()[0]
+
+    @property
     def channel(self) -> grpc.Channel:
         """The first address's channel."""
-        return self.channels[0]
+        return self.addresses.channel(self.targets[0])
 
     @property
     def stub(self) -> pb_grpc.KVClusterStub:
         """The first address's stub."""
-        return self.stubs[0]
+        return self.addresses.current()[1][0]
 
     def close(self) -> None:
         self._watch.close()
-        for c in self.channels:
-            c.close()
+        self.addresses.close()
 
     def __enter__(self) -> KVClusterClient:
         return self
@@ -191,32 +209,39 @@ class KVClusterClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _attempts(self) -> int:
-        return 1 if len(self.stubs) == 1 else self.retries + 1
+    def _stubs(self) -> list[pb_grpc.KVClusterStub]:
+        """The stubs of a new call (a refresh may be started for later ones)."""
+        self.addresses.maybe_refresh()
+        return self.addresses.current()[1]
 
-    def _start(self) -> int:
-        return next(self._turn) % len(self.stubs)
+    def _attempts(self, stubs: Sequence[object]) -> int:
+        return 1 if len(stubs) == 1 else self.retries + 1
+
+    def _start(self, stubs: Sequence[object]) -> int:
+        return next(self._turn) % len(stubs)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> ClientStream:
         """The call's messages; with ``timeout``, a call still open ``DEADLINE_GUARD_S``
         past it is cancelled here (its reader gets ``CANCELLED``), whatever gRPC's own
         deadline did. See :class:`ClientStream` for failover."""
+        stubs = self._stubs()
         return ClientStream(
-            self.stubs,
-            self._start(),
+            stubs,
+            self._start(stubs),
             request,
             timeout=timeout,
             metadata=self.metadata,
-            attempts=self._attempts(),
-            backoff_s=self._backoff_s,
+            attempts=self._attempts(stubs),
+            backoff_s=lambda tried: self._backoff_s(tried, len(stubs)),
             watch=self._watch,
             guard_s=DEADLINE_GUARD_S,
+            on_failover=self.addresses.failed_over,
         )
 
-    def _backoff_s(self, tried: int) -> float:
-        """Pause before attempt ``tried`` + 1: none while addresses not yet tried in this
-        round are left, then 0.1 s doubling per round (up to 1 s)."""
-        n = len(self.stubs)
+    @staticmethod
+    def _backoff_s(tried: int, n: int) -> float:
+        """Pause before attempt ``tried`` + 1 over ``n`` addresses: none while addresses not
+        yet tried in this round are left, then 0.1 s doubling per round (up to 1 s)."""
         if tried % n:
             return 0.0
         return min(1.0, 0.1 * 2 ** (tried // n - 1))
@@ -226,9 +251,10 @@ class KVClusterClient:
         the caller waits at most ``timeout + DEADLINE_GUARD_S``, then the call is cancelled
         and ``CANCELLED`` raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        start, attempts = self._start(), self._attempts()
+        stubs = self._stubs()
+        start, attempts = self._start(stubs), self._attempts(stubs)
         for tried in range(attempts):
-            stub = self.stubs[(start + tried) % len(self.stubs)]
+            stub = stubs[(start + tried) % len(stubs)]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             future = getattr(stub, method).future(
                 request, timeout=remaining, metadata=self.metadata
@@ -242,7 +268,9 @@ class KVClusterClient:
                     f"{method} still open {DEADLINE_GUARD_S} s past its {timeout} s deadline"
                 ) from None
             except grpc.RpcError as exc:
-                pause = self._backoff_s(tried + 1)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.addresses.failed_over()
+                pause = self._backoff_s(tried + 1, len(stubs))
                 late = deadline is not None and time.monotonic() + pause >= deadline
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or tried + 1 == attempts or late:
                     raise

@@ -40,6 +40,7 @@ class ClientStream:
         backoff_s: Callable[[int], float],
         watch: DeadlineWatch,
         guard_s: float,
+        on_failover: Callable[[], None] = lambda: None,
     ) -> None:
         assert stubs and attempts >= 1
         self._stubs = stubs
@@ -48,6 +49,7 @@ class ClientStream:
         self._metadata = metadata
         self._attempts_left = attempts
         self._backoff_s = backoff_s
+        self._on_failover = on_failover  # told when an attempt found its router unavailable
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._tried = 0  # attempts made
         self._delivered = False  # a message reached the reader: resumed, never replayed
@@ -91,6 +93,8 @@ class ClientStream:
             self._watch.disarm(self._guard)
 
     def _may_retry(self, exc: grpc.RpcError) -> bool:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self._on_failover()
         if self._cancelled or self._attempts_left <= 0:
             return False
         if exc.code() != grpc.StatusCode.UNAVAILABLE:

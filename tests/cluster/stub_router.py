@@ -1,11 +1,13 @@
 """A stand-in router for client fault tests: a real gRPC server of the kvcluster.v1 service in
 its own process, so a test can SIGKILL it, SIGSTOP it, or start another on the same port.
 
-    python -m tests.cluster.stub_router PORT MODE
+    python -m tests.cluster.stub_router PORT MODE [ROUTERS_FILE]
 
 MODE ``serve``: Generate streams ``max_tokens`` messages (one token each, 20 ms apart),
 GenerateUnary answers at once; ``stall``: every call is accepted and never answered.
 A streamed message's ``worker_id`` names the port, so a test sees which server answered.
+ClusterStatus lists the routers named in ROUTERS_FILE (one gRPC address a line, read at each
+call, so a test changes the cluster's list; none without it).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ TOKEN_GAP_S = 0.02
 
 
 class StubRouter(pb_grpc.KVClusterServicer):
-    def __init__(self, port: int, mode: str) -> None:
+    def __init__(self, port: int, mode: str, routers_file: str | None = None) -> None:
         self.name = f"stub-{port}"
         self.mode = mode
+        self.routers_file = routers_file
 
     def _stall(self, context: grpc.ServicerContext) -> None:
         while context.is_active():
@@ -64,6 +67,14 @@ class StubRouter(pb_grpc.KVClusterServicer):
             self._stall(context)
         return pb.GenerateResult(request_id=request.request_id, worker_id=self.name)
 
+    def ClusterStatus(  # noqa: N802
+        self, request: pb.ClusterStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ClusterStatusResponse:
+        if self.mode == "stall":
+            self._stall(context)
+        listed = Path(self.routers_file).read_text().split() if self.routers_file else []
+        return pb.ClusterStatusResponse(routers=[pb.RouterAddress(grpc_address=a) for a in listed])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -75,12 +86,13 @@ class StubProcess:
     """One stub router process on ``port``; ``kill`` (SIGKILL, as a node dies), ``stop`` /
     ``resume`` (SIGSTOP / SIGCONT, as a host that hangs)."""
 
-    def __init__(self, port: int, mode: str = "serve") -> None:
+    def __init__(self, port: int, mode: str = "serve", routers_file: Path | None = None) -> None:
         self.port = port
         self.address = f"127.0.0.1:{port}"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        extra = [str(routers_file)] if routers_file is not None else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster.stub_router", str(port), mode],
+            [sys.executable, "-m", "tests.cluster.stub_router", str(port), mode, *extra],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -107,8 +119,9 @@ class StubProcess:
 
 def main() -> None:
     port, mode = int(sys.argv[1]), sys.argv[2]
+    routers_file = sys.argv[3] if len(sys.argv) > 3 else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    pb_grpc.add_KVClusterServicer_to_server(StubRouter(port, mode), server)
+    pb_grpc.add_KVClusterServicer_to_server(StubRouter(port, mode, routers_file), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     print("ready", flush=True)
