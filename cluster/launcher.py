@@ -199,8 +199,8 @@ class Cluster:
         return [found[i][0] for i in sorted(found)]
 
     def _start_keeper(self, endpoints: dict[int, tuple[str, str | None]]) -> None:
-        if self.cfg.router.location == "anywhere":
-            return
+        """The keeper of the routers and of their list, in every placement; it tells every
+        router the list before this returns."""
         args = (self.router_placement, self.router_settings(0))
         kwargs = dict(namespace=self.namespace, detached=self.detached, endpoints=endpoints)
         if not self.detached:
@@ -271,9 +271,7 @@ class Cluster:
         }
         self.endpoints = [placed[i][0] for i in sorted(placed)]
         self.http_endpoints = [placed[i][1] for i in sorted(placed) if placed[i][1]]
-        routers = [placed[i] for i in sorted(placed)]  # each router's ClusterStatus lists them
-        ray.get([h.set_routers.remote(routers) for h in self.routers.values()], timeout=timeout_s)
-        self._start_keeper(placed)
+        self._start_keeper(placed)  # each router's ClusterStatus lists them from here on
         if self.prometheus is not None:
             self.prometheus.serve(self.http_endpoints, detach=self.detached)
         log.info("cluster %s up in %.1fs", self.cfg.name, time.monotonic() - t0)

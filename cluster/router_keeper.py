@@ -76,7 +76,9 @@ def callable_address(address: str | None, slot: RouterSlot | None) -> str | None
 class RouterKeeper:
     """Keeps a router on every node its placement wants one: each ``poll_s`` it reads the live
     nodes, starts the routers of nodes that joined and forgets (and kills, so their names are
-    free) those of nodes that died. Runs as a thread of the process that started the cluster
+    free) those of nodes that died; and keeps every router's list of routers current (in every
+    placement: with ``anywhere`` no router is started after ``up``, but one that Ray restarted
+    learns the list again). Runs as a thread of the process that started the cluster
     (:meth:`start`), or as a detached actor (:data:`RouterKeeperActor`) for ``kvcluster up``.
     ``endpoints``: the routers started so far, index -> (gRPC address, HTTP URL or None)."""
 
@@ -111,6 +113,11 @@ class RouterKeeper:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Tell every router the list (waiting for their answers: a cluster that is up lists
+        its routers), then keep it current on a thread."""
+        self.announce()
+        ray.wait(self._telling, num_returns=len(self._telling), timeout=30)
+        self._collect()
         self._thread = threading.Thread(target=self._run, name="router-keeper", daemon=True)
         self._thread.start()
 
