@@ -1,5 +1,6 @@
 """What benchmarks/node_loss.py watches besides its load: when a dead node's workers leave
-the index and come back (:class:`IndexWatch`), and the routers' counters."""
+the index and come back (:class:`IndexWatch`), how long the workers' model loads took, and
+the routers' counters."""
 
 from __future__ import annotations
 
@@ -33,6 +34,20 @@ def router_stats(cluster: Cluster) -> dict[str, dict]:
     return out
 
 
+def model_load_s(cluster: Cluster, names: list[str]) -> dict[str, float]:
+    """The seconds each named worker's current start took to load its model (its status's
+    ``model_load_s``; a worker that does not answer is left out)."""
+    out = {}
+    for name in names:
+        try:
+            status = ray.get(cluster.workers[name].status.remote(), timeout=30)
+        except Exception:  # noqa: BLE001, S112 - dead or restarting
+            continue
+        if status.model_load_s is not None:
+            out[name] = status.model_load_s
+    return out
+
+
 def node_of(handle: ray.actor.ActorHandle) -> str | None:
     """The node an actor runs on (None: it does not answer)."""
     where = lambda _self: ray.get_runtime_context().get_node_id()  # noqa: E731
@@ -48,7 +63,10 @@ class IndexWatch:
     again (a new epoch: Ray restarted it). Made before the kill (it samples the keys they
     hold), started at the kill; a thread polls every ``POLL_S``; times are seconds since the
     kill. At the purge and when they are back it records the routers' placements on them, so
-    :meth:`placed_on_dead` counts the placements on the dead incarnations after the purge."""
+    :meth:`placed_on_dead` counts the placements on the dead incarnations after the purge.
+    Once they are back it asks the new incarnations how long their model loads took
+    (``load_s``, the slowest), which ``back_s`` includes besides Ray's detection of the death
+    and the restart (``restart_overhead_s``)."""
 
     def __init__(self, cluster: Cluster, victims: dict[str, int]) -> None:
         self.cluster = cluster
@@ -58,6 +76,7 @@ class IndexWatch:
         self.t_kill = 0.0
         self.purged_s: float | None = None
         self.back_s: float | None = None
+        self.load_s: float | None = None  # the restarted workers' slowest model load
         self._placed_at_purge: dict[str, int] | None = None  # router -> on the victims
         self._placed_at_back: dict[str, int] | None = None
         self._stop = threading.Event()
@@ -99,7 +118,17 @@ class IndexWatch:
             if self.back_s is None and self._back():
                 self.back_s = now
                 self._placed_at_back = self._placed()  # from here on: the new incarnations
+                loads = model_load_s(self.cluster, list(self.victims))
+                self.load_s = max(loads.values()) if len(loads) == len(self.victims) else None
             self._stop.wait(POLL_S)
+
+    @property
+    def restart_overhead_s(self) -> float | None:
+        """Of ``back_s``, what was not the model load: Ray's detection and restart, the
+        registration (None: not back, or a load not reported)."""
+        if self.back_s is None or self.load_s is None:
+            return None
+        return self.back_s - self.load_s
 
     def placed_on_dead(self) -> int | None:
         """Placements on the dead node's workers after their purge and before they were back

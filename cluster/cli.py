@@ -91,7 +91,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     print(
         f"{'worker':<12}{'epoch':>16}{'alive':>7}{'run':>5}{'wait':>6}{'kv use':>8}{'hit rate':>10}"
-        f"{'quota evict':>13}{'pinned':>8}"
+        f"{'quota evict':>13}{'pinned':>8}{'load s':>8}"
     )
     for w in st.workers:
         alive = "stale" if w.stale else str(w.alive)  # stale: no answer or no heartbeat
@@ -99,6 +99,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{w.worker_id:<12}{w.epoch:>16}{alive:>7}{w.running:>5}{w.waiting:>6}"
             f"{w.kv_usage:>8.2f}{w.prefix_hit_rate:>10.2f}{w.tenant_quota_evictions:>13}"
             f"{w.waiting_pinned_blocks:>8}"
+            + (f"{w.model_load_s:>8.1f}" if w.HasField("model_load_s") else f"{'-':>8}")
         )
         if w.adapters:  # LoRA adapters; * = in a device slot now
             print("  adapters: " + ", ".join(a.name + "*" * a.loaded for a in w.adapters))

@@ -15,6 +15,7 @@ talks to Redis; the step loop never waits on it).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,11 +76,13 @@ class WorkerServer:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.worker_id = settings.worker_id
+        t0 = time.monotonic()
         # the default model is resolved on this worker's node, never sent as a head's path
         self.model_dir = settings.model_dir or str(resolve_default_model(settings.default_family))
         self.engine = Engine.from_model_dir(
             self.model_dir, settings.engine, model_id=settings.model_id
         )
+        self.model_load_s = time.monotonic() - t0  # its status reports it
         self.telemetry = WorkerTelemetry(self.worker_id, log_stats=settings.engine.log_stats)
         self.telemetry.start_heartbeat()
         self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
@@ -201,7 +204,11 @@ class WorkerServer:
     async def status(self) -> WorkerStatus:
         snap = await self.engine_loop.call_async(Snapshot())
         return worker_status(
-            self.worker_id, snap, epoch=self.index.epoch, index_healthy=self.index.healthy
+            self.worker_id,
+            snap,
+            epoch=self.index.epoch,
+            index_healthy=self.index.healthy,
+            model_load_s=self.model_load_s,
         )
 
     async def add_lora(self, name: str, path: str, tenants: list[str] | None = None) -> str:

@@ -17,7 +17,12 @@ def worker_load(snap: EngineSnapshot) -> WorkerLoad:
 
 
 def worker_status(
-    worker_id: str, snap: EngineSnapshot, *, epoch: int | None, index_healthy: bool
+    worker_id: str,
+    snap: EngineSnapshot,
+    *,
+    epoch: int | None,
+    index_healthy: bool,
+    model_load_s: float | None = None,
 ) -> WorkerStatus:
     """A worker's answer to a status call: its load, and the snapshot's other figures."""
     return derived(
@@ -27,6 +32,7 @@ def worker_status(
         worker_id=worker_id,
         epoch=epoch,
         index_healthy=index_healthy,
+        model_load_s=model_load_s,
         swap_preemptions=snap.num_swap_preemptions,
         recompute_preemptions=snap.num_preemptions - snap.num_swap_preemptions,
         adapters=tuple(

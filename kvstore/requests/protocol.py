@@ -113,6 +113,9 @@ class WorkerStatus(ByName):
     histograms: dict[str, HistogramCounts] = field(default_factory=dict)
     # waiting requests by why the engine's last admission pass left them waiting
     waiting_by_reason: dict[str, int] = field(default_factory=dict)
+    # seconds this start of the worker took to load its model and build its engine (a node
+    # that joins, or a worker Ray restarted, serves no sooner); None: not measured
+    model_load_s: float | None = None
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
     heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never

@@ -204,6 +204,7 @@ def worker_status_pb(
         tenant_quota_evictions=s.tenant_quota_evictions,
         stale=s.stale,
         heartbeat_age_s=s.heartbeat_age_s,
+        model_load_s=s.model_load_s,
         host_total_blocks=host.total_blocks,
         host_cached_blocks=host.cached_blocks,
         host_hit_tokens=host.hit_tokens,

@@ -113,6 +113,7 @@ def test_cluster_status_lists_live_workers_with_epochs(cluster, client) -> None:
     assert st.model_id == cluster.model_id
     assert sorted(w.worker_id for w in st.workers) == sorted(cluster.workers)
     assert all(w.alive and w.epoch > 0 and w.total_blocks == 128 for w in st.workers)
+    assert all(w.model_load_s > 0 for w in st.workers)  # as each measured its start
     # every router of the cluster, as the launcher told each (one router here)
     assert [(r.grpc_address, r.http_url) for r in st.routers] == list(
         zip(cluster.endpoints, cluster.http_endpoints, strict=True)

@@ -167,5 +167,6 @@ def test_load_and_status_fields_are_named_as_the_snapshots() -> None:
     status = {f.name for f in dataclasses.fields(WorkerStatus)}
     assert load - snap == {"tier_blocks"}  # the tiers' sizes, from snap.tiers
     given = {"worker_id", "epoch", "index_healthy", "swap_preemptions", "recompute_preemptions"}
+    given |= {"model_load_s"}  # the worker's, not the engine's
     by_router = {"stale", "heartbeat_age_s"}
     assert status - snap - load == given | {"adapters"} | by_router

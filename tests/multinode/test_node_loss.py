@@ -33,7 +33,7 @@ STREAMS = 12
 def status_routers(address: str) -> list[str] | None:
     """The routers the router at ``address`` lists in its ClusterStatus (None: no answer)."""
     try:
-        with KVClusterClient(address, retries=0) as client:
+        with KVClusterClient(address, retries=0, discover=False) as client:
             return [r.grpc_address for r in client.status(timeout=30).routers]
     except grpc.RpcError:
         return None
@@ -181,3 +181,7 @@ def test_a_node_that_joins_gets_a_router(ray_nodes, cluster, capsys) -> None:
     for address in everyone:
         assert wait_for(lambda a=address: sorted(status_routers(a) or []) == everyone, WAIT_S)
     assert sorted(cli_routers(sorted(before)[0], capsys)) == everyone
+    # a client given one old router's address learns the new router from the cluster's list
+    with KVClusterClient(sorted(before)[0]) as client:
+        assert client.addresses.refresh()
+        assert sorted(client.targets) == everyone

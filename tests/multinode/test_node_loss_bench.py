@@ -22,5 +22,7 @@ def test_node_loss_benchmark_smoke(ray_nodes, cluster, tmp_path, monkeypatch) ->
     assert f["requests"] > 0, result
     assert f["index_purged_s_first_kill"] is not None, result
     assert f["placed_on_dead_after_purge"] is not None, result
-    assert f["router_serving_after_join_s"] is not None, result
+    assert f["rejoin_serving_s"] is not None, result
+    assert f["model_load_s"] > 0, result  # the workers report their model loads
+    assert f["rejoin_overhead_s"] == f["rejoin_serving_s"] - f["model_load_s"], result
     assert (tmp_path / "node_loss.png").is_file()
