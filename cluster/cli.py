@@ -79,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from cluster.client import KVClusterClient
 
     target = _endpoint(args)
-    with KVClusterClient(target) as client:
+    with KVClusterClient(target, discover=False) as client:  # its answer lists the routers
         st = client.status()
         # the cluster's routers now (those of nodes that joined after `up` included, those
         # gone with their node not), as the router that answered was told; else the targets
@@ -160,7 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from cluster.client import Completion, KVClusterClient, accumulate, build_request, chat
 
     out = Completion()
-    with KVClusterClient(_endpoint(args)) as client:
+    # the state file's routers are the cluster's: keep them current even if up started one
+    with KVClusterClient(_endpoint(args), discover=None if args.target else True) as client:
         req = build_request(
             chat(args.prompt, args.system) if args.chat else args.prompt,
             max_tokens=args.max_tokens,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ class KVClusterClient:
         root_cert: bytes | None = None,
         max_message_bytes: int = 4 << 20,
         retries: int = 3,
-        discover: bool = True,
+        discover: bool | None = None,
         refresh_s: float = REFRESH_S,
     ) -> None:
         """``target``: one router address, several (``"a:1,b:2"`` or a list: each call
@@ -153,7 +154,8 @@ class KVClusterClient:
         with one address gRPC makes them (:func:`retry_service_config`), with several the
         client does, each on the next address. ``discover``: keep the addresses current from
         the cluster's router list (:class:`RouterAddresses`, every ``refresh_s`` and after a
-        failover; never for a gRPC multi-address target)."""
+        failover; never for a gRPC multi-address target). None: when given several addresses
+        (one address is a router the caller chose, or a load balancer)."""
         given = router_targets(target)
         self.retries = retries
         # with several addresses the client moves a failed call on at once instead of
@@ -178,11 +180,13 @@ class KVClusterClient:
             given,
             make_channel,
             metadata=self.metadata,
-            discover=discover and not one_channel,
+            discover=(len(given) > 1 if discover is None else discover) and not one_channel,
             refresh_s=refresh_s,
         )
         self._watch = DeadlineWatch()
-        self._turn = itertools.count()
+        # where its calls start in the rotation: clients that refreshed to the same list
+        # still spread their calls over the routers
+        self._turn = itertools.count(random.randrange(1 << 16))
 
     @property
     def targets(self) -> list[str]:

@@ -44,7 +44,7 @@ def calling_until(client: KVClusterClient, targets: list[str], timeout_s: float 
 def test_a_router_that_joined_later_is_called_and_a_dead_one_dropped(routers, cluster_list):
     (first,) = routers(1)
     cluster_list.write_text(first.address)
-    with KVClusterClient(first.address, refresh_s=0.2) as client:
+    with KVClusterClient(first.address, discover=True, refresh_s=0.2) as client:
         assert client.generate("x", max_tokens=1, timeout=10).worker_id == f"stub-{first.port}"
         (joined,) = routers(1)
         cluster_list.write_text(f"{first.address}\n{joined.address}")
@@ -62,7 +62,7 @@ def test_a_router_that_joined_later_is_called_and_a_dead_one_dropped(routers, cl
 def test_no_router_answering_brings_the_given_addresses_back(routers, cluster_list):
     a, b = routers(2)
     cluster_list.write_text(f"{a.address}\n{b.address}")
-    with KVClusterClient(a.address, refresh_s=3600) as client:
+    with KVClusterClient(a.address, discover=True, refresh_s=3600) as client:
         assert client.addresses.refresh()
         cluster_list.write_text(b.address)  # a left the cluster's list
         assert client.addresses.refresh()
@@ -79,15 +79,22 @@ def test_a_list_naming_none_of_the_clients_addresses_is_ignored(routers, cluster
     (router,) = routers(1)
     # the cluster names its routers as it sees them (behind a load balancer, say)
     cluster_list.write_text("10.255.0.1:50051\n10.255.0.2:50051")
-    with KVClusterClient(router.address, refresh_s=3600) as client:
+    with KVClusterClient(router.address, discover=True, refresh_s=3600) as client:
         assert client.addresses.refresh()
         assert client.targets == [router.address]
 
 
-def test_no_discovery_keeps_the_given_addresses(routers, cluster_list):
+def test_one_address_is_kept_unless_asked_to_discover(routers, cluster_list):
     a, b = routers(2)
-    cluster_list.write_text(b.address)
-    with KVClusterClient(a.address, discover=False) as client:
-        client.generate("x", max_tokens=1, timeout=10)
-        time.sleep(0.3)
+    cluster_list.write_text(f"{a.address}\n{b.address}")
+    with KVClusterClient(a.address, refresh_s=0.1) as client:  # a router chosen, or a balancer
+        for _ in range(3):
+            client.generate("x", max_tokens=1, timeout=10)
+            time.sleep(0.2)
         assert client.targets == [a.address]
+    with KVClusterClient([a.address, b.address], discover=False, refresh_s=0.1) as client:
+        cluster_list.write_text(a.address)
+        for _ in range(3):
+            client.generate("x", max_tokens=1, timeout=10)
+            time.sleep(0.2)
+        assert client.targets == [a.address, b.address]

@@ -182,6 +182,6 @@ def test_a_node_that_joins_gets_a_router(ray_nodes, cluster, capsys) -> None:
         assert wait_for(lambda a=address: sorted(status_routers(a) or []) == everyone, WAIT_S)
     assert sorted(cli_routers(sorted(before)[0], capsys)) == everyone
     # a client given one old router's address learns the new router from the cluster's list
-    with KVClusterClient(sorted(before)[0]) as client:
+    with KVClusterClient(sorted(before)[0], discover=True) as client:
         assert client.addresses.refresh()
         assert sorted(client.targets) == everyone
