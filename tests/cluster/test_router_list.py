@@ -29,6 +29,14 @@ def listed(address: str) -> list[str] | None:
         return None
 
 
+def incarnation(router) -> str | None:  # noqa: ANN001
+    """The router's incarnation id (random per start; None: not answering)."""
+    try:
+        return ray.get(router.incarnation.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - restarting
+        return None
+
+
 def test_a_restarted_router_lists_the_routers_again_with_location_anywhere() -> None:
     shared_ray()
     cfg = cluster_config(
@@ -42,8 +50,12 @@ def test_a_restarted_router_lists_the_routers_again_with_location_anywhere() -> 
         assert len(everyone) == 2
         assert all(listed(a) == everyone for a in everyone)
         victim = c.routers["router-1"]
+        first = ray.get(victim.incarnation.remote(), timeout=WAIT_S)
         ray.kill(victim, no_restart=False)  # its process dies; Ray restarts it, its list empty
         deadline = time.monotonic() + WAIT_S
+        while incarnation(victim) in (first, None):  # the restarted router
+            assert time.monotonic() < deadline, "router-1 not restarted"
+            time.sleep(0.2)
         while listed(everyone[1]) != everyone:
             assert time.monotonic() < deadline, f"router-1 lists {listed(everyone[1])}"
             time.sleep(0.5)
