@@ -93,6 +93,12 @@ class WorkerStatus(ByName):
     swap_preemptions: int = 0  # preemptions that kept the victim's KV (host tier)
     recompute_preemptions: int = 0  # preemptions that dropped it
     adapters: tuple[AdapterInfo, ...] = ()  # LoRA adapters registered on this worker
+    # speculative decoding since start, in vLLM's names: sequences that verified drafts in a
+    # step, draft tokens verified, of those accepted, and accepted at each draft position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
     heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never

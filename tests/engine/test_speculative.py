@@ -266,3 +266,45 @@ def test_which_requests_speculate(kw: dict, speculates: bool) -> None:
     p = SamplingParams(max_tokens=8, **kw)
     req = SimpleNamespace(params=p, prompt_logprobs=[] if p.prompt_logprobs is not None else None)
     assert eligible(req) is speculates  # type: ignore[arg-type]
+
+
+def test_spec_counters_reach_the_routers_metrics_in_vllm_names() -> None:
+    """The engine's counters travel in the worker's status to the router's ``/metrics``,
+    named as vLLM names them; they move after a speculative request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.serving.serving_metrics import ServingMetrics
+    from worker.status import worker_status
+
+    engine = fake_engine("ngram", 1, adaptive=False)
+    metrics = ServingMetrics("m")
+
+    def scrape() -> dict[tuple[str, str], float]:
+        status = worker_status("w0", engine.snapshot(), epoch=1, index_healthy=True)
+        text = metrics.render([status]).decode()
+        return {
+            (s.name, s.labels.get("position", "")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name.startswith("vllm:spec_decode_") and s.labels["worker"] == "w0"
+        }
+
+    before = scrape()
+    assert before[("vllm:spec_decode_num_drafts_total", "")] == 0
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for p in prompts(4, 4, 12, seed=2):
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = scrape()
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_accepted_tokens > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert after[(f"vllm:spec_decode_{name}_total", "")] == getattr(snap, f"spec_decode_{name}")
+    per_pos = {
+        int(pos): v
+        for (name, pos), v in after.items()
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos and sum(per_pos.values()) == snap.spec_decode_num_accepted_tokens
+    assert per_pos[0] > 0
