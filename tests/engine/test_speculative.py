@@ -169,20 +169,37 @@ def test_telemetry_counts_spec_decode_by_deltas() -> None:
 
 def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> None:
     from worker.engine.config import SpeculativeConfig
-    from worker.engine.speculator import PROBE_EVERY, Speculator
+    from worker.engine.speculator import MAX_PROBE_EVERY, PROBE_EVERY, Speculator
 
     spec = Speculator(SpeculativeConfig(method="ngram"))
-    assert spec.on
-    spec.end_step(False, 10, 0.1)  # plain: 100 tok/s
-    spec.end_step(True, 10, 0.2)  # speculating: 50 tok/s
-    assert not spec.on
-    decisions = []
-    for _ in range(2 * PROBE_EVERY):
+
+    def step(num_decoding: int, rates: dict[bool, float]) -> bool:
+        """One decode step at that load, measured at ``rates`` tok/s; whether it speculated."""
         spec.begin_step()
-        decisions.append(spec.speculating())
-    assert decisions.count(True) == 2  # off: one probe step in PROBE_EVERY
-    for _ in range(20):
-        spec.end_step(True, 30, 0.1)  # the probes now measure 300 tok/s
+        speculated = spec.speculating(num_decoding)
+        spec.end_step(speculated, 10, 10 / rates[speculated])
+        return speculated
+
+    slow = {False: 100.0, True: 50.0}  # a verify step that does not pay
+    # a load not measured yet: one step with drafts, one without, then the one that pays
+    assert [step(64, slow) for _ in range(2)] == [True, False]
+    assert not spec.on
+    decisions = [step(64, slow) for _ in range(1000)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    # a probe now and then, each that confirms "off" doubling the gap to the next
+    assert probes[0] == PROBE_EVERY  # the first gap counts from the first choice
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
+    assert set(gaps[4:]) == {MAX_PROBE_EVERY}
+    # another load is measured on its own: at one sequence, speculating pays
+    fast = {False: 20.0, True: 40.0}
+    ones = [step(1, fast) for _ in range(2 * PROBE_EVERY)]
+    assert spec.on and ones.count(False) == 2  # its first plain step, then one probe
+    step(64, slow)
+    assert not spec.on  # back at 64: still off (that load's own measures)
+    fixed = {False: 100.0, True: 300.0}  # the probes now measure it paying
+    for _ in range(2 * MAX_PROBE_EVERY):
+        step(64, fixed)
     assert spec.on
     assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
 
