@@ -25,7 +25,8 @@ PROBE_EVERY = 16  # steps between probes (a step of the kind not running) at one
 MAX_PROBE_EVERY = 256
 MAX_DRAFT_ROWS = 64  # draft tokens in one step at most (all sequences): past the knee of the
 # multi-row forward on a CPU, a verify row costs about what a decode row does
-PAYS = 0.97  # speculate while its tokens/s is at least this share of a plain step's
+PAYS = 1.0  # speculate while its tokens/s is at least this share of a plain step's: no
+# tolerated loss, since the probes and the first measures already cost a little
 
 
 @dataclass(slots=True)
