@@ -1,17 +1,23 @@
 """Draft-free speculative decoding (n-gram, suffix) against none, offline engine.
 
-    python -m benchmarks.spec_decode            # default model, concurrency 1/4/16/64
-    python -m benchmarks.spec_decode --smoke    # tiny model, a few seconds
+    python -m benchmarks.spec_decode                  # default model, the whole grid
+    python -m benchmarks.spec_decode --cells edit:1,edit:4,chat:64   # some cells
+    python -m benchmarks.spec_decode --smoke          # tiny model, a few seconds
 
-Workloads (greedy, ``--new`` tokens each): ``edit`` (rewrite a given function with one
-change: the answer repeats the prompt), ``json`` (tool-call JSON with a repeated shape),
-``agentic`` (multi-turn: each turn's prompt carries the previous turns and answers, so the
-suffix corpus has seen them) and ``chat`` (plain questions, little to copy). Per workload,
-concurrency and method: output tokens/s (wall), mean inter-token latency (the engine's ITL),
-mean acceptance length (tokens per verify: 1 + accepted drafts / drafts), the speed-up over
-``none`` in the same process, and whether the greedy tokens equal ``none``'s. Every method
-runs on a fresh engine of one process, one after another. Table, ``spec_decode.png`` (speed-up
-per workload and concurrency) and a final JSON line.
+Workloads (``benchmarks/spec_workloads.py``; greedy, ``ignore_eos``): ``edit`` (rewrite a
+given function with one change: the answer repeats the prompt), ``json`` (a tool call whose
+arguments echo a record in the prompt), ``agentic`` (three turns, each quoting the previous
+answer again with a change; the prompt carries the earlier turns) and ``chat`` (plain
+questions, little to copy), each rendered with the model's chat template. A cell: ``conc``
+sessions at once (each turn of all sessions submitted together), ``--new`` tokens per turn
+(``--new-at-load`` at 16 sessions or more: the grid then fits in about 15 minutes on 2
+cores). Per cell and method: output tokens/s (wall, prefill included), the speed-up over
+``none`` (and per CPU-second of the process: ``cpu speedup``, steadier than the wall clock
+on a machine shared with other jobs), mean inter-token latency (the engine's) and its ratio
+to ``none``'s, mean acceptance length (tokens per verify: 1 + accepted drafts / sequences
+verified), and whether the greedy tokens equal ``none``'s. Each method runs on a fresh
+engine, one after another, in one process. Table, ``spec_decode.png`` (speed-up per cell)
+and a final JSON line.
 """
 
 from __future__ import annotations
@@ -19,53 +25,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import time
+from pathlib import Path
 
-FUNCTION = '''def moving_average(values, window):
-    """Mean of each run of `window` consecutive values."""
-    if window <= 0:
-        raise ValueError("window must be positive")
-    out = []
-    total = 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            out.append(total / window)
-    return out
-'''
-
-TOOLS = (
-    '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
-    '{"name": "get_weather", "arguments": {"city": "Berlin", "unit": "celsius"}}, '
-    '{"name": "get_weather", "arguments": {"city": "Madrid", "unit": "celsius"}}'
-)
+from benchmarks.spec_workloads import WORKLOADS, play_turn, turns
 
 
-def prompts(workload: str, i: int) -> list[str]:
-    """The turns of one session of ``workload`` (one prompt unless agentic)."""
-    if workload == "edit":
-        name = ["window", "size", "width", "span"][i % 4]
-        return [
-            f"Rewrite this function, renaming the parameter `window` to `{name}`; change "
-            f"nothing else and output only the code.\n\n{FUNCTION}\n"
-        ]
-    if workload == "json":
-        city = ["Rome", "Oslo", "Lisbon", "Vienna"][i % 4]
-        return [f"Continue the list of tool calls with one for {city}, same format:\n{TOOLS}, "]
-    if workload == "agentic":
-        base = f"You are a coding agent. The file is:\n{FUNCTION}\n"
-        return [
-            base + "Step 1: print the function unchanged.\n",
-            base + "Step 2: print it again, with a docstring example added.\n",
-        ]
-    topics = ["tides", "volcanoes", "bread", "comets", "bees", "glaciers", "rust", "jazz"]
-    return [f"Explain in a few sentences how {topics[i % len(topics)]} work."]
-
-
-def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dict:
+def engine_of(model: str, method: str, conc: int):  # noqa: ANN201 - an Engine
     importlib.import_module("worker")
-    from kvstore.requests.sampling_params import SamplingParams
     from worker.engine import Engine, EngineConfig
 
     cfg = EngineConfig(
@@ -76,41 +42,53 @@ def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dic
         speculative={"method": method},
     )
     engine = Engine.from_model_dir(model, cfg)
+    warm(engine)
+    return engine
+
+
+def warm(engine: object) -> None:
+    from kvstore.requests.sampling_params import SamplingParams
+
+    engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=2))  # type: ignore[attr-defined]
+
+
+def spec_figures(engine: object) -> tuple[int, int]:
+    """(sequences that verified drafts, accepted draft tokens) since the engine started."""
+    snap = engine.snapshot()  # type: ignore[attr-defined]
+    return snap.spec_decode_num_drafts, snap.spec_decode_num_accepted_tokens
+
+
+def accept_len(drafts: int, accepted: int) -> float:
+    """Tokens a sequence gained per verify step (1: nothing verified)."""
+    return 1 + accepted / drafts if drafts else 1.0
+
+
+def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dict:
+    """``conc`` sessions of ``workload`` at once, each turn of all sessions together, on a
+    fresh engine speculating with ``method``."""
+    from kvstore.requests.sampling_params import SamplingParams
+
+    engine = engine_of(model, method, conc)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=2))
-    sessions = [prompts(workload, i) for i in range(conc)]
+    sessions = [turns(workload, i) for i in range(conc)]
+    histories: list[list[dict]] = [[] for _ in range(conc)]
     tokens: list[list[int]] = []
-    produced = 0
-    t0 = time.perf_counter()
-    history: list[list[dict]] = [[] for _ in range(conc)]
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for turn in range(max(map(len, sessions))):
         live = [i for i, s in enumerate(sessions) if turn < len(s)]
-        for i in live:
-            history[i].append({"role": "user", "content": sessions[i][turn]})
-        results = engine.generate([encode(engine, history[i]) for i in live], params)
-        for i, r in zip(live, results, strict=True):
-            c = r.completions[0]
+        texts = [sessions[i][turn] for i in live]
+        for c in play_turn(engine, [histories[i] for i in live], texts, params):
             tokens.append(list(c.token_ids))
-            produced += len(c.token_ids)
-            history[i].append({"role": "assistant", "content": c.text})
-    wall = time.perf_counter() - t0
-    snap = engine.metrics()
-    drafts = getattr(snap, "spec_decode_num_drafts", 0)
-    accepted = getattr(snap, "spec_decode_num_accepted_tokens", 0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    itl = engine.metrics().itl.mean
     return {
-        "tok_s": produced / wall,
-        "itl_ms": snap.itl.mean * 1e3,
-        "accept_len": 1 + accepted / drafts if drafts else 1.0,
+        "tok_s": sum(map(len, tokens)) / wall,
+        "cpu_tok_s": sum(map(len, tokens)) / cpu,
+        "itl_ms": itl * 1e3,
+        "accept_len": accept_len(*spec_figures(engine)),
         "tokens": tokens,
+        "wall_s": wall,
     }
-
-
-def encode(engine: object, messages: list[dict]) -> list[int] | str:
-    """The conversation as the model's chat template renders it (plain text without one)."""
-    tok = engine.tokenizer  # type: ignore[attr-defined]
-    if getattr(tok, "chat_template", None):
-        return tok.encode(tok.render_chat(messages), add_special_tokens=False)
-    return "\n".join(m["content"] for m in messages)
 
 
 def plot(rows: list[dict]) -> None:
@@ -136,47 +114,66 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, small cells")
     parser.add_argument("--model", help="model folder or .gguf (default: the default model)")
-    parser.add_argument("--workloads", default="edit,json,agentic,chat")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="of " + ",".join(WORKLOADS)
+    )
     parser.add_argument("--conc", default="1,4,16,64", help="concurrent sessions per cell")
-    parser.add_argument("--methods", default="ngram,suffix")
-    parser.add_argument("--new", type=int, default=96, help="generated tokens per turn")
+    parser.add_argument("--cells", help="workload:conc,... (instead of --workloads x --conc)")
+    parser.add_argument("--methods", default="suffix", help="of ngram,suffix (against none)")
+    parser.add_argument("--new", type=int, default=64, help="generated tokens per turn")
+    parser.add_argument(
+        "--new-at-load", type=int, default=32, help="generated tokens per turn at 16+ sessions"
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         from worker.model.build_tiny import build_tiny_model
 
         args.model = args.model or str(build_tiny_model(None, "llama", "tiny", 0))
-        args.workloads, args.conc, args.new = "edit,chat", "1,4", 12
+        args.cells = args.cells or "edit:1,edit:4,json:4,agentic:2,chat:4"
+        args.methods, args.new = "ngram,suffix", 12
     if args.model is None:
         from worker.model.default_model import default_model_path
 
         args.model = str(default_model_path())
+    if args.cells:
+        cells = [(w, int(c)) for w, c in (cell.split(":") for cell in args.cells.split(","))]
+    else:
+        conc = [int(c) for c in args.conc.split(",")]
+        cells = [(w, c) for w in args.workloads.split(",") for c in conc]
     rows, head = [], {}
-    for workload in args.workloads.split(","):
-        for conc in map(int, args.conc.split(",")):
-            base = run_cell(args.model, "none", workload, conc, args.new)
-            rows.append(row_of(workload, conc, "none", base, base))
-            for method in args.methods.split(","):
-                got = run_cell(args.model, method, workload, conc, args.new)
-                rows.append(row_of(workload, conc, method, got, base))
-                key = f"{workload}_c{conc}_{method}"
-                head[f"{key}_speedup"] = round(rows[-1]["speedup"], 3)
-                head[f"{key}_accept_len"] = round(got["accept_len"], 2)
-                head[f"{key}_same_tokens"] = got["tokens"] == base["tokens"]
-    print_table(rows, f"speculative decoding, greedy, {args.new} new tokens per turn")
+    t0 = time.perf_counter()
+    for workload, conc in cells:
+        new = args.new if conc < 16 else min(args.new, args.new_at_load)
+        base = run_cell(args.model, "none", workload, conc, new)
+        rows.append(row_of(workload, conc, new, "none", base, base))
+        for method in args.methods.split(","):
+            got = run_cell(args.model, method, workload, conc, new)
+            rows.append(row_of(workload, conc, new, method, got, base))
+            key = f"{workload}_c{conc}_{method}"
+            head[f"{key}_speedup"] = round(rows[-1]["speedup"], 3)
+            head[f"{key}_cpu_speedup"] = round(rows[-1]["cpu speedup"], 3)
+            head[f"{key}_itl_ratio"] = round(rows[-1]["itl vs none"], 3)
+            head[f"{key}_accept_len"] = round(got["accept_len"], 2)
+            head[f"{key}_same_tokens"] = got["tokens"] == base["tokens"]
+    head["wall_s"] = round(time.perf_counter() - t0, 1)
+    print_table(rows, f"speculative decoding, greedy ({Path(args.model).name})")
     plot(rows)
     emit_json(head)
     return head
 
 
-def row_of(workload: str, conc: int, method: str, got: dict, base: dict) -> dict:
+def row_of(workload: str, conc: int, new: int, method: str, got: dict, base: dict) -> dict:
     return {
         "workload": workload,
         "conc": conc,
+        "new": new,
         "method": method,
         "tok/s": got["tok_s"],
-        "itl ms": got["itl_ms"],
-        "accept len": got["accept_len"],
         "speedup": got["tok_s"] / base["tok_s"],
+        "cpu speedup": got["cpu_tok_s"] / base["cpu_tok_s"],
+        "itl ms": got["itl_ms"],
+        "itl vs none": got["itl_ms"] / base["itl_ms"] if base["itl_ms"] else 1.0,
+        "accept len": got["accept_len"],
         "same tokens": got["tokens"] == base["tokens"],
     }
 

@@ -2,15 +2,15 @@
 ``deploy/grafana/`` (``python -m cluster.dashboards``; a test checks the files are current).
 
 Three dashboards: the cluster overview (traffic, latency, queue and decode time, SLO
-attainment), KV cache and routing (usage, prefix hits, the cache funnel, predicted vs
-realised, pulls, KV block residency, decisions), and nodes and workers (per-worker queues,
-waiting reasons and blocks, request phases, preemptions, the workers' own latencies and the
-nodes' CPU and memory from Ray's export). Every query names metrics the code defines: the
-routers' ``/metrics`` (``router/serving/serving_metrics.py``; with the histograms the engines
-measure, which every router exports from the workers' statuses), what workers and routers
-export through Ray (``worker/telemetry.py``, ``router/serving/metrics_exporter.py``, named
-``ray_<name>`` by Ray's exporter), Ray's node metrics and Prometheus's ``up``; a test parses
-every query and fails on any other name.
+attainment), KV cache and routing (usage, prefix hits, the cache funnel, predicted vs realised,
+pulls, KV block residency, decisions), and nodes and workers (per-worker queues, waiting
+reasons and blocks, request phases, preemptions, speculative decoding, the workers' own
+latencies and the nodes' CPU and memory from Ray's export). Every query names metrics the code
+defines: the routers' ``/metrics`` (``router/serving/serving_metrics.py``; with the histograms
+the engines measure, which every router exports from the workers' statuses), what workers and
+routers export through Ray (``worker/telemetry.py``, ``router/serving/metrics_exporter.py``,
+named ``ray_<name>`` by Ray's exporter), Ray's node metrics and Prometheus's ``up``; a test
+parses every query and fails on any other name.
 
 Each dashboard takes its Prometheus from a ``datasource`` variable, so the same file imports
 into any Grafana and into the Grafana Ray provisions (its dashboards folder).
@@ -342,6 +342,43 @@ NODES_WORKERS = Dashboard(
         Panel(
             "Preemptions per second",
             ((rate("kvc_worker_preemptions_total", "worker, mode"), "{{worker}} {{mode}}"),),
+        ),
+        Panel(
+            "Speculative decoding: draft and accepted tokens per second",
+            (
+                (rate("vllm:spec_decode_num_draft_tokens_total", "worker"), "{{worker}} drafted"),
+                (
+                    rate("vllm:spec_decode_num_accepted_tokens_total", "worker"),
+                    "{{worker}} accepted",
+                ),
+            ),
+            description="Draft tokens verified and accepted (draft-free proposers: "
+            "workers.engine.speculative); none while the adaptive rule has speculation off.",
+        ),
+        Panel(
+            "Speculative decoding: mean acceptance length",
+            (
+                (
+                    f"1 + {rate('vllm:spec_decode_num_accepted_tokens_total', 'worker')} / "
+                    f"{rate('vllm:spec_decode_num_drafts_total', 'worker')}",
+                    "{{worker}}",
+                ),
+            ),
+            description="Tokens a sequence gains per verify step: 1 + accepted drafts / "
+            "sequences that verified drafts.",
+        ),
+        Panel(
+            "Speculative decoding: acceptance by draft position",
+            (
+                (
+                    f"{rate('vllm:spec_decode_num_accepted_tokens_per_pos_total', 'position')}"
+                    f" / scalar({rate('vllm:spec_decode_num_drafts_total')})",
+                    "position {{position}}",
+                ),
+            ),
+            "percentunit",
+            "Share of verify steps whose draft token at each position was accepted "
+            "(position 0 = the first draft token).",
         ),
         Panel(
             "Worker TTFT p99 (at the worker, Ray export)",

@@ -116,6 +116,12 @@ class WorkerStatus(ByName):
     # seconds this start of the worker took to load its model and build its engine (a node
     # that joins, or a worker Ray restarted, serves no sooner); None: not measured
     model_load_s: float | None = None
+    # speculative decoding since start, in vLLM's names: sequences that verified drafts in a
+    # step, draft tokens verified, of those accepted, and accepted at each draft position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # filled in by the router, not the worker:
     stale: bool = False  # no answer to a status call within its timeout, or no heartbeat
     heartbeat_age_s: float | None = None  # since the router last saw its heartbeat; None: never

@@ -103,6 +103,7 @@ class _Statuses(Collector):
             by_mode.add_metric([*v, "recompute"], float(s.recompute_preemptions))
         yield preempted
         yield by_mode
+        yield from self._spec_decode()
         yield from self._tiers()
         yield from self._engine_measured()
 
@@ -131,6 +132,31 @@ class _Statuses(Collector):
                     fam.add_metric([self.model, s.worker_id], cumulative(h.bounds, h.counts), h.sum)
         yield waiting
         yield from hists.values()
+
+    def _spec_decode(self) -> Iterator[CounterMetricFamily]:
+        """Each worker's speculative decoding counters, in vLLM's names."""
+        labels = ["model_name", "worker"]
+        fams = {
+            name: CounterMetricFamily(f"vllm:{name}", help_, labels=labels)
+            for name, help_ in (
+                ("spec_decode_num_drafts", "Sequences that verified draft tokens in a step."),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+            )
+        }
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens at each draft position (0 = the first draft token).",
+            labels=[*labels, "position"],
+        )
+        for s in self.statuses:
+            v = [self.model, s.worker_id]
+            for name, fam in fams.items():
+                fam.add_metric(v, float(getattr(s, name)))
+            for pos, n in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*v, str(pos)], float(n))
+        yield from fams.values()
+        yield per_pos
 
     def _tiers(self) -> Iterator[GaugeMetricFamily]:
         """Each worker's KV tiers below the device, labelled by the tier's value."""

@@ -74,10 +74,12 @@ class Traffic:
 @pytest.fixture(scope="module")
 def watched() -> Cluster:
     shared_ray()
-    cfg = cluster_config(  # a host tier, so the tier panels have a tier to show
+    # a host tier and speculation, so the tier and speculative panels have series to show
+    engine = {**ENGINE, "host_kv_bytes": 4 << 20, "speculative": {"method": "ngram"}}
+    cfg = cluster_config(
         f"watch-{os.getpid()}",
         prometheus={"start": "always", "scrape_interval_s": 1.0},
-        workers={"engine": {**ENGINE, "host_kv_bytes": 4 << 20}},
+        workers={"engine": engine},
     )
     with Cluster(cfg) as c:
         yield c

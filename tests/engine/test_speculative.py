@@ -169,20 +169,37 @@ def test_telemetry_counts_spec_decode_by_deltas() -> None:
 
 def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> None:
     from worker.engine.config import SpeculativeConfig
-    from worker.engine.speculator import PROBE_EVERY, Speculator
+    from worker.engine.speculator import MAX_PROBE_EVERY, PROBE_EVERY, Speculator
 
     spec = Speculator(SpeculativeConfig(method="ngram"))
-    assert spec.on
-    spec.end_step(False, 10, 0.1)  # plain: 100 tok/s
-    spec.end_step(True, 10, 0.2)  # speculating: 50 tok/s
-    assert not spec.on
-    decisions = []
-    for _ in range(2 * PROBE_EVERY):
+
+    def step(num_decoding: int, rates: dict[bool, float]) -> bool:
+        """One decode step at that load, measured at ``rates`` tok/s; whether it speculated."""
         spec.begin_step()
-        decisions.append(spec.speculating())
-    assert decisions.count(True) == 2  # off: one probe step in PROBE_EVERY
-    for _ in range(20):
-        spec.end_step(True, 30, 0.1)  # the probes now measure 300 tok/s
+        speculated = spec.speculating(num_decoding)
+        spec.end_step(speculated, 10, 10 / rates[speculated])
+        return speculated
+
+    slow = {False: 100.0, True: 50.0}  # a verify step that does not pay
+    # a load not measured yet: one step with drafts, one without, then the one that pays
+    assert [step(64, slow) for _ in range(2)] == [True, False]
+    assert not spec.on
+    decisions = [step(64, slow) for _ in range(1000)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    # a probe now and then, each that confirms "off" doubling the gap to the next
+    assert probes[0] == PROBE_EVERY  # the first gap counts from the first choice
+    assert gaps[:4] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
+    assert set(gaps[4:]) == {MAX_PROBE_EVERY}
+    # another load is measured on its own: at one sequence, speculating pays
+    fast = {False: 20.0, True: 40.0}
+    ones = [step(1, fast) for _ in range(2 * PROBE_EVERY)]
+    assert spec.on and ones.count(False) == 2  # its first plain step, then one probe
+    step(64, slow)
+    assert not spec.on  # back at 64: still off (that load's own measures)
+    fixed = {False: 100.0, True: 300.0}  # the probes now measure it paying
+    for _ in range(2 * MAX_PROBE_EVERY):
+        step(64, fixed)
     assert spec.on
     assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
 
@@ -266,3 +283,45 @@ def test_which_requests_speculate(kw: dict, speculates: bool) -> None:
     p = SamplingParams(max_tokens=8, **kw)
     req = SimpleNamespace(params=p, prompt_logprobs=[] if p.prompt_logprobs is not None else None)
     assert eligible(req) is speculates  # type: ignore[arg-type]
+
+
+def test_spec_counters_reach_the_routers_metrics_in_vllm_names() -> None:
+    """The engine's counters travel in the worker's status to the router's ``/metrics``,
+    named as vLLM names them; they move after a speculative request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.serving.serving_metrics import ServingMetrics
+    from worker.status import worker_status
+
+    engine = fake_engine("ngram", 1, adaptive=False)
+    metrics = ServingMetrics("m")
+
+    def scrape() -> dict[tuple[str, str], float]:
+        status = worker_status("w0", engine.snapshot(), epoch=1, index_healthy=True)
+        text = metrics.render([status]).decode()
+        return {
+            (s.name, s.labels.get("position", "")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name.startswith("vllm:spec_decode_") and s.labels["worker"] == "w0"
+        }
+
+    before = scrape()
+    assert before[("vllm:spec_decode_num_drafts_total", "")] == 0
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for p in prompts(4, 4, 12, seed=2):
+        engine.add_request(p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    after = scrape()
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_accepted_tokens > 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert after[(f"vllm:spec_decode_{name}_total", "")] == getattr(snap, f"spec_decode_{name}")
+    per_pos = {
+        int(pos): v
+        for (name, pos), v in after.items()
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos and sum(per_pos.values()) == snap.spec_decode_num_accepted_tokens
+    assert per_pos[0] > 0

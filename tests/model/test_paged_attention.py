@@ -163,7 +163,8 @@ def test_adjacent_whole_prompts_of_one_length_attend_as_one_batch(name, window):
     than the prompts sends them one by one. Every row matches the dense reference."""
     from worker.attention.torch_backend import _fresh_runs
 
-    specs = [(0, 9), (0, 9), (0, 9), (0, 5), (0, 5), (4, 5), (0, 5), (10, 1), (0, 9), (0, 9)]
+    # (4, 17): a chunk on a cached prefix, longer than the CPU backend's decode_chunk
+    specs = [(0, 9), (0, 9), (0, 9), (0, 5), (0, 5), (4, 17), (0, 5), (10, 1), (0, 9), (0, 9)]
     sc = make_scenario(specs, 4, seed=3)
     plan = make_backend(name, block_size=4).prepare(sc.meta_input.attention_metadata())
     sizes = [len(run) for run in _fresh_runs(plan.prefills)]
@@ -237,3 +238,20 @@ def test_auto_picks_the_native_cpu_backend_on_the_cpu():
     assert resolve_backend_name("auto", "cpu") == "cpu"
     assert resolve_backend_name("torch", "cpu") == "torch"
     assert make_backend("auto").name == "cpu"
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_short_chunks_on_a_cached_prefix_attend_as_decode_rows_on_the_cpu(window):
+    """The CPU backend serves a speculative verify chunk (a token and its drafts on top of a
+    cached prefix) with its decode kernel, one row per new token; a fresh prompt and a chunk
+    longer than ``decode_chunk`` keep the prefill path. Every row matches the reference."""
+    backend = make_backend("cpu", block_size=4)
+    longest = backend.decode_chunk
+    specs = [(20, 1), (17, 4), (0, 3), (9, longest), (30, longest + 1), (5, 2)]
+    sc = make_scenario(specs, 4, seed=5)
+    plan = backend.prepare(sc.meta_input.attention_metadata())
+    assert len(plan.decode_lens_host) == 1 + 4 + longest + 2
+    assert plan.decode_lens_host[1:5] == (18, 19, 20, 21)  # row j sees up to itself
+    assert [(p.seq, p.end - p.start) for p in plan.prefills] == [(2, 3), (4, longest + 1)]
+    out = run_backend("cpu", sc, window)
+    torch.testing.assert_close(out.double(), dense_reference(sc, window), atol=1e-5, rtol=0)

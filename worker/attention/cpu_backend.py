@@ -5,8 +5,10 @@ context through the block table into a contiguous copy per layer and then reads 
 ``scaled_dot_product_attention`` — three passes over the KV of the batch. The C kernel
 (``csrc/paged_decode.c``) reads each K/V row once, in place, through the block table, with the
 rows of all kv heads of a token read together (contiguous memory); sequences are split across
-the torch thread count by context length. Prefills keep the torch path: they are GEMM-shaped
-and already run at BLAS speed there.
+the torch thread count by context length. A short chunk on top of a cached prefix (a
+speculative verify: a token and its drafts) is served by the same kernel, each new token a
+decode row of its own context length, instead of one gather and attention call per sequence.
+Prefills keep the torch path: they are GEMM-shaped and already run at BLAS speed there.
 
 Available when the device is the CPU and the kernel builds (a C compiler is present); other
 dtypes than float32 fall back to the torch path per call.
@@ -33,6 +35,8 @@ class CpuPlan(TorchPlan):
 @register_backend
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    decode_chunk = 16  # speculative verify chunks: num_speculative_tokens + 1 at most 33,
+    # but an adaptive step drafts far fewer; longer chunks keep the batched prefill path
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, block_size: int) -> str | None:

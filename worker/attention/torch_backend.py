@@ -92,24 +92,34 @@ def context_mask(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    # the longest chunk on top of a cached prefix attended as decode rows, one per new token
+    # (row j sees the context up to itself): 1 here; the CPU backend's native decode kernel
+    # takes speculative verify chunks (a token and its drafts) so
+    decode_chunk = 1
+
     def prepare(self, meta: AttentionMetadata) -> TorchPlan:
         starts = [0, *accumulate(meta.query_lens_host)]
-        decodes = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
-        prefills = tuple(
-            _Prefill(i, starts[i], starts[i + 1], meta.seq_lens_host[i])
-            for i, n in enumerate(meta.query_lens_host)
-            if n > 1
-        )
-        runs = _fresh_runs(prefills)
-        if not decodes:
-            return TorchPlan(meta, None, None, None, (), prefills, runs)
+        rows: list[int] = []
+        seqs: list[int] = []
+        lens: list[int] = []
+        prefills = []
+        for i, n in enumerate(meta.query_lens_host):
+            seq_len = meta.seq_lens_host[i]
+            if n == 1 or (1 < n <= self.decode_chunk and n < seq_len):
+                rows += range(starts[i], starts[i] + n)
+                seqs += [i] * n
+                lens += range(seq_len - n + 1, seq_len + 1)
+            elif n > 1:
+                prefills.append(_Prefill(i, starts[i], starts[i + 1], seq_len))
+        runs = _fresh_runs(tuple(prefills))
+        if not rows:
+            return TorchPlan(meta, None, None, None, (), tuple(prefills), runs)
         device = meta.block_tables.device
-        lens = tuple(meta.seq_lens_host[i] for i in decodes)
-        idx = torch.tensor(decodes, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device)
-        seq_lens = meta.seq_lens.index_select(0, idx).long()[:, None]
+        idx = torch.tensor(seqs, dtype=torch.long, device=device)
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=device)[:, None]
         tables = meta.block_tables.index_select(0, idx)
-        return TorchPlan(meta, rows, tables, seq_lens, lens, prefills, runs)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        return TorchPlan(meta, rows_t, tables, seq_lens, tuple(lens), tuple(prefills), runs)
 
     def forward(self, q, k, v, k_cache, v_cache, prepared: TorchPlan, sliding_window=None):
         write_kv(k, v, k_cache, v_cache, prepared.meta.slot_mapping)

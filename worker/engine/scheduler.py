@@ -162,10 +162,9 @@ class Scheduler:
         spec = self.speculator
         if spec is not None:
             spec.begin_step()
-            if not spec.speculating():
+            num_decoding = self.num_decoding_seqs()
+            if not spec.speculating(num_decoding):
                 spec = None
-            else:
-                num_decoding = self.num_decoding_seqs()
         for req in by_key:
             if req.status is not running or req.doomed:
                 continue  # preempted earlier in this step

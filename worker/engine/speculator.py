@@ -17,11 +17,16 @@ if TYPE_CHECKING:
 
 PROPOSER_MODULES = (ngram_proposer, suffix_proposer)  # imported: they register themselves
 ALPHA = 0.2  # EWMA weight of the newest sample (acceptance, step throughput)
-PROBE_EVERY = 16  # steps: while speculation is off, one step in this many probes it again;
-# while on, one in this many runs plain to keep the plain step's measure fresh
+PROBE_EVERY = 16  # steps between probes (a step of the kind not running) at one load:
+# while speculation is off, a probe measures it again; while on, a plain step keeps the plain
+# measure fresh. Each probe that confirms the choice doubles the gap, up to MAX_PROBE_EVERY:
+# a probe of what does not pay costs that step's difference (a verify step at 64 sequences
+# on a CPU: +80 %), so a settled load pays it rarely
+MAX_PROBE_EVERY = 256
 MAX_DRAFT_ROWS = 64  # draft tokens in one step at most (all sequences): past the knee of the
 # multi-row forward on a CPU, a verify row costs about what a decode row does
-PAYS = 0.97  # speculate while its tokens/s is at least this share of a plain step's
+PAYS = 1.0  # speculate while its tokens/s is at least this share of a plain step's: no
+# tolerated loss, since the probes and the first measures already cost a little
 
 
 @dataclass(slots=True)
@@ -50,9 +55,56 @@ def eligible(req: Request) -> bool:
     )
 
 
+def load_level(num_decoding: int) -> int:
+    """The class of a step's load: sequences decoding, by power of two (1, 2-3, 4-7, ...)."""
+    return max(0, num_decoding).bit_length()
+
+
+def pays(rates: dict[bool, float]) -> bool:
+    """Speculation pays at a load whose measured rates are ``rates`` (unmeasured: yes)."""
+    spec, plain = rates.get(True), rates.get(False)
+    return spec is None or plain is None or spec >= PAYS * plain
+
+
+@dataclass(slots=True)
+class LoadLevel:
+    """What one load level measured: tokens/s of its decode-only steps with drafts and
+    without (EWMAs), and when it probes the kind not running next."""
+
+    rates: dict[bool, float] = field(default_factory=dict)  # speculating? -> EWMA tokens/s
+    every: int = PROBE_EVERY  # steps between probes now
+    last_probe: int | None = None  # the step number of the last probe (or of the choice)
+
+    def choose(self, step: int) -> tuple[bool, bool | None]:
+        """(speculate in this step?, the choice a probe checks or None: no probe)."""
+        if True not in self.rates or False not in self.rates:
+            return True not in self.rates, None  # measure each kind once first
+        on = pays(self.rates)
+        if self.last_probe is None:  # both just measured: the first probe comes after a gap
+            self.last_probe = step
+        if step < self.last_probe + self.every:
+            return on, None
+        self.last_probe = step
+        return not on, on
+
+    def measured(self, speculated: bool, rate: float, probed: bool | None) -> None:
+        old = self.rates.get(speculated)
+        self.rates[speculated] = rate if old is None else (1 - ALPHA) * old + ALPHA * rate
+        if probed is not None:  # a probe: the choice held (probe less) or turned (as often)
+            held = pays(self.rates) == probed
+            self.every = min(2 * self.every, MAX_PROBE_EVERY) if held else PROBE_EVERY
+
+
 class Speculator:
     """Holds the proposer, each request's running acceptance, the measured step throughput
-    with and without drafts (EWMAs), and the counters."""
+    with and without drafts (EWMAs) at each load, and the counters.
+
+    Load: decode steps are compared only with steps of about as many decoding sequences
+    (their count's power of two, :func:`load_level`): a verify step's cost relative to a plain
+    one grows with the batch (a CPU's multi-row forward is cheap up to a few rows, then grows
+    linearly), and a step's throughput at one batch size says nothing of another's. Each
+    level measures one step of each kind first, then runs the kind that pays, with a step of
+    the other kind now and then (``PROBE_EVERY``, backing off while the choice holds)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         assert config.enabled, "no speculator for method none"
@@ -66,9 +118,10 @@ class Speculator:
         )
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._accept: dict[str, float] = {}  # request id -> EWMA of accepted drafts per step
-        self._rate = {True: 0.0, False: 0.0}  # speculating? -> EWMA tokens/s of decode steps
+        self._levels: dict[int, LoadLevel] = {}  # by load_level()
+        self._level = LoadLevel()  # the current step's
+        self._probed: bool | None = None  # the choice the current step probes (None: none)
         self._step = 0
-        self._on = True  # speculation pays (or is being probed)
         self._step_drafts = 0  # draft tokens given out in the current step
 
     # ---- requests ------------------------------------------------------------------------
@@ -92,13 +145,17 @@ class Speculator:
         self._step += 1
         self._step_drafts = 0
 
-    def speculating(self) -> bool:
-        """Whether this step carries drafts: on while it pays, with a probe (or a plain
-        step) every ``PROBE_EVERY`` steps."""
+    def speculating(self, num_decoding: int) -> bool:
+        """Whether this step, with ``num_decoding`` sequences decoding, carries drafts: at a
+        load not measured yet, one step with and one without; then the kind that pays at
+        that load, with a probe of the other kind now and then."""
+        level = load_level(num_decoding)
+        self._level = self._levels.get(level) or self._levels.setdefault(level, LoadLevel())
+        self._probed = None
         if not self.config.adaptive:
             return True
-        probe = self._step % PROBE_EVERY == 0
-        return self._on != probe
+        speculate, self._probed = self._level.choose(self._step)
+        return speculate
 
     def draft(self, req: Request, seq: Sequence, room: int, num_decoding: int) -> list[int]:
         """Draft tokens for ``seq``'s next step, at most ``room``: sized by the request's
@@ -131,21 +188,16 @@ class Speculator:
             self._accept[req.request_id] = (1 - ALPHA) * old + ALPHA * num_accepted
 
     def end_step(self, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode-only step of ``tokens`` generated in ``seconds`` (with drafts or not):
-        update the throughput EWMAs and decide whether speculation pays."""
+        """A decode-only step of ``tokens`` generated in ``seconds`` (with drafts or not) at
+        the current step's load: update that load's measures."""
         if seconds <= 0 or tokens <= 0:
             return
-        rate = tokens / seconds
-        old = self._rate[speculated]
-        self._rate[speculated] = rate if old == 0.0 else (1 - ALPHA) * old + ALPHA * rate
-        spec, plain = self._rate[True], self._rate[False]
-        if spec and plain:
-            self._on = spec >= PAYS * plain
+        self._level.measured(speculated, tokens / seconds, self._probed)
 
     @property
     def on(self) -> bool:
-        """Speculation currently pays (adaptive), or is always on."""
-        return self._on or not self.config.adaptive
+        """Speculation pays at the last step's load (as far as measured), or is always on."""
+        return not self.config.adaptive or pays(self._level.rates)
 
     def accepted_lengths(self) -> Seq[int]:
         return self.counters.accepted_per_pos
