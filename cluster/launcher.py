@@ -254,10 +254,12 @@ class Cluster:
         n = self.cfg.workers.num_workers
         for i, node_id in enumerate(self.worker_nodes(nodes, n)):
             self.start_worker(i, node_id)
-        self._wait_workers(timeout_s)
+        # the router actors' processes come up (imports, tokenizer) while the workers load
+        # their models; they serve (``start``) once every worker is ready
         slots = self.router_placement.plan(nodes)
         for slot in slots:
             self.start_router(slot.index)
+        self._wait_workers(timeout_s)
         grpc_addresses = ray.get(
             [h.start.remote() for h in self.routers.values()], timeout=timeout_s
         )

@@ -5,8 +5,10 @@ a deadline: a hang fails a test."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -29,6 +31,10 @@ from cluster.client import KVClusterClient
 from worker.engine.commands import Metrics
 
 CALL_TIMEOUT_S = 60.0  # deadline of every gRPC call of the suite
+# a worker process Ray restarts imports torch and loads its model again: on a loaded 2-core
+# machine (two CPU burners beside the suite) that took up to ~150 s, the same as a cluster's start
+RESTART_TIMEOUT_S = 240.0
+HOLD_MAX_S = 30.0  # an engine held by a test runs again after this long, whatever the test does
 
 
 def wait_for(
@@ -90,7 +96,7 @@ def health_report(cluster: Any) -> dict[str, Any]:
     return report
 
 
-def wait_workers_alive(cluster: Any, timeout_s: float = 120.0) -> None:
+def wait_workers_alive(cluster: Any, timeout_s: float = RESTART_TIMEOUT_S) -> None:
     """Every configured worker is live for every router, or fail with the health report."""
 
     def all_alive() -> bool:
@@ -103,3 +109,33 @@ def wait_workers_alive(cluster: Any, timeout_s: float = 120.0) -> None:
 
     if not wait_for(all_alive, timeout_s, 0.5):
         raise AssertionError(f"workers not all live: {health_report(cluster)}")
+
+
+@contextmanager
+def engines_held(cluster: Any) -> Iterator[None]:
+    """Every worker's engine loop parked between two steps (``EngineLoop.paused``) while the
+    block runs: no request makes progress and a new one waits in its worker's inbox, however
+    slow the machine is. Probes into the engine (:func:`queued`, :func:`blocks_in_use`) would
+    wait for the block's end: call none inside it. The actors' asyncio loops keep answering
+    (routers' liveness probes), so a hold of a few seconds kills no worker."""
+
+    def hold(server: Any) -> bool:
+        parked, release = threading.Event(), threading.Event()
+
+        def park() -> None:
+            with server.engine_loop.paused():
+                parked.set()
+                release.wait(HOLD_MAX_S)
+
+        threading.Thread(target=park, name="test-hold", daemon=True).start()
+        server.test_hold_release = release  # for let_go, on a later call
+        return parked.wait(HOLD_MAX_S)
+
+    def let_go(server: Any) -> None:
+        server.test_hold_release.set()
+
+    try:
+        assert all(on_workers(cluster, hold).values()), "an engine did not park"
+        yield
+    finally:
+        on_workers(cluster, let_go)

@@ -19,7 +19,7 @@ from torch import nn
 
 from worker.attention.base import AttentionBackend
 from worker.model.config import ModelConfig
-from worker.model.layers import GatedMLP, RotaryEmbedding
+from worker.model.layers import Embedding, GatedMLP, RotaryEmbedding
 from worker.model.llama import Attention, KVCache, LlamaForCausalLM
 
 
@@ -71,7 +71,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers)
         )

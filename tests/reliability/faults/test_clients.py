@@ -16,6 +16,7 @@ from cluster.client import KVClusterClient, build_request
 from tests.reliability.helpers import (
     CALL_TIMEOUT_S,
     blocks_in_use,
+    engines_held,
     generated_tokens,
     queued,
     wait_for,
@@ -53,7 +54,9 @@ def test_cancels_at_every_stage_and_deadline_while_queued(cluster, client) -> No
     calls = [client.stream(_long(i), timeout=CALL_TIMEOUT_S) for i in range(16)]
     # 16 streams, 4 run per worker: the rest wait in the workers' queues
     assert wait_for(lambda: sum(w for _, w in queued(cluster).values()) > 0, 20)
-    with KVClusterClient(cluster.endpoints[1]) as other:
+    # a request that waits on its worker past its deadline: the engines are held while it
+    # is sent (a slot that frees, or a fast machine, would otherwise let it finish in time)
+    with KVClusterClient(cluster.endpoints[1]) as other, engines_held(cluster):
         try:
             other.generate("Queued behind the others.", max_tokens=50, timeout=0.3)
             late = grpc.StatusCode.OK

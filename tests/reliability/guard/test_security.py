@@ -8,7 +8,6 @@ a client cannot pick another tenant's salt through ``cache_salt``.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import grpc
@@ -110,15 +109,19 @@ def test_secrets_never_logged(secure, tls, redis_server, log_records) -> None:
     redis_server.stop()
     with connect(secure, tls, "alice") as c:
         assert _ask(c, "Served while Redis is down.").completion_tokens == 2
-        time.sleep(1.5)
+        # the actors' own warnings reach Ray's session log files (written by their processes)
+        assert wait_for(lambda: b"index unavailable" in _session_logs(), 30, 0.5)
         redis_server.start()
         assert wait_for(lambda: c.status().index_available, 30, 0.3)
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    files = [p for p in logs.rglob("*") if p.is_file()]
-    text = b"".join(p.read_bytes() for p in files)
-    assert b"index unavailable" in text  # the actors' own warnings are in these files
+    text = _session_logs()
     secrets = [REDIS_PASSWORD, *TOKENS.values()]
     for secret in secrets:
         assert secret.encode() not in text, "a secret is in Ray's session logs"
         assert not any(secret in line for line in log_records.lines), "a secret was logged"
     assert log_records.lines  # the driver's records were captured
+
+
+def _session_logs() -> bytes:
+    """Every file of Ray's session log folder (the actors' logs), joined."""
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    return b"".join(p.read_bytes() for p in logs.rglob("*") if p.is_file())
