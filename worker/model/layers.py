@@ -39,14 +39,27 @@ class RMSNorm(nn.Module):
 # rows 1/2/4/8/16): MKL 53/110/93/111/105, oneDNN 54/66/76/91/117 (16 rows: within noise).
 # For a cache-resident weight oneDNN's per-call setup costs more than it saves below ~16 rows,
 # and one row of any weight stays on MKL's GEMV, which already reads the weight once.
+# oneDNN keeps state for every row count it has seen (its primitive cache, per shape): a
+# worker whose batches take every row count grew by ~100 KiB per request without bound in
+# practice. Row counts are padded to a few sizes (``onednn_rows``): what oneDNN keeps is then
+# bounded by the step's token budget.
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN_MIN_ROWS = 16
 ONEDNN_MIN_WEIGHT = 1 << 18
 
 
+def onednn_rows(m: int) -> int:
+    """The padded row count oneDNN computes for ``m`` rows: ``m`` rounded up to a multiple
+    of the largest power of two at most ``m / 8`` (8 sizes per doubling, at most 1/8 more
+    rows beyond 8)."""
+    step = 1 << max((m >> 3).bit_length() - 1, 0)
+    return -(-m // step) * step
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, through oneDNN for float32 CPU batches of 2 or more rows (see above: the
-    same products, summed in another order: results agree to float32 rounding)."""
+    same products, summed in another order: results agree to float32 rounding; padding rows
+    are zeros, computed and dropped)."""
     if (
         _ONEDNN
         and x.dtype == torch.float32
@@ -56,7 +69,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.shape[0] >= (2 if weight.numel() >= ONEDNN_MIN_WEIGHT else ONEDNN_MIN_ROWS)
         and not torch.is_grad_enabled()
     ):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        m = x.shape[0]
+        rows = onednn_rows(m)
+        if rows != m:
+            x = torch.cat((x, x.new_zeros((rows - m, x.shape[1]))))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:m]
     return F.linear(x, weight, bias)
 
 
