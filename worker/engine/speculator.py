@@ -129,7 +129,7 @@ class Speculator:
     def start(self, req: Request) -> None:
         if eligible(req):
             key = CorpusKey(req.params.cache_salt, req.params.lora)
-            self.proposer.start(req.request_id, key)
+            self.proposer.start(req.request_id, key, req.prompt_ids)
             self._accept[req.request_id] = float(self.config.num_speculative_tokens)
 
     def finish(self, req: Request) -> None:
