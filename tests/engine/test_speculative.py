@@ -204,6 +204,30 @@ def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> 
     assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
 
 
+def test_a_probe_measures_afresh_a_stale_measure_keeps_nothing_off() -> None:
+    from worker.engine.config import SpeculativeConfig
+    from worker.engine.speculator import PROBE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"))
+
+    def step(rates: dict[bool, float]) -> bool:
+        spec.begin_step()
+        speculated = spec.speculating(64)
+        spec.end_step(speculated, 10, 10 / rates[speculated])
+        return speculated
+
+    # first measured while another job loaded the machine: a verify step looked slow
+    assert [step({False: 50.0, True: 40.0}) for _ in range(2)] == [True, False]
+    assert not spec.on
+    pays = {False: 100.0, True: 150.0}  # the load is gone, speculation pays
+    after = [step(pays) for _ in range(PROBE_EVERY + 2)]
+    # plain until the probe, which measures it paying: on from then on (averaged with the
+    # stale measure instead, the probe would confirm "off" and double the gap)
+    probe = after.index(True)
+    assert probe > 0 and not any(after[:probe]) and all(after[probe:])
+    assert spec.on
+
+
 def test_config_rejects_unknown_keys_and_inverted_lookup_bounds() -> None:
     from pydantic import ValidationError
 
