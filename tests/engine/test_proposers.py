@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from worker.engine.ngram_proposer import NgramProposer
@@ -58,3 +60,24 @@ def test_suffix_corpus_is_bounded_oldest_text_forgotten() -> None:
     assert p.propose("q", [2, 3, 8, 9], 2) == [10, 11]
     p.finish("q", None)  # aborted: nothing learned
     assert p.corpus_tokens == 6
+
+
+def _ngram_by_scan(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, scanned backwards one position at a time."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_search_matches_the_definition_on_random_sequences() -> None:
+    rng = random.Random(7)
+    p = NgramProposer(1, 4)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        k = rng.randrange(0, 5)
+        want = _ngram_by_scan(tokens, k, 1, 4) if k else []
+        assert p.propose("r", tokens, k) == want, (tokens, k)

@@ -204,6 +204,30 @@ def test_speculator_stops_when_a_verify_step_does_not_pay_and_probes_again() -> 
     assert not SpeculativeConfig(method="ngram", adaptive=False).adaptive
 
 
+def test_a_probe_measures_afresh_a_stale_measure_keeps_nothing_off() -> None:
+    from worker.engine.config import SpeculativeConfig
+    from worker.engine.speculator import PROBE_EVERY, Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"))
+
+    def step(rates: dict[bool, float]) -> bool:
+        spec.begin_step()
+        speculated = spec.speculating(64)
+        spec.end_step(speculated, 10, 10 / rates[speculated])
+        return speculated
+
+    # first measured while another job loaded the machine: a verify step looked slow
+    assert [step({False: 50.0, True: 40.0}) for _ in range(2)] == [True, False]
+    assert not spec.on
+    pays = {False: 100.0, True: 150.0}  # the load is gone, speculation pays
+    after = [step(pays) for _ in range(PROBE_EVERY + 2)]
+    # plain until the probe, which measures it paying: on from then on (averaged with the
+    # stale measure instead, the probe would confirm "off" and double the gap)
+    probe = after.index(True)
+    assert probe > 0 and not any(after[:probe]) and all(after[probe:])
+    assert spec.on
+
+
 def test_config_rejects_unknown_keys_and_inverted_lookup_bounds() -> None:
     from pydantic import ValidationError
 
@@ -325,3 +349,40 @@ def test_spec_counters_reach_the_routers_metrics_in_vllm_names() -> None:
     }
     assert per_pos and sum(per_pos.values()) == snap.spec_decode_num_accepted_tokens
     assert per_pos[0] > 0
+
+
+def test_non_finite_verify_rows_fail_their_request_alone(tiny_dir: Path) -> None:
+    """The step's verify rows are sampled in one call: NaN in one chunk's rows fails that
+    request, and the other request verifying in the same step goes on as without it."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    good, bad = [5, 6, 7, 8, 9] * 6, [11, 12, 13] * 8
+    (plain,), _ = run(engine_of(tiny_dir, "none"), [[(good, greedy)]])
+    engine = engine_of(tiny_dir, "ngram", adaptive=False, prompt_lookup_min=1)
+    execute = engine.executor.execute
+    poisoned = []
+
+    def poison(chunks):  # NaN in the bad request's verify rows, once both verify
+        logits = execute(chunks)
+        rows, row = {}, 0
+        for c in (c for c in chunks if c.wants_logits):
+            rows[c.req.request_id] = (row, len(c.drafts)) if c.drafts else None
+            row += 1 + len(c.drafts)
+        if not poisoned and len(rows) == 2 and all(rows.values()):
+            start, n = rows[bad_id]
+            logits[start : start + n + 1] = float("nan")
+            poisoned.append(True)
+        return logits
+
+    engine.executor.execute = poison
+    good_id, bad_id = engine.add_request(good, greedy), engine.add_request(bad, greedy)
+    got: dict[str, list[int]] = {good_id: [], bad_id: []}
+    errors = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += [t for c in out.outputs for t in c.token_ids]
+            if out.error is not None:
+                errors[out.request_id] = out.error
+    assert poisoned
+    assert "non-finite logits" in errors[bad_id] and good_id not in errors
+    assert got[good_id] == plain
+    assert_no_blocks_in_use(engine)

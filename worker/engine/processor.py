@@ -128,8 +128,7 @@ class OutputProcessor:
                 jobs.append((req, chunk.seq, row))
                 jobs += [(req, kid, row) for kid in forks.get(chunk.seq.seq_id, ())]
         self._sample(jobs, logits)
-        for chunk, row in verifies:
-            self._guarded(chunk.req, lambda c=chunk, r=row: self._verify(c, r, logits))
+        self._verify_all(verifies, logits)
         for req in beams.values():
             if all(s.pending_logits is not None for s in req.seqs):
                 self._outcome(req)
@@ -181,21 +180,57 @@ class OutputProcessor:
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
                 out.error = exc
 
-    def _verify(self, chunk: ScheduledChunk, row: int, logits: torch.Tensor) -> None:
-        """Sample every row of a chunk carrying drafts and keep tokens while each equals the
-        draft it checks: all of the matching drafts, then the first token that differs (or
-        follows the last draft). Greedy: exact match; sampled: the draft is deterministic, so
-        accepting while the sampled token equals it leaves the output distribution as is."""
+    def _verify_all(self, verifies: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> None:
+        """Sample the rows of every chunk carrying drafts in one call (per-chunk calls cost
+        ~0.1 ms of host time each: 6 ms a step at 64 sequences), then check each chunk's
+        drafts. Speculating requests are unseeded (``speculator.eligible``), so a chunk's
+        rows draw from the engine's generator wherever they sit in the batch."""
+        if not verifies:
+            return
+        rows: list[int] = []
+        specs: list[SampleSpec] = []
+        for chunk, row in verifies:
+            seq = chunk.seq
+            spec = seq.spec
+            if spec is None:
+                spec = seq.spec = SampleSpec(chunk.req.params, seq.generator, ())
+            n = len(chunk.drafts) + 1
+            rows += range(row, row + n)
+            specs += [spec] * n
+        t0 = time.perf_counter()
+        tokens: list[int | None] | None
+        try:
+            batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            tokens, _ = sample(batch, specs, self._rng, None, None)
+        except Exception:  # noqa: BLE001 - each chunk alone finds the request that broke it
+            tokens = None
+        self.stats.stages.sample += time.perf_counter() - t0
+        at = 0
+        for chunk, row in verifies:
+            n = len(chunk.drafts) + 1
+            mine = tokens[at : at + n] if tokens is not None else None
+            at += n
+            self._guarded(chunk.req, lambda c=chunk, r=row, t=mine: self._verify(c, r, logits, t))
+
+    def _verify(
+        self,
+        chunk: ScheduledChunk,
+        row: int,
+        logits: torch.Tensor,
+        tokens: list[int | None] | None,
+    ) -> None:
+        """Keep a chunk's sampled tokens (``tokens``, one per row; None: sample its rows
+        here) while each equals the draft it checks: all of the matching drafts, then the
+        first token that differs (or follows the last draft). Greedy: exact match; sampled:
+        the draft is deterministic, so accepting while the sampled token equals it leaves the
+        output distribution as is."""
         req, seq, drafts = chunk.req, chunk.seq, chunk.drafts
         out = self._outcome(req)
         out.drafted = seq
-        n = len(drafts) + 1
-        spec = seq.spec
-        if spec is None:
-            spec = seq.spec = SampleSpec(req.params, seq.generator, ())
-        t0 = time.perf_counter()
-        tokens, _ = sample(logits[row : row + n], [spec] * n, self._rng, None, None)
-        self.stats.stages.sample += time.perf_counter() - t0
+        if tokens is None:
+            n = len(drafts) + 1
+            spec = seq.spec or SampleSpec(req.params, seq.generator, ())
+            tokens, _ = sample(logits[row : row + n], [spec] * n, self._rng, None, None)
         accepted = 0
         for i, tok in enumerate(tokens):
             if tok is None:

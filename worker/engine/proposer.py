@@ -38,8 +38,10 @@ class Proposer(ABC):
         self.max_n = max_n  # longest suffix tried
 
     @abstractmethod
-    def start(self, request_id: str, key: CorpusKey) -> None:
-        """A request begins (its drafts may come from ``key``'s corpus)."""
+    def start(self, request_id: str, key: CorpusKey, prompt: Sequence[int] = ()) -> None:
+        """A request begins (its drafts may come from ``key``'s corpus); ``prompt``: the
+        start of every token list ``propose`` will see for it (indexed here, while the
+        request waits for its prefill, rather than in its first decode step)."""
 
     @abstractmethod
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:

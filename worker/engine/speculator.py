@@ -89,7 +89,11 @@ class LoadLevel:
 
     def measured(self, speculated: bool, rate: float, probed: bool | None) -> None:
         old = self.rates.get(speculated)
-        self.rates[speculated] = rate if old is None else (1 - ALPHA) * old + ALPHA * rate
+        # a probe's measure replaces its kind's, last taken a gap ago: averaged in, one noisy
+        # step (another job's burst on a shared machine) would outweigh the fresh probes
+        # for several doubling gaps, while the running kind is measured every step
+        fresh = old is None or probed is not None
+        self.rates[speculated] = rate if fresh else (1 - ALPHA) * old + ALPHA * rate
         if probed is not None:  # a probe: the choice held (probe less) or turned (as often)
             held = pays(self.rates) == probed
             self.every = min(2 * self.every, MAX_PROBE_EVERY) if held else PROBE_EVERY
@@ -129,7 +133,7 @@ class Speculator:
     def start(self, req: Request) -> None:
         if eligible(req):
             key = CorpusKey(req.params.cache_salt, req.params.lora)
-            self.proposer.start(req.request_id, key)
+            self.proposer.start(req.request_id, key, req.prompt_ids)
             self._accept[req.request_id] = float(self.config.num_speculative_tokens)
 
     def finish(self, req: Request) -> None:

@@ -82,8 +82,10 @@ class SuffixProposer(Proposer):
         self._total = 0
         self._own: dict[str, tuple[CorpusKey, NgramCounts, list[int]]] = {}  # by request id
 
-    def start(self, request_id: str, key: CorpusKey) -> None:
-        self._own[request_id] = (key, NgramCounts(self.min_n, self.max_n), [0])
+    def start(self, request_id: str, key: CorpusKey, prompt: Sequence[int] = ()) -> None:
+        own = NgramCounts(self.min_n, self.max_n)
+        own.add(prompt)
+        self._own[request_id] = (key, own, [len(prompt)])
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
         entry = self._own.get(request_id)
