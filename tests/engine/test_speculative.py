@@ -386,3 +386,28 @@ def test_non_finite_verify_rows_fail_their_request_alone(tiny_dir: Path) -> None
     assert "non-finite logits" in errors[bad_id] and good_id not in errors
     assert got[good_id] == plain
     assert_no_blocks_in_use(engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_prompts_take_the_budget_before_drafts(method: str) -> None:
+    """While a prompt is to be computed (a running request's, or a waiting one the batch has
+    room for), a step carries no drafts; decode-only steps do. Outputs match plain runs."""
+    ps = prompts(10, 4, 28, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batches = [[(p, params) for p in ps[:2]], [(p, params) for p in ps[2:]]]
+    plain, _ = run(fake_engine("none", 2), batches)
+    engine = fake_engine(method, 2, num_speculative_tokens=4, adaptive=False)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        steps.append((out.num_prefill_tokens, out.num_draft_tokens))
+        return out
+
+    engine.scheduler.schedule = recorded
+    spec, _ = run(engine, batches)
+    assert spec == plain
+    assert any(drafts for _, drafts in steps)  # decode-only steps speculate
+    assert any(prefill for prefill, _ in steps)
+    assert not any(prefill and drafts for prefill, drafts in steps)

@@ -163,7 +163,15 @@ class Scheduler:
         if spec is not None:
             spec.begin_step()
             num_decoding = self.num_decoding_seqs()
-            if not spec.speculating(num_decoding):
+            # drafts take the step's token budget before prefills: while prompts are to be
+            # computed (a running request's, or a waiting one the batch has room for), the
+            # step goes to them, whose tokens all count, not to drafts worth their acceptance
+            if self.num_running_seqs > num_decoding or (
+                self.waiting and self.num_running_seqs < self.config.max_num_seqs
+            ):
+                spec.plain_step(num_decoding)
+                spec = None
+            elif not spec.speculating(num_decoding):
                 spec = None
         for req in by_key:
             if req.status is not running or req.doomed:

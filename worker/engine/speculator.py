@@ -161,6 +161,13 @@ class Speculator:
         speculate, self._probed = self._level.choose(self._step)
         return speculate
 
+    def plain_step(self, num_decoding: int) -> None:
+        """This step carries no drafts whatever its load's choice (prompts go first): a
+        decode-only step of it measures the plain kind at its load, probing nothing."""
+        level = load_level(num_decoding)
+        self._level = self._levels.get(level) or self._levels.setdefault(level, LoadLevel())
+        self._probed = None
+
     def draft(self, req: Request, seq: Sequence, room: int, num_decoding: int) -> list[int]:
         """Draft tokens for ``seq``'s next step, at most ``room``: sized by the request's
         running acceptance and, with ``num_decoding`` sequences decoding, by the step's
