@@ -30,7 +30,7 @@ from collections.abc import Callable, Container, Sequence
 from kvstore.blocks.events import EventLog
 from kvstore.blocks.hashing import BlockKey
 from kvstore.blocks.tiers import Tier
-from worker.kv.disk_store import SEEN_KEYS_MAX
+from worker.kv.disk_admission import DiskAdmission
 from worker.kv.tier_backend import TIER_BACKENDS, TierBackend
 from worker.kv.tier_block import TierBlock
 from worker.kv.types import TierStats
@@ -53,8 +53,6 @@ class SimDiskTier(TierBackend):
         load_s_per_token: float,
         admit_after: int = 1,
     ) -> None:
-        if admit_after not in (1, 2):
-            raise ValueError(f"admit_after={admit_after}: give 1 (first offer) or 2 (second)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.events = events
@@ -65,8 +63,7 @@ class SimDiskTier(TierBackend):
         self.files: OrderedDict[BlockKey, TierBlock] = OrderedDict()  # written; LRU first
         self.held: dict[BlockKey, TierBlock] = {}  # served: files no tier above holds
         self._children: Counter[BlockKey | None] = Counter()  # parent -> its children held
-        self._seen: OrderedDict[BlockKey, None] = OrderedDict()  # offered once (admission)
-        self._seen_max = min(SEEN_KEYS_MAX, max(1024, 4 * num_blocks))
+        self._admission = DiskAdmission(admit_after, num_blocks)
         self._loading: set[BlockKey] = set()  # checked out in this batch: files kept
         self._ids = itertools.count()  # staging ids (no storage behind them)
         self.num_stored = 0  # blocks written (admitted, not already on file)
@@ -195,14 +192,8 @@ class SimDiskTier(TierBackend):
     # ---- internals -------------------------------------------------------------------------
 
     def _admit(self, key: BlockKey) -> bool:
-        if self.admit_after == 1:
+        if self._admission.admit(key):
             return True
-        if key in self._seen:
-            del self._seen[key]
-            return True
-        self._seen[key] = None
-        if len(self._seen) > self._seen_max:
-            self._seen.popitem(last=False)
         self.num_not_admitted += 1
         return False
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from kvstore.blocks.hashing import BlockKey
 from worker.kv import disk_files
+from worker.kv.disk_admission import DiskAdmission
 from worker.kv.disk_format import (
     SUFFIX,
     CorruptRunFile,
@@ -65,7 +66,6 @@ from worker.kv.disk_writer import DiskWriter
 
 log = logging.getLogger(__name__)
 
-SEEN_KEYS_MAX = 1 << 20  # admission memory bound (keys offered once)
 DEFAULT_READ_BYTES_PER_S = 200e6  # used only if the store opens with nothing to time
 
 
@@ -124,11 +124,6 @@ class DiskKVStore:
             raise ValueError(f"disk capacity_bytes must be >= 0, got {capacity_bytes}")
         if block_bytes < 1:
             raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
-        if admit_after not in (1, 2):
-            raise ValueError(
-                f"admit_after={admit_after}: 1 writes a block when first offered, 2 when "
-                "offered a second time"
-            )
         if max_blocks_per_file < 1:
             raise ValueError(f"max_blocks_per_file must be >= 1, got {max_blocks_per_file}")
         self.path = os.fspath(path)
@@ -144,8 +139,7 @@ class DiskKVStore:
         self._index: dict[BlockKey, tuple[_RunFile, int]] = {}  # key -> (file, position)
         self._pending: set[BlockKey] = set()  # queued or being written
         self._doomed: dict[str, _RunFile] = {}  # dropped while pinned: unlinked at last unpin
-        self._seen: OrderedDict[BlockKey, None] = OrderedDict()  # offered once (admission)
-        self._seen_max = min(SEEN_KEYS_MAX, max(1024, 4 * capacity_bytes // block_bytes))
+        self._admission = DiskAdmission(admit_after, capacity_bytes // block_bytes)
         self._changes: list[DiskRun | DiskRemoved] = []
         self._usage = 0
         self._enabled = capacity_bytes > 0
@@ -574,14 +568,8 @@ class DiskKVStore:
         """Whether to write ``key`` now (not held or queued, and admitted)."""
         if key in self._index or key in self._pending:
             return False
-        if self.admit_after == 1:
+        if self._admission.admit(key):
             return True
-        if key in self._seen:
-            del self._seen[key]
-            return True
-        self._seen[key] = None
-        if len(self._seen) > self._seen_max:
-            self._seen.popitem(last=False)
         self._c["not_admitted"] += 1
         return False
 
