@@ -298,8 +298,9 @@ RouterActor = ray.remote(RouterServer)
 
 def _load_worker_class() -> None:
     """The first ``ray.get_actor`` of a worker unpickles its actor class, importing its
-    module (the engine, torch: ~150k objects, a second or more): here, at start-up, not on
-    the event loop during the first request, and inside the heap frozen after it."""
+    module: here, at start-up, not on the event loop during the first request, and inside
+    the heap frozen after it (the module defers the engine's imports, torch among them, to
+    the worker's constructor: a router never loads them)."""
     import worker.actor  # noqa: F401
 
 

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -31,9 +31,8 @@ from kvstore.runtime.loop_sched import ThreadSchedConfig, apply_loop_policy, thr
 from kvstore.runtime.looplag import LoopLagProbe
 from kvstore.runtime.pauses import freeze_long_lived, short_gil_turns
 from worker.burst_intake import BurstIntake
-from worker.engine import Engine, EngineConfig, RequestOutput
+from worker.engine import EngineConfig, RequestOutput
 from worker.engine.commands import AddLora, AnnounceState, Snapshot
-from worker.engine.engine_loop import EngineLoop
 from worker.engine.streams import StreamEnd
 from worker.index_link import IndexLink
 from worker.lifecycle import exit_process_soon, in_ray_actor
@@ -45,6 +44,9 @@ from worker.pull.warm import WarmStarts
 from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
 from worker.worker_outputs import WorkerOutputs
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,11 @@ class WorkerServer:
     """One worker: its engine, engine loop, intake, outputs, peers and index link."""
 
     def __init__(self, settings: WorkerSettings) -> None:
+        # the engine (torch) is imported here, not at the top: routers import this module to
+        # call workers (Ray unpickles the actor class) and never run an engine
+        from worker.engine.engine import Engine
+        from worker.engine.engine_loop import EngineLoop
+
         self.settings = settings
         self.worker_id = settings.worker_id
         t0 = time.monotonic()

@@ -6,21 +6,23 @@ engine thread with one command and one answer (``EngineLoop.add_requests_async``
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.requests.errors import UnknownChannel
 from kvstore.requests.protocol import Admitted, PullReport, WorkerRequest
 from kvstore.runtime.pauses import LoopSlices
-from worker.engine import Engine
 from worker.engine.commands import AddRequest
-from worker.engine.engine_loop import EngineLoop
 from worker.index_link import IndexLink
 from worker.kv import block_keys
 from worker.pull.peer import PeerPulls
 from worker.pull.warm import WarmStarts
 from worker.telemetry import WorkerTelemetry
 from worker.worker_outputs import WorkerOutputs
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.engine.engine_loop import EngineLoop
 
 
 class BurstIntake:

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from kvstore.blocks.events import KVEvent
 from kvstore.config import IndexConfig
@@ -18,7 +19,9 @@ from kvstore.index_types import WorkerLoad
 from kvstore.publisher import WorkerPublisher
 from kvstore.recorder import TierKeys
 from worker.engine.commands import CachedKeys, DrainEvents, SetSpares
-from worker.engine.engine_loop import EngineLoop
+
+if TYPE_CHECKING:
+    from worker.engine.engine_loop import EngineLoop
 
 log = logging.getLogger("worker.actor")  # the actor's log, as its other lines
 

@@ -20,15 +20,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from kvstore.blocks.hashing import BlockKey, HashContext
 from kvstore.requests.protocol import PullHint, PullReport, WorkerRequest
-from worker.engine import Engine
 from worker.engine.commands import ExportRun, ImportRun
-from worker.engine.engine_loop import EngineLoop
 from worker.kv.transfer import BlockRun, ImportRefused, RunHeader
 from worker.pull.transport import (
     KVTransport,
@@ -37,6 +35,10 @@ from worker.pull.transport import (
     RunHandle,
     current_node_id,
 )
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.engine.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 EXPORT_WAIT_S = 10.0  # an export that finds no window by then fails (the puller recomputes)

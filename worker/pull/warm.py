@@ -17,15 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.blocks.hashing import BlockKey
 from kvstore.requests.protocol import WorkerRequest
-from worker.engine import Engine
 from worker.engine.commands import AnnounceState, ImportRun, Snapshot
-from worker.engine.engine_loop import EngineLoop
 from worker.pull.peer import PeerPulls
 from worker.pull.served_prefixes import HotPrefix, ServedPrefixes, pick_warm
+
+if TYPE_CHECKING:
+    from worker.engine import Engine
+    from worker.engine.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 CALL_S = 30.0  # one peer call or fetch of a warm start
