@@ -15,7 +15,11 @@ elsewhere (Ray restarts them), split into the restarted workers' model load (as 
 reports it) and the rest (Ray's detection and restart); the time from a node joining to its
 router serving (``rejoin_serving_s``, from Ray knowing the node: its raylet's own start is
 ``node_start_s``) against the workers' model load time (``model_load_s``),
-their difference (``rejoin_overhead_s``, target 5 s), and to full throughput; a PNG timeline of
+their difference (``rejoin_overhead_s``, target 5 s), the CPU seconds the new router's process
+used until it served (``rejoin_router_cpu_s``), and the time to full throughput. After the load
+stops one more node joins (``quiet_rejoin_*``): on this machine the joining node's processes
+share its two cores with three nodes' engines, which stretches every start several-fold; at
+rest the join costs what it would on a node with cores of its own. A PNG timeline of
 throughput and errors, and a final JSON line.
 """
 
@@ -35,7 +39,14 @@ import grpc
 import ray
 
 from benchmarks.common import emit_json, print_table, pyplot, save_figure
-from benchmarks.node_loss_watch import WAIT_S, IndexWatch, model_load_s, node_of, router_stats
+from benchmarks.node_loss_watch import (
+    WAIT_S,
+    IndexWatch,
+    model_load_s,
+    node_of,
+    router_names,
+    router_stats,
+)
 from cluster.client import KVClusterClient
 from cluster.config import ClusterConfig
 from cluster.launcher import Cluster
@@ -135,6 +146,34 @@ def recovered_seconds(tok: list[float], at: float, until: float, share: float) -
     return None
 
 
+def join_node(ray_nodes: Any, cluster: Cluster) -> tuple[float, float | None, float | None]:
+    """Add a node and wait for its router to serve a request: (seconds the node took to start,
+    until Ray knew it; seconds from there to its router serving, None: not within
+    ``WAIT_S``; the CPU seconds its router's process used until it served)."""
+    before, names = set(cluster.router_endpoints()), router_names(cluster)
+    t0 = time.monotonic()
+    ray_nodes.add_node(num_cpus=NODE_CPUS)  # returns once its raylet runs and Ray knows it
+    t_seen = time.monotonic()
+    deadline = t_seen + WAIT_S
+    while time.monotonic() < deadline:
+        for address in set(cluster.router_endpoints()) - before:
+            try:
+                with KVClusterClient(address, retries=0) as c:
+                    c.generate("Are you there?", max_tokens=1, timeout=5)
+            except grpc.RpcError:
+                continue
+            serving_s = time.monotonic() - t_seen
+            new = router_stats(cluster, router_names(cluster) - names).values()
+            cpu = [s["serving_cpu_s"] for s in new if s.get("serving_cpu_s") is not None]
+            return t_seen - t0, serving_s, cpu[0] if cpu else None
+        time.sleep(0.2)
+    return t_seen - t0, None, None
+
+
+def overhead(serving_s: float | None, load_s: float | None) -> float | None:
+    return serving_s - load_s if serving_s is not None and load_s is not None else None
+
+
 def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phase_s: float) -> dict:
     """The scenario on a running 3-node cluster (``ray_nodes``: its
     ``ray.cluster_utils.Cluster``); returns the figures."""
@@ -161,33 +200,22 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
     kill_one()
     time.sleep(phase_s)
     placed_on_dead = [watches[0].placed_on_dead()]
-    before = set(cluster.router_endpoints())
     # the model load a node that joins is measured against: the workers' own, as they report
     # them (the median: one start slowed by a busy moment does not set it)
     loads = sorted(model_load_s(cluster, sorted(cluster.workers)).values())
     join_load_s = loads[len(loads) // 2] if loads else None
     t_join = load.now()
     events.append((t_join, "join"))
-    ray_nodes.add_node(num_cpus=NODE_CPUS)  # returns once its raylet runs and Ray knows it
-    t_seen = load.now()  # the node has joined: what it serves from here on is the cluster's
-    router_s = None  # from its join to its router serving a request
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline and router_s is None:
-        new = set(cluster.router_endpoints()) - before
-        for address in new:
-            try:
-                with KVClusterClient(address, retries=0) as c:
-                    c.generate("Are you there?", max_tokens=1, timeout=5)
-                router_s = load.now() - t_seen
-            except grpc.RpcError:
-                pass
-        time.sleep(0.2)
+    node_start_s, router_s, router_cpu_s = join_node(ray_nodes, cluster)
     time.sleep(phase_s)
     kill_one()
     time.sleep(phase_s)
     placed_on_dead.append(watches[1].placed_on_dead())
     end = load.now()
     done = load.stop()
+    # a node joining a cluster at rest: what the join itself costs where the node's processes
+    # get a core (under the load above, three nodes' engines hold this machine's two)
+    _, quiet_router_s, quiet_router_cpu_s = join_node(ray_nodes, cluster)
     for watch in watches:  # a restart still loading gets one more phase
         watch.stop(phase_s)
     index.close()
@@ -232,12 +260,15 @@ def run(ray_nodes: Any, cluster: Cluster, *, clients: int, max_tokens: int, phas
         "restart_overhead_s_second_kill": watches[1].restart_overhead_s,
         # the join: the node's start (its raylet, until Ray knows it), then from there the
         # node serving, against a model load (target: overhead <= 5 s)
-        "node_start_s": t_seen - t_join,
+        "node_start_s": node_start_s,
         "rejoin_serving_s": router_s,
         "model_load_s": join_load_s,
-        "rejoin_overhead_s": (
-            router_s - join_load_s if router_s is not None and join_load_s is not None else None
-        ),
+        "rejoin_overhead_s": overhead(router_s, join_load_s),
+        # the CPU seconds the joining node's router process used until it served
+        "rejoin_router_cpu_s": router_cpu_s,
+        "quiet_rejoin_serving_s": quiet_router_s,
+        "quiet_rejoin_overhead_s": overhead(quiet_router_s, join_load_s),
+        "quiet_rejoin_router_cpu_s": quiet_router_cpu_s,
         "full_throughput_after_join_s": back_s,
         "tokens_per_s_before": base_rate,
     }

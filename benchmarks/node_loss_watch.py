@@ -16,16 +16,20 @@ WAIT_S = 300.0  # for what a busy machine may take long to do (a node's join, a 
 POLL_S = 0.05  # the index watch's poll: the resolution of its times
 
 
-def router_stats(cluster: Cluster) -> dict[str, dict]:
-    """Every live router's ``stats()`` by name (those of nodes that joined included; a router
-    that does not answer is left out)."""
-    names = [
+def router_names(cluster: Cluster) -> set[str]:
+    """The names of the cluster's live router actors (those of nodes that joined included)."""
+    return {
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["namespace"] == cluster.namespace and a["name"].startswith("router-")
-    ]
+    }
+
+
+def router_stats(cluster: Cluster, names: set[str] | None = None) -> dict[str, dict]:
+    """Every live router's ``stats()`` by name, or those of ``names`` (a router that does
+    not answer is left out)."""
     out = {}
-    for name in names:
+    for name in sorted(router_names(cluster) if names is None else names):
         try:
             handle = ray.get_actor(name, namespace=cluster.namespace)
             out[name] = ray.get(handle.stats.remote(), timeout=10)

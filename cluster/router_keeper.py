@@ -90,7 +90,7 @@ class RouterKeeper:
         namespace: str,
         detached: bool,
         endpoints: dict[int, tuple[str, str | None]],
-        poll_s: float = 1.0,
+        poll_s: float = 0.5,
         start_timeout_s: float = 300.0,
         refresh_s: float = 5.0,
     ) -> None:

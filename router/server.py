@@ -159,6 +159,7 @@ class RouterServer:
         self.warm_starts: WarmStarter | None = None  # new workers' warm starts (pulls on)
         self._warm_task: asyncio.Task | None = None
         self._starting = asyncio.Lock()
+        self.serving_cpu_s: float | None = None  # process CPU seconds when it began serving
         start_again_if_restarted()
 
     # -- start and stop ------------------------------------------------------------------------
@@ -227,6 +228,9 @@ class RouterServer:
         # and once more when idle after the first requests: what they loaded (the edges'
         # code paths, Ray's state for each worker) is long-lived too
         self.core.warm_freeze = WarmUpFreeze()
+        # the CPU this process took to serve (its start, imports, construction): a joining
+        # node's figure beside the wall time, which a busy machine stretches
+        self.serving_cpu_s = time.process_time()
         log.info("router %s serving gRPC on %s:%d", s.router_id, cfg.host, self.port)
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -258,6 +262,7 @@ class RouterServer:
             broken_streams=self.core.broken,
             migrations=dict(self.core.migrations),
             index_available=self.directory.index_ok,
+            serving_cpu_s=self.serving_cpu_s,
             **self.breaker.snapshot(),
             **self.predictions.totals(),
             **self.predictions.pull_totals(),
