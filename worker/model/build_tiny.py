@@ -24,15 +24,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING, Any
 
 from kvstore.runtime.cache_dir import cache_root
 from worker.model.config import ModelConfig
-from worker.model.loader import tensor_shapes
 from worker.model.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 SIZES = {
@@ -137,6 +136,12 @@ def _gemma3_traits(size: str, layers: int) -> dict[str, Any]:
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Deterministic random tensors for every name the architecture expects."""
+    # torch and the loader load here, not at the top: finding a model already built (every
+    # router of a tiny-model cluster does) must not cost a process torch's import
+    import torch
+
+    from worker.model.loader import tensor_shapes
+
     gen = torch.Generator().manual_seed(seed)
     std = 0.8 / cfg.hidden_size**0.5  # large enough for clear argmax margins in greedy tests
     out = {}
@@ -151,6 +156,9 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str,
 
 
 def _write_folder(out: Path, family: str, size: str, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
     bos = family in ("llama", "mistral", "gemma3")  # Qwen tokenizers add no bos token
     tok = train_tokenizer(SIZES[size]["vocab"], add_bos=bos)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

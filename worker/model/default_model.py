@@ -45,7 +45,7 @@ def default_model_id(tiny_family: str | None = None) -> str:
     """The id of the default model, without building or finding anything."""
     if tiny_family is None:
         return MODEL_ID
-    from worker.model.build_tiny import default_dir  # late: build_tiny imports torch
+    from worker.model.build_tiny import default_dir  # late: the GGUF default needs no builder
 
     return default_dir(tiny_family, "tiny", 0).name
 
@@ -55,7 +55,9 @@ def resolve_default_model(tiny_family: str | None = None) -> Path:
     or found in ``$KVCLUSTER_CACHE``)."""
     if tiny_family is None:
         return default_model_path()
-    from worker.model.build_tiny import build_tiny_model  # late: imports torch (the router doesn't)
+    # a build already there is found without torch (every router of a tiny-model cluster
+    # resolves it); only a missing one is built
+    from worker.model.build_tiny import build_tiny_model
 
     path = build_tiny_model(family=tiny_family)
     if path.name != default_model_id(tiny_family):  # the id and the files must agree
