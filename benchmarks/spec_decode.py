@@ -16,8 +16,13 @@ cores). Per cell and method: output tokens/s (wall, prefill included), the speed
 on a machine shared with other jobs), mean inter-token latency (the engine's) and its ratio
 to ``none``'s, mean acceptance length (tokens per verify: 1 + accepted drafts / sequences
 verified), and whether the greedy tokens equal ``none``'s. Each method runs on a fresh
-engine, one after another, in one process. Table, ``spec_decode.png`` (speed-up per cell)
-and a final JSON line.
+engine, one after another, in one process; a cell runs ``--repeat`` times (default 2), the
+methods' order reversed every other time (none, suffix, suffix, none: a drift of the machine
+weighs on both alike), its figures pooled over the repeats (tokens over seconds). Before the
+first cell the largest cell runs once, unmeasured, with every method: the process's first
+steps at each batch size pay one-off costs (oneDNN builds its kernels per row count) that
+would otherwise fall on whichever method ran first. Table, ``spec_decode.png`` (speed-up per
+cell) and a final JSON line.
 """
 
 from __future__ import annotations
@@ -80,15 +85,42 @@ def run_cell(model: str, method: str, workload: str, conc: int, new: int) -> dic
         for c in play_turn(engine, [histories[i] for i in live], texts, params):
             tokens.append(list(c.token_ids))
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    itl = engine.metrics().itl.mean
+    drafts, accepted = spec_figures(engine)
     return {
-        "tok_s": sum(map(len, tokens)) / wall,
-        "cpu_tok_s": sum(map(len, tokens)) / cpu,
-        "itl_ms": itl * 1e3,
-        "accept_len": accept_len(*spec_figures(engine)),
-        "tokens": tokens,
         "wall_s": wall,
+        "cpu_s": cpu,
+        "itl_s": engine.metrics().itl.mean,
+        "drafts": drafts,
+        "accepted": accepted,
+        "tokens": tokens,
     }
+
+
+def run_repeats(
+    model: str, methods: list[str], workload: str, conc: int, new: int, repeat: int
+) -> dict[str, dict]:
+    """The cell ``repeat`` times with every method (``none`` included), the order reversed
+    every other time; per method the pooled figures, ``tokens`` the first run's and
+    ``same_runs`` whether every run produced them."""
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(repeat):
+        for method in methods if r % 2 == 0 else methods[::-1]:
+            runs[method].append(run_cell(model, method, workload, conc, new))
+    out = {}
+    for method, mine in runs.items():
+        n_tokens = sum(len(t) for t in mine[0]["tokens"]) * len(mine)
+        wall, cpu = sum(x["wall_s"] for x in mine), sum(x["cpu_s"] for x in mine)
+        out[method] = {
+            "tok_s": n_tokens / wall,
+            "cpu_tok_s": n_tokens / cpu,
+            "itl_ms": 1e3 * sum(x["itl_s"] for x in mine) / len(mine),
+            "accept_len": accept_len(
+                sum(x["drafts"] for x in mine), sum(x["accepted"] for x in mine)
+            ),
+            "tokens": mine[0]["tokens"],
+            "same_runs": all(x["tokens"] == mine[0]["tokens"] for x in mine),
+        }
+    return out
 
 
 def plot(rows: list[dict]) -> None:
@@ -124,13 +156,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--new-at-load", type=int, default=32, help="generated tokens per turn at 16+ sessions"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="runs of each cell per method (order alternating)"
+    )
+    parser.add_argument("--no-warm-up", action="store_true", help="skip the unmeasured first pass")
     args = parser.parse_args(argv)
     if args.smoke:
         from worker.model.build_tiny import build_tiny_model
 
         args.model = args.model or str(build_tiny_model(None, "llama", "tiny", 0))
         args.cells = args.cells or "edit:1,edit:4,json:4,agentic:2,chat:4"
-        args.methods, args.new = "ngram,suffix", 12
+        args.methods, args.new, args.repeat, args.no_warm_up = "ngram,suffix", 12, 1, True
     if args.model is None:
         from worker.model.default_model import default_model_path
 
@@ -141,20 +177,29 @@ def main(argv: list[str] | None = None) -> dict:
         conc = [int(c) for c in args.conc.split(",")]
         cells = [(w, c) for w in args.workloads.split(",") for c in conc]
     rows, head = [], {}
+    methods = ["none", *args.methods.split(",")]
+
+    def tokens_of(conc: int) -> int:
+        return args.new if conc < 16 else min(args.new, args.new_at_load)
+
     t0 = time.perf_counter()
+    if args.repeat > 0 and not args.no_warm_up:
+        workload, conc = max(cells, key=lambda c: c[1])
+        run_repeats(args.model, methods, workload, conc, tokens_of(conc), 1)
     for workload, conc in cells:
-        new = args.new if conc < 16 else min(args.new, args.new_at_load)
-        base = run_cell(args.model, "none", workload, conc, new)
-        rows.append(row_of(workload, conc, new, "none", base, base))
-        for method in args.methods.split(","):
-            got = run_cell(args.model, method, workload, conc, new)
-            rows.append(row_of(workload, conc, new, method, got, base))
+        new = tokens_of(conc)
+        got = run_repeats(args.model, methods, workload, conc, new, max(1, args.repeat))
+        base = got["none"]
+        for method in methods:
+            rows.append(row_of(workload, conc, new, method, got[method], base))
+            if method == "none":
+                continue
             key = f"{workload}_c{conc}_{method}"
             head[f"{key}_speedup"] = round(rows[-1]["speedup"], 3)
             head[f"{key}_cpu_speedup"] = round(rows[-1]["cpu speedup"], 3)
             head[f"{key}_itl_ratio"] = round(rows[-1]["itl vs none"], 3)
-            head[f"{key}_accept_len"] = round(got["accept_len"], 2)
-            head[f"{key}_same_tokens"] = got["tokens"] == base["tokens"]
+            head[f"{key}_accept_len"] = round(got[method]["accept_len"], 2)
+            head[f"{key}_same_tokens"] = rows[-1]["same tokens"]
     head["wall_s"] = round(time.perf_counter() - t0, 1)
     print_table(rows, f"speculative decoding, greedy ({Path(args.model).name})")
     plot(rows)
@@ -174,7 +219,7 @@ def row_of(workload: str, conc: int, new: int, method: str, got: dict, base: dic
         "itl ms": got["itl_ms"],
         "itl vs none": got["itl_ms"] / base["itl_ms"] if base["itl_ms"] else 1.0,
         "accept len": got["accept_len"],
-        "same tokens": got["tokens"] == base["tokens"],
+        "same tokens": got["tokens"] == base["tokens"] and got["same_runs"] and base["same_runs"],
     }
 
 

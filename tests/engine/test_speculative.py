@@ -411,3 +411,44 @@ def test_prompts_take_the_budget_before_drafts(method: str) -> None:
     assert any(drafts for _, drafts in steps)  # decode-only steps speculate
     assert any(prefill for prefill, _ in steps)
     assert not any(prefill and drafts for prefill, drafts in steps)
+
+
+def test_a_request_whose_drafts_keep_missing_pauses_drafting_and_resumes_on_a_hit() -> None:
+    from types import SimpleNamespace
+
+    from worker.engine.config import SpeculativeConfig
+    from worker.engine.speculator import MAX_PAUSE, Speculator
+
+    spec = Speculator(SpeculativeConfig(method="ngram"))
+    req = SimpleNamespace(
+        request_id="r",
+        params=SamplingParams(max_tokens=512),
+        prompt_ids=[1, 2, 3],
+        prompt_logprobs=None,
+    )
+    spec.start(req)  # type: ignore[arg-type]
+    spec.proposer.propose = lambda rid, tokens, k: [7] * k  # type: ignore[method-assign]
+    seq = SimpleNamespace(token_ids=[1, 2, 3])
+
+    def run(steps: int, accepted: int) -> list[int]:
+        """The steps (numbered from 1 here) in which the request drafted."""
+        drafted = []
+        for i in range(1, steps + 1):
+            spec.begin_step()
+            drafts = spec.draft(req, seq, 8, 1)  # type: ignore[arg-type]
+            if drafts:
+                drafted.append(i)
+                spec.verified(req, len(drafts), min(accepted, len(drafts)))  # type: ignore[arg-type]
+        return drafted
+
+    # two misses in a row, then pauses of 2, 4, 8, ... steps with one try after each
+    missed = run(40, accepted=0)
+    assert missed[:5] == [1, 2, 5, 10, 19]
+    gaps = [b - a - 1 for a, b in zip(missed[1:], missed[2:], strict=False)]
+    assert gaps == [2, 4, 8, 16][: len(gaps)]
+    late = run(8 * MAX_PAUSE, accepted=0)
+    assert max(b - a - 1 for a, b in zip(late, late[1:], strict=False)) == MAX_PAUSE
+    # a try that hits: the request drafts every step again
+    while not run(1, accepted=2):
+        pass
+    assert run(10, accepted=2) == list(range(1, 11))

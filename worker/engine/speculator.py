@@ -25,6 +25,8 @@ PROBE_EVERY = 16  # steps between probes (a step of the kind not running) at one
 MAX_PROBE_EVERY = 256
 MAX_DRAFT_ROWS = 64  # draft tokens in one step at most (all sequences): past the knee of the
 # multi-row forward on a CPU, a verify row costs about what a decode row does
+MISSES_TO_PAUSE = 2  # verifies in a row with nothing accepted before a request pauses drafting
+MAX_PAUSE = 64  # steps: a paused request's pauses double per further miss, up to this
 PAYS = 1.0  # speculate while its tokens/s is at least this share of a plain step's: no
 # tolerated loss, since the probes and the first measures already cost a little
 
@@ -37,6 +39,28 @@ class SpecCounters:
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """One request's running acceptance: the EWMA of drafts accepted per verify (sizes its
+    drafts), the verifies in a row that accepted nothing, and the step before which it
+    drafts nothing. A request whose drafts keep missing (plain chat: its text is in no
+    corpus) pauses for 2, 4, ... ``MAX_PAUSE`` steps, drafting once after each pause: at
+    load its verify rows would cost every step about what a decode row does, for nothing."""
+
+    ewma: float
+    misses: int = 0
+    resume_at: int = 0
+
+    def verified(self, num_accepted: int, step: int) -> None:
+        self.ewma = (1 - ALPHA) * self.ewma + ALPHA * num_accepted
+        if num_accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.resume_at = step + 1 + min(MAX_PAUSE, 1 << (self.misses - 1))
 
 
 def eligible(req: Request) -> bool:
@@ -121,7 +145,7 @@ class Speculator:
             **(extra if config.method == "suffix" else {}),
         )
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
-        self._accept: dict[str, float] = {}  # request id -> EWMA of accepted drafts per step
+        self._accept: dict[str, Acceptance] = {}  # by request id
         self._levels: dict[int, LoadLevel] = {}  # by load_level()
         self._level = LoadLevel()  # the current step's
         self._probed: bool | None = None  # the choice the current step probes (None: none)
@@ -134,7 +158,7 @@ class Speculator:
         if eligible(req):
             key = CorpusKey(req.params.cache_salt, req.params.lora)
             self.proposer.start(req.request_id, key, req.prompt_ids)
-            self._accept[req.request_id] = float(self.config.num_speculative_tokens)
+            self._accept[req.request_id] = Acceptance(float(self.config.num_speculative_tokens))
 
     def finish(self, req: Request) -> None:
         if self._accept.pop(req.request_id, None) is None:
@@ -177,7 +201,9 @@ class Speculator:
             return []
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
-            k = min(k, int(math.ceil(accept)) + 1)
+            if self._step < accept.resume_at:
+                return []
+            k = min(k, int(math.ceil(accept.ewma)) + 1)
             share = max(1, MAX_DRAFT_ROWS // max(1, num_decoding))
             k = min(k, share, MAX_DRAFT_ROWS - self._step_drafts)
         k = min(k, room)
@@ -194,9 +220,9 @@ class Speculator:
         c.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             c.accepted_per_pos[i] += 1
-        old = self._accept.get(req.request_id)
-        if old is not None:
-            self._accept[req.request_id] = (1 - ALPHA) * old + ALPHA * num_accepted
+        accept = self._accept.get(req.request_id)
+        if accept is not None:
+            accept.verified(num_accepted, self._step)
 
     def end_step(self, speculated: bool, tokens: int, seconds: float) -> None:
         """A decode-only step of ``tokens`` generated in ``seconds`` (with drafts or not) at
