@@ -16,7 +16,7 @@ cores). Per cell and method: output tokens/s (wall, prefill included), the speed
 on a machine shared with other jobs), mean inter-token latency (the engine's) and its ratio
 to ``none``'s, mean acceptance length (tokens per verify: 1 + accepted drafts / sequences
 verified), and whether the greedy tokens equal ``none``'s. Each method runs on a fresh
-engine, one after another, in one process; a cell runs ``--repeat`` times (default 2), the
+engine, one after another, in one process; a cell runs ``--repeat`` times (default 3), the
 methods' order reversed every other time (none, suffix, suffix, none: a drift of the machine
 weighs on both alike), its figures pooled over the repeats (tokens over seconds). Before the
 first cell the largest cell runs once, unmeasured, with every method: the process's first
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--new-at-load", type=int, default=32, help="generated tokens per turn at 16+ sessions"
     )
     parser.add_argument(
-        "--repeat", type=int, default=2, help="runs of each cell per method (order alternating)"
+        "--repeat", type=int, default=3, help="runs of each cell per method (order alternating)"
     )
     parser.add_argument("--no-warm-up", action="store_true", help="skip the unmeasured first pass")
     args = parser.parse_args(argv)
