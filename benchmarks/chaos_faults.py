@@ -28,6 +28,7 @@ from cluster.client import KVClusterClient, build_request
 from cluster.launcher import Cluster
 
 CALL_TIMEOUT_S = 60.0
+STATUS_SETTLE_S = 10.0  # a frozen worker is listed not alive within this (a status timeout)
 
 
 def actor_pid(handle: Any, timeout_s: float = 60.0) -> int:
@@ -40,6 +41,11 @@ def actor_pid(handle: Any, timeout_s: float = 60.0) -> int:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _alive(status: Any, worker_id: str) -> bool:
+    """Whether a ClusterStatus answer lists ``worker_id`` alive."""
+    return any(w.worker_id == worker_id and w.alive for w in status.workers)
 
 
 def _drain(call: Any, out: dict, key: int, t0: list[float]) -> None:
@@ -107,6 +113,12 @@ def frozen_worker_recovery(
                     shorts.append(("", exc.code().name, time.monotonic() - t))
             t = time.monotonic()
             status = client.status()
+            # a router shares one round of status calls among callers for a moment, and a
+            # round begun before the freeze (a client's address refresh) still heard the
+            # victim: ask again until an answer no older than the freeze lists it not alive
+            while time.monotonic() - t < STATUS_SETTLE_S and _alive(status, victim):
+                time.sleep(0.2)
+                status = client.status()
             status_s = time.monotonic() - t
             mine = [i for i, w in enumerate(placed) if w == victim]
             deadline = t0[0] + max_freeze_s

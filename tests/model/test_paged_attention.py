@@ -221,9 +221,10 @@ def test_chunked_prefill_equals_one_shot_prefill():
 
 
 def test_unknown_backend_lists_valid_names():
-    with pytest.raises(UnknownBackendError, match="'nope'.*valid: auto, cpu, torch, triton"):
+    valid = "valid: auto, cpu, flashinfer, torch, triton"
+    with pytest.raises(UnknownBackendError, match=f"'nope'.*{valid}"):
         make_backend("nope")
-    assert backend_names() == ["cpu", "torch", "triton"]
+    assert backend_names() == ["cpu", "flashinfer", "torch", "triton"]
 
 
 def test_triton_backend_unavailable_on_cpu_says_why():

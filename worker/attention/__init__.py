@@ -7,11 +7,15 @@
 * ``triton`` — a Triton paged-attention kernel for CUDA (see ``triton_backend`` for why it is
   not ``vllm-flash-attn``). Needs CUDA, the ``triton`` package (shipped with CUDA builds of
   torch; the ``gpu`` extra), and a power-of-two ``block_size`` in [16, 256].
+* ``flashinfer`` — FlashInfer's paged prefill/append kernel on the same block tables (CUDA,
+  ``pip install kvcluster[flashinfer]``, float16/bfloat16, no decode graphs; see
+  ``flashinfer_backend``). Chosen by name only until measured against ``triton`` on a GPU.
 * ``auto`` — ``triton`` on CUDA, ``cpu`` on the CPU, whichever is usable, else ``torch``.
 """
 
 from worker.attention import (  # noqa: F401 (register backends)
     cpu_backend,
+    flashinfer_backend,
     torch_backend,
     triton_backend,
 )

@@ -213,8 +213,9 @@ class EngineConfig(Strict):
     device: str = Field("cpu", description="Torch device (runner).")
     attn_backend: str = Field(
         "auto",
-        description="Attention backend (runner): auto, torch, cpu or triton; auto picks the "
-        "fastest usable one (triton on CUDA, the native cpu kernels on the CPU).",
+        description="Attention backend (runner): auto, torch, cpu, triton or flashinfer "
+        "(CUDA, float16/bfloat16, the flashinfer extra); auto picks the fastest usable one "
+        "(triton on CUDA, the native cpu kernels on the CPU).",
     )
     cpu_threads: int | None = Field(
         None,
