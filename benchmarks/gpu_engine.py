@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-batch", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--kv-gb", type=float, default=40.0)
+    parser.add_argument(
+        "--attn-backend", default="auto", help="the engine's attention backend (part 3)"
+    )
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args(argv)
@@ -234,8 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
         kv_memory_bytes=int(args.kv_gb * 2**30),
         max_num_seqs=max(args.decode_batch, 256),
         max_num_batched_tokens=8192,
+        attn_backend=args.attn_backend,
     )
     engine = Engine.from_model_dir(model_dir, cfg)
+    head["attn_backend"] = engine.executor.runner.backend.name
     vocab = engine.executor.vocab_size
     step = decode_step(engine, args.decode_batch, vocab)
     prompts = mixed_prompts(args.requests, 64, 512, vocab, 0)
