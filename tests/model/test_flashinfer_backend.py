@@ -22,10 +22,10 @@ from tests.model.test_paged_attention import (
     HEADS,
     KV_HEADS,
     MIXED,
+    assert_matches_torch_backend,
     dense_reference,
     make_backend,
     make_scenario,
-    run_backend,
 )
 from worker.attention import BackendUnavailableError, available_backends
 from worker.attention.flashinfer_backend import FlashInferAttentionBackend, page_lists
@@ -154,10 +154,4 @@ def test_flashinfer_matches_torch_backend_on_cuda(monkeypatch, block_size, windo
     sc = make_scenario(
         MIXED, block_size, shared_prefix_blocks=1, seed=2, dtype=dtype, device="cuda"
     )
-    k0, v0 = sc.k_cache.clone(), sc.v_cache.clone()
-    expected = run_backend("torch", sc, window)
-    sc.k_cache.copy_(k0)
-    sc.v_cache.copy_(v0)
-    got = run_backend("flashinfer", sc, window)
-    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(got.double().cpu(), dense_reference(sc, window), atol=2e-2, rtol=0)
+    assert_matches_torch_backend("flashinfer", sc, window, 2e-2)

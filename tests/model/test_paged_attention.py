@@ -139,6 +139,18 @@ def run_backend(name: str, sc: Scenario, window: int | None = None) -> torch.Ten
     return backend.forward(sc.q, sc.k, sc.v, sc.k_cache, sc.v_cache, backend.prepare(meta), window)
 
 
+def assert_matches_torch_backend(name: str, sc: Scenario, window: int | None, tol: float) -> None:
+    """Backend ``name`` against the torch backend on the same scenario (the caches restored
+    between the two runs) and against the dense reference."""
+    k0, v0 = sc.k_cache.clone(), sc.v_cache.clone()
+    expected = run_backend("torch", sc, window)
+    sc.k_cache.copy_(k0)
+    sc.v_cache.copy_(v0)
+    got = run_backend(name, sc, window)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=0)
+    torch.testing.assert_close(got.double().cpu(), dense_reference(sc, window), atol=tol, rtol=0)
+
+
 # (cached prefix, new tokens): fresh prefill, decodes, chunk on a cached prefix, long prefill
 MIXED = [(0, 13), (20, 1), (37, 1), (32, 5), (3, 30), (16, 16)]
 

@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.model.test_paged_attention import MIXED, dense_reference, make_scenario, run_backend
+from tests.model.test_paged_attention import (
+    MIXED,
+    assert_matches_torch_backend,
+    make_scenario,
+)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_triton = pytest.mark.skipif(
@@ -36,14 +40,7 @@ def test_triton_matches_torch_backend_on_cuda(block_size, window, dtype):
     sc = make_scenario(
         MIXED, block_size, shared_prefix_blocks=1, seed=2, dtype=dtype, device="cuda"
     )
-    k0, v0 = sc.k_cache.clone(), sc.v_cache.clone()
-    expected = run_backend("torch", sc, window)
-    sc.k_cache.copy_(k0)
-    sc.v_cache.copy_(v0)
-    got = run_backend("triton", sc, window)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=0)
-    torch.testing.assert_close(got.double().cpu(), dense_reference(sc, window), atol=tol, rtol=0)
+    assert_matches_torch_backend("triton", sc, window, 1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.cuda

@@ -14,6 +14,7 @@ head_dim]`` (K and V). Logical block ``b`` of sequence ``i`` lives in physical b
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -49,6 +50,18 @@ def write_kv(
     """Scatter the new tokens' K/V [num_tokens, kv_heads, head_dim] into their slots."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def cuda_unavailable_reason(device: torch.device, package: str, extra: str) -> str | None:
+    """Why a CUDA backend built on ``package`` (installed by kvcluster's ``extra``) cannot run
+    on ``device``; None if it can, as far as those go."""
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this torch build or machine"
+    if importlib.util.find_spec(package) is None:
+        return f"the {package!r} package is not installed (pip install kvcluster[{extra}])"
+    return None
 
 
 class AttentionBackend(ABC):

@@ -25,7 +25,6 @@ What a user choosing it must know:
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -33,7 +32,12 @@ from typing import Any
 import torch
 
 from worker.attention.backend_registry import register_backend
-from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    cuda_unavailable_reason,
+    write_kv,
+)
 
 WORKSPACE_BYTES = 128 << 20  # per planned wrapper: FlashInfer's recommended float workspace
 KV_DTYPES = (torch.float16, torch.bfloat16)
@@ -103,13 +107,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, block_size: int) -> str | None:
-        if device.type != "cuda":
-            return "needs a CUDA device"
-        if not torch.cuda.is_available():
-            return "CUDA is not available in this torch build or machine"
-        if importlib.util.find_spec("flashinfer") is None:
-            return "the 'flashinfer' package is not installed (pip install kvcluster[flashinfer])"
-        return None
+        return cuda_unavailable_reason(device, "flashinfer", "flashinfer")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

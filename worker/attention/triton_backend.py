@@ -26,12 +26,15 @@ What a user choosing a backend must know
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from worker.attention.backend_registry import register_backend
-from worker.attention.base import AttentionBackend, AttentionMetadata, write_kv
+from worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    cuda_unavailable_reason,
+    write_kv,
+)
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
 
@@ -42,12 +45,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, block_size: int) -> str | None:
-        if device.type != "cuda":
-            return "needs a CUDA device"
-        if not torch.cuda.is_available():
-            return "CUDA is not available in this torch build or machine"
-        if importlib.util.find_spec("triton") is None:
-            return "the 'triton' package is not installed (pip install kvcluster[gpu])"
+        reason = cuda_unavailable_reason(device, "triton", "gpu")
+        if reason is not None:
+            return reason
         power_of_two = block_size & (block_size - 1) == 0
         if not (power_of_two and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE):
             return f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]"
