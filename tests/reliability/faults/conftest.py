@@ -27,7 +27,10 @@ def cluster() -> Cluster:
     cfg = cluster_config(
         f"rel-faults-{os.getpid()}",
         router={"num_routers": 2, "liveness": LIVENESS},
-        workers={"engine": FAULTS_ENGINE},
+        # a worker's restart budget (3 by default) counts over the cluster's life, and the
+        # tests here kill whichever worker serves their first stream: unbounded, so that no
+        # order of victims exhausts one worker's (routers restart without bound already)
+        workers={"engine": FAULTS_ENGINE, "max_restarts": -1},
     )
     shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
