@@ -58,7 +58,6 @@ class SimDiskTier(TierBackend):
         self.events = events
         self.tenant_quota = tenant_quota  # 0 keeps nothing (the real tier's rule)
         self.load_s_per_token = load_s_per_token  # the time model's read cost
-        self.admit_after = admit_after
         self.on_evict: Callable[[TierBlock], None] | None = None  # the last tier: never set
         self.files: OrderedDict[BlockKey, TierBlock] = OrderedDict()  # written; LRU first
         self.held: dict[BlockKey, TierBlock] = {}  # served: files no tier above holds

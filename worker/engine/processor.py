@@ -227,10 +227,9 @@ class OutputProcessor:
         req, seq, drafts = chunk.req, chunk.seq, chunk.drafts
         out = self._outcome(req)
         out.drafted = seq
-        if tokens is None:
+        if tokens is None:  # (the batched call failed: its spec was set there)
             n = len(drafts) + 1
-            spec = seq.spec or SampleSpec(req.params, seq.generator, ())
-            tokens, _ = sample(logits[row : row + n], [spec] * n, self._rng, None, None)
+            tokens, _ = sample(logits[row : row + n], [seq.spec] * n, self._rng, None, None)
         accepted = 0
         for i, tok in enumerate(tokens):
             if tok is None:

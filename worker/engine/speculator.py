@@ -177,9 +177,7 @@ class Speculator:
         """Whether this step, with ``num_decoding`` sequences decoding, carries drafts: at a
         load not measured yet, one step with and one without; then the kind that pays at
         that load, with a probe of the other kind now and then."""
-        level = load_level(num_decoding)
-        self._level = self._levels.get(level) or self._levels.setdefault(level, LoadLevel())
-        self._probed = None
+        self._enter_level(num_decoding)
         if not self.config.adaptive:
             return True
         speculate, self._probed = self._level.choose(self._step)
@@ -188,6 +186,10 @@ class Speculator:
     def plain_step(self, num_decoding: int) -> None:
         """This step carries no drafts whatever its load's choice (prompts go first): a
         decode-only step of it measures the plain kind at its load, probing nothing."""
+        self._enter_level(num_decoding)
+
+    def _enter_level(self, num_decoding: int) -> None:
+        """The current step's load level (created at its first step), probing nothing yet."""
         level = load_level(num_decoding)
         self._level = self._levels.get(level) or self._levels.setdefault(level, LoadLevel())
         self._probed = None

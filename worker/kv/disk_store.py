@@ -130,7 +130,6 @@ class DiskKVStore:
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
-        self.admit_after = admit_after
         self.max_blocks_per_file = max_blocks_per_file
         self.verify_at_open = verify_at_open
         self.rate = ReadRate(DEFAULT_READ_BYTES_PER_S, alpha=read_rate_alpha)
