@@ -164,9 +164,11 @@ def router_kill_recovery(
     """
     i = int(router.rsplit("-", 1)[1])
     endpoint = cluster.endpoints[i]
-    with KVClusterClient(endpoint) as client:
+    # the open stream's client does not retry (with retries it would resume the stream once
+    # the router is back); the other one's calls retry through the restart
+    with KVClusterClient(endpoint, retries=0) as streamer, KVClusterClient(endpoint) as client:
         client.generate("Before the router dies.", max_tokens=2, timeout=CALL_TIMEOUT_S)
-        call = client.stream(
+        call = streamer.stream(
             build_request(
                 "An orphan of the dying router. " * 3,
                 max_tokens=max_tokens,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -19,10 +18,16 @@ from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
 
 # A streamed call still open this long past its deadline is cancelled by the client itself:
-# grpcio's sync streams with retries enabled can miss their deadline when the server dies
-# and comes back on the same port (seen as a 5 s call blocked for minutes after a router
-# restart), and a caller's timeout must hold.
+# a caller's timeout must hold whatever gRPC's own deadline did.
 DEADLINE_GUARD_S = 2.0
+
+# gRPC's own retry policy stays off: its retry filter can wedge a call when the retry timer
+# and the call's deadline or cancellation race (grpc/grpc#41036, grpcio >= 1.72): neither the
+# deadline nor cancel() ends the call, and every later call on the channel blocks in its
+# creation (seen as a 5 s call blocked for minutes right after a router restart). The client
+# makes its own attempts instead (ClientStream, _unary_call), which also resume a stream.
+CHANNEL_RETRIES = ("grpc.enable_retries", 0)
+MAX_RETRIES = 16  # more attempts of one call than this is a loop, not a retry
 
 FINISH_NAMES = {
     pb.FINISH_REASON_STOP: "stop",
@@ -30,29 +35,6 @@ FINISH_NAMES = {
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_UNSPECIFIED: None,
 }
-
-
-def retry_service_config(retries: int) -> str:
-    """gRPC service config retrying every kvcluster.v1 call that failed ``UNAVAILABLE`` before
-    the server answered anything, up to ``retries`` more times with exponential back-off.
-
-    Such a call did nothing: it was written to a connection that had just died (a killed
-    router, before the channel noticed), or the router had no live worker. gRPC never retries
-    a call once a response arrived, so a stream that delivered tokens is not replayed (with
-    several addresses the client resumes it itself, :class:`ClientStream`)."""
-    if not 0 <= retries <= 4:  # gRPC caps maxAttempts at 5
-        raise ValueError(f"retries must be in [0, 4], got {retries}")
-    if retries == 0:
-        return json.dumps({"methodConfig": []})
-    policy = {
-        "maxAttempts": retries + 1,
-        "initialBackoff": "0.1s",
-        "maxBackoff": "1s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": ["UNAVAILABLE"],
-    }
-    service = pb.DESCRIPTOR.services_by_name["KVCluster"].full_name
-    return json.dumps({"methodConfig": [{"name": [{"service": service}], "retryPolicy": policy}]})
 
 
 @dataclass
@@ -150,22 +132,21 @@ class KVClusterClient:
         """``target``: one router address, several (``"a:1,b:2"`` or a list: each call
         starts at the next one in turn and fails over to the following ones), or a gRPC
         multi-address target (``ipv4:a:p1,b:p2``, one channel, tried in order).
-        ``retries``: more attempts of a call that failed ``UNAVAILABLE`` before any answer;
-        with one address gRPC makes them (:func:`retry_service_config`), with several the
-        client does, each on the next address. ``discover``: keep the addresses current from
-        the cluster's router list (:class:`RouterAddresses`, every ``refresh_s`` and after a
-        failover; never for a gRPC multi-address target). None: when given several addresses
-        (one address is a router the caller chose, or a load balancer)."""
+        ``retries``: more attempts of a call that failed ``UNAVAILABLE`` (before any answer,
+        or a stream resumed after the tokens it delivered), each on the next address, with
+        back-off after every full round (one address: 0.1 s, 0.2 s, ... up to 1 s).
+        ``discover``: keep the addresses current from the cluster's router list
+        (:class:`RouterAddresses`, every ``refresh_s`` and after a failover; never for a gRPC
+        multi-address target). None: when given several addresses (one address is a router
+        the caller chose, or a load balancer)."""
         given = router_targets(target)
+        if not 0 <= retries <= MAX_RETRIES:
+            raise ValueError(f"retries must be in [0, {MAX_RETRIES}], got {retries}")
         self.retries = retries
-        # with several addresses the client moves a failed call on at once instead of
-        # gRPC retrying it on the address that just failed
-        per_channel = retries if len(given) == 1 else 0
         opts = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.enable_retries", 1),
-            ("grpc.service_config", retry_service_config(per_channel)),
+            CHANNEL_RETRIES,
         ]
         creds = grpc.ssl_channel_credentials(root_cert) if root_cert is not None else None
 
@@ -218,9 +199,6 @@ class KVClusterClient:
         self.addresses.maybe_refresh()
         return self.addresses.current()[1]
 
-    def _attempts(self, stubs: Sequence[object]) -> int:
-        return 1 if len(stubs) == 1 else self.retries + 1
-
     def _start(self, stubs: Sequence[object]) -> int:
         return next(self._turn) % len(stubs)
 
@@ -235,7 +213,7 @@ class KVClusterClient:
             request,
             timeout=timeout,
             metadata=self.metadata,
-            attempts=self._attempts(stubs),
+            attempts=self.retries + 1,
             backoff_s=lambda tried: self._backoff_s(tried, len(stubs)),
             watch=self._watch,
             guard_s=DEADLINE_GUARD_S,
@@ -256,7 +234,7 @@ class KVClusterClient:
         and ``CANCELLED`` raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stubs = self._stubs()
-        start, attempts = self._start(stubs), self._attempts(stubs)
+        start, attempts = self._start(stubs), self.retries + 1
         for tried in range(attempts):
             stub = stubs[(start + tried) % len(stubs)]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
