@@ -1,7 +1,8 @@
 """A router dies while it streams; clients move to the other router, workers free the blocks.
 
 The client is given both routers' addresses (a standard gRPC multi-address target, pick_first):
-its open streams end with UNAVAILABLE, the next call goes to the surviving router. The dead
+its open streams fail UNAVAILABLE and the client resumes each through the surviving router after
+the tokens it has, so each ends with every token; its next call goes to the survivor. The dead
 router's requests have no consumer any more: the workers stop them and free their KV blocks
 long before they could have finished on their own.
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 import ray
 
@@ -62,33 +62,41 @@ def test_router_kill_client_reconnects_and_orphans_are_freed(cluster) -> None:
                 for i in range(STREAMS)
             ]
             streams = [iter(c) for c in calls]
-            for s in streams:
-                next(s)  # every stream is running on a worker
+            # every stream is running on a worker
+            received = [list(next(s).token_ids) for s in streams]
             assert sum(blocks_in_use(cluster).values()) > 0
 
             ray.kill(cluster.routers["router-0"], no_restart=True)
             killed = True
-            for s in streams:
-                try:
-                    for _ in s:
-                        pass
-                    raise AssertionError("a stream of the dead router ended normally")
-                except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            for got, s in zip(received, streams, strict=True):
+                for msg in s:
+                    got.extend(msg.token_ids)
+            # resumed, not replayed: every token once, as an uninterrupted run has them (the
+            # tiny model's context ends these runs a few tokens short of max_tokens)
+            whole = client.generate(
+                "Orphan stream 0. " * 3,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=CALL_TIMEOUT_S,
+            )
+            assert received[0] == whole.token_ids[0]
+            assert [len(got) for got in received] == [len(whole.token_ids[0])] * STREAMS
 
             # the same client reaches the surviving router on its next call
             after = client.generate("Still there?", max_tokens=2, timeout=CALL_TIMEOUT_S)
             assert after.completion_tokens == 2
 
             # the orphaned requests are stopped (aborted by the workers: a request that ran to
-            # max_tokens is never aborted), not run to max_tokens, and their blocks are freed
+            # max_tokens is never aborted), not run to max_tokens beside their continuations
+            # (which generate what the client had not received), and their blocks are freed
             stopped = lambda: orphans_aborted(cluster) - aborted0  # noqa: E731
             assert wait_for(lambda: stopped() >= STREAMS, WAIT_S, 0.2), stopped()
             assert stopped() == STREAMS
             assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, WAIT_S, 0.2), (
                 blocks_in_use(cluster)
             )
-            assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 0.9
+            assert generated_tokens(cluster) - tokens0 < STREAMS * MAX_TOKENS * 1.5
         assert wait_idle(cluster, WAIT_S)
     finally:
         # heal, pass or fail: a new router-0 for the other tests of this package
