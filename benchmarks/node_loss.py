@@ -288,6 +288,7 @@ def _plot(tok: list[float], err: list[int], events: list[tuple[float, str]]) -> 
     ax.set_xlabel("seconds")
     ax.set_ylabel("tokens/s (completed requests)")
     ax2.set_ylabel("failed requests")
+    ax2.set_ylim(0, max(err, default=0) + 1)  # none failed: a flat axis from 0, not around it
     save_figure(fig, "node_loss.png")
 
 
