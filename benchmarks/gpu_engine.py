@@ -11,8 +11,9 @@ throughput vs ``transformers``.
 2. Prefill: the same kernel with causal chunks over the paged cache vs SDPA causal on
    contiguous K/V (TFLOP/s of the causal attention).
 3. Engine: a random Llama (``--size``, default ``853m``: 16 layers, hidden 2048, 32/8 heads,
-   vocab 32000) in ``--dtype``; one decode step with ``--decode-batch`` running sequences
-   (wall time and the GPU-busy share from the torch profiler's kernel times), then offline
+   vocab 32000) in ``--dtype``; one decode step at each ``--decode-batch`` count of running
+   sequences (default 1, 32, 128: wall time and the GPU-busy share from the torch profiler's
+   kernel times; the headline figures are the largest count's), then offline
    throughput on ``--requests`` prompts of 64-512 random tokens, ``--max-tokens`` out, greedy,
    all at once, vs ``transformers`` ``generate`` in static batches of ``--hf-batch``.
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--decode-batch", type=int, default=128)
+    parser.add_argument("--decode-batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--kv-gb", type=float, default=40.0)
     parser.add_argument(
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if cuda else "cpu"
     if args.smoke:
         args.size, args.requests, args.max_tokens = "tiny", 8, 8
-        args.decode_batch, args.hf_batch, args.kv_gb = 8, 4, 0.02
+        args.decode_batch, args.hf_batch, args.kv_gb = [1, 8], 4, 0.02
     if not cuda:
         args.dtype = "float32"
     dtype = getattr(torch, args.dtype)
@@ -235,22 +236,25 @@ def main(argv: list[str] | None = None) -> dict:
         device=device,
         dtype=args.dtype,
         kv_memory_bytes=int(args.kv_gb * 2**30),
-        max_num_seqs=max(args.decode_batch, 256),
+        max_num_seqs=max(*args.decode_batch, 256),
         max_num_batched_tokens=8192,
         attn_backend=args.attn_backend,
     )
     engine = Engine.from_model_dir(model_dir, cfg)
     head["attn_backend"] = engine.executor.runner.backend.name
     vocab = engine.executor.vocab_size
-    step = decode_step(engine, args.decode_batch, vocab)
+    steps = {b: decode_step(engine, b, vocab) for b in args.decode_batch}
+    step = steps[max(steps)]
     prompts = mixed_prompts(args.requests, 64, 512, vocab, 0)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     res = run_engine(engine, prompts, params)
     rows = [{"system": "engine", "tok/s": res["tok_s"], "wall s": res["wall"]}]
     head.update(
         {
+            "decode_batch": max(steps),
             "decode_step_ms": round(step["step ms"], 2),
             "decode_gpu_busy": None if step["gpu busy"] is None else round(step["gpu busy"], 3),
+            "decode_step_ms_by_batch": {b: round(r["step ms"], 2) for b, r in steps.items()},
             "engine_tok_s": round(res["tok_s"], 1),
         }
     )
@@ -265,9 +269,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
         head["transformers_tok_s"] = round(hf["tok_s"], 1)
         head["speedup_vs_transformers"] = round(res["tok_s"] / hf["tok_s"], 2)
-    print(
-        f"decode step, {args.decode_batch} sequences: {step['step ms']:.2f} ms, GPU busy "
-        f"{step['gpu busy'] if step['gpu busy'] is not None else 'n/a'}"
+    print_table(
+        [
+            {"sequences": b, "step ms": r["step ms"], "GPU busy": r["gpu busy"]}
+            for b, r in steps.items()
+        ],
+        "3a. one decode step",
     )
     print_table(rows, f"3. offline throughput, {args.requests} requests, {args.max_tokens} out")
     emit_json(head)
