@@ -16,6 +16,9 @@
 # sequences, GPU busy share, tokens/s against transformers, kernels against SDPA), and the
 # FlashInfer backend's run of it when flashinfer imports. Ray and Redis are not there: the
 # serving path is measured on a GPU node of a cluster (benchmarks/serving_path.py).
+# The limits (CUDA_TESTS_S 150, ENGINE_S 240, FLASHINFER_S 90) sum to 480 s: the device tool
+# allows 600 s a call and a session about 15 minutes of device time, start-up included, so one
+# `run` call (timeout_s 560) leaves time to rerun one check.
 # Without CUDA `run` still runs (the tests skip, the benchmark runs its smoke size): `dry-run`
 # does so with this .venv's python restricted to the packages the GPU machine has (torch,
 # triton, transformers, grpcio, pytest and their requirements, linked into .gpu-sim/) and
@@ -65,11 +68,11 @@ run() {
   "$py" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee "$OUT/versions.txt"
   # shellcheck disable=SC2207
   local files=($(grep -rl "pytest.mark.cuda" tests --include='test_*.py' | sort))
-  step cuda_tests "${CUDA_TESTS_S:-240}" "$py" -m pytest -q -m cuda -p no:cacheprovider "${files[@]}"
+  step cuda_tests "${CUDA_TESTS_S:-150}" "$py" -m pytest -q -m cuda -p no:cacheprovider "${files[@]}"
   if [ "$cuda" = 1 ]; then
-    step gpu_engine "${ENGINE_S:-300}" "$py" -m benchmarks.gpu_engine
+    step gpu_engine "${ENGINE_S:-240}" "$py" -m benchmarks.gpu_engine
     if "$py" -c "import flashinfer" 2>/dev/null; then
-      step gpu_engine_flashinfer "${FLASHINFER_S:-180}" "$py" -m benchmarks.gpu_engine \
+      step gpu_engine_flashinfer "${FLASHINFER_S:-90}" "$py" -m benchmarks.gpu_engine \
         --attn-backend flashinfer --skip-kernels --skip-transformers
     else
       echo "flashinfer: not importable here, its run skipped" | tee "$OUT/gpu_engine_flashinfer.log"
