@@ -199,6 +199,11 @@ class KVClusterClient:
         self.addresses.maybe_refresh()
         return self.addresses.current()[1]
 
+    @property
+    def attempts(self) -> int:
+        """Attempts of one call at most: the first and ``retries`` more."""
+        return self.retries + 1
+
     def _start(self, stubs: Sequence[object]) -> int:
         return next(self._turn) % len(stubs)
 
@@ -213,7 +218,7 @@ class KVClusterClient:
             request,
             timeout=timeout,
             metadata=self.metadata,
-            attempts=self.retries + 1,
+            attempts=self.attempts,
             backoff_s=lambda tried: self._backoff_s(tried, len(stubs)),
             watch=self._watch,
             guard_s=DEADLINE_GUARD_S,
@@ -234,7 +239,7 @@ class KVClusterClient:
         and ``CANCELLED`` raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stubs = self._stubs()
-        start, attempts = self._start(stubs), self.retries + 1
+        start, attempts = self._start(stubs), self.attempts
         for tried in range(attempts):
             stub = stubs[(start + tried) % len(stubs)]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

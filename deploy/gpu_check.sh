@@ -62,7 +62,7 @@ run() {
     >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; return 1; }
   export PYTHONPATH="$ROOT:$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   export KVCLUSTER_RESULTS_DIR="$OUT/results"
-  local cuda
+  local cuda engine_s=${ENGINE_S:-240}
   cuda=$("$py" -c "import torch; print(int(torch.cuda.is_available()))")
   (nvidia-smi || true) >"$OUT/nvidia-smi.txt" 2>&1
   "$py" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee "$OUT/versions.txt"
@@ -70,7 +70,7 @@ run() {
   local files=($(grep -rl "pytest.mark.cuda" tests --include='test_*.py' | sort))
   step cuda_tests "${CUDA_TESTS_S:-150}" "$py" -m pytest -q -m cuda -p no:cacheprovider "${files[@]}"
   if [ "$cuda" = 1 ]; then
-    step gpu_engine "${ENGINE_S:-240}" "$py" -m benchmarks.gpu_engine
+    step gpu_engine "$engine_s" "$py" -m benchmarks.gpu_engine
     if "$py" -c "import flashinfer" 2>/dev/null; then
       step gpu_engine_flashinfer "${FLASHINFER_S:-90}" "$py" -m benchmarks.gpu_engine \
         --attn-backend flashinfer --skip-kernels --skip-transformers
@@ -78,7 +78,7 @@ run() {
       echo "flashinfer: not importable here, its run skipped" | tee "$OUT/gpu_engine_flashinfer.log"
     fi
   else
-    step gpu_engine "${ENGINE_S:-300}" "$py" -m benchmarks.gpu_engine --smoke --skip-kernels
+    step gpu_engine "$engine_s" "$py" -m benchmarks.gpu_engine --smoke --skip-kernels
   fi
   grep -h "^rc=" "$OUT"/*.rc
 }

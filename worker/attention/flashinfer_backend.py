@@ -88,7 +88,8 @@ class FlashInferStep:
     planned: set[int] = field(default_factory=set)  # window_left values planned this step
 
     def pages(self, block_size: int) -> tuple[PageLists, torch.Tensor]:
-        if self.lists is None or self.kv_indices is None:
+        """The page lists and the device's page indices, made at the first call of the step."""
+        if self.lists is None:
             meta, tables = self.meta, self.meta.block_tables
             self.lists = page_lists(
                 meta.query_lens_host, meta.seq_lens_host, block_size, tables.shape[1]
