@@ -71,8 +71,6 @@ class GenerationRoutes:
         if lora is not None:
             specs = [replace(s, params=replace(s.params, lora=lora)) for s in specs]
         token_lists = [await self.s.intake.token_ids(s) for s in specs]
-        if chat and not meta.max_tokens_set:  # OpenAI's chat default: what the context allows
-            specs = [self.s.intake.with_room(specs[0], token_lists[0])]
         return meta, specs, token_lists
 
     async def _generate(self, request: Request, chat: bool) -> Response:

@@ -105,7 +105,6 @@ class OpenAIRequest:
     # vLLM's return_token_ids: each choice's token ids (a chunk's: its new ones) and the
     # prompt's (completions: on each choice; chat: on the answer; streamed: the first chunk)
     return_token_ids: bool = False
-    max_tokens_set: bool = True  # chat without max_tokens: as long as the context allows
     tools: tools.ToolSpec | None = None  # chat: the request's tools and tool_choice
 
 
@@ -209,6 +208,7 @@ def parse_request(
                 messages=(msgs := F.messages(body)),
                 chat=tools.chat_options(F.chat_options(body), tool_spec, msgs),
                 grammars=tool_spec.schemas if tool_spec is not None else (),
+                fill_context=True,  # OpenAI's chat default: what the context allows
                 **common,  # type: ignore[arg-type]
             )
         ]
@@ -247,7 +247,6 @@ def parse_request(
         prompt_logprobs=prompt_logprobs,
         token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
         return_token_ids=bool(F.get_bool(body, "return_token_ids")),
-        max_tokens_set="max_tokens" in values,
         tools=tool_spec,
     )
     return meta, specs

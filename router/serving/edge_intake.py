@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstore.requests.errors import InvalidRequest
 from kvstore.requests.outputs import RequestOutput
+from kvstore.requests.sampling_params import SamplingParams
 from router.placement.adapters import adapter_name, for_tenant
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
@@ -163,12 +164,22 @@ class Intake:
             ids = ids[-k:]
         return ids
 
-    def room(self, prompt_tokens: int) -> int:
-        """OpenAI's chat default max_tokens: as long as the context allows."""
-        return max(1, self.max_model_len - prompt_tokens)
-
-    def with_room(self, spec: GenerateSpec, ids: list[int]) -> GenerateSpec:
-        return replace(spec, params=replace(spec.params, max_tokens=self.room(len(ids))))
+    def fitted(self, spec: GenerateSpec, ids: list[int]) -> SamplingParams:
+        """The request's parameters with an unset ``max_tokens`` fitted to what the prompt
+        leaves of the context: the default (16) cut to it, or all of it where the request
+        asks for that (OpenAI's chat). A given one is left as sent: the limits' check
+        refuses it when it does not fit."""
+        room = self.max_model_len - len(ids)
+        params = spec.params
+        if spec.max_tokens_given or room < 1:  # (no room: the prompt is refused)
+            return params
+        max_tokens = room if spec.fill_context else min(params.max_tokens, room)
+        if max_tokens == params.max_tokens:
+            return params
+        try:
+            return replace(params, max_tokens=max_tokens)
+        except InvalidRequest as exc:  # min_tokens over what the context leaves
+            raise renamed(exc, spec.names) from None
 
     # -- generation -----------------------------------------------------------------------
 
@@ -183,7 +194,7 @@ class Intake:
             gen = self.core.generate(
                 spec.request_id,
                 ids,
-                spec.params,
+                self.fitted(spec, ids),
                 tenant=spec.tenant or None,
                 continue_from=spec.continue_from,
             )

@@ -11,7 +11,7 @@ import hashlib
 import math
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.blocks.hashing import SALT_SCOPE_SEP
@@ -64,6 +64,11 @@ class GenerateSpec:
     # output tokens the client already has (it resumes a stream whose router died): the
     # request continues after them
     continue_from: tuple[int, ...] = ()
+    # the client set max_tokens: more than the prompt leaves of the context is refused (as
+    # vLLM and SGLang do); unset, the default is cut to what the context leaves
+    max_tokens_given: bool = False
+    # unset max_tokens means as many as the context leaves (OpenAI's chat), not the default
+    fill_context: bool = False
     # the client's spelling of the intake's field names, for errors raised after parsing
     names: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -166,15 +171,17 @@ def make_spec(
     limits: RequestLimits = DEFAULT_LIMITS,
     names: Mapping[str, str] | None = None,
     grammars: Sequence[StructuredOutputs] = (),
+    fill_context: bool = False,
 ) -> GenerateSpec:
     """Validate one request (model limits are checked once it is tokenized). ``tenant``: the
     authenticated tenant (or the client's own claim, without auth); it scopes the cache salt
     (see :func:`tenant_salt`). Exactly one of ``text``, ``token_ids``, ``messages``.
     ``grammars``: schemas to compile-check besides the output constraint (``values``'
-    ``structured``), such as a chat's tool parameters."""
+    ``structured``), such as a chat's tool parameters. ``fill_context``: without
+    ``max_tokens`` the request may generate as long as the context allows."""
     names = dict(names or {})
     try:
-        return _make_spec(
+        spec = _make_spec(
             request_id,
             tenant,
             claimed_tenant,
@@ -196,6 +203,7 @@ def make_spec(
         )
     except InvalidRequest as exc:
         raise renamed(exc, names) from None
+    return replace(spec, max_tokens_given="max_tokens" in values, fill_context=fill_context)
 
 
 def _make_spec(  # noqa: PLR0913 - the fields of one request

@@ -29,10 +29,12 @@ def check_limits(token_ids: list[int], params: SamplingParams, limits: ModelLimi
         max_prompt_tokens=limits.max_prompt_tokens,
         ids_field="token_ids",
     )
-    if params.max_tokens > limits.max_model_len - 1:
+    room = limits.max_model_len - len(token_ids)
+    if params.max_tokens > room:
         raise InvalidRequest(
             "max_tokens",
             params.max_tokens,
-            f"must be at most {limits.max_model_len - 1} (max_model_len="
-            f"{limits.max_model_len} minus at least one prompt token)",
+            f"must be at most {room}: max_model_len={limits.max_model_len} minus the prompt's "
+            f"{len(token_ids)} tokens",
+            "lower max_tokens or shorten the prompt",
         )

@@ -141,6 +141,12 @@ def test_prompt_over_max_model_len_is_invalid_argument(client) -> None:
         client.generate([5] * 600, max_tokens=4)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_model_len=512" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:  # the prompt fits; with max_tokens it does not
+        client.generate([5] * 500, max_tokens=13)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens=13: must be at most 12: max_model_len=512 minus the prompt's 500" in (
+        info.value.details()
+    )
 
 
 def test_client_cancel_frees_every_block(cluster, client) -> None:

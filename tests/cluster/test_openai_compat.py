@@ -265,3 +265,25 @@ def test_request_id_header_model_optional_unknown_fields_and_metrics(base_url: s
     assert total("kvc_http_unknown_fields", field="frobnicate") == 2
     assert total("kvc_request_errors", status="404") >= 1  # /v1/models/gpt-9 above
     assert total("kvc_routed_requests") >= 2 and "kvc_router_retries" in fams
+
+
+def test_max_tokens_over_what_the_prompt_leaves_is_refused_and_an_unset_one_fitted(
+    oai: openai.OpenAI, cluster: Cluster, tok: Tokenizer
+) -> None:
+    """As vLLM answers: 400 naming the field as sent, the context length and the prompt's
+    tokens; without max_tokens the default is cut to the room (the model's max_model_len is
+    512 here)."""
+    m, prompt = cluster.model_id, [tok.encode("Count on.")[-1]] * 500  # 12 tokens of room
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(model=m, prompt=prompt, max_tokens=13)
+    assert bad.value.body["param"] == "max_tokens"
+    assert "must be at most 12: max_model_len=512 minus the prompt's 500 tokens" in str(bad.value)
+    fitted = oai.completions.create(
+        model=m, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert fitted.usage.completion_tokens == 12 and fitted.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=600
+        )
+    assert bad.value.body["param"] == "max_completion_tokens"

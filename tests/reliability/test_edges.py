@@ -110,14 +110,13 @@ def test_tenant_salt_scopes_every_client_salt_to_its_tenant() -> None:
     assert spec.params.cache_salt == tenant_salt("bob", "s")
 
 
-def test_max_tokens_over_max_model_len_is_rejected_before_routing() -> None:
-    check_limits([1, 2], SamplingParams(max_tokens=63), LIMITS)
+def test_max_tokens_over_what_the_prompt_leaves_is_rejected_before_routing() -> None:
+    check_limits([1, 2], SamplingParams(max_tokens=62), LIMITS)  # the context exactly full
     with pytest.raises(
         InvalidRequest,
-        match=r"max_tokens=64: must be at most 63 "
-        r"\(max_model_len=64",
+        match=r"max_tokens=63: must be at most 62: max_model_len=64 minus the prompt's 2 tokens",
     ):
-        check_limits([1, 2], SamplingParams(max_tokens=64), LIMITS)
+        check_limits([1, 2], SamplingParams(max_tokens=63), LIMITS)
 
 
 def test_redis_password_is_redacted_and_the_state_file_is_private(tmp_path, monkeypatch) -> None:

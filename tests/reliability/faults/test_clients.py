@@ -26,6 +26,9 @@ from tests.reliability.helpers import (
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
+LONG = 440  # a prompt of about 60 tokens leaves 450 of the tiny model's 512
+
+
 def _long(i: int, max_tokens: int = 300) -> object:
     return build_request(
         f"Long story number {i}, told slowly. " * 3,
@@ -38,14 +41,14 @@ def _long(i: int, max_tokens: int = 300) -> object:
 def test_disconnect_mid_stream_aborts_on_the_worker(cluster) -> None:
     tokens0 = generated_tokens(cluster)
     channels = [KVClusterClient(cluster.endpoints[i % 2]) for i in range(4)]
-    calls = [c.stream(_long(i, 480), timeout=CALL_TIMEOUT_S) for i, c in enumerate(channels)]
+    calls = [c.stream(_long(i, LONG), timeout=CALL_TIMEOUT_S) for i, c in enumerate(channels)]
     for call in calls:  # kept referenced: a collected call object would cancel itself
         next(call)
     assert sum(blocks_in_use(cluster).values()) > 0
     for c in channels:
         c.close()  # the connection goes away; no cancel message from the application
     assert wait_for(lambda: sum(blocks_in_use(cluster).values()) == 0, 30, 0.2)
-    assert generated_tokens(cluster) - tokens0 < 4 * 480 * 0.9  # stopped, not finished
+    assert generated_tokens(cluster) - tokens0 < 4 * LONG * 0.9  # stopped, not finished
     assert wait_idle(cluster)
 
 
