@@ -32,6 +32,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 128  # each is checked per generated token (a set) and masked before min_tokens
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias; each is added to its token's logit
+MAX_ALLOWED_TOKEN_IDS = 1 << 17  # allowed_token_ids: a vocabulary's worth (the mask is per row)
 # Beyond this a length penalty only decides by length (len ** 10 dwarfs any log-prob gap);
 # scores are ranked in log space, so the bound is for sense, not for overflow.
 MAX_LENGTH_PENALTY = 10.0
@@ -135,6 +136,9 @@ class SamplingParams(ByName):
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias:
     # -100 all but bans a token, 100 all but forces it); token ids are checked per model
     logit_bias: tuple[tuple[int, float], ...] = _wire(())
+    # vLLM's allowed_token_ids: only these ids may be sampled (after logit_bias, as a mask;
+    # empty: every id); token ids are checked per model
+    allowed_token_ids: tuple[int, ...] = _wire(())
     # grammar the output must follow (JSON schema, regex, choice, ...); None: free text
     structured: StructuredOutputs | None = _wire(
         None,
@@ -158,6 +162,7 @@ class SamplingParams(ByName):
         set_(self, "stop", tuple(self.stop))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids))
         set_(self, "logit_bias", tuple(tuple(x) for x in self.logit_bias))
+        set_(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
             set_(self, "top_k", None)
         self._validate()
@@ -239,6 +244,16 @@ class SamplingParams(ByName):
                 raise InvalidRequest(
                     "logit_bias", entry, "entries must be (token id >= 0, bias in [-100, 100])"
                 )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequest(
+                "allowed_token_ids",
+                f"<{len(self.allowed_token_ids)} ids>",
+                f"must hold at most {MAX_ALLOWED_TOKEN_IDS} token ids",
+            )
+        if not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
+            raise InvalidRequest(
+                "allowed_token_ids", "<list>", "must be non-negative integer token ids"
+            )
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):

@@ -197,6 +197,16 @@ def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+def allowed_token_ids(body: dict) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: a non-empty list of token ids (null: every id)."""
+    ids = body.get("allowed_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not ids:
+        raise bad_type("allowed_token_ids", ids, "a non-empty list of token ids")
+    return tuple(token_ids("allowed_token_ids", ids))
+
+
 def seed(body: dict) -> int | None:
     """OpenAI allows any 64-bit seed; the engine's RNG takes [0, 2**63): a negative seed
     maps to its two's complement there (deterministic, as a seed must be)."""

@@ -34,6 +34,7 @@ _OWN_PARSER = frozenset(
         "stop",  # a string or a list
         "stop_token_ids",
         "logit_bias",  # an object of token id -> bias
+        "allowed_token_ids",  # a list of token ids
         "priority",
         "cache_salt",  # scoped by the tenant
         "lora",  # the model's name
@@ -148,6 +149,8 @@ def parse_request(
         values["seed"] = seed
     if bias := F.logit_bias(body):
         values["logit_bias"] = bias
+    if allowed := F.allowed_token_ids(body):
+        values["allowed_token_ids"] = allowed
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not isinstance(stop_ids, list):
         raise F.bad_type("stop_token_ids", stop_ids, "a list of token ids")

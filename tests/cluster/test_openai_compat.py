@@ -166,6 +166,15 @@ def test_generation_fields(oai: openai.OpenAI, cluster: Cluster, tok: Tokenizer)
         extra_body={"return_tokens_as_token_ids": True},
     ).choices[0]
     assert biased.logprobs.tokens == [f"token_id:{forced}"] * 4
+    allowed = sorted({forced, *tok.encode(" a b c the", add_special_tokens=False)})
+    kept_to = oai.completions.create(
+        model=m,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=1.5,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+    ).choices[0]
+    assert set(kept_to.token_ids) <= set(allowed) and len(kept_to.token_ids) == 6  # type: ignore[attr-defined]
     stop = text[2:5]
     assert stop and stop in text
     kept = oai.completions.create(

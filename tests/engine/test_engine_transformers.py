@@ -124,7 +124,8 @@ def test_parallel_samples_share_prompt_blocks_and_seeds_reproduce(tiny_dir) -> N
     assert_no_blocks_in_use(engine)
 
 
-def hf_beams(hf_model, prompt, max_new, lp, es, eos, min_new=0):
+def hf_beams(hf_model, prompt, max_new, lp, es, eos, min_new=0, **processors):
+    """``processors``: generate's own (``sequence_bias``, ``prefix_allowed_tokens_fn``)."""
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([prompt]),
@@ -140,6 +141,7 @@ def hf_beams(hf_model, prompt, max_new, lp, es, eos, min_new=0):
             min_new_tokens=min_new,
             return_dict_in_generate=True,
             output_scores=True,
+            **processors,
         )
     beams = []
     for i in range(4):

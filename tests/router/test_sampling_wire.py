@@ -106,6 +106,7 @@ PROTO_VALUES = {
     "skip_special_tokens": (False, False),
     "prompt_logprobs": (1, 1),
     "logit_bias": ({5: 2.0}, ((5, 2.0),)),
+    "allowed_token_ids": ([5, 9], (5, 9)),
 }
 
 
@@ -161,6 +162,7 @@ HTTP_VALUES: dict[str, tuple[dict, str, object]] = {
     "cache_salt": ({"cache_salt": "s"}, "cache_salt", tenant_salt(None, "s")),
     "skip_special_tokens": ({"skip_special_tokens": False}, "skip_special_tokens", False),
     "logit_bias": ({"logit_bias": {"5": 2}}, "logit_bias", ((5, 2.0),)),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 9]}, "allowed_token_ids", (5, 9)),
     "response_format": ({"response_format": {"type": "json_object"}}, "structured", "json_object"),
     "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, "structured", "regex"),
     "guided_json": ({"guided_json": {"type": "object"}}, "structured", "json_schema"),

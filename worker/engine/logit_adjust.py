@@ -1,7 +1,8 @@
 """Logits adjusted before sampling, for the rows that ask: presence, frequency and
 repetition penalties (OpenAI's and vLLM's definitions), then OpenAI's ``logit_bias``, then
-each row's banned ids. The penalties' token counts come from the engine's device tables
-(``penalties.py``) or, without them, are counted here from each row's ids."""
+vLLM's ``allowed_token_ids`` and each row's banned ids. The penalties' token counts come
+from the engine's device tables (``penalties.py``) or, without them, are counted here from
+each row's ids."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def adjust(
     logits: torch.Tensor, specs: Sequence[SampleSpec], counts: PenaltyRows | None
 ) -> torch.Tensor:
     """Penalties, then OpenAI's ``logit_bias`` (added; logprobs stay the model's own), then
-    the banned ids of each row."""
+    every id outside a row's ``allowed_token_ids`` and the banned ids of each row masked."""
     device = logits.device
     logits = _apply_penalties(logits, specs, counts)
     biased = [(i, t, b) for i, s in enumerate(specs) for t, b in s.params.logit_bias]
@@ -88,6 +89,7 @@ def adjust(
             to_device(list(bias), logits.dtype, device),
             accumulate=True,
         )
+    logits = _keep_allowed(logits, specs)
     banned_rows = [i for i, s in enumerate(specs) for _ in s.banned]
     if banned_rows:
         cells = [banned_rows, [t for s in specs for t in s.banned]]
@@ -96,3 +98,18 @@ def adjust(
             torch.tensor(float("-inf"), dtype=logits.dtype, device=device),
         )
     return logits
+
+
+def _keep_allowed(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    """-inf on every id a row's ``allowed_token_ids`` leaves out (rows without: as they are)."""
+    rows = [i for i, s in enumerate(specs) if s.params.allowed_token_ids]
+    if not rows:
+        return logits
+    device = logits.device
+    ids = [s.params.allowed_token_ids for s in (specs[i] for i in rows)]
+    cells = [[k for k, row_ids in enumerate(ids) for _ in row_ids], [t for r in ids for t in r]]
+    keep = torch.zeros((len(rows), logits.shape[-1]), dtype=torch.bool, device=device)
+    keep.index_put_(tuple(to_device(cells, torch.long, device)), torch.tensor(True, device=device))
+    idx = to_device(rows, torch.long, device)
+    kept = logits.index_select(0, idx).masked_fill_(~keep, float("-inf"))
+    return logits.index_copy(0, idx, kept)

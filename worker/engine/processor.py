@@ -24,7 +24,7 @@ from kvstore.requests.outputs import FinishReason, RequestOutput, TokenLogprob
 from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.grammar_masks import GrammarMasks, grammar_rows
-from worker.engine.logit_adjust import PenaltyRows
+from worker.engine.logit_adjust import PenaltyRows, adjust
 from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
 from worker.engine.penalties import PenaltyCounts
@@ -364,12 +364,13 @@ class OutputProcessor:
         logits = torch.stack([s.pending_logits for s in seqs])
         if not bool(finite_rows(logits).all()):
             raise NonFiniteLogits(_non_finite(req))
-        logprobs = logits.log_softmax(dim=-1)
-        for i, s in enumerate(seqs):
+        specs = []
+        for s in seqs:
             s.pending_logits = None
-            banned = self.banned(req, s)
-            if banned:
-                logprobs[i, list(banned)] = float("-inf")
+            specs.append(SampleSpec(req.params, None, self.banned(req, s)))
+        # as transformers' beam search runs its processors: on the log-probabilities
+        # (logit_bias, allowed_token_ids, ids banned before min_tokens)
+        logprobs = adjust(logits.log_softmax(dim=-1), specs, None)
         out = self._outcome(req)
         out.beams = req.beam.step(logprobs, [s.output_ids for s in seqs])
         if req.beam.done:

@@ -150,13 +150,13 @@ def sample(
     greedy: list[int] = []
     rand: list[int] = []
     want: list[int] = []
-    special = False  # a row with penalties, logit_bias or banned ids
+    special = False  # a row with penalties, logit_bias, allowed or banned ids
     for i, s in enumerate(specs):
         (greedy if s.greedy else rand).append(i)
         p = s.params
         if p.logprobs is not None:
             want.append(i)
-        if s.penalized or s.banned or p.logit_bias:
+        if s.penalized or s.banned or p.logit_bias or p.allowed_token_ids:
             special = True
     if special:
         logits = adjust(logits, specs, counts)

@@ -74,6 +74,7 @@ def eligible(req: Request) -> bool:
         and req.prompt_logprobs is None
         and not p.has_penalties
         and not p.logit_bias
+        and not p.allowed_token_ids
         and p.min_tokens == 0
         and p.structured is None
     )

@@ -55,5 +55,12 @@ def validate_request(
                 f"with min_tokens={params.min_tokens} they and EOS ban every token of the "
                 f"vocabulary (vocab_size={vocab_size}): nothing could be generated",
             )
+        if params.allowed_token_ids and banned.issuperset(params.allowed_token_ids):
+            raise InvalidRequest(
+                "allowed_token_ids",
+                f"<{len(params.allowed_token_ids)} ids>",
+                f"are all EOS or stop ids, masked until min_tokens={params.min_tokens}: "
+                "nothing could be generated",
+            )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop", list(params.stop), "stop strings need a tokenizer")
