@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP edge: Starlette routes served by uvicorn in the router actor's
 event loop, a thin parser over the same :class:`Intake` as the gRPC servicer.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream``),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (SSE
+when ``stream``),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /health``. Errors are
 OpenAI-shaped (``{"error": {...}}``) with the status of the one error table
@@ -100,6 +101,7 @@ class OpenAIServer:
         self._generation = {
             "/v1/completions": generation.completions,
             "/v1/chat/completions": generation.chat,
+            "/v1/responses": generation.responses,
         }
         every = [
             *(Route(path, h, methods=["POST"]) for path, h in self._generation.items()),

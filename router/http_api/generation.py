@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvstore.requests.outputs import GenerationResult, RequestOutput, Usage
-from router.http_api.responses import Shaper
-from router.http_api.sse import DONE, sse_event
+from kvstore.requests.outputs import (
+    Completion,
+    CompletionDelta,
+    GenerationResult,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
 from router.serving.edge_intake import Intake
 from router.serving.generate_spec import GenerateSpec
 from router.serving.request_errors import Mapped, classify
@@ -88,13 +93,46 @@ class _EventStream(StreamingResponse):
 Item = tuple[int, str, RequestOutput]  # (prompt index, worker, output)
 
 
+class AnswerShaper(Protocol):
+    """What an answer's API makes of the outputs: chat and text completions
+    (:class:`~router.http_api.responses.Shaper`) or a Responses API response
+    (:class:`~router.http_api.responses_shaper.ResponsesShaper`)."""
+
+    n: int  # samples per prompt
+
+    @property
+    def stream(self) -> bool: ...
+
+    def whole(
+        self,
+        completions: list[tuple[int, Completion]],
+        usages: list[Usage],
+        prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
+    ) -> dict[str, Any]: ...
+
+    def opening(self) -> bytes: ...
+
+    def event(
+        self,
+        prompt_idx: int,
+        d: CompletionDelta,
+        first: bool,
+        usage: Usage | None = None,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> bytes: ...
+
+    def closing(self, usages: list[Usage]) -> bytes: ...
+
+    def failed(self, error: dict[str, Any]) -> bytes: ...
+
+
 class Generation:
     """One request's answer, from its validated specs and their prompts' token ids."""
 
     def __init__(
         self,
         intake: Intake,
-        shaper: Shaper,
+        shaper: AnswerShaper,
         specs: Sequence[GenerateSpec],
         token_lists: Sequence[list[int]],
     ) -> None:
@@ -160,7 +198,7 @@ class Generation:
                 await outputs.aclose()
                 return Response(status_code=499)
             headers = {WORKER_HEADER: first[1], **headers}
-            if self.shaper.req.stream:
+            if self.shaper.stream:
                 streaming = True  # the stream ends the watcher
                 events = self._events(first, outputs)
                 return _EventStream(gone, events, headers=headers, media_type="text/event-stream")
@@ -220,18 +258,18 @@ class Generation:
             return b"".join(out_events)
 
         try:
+            if data := shaper.opening():
+                yield data
             if data := events(first):
                 yield data
             async for item in rest:
                 if data := events(item):  # (an output may carry no changed sample)
                     yield data
-            if shaper.req.include_usage:
-                yield sse_event(shaper.usage_chunk(list(usages.values())))
+            yield shaper.closing(list(usages.values()))
         except Exception as exc:  # headers are sent: the error goes in the stream
-            yield sse_event(error_body(exc, self.specs[0].names, self.intake)[1])
+            yield shaper.failed(error_body(exc, self.specs[0].names, self.intake)[1])
         finally:
             await rest.aclose()  # aborts what is still running (client gone)
-        yield DONE
 
 
 async def unless_gone(request: Request, awaitable: Any) -> Any:

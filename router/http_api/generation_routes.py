@@ -1,6 +1,6 @@
-"""The HTTP edge's generation routes, ``POST /v1/completions`` and
-``POST /v1/chat/completions``: a request parsed and tokenized through the router's
-:class:`~router.serving.edge_intake.Intake`, answered by a
+"""The HTTP edge's generation routes, ``POST /v1/completions``,
+``POST /v1/chat/completions`` and ``POST /v1/responses``: a request parsed and tokenized
+through the router's :class:`~router.serving.edge_intake.Intake`, answered by a
 :class:`~router.http_api.generation.Generation` (SSE when ``stream``). The server calls
 them straight, past Starlette's routing (:class:`~router.http_api.app.OpenAIServer`)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +17,11 @@ from starlette.responses import Response
 
 from router.http_api.body import read_body
 from router.http_api.generation import Generation
-from router.http_api.openai_request import OpenAIRequest, known_fields, parse_request
+from router.http_api.openai_request import known_fields, parse_request
 from router.http_api.responses import Shaper
+from router.http_api.responses_request import FIELDS as RESPONSES_FIELDS
+from router.http_api.responses_request import parse_responses
+from router.http_api.responses_shaper import ResponsesShaper
 from router.serving.core import ClusterOverloaded
 from router.serving.generate_spec import GenerateSpec
 
@@ -28,7 +32,7 @@ log = logging.getLogger("router.http_api.app")  # the server's log, as its other
 
 
 class GenerationRoutes:
-    """The two generation routes of one server."""
+    """The generation routes of one server."""
 
     def __init__(self, server: OpenAIServer) -> None:
         self.s = server
@@ -39,9 +43,32 @@ class GenerationRoutes:
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
 
+    async def responses(self, request: Request) -> Response:
+        def parse(body: Any, tenant: str | None, rid: str | None) -> tuple[Any, list[Any]]:
+            meta, spec = parse_responses(
+                body,
+                tenant=tenant,
+                limits=self.s.limits,
+                now=int(time.time()),
+                header_request_id=rid,
+            )
+            return meta, [spec]
+
+        try:
+            meta, specs, token_lists = await self._prepare(request, parse, RESPONSES_FIELDS)
+        except Exception as exc:
+            return self.s.error(exc, {"messages": "input"})
+        headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
+        shaper = ResponsesShaper(meta)
+        return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)
+
     async def _prepare(
-        self, request: Request, chat: bool
-    ) -> tuple[OpenAIRequest, list[GenerateSpec], list[list[int]]]:
+        self,
+        request: Request,
+        parse: Callable[[Any, str | None, str | None], tuple[Any, list[GenerateSpec]]],
+        known: frozenset[str],
+    ) -> tuple[Any, list[GenerateSpec], list[list[int]]]:
+        """``parse(body, tenant, header request id)``: the API's (meta, specs)."""
         await self.s.intake.turn()  # a burst's parsing spread over loop iterations
         tenant = self.s.tenant(request)  # first: an unauthenticated caller learns nothing
         try:  # then the cheap refusal, before any parsing
@@ -51,20 +78,10 @@ class GenerationRoutes:
                 pass  # connection stays usable
             raise
         header_rid = request.headers.get("x-request-id")
-
-        def parse(body: Any) -> tuple[Any, OpenAIRequest, list[GenerateSpec]]:
-            meta, specs = parse_request(
-                body,
-                chat=chat,
-                tenant=tenant,
-                limits=self.s.limits,
-                now=int(time.time()),
-                header_request_id=header_rid,
-            )
-            return body, meta, specs
-
-        body, meta, specs = await self.s.json_body(request, parse)
-        self._note_unknown(body, chat)
+        body, meta, specs = await self.s.json_body(
+            request, lambda body: (body, *parse(body, tenant, header_rid))
+        )
+        self._note_unknown(body, known)
         lora = await self.s.intake.lora_of(meta.model or None, tenant)
         if not meta.model:
             meta = replace(meta, model=self.s.intake.model_id)
@@ -74,8 +91,18 @@ class GenerationRoutes:
         return meta, specs, token_lists
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        def parse(body: Any, tenant: str | None, rid: str | None) -> tuple[Any, list[Any]]:
+            return parse_request(
+                body,
+                chat=chat,
+                tenant=tenant,
+                limits=self.s.limits,
+                now=int(time.time()),
+                header_request_id=rid,
+            )
+
         try:
-            meta, specs, token_lists = await self._prepare(request, chat)
+            meta, specs, token_lists = await self._prepare(request, parse, known_fields(chat))
         except Exception as exc:
             return self.s.error(exc, {"text": "prompt", "token_ids": "prompt"})
         echoes = None
@@ -89,11 +116,11 @@ class GenerationRoutes:
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
         return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)
 
-    def _note_unknown(self, body: Any, chat: bool) -> None:
+    def _note_unknown(self, body: Any, known: frozenset[str]) -> None:
         """Unknown fields are ignored (as vLLM does), logged once per name and counted."""
         if not isinstance(body, dict):
             return
-        for name in set(body) - known_fields(chat):
+        for name in set(body) - known:
             shown = name.encode("unicode_escape").decode()[:64]
             if self.s.intake.metrics.unknown_field(shown):
                 log.warning("ignoring unknown request field %r (logged once per name)", shown)

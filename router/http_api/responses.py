@@ -7,7 +7,7 @@ from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.openai_request import OpenAIRequest
-from router.http_api.sse import PlainChunks, sse_event
+from router.http_api.sse import DONE, PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta
 from worker.model.tokenizer import Tokenizer
 
@@ -57,6 +57,21 @@ class Shaper:
             if plain
             else None
         )
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    def opening(self) -> bytes:
+        return b""
+
+    def closing(self, usages: list[Usage]) -> bytes:
+        """The stream's end: the usage chunk (include_usage), then ``[DONE]``."""
+        return (sse_event(self.usage_chunk(usages)) if self.req.include_usage else b"") + DONE
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        """An error after the stream began: its body as an event, then ``[DONE]``."""
+        return sse_event(error) + DONE
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")

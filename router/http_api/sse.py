@@ -24,6 +24,12 @@ def sse_event(obj: dict[str, Any]) -> bytes:
     return b"data: " + _compact(obj).encode() + b"\n\n"
 
 
+def typed_event(kind: str, obj: dict[str, Any]) -> bytes:
+    """One event named ``kind`` (an ``event:`` line, as the Responses API's stream has)
+    carrying ``obj`` as compact JSON."""
+    return b"event: " + kind.encode() + b"\ndata: " + _compact(obj).encode() + b"\n\n"
+
+
 class PlainChunks:
     """The events of one request's plain chunks, from pre-encoded parts.
 

@@ -296,3 +296,34 @@ def test_max_tokens_over_what_the_prompt_leaves_is_refused_and_an_unset_one_fitt
             model=m, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=600
         )
     assert bad.value.body["param"] == "max_completion_tokens"
+
+
+def test_responses_api_answers_as_the_chat_does(oai: openai.OpenAI, cluster: Cluster) -> None:
+    """The same conversation through /v1/responses and /v1/chat/completions, greedy: the
+    same prompt, the same answer, whole and streamed."""
+    m, ask = cluster.model_id, "Name a colour."
+    chat = oai.chat.completions.create(
+        model=m,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": ask}],
+        max_completion_tokens=8,
+        temperature=0,
+    )
+    r = oai.responses.create(
+        model=m, instructions="Be brief.", input=ask, max_output_tokens=8, temperature=0
+    )
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with oai.responses.stream(
+        model=m,
+        instructions="Be brief.",
+        input=[{"role": "user", "content": [{"type": "input_text", "text": ask}]}],
+        max_output_tokens=8,
+        temperature=0,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == r.output_text
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.responses.create(model=m, input=ask, previous_response_id=r.id)
+    assert bad.value.body["param"] == "previous_response_id"

@@ -16,6 +16,7 @@ from kvstore.requests.errors import InvalidRequest
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
 from router.edge.convert import spec_from_pb
 from router.http_api.openai_request import parse_request
+from router.http_api.responses_request import parse_responses
 from router.placement.config import RequestLimits, RoutingConfig
 from router.placement.router import Router
 from router.serving.core import ModelLimits, ServingCore
@@ -50,6 +51,16 @@ def completion(prompt_tokens: int, **body: Any) -> GenerateSpec:
 
 def chat(prompt_tokens: int, **body: Any) -> GenerateSpec:
     return http({"messages": [{"role": "user", "content": "c" * prompt_tokens}], **body}, True)
+
+
+def responses(prompt_tokens: int, **body: Any) -> GenerateSpec:
+    _, spec = parse_responses(
+        {"model": "m", "input": "r" * prompt_tokens, **body},
+        tenant=None,
+        limits=RequestLimits(),
+        now=0,
+    )
+    return spec
 
 
 def grpc(prompt_tokens: int, **params: Any) -> GenerateSpec:
@@ -96,16 +107,18 @@ def test_a_given_max_tokens_over_the_room_is_refused_naming_the_field_as_sent() 
             chat(60, max_completion_tokens=5),
             chat(60, max_tokens=5),
             grpc(60, max_tokens=5),
+            responses(60, max_output_tokens=5),
             completion(60, max_tokens=4),  # the context exactly full
             grpc(10, max_tokens=54),
         ]
     )
     fields = ["max_tokens", "max_completion_tokens", "max_tokens", "max_tokens"]
-    for err, field in zip(results[:4], fields, strict=True):
+    fields.append("max_output_tokens")
+    for err, field in zip(results[:5], fields, strict=True):
         assert isinstance(err, InvalidRequest), err
         assert (err.field, err.value) == (field, 5)
         assert "must be at most 4: max_model_len=64 minus the prompt's 60 tokens" in str(err)
-    assert results[4:] == [4, 54]
+    assert results[5:] == [4, 54]
     assert len(directory.requests) == 2
 
 
@@ -118,9 +131,10 @@ def test_an_unset_max_tokens_is_fitted_to_the_room() -> None:
             grpc(10),
             chat(60),  # OpenAI's chat: as long as the context allows
             chat(10),
+            responses(10),  # as the chat
         ]
     )
-    assert results == [4, 16, 4, 16, 4, 54]
+    assert results == [4, 16, 4, 16, 4, 54, 54]
 
 
 def test_the_prompt_is_named_when_it_leaves_no_room_and_min_tokens_when_it_cannot_fit() -> None:

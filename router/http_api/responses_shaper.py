@@ -1,0 +1,226 @@
+"""Engine outputs -> OpenAI Responses API objects: the whole ``response``, or its stream of
+typed events (``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``), each with its ``sequence_number``, as the ``openai`` client's
+``responses.stream`` assembles them.
+
+The answer is one assistant message (its text as one ``output_text`` part) and, with tools,
+one ``function_call`` item per call the answer makes (parsed as for chat: ``tool_calls.py``;
+while streaming, text that may be a call is held back until the answer ends). An answer cut
+by ``max_output_tokens`` (or the context) is ``incomplete``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
+from router.http_api.responses_request import ResponsesRequest
+from router.http_api.sse import typed_event
+from router.http_api.tool_calls import ToolStream, parse_calls
+
+
+def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
+    if not usages:
+        return None
+    prompt = sum(u.prompt_tokens for u in usages)
+    output = sum(u.completion_tokens for u in usages)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "type": "function_call",
+        "id": "fc_" + call["id"].removeprefix("call_"),
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"] if status == "completed" else "",
+        "status": status,
+    }
+
+
+class ResponsesShaper:
+    """One /v1/responses answer (one prompt, one sample)."""
+
+    n = 1  # samples per prompt (the API has no n)
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.req = req
+        self.stream = req.stream
+        self._message_id = "msg_" + uuid.uuid4().hex
+        self._seq = 0  # the next event's sequence_number
+        self._text = ""  # the message's text sent so far
+        self._open = False  # the message item and its text part were announced
+        self._tools = ToolStream(req.tools) if req.tools is not None else None
+        self._calls: list[dict[str, Any]] = []
+        self._reason: str | None = None  # the answer's finish reason, once it ended
+
+    # -- the response object --------------------------------------------------------------
+
+    def _response(
+        self, status: str, output: list[dict[str, Any]], usages: list[Usage] | None = None
+    ) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.req.response_id,
+            "object": "response",
+            "created_at": self.req.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.req.model,
+            "output": output,
+            "previous_response_id": None,
+            "reasoning": None,
+            "usage": usage_json(usages or []),
+            **self.req.echoed,
+        }
+
+    @staticmethod
+    def _status(reason: str | None) -> str:
+        return "incomplete" if reason == "length" else "completed"
+
+    def _message(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": self._message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [_text_part(text)],
+        }
+
+    def _output(self, content: str | None, calls: list[dict[str, Any]], status: str) -> list:
+        """The message (when it has text, or nothing else is answered), then the calls."""
+        items = [self._message(content or "", status)] if content or not calls else []
+        return items + [_call_item(c) for c in calls]
+
+    def whole(
+        self,
+        completions: list[tuple[int, Completion]],
+        usages: list[Usage],
+        prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
+    ) -> dict[str, Any]:
+        (_, c), *_ = completions
+        reason = c.finish_reason.value if c.finish_reason else None
+        content, calls = c.text, []
+        if self.req.tools is not None:
+            content, calls = parse_calls(c.text, self.req.tools)
+        status = self._status(reason)
+        return self._response(status, self._output(content, calls, status), usages)
+
+    # -- the stream -----------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return typed_event(kind, body)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._message_id, "output_index": 0, "content_index": 0}
+
+    def _announce(self) -> bytes:
+        """The message item and its text part, before its first text."""
+        self._open = True
+        return self._event(
+            "response.output_item.added",
+            output_index=0,
+            item={**self._message("", "in_progress"), "content": []},
+        ) + self._event(
+            "response.content_part.added",
+            item_id=self._message_id,
+            output_index=0,
+            content_index=0,
+            part=_text_part(""),
+        )
+
+    def opening(self) -> bytes:
+        snapshot = self._response("in_progress", [])
+        return self._event("response.created", response=snapshot) + self._event(
+            "response.in_progress", response=snapshot
+        )
+
+    def event(
+        self,
+        prompt_idx: int,
+        d: CompletionDelta,
+        first: bool,
+        usage: Usage | None = None,
+        prompt: list[TokenLogprob | None] | None = None,
+    ) -> bytes:
+        text = d.text if self._tools is None else self._tools.feed(d.text)
+        if d.finish_reason is not None:
+            self._reason = d.finish_reason.value
+            if self._tools is not None:
+                rest, self._calls = self._tools.finish()
+                text += rest
+        if not text:
+            return b""
+        out = b"" if self._open else self._announce()
+        self._text += text
+        return out + self._event(
+            "response.output_text.delta", **self._where(), delta=text, logprobs=[]
+        )
+
+    def closing(self, usages: list[Usage]) -> bytes:
+        status = self._status(self._reason)
+        out = []
+        if self._text or not self._calls:  # the message, closed (opened if it had no text)
+            if not self._open:
+                out.append(self._announce())
+            where = self._where()
+            out += [
+                self._event("response.output_text.done", **where, text=self._text, logprobs=[]),
+                self._event("response.content_part.done", **where, part=_text_part(self._text)),
+                self._event(
+                    "response.output_item.done",
+                    output_index=0,
+                    item=self._message(self._text, status),
+                ),
+            ]
+        first = 1 if out else 0
+        for k, call in enumerate(self._calls, start=first):
+            item = _call_item(call)
+            out += [
+                self._event(
+                    "response.output_item.added",
+                    output_index=k,
+                    item=_call_item(call, "in_progress"),
+                ),
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=k,
+                    delta=item["arguments"],
+                ),
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=k,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                ),
+                self._event("response.output_item.done", output_index=k, item=item),
+            ]
+        whole = self._response(status, self._output(self._text, self._calls, status), usages)
+        out.append(self._event(f"response.{status}", response=whole))
+        return b"".join(out)
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        """An error after the stream began (the worker died, the engine failed it)."""
+        err = error["error"]
+        snapshot = self._response("failed", [])
+        snapshot["error"] = {"code": err["code"] or err["type"], "message": err["message"]}
+        return self._event(
+            "error", code=err["code"], message=err["message"], param=err["param"]
+        ) + self._event("response.failed", response=snapshot)

@@ -1,0 +1,269 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the real HTTP server (uvicorn on
+loopback, a scripted serving core) and the official ``openai`` client: the conversation the
+model sees, the response object, its typed event stream as ``responses.stream`` assembles
+it, function calls, and errors naming the field as this API spells it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from tests.router.edges import http_server
+from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
+from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
+
+CHAT_IDS = [3, 4, 5]  # what the tokenizer renders any conversation to
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+class Core(OneTokenCore):
+    """Answers with ``pieces`` (one output each), ending ``finish``; records each request."""
+
+    def __init__(self, pieces: list[str], finish: FinishReason, fail_after: int | None) -> None:
+        self.pieces, self.finish, self.fail_after = pieces, finish, fail_after
+        self.params: list[Any] = []
+
+    async def generate(self, request_id, token_ids, params, *, tenant=None, continue_from=()):  # noqa: ANN001, ANN201, E501
+        self.params.append(params)
+        for i, text in enumerate(self.pieces):
+            if i == self.fail_after:
+                raise RuntimeError("the worker died")
+            last = i == len(self.pieces) - 1
+            d = CompletionDelta(0, text, [7 + i], finish_reason=self.finish if last else None)
+            yield "w0", RequestOutput(request_id, [d], last, Usage(len(token_ids), 1, i + 1))
+
+
+class Tokenizer(OneTokenTokenizer):
+    def __init__(self) -> None:
+        self.chats: list[list[dict]] = []
+
+    def encode_chat(self, messages: list, **options: object) -> list[int]:
+        self.chats.append([dict(m) for m in messages])
+        return list(CHAT_IDS)
+
+
+def served(
+    ask: Callable[[openai.OpenAI], Any],
+    pieces: tuple[str, ...] = ("Hello", " world"),
+    finish: FinishReason = FinishReason.STOP,
+    fail_after: int | None = None,
+) -> tuple[Any, Core, Tokenizer]:
+    core, tok = Core(list(pieces), finish, fail_after), Tokenizer()
+    server = http_server(core, tok)
+
+    async def main() -> Any:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
+            )
+            return await asyncio.get_running_loop().run_in_executor(None, ask, client)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main()), core, tok
+
+
+def test_a_whole_response_from_instructions_and_text_input() -> None:
+    r, core, tok = served(
+        lambda c: c.responses.create(model="m", input="hi", instructions="Be brief.")
+    )
+    assert tok.chats == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ]
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert r.output_text == "Hello world" and r.model == "m"
+    (msg,) = r.output
+    assert (msg.type, msg.role, msg.status) == ("message", "assistant", "completed")
+    assert r.usage.input_tokens == 3 and r.usage.output_tokens == 2
+    assert r.usage.input_tokens_details.cached_tokens == 1 and r.usage.total_tokens == 5
+    # no max_output_tokens: as long as the context allows (512 here, less the prompt)
+    assert core.params[0].max_tokens == 512 - len(CHAT_IDS)
+    assert r.store is False and r.instructions == "Be brief."
+
+
+def test_max_output_tokens_and_an_answer_it_cuts() -> None:
+    r, core, _ = served(
+        lambda c: c.responses.create(model="m", input="hi", max_output_tokens=2, temperature=0),
+        finish=FinishReason.LENGTH,
+    )
+    assert core.params[0].max_tokens == 2 and core.params[0].temperature == 0
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "incomplete" and r.output_text == "Hello world"
+
+
+def test_the_stream_is_assembled_by_the_client() -> None:
+    def ask(c: openai.OpenAI) -> tuple[list, Any]:
+        with c.responses.stream(model="m", input="hi") as stream:
+            events = list(stream)
+            return events, stream.get_final_response()
+
+    (events, final), _, _ = served(ask, pieces=("He", "llo", " world"))
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 3,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        "Hello world"
+    )
+    assert final.output_text == "Hello world" and final.status == "completed"
+    assert final.usage.output_tokens == 3 and final.id == events[0].response.id
+
+
+def test_input_items_become_the_conversation_with_its_calls() -> None:
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Weather "},
+                {"type": "input_text", "text": "in Paris?"},
+            ],
+        },
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city":"Paris"}',
+        },
+        {
+            "type": "function_call",
+            "call_id": "call_2",
+            "name": "get_weather",
+            "arguments": '{"city":"Lyon"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "rain"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Sunny."}],
+        },
+        {"role": "user", "content": "Thanks"},
+    ]
+    _, _, tok = served(lambda c: c.responses.create(model="m", input=items, tools=[WEATHER]))
+    (chat,) = tok.chats
+    assert [m["role"] for m in chat] == [
+        "developer",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert chat[1]["content"] == "Weather in Paris?"
+    calls = chat[2]["tool_calls"]
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("call_1", "get_weather", '{"city":"Paris"}'),
+        ("call_2", "get_weather", '{"city":"Lyon"}'),
+    ]
+    assert (chat[3]["tool_call_id"], chat[3]["content"]) == ("call_1", "sunny")
+    assert chat[5]["content"] == "Sunny."
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_function_call_is_an_output_item(stream: bool) -> None:
+    def ask(c: openai.OpenAI) -> Any:
+        if not stream:
+            return c.responses.create(model="m", input="Weather?", tools=[WEATHER])
+        with c.responses.stream(model="m", input="Weather?", tools=[WEATHER]) as s:
+            deltas = [e for e in s if e.type == "response.output_text.delta"]
+            assert deltas == []  # the call was held back, not sent as text
+            return s.get_final_response()
+
+    r, _, _ = served(ask, pieces=(CALL[:20], CALL[20:]))
+    (call,) = r.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id.startswith("call_")
+    assert r.output_text == "" and r.status == "completed"
+
+
+def test_text_format_and_tool_choice_become_the_output_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def ask(c: openai.OpenAI) -> Any:
+        c.responses.create(
+            model="m",
+            input="x",
+            text={"format": {"type": "json_schema", "name": "t", "schema": schema}},
+        )
+        c.responses.create(
+            model="m",
+            input="x",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+        )
+        return c.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
+
+    r, core, _ = served(ask, pieces=('{"a": 1}',))
+    assert [p.structured.kind for p in core.params] == ["json_schema", "json_schema", "json_object"]
+    assert json.loads(core.params[0].structured.value) == schema
+    assert r.text.format.type == "json_object"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"input": [{"type": "file_search_call"}]}, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        (
+            {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice.name",
+        ),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": -1}, "temperature"),
+    ],
+)
+def test_bad_requests_name_the_field_as_this_api_spells_it(body: dict, param: str) -> None:
+    def ask(c: openai.OpenAI) -> Any:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model="m", **body)
+        return err.value
+
+    err, core, _ = served(ask)
+    assert err.body["param"] == param, err.body
+    assert core.params == []  # refused before it reached a worker
+
+
+def test_an_error_mid_stream_ends_it_failed() -> None:
+    def ask(c: openai.OpenAI) -> list:
+        with c.responses.stream(model="m", input="hi") as stream:
+            return list(stream)
+
+    events, _, _ = served(ask, pieces=("a", "b"), fail_after=1)
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1].response.status == "failed" and events[-1].response.error.message
