@@ -13,7 +13,7 @@ from kvstore.requests.errors import InvalidRequest
 from kvstore.requests.model_limits import check_model_limits
 from kvstore.requests.sampling_params import MAX_ALLOWED_TOKEN_IDS
 from tests.engine.helpers import assert_no_blocks_in_use
-from tests.engine.test_engine_transformers import EOS, PROMPTS, engine_for, hf_beams
+from tests.engine.test_engine_transformers import EOS, PROMPTS, engine_for, hf_beams, hf_greedy
 from worker.engine import FinishReason, SamplingParams
 from worker.engine.sampler import SampleSpec, sample
 
@@ -61,20 +61,6 @@ def test_ids_are_checked_against_the_field_rules_and_the_vocabulary() -> None:
     assert (err.value.field, err.value.value) == ("allowed_token_ids", 64)
 
 
-def hf_allowed_greedy(hf_model, prompt: list[int], max_new: int, allowed) -> list[int]:  # noqa: ANN001
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=list(EOS),
-            pad_token_id=0,
-            prefix_allowed_tokens_fn=lambda _batch, _ids: list(allowed),
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_greedy_and_sampled_requests_equal_transformers_restriction(tiny_dir, hf_model) -> None:
     engine = engine_for(tiny_dir)
     prompts = PROMPTS[:4]
@@ -83,7 +69,9 @@ def test_greedy_and_sampled_requests_equal_transformers_restriction(tiny_dir, hf
     plain = SamplingParams(temperature=0, max_tokens=12)
     results = engine.generate(prompts + prompts[:1], [greedy] * 3 + [sampled, plain])
     for prompt, res in zip(prompts[:3], results, strict=False):
-        assert res.completions[0].token_ids == hf_allowed_greedy(hf_model, prompt, 12, ALLOWED)
+        assert res.completions[0].token_ids == hf_greedy(
+            hf_model, prompt, 12, prefix_allowed_tokens_fn=lambda *_: list(ALLOWED)
+        )
     assert all(t in ALLOWED for c in results[3].completions for t in c.token_ids)
     assert len({tuple(c.token_ids) for c in results[3].completions}) > 1  # sampled, not greedy
     assert any(t not in ALLOWED for t in results[4].completions[0].token_ids)  # a batch-mate

@@ -18,9 +18,12 @@ PROMPTS = [[_rng.randrange(5, 512) for _ in range(n)] for n in (3, 17, 33, 50, 6
 _cache: dict[tuple, list[int]] = {}
 
 
-def hf_greedy(hf_model, prompt: list[int], max_new: int = MAX_NEW, min_new: int = 0) -> list[int]:
+def hf_greedy(
+    hf_model, prompt: list[int], max_new: int = MAX_NEW, min_new: int = 0, **processors
+) -> list[int]:
+    """``processors``: generate's own (``prefix_allowed_tokens_fn``); not cached."""
     key = (tuple(prompt), max_new, min_new)
-    if key not in _cache:
+    if key not in _cache or processors:
         with torch.no_grad():
             out = hf_model.generate(
                 torch.tensor([prompt]),
@@ -30,10 +33,14 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int = MAX_NEW, min_new: int 
                 do_sample=False,
                 eos_token_id=list(EOS),
                 pad_token_id=0,
+                **processors,
             )
         gen = out[0, len(prompt) :].tolist()
         stop = next((i for i, t in enumerate(gen) if t in EOS), None)
-        _cache[key] = gen if stop is None else gen[: stop + 1]
+        gen = gen if stop is None else gen[: stop + 1]
+        if processors:
+            return gen
+        _cache[key] = gen
     return _cache[key]
 
 

@@ -3,6 +3,8 @@ core and tokenizer (no Ray): the HTTP server closes its intake when it stops."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from router.edge.servicer import KVClusterServicer
@@ -25,3 +27,23 @@ def grpc_servicer(
 ) -> KVClusterServicer:
     intake = Intake(core, tokenizer, auth=None, limits=limits or RequestLimits())
     return KVClusterServicer(intake, policy="x")
+
+
+def with_openai(core: Any, tokenizer: Any, ask: Callable[[Any], Any]) -> Any:
+    """``ask(client)`` with an ``openai`` client of an HTTP server over ``core``, run in a
+    thread while the server serves (on loopback, stopped after)."""
+    import openai
+
+    server = http_server(core, tokenizer)
+
+    async def main() -> Any:
+        port = await server.start("127.0.0.1", 0)
+        try:
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
+            )
+            return await asyncio.get_running_loop().run_in_executor(None, ask, client)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())

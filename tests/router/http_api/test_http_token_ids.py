@@ -4,14 +4,13 @@ and each choice's generated ones, whole and streamed, on completions and chat.""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import openai
 
 from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from tests.router.edges import http_server
+from tests.router.edges import with_openai
 from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
 
@@ -40,19 +39,7 @@ class Tokenizer(OneTokenTokenizer):
 
 
 def with_client(ask: Callable[[openai.OpenAI], Any]) -> Any:
-    server = http_server(Core(), Tokenizer())
-
-    async def main() -> Any:
-        port = await server.start("127.0.0.1", 0)
-        try:
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
-            )
-            return await asyncio.get_running_loop().run_in_executor(None, ask, client)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main())
+    return with_openai(Core(), Tokenizer(), ask)
 
 
 ON = {"extra_body": {"return_token_ids": True}}

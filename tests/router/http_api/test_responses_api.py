@@ -5,7 +5,6 @@ it, function calls, and errors naming the field as this API spells it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ import openai
 import pytest
 
 from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
-from tests.router.edges import http_server
+from tests.router.edges import with_openai
 from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
 
@@ -61,19 +60,7 @@ def served(
     fail_after: int | None = None,
 ) -> tuple[Any, Core, Tokenizer]:
     core, tok = Core(list(pieces), finish, fail_after), Tokenizer()
-    server = http_server(core, tok)
-
-    async def main() -> Any:
-        port = await server.start("127.0.0.1", 0)
-        try:
-            client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
-            )
-            return await asyncio.get_running_loop().run_in_executor(None, ask, client)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main()), core, tok
+    return with_openai(core, tok, ask), core, tok
 
 
 def test_a_whole_response_from_instructions_and_text_input() -> None:
