@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvstore.requests.outputs import (
-    Completion,
-    CompletionDelta,
-    GenerationResult,
-    RequestOutput,
-    TokenLogprob,
-    Usage,
-)
+from kvstore.requests.outputs import GenerationResult, RequestOutput, Usage
+from router.http_api.responses import Shaper
+from router.http_api.responses_shaper import ResponsesShaper
 from router.serving.edge_intake import Intake
 from router.serving.generate_spec import GenerateSpec
 from router.serving.request_errors import Mapped, classify
@@ -93,46 +88,16 @@ class _EventStream(StreamingResponse):
 Item = tuple[int, str, RequestOutput]  # (prompt index, worker, output)
 
 
-class AnswerShaper(Protocol):
-    """What an answer's API makes of the outputs: chat and text completions
-    (:class:`~router.http_api.responses.Shaper`) or a Responses API response
-    (:class:`~router.http_api.responses_shaper.ResponsesShaper`)."""
-
-    n: int  # samples per prompt
-
-    @property
-    def stream(self) -> bool: ...
-
-    def whole(
-        self,
-        completions: list[tuple[int, Completion]],
-        usages: list[Usage],
-        prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
-    ) -> dict[str, Any]: ...
-
-    def opening(self) -> bytes: ...
-
-    def event(
-        self,
-        prompt_idx: int,
-        d: CompletionDelta,
-        first: bool,
-        usage: Usage | None = None,
-        prompt: list[TokenLogprob | None] | None = None,
-    ) -> bytes: ...
-
-    def closing(self, usages: list[Usage]) -> bytes: ...
-
-    def failed(self, error: dict[str, Any]) -> bytes: ...
-
-
 class Generation:
-    """One request's answer, from its validated specs and their prompts' token ids."""
+    """One request's answer, from its validated specs and their prompts' token ids; the
+    shaper makes it its API's objects (chat and text completions, or a Responses API
+    response): ``whole``, or a stream of ``opening``, an ``event`` per output,
+    ``closing`` (or ``failed``)."""
 
     def __init__(
         self,
         intake: Intake,
-        shaper: AnswerShaper,
+        shaper: Shaper | ResponsesShaper,
         specs: Sequence[GenerateSpec],
         token_lists: Sequence[list[int]],
     ) -> None:
