@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ray
 
-from kvstore.config import IndexConfig
+from kvstore.config import IndexConfig, make_client
 from kvstore.index import KVIndex
 from kvstore.runtime.loop_sched import ThreadSchedConfig, apply_loop_policy
 from kvstore.runtime.pauses import WarmUpFreeze, freeze_long_lived, short_gil_turns
@@ -44,6 +44,7 @@ from worker.model.default_model import resolve_default_model
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger("router.server")
+STORE_TIMEOUT_S = 2.0  # the response store's Redis calls (a kept response: off the token path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +141,14 @@ class RouterServer:
         self.http = None
         if settings.http_port is not None:
             from router.http_api import OpenAIServer  # HTTP stack only where it serves
+            from router.http_api.response_store import ResponseStore
 
+            store = None
+            if settings.index is not None and cfg.responses_ttl_s > 0:
+                # its own client: reads and writes off the request path's short timeouts
+                waits = {"socket_timeout_s": STORE_TIMEOUT_S, "connect_timeout_s": STORE_TIMEOUT_S}
+                client = make_client(settings.index.model_copy(update=waits))
+                store = ResponseStore(client, settings.index.namespace, cfg.responses_ttl_s)
             self.http = OpenAIServer(
                 self.intake,
                 max_body_bytes=cfg.max_message_bytes,
@@ -148,6 +156,7 @@ class RouterServer:
                 max_connections=cfg.http_max_connections,
                 cheap_rate_per_s=cfg.http_cheap_rate_per_s,
                 cheap_max_waiting=cfg.http_cheap_max_waiting,
+                responses_store=store,
             )
         # every router of the cluster, (gRPC address, HTTP URL or None), as the launcher's
         # router keeper last told (set_routers); ClusterStatus lists them

@@ -113,6 +113,15 @@ class RouterConfig(Strict):
         "the time-to-first-token bound and of tokens within the inter-token bound "
         "(kvc_slo_met / kvc_slo_observed).",
     )
+    responses_ttl_s: float = Field(
+        3600.0,
+        ge=0,
+        le=30 * 86400,
+        description="How long a response of the HTTP API's /v1/responses is kept in the "
+        "cluster's Redis (for previous_response_id and GET /v1/responses/{id}, from any "
+        "router), unless the request sets store false. 0, or no Redis: none is kept (store "
+        "is answered false and previous_response_id refused).",
+    )
     log_stats: bool = Field(
         True,
         description="Measure each streamed output for /metrics: time to first token, "

@@ -2,7 +2,7 @@
 event loop, a thin parser over the same :class:`Intake` as the gRPC servicer.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (SSE
-when ``stream``),
+when ``stream``), ``GET`` / ``DELETE /v1/responses/{id}`` (kept responses),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
 ``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /health``. Errors are
 OpenAI-shaped (``{"error": {...}}``) with the status of the one error table
@@ -46,6 +46,7 @@ from router.http_api.defaults import (
 from router.http_api.generation import WORKER_HEADER, error_response, unless_gone
 from router.http_api.generation_routes import GenerationRoutes
 from router.http_api.probe_gate import ProbeGate
+from router.http_api.response_store import ResponseStore
 from router.serving.edge_intake import Intake
 from router.serving.request_errors import NoRoute, NotAllowed, ServerBusy
 from router.serving.tokenizing import TokenizerPool
@@ -79,10 +80,13 @@ class OpenAIServer:
         cheap_rate_per_s: float = CHEAP_RATE_PER_S,
         cheap_max_waiting: int = CHEAP_MAX_WAITING,
         http_protocol: HttpProtocol = "httptools",
+        responses_store: ResponseStore | None = None,
     ) -> None:
         """``intake``: the router's front door (auth, limits, tokenizer), shared with its gRPC
-        edge; ``close_intake``: :meth:`stop` closes it too (a server that is its only user)."""
+        edge; ``close_intake``: :meth:`stop` closes it too (a server that is its only user);
+        ``responses_store``: where /v1/responses keeps responses (None: none is kept)."""
         self._close_intake = close_intake
+        self.responses_store = responses_store
         self.intake = intake
         self.core = intake.core
         self.tokenizer = intake.tokenizer
@@ -105,6 +109,10 @@ class OpenAIServer:
         }
         every = [
             *(Route(path, h, methods=["POST"]) for path, h in self._generation.items()),
+            # kept responses: cheap reads of the response store
+            Route(
+                "/v1/responses/{response_id}", generation.kept_response, methods=["GET", "DELETE"]
+            ),
             *routes.routes(self),
         ]
         self._routes = Starlette(
@@ -189,6 +197,8 @@ class OpenAIServer:
         self._parse.shutdown(wait=False, cancel_futures=True)
         if self._close_intake:
             self.intake.close()
+        if self.responses_store is not None:
+            self.responses_store.close()
 
     async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI application: generation straight to its handler; every request that

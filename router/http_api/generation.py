@@ -92,7 +92,7 @@ class Generation:
     """One request's answer, from its validated specs and their prompts' token ids; the
     shaper makes it its API's objects (chat and text completions, or a Responses API
     response): ``whole``, or a stream of ``opening``, an ``event`` per output,
-    ``closing`` (or ``failed``)."""
+    ``closing`` (or ``failed``); ``settle`` after the answer ended, before it is sent."""
 
     def __init__(
         self,
@@ -194,7 +194,9 @@ class Generation:
         completions = [(i, c) for i, r in sorted(results.items()) for c in r.completions]
         usages = [r.usage for _, r in sorted(results.items()) if r.usage is not None]
         prompts = {i: r.prompt_logprobs for i, r in results.items()}
-        return self.shaper.whole(completions, usages, prompts)
+        whole = self.shaper.whole(completions, usages, prompts)
+        await self.shaper.settle()
+        return whole
 
     async def _events(self, first: Item, rest: AsyncIterator[Item]) -> AsyncIterator[bytes]:
         shaper = self.shaper
@@ -230,7 +232,9 @@ class Generation:
             async for item in rest:
                 if data := events(item):  # (an output may carry no changed sample)
                     yield data
-            yield shaper.closing(list(usages.values()))
+            tail = shaper.closing(list(usages.values()))
+            await shaper.settle()  # (a kept response: kept before its last event)
+            yield tail
         except Exception as exc:  # headers are sent: the error goes in the stream
             yield shaper.failed(error_body(exc, self.specs[0].names, self.intake)[1])
         finally:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from router.http_api.body import read_body
 from router.http_api.generation import Generation
@@ -24,6 +24,7 @@ from router.http_api.responses_request import parse_responses
 from router.http_api.responses_shaper import ResponsesShaper
 from router.serving.core import ClusterOverloaded
 from router.serving.generate_spec import GenerateSpec
+from router.serving.request_errors import ResponseNotFound
 
 if TYPE_CHECKING:
     from router.http_api.app import OpenAIServer
@@ -44,31 +45,72 @@ class GenerationRoutes:
         return await self._generate(request, chat=True)
 
     async def responses(self, request: Request) -> Response:
-        def parse(body: Any, tenant: str | None, rid: str | None) -> tuple[Any, list[Any]]:
+        store = self.s.responses_store
+
+        def parse(
+            body: Any, tenant: str | None, rid: str | None, history: Any = None
+        ) -> tuple[Any, list[Any]]:
             meta, spec = parse_responses(
                 body,
                 tenant=tenant,
                 limits=self.s.limits,
                 now=int(time.time()),
                 header_request_id=rid,
+                can_store=store is not None,
+                history=history,
             )
             return meta, [spec]
 
+        async def continued(body: Any, tenant: str | None, meta: Any, specs: Any) -> Any:
+            """A continued response: parsed again after the conversation it continues."""
+            if meta.previous_response_id is None or store is None:
+                return meta, specs
+            record = await store.get(tenant, meta.previous_response_id)
+            if record is None:
+                raise ResponseNotFound(meta.previous_response_id, "previous_response_id")
+            rid = request.headers.get("x-request-id")
+            return parse(body, tenant, rid, record["messages"])
+
         try:
-            meta, specs, token_lists = await self._prepare(request, parse, RESPONSES_FIELDS)
+            meta, specs, token_lists, tenant = await self._prepare(
+                request, parse, RESPONSES_FIELDS, continued
+            )
         except Exception as exc:
             return self.s.error(exc, {"messages": "input"})
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
-        shaper = ResponsesShaper(meta)
+        shaper = ResponsesShaper(meta, store, tenant)
         return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)
+
+    async def kept_response(self, request: Request) -> Response:
+        """``GET`` (the response) or ``DELETE`` ``/v1/responses/{response_id}``, the
+        caller's tenant's only."""
+        try:
+            tenant = self.s.tenant(request)
+            rid = request.path_params["response_id"]
+            store = self.s.responses_store
+            if store is None:
+                raise ResponseNotFound(rid)
+            if request.method == "DELETE":
+                if not await store.delete(tenant, rid):
+                    raise ResponseNotFound(rid)
+                return JSONResponse({"id": rid, "object": "response", "deleted": True})
+            record = await store.get(tenant, rid)
+            if record is None:
+                raise ResponseNotFound(rid)
+            return JSONResponse(record["response"])
+        except Exception as exc:
+            return self.s.error(exc)
 
     async def _prepare(
         self,
         request: Request,
         parse: Callable[[Any, str | None, str | None], tuple[Any, list[GenerateSpec]]],
         known: frozenset[str],
-    ) -> tuple[Any, list[GenerateSpec], list[list[int]]]:
-        """``parse(body, tenant, header request id)``: the API's (meta, specs)."""
+        continued: Callable[..., Awaitable[tuple[Any, list[GenerateSpec]]]] | None = None,
+    ) -> tuple[Any, list[GenerateSpec], list[list[int]], str | None]:
+        """``parse(body, tenant, header request id)``: the API's (meta, specs);
+        ``continued(body, tenant, meta, specs)``: them again with what the request
+        continues (a kept response). Returns them, their prompts' ids and the tenant."""
         await self.s.intake.turn()  # a burst's parsing spread over loop iterations
         tenant = self.s.tenant(request)  # first: an unauthenticated caller learns nothing
         try:  # then the cheap refusal, before any parsing
@@ -82,13 +124,15 @@ class GenerationRoutes:
             request, lambda body: (body, *parse(body, tenant, header_rid))
         )
         self._note_unknown(body, known)
+        if continued is not None:
+            meta, specs = await continued(body, tenant, meta, specs)
         lora = await self.s.intake.lora_of(meta.model or None, tenant)
         if not meta.model:
             meta = replace(meta, model=self.s.intake.model_id)
         if lora is not None:
             specs = [replace(s, params=replace(s.params, lora=lora)) for s in specs]
         token_lists = [await self.s.intake.token_ids(s) for s in specs]
-        return meta, specs, token_lists
+        return meta, specs, token_lists, tenant
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         def parse(body: Any, tenant: str | None, rid: str | None) -> tuple[Any, list[Any]]:
@@ -102,7 +146,7 @@ class GenerationRoutes:
             )
 
         try:
-            meta, specs, token_lists = await self._prepare(request, parse, known_fields(chat))
+            meta, specs, token_lists, _ = await self._prepare(request, parse, known_fields(chat))
         except Exception as exc:
             return self.s.error(exc, {"text": "prompt", "token_ids": "prompt"})
         echoes = None

@@ -73,6 +73,9 @@ class Shaper:
         """An error after the stream began: its body as an event, then ``[DONE]``."""
         return sse_event(error) + DONE
 
+    async def settle(self) -> None:
+        """(Nothing is kept of a completion.)"""
+
     def _head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind + (".chunk" if chunk and self.req.chat else "")
         return {

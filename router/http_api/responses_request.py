@@ -7,9 +7,11 @@ or a list of items: messages with text parts, earlier ``function_call`` items an
 validated by the shared validator (:func:`router.serving.generate_spec.make_spec`), each
 error naming the field as this API spells it.
 
-Responses are not stored: ``store`` is answered ``false``, and ``previous_response_id`` or
-``conversation`` (which would need a stored one) are refused; a client sends the whole
-conversation as ``input``, as with ``store: false`` on OpenAI's API.
+With the response store (the cluster's Redis, ``router.responses_ttl_s`` > 0) a response
+is kept unless ``store`` is false, and ``previous_response_id`` continues a kept one: its
+conversation (without its instructions, as OpenAI's API has it) comes before ``input``.
+Without it ``store`` is answered false and ``previous_response_id`` is refused.
+``conversation`` objects are not served.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from router.serving.request_errors import renamed
 # output_text)
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLES = ("user", "system", "developer", "assistant")
-# fields that need a stored response or conversation: refused (nothing is stored)
-_STATEFUL = ("previous_response_id", "conversation")
 FIELDS = frozenset(
     {
         "model",
@@ -54,7 +54,8 @@ FIELDS = frozenset(
         "service_tier",
         "background",
         "request_id",
-        *_STATEFUL,
+        "previous_response_id",
+        "conversation",
     }
 )
 
@@ -69,6 +70,11 @@ class ResponsesRequest:
     created: int  # unix time of arrival
     tools: tools.ToolSpec | None  # the request's function tools and tool_choice
     echoed: dict[str, Any]  # the request's settings as the response object repeats them
+    store: bool  # keep the response (asked, and a store is there)
+    previous_response_id: str | None  # the kept response it continues
+    # the conversation it answers, earlier turns included, without its instructions: what
+    # a kept response holds (with its answer) for the next one
+    conversation: list[dict[str, Any]]
 
 
 def parse_responses(
@@ -78,22 +84,35 @@ def parse_responses(
     limits: RequestLimits,
     now: int,
     header_request_id: str | None = None,
+    can_store: bool = False,
+    history: list[dict[str, Any]] | None = None,
 ) -> tuple[ResponsesRequest, GenerateSpec]:
     """Check a Responses body and build the intake request it stands for; the caller
-    resolves ``model`` to an adapter. Raises InvalidRequest naming the field."""
+    resolves ``model`` to an adapter. Raises InvalidRequest naming the field.
+    ``can_store``: a response store is there; ``history``: the conversation of the kept
+    response ``previous_response_id`` names (the caller reads it, then parses again)."""
     if not isinstance(body, dict):
         raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
     model = F.get_str(body, "model")
     if model == "":
         raise InvalidRequest("model", "", "must be a model name (see GET /v1/models)")
-    for name in _STATEFUL:
-        if body.get(name) is not None:
-            raise InvalidRequest(
-                name,
-                F.shown(body[name]),
-                "is not supported: this server stores no responses; send the whole "
-                "conversation as input",
-            )
+    if body.get("conversation") is not None:
+        raise InvalidRequest(
+            "conversation",
+            F.shown(body["conversation"]),
+            "is not supported: continue a response with previous_response_id, or send the "
+            "whole conversation as input",
+        )
+    previous = F.get_str(body, "previous_response_id")
+    if previous is not None and not can_store:
+        raise InvalidRequest(
+            "previous_response_id",
+            F.shown(previous),
+            "is not supported: this cluster stores no responses (it needs Redis and "
+            "router.responses_ttl_s > 0); send the whole conversation as input",
+        )
+    store = F.get_bool(body, "store")
+    store = can_store and store is not False  # (OpenAI's default: kept)
     if body.get("background"):
         raise InvalidRequest("background", True, "is not supported: stream the response instead")
     values: dict[str, Any] = {}
@@ -111,9 +130,9 @@ def parse_responses(
         constraint = tool_spec.constraint
     if constraint is not None:
         values["structured"] = constraint
-    msgs = _messages(body)
+    conversation = [*(history or []), *_input(body.get("input"))]
+    msgs = [*_instructions(body), *conversation]
     stream = bool(F.get_bool(body, "stream"))
-    F.get_bool(body, "store")  # (answered false whatever was asked: nothing is stored)
     metadata = F.get_typed(body, "metadata", lambda v: isinstance(v, dict), "an object")
     F.get_str(body, "user")
     truncation = F.get_str(body, "truncation") or "disabled"
@@ -161,7 +180,8 @@ def parse_responses(
         "tools": body.get("tools") or [],
         "truncation": truncation,
         "user": body.get("user"),
-        "store": False,
+        "store": store,
+        "previous_response_id": previous,
     }
     meta = ResponsesRequest(
         model=model or "",
@@ -170,6 +190,9 @@ def parse_responses(
         created=now,
         tools=tool_spec,
         echoed=echoed,
+        store=store,
+        previous_response_id=previous,
+        conversation=conversation,
     )
     return meta, spec
 
@@ -200,20 +223,23 @@ def _text(field: str, content: Any) -> str:
     return "".join(parts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """``instructions`` and ``input`` as chat messages: consecutive function calls form one
-    assistant turn's ``tool_calls``, each output a tool turn."""
-    out: list[dict[str, Any]] = []
+def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
-    if instructions is not None:
-        out.append({"role": "system", "content": _text("instructions", instructions)})
-    items = body.get("input")
+    if instructions is None:
+        return []
+    return [{"role": "system", "content": _text("instructions", instructions)}]
+
+
+def _input(items: Any) -> list[dict[str, Any]]:
+    """``input`` as chat messages: consecutive function calls form one assistant turn's
+    ``tool_calls``, each output a tool turn."""
     if isinstance(items, str):
         if not items:
             raise InvalidRequest("input", "", "must be a non-empty string or list of items")
-        return [*out, {"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise F.bad_type("input", items, "a non-empty string or list of items")
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         name = f"input[{i}]"
         if not isinstance(item, dict):
@@ -245,7 +271,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 F.shown(kind),
                 "must be message, function_call, function_call_output or reasoning",
             )
-    if not any(m["role"] != "system" for m in out):
+    if not any(m["role"] not in ("system", "developer") for m in out):
         raise InvalidRequest("input", "<no message>", "must hold at least one input message")
     return out
 

@@ -6,7 +6,9 @@ typed events (``response.created`` ... ``response.output_text.delta`` ...
 The answer is one assistant message (its text as one ``output_text`` part) and, with tools,
 one ``function_call`` item per call the answer makes (parsed as for chat: ``tool_calls.py``;
 while streaming, text that may be a call is held back until the answer ends). An answer cut
-by ``max_output_tokens`` (or the context) is ``incomplete``.
+by ``max_output_tokens`` (or the context) is ``incomplete``. A response the request keeps
+goes to the response store before its last event (or the whole answer) is sent, so a
+client that continues it at once finds it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import uuid
 from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
+from router.http_api.response_store import ResponseStore
 from router.http_api.responses_request import ResponsesRequest
 from router.http_api.sse import typed_event
 from router.http_api.tool_calls import ToolStream, parse_calls
@@ -55,9 +58,18 @@ class ResponsesShaper:
 
     n = 1  # samples per prompt (the API has no n)
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        store: ResponseStore | None = None,
+        tenant: str | None = None,
+    ) -> None:
         self.req = req
         self.stream = req.stream
+        self.store = store if req.store else None
+        self.tenant = tenant
+        self._final: dict[str, Any] | None = None  # the response, once it ended
+        self._answer: dict[str, Any] = {}  # its answer as the conversation's assistant turn
         self._message_id = "msg_" + uuid.uuid4().hex
         self._seq = 0  # the next event's sequence_number
         self._text = ""  # the message's text sent so far
@@ -81,7 +93,6 @@ class ResponsesShaper:
             "incomplete_details": incomplete,
             "model": self.req.model,
             "output": output,
-            "previous_response_id": None,
             "reasoning": None,
             "usage": usage_json(usages or []),
             **self.req.echoed,
@@ -116,8 +127,22 @@ class ResponsesShaper:
         content, calls = c.text, []
         if self.req.tools is not None:
             content, calls = parse_calls(c.text, self.req.tools)
-        status = self._status(reason)
-        return self._response(status, self._output(content, calls, status), usages)
+        return self._ended(content, calls, self._status(reason), usages)
+
+    def _ended(
+        self, content: str | None, calls: list[dict[str, Any]], status: str, usages: list[Usage]
+    ) -> dict[str, Any]:
+        self._answer = {"role": "assistant", "content": content or ""}
+        if calls:
+            self._answer["tool_calls"] = calls
+        self._final = self._response(status, self._output(content, calls, status), usages)
+        return self._final
+
+    async def settle(self) -> None:
+        """Keep the response that ended (when the request keeps it)."""
+        if self.store is not None and self._final is not None:
+            conversation = [*self.req.conversation, self._answer]
+            await self.store.put(self.tenant, self._final, conversation)
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -212,7 +237,7 @@ class ResponsesShaper:
                 ),
                 self._event("response.output_item.done", output_index=k, item=item),
             ]
-        whole = self._response(status, self._output(self._text, self._calls, status), usages)
+        whole = self._ended(self._text, self._calls, status, usages)
         out.append(self._event(f"response.{status}", response=whole))
         return b"".join(out)
 

@@ -35,6 +35,19 @@ class ModelNotFound(Exception):
     """The request names a model (or adapter) no live worker serves."""
 
 
+class ResponseNotFound(Exception):
+    """A stored response the request names does not exist for its tenant (or expired)."""
+
+    def __init__(self, response_id: str, param: str | None = None) -> None:
+        self.param = param  # the field that named it (None: the path)
+        shown = response_id if len(response_id) <= 64 else f"<{len(response_id)} chars>"
+        super().__init__(f"no stored response {shown!r} (it may have expired)")
+
+
+class StoreUnavailable(Exception):
+    """The response store (the cluster's Redis) did not answer; retry later."""
+
+
 class BadBody(Exception):
     """A request body that does not parse (not JSON, not UTF-8, corrupt protobuf)."""
 
@@ -114,6 +127,8 @@ _TABLE: tuple[
         "model_not_found",
     ),
     ((NoRoute,), grpc.StatusCode.UNIMPLEMENTED, 404, "not_found_error", None),
+    ((ResponseNotFound,), grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", None),
+    ((StoreUnavailable,), grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", None),
     ((NotAllowed,), grpc.StatusCode.UNIMPLEMENTED, 405, "invalid_request_error", None),
     (
         (EngineOverloaded, ClusterOverloaded),
@@ -150,6 +165,7 @@ _RETRYABLE = (
     StreamBroken,
     BodiesBusy,
     ServerBusy,
+    StoreUnavailable,
 )
 
 
@@ -175,6 +191,8 @@ def classify(exc: BaseException, names: Mapping[str, str] | None = None) -> Mapp
             param = exc.field if isinstance(exc, InvalidRequest) else None
             if isinstance(exc, ModelNotFound):
                 param = "model"
+            elif isinstance(exc, ResponseNotFound):
+                param = exc.param
             message = str(exc) or type(exc).__name__
             if isinstance(exc, asyncio.TimeoutError):
                 message = "deadline exceeded"

@@ -300,7 +300,7 @@ def test_max_tokens_over_what_the_prompt_leaves_is_refused_and_an_unset_one_fitt
 
 def test_responses_api_answers_as_the_chat_does(oai: openai.OpenAI, cluster: Cluster) -> None:
     """The same conversation through /v1/responses and /v1/chat/completions, greedy: the
-    same prompt, the same answer, whole and streamed."""
+    same prompt, the same answer, whole and streamed, and continued from the kept one."""
     m, ask = cluster.model_id, "Name a colour."
     chat = oai.chat.completions.create(
         model=m,
@@ -324,6 +324,24 @@ def test_responses_api_answers_as_the_chat_does(oai: openai.OpenAI, cluster: Clu
     ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
     assert "".join(deltas) == r.output_text
-    with pytest.raises(openai.BadRequestError) as bad:
-        oai.responses.create(model=m, input=ask, previous_response_id=r.id)
-    assert bad.value.body["param"] == "previous_response_id"
+    # kept in the cluster's Redis: the next turn continues it
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "Another."},
+    ]
+    chat = oai.chat.completions.create(
+        model=m, messages=turns, max_completion_tokens=8, temperature=0
+    )
+    more = oai.responses.create(
+        model=m,
+        instructions="Be brief.",
+        input="Another.",
+        previous_response_id=r.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert more.output_text == chat.choices[0].message.content
+    assert more.usage.input_tokens == chat.usage.prompt_tokens
+    assert oai.responses.retrieve(more.id).output_text == more.output_text

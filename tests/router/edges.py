@@ -10,15 +10,21 @@ from typing import Any
 from router.edge.servicer import KVClusterServicer
 from router.http_api import OpenAIServer
 from router.placement.config import RequestLimits
+from router.serving.auth import TokenAuth
 from router.serving.edge_intake import Intake
 
 
 def http_server(
-    core: Any, tokenizer: Any, *, limits: RequestLimits | None = None, **kw: Any
+    core: Any,
+    tokenizer: Any,
+    *,
+    limits: RequestLimits | None = None,
+    auth: TokenAuth | None = None,
+    **kw: Any,
 ) -> OpenAIServer:
     """``kw``: OpenAIServer's options (``max_body_bytes`` defaults to 1 MiB)."""
     kw.setdefault("max_body_bytes", 1 << 20)
-    intake = Intake(core, tokenizer, auth=None, limits=limits or RequestLimits())
+    intake = Intake(core, tokenizer, auth=auth, limits=limits or RequestLimits())
     return OpenAIServer(intake, close_intake=True, **kw)
 
 
@@ -29,18 +35,21 @@ def grpc_servicer(
     return KVClusterServicer(intake, policy="x")
 
 
-def with_openai(core: Any, tokenizer: Any, ask: Callable[[Any], Any]) -> Any:
+def with_openai(
+    core: Any, tokenizer: Any, ask: Callable[[Any], Any], *, api_key: str = "x", **kw: Any
+) -> Any:
     """``ask(client)`` with an ``openai`` client of an HTTP server over ``core``, run in a
-    thread while the server serves (on loopback, stopped after)."""
+    thread while the server serves (on loopback, stopped after); ``kw``: the server's
+    options (:func:`http_server`'s, ``auth`` too)."""
     import openai
 
-    server = http_server(core, tokenizer)
+    server = http_server(core, tokenizer, **kw)
 
     async def main() -> Any:
         port = await server.start("127.0.0.1", 0)
         try:
             client = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=30
             )
             return await asyncio.get_running_loop().run_in_executor(None, ask, client)
         finally:
