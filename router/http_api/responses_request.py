@@ -53,7 +53,6 @@ FIELDS = frozenset(
         "include",
         "service_tier",
         "background",
-        "request_id",
         "previous_response_id",
         "conversation",
     }
@@ -140,10 +139,6 @@ def parse_responses(
         raise InvalidRequest("truncation", truncation, "must be 'disabled' or 'auto'")
     if header_request_id is not None:
         check_request_id("x-request-id", header_request_id, limits)
-    rid = F.get_str(body, "request_id")
-    if rid is not None:
-        check_request_id("request_id", rid, limits)
-    rid = rid or header_request_id or uuid.uuid4().hex
     # the intake's and the grammar checks' names of fields, as this API spells them
     names = {
         "max_tokens": "max_output_tokens",
@@ -155,7 +150,9 @@ def parse_responses(
     for i in range(len(tool_spec.tools) if tool_spec is not None else 0):
         names[f"tools[{i}].function.parameters"] = f"tools[{i}].parameters"
     spec = make_spec(
-        request_id="resp_" + rid,
+        # the server's own id, never a client's: it keys the kept response (a client's
+        # X-Request-Id comes back as sent, in the answer's header)
+        request_id="resp_" + uuid.uuid4().hex,
         tenant=tenant,
         claimed_tenant=tenant or "",
         messages=msgs,

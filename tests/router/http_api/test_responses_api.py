@@ -254,3 +254,15 @@ def test_an_error_mid_stream_ends_it_failed() -> None:
     events, _, _ = served(ask, pieces=("a", "b"), fail_after=1)
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-1].response.status == "failed" and events[-1].response.error.message
+
+
+def test_the_response_id_is_the_servers_and_x_request_id_comes_back() -> None:
+    def ask(c: openai.OpenAI) -> Any:
+        return c.responses.with_raw_response.create(
+            model="m", input="hi", extra_headers={"x-request-id": "mine"}
+        )
+
+    raw, _, _ = served(ask)
+    assert raw.headers["x-request-id"] == "mine"
+    r = raw.parse()
+    assert r.id.startswith("resp_") and "mine" not in r.id  # (it keys a kept response)
