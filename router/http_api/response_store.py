@@ -22,7 +22,7 @@ import redis
 from router.serving.request_errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
-MAX_RECORD_BYTES = 8 << 20  # a longer conversation is answered but not stored
+MAX_RECORD_BYTES = 2 << 20  # a longer conversation (over max_prompt_chars) is answered, not kept
 
 
 class ResponseStore:
