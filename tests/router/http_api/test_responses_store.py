@@ -5,6 +5,7 @@ other's responses, and a Redis that does not answer."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from kvstore.config import IndexConfig, make_client
 from kvstore.requests.outputs import FinishReason
-from router.http_api.response_store import ResponseStore
+from router.http_api.response_store import MAX_RECORD_BYTES, ResponseStore
 from router.serving.auth import TokenAuth
 from tests.router.edges import with_openai
 from tests.router.http_api.test_responses_api import Core, Tokenizer
@@ -138,3 +139,15 @@ def test_a_redis_that_does_not_answer(redis_server: Any) -> None:
     (answered, err), _ = serve(store_of(redis_server), ask)
     assert answered.output_text == "Hello world"
     assert err.status_code == 503 and err.body["type"] == "service_unavailable"
+
+
+def test_a_record_over_the_cap_is_answered_not_kept(redis_server: Any) -> None:
+    store = store_of(redis_server)
+    big = [{"role": "user", "content": "x" * MAX_RECORD_BYTES}]
+
+    async def main() -> tuple[bool, bool, Any]:
+        small = await store.put(None, {"id": "resp_small"}, big[:0])
+        kept = await store.put(None, {"id": "resp_big"}, big)
+        return small, kept, await store.get(None, "resp_big")
+
+    assert asyncio.run(main()) == (True, False, None)
