@@ -78,7 +78,7 @@ class GenerationRoutes:
         except Exception as exc:
             return self.s.error(exc, {"messages": "input"})
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
-        shaper = ResponsesShaper(meta, store, tenant)
+        shaper = ResponsesShaper(meta, store, tenant, self.s.tokenizer)
         return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)
 
     async def kept_response(self, request: Request) -> Response:

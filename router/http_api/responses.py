@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
@@ -22,6 +22,22 @@ def usage_json(usages: list[Usage]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
     }
+
+
+def token_logprobs_json(
+    lps: Iterable[TokenLogprob], k: int, piece: Callable[[int], str]
+) -> list[dict[str, Any]]:
+    """OpenAI's chat (and Responses) form: per token its text, logprob and bytes, and the k
+    most likely alternatives, the sampled token among them or not."""
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = piece(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return [
+        {**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top[:k]]}
+        for x in lps
+    ]
 
 
 class Shaper:
@@ -109,20 +125,7 @@ class Shaper:
         if k is None or lps is None:
             return None
         if self.req.chat:  # OpenAI: the k most likely, the sampled token or not
-
-            def entry(t: int, lp: float) -> dict[str, Any]:
-                s = self._piece(t)
-                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-            return {
-                "content": [
-                    {
-                        **entry(x.token_id, x.logprob),
-                        "top_logprobs": [entry(t, v) for t, v in x.top[:k]],
-                    }
-                    for x in lps
-                ]
-            }
+            return {"content": token_logprobs_json(lps, k, self._piece)}
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []

@@ -51,6 +51,7 @@ FIELDS = frozenset(
         "truncation",
         "reasoning",
         "include",
+        "top_logprobs",
         "service_tier",
         "background",
         "previous_response_id",
@@ -68,6 +69,7 @@ class ResponsesRequest:
     response_id: str  # "resp_..."
     created: int  # unix time of arrival
     tools: tools.ToolSpec | None  # the request's function tools and tool_choice
+    top_logprobs: int | None  # the answer's token logprobs and alternatives (None: none)
     echoed: dict[str, Any]  # the request's settings as the response object repeats them
     store: bool  # keep the response (asked, and a store is there)
     previous_response_id: str | None  # the kept response it continues
@@ -123,6 +125,12 @@ def parse_responses(
     for name in ("temperature", "top_p"):
         if (v := F.get_float(body, name)) is not None:
             values[name] = v
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise F.bad_type("include", include, "a list of strings")
+    top = F.get_int(body, "top_logprobs")
+    if LOGPROBS in include:  # (top_logprobs alone returns none, as OpenAI's API)
+        values["logprobs"] = top or 0
     constraint = _text_format(body.get("text"))
     tool_spec = _tools(body, constraint)
     if tool_spec is not None and tool_spec.constraint is not None:
@@ -142,6 +150,7 @@ def parse_responses(
     # the intake's and the grammar checks' names of fields, as this API spells them
     names = {
         "max_tokens": "max_output_tokens",
+        "logprobs": "top_logprobs",
         "messages": "input",
         "prompt": "input",
         "response_format": "text.format",
@@ -176,6 +185,7 @@ def parse_responses(
         "tool_choice": body.get("tool_choice", "auto" if tool_spec else "none"),
         "tools": body.get("tools") or [],
         "truncation": truncation,
+        "top_logprobs": top,
         "user": body.get("user"),
         "store": store,
         "previous_response_id": previous,
@@ -186,6 +196,7 @@ def parse_responses(
         response_id=spec.request_id,
         created=now,
         tools=tool_spec,
+        top_logprobs=spec.params.logprobs,
         echoed=echoed,
         store=store,
         previous_response_id=previous,
@@ -195,6 +206,7 @@ def parse_responses(
 
 
 _PLAIN = {"format": {"type": "text"}}
+LOGPROBS = "message.output_text.logprobs"  # the include that asks for them
 
 
 def _text(field: str, content: Any) -> str:

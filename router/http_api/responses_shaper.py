@@ -18,9 +18,11 @@ from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.response_store import ResponseStore
+from router.http_api.responses import token_logprobs_json
 from router.http_api.responses_request import ResponsesRequest
 from router.http_api.sse import typed_event
 from router.http_api.tool_calls import ToolStream, parse_calls
+from worker.model.tokenizer import Tokenizer
 
 
 def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
@@ -37,8 +39,8 @@ def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -63,8 +65,12 @@ class ResponsesShaper:
         req: ResponsesRequest,
         store: ResponseStore | None = None,
         tenant: str | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
+        """``tokenizer``: the tokens' texts of the answer's logprobs (when it has them)."""
         self.req = req
+        self.tokenizer = tokenizer
+        self._lps: list[TokenLogprob] = []  # the answer's token logprobs so far
         self.stream = req.stream
         self.store = store if req.store else None
         self.tenant = tenant
@@ -102,13 +108,20 @@ class ResponsesShaper:
     def _status(reason: str | None) -> str:
         return "incomplete" if reason == "length" else "completed"
 
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+        k = self.req.top_logprobs
+        if k is None or not lps or self.tokenizer is None:
+            return []
+        tok = self.tokenizer
+        return token_logprobs_json(lps, k, lambda t: tok.decode([t], skip_special_tokens=False))
+
     def _message(self, text: str, status: str) -> dict[str, Any]:
         return {
             "type": "message",
             "id": self._message_id,
             "status": status,
             "role": "assistant",
-            "content": [_text_part(text)],
+            "content": [_text_part(text, self._logprobs(self._lps))],
         }
 
     def _output(self, content: str | None, calls: list[dict[str, Any]], status: str) -> list:
@@ -123,6 +136,7 @@ class ResponsesShaper:
         prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
     ) -> dict[str, Any]:
         (_, c), *_ = completions
+        self._lps = list(c.logprobs or [])
         reason = c.finish_reason.value if c.finish_reason else None
         content, calls = c.text, []
         if self.req.tools is not None:
@@ -183,6 +197,7 @@ class ResponsesShaper:
         usage: Usage | None = None,
         prompt: list[TokenLogprob | None] | None = None,
     ) -> bytes:
+        self._lps += d.logprobs or []
         text = d.text if self._tools is None else self._tools.feed(d.text)
         if d.finish_reason is not None:
             self._reason = d.finish_reason.value
@@ -193,8 +208,10 @@ class ResponsesShaper:
             return b""
         out = b"" if self._open else self._announce()
         self._text += text
+        # (with tools, text held back has its logprobs in the done events only)
+        lps = self._logprobs(d.logprobs) if self._tools is None else []
         return out + self._event(
-            "response.output_text.delta", **self._where(), delta=text, logprobs=[]
+            "response.output_text.delta", **self._where(), delta=text, logprobs=lps
         )
 
     def closing(self, usages: list[Usage]) -> bytes:
@@ -203,10 +220,12 @@ class ResponsesShaper:
         if self._text or not self._calls:  # the message, closed (opened if it had no text)
             if not self._open:
                 out.append(self._announce())
-            where = self._where()
+            where, lps = self._where(), self._logprobs(self._lps)
             out += [
-                self._event("response.output_text.done", **where, text=self._text, logprobs=[]),
-                self._event("response.content_part.done", **where, part=_text_part(self._text)),
+                self._event("response.output_text.done", **where, text=self._text, logprobs=lps),
+                self._event(
+                    "response.content_part.done", **where, part=_text_part(self._text, lps)
+                ),
                 self._event(
                     "response.output_item.done",
                     output_index=0,

@@ -12,7 +12,13 @@ from typing import Any
 import openai
 import pytest
 
-from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
+from kvstore.requests.outputs import (
+    CompletionDelta,
+    FinishReason,
+    RequestOutput,
+    TokenLogprob,
+    Usage,
+)
 from tests.router.edges import with_openai
 from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
@@ -40,7 +46,11 @@ class Core(OneTokenCore):
             if i == self.fail_after:
                 raise RuntimeError("the worker died")
             last = i == len(self.pieces) - 1
-            d = CompletionDelta(0, text, [7 + i], finish_reason=self.finish if last else None)
+            lps = None
+            if params.logprobs is not None:  # token 7 + i at -0.5, then token 99 at -1.5
+                lps = [TokenLogprob(7 + i, -0.5, ((7 + i, -0.5), (99, -1.5))[: params.logprobs])]
+            finish = self.finish if last else None
+            d = CompletionDelta(0, text, [7 + i], logprobs=lps, finish_reason=finish)
             yield "w0", RequestOutput(request_id, [d], last, Usage(len(token_ids), 1, i + 1))
 
 
@@ -266,3 +276,23 @@ def test_the_response_id_is_the_servers_and_x_request_id_comes_back() -> None:
     assert raw.headers["x-request-id"] == "mine"
     r = raw.parse()
     assert r.id.startswith("resp_") and "mine" not in r.id  # (it keys a kept response)
+
+
+def test_output_text_logprobs_when_included() -> None:
+    include = ["message.output_text.logprobs"]
+
+    def ask(c: openai.OpenAI) -> Any:
+        plain = c.responses.create(model="m", input="hi", top_logprobs=2)  # not included
+        whole = c.responses.create(model="m", input="hi", include=include, top_logprobs=2)
+        with c.responses.stream(model="m", input="hi", include=include, top_logprobs=1) as s:
+            deltas = [e.logprobs for e in s if e.type == "response.output_text.delta"]
+            return plain, whole, deltas, s.get_final_response()
+
+    (plain, whole, deltas, streamed), core, _ = served(ask)
+    assert [p.logprobs for p in core.params] == [None, 2, 1]
+    assert plain.output[0].content[0].logprobs == []
+    lps = whole.output[0].content[0].logprobs
+    assert [(x.token, x.logprob) for x in lps] == [("x", -0.5)] * 2  # (each token's text: "x")
+    assert [[t.logprob for t in x.top_logprobs] for x in lps] == [[-0.5, -1.5]] * 2
+    assert [[x.logprob for x in d] for d in deltas] == [[-0.5], [-0.5]]
+    assert [len(x.top_logprobs) for x in streamed.output[0].content[0].logprobs] == [1, 1]
