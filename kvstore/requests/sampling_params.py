@@ -33,6 +33,7 @@ MAX_STOP_TOKEN_IDS = 128  # each is checked per generated token (a set) and mask
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias; each is added to its token's logit
 MAX_ALLOWED_TOKEN_IDS = 1 << 17  # allowed_token_ids: a vocabulary's worth (the mask is per row)
+MAX_BAD_WORDS = 128  # bad_words: each is checked against every sample's output per step
 # Beyond this a length penalty only decides by length (len ** 10 dwarfs any log-prob gap);
 # scores are ranked in log space, so the bound is for sense, not for overflow.
 MAX_LENGTH_PENALTY = 10.0
@@ -139,6 +140,9 @@ class SamplingParams(ByName):
     # vLLM's allowed_token_ids: only these ids may be sampled (after logit_bias, as a mask;
     # empty: every id); token ids are checked per model
     allowed_token_ids: tuple[int, ...] = _wire(())
+    # vLLM's bad_words: never generated (as a word or, with a leading space, inside text);
+    # the engine tokenizes each, and bans a word's last token where its others end the output
+    bad_words: tuple[str, ...] = _wire(())
     # grammar the output must follow (JSON schema, regex, choice, ...); None: free text
     structured: StructuredOutputs | None = _wire(
         None,
@@ -163,6 +167,7 @@ class SamplingParams(ByName):
         set_(self, "stop_token_ids", tuple(self.stop_token_ids))
         set_(self, "logit_bias", tuple(tuple(x) for x in self.logit_bias))
         set_(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        set_(self, "bad_words", tuple(self.bad_words))
         if self.top_k is not None and _is_int(self.top_k) and self.top_k in (0, -1):
             set_(self, "top_k", None)
         self._validate()
@@ -254,6 +259,16 @@ class SamplingParams(ByName):
             raise InvalidRequest(
                 "allowed_token_ids", "<list>", "must be non-negative integer token ids"
             )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequest(
+                "bad_words", f"<{len(self.bad_words)} words>", f"must be at most {MAX_BAD_WORDS}"
+            )
+        limit = f"each must be a non-blank string of at most {MAX_STOP_STRING_CHARS} characters"
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise bad("bad_words", limit)
+            if len(w) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequest("bad_words", f"<{len(w)} chars>", limit)
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):

@@ -207,6 +207,16 @@ def allowed_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(token_ids("allowed_token_ids", ids))
 
 
+def bad_words(body: dict) -> tuple[str, ...]:
+    """vLLM's bad_words: a list of strings (null: none)."""
+    words = body.get("bad_words")
+    if words is None:
+        return ()
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise bad_type("bad_words", words, "a list of strings")
+    return tuple(words)
+
+
 def seed(body: dict) -> int | None:
     """OpenAI allows any 64-bit seed; the engine's RNG takes [0, 2**63): a negative seed
     maps to its two's complement there (deterministic, as a seed must be)."""

@@ -35,6 +35,7 @@ _OWN_PARSER = frozenset(
         "stop_token_ids",
         "logit_bias",  # an object of token id -> bias
         "allowed_token_ids",  # a list of token ids
+        "bad_words",  # a list of strings
         "priority",
         "cache_salt",  # scoped by the tenant
         "lora",  # the model's name
@@ -151,6 +152,8 @@ def parse_request(
         values["logit_bias"] = bias
     if allowed := F.allowed_token_ids(body):
         values["allowed_token_ids"] = allowed
+    if words := F.bad_words(body):
+        values["bad_words"] = words
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not isinstance(stop_ids, list):
         raise F.bad_type("stop_token_ids", stop_ids, "a list of token ids")

@@ -107,6 +107,7 @@ PROTO_VALUES = {
     "prompt_logprobs": (1, 1),
     "logit_bias": ({5: 2.0}, ((5, 2.0),)),
     "allowed_token_ids": ([5, 9], (5, 9)),
+    "bad_words": (["no"], ("no",)),
 }
 
 
@@ -163,6 +164,7 @@ HTTP_VALUES: dict[str, tuple[dict, str, object]] = {
     "skip_special_tokens": ({"skip_special_tokens": False}, "skip_special_tokens", False),
     "logit_bias": ({"logit_bias": {"5": 2}}, "logit_bias", ((5, 2.0),)),
     "allowed_token_ids": ({"allowed_token_ids": [5, 9]}, "allowed_token_ids", (5, 9)),
+    "bad_words": ({"bad_words": ["no", "never"]}, "bad_words", ("no", "never")),
     "response_format": ({"response_format": {"type": "json_object"}}, "structured", "json_object"),
     "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, "structured", "regex"),
     "guided_json": ({"guided_json": {"type": "object"}}, "structured", "json_schema"),

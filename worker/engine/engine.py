@@ -35,7 +35,7 @@ from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.config import EngineConfig, check_tenants
 from worker.engine.executor import ModelExecutor, RunnerExecutor
 from worker.engine.forward_window import ForwardWindow
-from worker.engine.intake import Prompt, new_request, prompt_token_ids
+from worker.engine.intake import Prompt, bad_word_ids, new_request, prompt_token_ids
 from worker.engine.metrics import EngineMetrics, EngineSnapshot, LatencySummary, MetricsRecorder
 from worker.engine.offline import run_to_completion
 from worker.engine.outcome import RequestOutcome
@@ -255,6 +255,7 @@ class Engine:
             eos_ids=self.eos_ids,
             new_text=self.processor.new_text,
             continued=continued,
+            bad_words=bad_word_ids(params.bad_words, self.tokenizer) if params.bad_words else (),
         )
         if params.structured is not None:
             assert self.grammars is not None

@@ -6,6 +6,7 @@ engine's limits between the two are :func:`worker.engine.validate.validate_reque
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from collections.abc import Sequence as Seq
 
 from kvstore.requests.errors import InvalidRequest
 from kvstore.requests.sampling_params import SamplingParams
@@ -28,6 +29,31 @@ def prompt_token_ids(prompt: Prompt, tokenizer: TokenizerLike | None) -> list[in
     return list(prompt)
 
 
+def bad_word_ids(words: Seq[str], tokenizer: TokenizerLike) -> tuple[tuple[int, ...], ...]:
+    """Each of vLLM's ``bad_words`` as the token ids that spell it at the start of a text and,
+    where a leading space makes other tokens of as many, after a space."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(bare)
+        if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(dict.fromkeys(ids for ids in out if ids))
+
+
+def banned_by_words(words: tuple[tuple[int, ...], ...], seq: Sequence) -> list[int]:
+    """The tokens that would complete one of ``words`` now: a one-token word always, a
+    longer one where its other tokens end the sequence's output (earlier attempts' too)."""
+    out_len = len(seq.token_ids) - seq.output_start
+    banned = []
+    for ids in words:
+        k = len(ids) - 1
+        if k == 0 or (out_len >= k and tuple(seq.token_ids[-k:]) == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
+
+
 def new_request(
     request_id: str,
     prompt_ids: list[int],
@@ -39,17 +65,20 @@ def new_request(
     eos_ids: Collection[int],
     new_text: Callable[[Request], OutputText | None],
     continued: int = 0,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> Request:
     """A checked request, ready to queue: at most ``max_model_len`` tokens in all, one
     sequence holding the prompt (the others are forked off it after its prefill).
     ``continued``: the prompt's last tokens are the request's own output of an earlier
-    attempt (a moved stream; see :attr:`Sequence.prior_output`)."""
+    attempt (a moved stream; see :attr:`Sequence.prior_output`); ``bad_words``: the
+    request's bad words as token ids (:func:`bad_word_ids`)."""
     if not 0 <= continued < len(prompt_ids):
         raise InvalidRequest(
             "continued", continued, f"must be in [0, {len(prompt_ids)}) (the prompt's length)"
         )
     max_new = min(params.max_tokens, max_model_len - len(prompt_ids))
     req = Request(request_id, prompt_ids, params, arrival, ctx, max_new)
+    req.bad_words = bad_words
     if params.use_beam_search:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         req.beam = BeamSearch(

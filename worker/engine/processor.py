@@ -24,6 +24,7 @@ from kvstore.requests.outputs import FinishReason, RequestOutput, TokenLogprob
 from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
 from worker.engine.grammar_masks import GrammarMasks, grammar_rows
+from worker.engine.intake import banned_by_words
 from worker.engine.logit_adjust import PenaltyRows, adjust
 from worker.engine.metrics import MetricsRecorder
 from worker.engine.outcome import RequestOutcome, SeqOutcome
@@ -150,7 +151,7 @@ class OutputProcessor:
             if spec is None:
                 banned = self.banned(req, seq)
                 spec = SampleSpec(req.params, seq.generator, banned)
-                if not banned:  # banned only until min_tokens: the same spec from now on
+                if not banned and not req.bad_words:  # the same spec from now on
                     seq.spec = spec
             specs.append(spec)
             if spec.penalized:
@@ -296,12 +297,15 @@ class OutputProcessor:
                 self.penalties.release(seq.seq_id)
 
     def banned(self, req: Request, seq: Sequence) -> tuple[int, ...]:
+        """The ids ``seq`` may not sample now: EOS and the stop ids before min_tokens, and
+        what would complete a bad word."""
         p = req.params
+        words = banned_by_words(req.bad_words, seq) if req.bad_words else ()
         if seq.num_output >= p.min_tokens:
-            return ()
+            return tuple(words)
         # a grammar decides where the output may end: EOS stays allowed where it allows it
         eos = () if p.ignore_eos or seq.matcher is not None else tuple(self.eos_ids)
-        return (*eos, *p.stop_token_ids)
+        return (*eos, *p.stop_token_ids, *words)
 
     def _append(
         self,

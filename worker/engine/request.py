@@ -225,6 +225,8 @@ class Request:
         self.num_preemptions = 0
         self.overtaken = 0  # admissions of later requests while it waited (admission.py)
         self.final_deltas: list[CompletionDelta] = []  # beam search: results at the end
+        # SamplingParams.bad_words as token ids (worker.engine.intake.bad_word_ids)
+        self.bad_words: tuple[tuple[int, ...], ...] = ()
         # per prompt position, filled as its chunks run (SamplingParams.prompt_logprobs)
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None

@@ -75,6 +75,7 @@ def eligible(req: Request) -> bool:
         and not p.has_penalties
         and not p.logit_bias
         and not p.allowed_token_ids
+        and not p.bad_words
         and p.min_tokens == 0
         and p.structured is None
     )

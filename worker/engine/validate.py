@@ -62,5 +62,7 @@ def validate_request(
                 f"are all EOS or stop ids, masked until min_tokens={params.min_tokens}: "
                 "nothing could be generated",
             )
+    if params.bad_words and not has_tokenizer:
+        raise InvalidRequest("bad_words", list(params.bad_words), "bad words need a tokenizer")
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop", list(params.stop), "stop strings need a tokenizer")
