@@ -129,7 +129,7 @@ class OpenAIServer:
             self.app = CORSMiddleware(
                 self._dispatch,
                 allow_origins=list(cors_origins),
-                allow_methods=["GET", "POST", "OPTIONS"],
+                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                 allow_headers=["authorization", "content-type", "x-request-id"],
                 expose_headers=[WORKER_HEADER, "x-request-id"],
             )

@@ -58,6 +58,7 @@ def test_cors_answers_configured_origins_only() -> None:
     get, preflight, other = _answers(("https://app.example",))
     assert get["status"] == "200" and get["access-control-allow-origin"] == "https://app.example"
     assert preflight["status"] == "200" and "POST" in preflight["access-control-allow-methods"]
+    assert "DELETE" in preflight["access-control-allow-methods"]  # (a kept response)
     assert "access-control-allow-origin" not in other
 
 
