@@ -148,7 +148,12 @@ class RouterServer:
                 # its own client: reads and writes off the request path's short timeouts
                 waits = {"socket_timeout_s": STORE_TIMEOUT_S, "connect_timeout_s": STORE_TIMEOUT_S}
                 client = make_client(settings.index.model_copy(update=waits))
-                store = ResponseStore(client, settings.index.namespace, cfg.responses_ttl_s)
+                store = ResponseStore(
+                    client,
+                    settings.index.namespace,
+                    cfg.responses_ttl_s,
+                    cfg.responses_max_tenant_bytes,
+                )
             self.http = OpenAIServer(
                 self.intake,
                 max_body_bytes=cfg.max_message_bytes,

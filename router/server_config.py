@@ -122,6 +122,15 @@ class RouterConfig(Strict):
         "router), unless the request sets store false. 0, or no Redis: none is kept (store "
         "is answered false and previous_response_id refused).",
     )
+    responses_max_tenant_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        le=1 << 40,
+        description="The most a tenant (all unauthenticated clients together are one) keeps "
+        "in the response store at once, in bytes of JSON; past it its new responses are "
+        "answered with store false until kept ones expire or are deleted. It bounds what "
+        "clients can put in the Redis the global index needs.",
+    )
     log_stats: bool = Field(
         True,
         description="Measure each streamed output for /metrics: time to first token, "

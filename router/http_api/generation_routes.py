@@ -61,19 +61,24 @@ class GenerationRoutes:
             )
             return meta, [spec]
 
-        async def continued(body: Any, tenant: str | None, meta: Any, specs: Any) -> Any:
-            """A continued response: parsed again after the conversation it continues."""
-            if meta.previous_response_id is None or store is None:
+        async def with_store(body: Any, tenant: str | None, meta: Any, specs: Any) -> Any:
+            """The request with what the store holds for it: the conversation it continues
+            (parsed again after it), and whether its tenant may keep one more response."""
+            if store is None:
                 return meta, specs
-            record = await store.get(tenant, meta.previous_response_id)
-            if record is None:
-                raise ResponseNotFound(meta.previous_response_id, "previous_response_id")
-            rid = request.headers.get("x-request-id")
-            return parse(body, tenant, rid, record["messages"])
+            if meta.previous_response_id is not None:
+                record = await store.get(tenant, meta.previous_response_id)
+                if record is None:
+                    raise ResponseNotFound(meta.previous_response_id, "previous_response_id")
+                rid = request.headers.get("x-request-id")
+                meta, specs = parse(body, tenant, rid, record["messages"])
+            if meta.store and not await store.has_room(tenant):  # (its budget: answered, not kept)
+                meta = replace(meta, store=False, echoed={**meta.echoed, "store": False})
+            return meta, specs
 
         try:
             meta, specs, token_lists, tenant = await self._prepare(
-                request, parse, RESPONSES_FIELDS, continued
+                request, parse, RESPONSES_FIELDS, with_store
             )
         except Exception as exc:
             return self.s.error(exc, {"messages": "input"})
@@ -106,11 +111,11 @@ class GenerationRoutes:
         request: Request,
         parse: Callable[[Any, str | None, str | None], tuple[Any, list[GenerateSpec]]],
         known: frozenset[str],
-        continued: Callable[..., Awaitable[tuple[Any, list[GenerateSpec]]]] | None = None,
+        amend: Callable[..., Awaitable[tuple[Any, list[GenerateSpec]]]] | None = None,
     ) -> tuple[Any, list[GenerateSpec], list[list[int]], str | None]:
         """``parse(body, tenant, header request id)``: the API's (meta, specs);
-        ``continued(body, tenant, meta, specs)``: them again with what the request
-        continues (a kept response). Returns them, their prompts' ids and the tenant."""
+        ``amend(body, tenant, meta, specs)``: them with what the API adds after parsing (a
+        kept conversation). Returns them, their prompts' ids and the tenant."""
         await self.s.intake.turn()  # a burst's parsing spread over loop iterations
         tenant = self.s.tenant(request)  # first: an unauthenticated caller learns nothing
         try:  # then the cheap refusal, before any parsing
@@ -124,8 +129,8 @@ class GenerationRoutes:
             request, lambda body: (body, *parse(body, tenant, header_rid))
         )
         self._note_unknown(body, known)
-        if continued is not None:
-            meta, specs = await continued(body, tenant, meta, specs)
+        if amend is not None:
+            meta, specs = await amend(body, tenant, meta, specs)
         lora = await self.s.intake.lora_of(meta.model or None, tenant)
         if not meta.model:
             meta = replace(meta, model=self.s.intake.model_id)

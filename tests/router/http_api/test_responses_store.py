@@ -23,9 +23,9 @@ pytestmark = pytest.mark.redis
 TOKENS = {"alice": "tok-a", "bob": "tok-b"}
 
 
-def store_of(redis_server: Any, ttl_s: float = 60.0) -> ResponseStore:
+def store_of(redis_server: Any, ttl_s: float = 60.0, tenant_bytes: int = 1 << 20) -> ResponseStore:
     config = IndexConfig(url=redis_server.url, cluster="c", model_id="m", socket_timeout_s=2.0)
-    return ResponseStore(make_client(config), config.namespace, ttl_s)
+    return ResponseStore(make_client(config), config.namespace, ttl_s, tenant_bytes)
 
 
 def serve(store: ResponseStore | None, ask: Any, *, api_key: str = "x", auth: Any = None) -> Any:
@@ -151,3 +151,44 @@ def test_a_record_over_the_cap_is_answered_not_kept(redis_server: Any) -> None:
         return small, kept, await store.get(None, "resp_big")
 
     assert asyncio.run(main()) == (True, False, None)
+
+
+def test_a_tenant_over_its_budget_is_answered_without_keeping(redis_server: Any) -> None:
+    """The budget counts the live records' bytes: one response fills this one; deleting it
+    (or its expiry) makes room again; another tenant's budget is its own."""
+    auth = TokenAuth(TOKENS)
+
+    def ask(c: openai.OpenAI) -> list[bool]:
+        first = c.responses.create(model="m", input="hi")
+        second = c.responses.create(model="m", input="hi")
+        with pytest.raises(openai.NotFoundError):  # not kept
+            c.responses.retrieve(second.id)
+        c.responses.delete(first.id)
+        third = c.responses.create(model="m", input="hi")
+        return [first.store, second.store, third.store]
+
+    store = store_of(redis_server, tenant_bytes=1)
+    kept, _ = serve(store, ask, api_key="tok-a", auth=auth)
+    assert kept == [True, False, True]
+    other, _ = serve(
+        store, lambda c: c.responses.create(model="m", input="hi"), api_key="tok-b", auth=auth
+    )
+    assert other.store is True
+    expiring = store_of(redis_server, ttl_s=0.3, tenant_bytes=1)
+
+    def after_expiry(c: openai.OpenAI) -> list[bool]:
+        c.responses.create(model="m", input="hi")
+        full = c.responses.create(model="m", input="hi")
+        time.sleep(1.0)
+        return [full.store, c.responses.create(model="m", input="hi").store]
+
+    assert serve(expiring, after_expiry)[0] == [False, True]
+
+
+def test_ids_not_of_this_server_are_never_looked_up(redis_server: Any) -> None:
+    store = store_of(redis_server)
+
+    async def main() -> list[Any]:
+        return [await store.get(None, rid) for rid in ("x", "resp_" + "0" * 32 + ":y", "")]
+
+    assert asyncio.run(main()) == [None, None, None]
