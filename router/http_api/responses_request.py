@@ -131,7 +131,7 @@ def parse_responses(
     top = F.get_int(body, "top_logprobs")
     if LOGPROBS in include:  # (top_logprobs alone returns none, as OpenAI's API)
         values["logprobs"] = top or 0
-    constraint = _text_format(body.get("text"))
+    constraint = text_format = _text_format(body.get("text"))
     tool_spec = _tools(body, constraint)
     if tool_spec is not None and tool_spec.constraint is not None:
         constraint = tool_spec.constraint
@@ -181,7 +181,7 @@ def parse_responses(
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": spec.params.temperature,
         "top_p": spec.params.top_p,
-        "text": {"format": body["text"]["format"]} if constraint and "text" in body else _PLAIN,
+        "text": {"format": body["text"]["format"]} if text_format is not None else _PLAIN,
         "tool_choice": body.get("tool_choice", "auto" if tool_spec else "none"),
         "tools": body.get("tools") or [],
         "truncation": truncation,

@@ -213,10 +213,14 @@ def test_text_format_and_tool_choice_become_the_output_constraint() -> None:
             tools=[WEATHER],
             tool_choice={"type": "function", "name": "get_weather"},
         )
+        c.responses.create(  # (a text object without a format: plain text, the tools')
+            model="m", input="x", tools=[WEATHER], tool_choice="required", text={"verbosity": "low"}
+        )
         return c.responses.create(model="m", input="x", text={"format": {"type": "json_object"}})
 
     r, core, _ = served(ask, pieces=('{"a": 1}',))
-    assert [p.structured.kind for p in core.params] == ["json_schema", "json_schema", "json_object"]
+    kinds = [p.structured.kind for p in core.params]
+    assert kinds == ["json_schema", "json_schema", "json_schema", "json_object"]
     assert json.loads(core.params[0].structured.value) == schema
     assert r.text.format.type == "json_object"
 
