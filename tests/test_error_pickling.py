@@ -14,6 +14,7 @@ import pytest
 from cluster.client_errors import ClientCancelled
 from kvstore.requests.errors import EngineOverloaded, InvalidRequest, WireMismatch
 from router.edge.interceptors import Malformed
+from router.serving.request_errors import ResponseNotFound
 from worker.engine.executor import KVTransferUnsupported
 from worker.kv.disk_format import CorruptRunFile
 from worker.kv.transfer import ImportRefused
@@ -33,6 +34,7 @@ CASES = [
     Malformed("prompt: a string field that is not UTF-8"),
     CorruptRunFile("block 2 fails its checksum"),
     ClientCancelled("the call was still open 2.0 s past its deadline"),
+    ResponseNotFound("resp_0123", "previous_response_id"),
 ]
 
 

@@ -39,9 +39,13 @@ class ResponseNotFound(Exception):
     """A stored response the request names does not exist for its tenant (or expired)."""
 
     def __init__(self, response_id: str, param: str | None = None) -> None:
+        self.response_id = response_id
         self.param = param  # the field that named it (None: the path)
         shown = response_id if len(response_id) <= 64 else f"<{len(response_id)} chars>"
         super().__init__(f"no stored response {shown!r} (it may have expired)")
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries intact, notes too
+        return type(self), (self.response_id, self.param), self.__dict__
 
 
 class StoreUnavailable(Exception):
