@@ -46,8 +46,8 @@ def check_model_limits(
     bad = next((t for t, _ in params.logit_bias if t >= vocab_size), None)
     if bad is not None:
         raise InvalidRequest("logit_bias", bad, f"token ids must be < vocab_size={vocab_size}")
-    if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab_size:
-        bad = max(params.allowed_token_ids)
+    top = max(params.allowed_token_ids, default=-1)
+    if top >= vocab_size:
         raise InvalidRequest(
-            "allowed_token_ids", bad, f"token ids must be < vocab_size={vocab_size}"
+            "allowed_token_ids", top, f"token ids must be < vocab_size={vocab_size}"
         )

@@ -19,6 +19,7 @@ from typing import Any
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.response_store import ResponseStore
 from router.http_api.responses import token_logprobs_json
+from router.http_api.responses import usage_json as completion_usage_json
 from router.http_api.responses_request import ResponsesRequest
 from router.http_api.sse import typed_event
 from router.http_api.tool_calls import ToolStream, parse_calls
@@ -26,16 +27,16 @@ from worker.model.tokenizer import Tokenizer
 
 
 def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
+    """The completions' usage under the Responses API's names."""
     if not usages:
         return None
-    prompt = sum(u.prompt_tokens for u in usages)
-    output = sum(u.completion_tokens for u in usages)
+    u = completion_usage_json(usages)
     return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
-        "output_tokens": output,
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": u["prompt_tokens_details"],
+        "output_tokens": u["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + output,
+        "total_tokens": u["total_tokens"],
     }
 
 
@@ -71,6 +72,7 @@ class ResponsesShaper:
         self.req = req
         self.tokenizer = tokenizer
         self._lps: list[TokenLogprob] = []  # the answer's token logprobs so far
+        self._lps_json: list[dict[str, Any]] = []  # all of them as the answer shows them
         self.stream = req.stream
         self.store = store if req.store else None
         self.tenant = tenant
@@ -115,18 +117,21 @@ class ResponsesShaper:
         tok = self.tokenizer
         return token_logprobs_json(lps, k, lambda t: tok.decode([t], skip_special_tokens=False))
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
+    def _message(
+        self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         return {
             "type": "message",
             "id": self._message_id,
             "status": status,
             "role": "assistant",
-            "content": [_text_part(text, self._logprobs(self._lps))],
+            "content": [_text_part(text, logprobs)],
         }
 
     def _output(self, content: str | None, calls: list[dict[str, Any]], status: str) -> list:
         """The message (when it has text, or nothing else is answered), then the calls."""
-        items = [self._message(content or "", status)] if content or not calls else []
+        message = self._message(content or "", status, self._lps_json)
+        items = [message] if content or not calls else []
         return items + [_call_item(c) for c in calls]
 
     def whole(
@@ -136,7 +141,7 @@ class ResponsesShaper:
         prompts: dict[int, list[TokenLogprob | None] | None] | None = None,
     ) -> dict[str, Any]:
         (_, c), *_ = completions
-        self._lps = list(c.logprobs or [])
+        self._lps_json = self._logprobs(c.logprobs)
         reason = c.finish_reason.value if c.finish_reason else None
         content, calls = c.text, []
         if self.req.tools is not None:
@@ -216,11 +221,12 @@ class ResponsesShaper:
 
     def closing(self, usages: list[Usage]) -> bytes:
         status = self._status(self._reason)
+        self._lps_json = self._logprobs(self._lps)
         out = []
         if self._text or not self._calls:  # the message, closed (opened if it had no text)
             if not self._open:
                 out.append(self._announce())
-            where, lps = self._where(), self._logprobs(self._lps)
+            where, lps = self._where(), self._lps_json
             out += [
                 self._event("response.output_text.done", **where, text=self._text, logprobs=lps),
                 self._event(
@@ -229,7 +235,7 @@ class ResponsesShaper:
                 self._event(
                     "response.output_item.done",
                     output_index=0,
-                    item=self._message(self._text, status),
+                    item=self._message(self._text, status, lps),
                 ),
             ]
         first = 1 if out else 0
