@@ -209,6 +209,15 @@ class EngineConfig(Strict):
         description="With log_stats: every that many-th KV block's residency (lifetime, "
         "idle time before eviction, reuse gap) is measured; 1: every block, 0: none.",
     )
+    reasoning: Literal["auto", "off"] = Field(
+        "auto",
+        description="Reasoning models (Qwen3, DeepSeek-R1 and its distills, QwQ: a vocabulary "
+        "with <think> and </think> as tokens) think before they answer. auto: a request's "
+        "grammar (structured outputs, a required tool call) starts after the reasoning ends, "
+        "and the HTTP door answers the reasoning apart from the content (`reasoning`); the "
+        "routers take this setting from here. off: the output is one text, constrained "
+        "from its first token. A model without the tokens is unaffected.",
+    )
     dtype: str = Field("float32", description="Model dtype (runner).")
     device: str = Field("cpu", description="Torch device (runner).")
     attn_backend: str = Field(
