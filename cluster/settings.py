@@ -91,6 +91,7 @@ def router_settings(
         http_port=None if r.http_port is None else r.http_port + i if r.http_port else free_port(),
         default_family=cfg.model.tiny_family,
         sched=cfg.scheduling,
+        reasoning=cfg.workers.engine.reasoning == "auto",
     )
 
 

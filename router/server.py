@@ -41,6 +41,7 @@ from router.serving.ray_workers import RayWorkerDirectory
 from router.serving.warm_start import WarmStarter
 from worker.model.config import ModelConfig
 from worker.model.default_model import resolve_default_model
+from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger("router.server")
@@ -65,6 +66,7 @@ class RouterSettings:
     http_port: int | None  # its OpenAI HTTP API port (0: any free port; None: no HTTP)
     default_family: str | None = None  # family of the default model (model_dir None)
     sched: ThreadSchedConfig = field(default_factory=ThreadSchedConfig)  # the loop's slice
+    reasoning: bool = True  # answers split into reasoning and content (engine.reasoning)
 
 
 class RouterServer:
@@ -130,6 +132,7 @@ class RouterServer:
             limits=cfg.limits,
             slo=cfg.slo,
             log_stats=cfg.log_stats,
+            reasoning=ReasoningMarkers.of(self.tokenizer) if settings.reasoning else None,
         )
         self.intake.metrics.read_core(self.core.funnel, self.predictions, self.core.phases)
         self.servicer = KVClusterServicer(

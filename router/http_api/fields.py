@@ -88,6 +88,21 @@ def prompts(body: dict) -> list[str | list[int]]:
     )
 
 
+REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+def _reasoning_of(m: dict, name: str) -> str | None:
+    """An assistant message's reasoning, as answered before (``reasoning`` or vLLM's older
+    ``reasoning_content``)."""
+    for key in REASONING_KEYS:
+        v = m.get(key)
+        if v is not None and not isinstance(v, str):
+            raise bad_type(f"{name}.{key}", v, "a string")
+        if v:
+            return v
+    return None
+
+
 def messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -131,13 +146,24 @@ def messages(body: dict) -> list[dict[str, str]]:
             raise bad_type(f"{name}.name", m["name"], "a string")
         if m.get("name"):  # the author's name, for templates that render it
             extras["name"] = m["name"]
+        reasoning = _reasoning_of(m, name) if role == "assistant" else None
+        if reasoning:  # (the template's name for it; vLLM's answers say either)
+            extras["reasoning_content"] = reasoning
         extra = sorted(k for k, v in m.items() if v is not None)
-        extra = [k for k in extra if k not in ("role", "content", "name", *extras)]
+        known = (
+            "role",
+            "content",
+            "name",
+            *extras,
+            *(REASONING_KEYS if role == "assistant" else ()),
+        )
+        extra = [k for k in extra if k not in known]
         if extra:
             raise InvalidRequest(
                 name,
                 shown(extra[0]),
-                "unknown message field (supported: role, content, name, tool_calls, tool_call_id)",
+                "unknown message field (supported: role, content, name, tool_calls, "
+                "tool_call_id; an assistant's reasoning or reasoning_content)",
             )
         out.append({"role": role, "content": content, **extras})
     return out
@@ -228,12 +254,24 @@ def seed(body: dict) -> int | None:
     return seed + (1 << 63) if seed < 0 else seed
 
 
+# OpenAI's reasoning_effort values; the chat template reads it (gpt-oss's does)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 def chat_options(body: dict) -> ChatOptions:
     kwargs = get_typed(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     add = get_bool(body, "add_generation_prompt")
     cont = bool(get_bool(body, "continue_final_message"))
+    template_kwargs = dict(kwargs or {})
+    effort = get_str(body, "reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise InvalidRequest(
+                "reasoning_effort", shown(effort), f"must be one of {', '.join(REASONING_EFFORTS)}"
+            )
+        template_kwargs.setdefault("reasoning_effort", effort)
     return ChatOptions(
         add_generation_prompt=(not cont) if add is None else add,
         continue_final_message=cont,
-        template_kwargs=dict(kwargs or {}),
+        template_kwargs=template_kwargs,
     )

@@ -83,7 +83,9 @@ class GenerationRoutes:
         except Exception as exc:
             return self.s.error(exc, {"messages": "input"})
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
-        shaper = ResponsesShaper(meta, store, tenant, self.s.tokenizer)
+        shaper = ResponsesShaper(
+            meta, store, tenant, self.s.tokenizer, self.s.intake.reasoning, token_lists[0]
+        )
         return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)
 
     async def kept_response(self, request: Request) -> Response:
@@ -160,7 +162,14 @@ class GenerationRoutes:
                 s.text if s.text is not None else self.s.tokenizer.decode(ids)
                 for s, ids in zip(specs, token_lists, strict=True)
             ]
-        shaper = Shaper(meta, specs[0].params.n, self.s.tokenizer, echoes, token_lists)
+        shaper = Shaper(
+            meta,
+            specs[0].params.n,
+            self.s.tokenizer,
+            echoes,
+            token_lists,
+            reasoning=self.s.intake.reasoning,
+        )
         # the client's X-Request-Id comes back as it was sent; else the answer's id
         headers = {"x-request-id": request.headers.get("x-request-id") or meta.response_id}
         return await Generation(self.s.intake, shaper, specs, token_lists).answer(request, headers)

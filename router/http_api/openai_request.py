@@ -84,6 +84,8 @@ CHAT_FIELDS = (
         "functions",
         "function_call",
         "echo",
+        "include_reasoning",
+        "reasoning_effort",
     }
 )
 
@@ -108,6 +110,9 @@ class OpenAIRequest:
     # prompt's (completions: on each choice; chat: on the answer; streamed: the first chunk)
     return_token_ids: bool = False
     tools: tools.ToolSpec | None = None  # chat: the request's tools and tool_choice
+    # chat with a reasoning model: its reasoning answered apart (vLLM's include_reasoning;
+    # false: dropped), the content without it either way
+    include_reasoning: bool = True
 
 
 def known_fields(chat: bool) -> frozenset[str]:
@@ -254,6 +259,7 @@ def parse_request(
         token_ids_as_text=bool(F.get_bool(body, "return_tokens_as_token_ids")),
         return_token_ids=bool(F.get_bool(body, "return_token_ids")),
         tools=tool_spec,
+        include_reasoning=chat and F.get_bool(body, "include_reasoning") is not False,
     )
     return meta, specs
 

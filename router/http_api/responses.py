@@ -7,21 +7,27 @@ from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.openai_request import OpenAIRequest
+from router.http_api.reasoning_split import ReasoningSplit
 from router.http_api.sse import DONE, PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta
+from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 
 
-def usage_json(usages: list[Usage]) -> dict[str, Any]:
-    """Summed over a batch's prompts; ``cached_tokens``: prompt tokens served from KV cache."""
+def usage_json(usages: list[Usage], reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Summed over a batch's prompts; ``cached_tokens``: prompt tokens served from KV cache;
+    ``reasoning_tokens``: of the completion tokens, the reasoning's (a reasoning model's)."""
     prompt = sum(u.prompt_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def token_logprobs_json(
@@ -43,7 +49,8 @@ def token_logprobs_json(
 class Shaper:
     """Builds one request's response objects; choice index = prompt index * n + sample.
     ``echoes``: per prompt, the text put before its completions (``echo``);
-    ``prompt_ids``: per prompt, its token ids (for its tokens' logprobs)."""
+    ``prompt_ids``: per prompt, its token ids (for its tokens' logprobs); ``reasoning``: a
+    reasoning model's markers (a chat's answers are split into reasoning and content)."""
 
     def __init__(
         self,
@@ -52,6 +59,7 @@ class Shaper:
         tokenizer: Tokenizer,
         echoes: list[str] | None = None,
         prompt_ids: list[list[int]] | None = None,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         self.req = req
         self.n = n
@@ -61,12 +69,15 @@ class Shaper:
         self.prompt_ids = prompt_ids or []
         self._offsets: dict[int, int] = {}  # choice -> characters of text before its next token
         self._tool_streams: dict[int, ToolStream] = {}  # chat with tools: per choice
+        self.reasoning = reasoning if req.chat else None
+        self._splits: dict[int, ReasoningSplit] = {}  # a reasoning model's chat: per choice
         # the events that differ only in their text, index and finish reason: pre-encoded
         plain = (
             req.top_logprobs is None
             and req.tools is None
             and not req.continuous_usage
             and not req.return_token_ids
+            and self.reasoning is None
         )
         self._plain = (
             PlainChunks(self._head(True), chat=req.chat, usage_null=req.include_usage)
@@ -80,6 +91,52 @@ class Shaper:
 
     def opening(self) -> bytes:
         return b""
+
+    def _split(self, choice: int) -> ReasoningSplit:
+        split = self._splits.get(choice)
+        if split is None:
+            assert self.reasoning is not None
+            state = self.reasoning.prompt_state(self.prompt_ids[choice // self.n])
+            split = self._splits[choice] = ReasoningSplit(self.reasoning, state)
+        return split
+
+    def _reasoning_tokens(self) -> int | None:
+        """The answer's reasoning tokens so far (None: not a reasoning model's chat)."""
+        if self.reasoning is None:
+            return None
+        return sum(s.reasoning_tokens for s in self._splits.values())
+
+    def _chat_delta(
+        self, index: int, d: CompletionDelta, reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's ``delta`` (its reasoning apart, its content, its tool calls) and
+        finish reason."""
+        text, delta = d.text, {}
+        if self.reasoning is not None:
+            split = self._split(index)
+            thought, text = split.feed(d.text, d.token_ids)
+            if reason is not None:
+                more, rest = split.finish()
+                thought, text = thought + more, text + rest
+            if thought and self.req.include_reasoning:
+                delta = {"reasoning": thought, "reasoning_content": thought}
+        if self.req.tools is not None:
+            stream = self._tool_streams.setdefault(index, ToolStream(self.req.tools))
+            calls, reason = tool_chunk_delta(stream, text, reason)
+            return {**delta, **calls}, reason
+        if text or not delta:
+            delta["content"] = text
+        return delta, reason
+
+    def _message(self, index: int, c: Completion) -> tuple[dict[str, Any], str | None]:
+        """A whole chat answer's message (its reasoning apart, its tool calls) and the
+        finish reason its tool calls force."""
+        if self.reasoning is None:
+            return message_json(c.text, self.req.tools)
+        thought, text = self._split(index).split(c.text, c.token_ids)
+        msg, reason = message_json(text, self.req.tools)
+        shown = (thought or None) if self.req.include_reasoning else None
+        return {**msg, "reasoning": shown, "reasoning_content": shown}, reason
 
     def closing(self, usages: list[Usage]) -> bytes:
         """The stream's end: the usage chunk (include_usage), then ``[DONE]``."""
@@ -204,10 +261,7 @@ class Shaper:
         index, reason = self._choice(prompt_idx, d)
         lp = self.logprobs_json(d.logprobs, index, prompt if first else None)
         if self.req.chat:
-            delta: dict[str, Any] = {"content": d.text}
-            if self.req.tools is not None:
-                stream = self._tool_streams.setdefault(index, ToolStream(self.req.tools))
-                delta, reason = tool_chunk_delta(stream, d.text, reason)
+            delta, reason = self._chat_delta(index, d, reason)
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -222,7 +276,7 @@ class Shaper:
             if first:  # the prompt's ids: on the choice (completions) or the chunk (chat)
                 (out if self.req.chat else choice)["prompt_token_ids"] = self._prompt_ids(index)
         if self.req.continuous_usage and usage is not None:
-            out["usage"] = usage_json([usage])
+            out["usage"] = usage_json([usage], self._reasoning_tokens())
         elif self.req.include_usage:
             out["usage"] = None
         return out
@@ -242,7 +296,8 @@ class Shaper:
         return sse_event(self.chunk(prompt_idx, d, first, usage, prompt))
 
     def usage_chunk(self, usages: list[Usage]) -> dict[str, Any]:
-        return {**self._head(True), "choices": [], "usage": usage_json(usages)}
+        usage = usage_json(usages, self._reasoning_tokens())
+        return {**self._head(True), "choices": [], "usage": usage}
 
     def whole(
         self,
@@ -263,7 +318,7 @@ class Shaper:
                 "stop_reason": c.stop_reason,
             }
             if self.req.chat:
-                choice["message"], tool_reason = message_json(c.text, self.req.tools)
+                choice["message"], tool_reason = self._message(index, c)
                 choice["finish_reason"] = tool_reason or reason
             else:
                 choice["text"] = self._echo(index) + c.text
@@ -275,7 +330,8 @@ class Shaper:
                     choice["prompt_token_ids"] = self._prompt_ids(index)
             choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
-        out = {**self._head(False), "choices": choices, "usage": usage_json(usages)}
+        usage = usage_json(usages, self._reasoning_tokens())
+        out = {**self._head(False), "choices": choices, "usage": usage}
         if self.req.return_token_ids and self.req.chat:  # (chat: one prompt)
             out["prompt_token_ids"] = self._prompt_ids(0)
         return out

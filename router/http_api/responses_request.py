@@ -139,6 +139,7 @@ def parse_responses(
         values["structured"] = constraint
     conversation = [*(history or []), *_input(body.get("input"))]
     msgs = [*_instructions(body), *conversation]
+    effort = _effort(body)
     stream = bool(F.get_bool(body, "stream"))
     metadata = F.get_typed(body, "metadata", lambda v: isinstance(v, dict), "an object")
     F.get_str(body, "user")
@@ -165,7 +166,11 @@ def parse_responses(
         tenant=tenant,
         claimed_tenant=tenant or "",
         messages=msgs,
-        chat=tools.chat_options(ChatOptions(), tool_spec, msgs),
+        chat=tools.chat_options(
+            ChatOptions(template_kwargs={"reasoning_effort": effort} if effort else {}),
+            tool_spec,
+            msgs,
+        ),
         grammars=tool_spec.schemas if tool_spec is not None else (),
         values=values,
         # truncation "auto": keep the conversation's end when it outgrows the context
@@ -189,6 +194,7 @@ def parse_responses(
         "user": body.get("user"),
         "store": store,
         "previous_response_id": previous,
+        "reasoning": {"effort": effort, "summary": None} if effort else None,
     }
     meta = ResponsesRequest(
         model=model or "",
@@ -283,6 +289,19 @@ def _input(items: Any) -> list[dict[str, Any]]:
     if not any(m["role"] not in ("system", "developer") for m in out):
         raise InvalidRequest("input", "<no message>", "must hold at least one input message")
     return out
+
+
+def _effort(body: dict[str, Any]) -> str | None:
+    """``reasoning.effort``, for the chat template (gpt-oss's reads it)."""
+    reasoning = F.get_typed(body, "reasoning", lambda v: isinstance(v, dict), "an object")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in F.REASONING_EFFORTS:
+        raise InvalidRequest(
+            "reasoning.effort",
+            F.shown(effort),
+            f"must be one of {', '.join(F.REASONING_EFFORTS)}",
+        )
+    return effort
 
 
 def _call(item: dict[str, Any], name: str) -> dict[str, Any]:

@@ -3,12 +3,13 @@ typed events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``), each with its ``sequence_number``, as the ``openai`` client's
 ``responses.stream`` assembles them.
 
-The answer is one assistant message (its text as one ``output_text`` part) and, with tools,
-one ``function_call`` item per call the answer makes (parsed as for chat: ``tool_calls.py``;
-while streaming, text that may be a call is held back until the answer ends). An answer cut
-by ``max_output_tokens`` (or the context) is ``incomplete``. A response the request keeps
-goes to the response store before its last event (or the whole answer) is sent, so a
-client that continues it at once finds it.
+The answer is one assistant message (its text as one ``output_text`` part), after a
+``reasoning`` item when a reasoning model reasoned (its text as one ``reasoning_text``
+part, ``reasoning_split.py``) and, with tools, one ``function_call`` item per call the
+answer makes (parsed as for chat: ``tool_calls.py``; while streaming, text that may be a
+call is held back until the answer ends). An answer cut by ``max_output_tokens`` (or the
+context) is ``incomplete``. A response the request keeps goes to the response store before
+its last event (or the whole answer) is sent, so a client that continues it at once finds it.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ import uuid
 from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
+from router.http_api.reasoning_split import ReasoningSplit
 from router.http_api.response_store import ResponseStore
 from router.http_api.responses import token_logprobs_json
 from router.http_api.responses import usage_json as completion_usage_json
 from router.http_api.responses_request import ResponsesRequest
 from router.http_api.sse import typed_event
 from router.http_api.tool_calls import ToolStream, parse_calls
+from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 
 
-def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
+def usage_json(usages: list[Usage], reasoning_tokens: int = 0) -> dict[str, Any] | None:
     """The completions' usage under the Responses API's names."""
     if not usages:
         return None
@@ -35,9 +38,13 @@ def usage_json(usages: list[Usage]) -> dict[str, Any] | None:
         "input_tokens": u["prompt_tokens"],
         "input_tokens_details": u["prompt_tokens_details"],
         "output_tokens": u["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": u["total_tokens"],
     }
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -67,9 +74,21 @@ class ResponsesShaper:
         store: ResponseStore | None = None,
         tenant: str | None = None,
         tokenizer: Tokenizer | None = None,
+        reasoning: ReasoningMarkers | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
-        """``tokenizer``: the tokens' texts of the answer's logprobs (when it has them)."""
+        """``tokenizer``: the tokens' texts of the answer's logprobs (when it has them);
+        ``reasoning``: a reasoning model's markers, with ``prompt_ids`` the prompt's tokens
+        (where its output begins)."""
         self.req = req
+        self._split = (
+            ReasoningSplit(reasoning, reasoning.prompt_state(prompt_ids or []))
+            if reasoning is not None
+            else None
+        )
+        self._reasoning_id = "rs_" + uuid.uuid4().hex
+        self._thought = ""  # the reasoning's text sent so far
+        self._thinking = False  # the reasoning item was announced and is not done
         self.tokenizer = tokenizer
         self._lps: list[TokenLogprob] = []  # the answer's token logprobs so far
         self._lps_json: list[dict[str, Any]] = []  # all of them as the answer shows them
@@ -91,6 +110,7 @@ class ResponsesShaper:
     def _response(
         self, status: str, output: list[dict[str, Any]], usages: list[Usage] | None = None
     ) -> dict[str, Any]:
+        reasoning_tokens = self._split.reasoning_tokens if self._split is not None else 0
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.req.response_id,
@@ -102,7 +122,7 @@ class ResponsesShaper:
             "model": self.req.model,
             "output": output,
             "reasoning": None,
-            "usage": usage_json(usages or []),
+            "usage": usage_json(usages or [], reasoning_tokens),
             **self.req.echoed,
         }
 
@@ -128,10 +148,25 @@ class ResponsesShaper:
             "content": [_text_part(text, logprobs)],
         }
 
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": self._reasoning_id,
+            "summary": [],
+            "content": [_reasoning_part(text)] if status != "in_progress" else [],
+            "status": status,
+        }
+
+    @property
+    def _message_index(self) -> int:
+        return 1 if self._thought else 0
+
     def _output(self, content: str | None, calls: list[dict[str, Any]], status: str) -> list:
-        """The message (when it has text, or nothing else is answered), then the calls."""
+        """The reasoning (when there was one), the message (when it has text, or nothing
+        else is answered), then the calls."""
         message = self._message(content or "", status, self._lps_json)
-        items = [message] if content or not calls else []
+        items = [self._reasoning_item(self._thought, "completed")] if self._thought else []
+        items += [message] if content or not calls else []
         return items + [_call_item(c) for c in calls]
 
     def whole(
@@ -144,14 +179,18 @@ class ResponsesShaper:
         self._lps_json = self._logprobs(c.logprobs)
         reason = c.finish_reason.value if c.finish_reason else None
         content, calls = c.text, []
+        if self._split is not None:
+            self._thought, content = self._split.split(c.text, c.token_ids)
         if self.req.tools is not None:
-            content, calls = parse_calls(c.text, self.req.tools)
+            content, calls = parse_calls(content, self.req.tools)
         return self._ended(content, calls, self._status(reason), usages)
 
     def _ended(
         self, content: str | None, calls: list[dict[str, Any]], status: str, usages: list[Usage]
     ) -> dict[str, Any]:
         self._answer = {"role": "assistant", "content": content or ""}
+        if self._thought:  # (a reasoning model's template decides whether it shows it again)
+            self._answer["reasoning_content"] = self._thought
         if calls:
             self._answer["tool_calls"] = calls
         self._final = self._response(status, self._output(content, calls, status), usages)
@@ -171,21 +210,62 @@ class ResponsesShaper:
         return typed_event(kind, body)
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self._message_id, "output_index": 0, "content_index": 0}
+        return {
+            "item_id": self._message_id,
+            "output_index": self._message_index,
+            "content_index": 0,
+        }
 
     def _announce(self) -> bytes:
         """The message item and its text part, before its first text."""
         self._open = True
         return self._event(
             "response.output_item.added",
-            output_index=0,
+            output_index=self._message_index,
             item={**self._message("", "in_progress"), "content": []},
         ) + self._event(
             "response.content_part.added",
             item_id=self._message_id,
-            output_index=0,
+            output_index=self._message_index,
             content_index=0,
             part=_text_part(""),
+        )
+
+    def _reasoning_events(self, thought: str) -> bytes:
+        """The reasoning's new text (the item announced before its first)."""
+        out = b""
+        if not self._thinking:
+            self._thinking = True
+            out = self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=self._reasoning_item("", "in_progress"),
+            ) + self._event(
+                "response.content_part.added",
+                item_id=self._reasoning_id,
+                output_index=0,
+                content_index=0,
+                part=_reasoning_part(""),
+            )
+        self._thought += thought
+        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+        return out + self._event("response.reasoning_text.delta", **where, delta=thought)
+
+    def _reasoning_done(self) -> bytes:
+        """The reasoning ended (its answer begins, or the answer ended)."""
+        if not self._thinking:
+            return b""
+        self._thinking = False
+        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+        part = _reasoning_part(self._thought)
+        return (
+            self._event("response.reasoning_text.done", **where, text=self._thought)
+            + self._event("response.content_part.done", **where, part=part)
+            + self._event(
+                "response.output_item.done",
+                output_index=0,
+                item=self._reasoning_item(self._thought, "completed"),
+            )
         )
 
     def opening(self) -> bytes:
@@ -203,15 +283,24 @@ class ResponsesShaper:
         prompt: list[TokenLogprob | None] | None = None,
     ) -> bytes:
         self._lps += d.logprobs or []
-        text = d.text if self._tools is None else self._tools.feed(d.text)
+        text, out = d.text, b""
+        if self._split is not None:
+            thought, text = self._split.feed(d.text, d.token_ids)
+            if d.finish_reason is not None:
+                more, rest = self._split.finish()
+                thought, text = thought + more, text + rest
+            if thought:
+                out = self._reasoning_events(thought)
+        text = text if self._tools is None else self._tools.feed(text)
         if d.finish_reason is not None:
             self._reason = d.finish_reason.value
             if self._tools is not None:
                 rest, self._calls = self._tools.finish()
                 text += rest
         if not text:
-            return b""
-        out = b"" if self._open else self._announce()
+            return out
+        out += self._reasoning_done()
+        out += b"" if self._open else self._announce()
         self._text += text
         # (with tools, text held back has its logprobs in the done events only)
         lps = self._logprobs(d.logprobs) if self._tools is None else []
@@ -222,7 +311,7 @@ class ResponsesShaper:
     def closing(self, usages: list[Usage]) -> bytes:
         status = self._status(self._reason)
         self._lps_json = self._logprobs(self._lps)
-        out = []
+        out = [self._reasoning_done()]
         if self._text or not self._calls:  # the message, closed (opened if it had no text)
             if not self._open:
                 out.append(self._announce())
@@ -234,11 +323,11 @@ class ResponsesShaper:
                 ),
                 self._event(
                     "response.output_item.done",
-                    output_index=0,
+                    output_index=self._message_index,
                     item=self._message(self._text, status, lps),
                 ),
             ]
-        first = 1 if out else 0
+        first = self._message_index + (1 if self._text or not self._calls else 0)
         for k, call in enumerate(self._calls, start=first):
             item = _call_item(call)
             out += [

@@ -28,6 +28,7 @@ from router.serving.request_errors import ModelNotFound, RequestFailed, Unauthen
 from router.serving.serving_metrics import ServingMetrics
 from router.serving.slo import SloBounds
 from router.serving.tokenizing import TokenizerPool, check_chat_chars, check_text_chars
+from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 
 _PLAIN_CHAT = ChatOptions()
@@ -68,9 +69,13 @@ class Intake:
         tokenize: TokenizerPool | None = None,
         slo: SloBounds | None = None,
         log_stats: bool = True,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        # the model's reasoning markers, where its answers are split into reasoning and
+        # content (None: a model without them, or engine.reasoning off)
+        self.reasoning = reasoning
         self.auth = auth
         self.limits = limits
         self.tokenize = tokenize or TokenizerPool(tokenizer)

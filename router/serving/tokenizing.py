@@ -44,7 +44,8 @@ def check_chat_chars(
     """:func:`check_text_chars` for a conversation (its contents' total plus the tools and
     tool calls the template writes, ``ChatOptions.rendered_chars``, before the template is
     rendered: it only adds to them); returns that total."""
-    chars = sum(len(m.get("content", "")) for m in messages) + rendered_chars
+    text = sum(len(m.get("content", "")) + len(m.get("reasoning_content", "")) for m in messages)
+    chars = text + rendered_chars
     of = " of content and tools" if rendered_chars else " of content"
     _check_chars("messages", chars, "a conversation", of, limits, max_model_len)
     return chars

@@ -47,6 +47,8 @@ HTTP_REQUEST_FIELDS = {
     "parallel_tool_calls",
     "functions",  # refused (the deprecated spelling of tools)
     "function_call",
+    "include_reasoning",  # chat: a reasoning model's reasoning answered apart, or dropped
+    "reasoning_effort",  # chat: a chat template variable
 }
 
 

@@ -42,7 +42,8 @@ def _raise_template_error(message: str) -> None:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+# (reasoning_content: an assistant turn's reasoning, which reasoning models' templates read)
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
 # End-of-turn markers of common chat templates, searched in this order (ChatML first).
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
