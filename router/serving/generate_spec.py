@@ -20,11 +20,9 @@ from kvstore.requests.output_constraint import StructuredOutputs
 from kvstore.requests.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from router.placement.config import RequestLimits
 from router.serving.request_errors import renamed
+from worker.model.tokenizer import MESSAGE_KEYS
 
 DEFAULT_LIMITS = RequestLimits()
-# what a chat message may carry to the template (tool calls and results with their ids, the
-# author's name)
-_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 MAX_TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs, as JSON: flags, not content
 
 
@@ -297,4 +295,4 @@ def _messages(
             f"<{total} chars>",
             f"must be at most {limits.max_prompt_chars} characters in all",
         )
-    return tuple({k: m[k] for k in _MESSAGE_KEYS if k in m} for m in messages)
+    return tuple({k: m[k] for k in MESSAGE_KEYS if k in m} for m in messages)

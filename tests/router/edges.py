@@ -12,6 +12,7 @@ from router.http_api import OpenAIServer
 from router.placement.config import RequestLimits
 from router.serving.auth import TokenAuth
 from router.serving.edge_intake import Intake
+from worker.model.reasoning_markers import ReasoningMarkers
 
 
 def http_server(
@@ -20,11 +21,15 @@ def http_server(
     *,
     limits: RequestLimits | None = None,
     auth: TokenAuth | None = None,
+    reasoning: ReasoningMarkers | None = None,
     **kw: Any,
 ) -> OpenAIServer:
-    """``kw``: OpenAIServer's options (``max_body_bytes`` defaults to 1 MiB)."""
+    """``kw``: OpenAIServer's options (``max_body_bytes`` defaults to 1 MiB);
+    ``reasoning``: the served model's reasoning markers (None: a model without them)."""
     kw.setdefault("max_body_bytes", 1 << 20)
-    intake = Intake(core, tokenizer, auth=auth, limits=limits or RequestLimits())
+    intake = Intake(
+        core, tokenizer, auth=auth, limits=limits or RequestLimits(), reasoning=reasoning
+    )
     return OpenAIServer(intake, close_intake=True, **kw)
 
 
@@ -40,7 +45,7 @@ def with_openai(
 ) -> Any:
     """``ask(client)`` with an ``openai`` client of an HTTP server over ``core``, run in a
     thread while the server serves (on loopback, stopped after); ``kw``: the server's
-    options (:func:`http_server`'s, ``auth`` too)."""
+    options (:func:`http_server`'s, ``auth`` and ``reasoning`` too)."""
     import openai
 
     server = http_server(core, tokenizer, **kw)

@@ -42,8 +42,9 @@ def _raise_template_error(message: str) -> None:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# (reasoning_content: an assistant turn's reasoning, which reasoning models' templates read)
-_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
+# what a chat message may carry to the template: tool calls and results with their ids, the
+# author's name, an assistant turn's reasoning (which reasoning models' templates read)
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content")
 MAX_CHAT_MESSAGES = 1024  # more turns than any context window holds
 # End-of-turn markers of common chat templates, searched in this order (ChatML first).
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
@@ -71,7 +72,7 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         calls = msg.get("tool_calls") if role == "assistant" else None
         if not isinstance(content, str) or not (content.strip() or calls):
             raise ValueError(f"messages[{i}].content is empty (role {role!r})")
-        out.append({k: msg[k] for k in _MESSAGE_KEYS if k in msg})
+        out.append({k: msg[k] for k in MESSAGE_KEYS if k in msg})
     return out
 
 
