@@ -5,6 +5,7 @@ an empty one, or left it to the model's first token; reasoning off; forked sampl
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ import torch
 from kvstore.requests.output_constraint import StructuredOutputs
 from kvstore.requests.outputs import Completion, FinishReason
 from tests.engine.fakes import FakeExecutor
+from tests.engine.test_host_tier import HostFakeExecutor
 from tests.thinking_model import thinking_model
 from worker.engine import Engine, EngineConfig, SamplingParams
 from worker.engine.grammar_masks import TokenMask, allow_token
 from worker.model.reasoning_markers import ReasoningMarkers
+from worker.model.tokenizer import Tokenizer
 
 CHOICES = ("red", "green", "blue")
 SPEC = StructuredOutputs.choice(list(CHOICES))
@@ -187,7 +190,6 @@ def test_models_without_markers_are_unchanged(tokenizer) -> None:  # noqa: ANN00
     assert engine.reasoning is None and engine.processor.reasoning is None
     c = engine.generate(["Pick:"], SamplingParams(temperature=0, structured=SPEC))[0]
     assert c.completions[0].text in CHOICES
-    assert engine.generate(["Pick:"], SamplingParams(temperature=0))  # (no tokenizer stub)
     assert Engine(FakeExecutor(32, 4), EngineConfig(block_size=4)).reasoning is None
 
     class Stub:  # a tokenizer that cannot list its special ids
@@ -196,6 +198,45 @@ def test_models_without_markers_are_unchanged(tokenizer) -> None:  # noqa: ANN00
 
     stub = FakeExecutor(32, 4, tokenizer=Stub())
     assert Engine(stub, EngineConfig(block_size=4)).reasoning is None
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_held_grammars_survive_preemption(model_dir: Path, mode: str) -> None:
+    """The fake model (exact) with the reasoning tokenizer: sequences preempted while they
+    reason or answer keep their matcher, held or not, in step with their tokens."""
+    tok = Tokenizer.from_dir(model_dir)
+
+    def engine_on(ex: FakeExecutor, **cfg) -> Engine:  # noqa: ANN003
+        ex.tokenizer, ex.vocab_size, ex.eos_token_ids = tok, tok.vocab_size, tok.eos_token_ids
+        return Engine(ex, EngineConfig(block_size=4, max_model_len=128, **cfg))
+
+    calm = engine_on(FakeExecutor(96, 4, max_model_len=128))
+    markers = calm.reasoning
+    assert markers is not None
+    end = markers.end_id
+    prompts = [[*range(10 + i, 40 + i), markers.start_id] for i in range(5)]  # open
+    regex = "[a-z]{30,40}"
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=64,
+        logit_bias=((end, 4.0),),
+        structured=StructuredOutputs("regex", regex),
+    )
+    expected = calm.generate(prompts, params)
+    pressed = engine_on(
+        HostFakeExecutor(30, 4, 128),
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
+        preemption_mode=mode,
+    )
+    got = pressed.generate(prompts, params)
+    assert pressed.metrics().num_preemptions > 0
+    for a, b in zip(expected, got, strict=True):
+        ids = b.completions[0].token_ids
+        assert ids == a.completions[0].token_ids
+        assert end in ids[1:]  # (reasoned a while, then answered)
+        assert re.fullmatch(regex, answer(b.completions[0])), b.completions[0].text
 
 
 @pytest.mark.parametrize("every", [True, False])
