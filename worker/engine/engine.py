@@ -50,6 +50,7 @@ from worker.engine.structured import GrammarCompiler, install_ready
 from worker.engine.tier_copies import disk_tier_specs, run_tier_copies
 from worker.engine.validate import validate_request
 from worker.kv import BlockKey, HashContext, KVCacheManager, KVEvent
+from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.thread_count import configure_threads, current_threads
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,21 @@ class Engine:
         self.lora_tenants: dict[str, tuple[str, ...]] = {}
         for name, path in config.lora_adapters.items():
             self.add_lora(name, path, config.lora_tenants.get(name))
+        # a reasoning model's <think> / </think>: grammars start after the reasoning (None:
+        # no such tokens, reasoning off, or a tokenizer stub that cannot say)
+        self.reasoning: ReasoningMarkers | None = None
+        tok = self.tokenizer
+        if config.reasoning == "auto" and all(
+            hasattr(tok, name) for name in ("token_to_id", "special_ids")
+        ):
+            self.reasoning = ReasoningMarkers.of(tok)
         self.processor = OutputProcessor(
             tokenizer=self.tokenizer,
             eos_ids=self.eos_ids,
             stats=self.stats,
             seed=config.seed,
             spec_verified=self.speculator.verified if self.speculator is not None else None,
+            reasoning=self.reasoning,
         )
         # structured outputs: grammars compile off this thread; None without a real tokenizer
         self.grammars: GrammarCompiler | None = None
@@ -261,6 +271,8 @@ class Engine:
             assert self.grammars is not None
             req.grammar = self.grammars.submit(params.structured)
             req.awaiting_grammar = True
+            if self.reasoning is not None:
+                self._await_reasoning(req, continued)
             self._compiling.append(req)
             self._num_constrained += 1
         self.requests[rid] = req
@@ -268,6 +280,19 @@ class Engine:
             self.speculator.start(req)
         self.scheduler.add(req, prompt_keys)
         return rid
+
+    def _await_reasoning(self, req: Request, continued: int) -> None:
+        """Where ``req``'s grammar starts on a reasoning model (``structured.py``), read once
+        from its prompt."""
+        assert self.reasoning is not None
+        state = self.reasoning.prompt_state(req.prompt_ids)
+        if state == "none" and continued:
+            # its output so far (the prompt's end) opened no reasoning: it answers already
+            state = "closed"
+        req.reasoning = state
+        if state == "none":
+            req.may_open_reasoning = True
+            self.processor.openers += 1
 
     def abort(self, request_id: str) -> bool:
         """Abort a request at any time; its final output comes with the next ``step``."""

@@ -125,6 +125,20 @@ class GrammarMasks:
         return TokenMask(idx.to(device, non_blocking=True), banned)
 
 
+def allow_token(
+    mask: TokenMask, matchers: Sequence[Any | None], positions: Sequence[int], token: int
+) -> None:
+    """Let ``token`` through ``mask`` (as :meth:`GrammarMasks.mask` made it from
+    ``matchers``) at the batch ``positions``, each of them constrained: a reasoning model's
+    first token may open its reasoning whatever the grammar says (see ``structured.py``)."""
+    if mask.rows is None:  # every position is constrained: its row is its position
+        at = list(positions)
+    else:  # the mask's rows are the constrained positions, in order
+        rank = {p: k for k, p in enumerate(i for i, m in enumerate(matchers) if m is not None)}
+        at = [rank[p] for p in positions]
+    mask.banned[at, token] = False
+
+
 def grammar_rows(jobs: list, guarded: Callable[[Any, Callable[[], object]], None]) -> list:
     """``jobs`` ((request, sequence, row) to sample) less those whose matcher is in an error
     state: ``guarded`` fails each of their requests with the matcher's message."""

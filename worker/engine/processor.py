@@ -23,7 +23,7 @@ import torch
 from kvstore.requests.outputs import FinishReason, RequestOutput, TokenLogprob
 from kvstore.requests.sampling_params import SamplingParams
 from worker.engine.detokenizer import IncrementalDetokenizer, OutputText, TokenizerLike
-from worker.engine.grammar_masks import GrammarMasks, grammar_rows
+from worker.engine.grammar_masks import GrammarMasks, TokenMask, allow_token, grammar_rows
 from worker.engine.intake import banned_by_words
 from worker.engine.logit_adjust import PenaltyRows, adjust
 from worker.engine.metrics import MetricsRecorder
@@ -33,6 +33,7 @@ from worker.engine.request import Request, Sequence
 from worker.engine.request_output import beam_deltas, request_output
 from worker.engine.sampler import SampleSpec, finite_rows, sample
 from worker.engine.sched_output import ScheduledChunk, SchedulerOutput
+from worker.model.reasoning_markers import ReasoningMarkers
 
 
 class NonFiniteLogits(RuntimeError):
@@ -58,6 +59,7 @@ class OutputProcessor:
         stats: MetricsRecorder,
         seed: int,
         spec_verified: Callable[[Request, int, int], None] | None = None,
+        reasoning: ReasoningMarkers | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -66,6 +68,10 @@ class OutputProcessor:
         self._outcomes: dict[str, RequestOutcome] = {}  # this step's, by request id
         self.penalties = PenaltyCounts()  # token counts of the sequences that set penalties
         self.masks = GrammarMasks()  # this step's grammar masks (structured outputs)
+        # a reasoning model's markers: grammars wait for the reasoning's end (structured.py)
+        self.reasoning = reasoning
+        # live requests with Request.may_open_reasoning: while none, a step pays nothing
+        self.openers = 0
         self._logits_device = torch.device("cpu")  # where the last step's logits were
         # speculative decoding: told (request, drafts, accepted) after each verification
         self.spec_verified = spec_verified or (lambda req, drafts, accepted: None)
@@ -161,7 +167,7 @@ class OutputProcessor:
         t0 = time.perf_counter()
         try:
             counts = self._counts(penalized, logits)
-            mask = self.masks.mask(rows, [seq.matcher for _, seq in targets], logits)
+            mask = self._mask(rows, targets, logits)
             # every row once, in order (the usual step): no copy of the logits
             batch = logits if rows == list(range(logits.shape[0])) else logits[rows]
             tokens = sample(batch, specs, self._rng, counts, mask)
@@ -180,6 +186,25 @@ class OutputProcessor:
                 self._append(req, seq, tok, lp, out)
             except Exception as exc:  # noqa: BLE001 - one request's bug must not stop the engine
                 out.error = exc
+        if self.openers:  # their first token is sampled (forks sample theirs in the same step)
+            for req, _ in targets:
+                if req.may_open_reasoning:
+                    req.may_open_reasoning = False
+                    self.openers -= 1
+
+    def _mask(
+        self, rows: list[int], targets: list[tuple[Request, Sequence]], logits: torch.Tensor
+    ) -> TokenMask | None:
+        """The grammar mask of ``targets`` (sampling logits ``rows``): a request's first
+        token may also open its reasoning (``Request.may_open_reasoning``)."""
+        matchers = [seq.matcher for _, seq in targets]
+        mask = self.masks.mask(rows, matchers, logits)
+        if mask is not None and self.openers:
+            opening = [i for i, (req, _) in enumerate(targets) if req.may_open_reasoning]
+            if opening:
+                assert self.reasoning is not None
+                allow_token(mask, matchers, opening, self.reasoning.start_id)
+        return mask
 
     def _verify_all(self, verifies: list[tuple[ScheduledChunk, int]], logits: torch.Tensor) -> None:
         """Sample the rows of every chunk carrying drafts in one call (per-chunk calls cost
@@ -260,9 +285,7 @@ class OutputProcessor:
                 targets[i][1].seed_draw()
             try:
                 counts = self._counts(mine, logits)
-                mask = self.masks.mask(
-                    [rows[i] for i in idx], [targets[i][1].matcher for i in idx], logits
-                )
+                mask = self._mask([rows[i] for i in idx], [targets[i] for i in idx], logits)
                 toks, lps = sample(
                     logits[[rows[i] for i in idx]], [specs[i] for i in idx], self._rng, counts, mask
                 )
@@ -292,6 +315,9 @@ class OutputProcessor:
 
     def release(self, req: Request) -> None:
         """``req`` finished: its sequences' penalty rows are free."""
+        if req.may_open_reasoning:  # (it ended before its first token)
+            req.may_open_reasoning = False
+            self.openers -= 1
         if req.params.has_penalties:
             for seq in (*req.seqs, *req.done_seqs):
                 self.penalties.release(seq.seq_id)
@@ -304,6 +330,7 @@ class OutputProcessor:
         if seq.num_output >= p.min_tokens:
             return tuple(words)
         # a grammar decides where the output may end: EOS stays allowed where it allows it
+        # (a grammar held while the sequence reasons decides nothing yet)
         eos = () if p.ignore_eos or seq.matcher is not None else tuple(self.eos_ids)
         return (*eos, *p.stop_token_ids, *words)
 
@@ -332,11 +359,18 @@ class OutputProcessor:
             matched = seq.text.add(tok, check_stops=check, show=reason is None)
             if matched is not None and reason is None:
                 reason, stop_reason = FinishReason.STOP, matched
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(tok):
-                raise RuntimeError(f"the grammar refused token {tok}: {seq.matcher.get_error()}")
-            if reason is None and seq.matcher.is_stopped():
+        matcher, markers = seq.matcher, self.reasoning
+        if matcher is not None:
+            if req.may_open_reasoning and markers is not None and tok == markers.start_id:
+                # it opens its reasoning: the grammar waits, unadvanced, for the answer
+                seq.held_matcher, seq.matcher = matcher, None
+                seq.spec = None  # EOS is banned again before min_tokens, as without a grammar
+            elif not matcher.consume_token(tok):
+                raise RuntimeError(f"the grammar refused token {tok}: {matcher.get_error()}")
+            elif reason is None and matcher.is_stopped():
                 reason = FinishReason.STOP  # the grammar is complete: nothing may follow
+        elif seq.held_matcher is not None and markers is not None and tok == markers.end_id:
+            seq.matcher, seq.held_matcher = seq.held_matcher, None  # the answer starts next
         if reason is None and num_output >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:

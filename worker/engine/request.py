@@ -17,6 +17,7 @@ from worker.kv import BlockKey, HashContext
 
 if TYPE_CHECKING:
     from worker.engine.beam import BeamSearch
+    from worker.model.reasoning_markers import PromptReasoning
 
 _seq_ids = itertools.count()
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: distinct seeds per sample index
@@ -78,6 +79,7 @@ class Sequence:
         "cached_hint",
         "claim",
         "matcher",
+        "held_matcher",
         "spec",
     )
 
@@ -117,6 +119,9 @@ class Sequence:
         # structured outputs: this sequence's grammar state (an llguidance matcher), advanced
         # by each token it samples; it survives preemption as the output tokens do
         self.matcher: Any = None
+        # the matcher kept aside while the sequence reasons (``<think>`` ... ``</think>``):
+        # the grammar applies to the answer, from the token after the reasoning's end
+        self.held_matcher: Any = None
         # how it samples (the output processor's SampleSpec), kept once nothing is banned any
         # more (min_tokens reached): from then on it is the same every step
         self.spec: Any = None
@@ -162,6 +167,8 @@ class Sequence:
         child.cumulative_logprob = self.cumulative_logprob
         if self.matcher is not None:
             child.matcher = self.matcher.deep_copy()
+        if self.held_matcher is not None:
+            child.held_matcher = self.held_matcher.deep_copy()
         return child
 
     def reset_for_recompute(self) -> None:
@@ -236,6 +243,13 @@ class Request:
         # and whether it still waits for it (the scheduler does not admit it until then)
         self.grammar: Future | None = None
         self.awaiting_grammar = False
+        # structured outputs on a reasoning model: where the prompt leaves the output
+        # (``ReasoningMarkers.prompt_state``; None: no grammar, no markers or reasoning off).
+        # "open": its sequences start with the grammar held until the reasoning ends
+        self.reasoning: PromptReasoning | None = None
+        # state "none": its first output token may open the reasoning (``<think>`` allowed
+        # despite the grammar); cleared once that token is sampled
+        self.may_open_reasoning = False
 
     @property
     def priority(self) -> int:

@@ -14,6 +14,16 @@ swapped or is recomputed), and only sampled tokens advance it. Per step,
 one parallel call on a helper thread while the model runs, and ships them to the logits'
 device, where the sampler masks them in one batched op.
 
+A reasoning model (``<think>`` and ``</think>`` in its vocabulary, see
+``worker/model/reasoning_markers.py``; ``EngineConfig.reasoning``) thinks first, then answers:
+as vLLM does with a reasoning parser, the grammar constrains the answer alone. Where the
+prompt leaves the output decides, once per request: inside an opened reasoning (DeepSeek-R1's
+template), each sequence starts with its matcher held aside (``Sequence.held_matcher``) and
+samples unconstrained; past a closed one (Qwen3 with ``enable_thinking: false``), the grammar
+applies from the first token; before any (Qwen3's template), it applies from the first token,
+which may also be ``<think>`` and then holds the matcher. The sampled ``</think>`` puts the
+held matcher back, unadvanced: the grammar starts at the token after it.
+
 Why llguidance rather than xgrammar (measured on SmolLM2's 49k-token byte-level BPE and
 the tiny models' tokenizers, 8 JSON schemas, 2-core CPU): it imports without torch or
 transformers (the router validates grammars and must not load torch; xgrammar's import pulls
@@ -154,7 +164,8 @@ def compile_error(fut: Future) -> str:
 
 def install_ready(compiling: list[Request]) -> tuple[list[Request], list[tuple[Request, str]]]:
     """Of the requests waiting for their grammar: those whose compile succeeded get a
-    matcher per sequence and may be admitted; returns (still compiling, [(failed, why)])."""
+    matcher per sequence (held while a reasoning their prompt opened lasts) and may be
+    admitted; returns (still compiling, [(failed, why)])."""
     still, failed = [], []
     for req in compiling:
         fut = req.grammar
@@ -167,7 +178,11 @@ def install_ready(compiling: list[Request]) -> tuple[list[Request], list[tuple[R
             failed.append((req, compile_error(fut)))
         else:
             template = fut.result()
+            held = req.reasoning == "open"  # the prompt opened the reasoning: grammar after it
             for seq in req.seqs:
-                seq.matcher = template.deep_copy()
+                if held:
+                    seq.held_matcher = template.deep_copy()
+                else:
+                    seq.matcher = template.deep_copy()
             req.awaiting_grammar = False
     return still, failed
