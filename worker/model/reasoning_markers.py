@@ -46,10 +46,16 @@ class ReasoningMarkers:
         starts the reasoning, ``closed`` when it ends one, ``none`` without markers (the
         output may open the reasoning with its first token)."""
         if self.start_id not in prompt_ids and self.end_id not in prompt_ids:
-            return "none"  # (two scans in C; a template's markers sit near the end)
-        for token in reversed(prompt_ids):
-            if token == self.start_id:
-                return "open"
-            if token == self.end_id:
-                return "closed"
-        return "none"
+            return "none"
+        start, end = _last(prompt_ids, self.start_id), _last(prompt_ids, self.end_id)
+        return "open" if start > end else "closed"
+
+
+def _last(ids: Sequence[int], token: int) -> int:
+    """The last position of ``token`` in ``ids`` (-1: none), scanned in C (the reversed
+    copy costs less than a Python loop over a long prompt)."""
+    backwards = list(ids)[::-1]
+    try:
+        return len(backwards) - 1 - backwards.index(token)
+    except ValueError:
+        return -1
