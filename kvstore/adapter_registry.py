@@ -32,9 +32,12 @@ class AdapterRegistry:
         self.key = namespace + "loras"
 
     def put(self, adapter: RegisteredAdapter) -> None:
-        tenants = list(adapter.tenants) if adapter.tenants is not None else None
-        value = json.dumps({"path": adapter.path, "tenants": tenants})
-        self.client.hset(self.key, adapter.name, value)
+        self.client.hset(self.key, adapter.name, _value(adapter))
+
+    def add(self, adapter: RegisteredAdapter) -> bool:
+        """``put`` unless the name is registered already (False then): of two clients
+        loading one name at once, one gets it."""
+        return bool(self.client.hsetnx(self.key, adapter.name, _value(adapter)))
 
     def get(self, name: str) -> RegisteredAdapter | None:
         raw = self.client.hget(self.key, name)
@@ -47,6 +50,11 @@ class AdapterRegistry:
         """Every registered adapter, by name."""
         raw = self.client.hgetall(self.key)
         return sorted((_adapter(_text(k), v) for k, v in raw.items()), key=lambda a: a.name)
+
+
+def _value(adapter: RegisteredAdapter) -> str:
+    tenants = list(adapter.tenants) if adapter.tenants is not None else None
+    return json.dumps({"path": adapter.path, "tenants": tenants})
 
 
 def _text(value: bytes | str) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ray
 
+from kvstore.adapter_registry import AdapterRegistry
 from kvstore.config import IndexConfig, make_client
 from kvstore.index import KVIndex
 from kvstore.runtime.loop_sched import ThreadSchedConfig, apply_loop_policy
@@ -146,10 +147,13 @@ class RouterServer:
             from router.http_api import OpenAIServer  # HTTP stack only where it serves
             from router.http_api.response_store import ResponseStore
 
-            store = None
+            store = adapters = None
+            # their own clients: reads and writes off the request path's short timeouts
+            waits = {"socket_timeout_s": STORE_TIMEOUT_S, "connect_timeout_s": STORE_TIMEOUT_S}
+            if settings.index is not None and cfg.runtime_lora:
+                client = make_client(settings.index.model_copy(update=waits))
+                adapters = AdapterRegistry(client, settings.index.namespace)
             if settings.index is not None and cfg.responses_ttl_s > 0:
-                # its own client: reads and writes off the request path's short timeouts
-                waits = {"socket_timeout_s": STORE_TIMEOUT_S, "connect_timeout_s": STORE_TIMEOUT_S}
                 client = make_client(settings.index.model_copy(update=waits))
                 store = ResponseStore(
                     client,
@@ -165,6 +169,8 @@ class RouterServer:
                 cheap_rate_per_s=cfg.http_cheap_rate_per_s,
                 cheap_max_waiting=cfg.http_cheap_max_waiting,
                 responses_store=store,
+                runtime_lora=cfg.runtime_lora,
+                adapters=adapters,
             )
         # every router of the cluster, (gRPC address, HTTP URL or None), as the launcher's
         # router keeper last told (set_routers); ClusterStatus lists them

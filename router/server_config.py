@@ -113,6 +113,15 @@ class RouterConfig(Strict):
         "the time-to-first-token bound and of tokens within the inter-token bound "
         "(kvc_slo_met / kvc_slo_observed).",
     )
+    runtime_lora: bool = Field(
+        False,
+        description="Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): a client loads a LoRA adapter folder "
+        "(lora_path, read on every worker's node) on every worker, kept in the cluster's Redis "
+        "so workers that start later load it too. With auth, the adapter is its tenant's "
+        "alone. Off: both routes answer 404. Turn on only for clients you trust with paths "
+        "on the workers' disks.",
+    )
     responses_ttl_s: float = Field(
         3600.0,
         ge=0,

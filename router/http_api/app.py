@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from kvstore.adapter_registry import AdapterRegistry
 from router.http_api import routes
 from router.http_api.body import BodyBudget, BodyLimits, parse_json, read_body
 from router.http_api.connections import (
@@ -45,6 +46,7 @@ from router.http_api.defaults import (
 )
 from router.http_api.generation import WORKER_HEADER, error_response, unless_gone
 from router.http_api.generation_routes import GenerationRoutes
+from router.http_api.lora_admin import LoraAdmin
 from router.http_api.probe_gate import ProbeGate
 from router.http_api.response_store import ResponseStore
 from router.serving.edge_intake import Intake
@@ -81,10 +83,14 @@ class OpenAIServer:
         cheap_max_waiting: int = CHEAP_MAX_WAITING,
         http_protocol: HttpProtocol = "httptools",
         responses_store: ResponseStore | None = None,
+        runtime_lora: bool = False,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         """``intake``: the router's front door (auth, limits, tokenizer), shared with its gRPC
         edge; ``close_intake``: :meth:`stop` closes it too (a server that is its only user);
-        ``responses_store``: where /v1/responses keeps responses (None: none is kept)."""
+        ``responses_store``: where /v1/responses keeps responses (None: none is kept);
+        ``runtime_lora``: serve the run-time LoRA routes, which keep adapters in
+        ``adapters`` (the cluster's registry; None: no Redis)."""
         self._close_intake = close_intake
         self.responses_store = responses_store
         self.intake = intake
@@ -99,6 +105,7 @@ class OpenAIServer:
         self.probe_gate = ProbeGate(cheap_rate_per_s, cheap_max_waiting)
         self.handlers = routes.Handlers(self)
         generation = GenerationRoutes(self)
+        self.lora_admin = LoraAdmin(self, adapters, runtime_lora)
         # generation skips Starlette's routing and its two middleware layers, each of
         # which wraps ``send``: three Python calls per streamed event (Starlette still
         # routes its paths' other methods: 405)
@@ -113,6 +120,8 @@ class OpenAIServer:
             Route(
                 "/v1/responses/{response_id}", generation.kept_response, methods=["GET", "DELETE"]
             ),
+            Route("/v1/load_lora_adapter", self.lora_admin.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.lora_admin.unload, methods=["POST"]),
             *routes.routes(self),
         ]
         self._routes = Starlette(
@@ -199,6 +208,8 @@ class OpenAIServer:
             self.intake.close()
         if self.responses_store is not None:
             self.responses_store.close()
+        if self.lora_admin.registry is not None:
+            self.lora_admin.registry.client.close()
 
     async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI application: generation straight to its handler; every request that

@@ -209,6 +209,15 @@ class RayWorkerDirectory(WorkerDirectory):
 
         return await asyncio.wait_for(call(), timeout_s)
 
+    async def every_worker(self, method: str, *args: Any, timeout_s: float) -> dict[str, Any]:
+        """``method(*args)`` on every worker Ray knows by name, in parallel: per worker its
+        answer, or what it raised (a worker that did not answer in ``timeout_s``: a
+        TimeoutError; a method's own error as Ray delivers it, its ``cause`` the original)."""
+        names = sorted(await asyncio.to_thread(self.liveness.from_ray))
+        calls = (self._call(n, timeout_s, method, *args) for n in names)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        return dict(zip(names, results, strict=True))
+
     async def _ping(self, worker_id: str) -> bool:
         try:
             await self._call(worker_id, self.timeouts.probe_timeout_s, "__ray_ready__")
