@@ -4,7 +4,8 @@ event loop, a thin parser over the same :class:`Intake` as the gRPC servicer.
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (SSE
 when ``stream``), ``GET`` / ``DELETE /v1/responses/{id}`` (kept responses),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``,
-``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /health``. Errors are
+``GET /metrics`` (Prometheus text), ``GET /version``, ``GET /health``, and with
+``router.runtime_lora`` ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Errors are
 OpenAI-shaped (``{"error": {...}}``) with the status of the one error table
 (:mod:`router.serving.request_errors`). Bodies are bounded in bytes, values and nesting before they
 are parsed, and large ones are parsed off the event loop (:mod:`router.http_api.body`).
