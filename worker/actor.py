@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from kvstore.adapter_registry import AdapterRegistry
 from kvstore.blocks.hashing import BlockKey, HashContext
-from kvstore.config import IndexConfig
+from kvstore.config import IndexConfig, make_client
 from kvstore.requests.outputs import OUTPUT_SCHEMA, PackedOutput
 from kvstore.requests.protocol import Admitted, WorkerRequest, WorkerStatus
 from kvstore.requests.wire import check_schema
@@ -32,7 +33,7 @@ from kvstore.runtime.looplag import LoopLagProbe
 from kvstore.runtime.pauses import freeze_long_lived, short_gil_turns
 from worker.burst_intake import BurstIntake
 from worker.engine import EngineConfig, RequestOutput
-from worker.engine.commands import AddLora, AnnounceState, Snapshot
+from worker.engine.commands import AddLora, AnnounceState, RemoveLora, Snapshot
 from worker.engine.streams import StreamEnd
 from worker.index_link import IndexLink
 from worker.lifecycle import exit_process_soon, in_ray_actor
@@ -41,6 +42,7 @@ from worker.pull.peer import PeerPulls
 from worker.pull.served_prefixes import HotPrefix
 from worker.pull.transport import RunHandle
 from worker.pull.warm import WarmStarts
+from worker.registered_adapters import register_from_registry
 from worker.status import worker_load, worker_status
 from worker.telemetry import WorkerTelemetry
 from worker.worker_outputs import WorkerOutputs
@@ -90,6 +92,8 @@ class WorkerServer:
             self.model_dir, settings.engine, model_id=settings.model_id
         )
         self.model_load_s = time.monotonic() - t0  # its status reports it
+        if settings.index is not None:
+            self._register_cluster_adapters(settings.index)
         self.telemetry = WorkerTelemetry(self.worker_id, log_stats=settings.engine.log_stats)
         self.telemetry.start_heartbeat()
         self._in_actor = in_ray_actor()  # asked here: the engine thread reports a death
@@ -117,6 +121,17 @@ class WorkerServer:
         short_gil_turns()
         freeze_long_lived()
         self._loop_sched = False  # the loop's thread asked for its slice (on its first call)
+
+    def _register_cluster_adapters(self, index: IndexConfig) -> None:
+        """The adapters routers loaded at run time (``/v1/load_lora_adapter`` writes the
+        registry), registered before the engine loop starts; never fails the start."""
+        client = make_client(index)
+        try:
+            names = register_from_registry(self.engine, AdapterRegistry(client, index.namespace))
+        finally:
+            client.close()
+        if names:
+            log.info("worker %s: LoRA adapters of the registry: %s", self.worker_id, names)
 
     # -- engine thread hooks ---------------------------------------------------------------
 
@@ -226,6 +241,15 @@ class WorkerServer:
         adapter_id = await self.engine_loop.call_async(adapter)
         await self.engine_loop.call_async(AnnounceState())  # an idle worker steps not: tell now
         return adapter_id
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unregister a LoRA adapter added at run time; False if this worker has none of
+        that name. Its requests end with an error naming it. Raises LoraError for an adapter
+        of the cluster config. The routers hear of it at once."""
+        removed = await self.engine_loop.call_async(RemoveLora(name))
+        if removed:
+            await self.engine_loop.call_async(AnnounceState())
+        return removed
 
     async def kv_blocks_in_use(self) -> int:
         """Blocks with a reference (0 when idle: nothing leaked)."""

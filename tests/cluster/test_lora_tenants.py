@@ -1,8 +1,9 @@
 """Adapters owned by tenants, on a real cluster with two bearer tokens: a tenant sees
 (``/v1/models``, ClusterStatus) and runs only its own adapters and the shared ones; another
 tenant's adapter is as unknown to it as a name nobody serves. Registered in the config and at
-run time. And an adapter whose logits turn NaN fails its request with a clear error: no plain
-500, no NaN in any JSON body or SSE event."""
+run time, and loaded through vLLM's /v1/load_lora_adapter by a tenant, for it alone, outliving
+the worker that loaded it. And an adapter whose logits turn NaN fails its request with a clear
+error: no plain 500, no NaN in any JSON body or SSE event."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def owned(tmp_path_factory) -> Cluster:
     cfg = cluster_config(
         f"tenants-{os.getpid()}",
         workers={"num_workers": 1, "engine": engine},
-        router={"auth_tokens": {"alice": ALICE, "bob": BOB}},
+        router={"auth_tokens": {"alice": ALICE, "bob": BOB}, "runtime_lora": True},
     )
     shared_ray()  # every cluster of the session on one Ray
     with Cluster(cfg) as c:
@@ -149,3 +150,50 @@ def test_nan_logits_fail_the_request_cleanly_over_http(owned: Cluster) -> None:
     # the worker serves on
     ok = {"model": owned.model_id, "prompt": "Hello", "max_tokens": 2, "logprobs": 1}
     assert call(owned, ALICE, "POST", "/v1/completions", ok)[0] == 200
+
+
+def test_an_adapter_loaded_at_run_time_outlives_its_worker(owned: Cluster, tmp_path) -> None:  # noqa: ANN001
+    path = str(build_tiny_lora(tmp_path / "rt", resolve_default_model("llama"), rank=4, seed=9))
+    load = {"lora_name": "alices-rt", "lora_path": path}
+    status, body = call(owned, ALICE, "POST", "/v1/load_lora_adapter", load)
+    assert status == 200 and b"added successfully" in body, body
+    assert "alices-rt" in models(owned, ALICE)  # this router routes to it on the answer
+    assert "alices-rt" not in models(owned, BOB)
+
+    def complete(token: str) -> tuple[int, dict]:
+        body = {"model": "alices-rt", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        status, data = call(owned, token, "POST", "/v1/completions", body)
+        return status, strict_json(data)
+
+    status, first = complete(ALICE)
+    assert status == 200, first
+    assert complete(BOB)[0] == 404
+    with KVClusterClient(owned.endpoints[0], token=ALICE) as client:
+        (w,) = client.status().workers
+        epoch0 = w.epoch
+        (worker,) = owned.workers.values()
+        ray.kill(worker, no_restart=False)  # Ray restarts it: it loads the registry's adapters
+
+        def back() -> bool:
+            (w,) = client.status().workers
+            return w.epoch > epoch0 and w.alive and "alices-rt" in {a.name for a in w.adapters}
+
+        deadline = time.monotonic() + 120
+        while not back():
+            assert time.monotonic() < deadline, "the restarted worker does not serve it"
+            time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while (again := complete(ALICE))[0] != 200:
+        assert time.monotonic() < deadline, again
+        time.sleep(0.5)
+    assert again[1]["choices"][0]["text"] == first["choices"][0]["text"]  # the same adapter
+
+    unload = {"lora_name": "alices-rt"}
+    assert call(owned, BOB, "POST", "/v1/unload_lora_adapter", unload)[0] == 404
+    status, body = call(owned, ALICE, "POST", "/v1/unload_lora_adapter", unload)
+    assert status == 200 and b"removed successfully" in body, body
+    deadline = time.monotonic() + 15
+    while "alices-rt" in models(owned, ALICE):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert complete(ALICE)[0] == 404

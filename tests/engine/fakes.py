@@ -59,6 +59,9 @@ class FakeExecutor(ModelExecutor):
     def add_lora(self, name: str, path: str) -> str:
         raise AssertionError("the engine asks only executors with max_loras > 0")
 
+    def remove_lora(self, name: str) -> None:
+        raise AssertionError("the engine removes only adapters it registered")
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         bs = self.block_size
         snapshot = [

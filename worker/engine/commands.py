@@ -77,6 +77,15 @@ class AddLora:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoveLora:
+    """Unregister a run-time LoRA adapter (``Engine.remove_lora``): its requests end with an
+    error naming it. Answer: False when no adapter has the name; LoraError for one of the
+    engine config."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class ResetPrefixCache:
     """Drop every cached block (``KVCacheManager.reset_prefix_cache``). Answer: False when
     blocks are in use (nothing is dropped then)."""
@@ -154,6 +163,7 @@ Command = (
     | Snapshot
     | Metrics
     | AddLora
+    | RemoveLora
     | ResetPrefixCache
     | DrainEvents
     | ImportRun

@@ -183,6 +183,31 @@ class Engine:
             self.lora_tenants[name] = owners
         return adapter_id
 
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter added at run time; False if none is registered as ``name``.
+        Its requests (waiting, running, compiling a grammar, preempted) end now with an error
+        naming it, their blocks freed; their outputs come with the next ``step``. Its device
+        slot is freed and the name may be registered again. Raises ``LoraError`` for an
+        adapter of the engine config (every worker of the cluster serves those)."""
+        from worker.model.lora import LoraError
+
+        if name in self.config.lora_adapters:
+            raise LoraError(
+                f"adapter {name!r} is registered by the cluster config "
+                "(workers.engine.lora_adapters) and cannot be unloaded; remove it there"
+            )
+        if name not in self.loras:
+            return False
+        error = f"adapter {name!r} was unloaded"
+        for req in [r for r in self.requests.values() if r.params.lora == name]:
+            self.scheduler.abort(req, error)
+            self._pending.append(self.processor.output(req))
+        self._reap()
+        del self.loras[name]
+        self.lora_tenants.pop(name, None)
+        self.executor.remove_lora(name)
+        return True
+
     # ---- requests ------------------------------------------------------------------------
 
     def hash_context(self, params: SamplingParams) -> HashContext:

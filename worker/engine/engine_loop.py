@@ -64,6 +64,7 @@ from worker.engine.commands import (
     ImportRun,
     Metrics,
     Pause,
+    RemoveLora,
     ResetPrefixCache,
     SetSpares,
     Snapshot,
@@ -329,6 +330,8 @@ class EngineLoop:
                 return engine.metrics()
             case AddLora(name, path, tenants):
                 return engine.add_lora(name, path, tenants)
+            case RemoveLora(name):
+                return engine.remove_lora(name)
             case ResetPrefixCache():
                 return engine.kv.reset_prefix_cache()
             case DrainEvents():

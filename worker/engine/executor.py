@@ -67,6 +67,12 @@ class ModelExecutor(ABC):
         A chunk whose request names the adapter (``params.lora``) runs with it. The engine
         calls it only when ``max_loras`` > 0."""
 
+    @abstractmethod
+    def remove_lora(self, name: str) -> None:
+        """Forget the adapter ``name`` and free its device slot. The engine calls it only
+        for a name ``add_lora`` registered, after ending the requests that use it (no later
+        chunk names it)."""
+
     def loaded_loras(self) -> list[str]:
         """Names of the adapters in device slots now (engine thread)."""
         return []
@@ -180,6 +186,11 @@ class RunnerExecutor(ModelExecutor):
         self.runner.enable_lora(self.max_loras, self.max_lora_rank)
         self._loras[name] = adapter
         return adapter.adapter_id
+
+    def remove_lora(self, name: str) -> None:
+        del self._loras[name]
+        if self.runner.lora is not None:
+            self.runner.lora.drop(name)
 
     def adapter(self, name: str) -> LoraAdapter:
         """The registered adapter ``name`` (its host weights)."""
