@@ -121,6 +121,7 @@ class LoraAdmin:
             if not mine:
                 raise ModelNotFound(f"LoRA adapter {name!r} does not exist")
             await self._forget(name)
+            self.s.handlers.answers.forget()
             return _done(f"LoRA adapter '{name}' removed successfully.")
         except Exception as exc:
             return self.s.error(exc)
@@ -164,8 +165,9 @@ class LoraAdmin:
         deadline = time.monotonic() + VISIBLE_WAIT_S
         while name not in await self.s.intake.adapters(tenant):
             if time.monotonic() > deadline:
-                return  # (loaded; this router learns it with the next heartbeat)
+                break  # (loaded; this router learns it with the next heartbeat)
             await asyncio.sleep(0.05)
+        self.s.handlers.answers.forget()  # /v1/models lists it from now on
 
 
 def _done(message: str) -> Response:

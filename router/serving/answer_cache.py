@@ -37,6 +37,11 @@ class AnswerCache:
             running = self._running[key] = asyncio.ensure_future(self._make(key, make))
         return await asyncio.shield(running)
 
+    def forget(self) -> None:
+        """Drop the answers kept (what they answer changed); one being computed is kept
+        when it ends (it read the change or raced it, as any answer within ``ttl_s``)."""
+        self._done.clear()
+
     async def _make(self, key: Hashable, make: Callable[[], Awaitable[Any]]) -> Any:
         try:
             value = await make()
