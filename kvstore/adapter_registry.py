@@ -31,12 +31,9 @@ class AdapterRegistry:
         self.client = client
         self.key = namespace + "loras"
 
-    def put(self, adapter: RegisteredAdapter) -> None:
-        self.client.hset(self.key, adapter.name, _value(adapter))
-
     def add(self, adapter: RegisteredAdapter) -> bool:
-        """``put`` unless the name is registered already (False then): of two clients
-        loading one name at once, one gets it."""
+        """Register ``adapter`` unless its name is registered already (False then): of two
+        clients loading one name at once, one gets it."""
         return bool(self.client.hsetnx(self.key, adapter.name, _value(adapter)))
 
     def get(self, name: str) -> RegisteredAdapter | None:

@@ -32,17 +32,16 @@ def good_dir(tiny_dir: Path, tmp_path_factory) -> str:
     return str(build_tiny_lora(tmp_path_factory.mktemp("loras") / "good", tiny_dir, rank=4))
 
 
-def test_put_get_remove_all(redis_server: RedisServer) -> None:
+def test_add_get_remove_all(redis_server: RedisServer) -> None:
     reg = registry(redis_server)
     everyone = RegisteredAdapter("b", "/adapters/b", None)
     some = RegisteredAdapter("a", "/adapters/a", ("bob", "alice"))
     assert reg.all() == [] and reg.get("a") is None
-    reg.put(everyone)
-    reg.put(some)
+    assert reg.add(everyone) and reg.add(some)
     assert reg.get("a") == some and reg.get("b") == everyone
     assert reg.all() == [some, everyone]  # by name
-    reg.put(RegisteredAdapter("a", "/adapters/a2", None))  # put again: replaced
-    assert reg.get("a") == RegisteredAdapter("a", "/adapters/a2", None)
+    assert not reg.add(RegisteredAdapter("a", "/adapters/a2", None))  # the name is taken
+    assert reg.get("a") == some
     assert registry(redis_server, "other").all() == []  # one registry per (cluster, model)
     assert reg.remove("a") is True and reg.remove("a") is False
     assert reg.all() == [everyone]
@@ -52,8 +51,8 @@ def test_registered_at_start_bad_ones_skipped(
     redis_server: RedisServer, tiny_dir: Path, good_dir: str, tmp_path: Path, caplog
 ) -> None:
     reg = registry(redis_server)
-    reg.put(RegisteredAdapter("good", good_dir, ("bob",)))
-    reg.put(RegisteredAdapter("bad", str(tmp_path / "not-on-this-node"), None))
+    assert reg.add(RegisteredAdapter("good", good_dir, ("bob",)))
+    assert reg.add(RegisteredAdapter("bad", str(tmp_path / "not-on-this-node"), None))
     engine = Engine.from_model_dir(tiny_dir, EngineConfig(num_blocks=32))
     with caplog.at_level(logging.WARNING, logger="worker.registered_adapters"):
         assert register_from_registry(engine, reg) == ["good"]
@@ -78,8 +77,8 @@ def test_a_worker_starts_with_the_registry_and_unloads(
     redis_server: RedisServer, tiny_dir: Path, good_dir: str, tmp_path: Path
 ) -> None:
     reg = registry(redis_server)
-    reg.put(RegisteredAdapter("good", good_dir, None))
-    reg.put(RegisteredAdapter("bad", str(tmp_path / "missing"), None))
+    assert reg.add(RegisteredAdapter("good", good_dir, None))
+    assert reg.add(RegisteredAdapter("bad", str(tmp_path / "missing"), None))
     index = IndexConfig(url=redis_server.url, model_id="m", heartbeat_ttl_s=2.0)
     cfg = EngineConfig(num_blocks=32, lora_adapters={"cfg": good_dir})
     server = WorkerServer(WorkerSettings("worker-0", str(tiny_dir), "m", cfg, index))
