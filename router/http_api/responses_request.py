@@ -238,6 +238,23 @@ def _text(field: str, content: Any) -> str:
     return "".join(parts)
 
 
+def _reasoning(item: dict[str, Any], name: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts (this server's answers carry
+    them), else its ``summary_text`` parts."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise F.bad_type(f"{name}.{key}", parts, f"a list of {kind} parts")
+        texts = []
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise F.bad_type(f"{name}.{key}[{j}]", part, f"a {{type: '{kind}', text}} part")
+            texts.append(part["text"])
+        if texts:
+            return "".join(texts)
+    return ""
+
+
 def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
     if instructions is None:
@@ -255,6 +272,7 @@ def _input(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise F.bad_type("input", items, "a non-empty string or list of items")
     out: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         name = f"input[{i}]"
         if not isinstance(item, dict):
@@ -279,13 +297,19 @@ def _input(items: Any) -> list[dict[str, Any]]:
             output = _text(f"{name}.output", item.get("output"))
             out.append({"role": "tool", "content": output, "tool_call_id": call_id})
         elif kind == "reasoning":
-            continue  # an earlier turn's reasoning summary: not part of the prompt
+            thought = _reasoning(item, name)
+            continue
         else:
             raise InvalidRequest(
                 f"{name}.type",
                 F.shown(kind),
                 "must be message, function_call, function_call_output or reasoning",
             )
+        # an earlier turn's reasoning goes with its answer, for the template (Qwen3's shows
+        # the reasoning of the turns after the last user message: a tool-calling loop's)
+        if thought and out[-1]["role"] == "assistant":
+            out[-1].setdefault("reasoning_content", thought)
+        thought = ""
     if not any(m["role"] not in ("system", "developer") for m in out):
         raise InvalidRequest("input", "<no message>", "must hold at least one input message")
     return out

@@ -294,3 +294,43 @@ def test_a_responses_answer_with_a_call_after_the_reasoning() -> None:
     thought, call = r.output
     assert thought.type == "reasoning" and thought.content[0].text == "Call it."
     assert call.type == "function_call" and json.loads(call.arguments) == {"country": "France"}
+
+
+def test_responses_reasoning_items_go_with_their_answers() -> None:
+    """An agent loop sends its earlier reasoning back: it reaches the template with the
+    assistant turn it preceded (Qwen3's shows a tool loop's reasoning)."""
+    items = [
+        {"role": "user", "content": "Capital of France?"},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Look it up."}],
+        },
+        {"type": "function_call", "call_id": "c1", "name": "capital", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Paris"},
+        {
+            "type": "reasoning",
+            "id": "rs_2",
+            "summary": [{"type": "summary_text", "text": "Got it."}],
+        },
+        {"role": "assistant", "content": "Paris."},
+        {"type": "reasoning", "id": "rs_3", "summary": []},  # (nothing to carry)
+        {"role": "user", "content": "Thanks"},
+    ]
+    _, _, tok = served(lambda c: c.responses.create(model="m", input=items))
+    (chat,) = tok.chats
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "assistant", "user"]
+    assert chat[1]["reasoning_content"] == "Look it up." and chat[1]["tool_calls"]
+    assert chat[3]["reasoning_content"] == "Got it."
+    assert "reasoning_content" not in chat[0] and "reasoning_content" not in chat[4]
+
+    bad = [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text"}]}, items[0]]
+
+    def refused(c: openai.OpenAI) -> Any:
+        with pytest.raises(openai.BadRequestError) as err:
+            c.responses.create(model="m", input=bad)
+        return err.value.body
+
+    body, _, _ = served(refused)
+    assert body["param"] == "input[0].content[0]"
