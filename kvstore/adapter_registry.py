@@ -11,9 +11,16 @@ the only tenants that may see and use it; null: every tenant).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import redis
+
+# what an adapter may be called (workers check it at registration, routers before a load)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ADAPTER_NAME_RULE = (
+    "1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,14 +14,18 @@ that loaded it: listed and served to it alone, unloaded by it alone; another ten
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from kvstore.adapter_registry import AdapterRegistry, RegisteredAdapter
+from kvstore.adapter_registry import (
+    ADAPTER_NAME,
+    ADAPTER_NAME_RULE,
+    AdapterRegistry,
+    RegisteredAdapter,
+)
 from kvstore.requests.errors import InvalidRequest
 from router.http_api.fields import get_str, shown
 from router.placement.adapters import adapter_name
@@ -33,7 +37,6 @@ if TYPE_CHECKING:
 
 LOAD_TIMEOUT_S = 120.0  # a worker reading and checking an adapter's weights
 VISIBLE_WAIT_S = 15.0  # until this router's view of the workers lists a loaded adapter
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -60,12 +63,8 @@ class LoraAdmin:
         if not isinstance(body, dict):
             raise InvalidRequest("body", type(body).__name__, "must be a JSON object")
         name = get_str(body, "lora_name")
-        if not name or not _NAME.fullmatch(name):
-            raise InvalidRequest(
-                "lora_name",
-                shown(name),
-                "must be 1-128 letters, digits or ._:- (starting with a letter or digit)",
-            )
+        if not name or not ADAPTER_NAME.fullmatch(name):
+            raise InvalidRequest("lora_name", shown(name), f"must be {ADAPTER_NAME_RULE}")
         if name == self.s.intake.model_id:
             raise InvalidRequest("lora_name", name, "is the base model's name")
         return tenant, body, name

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.adapter_registry import ADAPTER_NAME, ADAPTER_NAME_RULE
 from worker.model.config import ModelConfig
 from worker.model.lora_config import (
     MODULES,
@@ -38,7 +39,6 @@ from worker.model.lora_config import (
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"  # peft's save_pretrained(safe_serialization=False)
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
@@ -69,11 +69,8 @@ class LoraAdapter:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise LoraError(
-            f"adapter name {name!r} is invalid: 1-64 characters of letters, digits, '.', '_' "
-            "or '-', starting with a letter or digit"
-        )
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+        raise LoraError(f"adapter name {name!r} is invalid: {ADAPTER_NAME_RULE}")
     return name
 
 
