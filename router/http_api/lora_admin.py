@@ -17,6 +17,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+import redis
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
@@ -30,7 +31,7 @@ from kvstore.requests.errors import InvalidRequest
 from router.http_api.fields import get_str, shown
 from router.placement.adapters import adapter_name
 from router.placement.placement_types import NoWorkersError
-from router.serving.request_errors import ModelNotFound, NoRoute
+from router.serving.request_errors import ModelNotFound, NoRoute, StoreUnavailable
 
 if TYPE_CHECKING:
     from router.http_api.app import OpenAIServer
@@ -69,10 +70,15 @@ class LoraAdmin:
             raise InvalidRequest("lora_name", name, "is the base model's name")
         return tenant, body, name
 
+    async def _registry(self, method: str, *args: Any) -> Any:
+        """A registry call off the event loop; Redis not answering is a 503."""
+        try:
+            return await asyncio.to_thread(getattr(self.registry, method), *args)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"the adapter registry (Redis) did not answer: {exc}") from exc
+
     async def _registered(self, name: str) -> RegisteredAdapter | None:
-        if self.registry is None:
-            return None
-        return await asyncio.to_thread(self.registry.get, name)
+        return None if self.registry is None else await self._registry("get", name)
 
     async def load(self, request: Request) -> Response:
         try:
@@ -90,9 +96,7 @@ class LoraAdmin:
                 raise taken
             # registered first (a worker that starts now loads it too), and only once: of two
             # clients loading one name at once, the second is refused
-            if self.registry is not None and not await asyncio.to_thread(
-                self.registry.add, adapter
-            ):
+            if self.registry is not None and not await self._registry("add", adapter):
                 raise taken
             try:
                 await self._everywhere("add_lora", name, path, list(owners) if owners else None)
@@ -151,7 +155,7 @@ class LoraAdmin:
         has it until it restarts, when the registry no longer lists it); ``strict``: a
         worker's refusal is the client's error."""
         if self.registry is not None:
-            await asyncio.to_thread(self.registry.remove, name)
+            await self._registry("remove", name)
         answers = await self.s.core.directory.every_worker(
             "remove_lora", name, timeout_s=LOAD_TIMEOUT_S
         )

@@ -49,7 +49,8 @@ class ResponseNotFound(Exception):
 
 
 class StoreUnavailable(Exception):
-    """The response store (the cluster's Redis) did not answer; retry later."""
+    """A store in the cluster's Redis (kept responses, the adapter registry) did not
+    answer; retry later."""
 
 
 class BadBody(Exception):

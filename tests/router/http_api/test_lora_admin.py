@@ -260,3 +260,17 @@ def test_the_routes_are_off_unless_turned_on(registry: AdapterRegistry) -> None:
     )
     assert r.status_code == 404 and "router.runtime_lora" in r.json()["error"]["message"]
     assert f.calls == [] and registry.all() == []
+
+
+def test_a_registry_that_does_not_answer_is_a_503(
+    redis_server: Any, registry: AdapterRegistry
+) -> None:
+    f = fleet()
+    redis_server.stop()
+    (r,) = served(
+        f,
+        registry,
+        lambda post: [post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"})],
+    )
+    assert r.status_code == 503 and "adapter registry" in r.json()["error"]["message"]
+    assert f.calls == []  # no worker loads what the registry does not keep
