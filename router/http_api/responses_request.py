@@ -173,8 +173,8 @@ def parse_responses(
         ),
         grammars=tool_spec.schemas if tool_spec is not None else (),
         values=values,
-        # truncation "auto": keep the conversation's end when it outgrows the context
-        truncate_prompt_tokens=-1 if truncation == "auto" else None,
+        # truncation "auto": a conversation that outgrows the context loses its oldest turns
+        drop_turns=truncation == "auto",
         fill_context=True,  # no max_output_tokens: as long as the context allows
         limits=limits,
         names=names,

@@ -161,6 +161,8 @@ class Intake:
                 assert spec.text is not None
                 check_text_chars("text", spec.text, self.limits, self.max_model_len)
                 ids = await self.tokenize.encode(spec.text)
+            if spec.drop_turns and len(ids) > (limit := self._prompt_room(spec)):
+                ids = await self._without_oldest_turns(spec, ids, limit)
         except InvalidRequest as exc:
             raise renamed(exc, spec.names) from None
         k = spec.truncate_prompt_tokens
@@ -168,6 +170,39 @@ class Intake:
             k = self.core.limits.max_prompt_tokens if k == -1 else k
             ids = ids[-k:]
         return ids
+
+    def _prompt_room(self, spec: GenerateSpec) -> int:
+        """The most prompt tokens ``spec`` may keep: the context less its given max_tokens
+        (else less one token)."""
+        out = spec.params.max_tokens if spec.max_tokens_given else 1
+        return max(1, self.max_model_len - out)
+
+    async def _without_oldest_turns(
+        self, spec: GenerateSpec, ids: list[int], limit: int
+    ) -> list[int]:
+        """``spec``'s conversation less its oldest turns, to fit ``limit`` tokens: its
+        leading system messages (the instructions) kept, whole turns dropped (a turn starts
+        at a user message, so no tool result loses its call), the fewest that fit found by
+        a binary search of renders. When even the last turn does not fit, the prompt's last
+        ``limit`` tokens."""
+        msgs = spec.messages
+        assert msgs is not None
+        head = 0
+        while head < len(msgs) and msgs[head]["role"] in ("system", "developer"):
+            head += 1
+        cuts = [i for i in range(head + 1, len(msgs)) if msgs[i]["role"] == "user"]
+        best: list[int] | None = None
+        lo, hi = 0, len(cuts) - 1
+        while lo <= hi:  # the first cut whose render fits (later cuts keep fewer tokens)
+            mid = (lo + hi) // 2
+            kept = (*msgs[:head], *msgs[cuts[mid] :])
+            chars = sum(len(m.get("content", "")) for m in kept) + spec.chat.rendered_chars
+            got = await self.tokenize.run(chars, chat_token_ids, self.tokenizer, kept, spec.chat)
+            if len(got) <= limit:
+                best, hi = got, mid - 1
+            else:
+                lo = mid + 1
+        return best if best is not None else ids[-limit:]
 
     def fitted(self, spec: GenerateSpec, ids: list[int]) -> SamplingParams:
         """The request's parameters with an unset ``max_tokens`` fitted to what the prompt

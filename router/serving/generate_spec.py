@@ -67,6 +67,9 @@ class GenerateSpec:
     max_tokens_given: bool = False
     # unset max_tokens means as many as the context leaves (OpenAI's chat), not the default
     fill_context: bool = False
+    # a conversation over the context loses its oldest turns, its system messages kept
+    # (the Responses API's truncation "auto"), rather than being refused
+    drop_turns: bool = False
     # the client's spelling of the intake's field names, for errors raised after parsing
     names: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -170,13 +173,15 @@ def make_spec(
     names: Mapping[str, str] | None = None,
     grammars: Sequence[StructuredOutputs] = (),
     fill_context: bool = False,
+    drop_turns: bool = False,
 ) -> GenerateSpec:
     """Validate one request (model limits are checked once it is tokenized). ``tenant``: the
     authenticated tenant (or the client's own claim, without auth); it scopes the cache salt
     (see :func:`tenant_salt`). Exactly one of ``text``, ``token_ids``, ``messages``.
     ``grammars``: schemas to compile-check besides the output constraint (``values``'
     ``structured``), such as a chat's tool parameters. ``fill_context``: without
-    ``max_tokens`` the request may generate as long as the context allows."""
+    ``max_tokens`` the request may generate as long as the context allows; ``drop_turns``:
+    a conversation over the context loses its oldest turns."""
     names = dict(names or {})
     try:
         spec = _make_spec(
@@ -201,7 +206,12 @@ def make_spec(
         )
     except InvalidRequest as exc:
         raise renamed(exc, names) from None
-    return replace(spec, max_tokens_given="max_tokens" in values, fill_context=fill_context)
+    return replace(
+        spec,
+        max_tokens_given="max_tokens" in values,
+        fill_context=fill_context,
+        drop_turns=drop_turns,
+    )
 
 
 def _make_spec(  # noqa: PLR0913 - the fields of one request

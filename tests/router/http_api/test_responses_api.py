@@ -300,3 +300,52 @@ def test_output_text_logprobs_when_included() -> None:
     assert [[t.logprob for t in x.top_logprobs] for x in lps] == [[-0.5, -1.5]] * 2
     assert [[x.logprob for x in d] for d in deltas] == [[-0.5], [-0.5]]
     assert [len(x.top_logprobs) for x in streamed.output[0].content[0].logprobs] == [1, 1]
+
+
+class WordTokenizer(Tokenizer):
+    """One token per word of each message, plus two per message (its role and end)."""
+
+    def encode_chat(self, messages: list, **options: object) -> list[int]:
+        self.chats.append([dict(m) for m in messages])
+        return self.ids(messages)
+
+    @staticmethod
+    def ids(messages: list) -> list[int]:
+        return [7] * sum(len(m["content"].split()) + 2 for m in messages)
+
+
+def test_truncation_auto_drops_the_oldest_turns_and_keeps_the_instructions() -> None:
+    words = " ".join(["word"] * 100)  # 102 tokens a message
+    items = []
+    for turn in range(4):  # 4 turns of 204 tokens: 816, over the 512 of the context
+        items += [
+            {"role": "user", "content": f"q{turn} {words}"[:-5]},
+            {"role": "assistant", "content": f"a{turn} {words}"[:-5]},
+        ]
+    items.append({"role": "user", "content": "And now?"})
+
+    def ask(c: openai.OpenAI, **kw: Any) -> Any:
+        return c.responses.create(model="m", input=items, instructions="Be brief.", **kw)
+
+    core, tok = Core(["ok"], FinishReason.STOP, None), WordTokenizer()
+    r = with_openai(core, tok, lambda c: ask(c, truncation="auto", max_output_tokens=50))
+    assert r.status == "completed" and r.truncation == "auto"
+    # the instructions, then the newest whole turns that fit in 512 - 50 tokens: 416 of them
+    assert r.usage.input_tokens == 4 + 2 * 204 + 4
+    (kept,) = [chat for chat in tok.chats if len(WordTokenizer.ids(chat)) == 416]
+    assert kept[0] == {"role": "system", "content": "Be brief."}
+    assert [m["content"].split()[0] for m in kept[1:]] == ["q2", "a2", "q3", "a3", "And"]
+    assert core.params[-1].max_tokens == 50
+
+    # without truncation, the whole conversation (which the serving core refuses)
+    core, tok = Core(["ok"], FinishReason.STOP, None), WordTokenizer()
+    r = with_openai(core, tok, lambda c: ask(c))
+    assert r.usage.input_tokens == 4 + 4 * 204 + 4 and len(tok.chats) == 1
+
+    # a last turn alone over the context: its last tokens, as before
+    huge = [{"role": "user", "content": " ".join(["w"] * 600)}]
+    core, tok = Core(["ok"], FinishReason.STOP, None), WordTokenizer()
+    r = with_openai(
+        core, tok, lambda c: c.responses.create(model="m", input=huge, truncation="auto")
+    )
+    assert r.status == "completed" and r.usage.input_tokens == 511
