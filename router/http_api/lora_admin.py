@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 LOAD_TIMEOUT_S = 120.0  # a worker reading and checking an adapter's weights
 VISIBLE_WAIT_S = 15.0  # until this router's view of the workers lists a loaded adapter
+MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -84,8 +85,12 @@ class LoraAdmin:
         try:
             tenant, body, name = await self._body(request)
             path = get_str(body, "lora_path")
-            if not path or not path.startswith("/"):
-                raise InvalidRequest("lora_path", shown(path), "must be an absolute folder path")
+            if not path or not path.startswith("/") or len(path) > MAX_PATH_CHARS:
+                raise InvalidRequest(
+                    "lora_path",
+                    shown(path),
+                    f"must be an absolute folder path of at most {MAX_PATH_CHARS} characters",
+                )
             owners = (tenant,) if tenant is not None else None
             adapter = RegisteredAdapter(name, path, owners)
             known = await self._registered(name)

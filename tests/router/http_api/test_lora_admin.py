@@ -189,15 +189,17 @@ def test_bad_bodies_name_their_field(registry: AdapterRegistry) -> None:
             post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "relative/a"}),
             post("/v1/load_lora_adapter", {"lora_name": "m", "lora_path": "/a"}),  # the base
             post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": 3}),
+            post("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/" + "a" * 5000}),
         ]
 
     answers = served(fleet(), registry, calls)
-    assert [r.status_code for r in answers] == [400] * 5
+    assert [r.status_code for r in answers] == [400] * 6
     assert [r.json()["error"]["param"] for r in answers] == [
         "lora_name",
         "lora_name",
         "lora_path",
         "lora_name",
+        "lora_path",
         "lora_path",
     ]
     assert registry.all() == []
