@@ -44,6 +44,8 @@ class Completion:
     request_id: str = ""
     worker_id: str = ""
     texts: dict[int, str] = field(default_factory=dict)  # sample index -> text
+    # sample index -> its reasoning (split_reasoning on a reasoning model)
+    reasonings: dict[int, str] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)  # sample index -> tokens
     finish_reasons: dict[int, str | None] = field(default_factory=dict)
     prompt_tokens: int = 0
@@ -73,18 +75,21 @@ def build_request(
     tenant: str = "",
     priority: int = 0,
     lora: str = "",
+    split_reasoning: bool = False,
     **params: object,
 ) -> pb.GenerateRequest:
     """``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], rendered
     by the router with the model's chat template). ``params`` are SamplingParams fields
     (max_tokens=..., temperature=..., stop=[...]); ``lora``: a LoRA adapter's name (empty:
-    the base model)."""
+    the base model); ``split_reasoning``: a reasoning model's reasoning apart from the text
+    (``Completion.reasonings``)."""
     req = pb.GenerateRequest(
         request_id=request_id,
         cache_salt=cache_salt,
         tenant=tenant,
         priority=priority,
         lora=lora,
+        split_reasoning=split_reasoning,
         params=pb.SamplingParams(**params),
     )
     if isinstance(prompt, str):
@@ -289,6 +294,8 @@ def accumulate(out: Completion, msg: pb.GenerateResponse) -> None:
     out.request_id = msg.request_id or out.request_id
     out.worker_id = msg.worker_id or out.worker_id
     out.texts[msg.index] = out.texts.get(msg.index, "") + msg.text
+    if msg.reasoning:
+        out.reasonings[msg.index] = out.reasonings.get(msg.index, "") + msg.reasoning
     out.token_ids.setdefault(msg.index, []).extend(msg.token_ids)
     if msg.finish_reason:
         out.finish_reasons[msg.index] = FINISH_NAMES[msg.finish_reason]

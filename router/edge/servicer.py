@@ -29,6 +29,7 @@ from router.edge.convert import (
     top_logprobs_pb,
 )
 from router.edge.interceptors import SERVICE_NAME, AuthInterceptor, DecodeGuard
+from router.edge.reasoning_messages import ReasoningMessages
 from router.placement.prediction import WorkerPredictions
 from router.serving.auth import TokenAuth
 from router.serving.edge_intake import Intake
@@ -89,9 +90,12 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
         try:
             spec, token_ids = await self._start(request, context)
             text = spec.stream_text
+            splits = self._splits(request, spec, token_ids) if text else None
             async with aclosing(self.intake.generate(spec, token_ids)) as outputs:
                 async for worker, out in outputs:
                     for msg in responses_from_output(out, worker_id=worker, stream_text=text):
+                        if splits is not None:
+                            splits.apply(msg)
                         await context.write(msg)
         except Exception as exc:
             await self._abort(context, exc)
@@ -101,8 +105,10 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
     ) -> pb.GenerateResult:
         result = GenerationResult(request_id="", completions=[])
         worker = ""
+        splits = None
         try:
             spec, token_ids = await self._start(request, context)
+            splits = self._splits(request, spec, token_ids)
             async for worker, out in self.intake.generate(spec, token_ids):  # noqa: B007
                 result.request_id = out.request_id
                 result.add(out)
@@ -110,19 +116,23 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             await self._abort(context, exc)
 
         u = result.usage
+        completions = [
+            pb.Completion(
+                index=c.index,
+                token_ids=c.token_ids,
+                text=c.text,
+                finish_reason=FINISH_TO_PB[c.finish_reason],
+                logprobs=top_logprobs_pb(c.logprobs or ()),
+            )
+            for c in result.completions
+        ]
+        if splits is not None:
+            for c in completions:
+                splits.apply(c)
         return pb.GenerateResult(
             request_id=result.request_id,
             worker_id=worker,
-            completions=[
-                pb.Completion(
-                    index=c.index,
-                    token_ids=c.token_ids,
-                    text=c.text,
-                    finish_reason=FINISH_TO_PB[c.finish_reason],
-                    logprobs=top_logprobs_pb(c.logprobs or ()),
-                )
-                for c in result.completions
-            ],
+            completions=completions,
             prompt_logprobs=top_logprobs_pb(result.prompt_logprobs or ()),
             usage=pb.Usage(
                 prompt_tokens=u.prompt_tokens,
@@ -132,6 +142,19 @@ class KVClusterServicer(pb_grpc.KVClusterServicer):
             )
             if u
             else None,
+        )
+
+    def _splits(
+        self, request: pb.GenerateRequest, spec: GenerateSpec, token_ids: list[int]
+    ) -> ReasoningMessages | None:
+        """The reasoning splits of a request that asked for them (None: it did not, or the
+        model has no reasoning tokens)."""
+        markers = self.intake.reasoning
+        if not request.split_reasoning or markers is None:
+            return None
+        earlier = spec.continue_from
+        return ReasoningMessages(
+            markers, markers.prompt_state(token_ids), earlier, self.intake.tokenizer
         )
 
     async def Tokenize(

@@ -7,9 +7,9 @@ from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
 from router.http_api.openai_request import OpenAIRequest
-from router.http_api.reasoning_split import ReasoningSplit
 from router.http_api.sse import DONE, PlainChunks, sse_event
 from router.http_api.tool_calls import ToolStream, message_json, tool_chunk_delta
+from router.serving.reasoning_split import ReasoningSplit
 from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 

@@ -5,8 +5,8 @@ typed events (``response.created`` ... ``response.output_text.delta`` ...
 
 The answer is one assistant message (its text as one ``output_text`` part), after a
 ``reasoning`` item when a reasoning model reasoned (its text as one ``reasoning_text``
-part, ``reasoning_split.py``) and, with tools, one ``function_call`` item per call the
-answer makes (parsed as for chat: ``tool_calls.py``; while streaming, text that may be a
+part, ``router/serving/reasoning_split.py``) and, with tools, one ``function_call`` item per
+call the answer makes (parsed as for chat: ``tool_calls.py``; while streaming, text that may be a
 call is held back until the answer ends). An answer cut by ``max_output_tokens`` (or the
 context) is ``incomplete``. A response the request keeps goes to the response store before
 its last event (or the whole answer) is sent, so a client that continues it at once finds it.
@@ -18,13 +18,13 @@ import uuid
 from typing import Any
 
 from kvstore.requests.outputs import Completion, CompletionDelta, TokenLogprob, Usage
-from router.http_api.reasoning_split import ReasoningSplit
 from router.http_api.response_store import ResponseStore
 from router.http_api.responses import token_logprobs_json
 from router.http_api.responses import usage_json as completion_usage_json
 from router.http_api.responses_request import ResponsesRequest
 from router.http_api.sse import typed_event
 from router.http_api.tool_calls import ToolStream, parse_calls
+from router.serving.reasoning_split import ReasoningSplit
 from worker.model.reasoning_markers import ReasoningMarkers
 from worker.model.tokenizer import Tokenizer
 

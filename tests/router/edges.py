@@ -34,9 +34,15 @@ def http_server(
 
 
 def grpc_servicer(
-    core: Any, tokenizer: Any, *, limits: RequestLimits | None = None
+    core: Any,
+    tokenizer: Any,
+    *,
+    limits: RequestLimits | None = None,
+    reasoning: ReasoningMarkers | None = None,
 ) -> KVClusterServicer:
-    intake = Intake(core, tokenizer, auth=None, limits=limits or RequestLimits())
+    intake = Intake(
+        core, tokenizer, auth=None, limits=limits or RequestLimits(), reasoning=reasoning
+    )
     return KVClusterServicer(intake, policy="x")
 
 

@@ -3,7 +3,7 @@ which reasoning models (Qwen3, DeepSeek-R1 and its distills, QwQ) think before t
 
 Both sides read the same two facts: a worker starts a request's grammar only after the
 reasoning ends (``worker/engine/structured.py``), and the router's HTTP door answers the
-reasoning apart from the content (``router/http_api/reasoning_split.py``). Where the output
+reasoning apart from the content (``router/serving/reasoning_split.py``). Where the output
 begins is read from the prompt's tokens, so every chat template is covered without naming it:
 DeepSeek-R1's opens the span in the prompt, Qwen3's lets the model open it, and Qwen3's
 ``enable_thinking: false`` renders an empty span, closed, before the answer.

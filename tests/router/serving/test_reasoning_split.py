@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.http_api.reasoning_split import ReasoningSplit
+from router.serving.reasoning_split import ReasoningSplit
 from worker.model.reasoning_markers import ReasoningMarkers
 
 M = ReasoningMarkers(90, 91)
