@@ -67,3 +67,27 @@ def with_openai(
             await server.stop()
 
     return asyncio.run(main())
+
+
+def both_calls(servicer: KVClusterServicer, req: Any) -> tuple[list[Any], Any]:
+    """``req`` sent to a real grpc.aio server over ``servicer`` on loopback, once streamed
+    (``Generate``: its messages) and once unary (``GenerateUnary``: its result)."""
+    import grpc
+
+    from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
+    from router.edge.servicer import start_server
+
+    async def main() -> tuple[list[Any], Any]:
+        server, port = await start_server(
+            servicer, host="127.0.0.1", port=0, max_message_bytes=1 << 20
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.KVClusterStub(channel)
+                streamed = [m async for m in stub.Generate(req, timeout=10)]
+                unary = await stub.GenerateUnary(req, timeout=10)
+            return streamed, unary
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())

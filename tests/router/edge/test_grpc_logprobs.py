@@ -5,10 +5,6 @@ a small serving core."""
 
 from __future__ import annotations
 
-import asyncio
-
-import grpc
-
 from kvstore.requests.outputs import (
     CompletionDelta,
     FinishReason,
@@ -17,9 +13,7 @@ from kvstore.requests.outputs import (
     Usage,
 )
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.edge.servicer import start_server
-from tests.router.edges import grpc_servicer
+from tests.router.edges import both_calls, grpc_servicer
 from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.http_api.test_http_hostile_bodies import Tokenizer
 
@@ -41,18 +35,7 @@ def test_logprobs_and_prompt_logprobs_on_both_calls() -> None:
     params = pb.SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)
     req = pb.GenerateRequest(text="ab", params=params)
 
-    async def main() -> tuple[list[pb.GenerateResponse], pb.GenerateResult]:
-        server, port = await start_server(svc, host="127.0.0.1", port=0, max_message_bytes=1 << 20)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.KVClusterStub(channel)
-                streamed = [m async for m in stub.Generate(req, timeout=10)]
-                unary = await stub.GenerateUnary(req, timeout=10)
-            return streamed, unary
-        finally:
-            await server.stop(0)
-
-    (msg,), unary = asyncio.run(main())
+    (msg,), unary = both_calls(svc, req)
     for prompt in (msg.prompt_logprobs, unary.prompt_logprobs):
         assert [[e.token_id for e in t.entries] for t in prompt] == [[], [1, 1, 2]]
     (completion,) = unary.completions

@@ -5,16 +5,11 @@ left off; unasked, or on a model without markers, the text is as the model wrote
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
-
-import grpc
 
 from kvstore.requests.outputs import CompletionDelta, FinishReason, RequestOutput, Usage
 from protos.kvcluster.v1 import kvcluster_pb2 as pb
-from protos.kvcluster.v1 import kvcluster_pb2_grpc as pb_grpc
-from router.edge.servicer import start_server
-from tests.router.edges import grpc_servicer
+from tests.router.edges import both_calls, grpc_servicer
 from tests.router.http_api.test_http_hostile_bodies import Core as OneTokenCore
 from tests.router.http_api.test_http_hostile_bodies import Tokenizer as OneTokenTokenizer
 from worker.model.reasoning_markers import ReasoningMarkers
@@ -54,18 +49,7 @@ class Tokenizer(OneTokenTokenizer):
 def served(req: pb.GenerateRequest, reasoning: ReasoningMarkers | None = MARKERS) -> Any:
     svc = grpc_servicer(Core(), Tokenizer(), reasoning=reasoning)
 
-    async def main() -> tuple[list[pb.GenerateResponse], pb.GenerateResult]:
-        server, port = await start_server(svc, host="127.0.0.1", port=0, max_message_bytes=1 << 20)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.KVClusterStub(channel)
-                streamed = [m async for m in stub.Generate(req, timeout=10)]
-                unary = await stub.GenerateUnary(req, timeout=10)
-            return streamed, unary
-        finally:
-            await server.stop(0)
-
-    return asyncio.run(main())
+    return both_calls(svc, req)
 
 
 def joined(msgs: list[pb.GenerateResponse], index: int) -> tuple[str, str]:
