@@ -50,6 +50,9 @@ class AdapterRegistry:
     def remove(self, name: str) -> bool:
         return bool(self.client.hdel(self.key, name))
 
+    def close(self) -> None:
+        self.client.close()
+
     def all(self) -> list[RegisteredAdapter]:
         """Every registered adapter, by name."""
         raw = self.client.hgetall(self.key)

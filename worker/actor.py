@@ -125,11 +125,11 @@ class WorkerServer:
     def _register_cluster_adapters(self, index: IndexConfig) -> None:
         """The adapters routers loaded at run time (``/v1/load_lora_adapter`` writes the
         registry), registered before the engine loop starts; never fails the start."""
-        client = make_client(index)
+        registry = AdapterRegistry(make_client(index), index.namespace)
         try:
-            names = register_from_registry(self.engine, AdapterRegistry(client, index.namespace))
+            names = register_from_registry(self.engine, registry)
         finally:
-            client.close()
+            registry.close()
         if names:
             log.info("worker %s: LoRA adapters of the registry: %s", self.worker_id, names)
 

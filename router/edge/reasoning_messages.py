@@ -38,9 +38,5 @@ class ReasoningMessages:
 
     def apply(self, msg: pb.GenerateResponse | pb.Completion) -> None:
         """``msg``'s text (new, or whole) -> its reasoning and its answer."""
-        split = self._split(msg.index)
-        thought, text = split.feed(msg.text, msg.token_ids)
-        if isinstance(msg, pb.Completion) or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            more, rest = split.finish()
-            thought, text = thought + more, text + rest
-        msg.text, msg.reasoning = text, thought
+        last = isinstance(msg, pb.Completion) or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        msg.reasoning, msg.text = self._split(msg.index).feed(msg.text, msg.token_ids, last)

@@ -210,7 +210,7 @@ class OpenAIServer:
         if self.responses_store is not None:
             self.responses_store.close()
         if self.lora_admin.registry is not None:
-            self.lora_admin.registry.client.close()
+            self.lora_admin.registry.close()
 
     async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         """The ASGI application: generation straight to its handler; every request that

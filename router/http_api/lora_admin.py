@@ -41,9 +41,14 @@ VISIBLE_WAIT_S = 15.0  # until this router's view of the workers lists a loaded 
 MAX_PATH_CHARS = 4096  # Linux's PATH_MAX
 
 
-def _cause(exc: BaseException) -> BaseException:
-    """The worker's own error inside Ray's wrapper."""
-    return getattr(exc, "cause", None) or exc
+def _refusal(answers: dict[str, Any]) -> tuple[str, BaseException] | None:
+    """The first worker that refused (raised a ValueError: an adapter it cannot load or
+    unload), and its own error (unwrapped from Ray's); None: none refused."""
+    for worker, answer in answers.items():
+        cause = getattr(answer, "cause", None) or answer
+        if isinstance(answer, BaseException) and isinstance(cause, ValueError):
+            return worker, cause
+    return None
 
 
 class LoraAdmin:
@@ -104,7 +109,7 @@ class LoraAdmin:
             if self.registry is not None and not await self._registry("add", adapter):
                 raise taken
             try:
-                await self._everywhere("add_lora", name, path, list(owners) if owners else None)
+                await self._load_everywhere(name, path, owners)
             except BaseException:
                 await self._forget(name, strict=False)
                 raise
@@ -134,21 +139,19 @@ class LoraAdmin:
         except Exception as exc:
             return self.s.error(exc)
 
-    async def _everywhere(self, method: str, *args: Any) -> dict[str, Any]:
-        """``method`` on every worker; a worker's refusal (a folder it cannot serve) is the
-        client's error, naming the field; workers that did not answer load it at start."""
-        answers = await self.s.core.directory.every_worker(method, *args, timeout_s=LOAD_TIMEOUT_S)
+    async def _load_everywhere(self, name: str, path: str, owners: tuple[str, ...] | None) -> None:
+        """The adapter loaded on every worker; a worker's refusal (a folder it cannot serve)
+        is the client's error, naming the field; workers that did not answer load it at
+        start."""
+        tenants = list(owners) if owners else None
+        answers = await self.s.core.directory.every_worker(
+            "add_lora", name, path, tenants, timeout_s=LOAD_TIMEOUT_S
+        )
         if not answers:
             raise NoWorkersError("no worker is running")
-        for worker, answer in answers.items():
-            cause = _cause(answer) if isinstance(answer, BaseException) else None
-            if isinstance(cause, ValueError):
-                raise InvalidRequest(
-                    "lora_path",
-                    shown(args[1] if len(args) > 1 else ""),
-                    (f"was refused by {worker}: {cause}"),
-                )
-        return answers
+        if (refused := _refusal(answers)) is not None:
+            worker, cause = refused
+            raise InvalidRequest("lora_path", shown(path), f"was refused by {worker}: {cause}")
 
     async def _served(self) -> set[str]:
         """The adapters live workers serve, every tenant's."""
@@ -164,10 +167,8 @@ class LoraAdmin:
         answers = await self.s.core.directory.every_worker(
             "remove_lora", name, timeout_s=LOAD_TIMEOUT_S
         )
-        for answer in answers.values():
-            cause = _cause(answer) if isinstance(answer, BaseException) else None
-            if strict and isinstance(cause, ValueError):  # (a config adapter's name)
-                raise InvalidRequest("lora_name", name, str(cause))
+        if strict and (refused := _refusal(answers)) is not None:  # (a config adapter's name)
+            raise InvalidRequest("lora_name", name, str(refused[1]))
 
     async def _until_visible(self, name: str, tenant: str | None) -> None:
         deadline = time.monotonic() + VISIBLE_WAIT_S

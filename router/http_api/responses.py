@@ -113,11 +113,7 @@ class Shaper:
         finish reason."""
         text, delta = d.text, {}
         if self.reasoning is not None:
-            split = self._split(index)
-            thought, text = split.feed(d.text, d.token_ids)
-            if reason is not None:
-                more, rest = split.finish()
-                thought, text = thought + more, text + rest
+            thought, text = self._split(index).feed(d.text, d.token_ids, reason is not None)
             if thought and self.req.include_reasoning:
                 delta = {"reasoning": thought, "reasoning_content": thought}
         if self.req.tools is not None:

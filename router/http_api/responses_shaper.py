@@ -231,6 +231,9 @@ class ResponsesShaper:
             part=_text_part(""),
         )
 
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+
     def _reasoning_events(self, thought: str) -> bytes:
         """The reasoning's new text (the item announced before its first)."""
         out = b""
@@ -248,15 +251,16 @@ class ResponsesShaper:
                 part=_reasoning_part(""),
             )
         self._thought += thought
-        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
-        return out + self._event("response.reasoning_text.delta", **where, delta=thought)
+        return out + self._event(
+            "response.reasoning_text.delta", **self._reasoning_where(), delta=thought
+        )
 
     def _reasoning_done(self) -> bytes:
         """The reasoning ended (its answer begins, or the answer ended)."""
         if not self._thinking:
             return b""
         self._thinking = False
-        where = {"item_id": self._reasoning_id, "output_index": 0, "content_index": 0}
+        where = self._reasoning_where()
         part = _reasoning_part(self._thought)
         return (
             self._event("response.reasoning_text.done", **where, text=self._thought)
@@ -285,10 +289,7 @@ class ResponsesShaper:
         self._lps += d.logprobs or []
         text, out = d.text, b""
         if self._split is not None:
-            thought, text = self._split.feed(d.text, d.token_ids)
-            if d.finish_reason is not None:
-                more, rest = self._split.finish()
-                thought, text = thought + more, text + rest
+            thought, text = self._split.feed(d.text, d.token_ids, d.finish_reason is not None)
             if thought:
                 out = self._reasoning_events(thought)
         text = text if self._tools is None else self._tools.feed(text)

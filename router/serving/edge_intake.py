@@ -196,7 +196,10 @@ class Intake:
         while lo <= hi:  # the first cut whose render fits (later cuts keep fewer tokens)
             mid = (lo + hi) // 2
             kept = (*msgs[:head], *msgs[cuts[mid] :])
-            chars = sum(len(m.get("content", "")) for m in kept) + spec.chat.rendered_chars
+            # (a part of a conversation already checked: counted, never refused)
+            chars = check_chat_chars(
+                kept, self.limits, self.max_model_len, spec.chat.rendered_chars
+            )
             got = await self.tokenize.run(chars, chat_token_ids, self.tokenizer, kept, spec.chat)
             if len(got) <= limit:
                 best, hi = got, mid - 1

@@ -53,8 +53,16 @@ class ReasoningSplit:
             if t == self.m.end_id:
                 self._counting = "content"
 
-    def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
-        """New output -> (reasoning, content) that may go out now."""
+    def feed(self, text: str, token_ids: Sequence[int] = (), last: bool = False) -> tuple[str, str]:
+        """New output -> (reasoning, content) that may go out now; ``last``: the output
+        ended with it (what is held goes out too, :meth:`finish`)."""
+        thought, content = self._feed(text, token_ids)
+        if last:
+            more, rest = self.finish()
+            thought, content = thought + more, content + rest
+        return thought, content
+
+    def _feed(self, text: str, token_ids: Sequence[int]) -> tuple[str, str]:
         if token_ids:
             self._count(token_ids)
         if self.phase == "content" and not self._trim_content:
@@ -109,6 +117,4 @@ class ReasoningSplit:
 
     def split(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
         """A whole answer -> (reasoning, content)."""
-        r1, c1 = self.feed(text, token_ids)
-        r2, c2 = self.finish()
-        return r1 + r2, c1 + c2
+        return self.feed(text, token_ids, last=True)
